@@ -1,0 +1,85 @@
+"""ModelConfig: the architecture's dimensions, read from GGUF metadata."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ModelFileError
+
+ARCHITECTURES = ("qwen3moe", "qwen3", "llama")
+
+
+@dataclass
+class ModelConfig:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_vocab: int
+    n_ctx_train: int
+    rms_eps: float
+    rope_base: float
+    n_ff: int = 0                 # dense FFN (dense archs)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    norm_topk_prob: bool = True
+    rope_neox: bool = True        # qwen: NeoX (rotate halves); llama: GPT-J style pairs in GGUF's permuted layout
+    qk_norm: bool = False
+    name: str = ""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    @classmethod
+    def from_metadata(cls, md: dict, path: str = "model", n_vocab: int | None = None) -> "ModelConfig":
+        arch = md.get("general.architecture")
+        if arch is None:
+            raise ModelFileError(path, "metadata key general.architecture is missing", "the file is not a model")
+        arch = str(arch)
+        if arch not in ARCHITECTURES:
+            raise ModelFileError(path, f"architecture {arch!r} is not supported",
+                                 f"supported: {', '.join(ARCHITECTURES)}")
+
+        def get(key, default=None, required=True):
+            full = f"{arch}.{key}"
+            if full in md:
+                return md[full]
+            if required and default is None:
+                raise ModelFileError(path, f"metadata key {full} is missing", f"a {arch} GGUF must have it")
+            return default
+
+        n_embd = int(get("embedding_length"))
+        n_head = int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", n_embd // n_head))
+        if n_vocab is None:
+            toks = md.get("tokenizer.ggml.tokens")
+            n_vocab = int(get("vocab_size", len(toks) if toks is not None else None))
+        cfg = cls(
+            arch=arch,
+            n_layer=int(get("block_count")),
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=int(get("attention.head_count_kv", n_head)),
+            head_dim=head_dim,
+            n_vocab=n_vocab,
+            n_ctx_train=int(get("context_length", 4096)),
+            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_base=float(get("rope.freq_base", 10000.0)),
+            n_ff=int(get("feed_forward_length", 0)),
+            n_expert=int(get("expert_count", 0)),
+            n_expert_used=int(get("expert_used_count", 0)),
+            n_ff_exp=int(get("expert_feed_forward_length", 0)),
+            norm_topk_prob=bool(get("expert_weights_norm", True)),
+            rope_neox=arch in ("qwen3moe", "qwen3"),
+            qk_norm=arch in ("qwen3moe", "qwen3"),
+            name=str(md.get("general.name", arch)),
+        )
+        if arch == "qwen3moe" and not (cfg.n_expert and cfg.n_expert_used and cfg.n_ff_exp):
+            raise ModelFileError(path, "qwen3moe metadata lacks expert_count, expert_used_count or "
+                                 "expert_feed_forward_length", "the file is incomplete")
+        if cfg.n_head % cfg.n_head_kv:
+            raise ModelFileError(path, f"head_count {cfg.n_head} is not a multiple of head_count_kv {cfg.n_head_kv}")
+        return cfg

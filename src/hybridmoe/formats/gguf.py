@@ -1,0 +1,298 @@
+"""Memory-mapped GGUF v2/v3 reader: metadata and tensor records, nothing read from the data section.
+
+Model files are untrusted: every length and offset is checked against the file size before use,
+so a malformed file gives one clear `ModelFileError`, never a huge allocation or a hang.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ModelFileError
+from ..quant.types import GGMLType, SUPPORTED, SUPPORTED_NAMES, block_size, row_bytes, type_from_id
+
+GGUF_MAGIC = b"GGUF"
+MAX_DIMS = 4
+MAX_COUNT = 1 << 24          # tensors / metadata keys / array items: far above any real model
+DEFAULT_ALIGNMENT = 32
+
+# value type id -> (struct format, size); 8 = string, 9 = array
+_SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
+            6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
+_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+       6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+_SPLIT_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor's bytes are. `shape` is in torch order (outermost first; GGUF's ne reversed)."""
+    name: str
+    shape: tuple[int, ...]
+    qtype: GGMLType
+    nbytes: int
+    file: str
+    offset: int          # absolute byte offset in `file`
+
+    @property
+    def n_elements(self) -> int:
+        return math.prod(self.shape)
+
+
+class _Cursor:
+    def __init__(self, buf, path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def need(self, n: int, what: str):
+        if n < 0 or self.pos + n > len(self.buf):
+            raise ModelFileError(self.path, f"truncated or corrupt header: {what} runs past the end of the file "
+                                 f"(at byte {self.pos}, needs {n}, file has {len(self.buf)})",
+                                 "re-download or re-convert the file")
+
+    def scalar(self, vtype: int, what: str):
+        fmt, size = _SCALARS[vtype]
+        self.need(size, what)
+        v = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += size
+        return v
+
+    def u32(self, what):
+        return self.scalar(4, what)
+
+    def u64(self, what):
+        return self.scalar(10, what)
+
+    def string(self, what: str) -> str:
+        n = self.u64(what + " length")
+        self.need(n, what)
+        raw = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, key: str):
+        if vtype in _SCALARS:
+            return self.scalar(vtype, f"value of {key!r}")
+        if vtype == 8:
+            return self.string(f"value of {key!r}")
+        if vtype == 9:
+            etype = self.u32(f"array type of {key!r}")
+            count = self.u64(f"array length of {key!r}")
+            if count > MAX_COUNT:
+                raise ModelFileError(self.path, f"metadata array {key!r} claims {count} items", "the file is corrupt")
+            if etype in _SCALARS:
+                size = _SCALARS[etype][1]
+                self.need(count * size, f"array {key!r}")
+                arr = np.frombuffer(self.buf, dtype=_NP[etype], count=count, offset=self.pos).copy()
+                self.pos += count * size
+                return arr
+            if etype == 8:
+                return [self.string(f"item of {key!r}") for _ in range(count)]
+            if etype == 9:
+                return [self.value(9, key) for _ in range(count)]
+            raise ModelFileError(self.path, f"metadata array {key!r} has unknown item type {etype}", "the file is corrupt")
+        raise ModelFileError(self.path, f"metadata key {key!r} has unknown value type {vtype}",
+                             "the file is corrupt or from a newer GGUF version")
+
+
+class GGUFFile:
+    """One GGUF file (one part of a split model)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise ModelFileError(self.path, f"cannot open: {e.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < 24:
+                raise ModelFileError(self.path, f"file is {size} bytes, too short for a GGUF header", "truncated download?")
+            # ACCESS_COPY: private copy-on-write mapping, writable for torch.frombuffer, never written back.
+            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+        self.size = size
+        self.metadata: dict = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self._parse()
+
+    def _parse(self):
+        c = _Cursor(memoryview(self._mm), self.path)
+        magic = bytes(self._mm[:4])
+        if magic != GGUF_MAGIC:
+            raise ModelFileError(self.path, f"not a GGUF file (magic {magic!r}, expected b'GGUF')",
+                                 "hybridmoe reads GGUF v2/v3 model files")
+        c.pos = 4
+        version = c.u32("version")
+        if version not in (2, 3):
+            raise ModelFileError(self.path, f"GGUF version {version} is not supported", "supported: 2 and 3")
+        n_tensors = c.u64("tensor count")
+        n_kv = c.u64("metadata count")
+        if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
+            raise ModelFileError(self.path, f"header claims {n_tensors} tensors and {n_kv} metadata keys", "the file is corrupt")
+        for _ in range(n_kv):
+            key = c.string("metadata key")
+            vtype = c.u32(f"type of {key!r}")
+            self.metadata[key] = c.value(vtype, key)
+        raw_infos = []
+        for _ in range(n_tensors):
+            name = c.string("tensor name")
+            n_dims = c.u32(f"dims of {name!r}")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise ModelFileError(self.path, f"tensor {name!r} has {n_dims} dimensions", f"ggml allows 1 to {MAX_DIMS}")
+            ne = [c.u64(f"shape of {name!r}") for _ in range(n_dims)]
+            type_id = c.u32(f"type of {name!r}")
+            offset = c.u64(f"offset of {name!r}")
+            raw_infos.append((name, ne, type_id, offset))
+        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        if align <= 0 or align & (align - 1):
+            raise ModelFileError(self.path, f"general.alignment is {align}", "it must be a power of two")
+        data_start = (c.pos + align - 1) // align * align
+        for name, ne, type_id, offset in raw_infos:
+            self.tensors[name] = self._check_tensor(name, ne, type_id, offset, data_start, align)
+
+    def _check_tensor(self, name, ne, type_id, offset, data_start, align) -> TensorInfo:
+        qtype = type_from_id(type_id)
+        if qtype is None or qtype not in SUPPORTED:
+            tname = qtype.name if qtype is not None else f"id {type_id}"
+            raise ModelFileError(self.path, f"tensor {name!r} has type {tname}, which hybridmoe does not support yet",
+                                 f"supported: {SUPPORTED_NAMES}")
+        if any(d == 0 or d > (1 << 40) for d in ne):
+            raise ModelFileError(self.path, f"tensor {name!r} has shape {ne}", "the file is corrupt")
+        bs = block_size(qtype)
+        if ne[0] % bs:
+            raise ModelFileError(self.path, f"tensor {name!r}: row length {ne[0]} is not a multiple of "
+                                 f"{qtype.name}'s block size {bs}", "the file is corrupt")
+        nbytes = row_bytes(qtype, ne[0]) * math.prod(ne[1:])
+        start = data_start + offset
+        if offset % align:
+            raise ModelFileError(self.path, f"tensor {name!r} offset {offset} is not aligned to {align}", "the file is corrupt")
+        if start + nbytes > self.size:
+            raise ModelFileError(self.path, f"tensor {name!r} runs past the end of the file "
+                                 f"(needs bytes {start}..{start + nbytes}, file has {self.size})",
+                                 "the file is truncated: re-download it")
+        return TensorInfo(name, tuple(int(d) for d in reversed(ne)), qtype, nbytes, self.path, start)
+
+    def raw(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor's bytes as a uint8 tensor backed by the mapping (no copy)."""
+        return torch.frombuffer(self._mm, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+
+
+def split_paths(path: str) -> list[str]:
+    """All parts of a split model, given its first part; [path] for a whole file."""
+    m = _SPLIT_RE.match(os.path.basename(path))
+    if not m:
+        return [path]
+    count = int(m["count"])
+    d = os.path.dirname(path)
+    return [os.path.join(d, f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+class GGUFModel:
+    """A model's metadata and tensor records over one or more GGUF parts."""
+
+    def __init__(self, path: str | os.PathLike):
+        path = str(path)
+        if not os.path.exists(path):
+            raise ModelFileError(path, "no such file", "give the path of a .gguf file (the first part of a split model)")
+        parts = split_paths(path)
+        m = _SPLIT_RE.match(os.path.basename(path))
+        if m and int(m["no"]) != 1:
+            raise ModelFileError(path, "this is not the first part of a split model",
+                                 f"pass {os.path.basename(parts[0])} instead")
+        for p in parts:
+            if not os.path.exists(p):
+                raise ModelFileError(p, f"part of split model {os.path.basename(path)} is missing",
+                                     f"all {len(parts)} parts must sit in one folder")
+        self.files = [GGUFFile(p) for p in parts]
+        self.path = path
+        self.metadata = dict(self.files[0].metadata)
+        declared = self.metadata.get("split.count")
+        if declared is not None and int(declared) != len(parts):
+            raise ModelFileError(path, f"split.count says {declared} parts but the name says {len(parts)}",
+                                 "rename the parts as X-0000N-of-0000M.gguf")
+        self.tensors: dict[str, TensorInfo] = {}
+        self._by_file = {f.path: f for f in self.files}
+        for f in self.files:
+            for name, info in f.tensors.items():
+                if name in self.tensors:
+                    raise ModelFileError(f.path, f"tensor {name!r} appears twice", "the file is corrupt")
+                self.tensors[name] = info
+
+    def raw(self, info: TensorInfo) -> torch.Tensor:
+        return self._by_file[info.file].raw(info)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def open_gguf(path) -> GGUFModel:
+    return GGUFModel(path)
+
+
+def tensor_info_from_shape(name: str, shape: tuple[int, ...], qtype: GGMLType, file: str = "", offset: int = 0) -> TensorInfo:
+    """A tensor record with no file behind it (for planning with generated shapes)."""
+    nbytes = row_bytes(qtype, shape[-1]) * math.prod(shape[:-1])
+    return TensorInfo(name, tuple(shape), qtype, nbytes, file, offset)
+
+
+def write_split(src: str, n_parts: int, out_prefix: str) -> list[str]:
+    """Split a GGUF file into n parts with gguf-split's naming and split.* metadata (tests, tools)."""
+    import gguf
+    model = GGUFModel(src)
+    names = list(model.tensors)
+    per = math.ceil(len(names) / n_parts)
+    paths = []
+    for i in range(n_parts):
+        p = f"{out_prefix}-{i + 1:05d}-of-{n_parts:05d}.gguf"
+        w = gguf.GGUFWriter(p, arch=str(model.metadata["general.architecture"]))
+        if i == 0:
+            copy_metadata(w, model.metadata)
+        w.add_uint16("split.no", i)
+        w.add_uint16("split.count", n_parts)
+        w.add_int32("split.tensors.count", len(names))
+        for name in names[i * per:(i + 1) * per]:
+            info = model.tensors[name]
+            data = model.raw(info).numpy()
+            w.add_tensor(name, data, raw_shape=_byte_shape(info), raw_dtype=info.qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        paths.append(p)
+    return paths
+
+
+def _byte_shape(info: TensorInfo) -> tuple[int, ...]:
+    return (*info.shape[:-1], row_bytes(info.qtype, info.shape[-1]))
+
+
+def copy_metadata(w, metadata: dict):
+    """Write metadata read by GGUFModel back through a gguf.GGUFWriter (types are re-inferred)."""
+    import gguf
+    skip = {"general.architecture", "general.alignment", "split.no", "split.count", "split.tensors.count"}
+    for k, v in metadata.items():
+        if k in skip:
+            continue
+        if isinstance(v, str):
+            w.add_string(k, v)
+        elif isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, int):
+            w.add_uint32(k, v) if 0 <= v < 2**32 else w.add_int64(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        elif isinstance(v, np.ndarray):
+            w.add_array(k, v.tolist()) if v.dtype != np.int32 else w.add_key_value(k, v.tolist(), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+        elif isinstance(v, list):
+            w.add_array(k, v)
