@@ -1,0 +1,143 @@
+"""HF safetensors (qwen3_moe, qwen3, llama) -> GGUF, with GGUF's canonical names and llama.cpp's layouts."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .errors import ModelFileError
+from .formats.gguf_write import write_gguf
+from .models.tensors import default_qtype, tensor_shapes
+from .quant.types import GGMLType
+from .synth import config_metadata
+
+HF_ARCH = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "llama": "llama"}
+
+# HF name (after model.layers.N.) -> GGUF name (after blk.N.)
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def hf_config(hf: dict) -> ModelConfig:
+    mt = hf.get("model_type")
+    if mt not in HF_ARCH:
+        raise ModelFileError("config.json", f"model_type {mt!r} is not supported", f"supported: {', '.join(HF_ARCH)}")
+    arch = HF_ARCH[mt]
+    rope = hf.get("rope_parameters") or {}
+    n_head = hf["num_attention_heads"]
+    return ModelConfig(
+        arch=arch, n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"], n_head=n_head,
+        n_head_kv=hf.get("num_key_value_heads", n_head),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head, n_vocab=hf["vocab_size"],
+        n_ctx_train=hf.get("max_position_embeddings", 4096), rms_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_base=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        n_ff=hf.get("intermediate_size", 0) if arch != "qwen3moe" else 0,
+        n_expert=hf.get("num_experts", hf.get("num_local_experts", 0)) if arch == "qwen3moe" else 0,
+        n_expert_used=hf.get("num_experts_per_tok", 0) if arch == "qwen3moe" else 0,
+        n_ff_exp=hf.get("moe_intermediate_size", 0) if arch == "qwen3moe" else 0,
+        norm_topk_prob=hf.get("norm_topk_prob", True), rope_neox=arch != "llama",
+        qk_norm=arch != "llama", name=hf.get("_name_or_path") or mt,
+    )
+
+
+def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF's rotate-half q/k rows -> GGUF's interleaved-pair layout (as llama.cpp's converter does)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_hf_tensors(hf_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """All tensors under GGUF names, float32, experts stacked [E, out, in]."""
+    files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelFileError(hf_dir, "no .safetensors files", "save the model with save_pretrained")
+    out, experts = {}, {}
+    for fn in files:
+        with safe_open(os.path.join(hf_dir, fn), "pt") as f:
+            for k in f.keys():
+                t = f.get_tensor(k).float()
+                if m := _EXPERT_RE.match(k):
+                    experts[(int(m[1]), m[3], int(m[2]))] = t
+                elif k in TOP_NAMES:
+                    out[TOP_NAMES[k]] = t
+                elif (m := _LAYER_RE.match(k)) and m[2] in LAYER_NAMES:
+                    out[f"blk.{m[1]}.{LAYER_NAMES[m[2]]}.weight"] = t
+                elif k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
+                    i = int(k.split(".")[2])
+                    if k.endswith("gate_up_proj"):                # fused [E, 2F, H] (transformers' in-memory form)
+                        g, u = t.chunk(2, dim=1)
+                        out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = g, u
+                    else:
+                        out[f"blk.{i}.ffn_down_exps.weight"] = t
+                else:
+                    raise ModelFileError(fn, f"tensor {k!r} has no GGUF name", "the checkpoint is not a plain "
+                                         f"{cfg.arch} model")
+    for i in range(cfg.n_layer):
+        for proj in ("gate", "up", "down"):
+            parts = [experts.get((i, proj, e)) for e in range(cfg.n_expert)]
+            if all(p is not None for p in parts) and parts:
+                out[f"blk.{i}.ffn_{proj}_exps.weight"] = torch.stack(parts)
+    if cfg.arch == "llama":
+        for i in range(cfg.n_layer):
+            q, k = f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight"
+            out[q] = llama_permute(out[q], cfg.n_head)
+            out[k] = llama_permute(out[k], cfg.n_head_kv)
+    return out
+
+
+def convert_hf(hf_dir: str, out_path: str, expert_type=GGMLType.F32, other_type=GGMLType.F32):
+    from .quant.ref import quantize
+    from .vocab import builtin_vocab_metadata, hf_tokenizer_to_metadata
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
+    cfg = hf_config(hf)
+    tensors = read_hf_tensors(hf_dir, cfg)
+    tok_json = os.path.join(hf_dir, "tokenizer.json")
+    vocab = hf_tokenizer_to_metadata(tok_json, n_vocab=cfg.n_vocab) if os.path.exists(tok_json) else builtin_vocab_metadata(cfg.n_vocab)
+    md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg), **vocab}
+    if cfg.is_moe:
+        md[f"{cfg.arch}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
+    plan = []
+    for name, shape in tensor_shapes(cfg):
+        if name not in tensors:
+            if name == "output.weight":
+                continue                                              # tied embeddings
+            raise ModelFileError(hf_dir, f"tensor for {name} is missing")
+        t = tensors[name]
+        if tuple(t.shape) != tuple(shape):
+            raise ModelFileError(hf_dir, f"{name} has shape {list(t.shape)}, expected {list(shape)}")
+        qt = default_qtype(name, shape, expert_type, other_type)
+        plan.append((name, shape, qt, (lambda t=t, qt=qt: quantize(t, qt))))
+    write_gguf(out_path, cfg.arch, md, plan)
+    return cfg
+
+
+def setup_arg_parser(p: argparse.ArgumentParser):
+    p.add_argument("hf_dir", help="folder with config.json and *.safetensors")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--type", default="F32", help="type of experts and other matrices (F32, F16, BF16, Q8_0, Q4_0, Q4_K, ...)")
+    p.add_argument("--expert-type", default=None, help="type of the experts (default: --type)")
+
+
+def main(args) -> int:
+    from .errors import HybridMoeError
+    try:
+        other = GGMLType[args.type.upper()]
+        expert = GGMLType[(args.expert_type or args.type).upper()]
+    except KeyError as e:
+        raise HybridMoeError(f"unknown type {e.args[0]}") from None
+    convert_hf(args.hf_dir, args.output, expert, other)
+    print(args.output)
+    return 0
