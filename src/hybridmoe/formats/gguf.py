@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelFileError
-from ..quant.types import GGMLType, SUPPORTED, SUPPORTED_NAMES, block_size, row_bytes, type_from_id
+from ..quant.types import GGMLType, block_size, row_bytes, type_from_id
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4
@@ -162,10 +162,9 @@ class GGUFFile:
 
     def _check_tensor(self, name, ne, type_id, offset, data_start, align) -> TensorInfo:
         qtype = type_from_id(type_id)
-        if qtype is None or qtype not in SUPPORTED:
-            tname = qtype.name if qtype is not None else f"id {type_id}"
-            raise ModelFileError(self.path, f"tensor {name!r} has type {tname}, which hybridmoe does not support yet",
-                                 f"supported: {SUPPORTED_NAMES}")
+        if qtype is None:
+            raise ModelFileError(self.path, f"tensor {name!r} has unknown ggml type id {type_id}",
+                                 "the file is corrupt or from a newer llama.cpp")
         if any(d == 0 or d > (1 << 40) for d in ne):
             raise ModelFileError(self.path, f"tensor {name!r} has shape {ne}", "the file is corrupt")
         bs = block_size(qtype)
@@ -244,55 +243,3 @@ def tensor_info_from_shape(name: str, shape: tuple[int, ...], qtype: GGMLType, f
     """A tensor record with no file behind it (for planning with generated shapes)."""
     nbytes = row_bytes(qtype, shape[-1]) * math.prod(shape[:-1])
     return TensorInfo(name, tuple(shape), qtype, nbytes, file, offset)
-
-
-def write_split(src: str, n_parts: int, out_prefix: str) -> list[str]:
-    """Split a GGUF file into n parts with gguf-split's naming and split.* metadata (tests, tools)."""
-    import gguf
-    model = GGUFModel(src)
-    names = list(model.tensors)
-    per = math.ceil(len(names) / n_parts)
-    paths = []
-    for i in range(n_parts):
-        p = f"{out_prefix}-{i + 1:05d}-of-{n_parts:05d}.gguf"
-        w = gguf.GGUFWriter(p, arch=str(model.metadata["general.architecture"]))
-        if i == 0:
-            copy_metadata(w, model.metadata)
-        w.add_uint16("split.no", i)
-        w.add_uint16("split.count", n_parts)
-        w.add_int32("split.tensors.count", len(names))
-        for name in names[i * per:(i + 1) * per]:
-            info = model.tensors[name]
-            data = model.raw(info).numpy()
-            w.add_tensor(name, data, raw_shape=_byte_shape(info), raw_dtype=info.qtype)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        paths.append(p)
-    return paths
-
-
-def _byte_shape(info: TensorInfo) -> tuple[int, ...]:
-    return (*info.shape[:-1], row_bytes(info.qtype, info.shape[-1]))
-
-
-def copy_metadata(w, metadata: dict):
-    """Write metadata read by GGUFModel back through a gguf.GGUFWriter (types are re-inferred)."""
-    import gguf
-    skip = {"general.architecture", "general.alignment", "split.no", "split.count", "split.tensors.count"}
-    for k, v in metadata.items():
-        if k in skip:
-            continue
-        if isinstance(v, str):
-            w.add_string(k, v)
-        elif isinstance(v, bool):
-            w.add_bool(k, v)
-        elif isinstance(v, int):
-            w.add_uint32(k, v) if 0 <= v < 2**32 else w.add_int64(k, v)
-        elif isinstance(v, float):
-            w.add_float32(k, v)
-        elif isinstance(v, np.ndarray):
-            w.add_array(k, v.tolist()) if v.dtype != np.int32 else w.add_key_value(k, v.tolist(), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
-        elif isinstance(v, list):
-            w.add_array(k, v)

@@ -1,0 +1,93 @@
+"""Prefill in ubatches, then one token per step; sampling; llama.cpp-style timings."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplerSettings:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = -1
+
+
+class Sampler:
+    def __init__(self, s: SamplerSettings):
+        self.s = s
+        self.gen = torch.Generator()
+        self.gen.manual_seed(s.seed if s.seed >= 0 else int(time.time_ns() % (2**31)))
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits [n_vocab] float32 -> token id (greedy at temperature <= 0, as llama.cpp)."""
+        s = self.s
+        if s.temperature <= 0:
+            return int(torch.argmax(logits))
+        logits = logits.float() / s.temperature
+        if s.top_k > 0:
+            v, idx = torch.topk(logits, min(s.top_k, logits.numel()))
+        else:
+            v, idx = torch.sort(logits, descending=True)
+        p = torch.softmax(v, -1)
+        keep = torch.ones_like(p, dtype=torch.bool)
+        if 0 < s.top_p < 1:
+            keep &= (torch.cumsum(p, -1) - p) < s.top_p
+        if s.min_p > 0:
+            keep &= p >= s.min_p * p[0]
+        p = torch.where(keep, p, torch.zeros_like(p))
+        return int(idx[torch.multinomial(p / p.sum(), 1, generator=self.gen)])
+
+
+@dataclass
+class Timings:
+    n_prompt: int = 0
+    t_prompt: float = 0.0
+    n_eval: int = 0
+    t_eval: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def format(self) -> str:
+        def line(label, ms, n):
+            per = ms / n if n else 0.0
+            tps = 1e3 * n / ms if ms > 0 else 0.0
+            return f"{label} = {ms:10.2f} ms / {n:5d} tokens ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+        return "\n".join([line("prompt eval time", self.t_prompt * 1e3, self.n_prompt),
+                          line("       eval time", self.t_eval * 1e3, self.n_eval)])
+
+
+def prefill(model, kv, tokens: list[int], pos0: int = 0) -> torch.Tensor:
+    """Run the prompt in ubatches; returns the last position's logits [n_vocab]."""
+    ub = model.options.ubatch_size
+    logits = None
+    for i in range(0, len(tokens), ub):
+        chunk = torch.tensor(tokens[i:i + ub], dtype=torch.long)
+        logits = model.forward(chunk, pos0 + i, kv, all_logits=False)
+    return logits[-1]
+
+
+def generate_ids(model, prompt_ids: list[int], n_predict: int, sampler: Sampler, timings: Timings,
+                 stop_ids=frozenset()):
+    """Yield generated token ids; fills `timings` as llama.cpp counts them."""
+    kv = model.new_cache()
+    t0 = time.perf_counter()
+    logits = prefill(model, kv, prompt_ids)
+    model.sync()
+    timings.t_prompt = time.perf_counter() - t0
+    timings.n_prompt = len(prompt_ids)
+    pos = len(prompt_ids)
+    t0 = time.perf_counter()
+    for i in range(n_predict):
+        tok = sampler(logits)
+        if tok in stop_ids:
+            break
+        yield tok
+        if i == n_predict - 1 or pos >= kv.n_ctx:
+            break
+        logits = model.forward(torch.tensor([tok]), pos, kv, all_logits=False)[-1]
+        pos += 1
+        timings.n_eval += 1
+        timings.t_eval = time.perf_counter() - t0

@@ -1,0 +1,164 @@
+"""`hybridmoe.load(path, **options)`: file -> config -> placement -> weights -> decoder, in that order."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+
+from .config import ModelConfig
+from .devices import list_devices
+from .errors import HybridMoeError
+from .formats.gguf import open_gguf
+from .generate import Sampler, SamplerSettings, Timings, generate_ids
+from .models.decoder import Decoder
+from .placement import PlacementOptions, plan_placement
+from .quant.types import SUPPORTED, SUPPORTED_NAMES
+from .runtime.kvcache import KVCache
+from .runtime.scheduler import Scheduler
+from .weights import load_weights
+
+
+@dataclasses.dataclass
+class RuntimeOptions:
+    threads: int | None = None
+    offload_policy: str | None = None         # -op
+    offload_only_active_experts: str = "auto"  # -ooae: auto | 0 | 1
+    fused_moe: bool = True                     # -fmoe
+    profile: bool = False
+    check_fit: bool = True
+
+
+
+RUNTIME_ALIASES = {"t": "threads", "op": "offload_policy", "ooae": "offload_only_active_experts",
+                   "fmoe": "fused_moe", "n_threads": "threads"}
+
+
+def resolve_model_path(path: str) -> str:
+    """`synth:PRESET` makes (or reuses) a synthetic model file; anything else is a path."""
+    if path.startswith("synth:"):
+        from .synth import ensure_synth
+        return ensure_synth(path[len("synth:"):])
+    return path
+
+
+def split_options(options: dict) -> tuple[PlacementOptions, RuntimeOptions]:
+    runtime_names = {f.name for f in dataclasses.fields(RuntimeOptions)}
+    rt, pl = {}, {}
+    for k, v in options.items():
+        k2 = RUNTIME_ALIASES.get(k, k)
+        (rt if k2 in runtime_names else pl)[k2] = v
+    if "offload_only_active_experts" in rt:
+        v = rt["offload_only_active_experts"]
+        rt["offload_only_active_experts"] = v if v == "auto" else bool(int(v)) if isinstance(v, str) else bool(v)
+    return PlacementOptions.from_kwargs(**pl), RuntimeOptions(**rt)
+
+
+class Model:
+    def __init__(self, path: str, options: PlacementOptions, runtime: RuntimeOptions):
+        t0 = time.perf_counter()
+        self.path = resolve_model_path(str(path))
+        self.options, self.runtime = options, runtime
+        self.file = open_gguf(self.path)
+        for info in self.file.tensors.values():
+            if info.qtype not in SUPPORTED:
+                raise HybridMoeError(f"{self.path}: tensor {info.name} has type {info.qtype.name}, which hybridmoe "
+                                     f"cannot compute with yet (supported: {SUPPORTED_NAMES})")
+        embd = self.file.tensors.get("token_embd.weight")
+        if embd is None:
+            raise HybridMoeError(f"{self.path}: tensor token_embd.weight is missing; the file is not a complete model")
+        self.cfg = ModelConfig.from_metadata(self.file.metadata, self.path, n_vocab=embd.shape[0])
+        self._check_tensors()
+        devs = list_devices()
+        self.devices = {d.name: d for d in devs}
+        self.placement = plan_placement(self.file.tensors, self.cfg, options, devs)
+        if runtime.check_fit:
+            self.placement.check_fits()
+        self.weights = load_weights(self.file, self.placement, self.devices)
+        gpus = [d for d in devs if d.kind == "cuda"]
+        main = None
+        if gpus:
+            main = self.devices.get(f"CUDA{options.main_gpu}", gpus[0])
+        if runtime.threads:
+            torch.set_num_threads(runtime.threads)
+        self.sched = Scheduler(self.devices, self.devices["CPU"], main, runtime.offload_policy,
+                               runtime.offload_only_active_experts, runtime.fused_moe, runtime.threads,
+                               runtime.profile)
+        self.decoder = Decoder(self.cfg, self.weights, self.sched)
+        from .tokenizer import Tokenizer
+        self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path)
+        self.load_seconds = time.perf_counter() - t0
+
+    def _check_tensors(self):
+        from .models.tensors import tensor_shapes
+        for name, shape in tensor_shapes(self.cfg):
+            info = self.file.tensors.get(name)
+            if info is None:
+                if name == "output.weight":
+                    continue                                  # tied to token_embd
+                raise HybridMoeError(f"{self.path}: tensor {name} is missing for a {self.cfg.arch} model "
+                                     f"of {self.cfg.n_layer} layers")
+            if tuple(info.shape) != tuple(shape):
+                raise HybridMoeError(f"{self.path}: tensor {name} has shape {list(info.shape)}, "
+                                     f"expected {list(shape)} from the metadata")
+
+    @property
+    def stats(self):
+        return self.sched.stats
+
+    def new_cache(self, n_ctx: int | None = None) -> KVCache:
+        cfg = self.cfg
+        devs = [self.devices[self.placement.kv_device(i)] for i in range(cfg.n_layer)]
+        return KVCache(cfg.n_layer, n_ctx or self.options.ctx_size, cfg.n_head_kv, cfg.head_dim, devs,
+                       self.options.cache_type_k, self.options.cache_type_v)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
+        return self.decoder.forward(tokens, pos0, kv, all_logits).to("cpu")
+
+    def sync(self):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def logits(self, token_ids) -> torch.Tensor:
+        """float32 logits [n_tokens, n_vocab] for every position, from an empty context."""
+        ids = [int(t) for t in token_ids]
+        kv = self.new_cache(max(len(ids), 1))
+        ub = self.options.ubatch_size
+        outs = [self.forward(torch.tensor(ids[i:i + ub], dtype=torch.long), i, kv) for i in range(0, len(ids), ub)]
+        return torch.cat(outs).float()
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8, seed: int = -1,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, chat: bool = False,
+                 timings: Timings | None = None):
+        """Yield text pieces as they are generated."""
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+            ids = tok.encode(text)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise HybridMoeError("the prompt is empty after tokenization; give a non-empty prompt")
+        if len(ids) >= self.options.ctx_size:
+            raise HybridMoeError(f"the prompt has {len(ids)} tokens but the context is {self.options.ctx_size}; raise -c")
+        sampler = Sampler(SamplerSettings(temperature, top_k, top_p, min_p, seed))
+        timings = timings if timings is not None else Timings()
+        stream = tok.stream()
+        for t in generate_ids(self, ids, max_tokens, sampler, timings, stop_ids=tok.eos_ids):
+            piece = stream.add(t)
+            if piece:
+                yield piece
+        tail = stream.flush()
+        if tail:
+            yield tail
+
+
+def load(path, **options) -> Model:
+    """Load a model. Options are the CLI's long names with underscores (n_gpu_layers, override_tensor, ...)."""
+    pl, rt = split_options(options)
+    if os.environ.get("HYBRIDMOE_PROFILE") == "1":
+        rt.profile = True
+    return Model(path, pl, rt)

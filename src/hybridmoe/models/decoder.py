@@ -1,0 +1,124 @@
+"""The decoder shared by llama, qwen3 and qwen3moe: RMSNorm, RoPE, GQA attention, SwiGLU FFN or MoE.
+
+Module attributes carry GGUF tensor names (`blk.{i}.attn_q`), so a GGUF loads with no renaming table.
+Every op that has weights goes through the scheduler, which decides where it runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..runtime.kvcache import KVCache
+from ..runtime.scheduler import Scheduler
+from ..weights import QTensor
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope_tables(cfg: ModelConfig, positions: torch.Tensor):
+    inv = 1.0 / (cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=positions.device)
+                                   / cfg.head_dim))
+    ang = positions.to(torch.float64)[:, None] * inv[None, :]     # [T, D/2]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """x [T, n_head, D]. NeoX rotates the two halves; llama's GGUF layout rotates adjacent pairs."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if neox:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+class Layer:
+    def __init__(self, cfg: ModelConfig, i: int, w: dict[str, QTensor]):
+        p = f"blk.{i}."
+        self.i = i
+        self.attn_norm = w[p + "attn_norm.weight"]
+        self.attn_q, self.attn_k, self.attn_v = w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]
+        self.attn_output = w[p + "attn_output.weight"]
+        self.attn_q_norm = w.get(p + "attn_q_norm.weight")
+        self.attn_k_norm = w.get(p + "attn_k_norm.weight")
+        self.ffn_norm = w[p + "ffn_norm.weight"]
+        self.ffn_gate_inp = w.get(p + "ffn_gate_inp.weight")
+        if self.ffn_gate_inp is not None:
+            self.ffn_gate_exps = w[p + "ffn_gate_exps.weight"]
+            self.ffn_up_exps = w[p + "ffn_up_exps.weight"]
+            self.ffn_down_exps = w[p + "ffn_down_exps.weight"]
+        else:
+            self.ffn_gate, self.ffn_up, self.ffn_down = (w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"],
+                                                         w[p + "ffn_down.weight"])
+
+
+class Decoder:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler):
+        self.cfg, self.w, self.sched = cfg, weights, sched
+        self.token_embd = weights["token_embd.weight"]
+        self.layers = [Layer(cfg, i, weights) for i in range(cfg.n_layer)]
+        self.output_norm = weights["output_norm.weight"]
+        # Tied embeddings: models without output.weight reuse token_embd (as llama.cpp does).
+        self.output = weights.get("output.weight", self.token_embd)
+
+    def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
+        """tokens [T] -> logits [T, n_vocab] float32 (or [1, n_vocab] for the last position only)."""
+        cfg, s = self.cfg, self.sched
+        x = s.embed(self.token_embd, tokens)                                  # [T, H]
+        T = tokens.shape[0]
+        positions = torch.arange(pos0, pos0 + T)
+        for layer in self.layers:
+            x = s.add(x, self.attention(layer, x, positions, kv))
+            x = s.add(x, self.ffn(layer, x))
+        if not all_logits:
+            x = x[-1:]
+        x = s.norm(x, self.output_norm, cfg.rms_eps)
+        return s.linear(x, self.output).float()
+
+    def attention(self, L: Layer, x, positions, kv: KVCache):
+        cfg, s = self.cfg, self.sched
+        T, D = x.shape[0], cfg.head_dim
+        h = s.norm(x, L.attn_norm, cfg.rms_eps)
+        dev = kv.device(L.i)
+        q = s.move(s.linear(h, L.attn_q), dev).view(T, cfg.n_head, D)
+        k = s.move(s.linear(h, L.attn_k), dev).view(T, cfg.n_head_kv, D)
+        v = s.move(s.linear(h, L.attn_v), dev).view(T, cfg.n_head_kv, D)
+        if L.attn_q_norm is not None:
+            q = rms_norm(q, s.small(L.attn_q_norm, dev), cfg.rms_eps)
+            k = rms_norm(k, s.small(L.attn_k_norm, dev), cfg.rms_eps)
+        cos, sin = rope_tables(cfg, positions.to(q.device))
+        q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
+        keys, values = kv.update(L.i, int(positions[0]), k, v)              # [n_kv, P+T, D]
+        with s.stats.op("attention", dev):
+            o = s.tag(attend(q, keys, values, int(positions[0])), dev)      # [T, n_head*D]
+        return s.linear(o, L.attn_output)
+
+    def ffn(self, L: Layer, x):
+        cfg, s = self.cfg, self.sched
+        h = s.norm(x, L.ffn_norm, cfg.rms_eps)
+        if L.ffn_gate_inp is None:
+            return s.dense_ffn(h, L.ffn_gate, L.ffn_up, L.ffn_down)
+        logits = s.linear(h, L.ffn_gate_inp)                                # [T, E]
+        probs = torch.softmax(logits.float(), dim=-1)
+        wts, ids = torch.topk(probs, cfg.n_expert_used, dim=-1)             # [T, k]
+        if cfg.norm_topk_prob:
+            wts = wts / wts.sum(-1, keepdim=True)
+        return s.moe(h, ids, wts, L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps, layer=L.i)
+
+
+def attend(q, keys, values, pos0: int) -> torch.Tensor:
+    """q [T, n_head, D]; keys/values [n_kv, P, D] (P = pos0 + T). Causal GQA attention in float32."""
+    T = q.shape[0]
+    P = keys.shape[1]
+    qh = q.transpose(0, 1).float()                                          # [n_head, T, D]
+    kf, vf = keys.float(), values.float()
+    mask = None
+    if T > 1:
+        qpos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
+        mask = torch.arange(P, device=q.device)[None, :] <= qpos             # [T, P]
+    o = F.scaled_dot_product_attention(qh, kf, vf, attn_mask=mask, enable_gqa=kf.shape[0] != qh.shape[0])
+    return o.transpose(0, 1).reshape(T, -1)

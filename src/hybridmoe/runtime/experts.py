@@ -1,0 +1,150 @@
+"""The compute behind the scheduler's ops: dense linears and routed experts, by where the bytes are.
+
+Host memory (the CPU, and fake GPUs, which are CPU-backed): the C kernels (kernels/cpu.py) when they
+built, else dequantize + float32 matmul. So a fake GPU does the same arithmetic as the CPU, and placement
+tests compare placements exactly. CUDA: dequantize the needed weights (only the active experts) to bf16
+and run grouped GEMMs (`torch._grouped_mm`).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..weights import QTensor
+
+_kernels = None
+
+
+def kernels():
+    """The CPU kernel module, or None where it can't be built (then the torch reference path runs)."""
+    global _kernels
+    if _kernels is None:
+        try:
+            from ..kernels import cpu as k
+            _kernels = k if k.available() else False
+        except ImportError:
+            _kernels = False
+    return _kernels or None
+
+
+def _compute_dtype(t: torch.Tensor):
+    return torch.bfloat16 if t.device.type == "cuda" else torch.float32
+
+
+def linear_raw(x: torch.Tensor, raw: torch.Tensor, w: QTensor, dev, n_threads=None) -> torch.Tensor:
+    """x [..., K] @ W[N, K]^T with W given as GGUF bytes `raw` on dev. Returns float32 [..., N]."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    k = kernels() if raw.device.type == "cpu" else None
+    if k is not None:
+        y = k.qmatmul(x2.contiguous(), raw, w.qtype, w.shape[-1], n_threads=n_threads)
+    else:
+        dt = _compute_dtype(raw)
+        wt = QTensor(w.name, raw, w.qtype, w.shape, dev).dequant(dt)
+        y = (x2.to(dt) @ wt.t()).float()
+    return y.reshape(*lead, -1)
+
+
+def route(ids: torch.Tensor, n_expert: int):
+    """Sort the (token, slot) pairs by expert: returns order [T*k], counts per expert [E]."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_expert)
+    return order, counts
+
+
+def expert_matmul(x: torch.Tensor, ids: torch.Tensor, w: QTensor, n_threads=None) -> torch.Tensor:
+    """MUL_MAT_ID: x [T, K] (shared by the k slots) or [T, k, K]; W [E, N, K]. Returns float32 [T, k, N].
+
+    Each expert's rows go through linear_raw, so the arithmetic is that of the fused path's kernels.
+    """
+    T, k = ids.shape
+    xs = x.float()
+    if xs.dim() == 2:
+        xs = xs[:, None, :].expand(T, k, xs.shape[-1])
+    xs = xs.reshape(T * k, -1)
+    order, counts = route(ids, w.shape[0])
+    out = torch.empty(T * k, w.shape[1], dtype=torch.float32, device=xs.device)
+    meta = QTensor(w.name, w.raw[0], w.qtype, w.shape[1:], w.device)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c == 0:
+            continue
+        sel = order[start:start + c]
+        start += c
+        out[sel] = linear_raw(xs[sel], w.raw[e], meta, w.device, n_threads)
+    return out.view(T, k, -1)
+
+
+def reference_moe(x, ids, wts, gate: QTensor, up: QTensor, down: QTensor, graw=None, uraw=None, draw=None):
+    """Plain per-expert loop in the device's compute dtype: the oracle and the fallback."""
+    graw = gate.raw if graw is None else graw
+    dt = _compute_dtype(graw)
+    uraw = up.raw if uraw is None else uraw
+    draw = down.raw if draw is None else draw
+    T, k = ids.shape
+    order, counts = route(ids, graw.shape[0])
+    tok = order // k
+    w_flat = wts.reshape(-1).float()
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c == 0:
+            continue
+        pairs = order[start:start + c]
+        start += c
+        rows = tok[pairs]
+        xe = x[rows].to(dt)
+        g = xe @ _deq(graw, e, gate, dt).t()
+        u = xe @ _deq(uraw, e, up, dt).t()
+        y = (F.silu(g) * u) @ _deq(draw, e, down, dt).t()
+        out.index_add_(0, rows, y.float() * w_flat[pairs, None])
+    return out
+
+
+def _deq(raw, e, meta: QTensor, dt):
+    return QTensor(meta.name, raw[e], meta.qtype, meta.shape[1:], meta.device).dequant(dt)
+
+
+def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor, n_threads=None,
+        stats=None) -> torch.Tensor:
+    """Routed experts from raw bytes graw/uraw/draw [E', ...] (ids index into E'). Returns float32 [T, H]."""
+    if graw.device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+        return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down)
+    k = kernels() if graw.device.type == "cpu" else None
+    t0 = time.perf_counter()
+    if k is None:
+        y = reference_moe(x.float(), ids, wts, gate, up, down, graw, uraw, draw)
+    else:
+        y = k.moe_ffn(x.float().contiguous(), ids.to(torch.int32).contiguous(), wts.float().contiguous(),
+                      graw, uraw, draw, gate.qtype, down.qtype, n_threads=n_threads)
+    if stats is not None and gate.device.kind == "cpu":
+        stats.cpu_expert_seconds += time.perf_counter() - t0
+        n_active = int(torch.unique(ids).numel())
+        stats.cpu_expert_bytes += n_active * (graw[0].numel() + uraw[0].numel() + draw[0].numel())
+    return y
+
+
+def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
+    from ..quant.ref import dequantize
+    T, k = ids.shape
+    E = graw.shape[0]
+    order, counts = route(ids, E)
+    active = torch.nonzero(counts).flatten()
+    offs = torch.cumsum(counts[active], 0).to(torch.int32)
+    tok = order // k
+    xs = x[tok].to(torch.bfloat16)                                        # [T*k, H] sorted by expert
+    F_ = gate.shape[1]
+    wg = dequantize(graw[active], gate.qtype, gate.shape[-1], dtype=torch.bfloat16)   # [A, F, H]
+    wu = dequantize(uraw[active], gate.qtype, gate.shape[-1], dtype=torch.bfloat16)
+    wd = dequantize(draw[active], down.qtype, down.shape[-1], dtype=torch.bfloat16)   # [A, H, F]
+    wgu = torch.cat((wg, wu), dim=1)                                      # [A, 2F, H]
+    gu = torch._grouped_mm(xs, wgu.transpose(-2, -1), offs=offs)          # [T*k, 2F]
+    h = F.silu(gu[:, :F_]) * gu[:, F_:]
+    y = torch._grouped_mm(h, wd.transpose(-2, -1), offs=offs).float()      # [T*k, H]
+    y = y * wts.reshape(-1)[order, None].float()
+    out = torch.zeros(T, y.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, y)
+    return out

@@ -1,0 +1,228 @@
+"""Where each op runs: with its weights, or on a GPU after uploading host weights when that pays.
+
+Activations carry their logical device as a tag (`hm_dev`), so fake GPUs (CPU-backed, for tests) count
+crossings exactly like real ones. Every crossing, upload and sync is recorded in `Stats`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import HybridMoeError
+from ..weights import QTensor
+from . import experts as X
+from .stats import Stats
+
+OP_KINDS = ("mul_mat", "mul_mat_id", "moe_up_gate")
+OP_ALIASES = {"26": "mul_mat", "27": "mul_mat_id", "29": "moe_up_gate", "-1": "all", "all": "all",
+              **{k: k for k in OP_KINDS}}
+
+
+def parse_offload_policy(spec: str | None) -> dict[str, bool | None]:
+    """`-op a,b[,a,b...]`: a is an op name or ik_llama.cpp's ggml op number (26, 27, 29, -1 = all); b is 0/1.
+
+    Ops not named stay None, meaning `auto`.
+    """
+    policy: dict[str, bool | None] = {k: None for k in OP_KINDS}
+    if not spec or spec == "auto":
+        return policy
+    parts = [p.strip() for p in spec.split(",")]
+    if len(parts) % 2:
+        raise HybridMoeError(f"-op {spec!r}: expected pairs OP,0|1 (e.g. -op mul_mat_id,0 or -op 27,0,29,1)")
+    for op, flag in zip(parts[::2], parts[1::2]):
+        kind = OP_ALIASES.get(op.lower())
+        if kind is None:
+            raise HybridMoeError(f"-op: unknown op {op!r}; use one of {', '.join(OP_KINDS)}, all, "
+                                 "or ik_llama.cpp's numbers 26, 27, 29, -1")
+        if flag not in ("0", "1"):
+            raise HybridMoeError(f"-op: {op},{flag}: the second number must be 0 or 1")
+        for k in (OP_KINDS if kind == "all" else (kind,)):
+            policy[k] = flag == "1"
+    return policy
+
+
+class Scheduler:
+    def __init__(self, devices: dict, cpu, main_gpu=None, offload_policy: str | None = None,
+                 only_active: str | bool = "auto", fused_moe: bool = True, n_threads: int | None = None,
+                 profile: bool = False, rates=None):
+        self.devices = devices
+        self.cpu = cpu
+        self.main_gpu = main_gpu                  # Device or None
+        self.policy = parse_offload_policy(offload_policy)
+        self.only_active = only_active
+        self.fused_moe = fused_moe
+        self.n_threads = n_threads
+        self.stats = Stats(profile)
+        self.rates = rates                        # calibrated rates (runtime/calibrate.py) or None
+        self._small = {}                          # (tensor name, device) -> dequantized small tensor
+
+    # -- devices -------------------------------------------------------------------------------------
+    def dev_of(self, t: torch.Tensor):
+        d = getattr(t, "hm_dev", None)
+        if d is not None:
+            return d
+        if t.device.type == "cpu":
+            return self.cpu
+        for dev in self.devices.values():
+            if not dev.fake and dev.torch_device == t.device:
+                return dev
+        raise HybridMoeError(f"tensor on unknown device {t.device}")
+
+    @staticmethod
+    def tag(t: torch.Tensor, dev) -> torch.Tensor:
+        t.hm_dev = dev
+        return t
+
+    def move(self, t: torch.Tensor, dev) -> torch.Tensor:
+        src = self.dev_of(t)
+        if src.name == dev.name:
+            return self.tag(t, dev)
+        self.stats.copy(src.name, dev.name, t.numel() * t.element_size())
+        if t.device != dev.torch_device:
+            t = t.to(dev.torch_device, non_blocking=dev.kind == "cuda")
+        else:
+            t = t.clone()                          # fake GPU: a real copy, as a device crossing would be
+        return self.tag(t, dev)
+
+    def _sync(self, dev):
+        if dev.kind == "cuda" and not dev.fake:
+            return lambda: torch.cuda.synchronize(dev.torch_device)
+        return None
+
+    def small(self, w: QTensor, dev) -> torch.Tensor:
+        """Norm weights and the like, dequantized once per device."""
+        key = (w.name, dev.name)
+        t = self._small.get(key)
+        if t is None:
+            t = self._small[key] = w.dequant(torch.float32).to(dev.torch_device)
+        return t
+
+    # -- ops -----------------------------------------------------------------------------------------
+    def embed(self, w: QTensor, tokens: torch.Tensor) -> torch.Tensor:
+        with self.stats.op("get_rows", w.device):
+            rows = w.dequant(torch.float32, index=tokens.to(w.raw.device))
+        self.stats.forwards += 1
+        self.stats.tokens += tokens.shape[0]
+        return self.tag(rows, w.device)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Residual add, on the device of the newer result: the residual stream follows the compute."""
+        dev = self.dev_of(y)
+        return self.tag(self.move(x, dev) + y, dev)
+
+    def norm(self, x: torch.Tensor, w: QTensor, eps: float) -> torch.Tensor:
+        """RMSNorm runs with its weight (as ggml assigns an op to its weight's backend)."""
+        dev = w.device
+        x32 = self.move(x, dev).float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * self.small(w, dev)
+        return self.tag(y, dev)
+
+    def _offload_target(self, x_dev):
+        if x_dev.kind == "cuda":
+            return x_dev
+        return self.main_gpu
+
+    def wants_offload(self, kind: str, w_dev, n_tokens: int, n_expert: int = 1, n_used: int = 1,
+                      nbytes: int = 0) -> bool:
+        """Run a host-weight op on a GPU? Forced by -op, else the calibrated cost model, else ik's rule."""
+        if w_dev.kind != "cpu" or self.main_gpu is None:
+            return False
+        forced = self.policy.get(kind)
+        if forced is False:
+            return False
+        threshold = 32 * n_expert // max(n_used, 1)
+        if forced is True:
+            # as in ik_llama.cpp, an enabled op still needs a batch; token generation never uploads
+            return n_tokens >= 32
+        if self.rates is not None:
+            return self.rates.offload_pays(kind, n_tokens, nbytes, n_expert, n_used)
+        return n_tokens >= threshold
+
+    def linear(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
+        x_dev = self.dev_of(x)
+        T = x.numel() // x.shape[-1]
+        run = w.device
+        if self.wants_offload("mul_mat", w.device, T, nbytes=w.nbytes):
+            run = self._offload_target(x_dev)
+        x = self.move(x, run)
+        with self.stats.op("mul_mat", run, self._sync(run)):
+            if run.name != w.device.name:
+                raw = self.upload(w.raw, run)
+                y = X.linear_raw(x, raw, w, run, self.n_threads)
+            else:
+                y = X.linear_raw(x, w.raw, w, run, self.n_threads)
+        return self.tag(y, run)
+
+    def upload(self, raw: torch.Tensor, dev, experts: int = 0) -> torch.Tensor:
+        self.stats.upload(raw.numel(), experts)
+        if raw.device == dev.torch_device:
+            return raw.clone()                     # fake GPU: copy anyway, so the arithmetic is the same path
+        return raw.to(dev.torch_device, non_blocking=True)
+
+    def dense_ffn(self, x, gate: QTensor, up: QTensor, down: QTensor) -> torch.Tensor:
+        g = self.linear(x, gate)
+        u = self.linear(x, up)
+        u = self.move(u, self.dev_of(g))
+        h = self.tag(F.silu(g) * u, self.dev_of(g))
+        return self.linear(h, down)
+
+    def moe(self, x, ids, wts, gate: QTensor, up: QTensor, down: QTensor, layer: int) -> torch.Tensor:
+        """Routed experts. ids/wts [T, k]. Returns [T, H] on the device the experts ran on."""
+        x_dev = self.dev_of(x)
+        T = x.shape[0]
+        E, k = gate.shape[0], ids.shape[1]
+        same = gate.device.name == up.device.name == down.device.name
+        if not (same and self.fused_moe) or gate.device.name != up.device.name:
+            return self._moe_unfused(x, ids, wts, gate, up, down)
+        dev = gate.device
+        nbytes = gate.nbytes + up.nbytes + down.nbytes
+        if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes) and \
+                self.wants_offload("mul_mat_id", dev, T, E, k, nbytes):
+            run = self._offload_target(x_dev)
+            return self._moe_uploaded(x, ids, wts, gate, up, down, run)
+        x = self.move(x, dev)
+        ids_d, wts_d = ids.to(dev.torch_device), wts.to(dev.torch_device)
+        with self.stats.op("moe_up_gate", dev, self._sync(dev)):
+            y = X.moe(x, ids_d, wts_d, gate.raw, up.raw, down.raw, gate, up, down, self.n_threads, self.stats)
+        return self.tag(y, dev)
+
+    def _use_only_active(self, n_active: int, E: int) -> bool:
+        if self.only_active == "auto":
+            return n_active < E
+        return bool(self.only_active)
+
+    def _moe_uploaded(self, x, ids, wts, gate, up, down, run):
+        """Upload host experts (all, or only those the router picked) and compute on GPU `run`."""
+        E = gate.shape[0]
+        x = self.move(x, run)
+        active = torch.unique(ids).cpu()
+        n_active = active.numel()
+        if self._use_only_active(n_active, E):
+            src = active.to(gate.raw.device)
+            raws = [self.upload(w.raw.index_select(0, src), run, experts=n_active) for w in (gate, up, down)]
+            remap = torch.full((E,), -1, dtype=torch.long)
+            remap[active] = torch.arange(n_active)
+            ids = remap[ids.cpu()]
+        else:
+            raws = [self.upload(w.raw, run, experts=E) for w in (gate, up, down)]
+        ids_d, wts_d = ids.to(run.torch_device), wts.to(run.torch_device)
+        with self.stats.op("moe_up_gate", run, self._sync(run)):
+            y = X.moe(x, ids_d, wts_d, raws[0], raws[1], raws[2], gate, up, down, self.n_threads)
+        return self.tag(y, run)
+
+    def _moe_unfused(self, x, ids, wts, gate, up, down):
+        """Gate and up (or down) on different devices: each half runs with its weights; one extra crossing."""
+        outs = {}
+        for name, w in (("gate", gate), ("up", up)):
+            xd = self.move(x, w.device)
+            with self.stats.op("mul_mat_id", w.device, self._sync(w.device)):
+                outs[name] = self.tag(X.expert_matmul(xd, ids.to(w.device.torch_device), w, self.n_threads),
+                                      w.device)                       # [T, k, F]
+        g = outs["gate"]
+        u = self.move(outs["up"], self.dev_of(g))
+        h = self.tag(F.silu(g) * u, self.dev_of(g))
+        h = self.move(h, down.device)
+        with self.stats.op("mul_mat_id", down.device, self._sync(down.device)):
+            y = X.expert_matmul(h, ids.to(down.device.torch_device), down, self.n_threads)   # [T, k, H]
+            y = (y * wts.to(y.device)[..., None]).sum(1)
+        return self.tag(y, down.device)

@@ -1,0 +1,124 @@
+"""Synthetic models: a real architecture with random weights, written as GGUF (no download needed).
+
+`-m synth:PRESET` anywhere makes the file once in the cache folder and reuses it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+
+from .config import ModelConfig
+from .errors import HybridMoeError
+from .formats.gguf_write import write_gguf
+from .models.tensors import default_qtype, tensor_shapes
+from .quant.types import GGMLType
+
+SYNTH_VERSION = 1
+
+PRESETS = {
+    # a few MB: qwen3moe with 8 experts, 2 used; shapes keep every row a multiple of 32 for Q4_0/Q8_0
+    "tiny": dict(arch="qwen3moe", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_vocab=1024,
+                 n_ctx_train=4096, rms_eps=1e-6, rope_base=1e6, n_expert=8, n_expert_used=2, n_ff_exp=32,
+                 expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
+    # Qwen3-30B-A3B's shape: experts Q4_0, the rest Q8_0: 16.75 GiB
+    "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
+                          n_vocab=151936, n_ctx_train=40960, rms_eps=1e-6, rope_base=1e6, n_expert=128,
+                          n_expert_used=8, n_ff_exp=768, expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
+    # dense qwen3, small: exercises the dense path
+    "tiny-dense": dict(arch="qwen3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_vocab=1024,
+                       n_ctx_train=4096, rms_eps=1e-6, rope_base=1e6, n_ff=128,
+                       expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
+}
+
+
+def cache_dir() -> str:
+    d = os.environ.get("HYBRIDMOE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hybridmoe")
+    return os.path.join(d, "models")
+
+
+def preset_config(name: str) -> tuple[ModelConfig, GGMLType, GGMLType]:
+    if name not in PRESETS:
+        raise HybridMoeError(f"unknown synthetic preset {name!r}; presets: {', '.join(PRESETS)}")
+    p = dict(PRESETS[name])
+    et, ot = p.pop("expert_type"), p.pop("other_type")
+    cfg = ModelConfig(**p, qk_norm=p["arch"] in ("qwen3", "qwen3moe"), rope_neox=p["arch"] != "llama",
+                      name=f"synth-{name}")
+    return cfg, et, ot
+
+
+def config_metadata(cfg: ModelConfig) -> dict:
+    """The GGUF metadata keys llama.cpp writes for this config (arch-prefixed)."""
+    a = cfg.arch
+    md = {
+        f"{a}.block_count": cfg.n_layer, f"{a}.context_length": cfg.n_ctx_train,
+        f"{a}.embedding_length": cfg.n_embd, f"{a}.attention.head_count": cfg.n_head,
+        f"{a}.attention.head_count_kv": cfg.n_head_kv, f"{a}.attention.key_length": cfg.head_dim,
+        f"{a}.attention.value_length": cfg.head_dim, f"{a}.rope.freq_base": float(cfg.rope_base),
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_eps),
+    }
+    if cfg.n_ff:
+        md[f"{a}.feed_forward_length"] = cfg.n_ff
+    if cfg.is_moe:
+        md.update({f"{a}.expert_count": cfg.n_expert, f"{a}.expert_used_count": cfg.n_expert_used,
+                   f"{a}.expert_feed_forward_length": cfg.n_ff_exp})
+    return md
+
+
+def synth_tensors(cfg: ModelConfig, expert_type, other_type, seed: int):
+    from .quant.ref import random_blocks
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for name, shape in tensor_shapes(cfg):
+        qt = default_qtype(name, shape, expert_type, other_type)
+        if len(shape) == 1:
+            # norms: around 1, never zero
+            make = (lambda s=shape: (1.0 + 0.1 * torch.randn(s, generator=gen)).float().view(torch.uint8))
+        else:
+            scale = 0.02 if "token_embd" not in name else 1.0
+            make = (lambda s=shape, q=qt, sc=scale: random_blocks(q, s, gen, scale=sc))
+        out.append((name, shape, qt, make))
+    return out
+
+
+def write_synth(name: str, path: str):
+    from .vocab import builtin_vocab_metadata
+    cfg, et, ot = preset_config(name)
+    md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg),
+          **builtin_vocab_metadata(cfg.n_vocab)}
+    write_gguf(path, cfg.arch, md, synth_tensors(cfg, et, ot, seed=1234))
+
+
+def ensure_synth(name: str) -> str:
+    """Path of the synthetic model `name`, written once into the cache folder."""
+    preset_config(name)
+    d = cache_dir()
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, f"synth-{name}-v{SYNTH_VERSION}.gguf")
+    if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(dir=d, suffix=".part")
+        os.close(fd)
+        try:
+            write_synth(name, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return path
+
+
+def setup_arg_parser(p: argparse.ArgumentParser):
+    p.add_argument("preset", choices=sorted(PRESETS), help="which synthetic model")
+    p.add_argument("-o", "--output", help="file to write (default: the cache folder, as -m synth:PRESET uses)")
+
+
+def main(args) -> int:
+    if args.output:
+        write_synth(args.preset, args.output)
+        path = args.output
+    else:
+        path = ensure_synth(args.preset)
+    print(path)
+    return 0

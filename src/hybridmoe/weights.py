@@ -1,0 +1,83 @@
+"""Weights at run time: GGUF block bytes on their device, dequantized per use.
+
+Each tensor is read once, straight from the file mapping to the device the placement chose. Quantized
+tensors keep their GGUF bytes so that CPU kernels read them as they are and an upload is a plain copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .devices import Device
+from .quant.types import GGMLType, row_bytes
+
+FLOAT_DTYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
+
+
+@dataclass(eq=False)
+class QTensor:
+    """A weight: raw GGUF bytes [..., row_bytes] on `device`, logical shape `shape`."""
+    name: str
+    raw: torch.Tensor
+    qtype: GGMLType
+    shape: tuple[int, ...]
+    device: Device
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    @property
+    def is_float(self) -> bool:
+        return self.qtype in FLOAT_DTYPES
+
+    def dequant(self, dtype=torch.float32, index=None) -> torch.Tensor:
+        """Dequantized weights (optionally rows `index` of the outermost dim, e.g. selected experts)."""
+        raw = self.raw if index is None else self.raw[index]
+        if self.is_float:
+            return raw.view(FLOAT_DTYPES[self.qtype]).to(dtype)
+        from .quant.ref import dequantize
+        return dequantize(raw, self.qtype, self.shape[-1], dtype=dtype)
+
+    def cached(self, dtype=torch.float32) -> torch.Tensor:
+        """Dequantized once and kept (small tensors: norms, biases)."""
+        t = self._cache.get(dtype)
+        if t is None:
+            t = self._cache[dtype] = self.dequant(dtype)
+        return t
+
+    def to_device(self, device: Device, pin: bool = False) -> "QTensor":
+        raw = self.raw
+        if device.torch_device != raw.device:
+            raw = raw.to(device.torch_device, non_blocking=pin)
+        elif pin:
+            raw = raw.pin_memory()
+        return QTensor(self.name, raw, self.qtype, self.shape, device)
+
+
+def byte_shape(shape: tuple[int, ...], qtype: GGMLType) -> tuple[int, ...]:
+    return (*shape[:-1], row_bytes(qtype, shape[-1]))
+
+
+def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | None = None) -> dict[str, QTensor]:
+    """Read each tensor once and put it on the device the placement chose.
+
+    CPU tensors stay memory-mapped (as llama.cpp's mmap); with a real GPU present, CPU experts that may be
+    uploaded are copied into pinned memory so uploads run at full PCIe speed.
+    """
+    has_cuda = any(d.kind == "cuda" and not d.fake for d in devices.values())
+    if pin_host is None:
+        pin_host = has_cuda
+    out = {}
+    for name, info in model.tensors.items():
+        dev = devices[placement.device_of[name]]
+        raw = model.raw(info).view(byte_shape(info.shape, info.qtype))
+        if dev.kind == "cpu":
+            if pin_host and "_exps." in name:
+                raw = raw.pin_memory()
+        elif not dev.fake:
+            raw = raw.to(dev.torch_device)
+        out[name] = QTensor(name, raw, info.qtype, info.shape, dev)
+    return out

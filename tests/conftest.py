@@ -1,0 +1,22 @@
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """Synthetic models go to a per-run cache unless HYBRIDMOE_CACHE is set (then they are reused)."""
+    if not os.environ.get("HYBRIDMOE_CACHE"):
+        os.environ["HYBRIDMOE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    torch.manual_seed(0)
+    yield
+
+
+def rel_l2(a, b) -> float:
+    a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+    return float((a - b).norm() / b.norm())
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()

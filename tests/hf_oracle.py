@@ -1,0 +1,91 @@
+"""Tiny random HF models and their GGUF conversions: the transformers oracle for our forward pass."""
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import torch
+
+from hybridmoe.convert import LAYER_NAMES, TOP_NAMES, convert_hf, llama_permute
+from hybridmoe.formats.gguf import open_gguf
+from hybridmoe.quant.types import GGMLType
+
+
+def make_hf_model(kind: str, out_dir: str, seed: int = 0):
+    import transformers as tf
+    torch.manual_seed(seed)
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.08)
+    if kind == "qwen3moe":
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=32, intermediate_size=128, moe_intermediate_size=64,
+                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, rope_theta=1e6)
+        model = tf.Qwen3MoeForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=32, intermediate_size=128, rope_theta=1e6)
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "llama":
+        cfg = tf.LlamaConfig(**common, intermediate_size=128, rope_theta=10000.0)
+        model = tf.LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    # norms start at exactly 1 in HF; perturb them so a wrong norm weight would show
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(out_dir)
+    return model
+
+
+def hf_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def load_dequantized_into_hf(model, gguf_path: str):
+    """Replace the HF weights by the GGUF file's weights, dequantized by the gguf package (an independent oracle)."""
+    f = open_gguf(gguf_path)
+    arch = f.metadata["general.architecture"]
+    n_head, n_kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    inv_top = {v: k for k, v in TOP_NAMES.items()}
+    inv_layer = {v: k for k, v in LAYER_NAMES.items()}
+    sd = model.state_dict()
+    new, experts = {}, {}
+    for name, info in f.tensors.items():
+        raw = f.raw(info).numpy().reshape(*info.shape[:-1], -1)
+        w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, info.qtype))).reshape(info.shape)
+        if name in inv_top:
+            new[inv_top[name]] = w
+            continue
+        _, i, base, _ = name.split(".")
+        if base.endswith("_exps"):
+            # transformers holds experts fused in memory: gate_up_proj [E, 2F, H] (gate first), down_proj [E, H, F]
+            proj = base[len("ffn_"):-len("_exps")]
+            experts.setdefault(i, {})[proj] = w
+            continue
+        if arch == "llama" and base in ("attn_q", "attn_k"):
+            w = _unpermute(w, n_head if base == "attn_q" else n_kv)
+        new[f"model.layers.{i}.{inv_layer[base]}.weight"] = w
+    for i, d in experts.items():
+        new[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.cat((d["gate"], d["up"]), dim=1)
+        new[f"model.layers.{i}.mlp.experts.down_proj"] = d["down"]
+    missing = set(sd) - set(new)
+    if "lm_head.weight" in missing and model.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    assert not missing, missing
+    model.load_state_dict({k: v.to(sd[k].dtype) for k, v in new.items()}, strict=False)
+    return model
+
+
+def _unpermute(w, n_head):
+    out = w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    assert torch.equal(llama_permute(out, n_head), w)
+    return out
+
+
+def convert(hf_dir: str, out: str, qtype: GGMLType) -> str:
+    if not os.path.exists(out):
+        convert_hf(hf_dir, out, expert_type=qtype, other_type=qtype)
+    return out
