@@ -20,3 +20,12 @@ def rel_l2(a, b) -> float:
 
 def has_cuda() -> bool:
     return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

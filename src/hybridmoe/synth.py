@@ -16,7 +16,7 @@ from .formats.gguf_write import write_gguf
 from .models.tensors import default_qtype, tensor_shapes
 from .quant.types import GGMLType
 
-SYNTH_VERSION = 1
+SYNTH_VERSION = 2
 
 PRESETS = {
     # a few MB: qwen3moe with 8 experts, 2 used; shapes keep every row a multiple of 32 for Q4_0/Q8_0

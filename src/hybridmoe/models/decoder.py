@@ -64,6 +64,8 @@ class Decoder:
         self.output_norm = weights["output_norm.weight"]
         # Tied embeddings: models without output.weight reuse token_embd (as llama.cpp does).
         self.output = weights.get("output.weight", self.token_embd)
+        sched.set_expert_layers({L.i: (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
+                                 for L in self.layers if L.ffn_gate_inp is not None})
 
     def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab] float32 (or [1, n_vocab] for the last position only)."""

@@ -44,8 +44,8 @@ def tensor_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def default_qtype(name: str, shape, expert_type: GGMLType, other_type: GGMLType) -> GGMLType:
-    """Norms and 1-D tensors stay F32 (as llama.cpp writes them); experts and the rest get their types."""
-    if len(shape) == 1:
+    """Norms, 1-D tensors and the router stay F32 (llama.cpp's quantize keeps them so); the rest get their types."""
+    if len(shape) == 1 or "ffn_gate_inp" in name:
         return GGMLType.F32
     if "_exps." in name:
         return expert_type

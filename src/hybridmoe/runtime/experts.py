@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..quant.types import GGMLType
 from ..weights import QTensor
 
 _kernels = None
@@ -40,6 +41,11 @@ def linear_raw(x: torch.Tensor, raw: torch.Tensor, w: QTensor, dev, n_threads=No
     k = kernels() if raw.device.type == "cpu" else None
     if k is not None:
         y = k.qmatmul(x2.contiguous(), raw, w.qtype, w.shape[-1], n_threads=n_threads)
+    elif raw is w.raw and raw.device.type == "cuda":
+        # GPU-resident dense weights are dequantized to bf16 once and kept: HBM reads of bf16 beat
+        # re-dequantizing every call, and non-expert matrices are a small share of an MoE model
+        dt = torch.float32 if w.qtype == GGMLType.F32 else torch.bfloat16     # F32 (the router) stays exact
+        y = (x2.to(dt) @ w.cached(dt).t()).float()
     else:
         dt = _compute_dtype(raw)
         wt = QTensor(w.name, raw, w.qtype, w.shape, dev).dequant(dt)
@@ -111,7 +117,9 @@ def _deq(raw, e, meta: QTensor, dt):
 def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor, n_threads=None,
         stats=None) -> torch.Tensor:
     """Routed experts from raw bytes graw/uraw/draw [E', ...] (ids index into E'). Returns float32 [T, H]."""
-    if graw.device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+    if graw.device.type == "cuda":
+        if ids.numel() <= GATHER_MAX_SLOTS or not hasattr(torch, "_grouped_mm"):
+            return _gathered_moe(x, ids, wts, graw, uraw, draw, gate, down)
         return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down)
     k = kernels() if graw.device.type == "cpu" else None
     t0 = time.perf_counter()
@@ -125,6 +133,28 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
         n_active = int(torch.unique(ids).numel())
         stats.cpu_expert_bytes += n_active * (graw[0].numel() + uraw[0].numel() + draw[0].numel())
     return y
+
+
+GATHER_MAX_SLOTS = 64      # token-expert pairs up to which each pair gets its own dequantized expert copy
+
+
+def _gathered_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
+    """Few tokens (decode): dequantize each selected (token, expert) pair's weights and batch-multiply.
+
+    No host sync and static shapes for a given T, so the step can be captured in a CUDA graph.
+    """
+    from ..quant.ref import dequantize
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    F_ = gate.shape[1]
+    gu_raw = torch.cat((graw.index_select(0, flat), uraw.index_select(0, flat)), dim=1)     # [T*k, 2F, rb]
+    wgu = dequantize(gu_raw, gate.qtype, gate.shape[-1], dtype=torch.bfloat16)           # [T*k, 2F, H]
+    wd = dequantize(draw.index_select(0, flat), down.qtype, down.shape[-1], dtype=torch.bfloat16)
+    xs = x.to(torch.bfloat16).repeat_interleave(k, dim=0)[:, None, :]                    # [T*k, 1, H]
+    gu = torch.bmm(xs, wgu.transpose(1, 2))[:, 0]                                        # [T*k, 2F]
+    h = (F.silu(gu[:, :F_]) * gu[:, F_:])[:, None, :]
+    y = torch.bmm(h, wd.transpose(1, 2))[:, 0].float()                                   # [T*k, H]
+    return (y.view(T, k, -1) * wts.float()[..., None]).sum(1)
 
 
 def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):

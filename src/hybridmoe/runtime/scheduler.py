@@ -12,6 +12,7 @@ from ..errors import HybridMoeError
 from ..weights import QTensor
 from . import experts as X
 from .stats import Stats
+from .upload import Uploader
 
 OP_KINDS = ("mul_mat", "mul_mat_id", "moe_up_gate")
 OP_ALIASES = {"26": "mul_mat", "27": "mul_mat_id", "29": "moe_up_gate", "-1": "all", "all": "all",
@@ -55,6 +56,9 @@ class Scheduler:
         self.stats = Stats(profile)
         self.rates = rates                        # calibrated rates (runtime/calibrate.py) or None
         self._small = {}                          # (tensor name, device) -> dequantized small tensor
+        self._uploaders = {}                      # GPU name -> Uploader
+        self._recent = {}                         # (id(src), device) -> (src, copy): the last few copies
+        self.expert_layers = {}
 
     # -- devices -------------------------------------------------------------------------------------
     def dev_of(self, t: torch.Tensor):
@@ -77,12 +81,19 @@ class Scheduler:
         src = self.dev_of(t)
         if src.name == dev.name:
             return self.tag(t, dev)
+        key = (id(t), dev.name)
+        hit = self._recent.get(key)
+        if hit is not None and hit[0] is t:
+            return hit[1]                          # already copied there (the residual and its norm's input)
         self.stats.copy(src.name, dev.name, t.numel() * t.element_size())
         if t.device != dev.torch_device:
-            t = t.to(dev.torch_device, non_blocking=dev.kind == "cuda")
+            t2 = t.to(dev.torch_device, non_blocking=dev.kind == "cuda")
         else:
-            t = t.clone()                          # fake GPU: a real copy, as a device crossing would be
-        return self.tag(t, dev)
+            t2 = t.clone()                         # fake GPU: a real copy, as a device crossing would be
+        self._recent[key] = (t, self.tag(t2, dev))
+        while len(self._recent) > 4:
+            self._recent.pop(next(iter(self._recent)))
+        return t2
 
     def _sync(self, dev):
         if dev.kind == "cuda" and not dev.fake:
@@ -106,9 +117,11 @@ class Scheduler:
         return self.tag(rows, w.device)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Residual add, on the device of the newer result: the residual stream follows the compute."""
-        dev = self.dev_of(y)
-        return self.tag(self.move(x, dev) + y, dev)
+        """Residual add: on a GPU when either side is on one (the next layer's attention is there too, as
+        ggml's scheduler pulls weightless ops to GPU backends), else where the newer result is."""
+        xd, yd = self.dev_of(x), self.dev_of(y)
+        dev = xd if (yd.kind == "cpu" and xd.kind == "cuda") else yd
+        return self.tag(self.move(x, dev) + self.move(y, dev), dev)
 
     def norm(self, x: torch.Tensor, w: QTensor, eps: float) -> torch.Tensor:
         """RMSNorm runs with its weight (as ggml assigns an op to its weight's backend)."""
@@ -154,6 +167,7 @@ class Scheduler:
         return self.tag(y, run)
 
     def upload(self, raw: torch.Tensor, dev, experts: int = 0) -> torch.Tensor:
+        """A dense weight to `dev` for one op (mul_mat offload)."""
         self.stats.upload(raw.numel(), experts)
         if raw.device == dev.torch_device:
             return raw.clone()                     # fake GPU: copy anyway, so the arithmetic is the same path
@@ -166,48 +180,71 @@ class Scheduler:
         h = self.tag(F.silu(g) * u, self.dev_of(g))
         return self.linear(h, down)
 
+    def set_expert_layers(self, layers: dict):
+        """layer -> (gate, up, down) QTensors, so uploads can run one layer ahead."""
+        self.expert_layers = layers
+
+    def uploader(self, dev) -> Uploader:
+        u = self._uploaders.get(dev.name)
+        if u is None:
+            u = self._uploaders[dev.name] = Uploader(dev, self.stats)
+        return u
+
+    def _route_to(self, x, ids, wts, dev):
+        """Hidden state and the router's choice to `dev` in one copy (one crossing, one sync)."""
+        if self.dev_of(x).name == dev.name:
+            return x, ids, wts
+        k = ids.shape[1]
+        packed = self.tag(torch.cat((x.float(), wts.float(), ids.float()), dim=1), self.dev_of(x))
+        packed = self.move(packed, dev)
+        H = x.shape[1]
+        x = self.tag(packed[:, :H], dev)
+        return x, packed[:, H + k:].long(), packed[:, H:H + k]
+
     def moe(self, x, ids, wts, gate: QTensor, up: QTensor, down: QTensor, layer: int) -> torch.Tensor:
         """Routed experts. ids/wts [T, k]. Returns [T, H] on the device the experts ran on."""
-        x_dev = self.dev_of(x)
         T = x.shape[0]
         E, k = gate.shape[0], ids.shape[1]
-        same = gate.device.name == up.device.name == down.device.name
-        if not (same and self.fused_moe) or gate.device.name != up.device.name:
+        if not (self.fused_moe and gate.device.name == up.device.name == down.device.name):
             return self._moe_unfused(x, ids, wts, gate, up, down)
         dev = gate.device
         nbytes = gate.nbytes + up.nbytes + down.nbytes
         if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes) and \
                 self.wants_offload("mul_mat_id", dev, T, E, k, nbytes):
-            run = self._offload_target(x_dev)
-            return self._moe_uploaded(x, ids, wts, gate, up, down, run)
-        x = self.move(x, dev)
-        ids_d, wts_d = ids.to(dev.torch_device), wts.to(dev.torch_device)
+            return self._moe_uploaded(x, ids, wts, gate, up, down, self._offload_target(self.dev_of(x)), layer)
+        x, ids, wts = self._route_to(x, ids, wts, dev)
         with self.stats.op("moe_up_gate", dev, self._sync(dev)):
-            y = X.moe(x, ids_d, wts_d, gate.raw, up.raw, down.raw, gate, up, down, self.n_threads, self.stats)
+            y = X.moe(x, ids, wts, gate.raw, up.raw, down.raw, gate, up, down, self.n_threads, self.stats)
         return self.tag(y, dev)
 
     def _use_only_active(self, n_active: int, E: int) -> bool:
         if self.only_active == "auto":
-            return n_active < E
+            # only-active uploads can't run a layer ahead (they wait for the router), so they pay only
+            # when they save much of the bytes
+            return n_active <= E // 2
         return bool(self.only_active)
 
-    def _moe_uploaded(self, x, ids, wts, gate, up, down, run):
+    def _moe_uploaded(self, x, ids, wts, gate, up, down, run, layer):
         """Upload host experts (all, or only those the router picked) and compute on GPU `run`."""
         E = gate.shape[0]
-        x = self.move(x, run)
-        active = torch.unique(ids).cpu()
-        n_active = active.numel()
-        if self._use_only_active(n_active, E):
-            src = active.to(gate.raw.device)
-            raws = [self.upload(w.raw.index_select(0, src), run, experts=n_active) for w in (gate, up, down)]
+        x, ids, wts = self._route_to(x, ids, wts, run)
+        up_ = self.uploader(run)
+        ws = (gate, up, down)
+        counts = torch.bincount(ids.flatten(), minlength=E).cpu()
+        active = torch.nonzero(counts).flatten().tolist()
+        if self._use_only_active(len(active), E):
+            bufs = up_.get_active(layer, ws, active)
             remap = torch.full((E,), -1, dtype=torch.long)
-            remap[active] = torch.arange(n_active)
-            ids = remap[ids.cpu()]
+            remap[active] = torch.arange(len(active))
+            ids = remap.to(ids.device)[ids]
         else:
-            raws = [self.upload(w.raw, run, experts=E) for w in (gate, up, down)]
-        ids_d, wts_d = ids.to(run.torch_device), wts.to(run.torch_device)
+            bufs = up_.get_all(layer, ws)
+            nxt = self.expert_layers.get(layer + 1)
+            if nxt is not None and all(w.device.kind == "cpu" for w in nxt):
+                up_.prefetch_all(layer + 1, nxt)
         with self.stats.op("moe_up_gate", run, self._sync(run)):
-            y = X.moe(x, ids_d, wts_d, raws[0], raws[1], raws[2], gate, up, down, self.n_threads)
+            y = X.moe(x, ids, wts, bufs[0], bufs[1], bufs[2], gate, up, down, self.n_threads)
+        up_.release(bufs)
         return self.tag(y, run)
 
     def _moe_unfused(self, x, ids, wts, gate, up, down):

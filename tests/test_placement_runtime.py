@@ -1,0 +1,116 @@
+"""Placement invariance: every placement gives the logits of all-CPU, on fake GPUs (CI) and real GPUs.
+
+Fake GPUs are CPU-backed, so the arithmetic is identical and the tolerance is 1e-5; a real GPU runs bf16
+GEMMs, so it gets 1e-2 and top-1 agreement.
+"""
+import pytest
+import torch
+
+import hybridmoe
+
+from conftest import rel_l2
+
+IDS = [(i * 37 + 11) % 1000 + 3 for i in range(40)]
+
+PLACEMENTS = {
+    "ngl99": dict(n_gpu_layers=99),
+    "ngl99-exps-cpu": dict(n_gpu_layers=99, override_tensor=[r"exps=CPU"]),
+    "experts-split": dict(n_gpu_layers=99, override_tensor=[r"blk\.0\.ffn_.*_exps=CUDA1", r"blk\.1\.ffn_.*_exps=CPU"]),
+    "forced-offload": dict(n_gpu_layers=99, override_tensor=[r"exps=CPU"], offload_policy="all,1",
+                           offload_only_active_experts="0"),
+    "forced-offload-active": dict(n_gpu_layers=99, override_tensor=[r"exps=CPU"], offload_policy="all,1",
+                                  offload_only_active_experts="1"),
+    "gate-up-split": dict(n_gpu_layers=99, override_tensor=[r"blk\.1\.ffn_up_exps=CPU"]),
+    "ngl1": dict(n_gpu_layers=1),
+    "layers-ts": dict(n_gpu_layers=99, tensor_split=[1, 1]),
+}
+
+
+def _run(opts, ids=IDS, ub=16):
+    m = hybridmoe.load("synth:tiny", ctx_size=128, ubatch_size=ub, **opts)
+    prompt = m.logits(ids)                                     # prompt batches of 16
+    kv = m.new_cache(128)
+    m.forward(torch.tensor(ids[:30]), 0, kv)
+    decode = torch.cat([m.forward(torch.tensor([t]), 30 + i, kv) for i, t in enumerate(ids[30:])])
+    return m, prompt, decode
+
+
+@pytest.fixture(scope="module")
+def reference():
+    _, p, d = _run({})
+    return p, d
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "2x1GiB")
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_fake_gpu_placements_match_all_cpu(name, reference, fake_gpus):
+    m, p, d = _run(PLACEMENTS[name])
+    assert rel_l2(p, reference[0]) <= 1e-5
+    assert rel_l2(d, reference[1]) <= 1e-5
+    assert m.stats.crossings > 0
+
+
+def test_forced_offload_uploads_exactly_the_selected_experts(fake_gpus):
+    m = hybridmoe.load("synth:tiny", ctx_size=128, ubatch_size=64, n_gpu_layers=99, override_tensor=["exps=CPU"],
+                       offload_policy="all,1", offload_only_active_experts="1")
+    ids_seen = []
+    orig = m.sched._moe_uploaded
+
+    def spy(x, ids, wts, gate, up, down, run, layer):
+        ids_seen.append((gate, up, down, torch.unique(ids).numel()))
+        return orig(x, ids, wts, gate, up, down, run, layer)
+    m.sched._moe_uploaded = spy
+    m.logits(IDS)
+    expect = sum(n * (g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel()) for g, u, d, n in ids_seen)
+    assert len(ids_seen) == 2                                 # one upload per MoE layer of the single ubatch
+    assert m.stats.uploads["bytes"] == expect
+    assert m.stats.uploads["experts"] == sum(n for *_, n in ids_seen)
+
+
+def test_token_generation_uploads_no_expert_bytes(fake_gpus):
+    m = hybridmoe.load("synth:tiny", ctx_size=128, n_gpu_layers=99, override_tensor=["exps=CPU"],
+                       offload_policy="all,1")
+    kv = m.new_cache(128)
+    m.forward(torch.tensor(IDS[:4]), 0, kv)                   # a 4-token batch: below any offload threshold
+    for i in range(5):
+        m.forward(torch.tensor([IDS[i]]), 4 + i, kv)
+    assert m.stats.uploads["bytes"] == 0
+
+
+def test_split_count_matches_placement(monkeypatch):
+    """-ngl 99 -ot exps=CPU: per layer the hidden state goes to the CPU experts (with the router's choice, in
+    one copy) and comes back; the embeddings start on the CPU and the logits come home."""
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    m = hybridmoe.load("synth:tiny", ctx_size=128, n_gpu_layers=99, override_tensor=["exps=CPU"])
+    kv = m.new_cache(128)
+    m.forward(torch.tensor([5]), 0, kv)
+    n_layer = m.cfg.n_layer
+    # embeddings CPU->GPU, per layer GPU->CPU and CPU->GPU, nothing else (logits stay on GPU in the count)
+    assert m.stats.crossings == 1 + 2 * n_layer
+    assert m.stats.copies[("CUDA0", "CPU")][0] == n_layer
+
+
+def test_all_on_one_gpu_has_one_crossing(monkeypatch):
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    m = hybridmoe.load("synth:tiny", ctx_size=128, n_gpu_layers=99)
+    kv = m.new_cache(128)
+    m.forward(torch.tensor([5]), 0, kv)
+    assert m.stats.crossings == 1                             # the embeddings rows, CPU -> CUDA0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ngl99", "ngl99-exps-cpu", "forced-offload", "forced-offload-active",
+                                  "gate-up-split", "ngl1"])
+def test_real_gpu_placements_match_all_cpu(name, reference):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    opts = dict(PLACEMENTS[name])
+    opts["override_tensor"] = [r.replace("CUDA1", "CUDA0") for r in opts.get("override_tensor", [])]
+    m, p, d = _run(opts)
+    for got, ref in ((p, reference[0]), (d, reference[1])):
+        assert rel_l2(got, ref) <= 1e-2
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.98
