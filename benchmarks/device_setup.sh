@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Source on the GPU machine: puts hybridmoe and the carried wheels (gguf) on the path; no network there.
+set -eo pipefail
+export PYTHONUNBUFFERED=1
+export HYBRIDMOE_CACHE=/tmp/hybridmoe-cache
+mkdir -p /tmp/hm-site
+if [ ! -e /tmp/hm-site/gguf ]; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/hm-site .carry/wheels/*.whl >/dev/null 2>&1 \
+    || python3 -c "import zipfile,glob; [zipfile.ZipFile(w).extractall('/tmp/hm-site') for w in glob.glob('.carry/wheels/*.whl')]"
+fi
+export PYTHONPATH="$PWD/src:/tmp/hm-site:${PYTHONPATH:-}"
+hm() { python3 -m hybridmoe.cli "$@"; }
+python3 -c "import torch, gguf, hybridmoe; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count())"
