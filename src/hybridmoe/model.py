@@ -28,6 +28,7 @@ class RuntimeOptions:
     fused_moe: bool = True                     # -fmoe
     profile: bool = False
     check_fit: bool = True
+    graphs: bool = True                        # static decode step, GPU segments as CUDA graphs
 
 
 
@@ -88,6 +89,7 @@ class Model:
         self.decoder = Decoder(self.cfg, self.weights, self.sched)
         from .tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path)
+        self._static = {}
         self.load_seconds = time.perf_counter() - t0
 
     def _check_tensors(self):
@@ -115,7 +117,26 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
+        if tokens.shape[0] == 1:
+            static = self._static_decoder(kv)
+            if static is not None:
+                return static.step(int(tokens[0]), pos0)
         return self.decoder.forward(tokens, pos0, kv, all_logits).to("cpu")
+
+    def _static_decoder(self, kv):
+        """The static decode path for this cache, or None where the placement has none (eager then)."""
+        if not self.runtime.graphs or self.runtime.profile:
+            return None
+        cached = self._static.get(id(kv))
+        if cached is None or cached[0] is not kv:
+            from .runtime.graphs import NotApplicable, StaticDecoder
+            try:
+                sd = StaticDecoder(self, kv)
+            except NotApplicable:
+                sd = None
+            self._static = {id(kv): (kv, sd)}                 # one cache at a time keeps its graphs
+            return sd
+        return cached[1]
 
     def sync(self):
         if torch.cuda.is_available():

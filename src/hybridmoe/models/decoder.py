@@ -73,15 +73,16 @@ class Decoder:
         x = s.embed(self.token_embd, tokens)                                  # [T, H]
         T = tokens.shape[0]
         positions = torch.arange(pos0, pos0 + T)
+        rope = {}                                                             # device -> (cos, sin), once per forward
         for layer in self.layers:
-            x = s.add(x, self.attention(layer, x, positions, kv))
+            x = s.add(x, self.attention(layer, x, positions, kv, rope))
             x = s.add(x, self.ffn(layer, x))
         if not all_logits:
             x = x[-1:]
         x = s.norm(x, self.output_norm, cfg.rms_eps)
         return s.linear(x, self.output).float()
 
-    def attention(self, L: Layer, x, positions, kv: KVCache):
+    def attention(self, L: Layer, x, positions, kv: KVCache, rope: dict):
         cfg, s = self.cfg, self.sched
         T, D = x.shape[0], cfg.head_dim
         h = s.norm(x, L.attn_norm, cfg.rms_eps)
@@ -92,7 +93,9 @@ class Decoder:
         if L.attn_q_norm is not None:
             q = rms_norm(q, s.small(L.attn_q_norm, dev), cfg.rms_eps)
             k = rms_norm(k, s.small(L.attn_k_norm, dev), cfg.rms_eps)
-        cos, sin = rope_tables(cfg, positions.to(q.device))
+        if dev.name not in rope:
+            rope[dev.name] = tuple(t.to(q.device) for t in rope_tables(cfg, positions))
+        cos, sin = rope[dev.name]
         q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
         keys, values = kv.update(L.i, int(positions[0]), k, v)              # [n_kv, P+T, D]
         with s.stats.op("attention", dev):
