@@ -38,6 +38,9 @@ class QTensor:
         raw = self.raw if index is None else self.raw[index]
         if self.is_float:
             return raw.view(FLOAT_DTYPES[self.qtype]).to(dtype)
+        if raw.is_cuda and dtype == torch.bfloat16:
+            from .kernels.gpu_dequant import dequantize_bf16
+            return dequantize_bf16(raw, self.qtype, self.shape[-1])
         from .quant.ref import dequantize
         return dequantize(raw, self.qtype, self.shape[-1], dtype=dtype)
 

@@ -20,7 +20,9 @@ def add_runtime_args(p: argparse.ArgumentParser):
                    help="when offloading, upload only the experts the router picked")
     p.add_argument("-fmoe", "--fused-moe", type=int, default=1, choices=[0, 1],
                    help="fused up/gate expert op (default 1)")
-    p.add_argument("--profile", action="store_true", help="print time per op and device, copies, uploads")
+    p.add_argument("--profile", action="store_true", help="print time per op and device, copies, uploads "
+                   "(runs the eager path, so decode is slower while profiling)")
+    p.add_argument("--no-graphs", action="store_true", help="decode eagerly, without the static step / CUDA graphs")
 
 
 def runtime_kwargs(args) -> dict:
@@ -30,5 +32,5 @@ def runtime_kwargs(args) -> dict:
     kw = dataclasses.asdict(options_from_args(args))
     kw.update(threads=args.threads, offload_policy=args.offload_policy,
               offload_only_active_experts=args.offload_only_active_experts, fused_moe=bool(args.fused_moe),
-              profile=args.profile)
+              profile=args.profile, graphs=not args.no_graphs)
     return kw

@@ -143,13 +143,13 @@ def _gathered_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
 
     No host sync and static shapes for a given T, so the step can be captured in a CUDA graph.
     """
-    from ..quant.ref import dequantize
+    from ..kernels.gpu_dequant import dequantize_bf16 as dequantize
     T, k = ids.shape
     flat = ids.reshape(-1)
     F_ = gate.shape[1]
     gu_raw = torch.cat((graw.index_select(0, flat), uraw.index_select(0, flat)), dim=1)     # [T*k, 2F, rb]
-    wgu = dequantize(gu_raw, gate.qtype, gate.shape[-1], dtype=torch.bfloat16)           # [T*k, 2F, H]
-    wd = dequantize(draw.index_select(0, flat), down.qtype, down.shape[-1], dtype=torch.bfloat16)
+    wgu = dequantize(gu_raw, gate.qtype, gate.shape[-1])                                # [T*k, 2F, H]
+    wd = dequantize(draw.index_select(0, flat), down.qtype, down.shape[-1])
     xs = x.to(torch.bfloat16).repeat_interleave(k, dim=0)[:, None, :]                    # [T*k, 1, H]
     gu = torch.bmm(xs, wgu.transpose(1, 2))[:, 0]                                        # [T*k, 2F]
     h = (F.silu(gu[:, :F_]) * gu[:, F_:])[:, None, :]
@@ -158,7 +158,7 @@ def _gathered_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
 
 
 def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
-    from ..quant.ref import dequantize
+    from ..kernels.gpu_dequant import dequantize_bf16 as dequantize
     T, k = ids.shape
     E = graw.shape[0]
     order, counts = route(ids, E)
@@ -167,10 +167,14 @@ def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
     tok = order // k
     xs = x[tok].to(torch.bfloat16)                                        # [T*k, H] sorted by expert
     F_ = gate.shape[1]
-    wg = dequantize(graw[active], gate.qtype, gate.shape[-1], dtype=torch.bfloat16)   # [A, F, H]
-    wu = dequantize(uraw[active], gate.qtype, gate.shape[-1], dtype=torch.bfloat16)
-    wd = dequantize(draw[active], down.qtype, down.shape[-1], dtype=torch.bfloat16)   # [A, H, F]
-    wgu = torch.cat((wg, wu), dim=1)                                      # [A, 2F, H]
+    if active.numel() == E:                                               # all experts: no gather copies
+        gu_raw = torch.cat((graw, uraw), dim=1)
+        draw_a = draw
+    else:
+        gu_raw = torch.cat((graw[active], uraw[active]), dim=1)
+        draw_a = draw[active]
+    wgu = dequantize(gu_raw, gate.qtype, gate.shape[-1])                  # [A, 2F, H]
+    wd = dequantize(draw_a, down.qtype, down.shape[-1])                   # [A, H, F]
     gu = torch._grouped_mm(xs, wgu.transpose(-2, -1), offs=offs)          # [T*k, 2F]
     h = F.silu(gu[:, :F_]) * gu[:, F_:]
     y = torch._grouped_mm(h, wd.transpose(-2, -1), offs=offs).float()      # [T*k, H]
