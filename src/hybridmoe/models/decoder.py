@@ -65,13 +65,14 @@ class Decoder:
         # Tied embeddings: models without output.weight reuse token_embd (as llama.cpp does).
         self.output = weights.get("output.weight", self.token_embd)
         sched.set_expert_layers({L.i: (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
-                                 for L in self.layers if L.ffn_gate_inp is not None})
+                                 for L in self.layers if L.ffn_gate_inp is not None}, cfg.n_expert_used)
 
     def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab] float32 (or [1, n_vocab] for the last position only)."""
         cfg, s = self.cfg, self.sched
         x = s.embed(self.token_embd, tokens)                                  # [T, H]
         T = tokens.shape[0]
+        s.begin_forward(T)
         positions = torch.arange(pos0, pos0 + T)
         rope = {}                                                             # device -> (cos, sin), once per forward
         for layer in self.layers:
@@ -116,14 +117,22 @@ class Decoder:
 
 
 def attend(q, keys, values, pos0: int) -> torch.Tensor:
-    """q [T, n_head, D]; keys/values [n_kv, P, D] (P = pos0 + T). Causal GQA attention in float32."""
+    """q [T, n_head, D]; keys/values [n_kv, P, D] (P = pos0 + T). Causal GQA attention.
+
+    float32 on the CPU; bf16 on a GPU, where a fresh context takes the flash kernel (is_causal).
+    """
     T = q.shape[0]
     P = keys.shape[1]
-    qh = q.transpose(0, 1).float()                                          # [n_head, T, D]
-    kf, vf = keys.float(), values.float()
-    mask = None
-    if T > 1:
-        qpos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
-        mask = torch.arange(P, device=q.device)[None, :] <= qpos             # [T, P]
-    o = F.scaled_dot_product_attention(qh, kf, vf, attn_mask=mask, enable_gqa=kf.shape[0] != qh.shape[0])
-    return o.transpose(0, 1).reshape(T, -1)
+    dt = torch.bfloat16 if q.is_cuda else torch.float32
+    qh = q.transpose(0, 1).to(dt)                                           # [n_head, T, D]
+    kf, vf = keys.to(dt), values.to(dt)
+    gqa = kf.shape[0] != qh.shape[0]
+    if T > 1 and P == T:
+        o = F.scaled_dot_product_attention(qh, kf, vf, is_causal=True, enable_gqa=gqa)
+    else:
+        mask = None
+        if T > 1:
+            qpos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
+            mask = torch.arange(P, device=q.device)[None, :] <= qpos         # [T, P]
+        o = F.scaled_dot_product_attention(qh, kf, vf, attn_mask=mask, enable_gqa=gqa)
+    return o.transpose(0, 1).reshape(T, -1).float()

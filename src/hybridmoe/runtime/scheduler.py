@@ -180,9 +180,23 @@ class Scheduler:
         h = self.tag(F.silu(g) * u, self.dev_of(g))
         return self.linear(h, down)
 
-    def set_expert_layers(self, layers: dict):
+    def begin_forward(self, n_tokens: int):
+        """Start uploading the first MoE layer's host experts now if this batch will offload them, so the
+        copy overlaps the first attention block."""
+        if not self.expert_layers or self.main_gpu is None or self.only_active is True:
+            return
+        first = min(self.expert_layers)
+        ws = self.expert_layers[first]
+        E, k = ws[0].shape[0], self.n_expert_used
+        nbytes = sum(w.nbytes for w in ws)
+        if all(w.device.kind == "cpu" for w in ws) and self.wants_offload("moe_up_gate", ws[0].device, n_tokens, E, k, nbytes) \
+                and self.wants_offload("mul_mat_id", ws[0].device, n_tokens, E, k, nbytes):
+            self.uploader(self.main_gpu).prefetch_all(first, ws)
+
+    def set_expert_layers(self, layers: dict, n_expert_used: int = 1):
         """layer -> (gate, up, down) QTensors, so uploads can run one layer ahead."""
         self.expert_layers = layers
+        self.n_expert_used = n_expert_used
 
     def uploader(self, dev) -> Uploader:
         u = self._uploaders.get(dev.name)
