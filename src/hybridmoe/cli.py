@@ -14,6 +14,7 @@ COMMANDS = {
     "plan": ("hybridmoe.commands.plan", "show where each tensor goes, before loading"),
     "inspect": ("hybridmoe.commands.inspect", "list tensors with shape, type and size"),
     "devices": ("hybridmoe.commands.devices", "list devices (llama.cpp --list-devices)"),
+    "calibrate": ("hybridmoe.commands.calibrate", "measure this machine's bandwidths and rates (cached)"),
     "bench": ("hybridmoe.commands.bench", "llama-bench"),
     "sweep-bench": ("hybridmoe.commands.sweep_bench", "llama-sweep-bench"),
 }

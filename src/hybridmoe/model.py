@@ -83,9 +83,11 @@ class Model:
             main = self.devices.get(f"CUDA{options.main_gpu}", gpus[0])
         if runtime.threads:
             torch.set_num_threads(runtime.threads)
+        from .runtime.calibrate import load_cached
+        rates = load_cached(runtime.threads) if gpus and not gpus[0].fake else None
         self.sched = Scheduler(self.devices, self.devices["CPU"], main, runtime.offload_policy,
                                runtime.offload_only_active_experts, runtime.fused_moe, runtime.threads,
-                               runtime.profile)
+                               runtime.profile, rates)
         self.decoder = Decoder(self.cfg, self.weights, self.sched)
         from .tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path)

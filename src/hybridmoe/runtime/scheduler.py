@@ -5,6 +5,8 @@ crossings exactly like real ones. Every crossing, upload and sync is recorded in
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -136,7 +138,7 @@ class Scheduler:
         return self.main_gpu
 
     def wants_offload(self, kind: str, w_dev, n_tokens: int, n_expert: int = 1, n_used: int = 1,
-                      nbytes: int = 0) -> bool:
+                      nbytes: int = 0, n_params: int | None = None) -> bool:
         """Run a host-weight op on a GPU? Forced by -op, else the calibrated cost model, else ik's rule."""
         if w_dev.kind != "cpu" or self.main_gpu is None:
             return False
@@ -148,14 +150,14 @@ class Scheduler:
             # as in ik_llama.cpp, an enabled op still needs a batch; token generation never uploads
             return n_tokens >= 32
         if self.rates is not None:
-            return self.rates.offload_pays(kind, n_tokens, nbytes, n_expert, n_used)
+            return self.rates.offload_pays(kind, n_tokens, nbytes, n_expert, n_used, n_params=n_params)
         return n_tokens >= threshold
 
     def linear(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
         x_dev = self.dev_of(x)
         T = x.numel() // x.shape[-1]
         run = w.device
-        if self.wants_offload("mul_mat", w.device, T, nbytes=w.nbytes):
+        if self.wants_offload("mul_mat", w.device, T, nbytes=w.nbytes, n_params=math.prod(w.shape)):
             run = self._offload_target(x_dev)
         x = self.move(x, run)
         with self.stats.op("mul_mat", run, self._sync(run)):
@@ -188,9 +190,11 @@ class Scheduler:
         first = min(self.expert_layers)
         ws = self.expert_layers[first]
         E, k = ws[0].shape[0], self.n_expert_used
-        nbytes = sum(w.nbytes for w in ws)
-        if all(w.device.kind == "cpu" for w in ws) and self.wants_offload("moe_up_gate", ws[0].device, n_tokens, E, k, nbytes) \
-                and self.wants_offload("mul_mat_id", ws[0].device, n_tokens, E, k, nbytes):
+        nbytes, n_params = sum(w.nbytes for w in ws), 3 * math.prod(ws[0].shape)
+        dev = ws[0].device
+        if all(w.device.kind == "cpu" for w in ws) \
+                and self.wants_offload("moe_up_gate", dev, n_tokens, E, k, nbytes, n_params) \
+                and self.wants_offload("mul_mat_id", dev, n_tokens, E, k, nbytes, n_params):
             self.uploader(self.main_gpu).prefetch_all(first, ws)
 
     def set_expert_layers(self, layers: dict, n_expert_used: int = 1):
@@ -206,6 +210,7 @@ class Scheduler:
 
     def _route_to(self, x, ids, wts, dev):
         """Hidden state and the router's choice to `dev` in one copy (one crossing, one sync)."""
+        ids, wts = ids.to(x.device), wts.to(x.device)      # the router may have run elsewhere (offloaded)
         if self.dev_of(x).name == dev.name:
             return x, ids, wts
         k = ids.shape[1]
@@ -223,8 +228,9 @@ class Scheduler:
             return self._moe_unfused(x, ids, wts, gate, up, down)
         dev = gate.device
         nbytes = gate.nbytes + up.nbytes + down.nbytes
-        if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes) and \
-                self.wants_offload("mul_mat_id", dev, T, E, k, nbytes):
+        n_params = 3 * math.prod(gate.shape)
+        if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes, n_params) and \
+                self.wants_offload("mul_mat_id", dev, T, E, k, nbytes, n_params):
             return self._moe_uploaded(x, ids, wts, gate, up, down, self._offload_target(self.dev_of(x)), layer)
         x, ids, wts = self._route_to(x, ids, wts, dev)
         with self.stats.op("moe_up_gate", dev, self._sync(dev)):
