@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# GPU machine benchmark batch for docs/benchmarks.md. Usage: bash benchmarks/gpu_bench.sh SECTION...
+source benchmarks/device_setup.sh
+M=synth:qwen3-30b-a3b
+B() { echo "### hybridmoe bench $*"; hm bench -m $M "$@" 2>&1 | grep -v "^\s*$"; }
+for s in "$@"; do
+  echo "=============== $s"
+  case $s in
+    tests) HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -5 ;;
+    prep) hm calibrate 2>&1 | tail -8; ( time hm synth qwen3-30b-a3b ) 2>&1 | tail -4 ;;
+    hybrid) B -ngl 99 -ot exps=CPU -p 512 -n 128 -r 3 --roofline ;;
+    gpu) B -ngl 99 -p 512 -n 128 -r 3 --roofline ;;
+    ncmoe) B -ngl 99 --n-cpu-moe 24 -p 512 -n 128 -r 3 --roofline ;;
+    pp4096) B -ngl 99 -ot exps=CPU -p 4096 -n 0 -ub 4096 -b 4096 -r 2 --roofline ;;
+    policy) B -ngl 99 -ot exps=CPU -p 512 -n 0 -ub 32,128,512 -b 512 -r 2 -op 'auto;all,0;all,1';
+            B -ngl 99 -ot exps=CPU -p 2048 -n 0 -ub 2048 -b 2048 -r 2 -op 'auto;all,0;all,1' ;;
+    cpu) B -ngl 0 -p 512 -n 64 -r 2 --roofline ;;
+    profile) hm run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -22 ;;
+    sweep) hm sweep-bench -m $M -ngl 99 -ot exps=CPU -c 4096 -ub 1024 -n 128 2>&1 | tail -8 ;;
+  esac
+done
