@@ -147,3 +147,15 @@ def test_cuda_graph_decode_matches_eager_on_gpu():
             outs.append(torch.cat([m.forward(torch.tensor([t]), 7 + i, kv) for i, t in enumerate(IDS[7:20])]))
         assert rel_l2(outs[0], outs[1]) <= 1e-2
         assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() >= 0.9
+
+
+def test_split_gate_up_costs_one_extra_crossing(monkeypatch):
+    """Issue 521: gate on the GPU, up and down on the CPU. The unfused path adds one crossing per layer."""
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    counts = {}
+    for name, ot in (("fused", [r"ffn_(up|down|gate)_exps=CPU"]), ("split", [r"ffn_(up|down)_exps=CPU"])):
+        m = hybridmoe.load("synth:tiny", ctx_size=64, n_gpu_layers=99, override_tensor=ot, graphs=False)
+        kv = m.new_cache(64)
+        m.forward(torch.tensor([5]), 0, kv)
+        counts[name] = m.stats.crossings
+    assert counts["split"] == counts["fused"] + m.cfg.n_layer

@@ -268,18 +268,19 @@ class Scheduler:
         return self.tag(y, run)
 
     def _moe_unfused(self, x, ids, wts, gate, up, down):
-        """Gate and up (or down) on different devices: each half runs with its weights; one extra crossing."""
+        """Gate, up and down not on one device (or -fmoe 0): each matmul runs with its weights, and the
+        SiLU product runs where down lives, so a split pair costs one extra crossing (the half that is
+        away from down sends its [T, k, F] result there)."""
         outs = {}
         for name, w in (("gate", gate), ("up", up)):
             xd = self.move(x, w.device)
             with self.stats.op("mul_mat_id", w.device, self._sync(w.device)):
                 outs[name] = self.tag(X.expert_matmul(xd, ids.to(w.device.torch_device), w, self.n_threads),
                                       w.device)                       # [T, k, F]
-        g = outs["gate"]
-        u = self.move(outs["up"], self.dev_of(g))
-        h = self.tag(F.silu(g) * u, self.dev_of(g))
-        h = self.move(h, down.device)
-        with self.stats.op("mul_mat_id", down.device, self._sync(down.device)):
-            y = X.expert_matmul(h, ids.to(down.device.torch_device), down, self.n_threads)   # [T, k, H]
+        dd = down.device
+        g, u = self.move(outs["gate"], dd), self.move(outs["up"], dd)
+        h = self.tag(F.silu(g) * u, dd)
+        with self.stats.op("mul_mat_id", dd, self._sync(dd)):
+            y = X.expert_matmul(h, ids.to(dd.torch_device), down, self.n_threads)   # [T, k, H]
             y = (y * wts.to(y.device)[..., None]).sum(1)
-        return self.tag(y, down.device)
+        return self.tag(y, dd)
