@@ -1,0 +1,76 @@
+"""Where decode and prefill time goes on the GPU machine: step times with/without graphs, top CUDA kernels,
+and the CPU expert kernel alone (bytes/s) for the hybrid placement. Usage: python3 benchmarks/profile_decode.py"""
+import sys
+import time
+
+import torch
+
+import hybridmoe
+from hybridmoe.runtime import experts as X
+
+M = "synth:qwen3-30b-a3b"
+
+
+def steps(m, n, graphs=True, pos0=32):
+    m.runtime.graphs = graphs
+    kv = m.new_cache(256)
+    m.forward(torch.arange(1, pos0 + 1), 0, kv)
+    m.forward(torch.tensor([5]), pos0, kv)
+    m.forward(torch.tensor([6]), pos0 + 1, kv)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(n):
+        m.forward(torch.tensor([7 + i]), pos0 + 2 + i, kv)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def top_kernels(fn, n=15):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=n, max_name_column_width=50))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+
+
+def cpu_kernel_alone(m, reps=3):
+    lay = [L for L in m.decoder.layers]
+    ws = [(L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps) for L in lay]
+    H, k, E = m.cfg.n_embd, m.cfg.n_expert_used, m.cfg.n_expert
+    x = torch.randn(1, H)
+    best = 1e9
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        nbytes = 0
+        for g, u, d in ws:
+            ids = torch.randperm(E)[:k][None].to(torch.int32)
+            w = torch.softmax(torch.randn(1, k), -1)
+            X.moe(x, ids, w, g.raw, u.raw, d.raw, g, u, d)
+            nbytes += k * (g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel())
+        best = min(best, time.perf_counter() - t0)
+    print(f"CPU expert kernel alone, T=1, 48 layers: {best * 1e3:.2f} ms, {nbytes / best / 1e9:.1f} GB/s")
+
+
+for what in sys.argv[1:]:
+    if what == "gpu":
+        m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=256)
+        print(f"all-GPU decode: graphs {steps(m, 20) * 1e3:.2f} ms/token, eager {steps(m, 10, False) * 1e3:.2f} ms/token")
+        top_kernels(lambda: steps(m, 3, False))
+        kv = m.new_cache(600)
+        toks = torch.randint(0, 1000, (512,))
+        m.forward(toks, 0, kv, all_logits=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter(); m.forward(toks, 0, kv, all_logits=False); torch.cuda.synchronize()
+        print(f"all-GPU pp512 forward: {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        top_kernels(lambda: m.forward(toks, 0, kv, all_logits=False))
+        del m
+    if what == "hybrid":
+        m = hybridmoe.load(M, n_gpu_layers=99, override_tensor=["exps=CPU"], ctx_size=256)
+        print(f"hybrid decode: graphs {steps(m, 20) * 1e3:.2f} ms/token, eager {steps(m, 10, False) * 1e3:.2f} ms/token")
+        cpu_kernel_alone(m)
+        torch.set_num_threads(16)
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            steps(m, 3)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
