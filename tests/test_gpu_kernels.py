@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K])
-@pytest.mark.parametrize("shape", [(1, 32), (3, 7, 64), (5, 768, 2048), (129, 256)])
+@pytest.mark.parametrize("shape", [(1, 32), (3, 7, 64), (5, 768, 2048), (129, 256), (12, 3, 256)])
 def test_dequantize_bf16_equals_reference(qtype, shape):
     from hybridmoe.kernels.gpu_dequant import dequantize_bf16
     if shape[-1] % 256 and qtype in (GGMLType.Q4_K, GGMLType.Q6_K):
@@ -23,14 +23,19 @@ def test_dequantize_bf16_equals_reference(qtype, shape):
     ref = dequantize(raw, qtype, shape[-1], dtype=torch.float32).to(torch.bfloat16)
     assert not out.isnan().any()
     assert torch.equal(out, ref)
+    # the gathering form: selected slabs, repeats allowed
+    idx = torch.tensor([shape[0] - 1, 0, shape[0] - 1], device="cuda")
+    got = dequantize_bf16(raw, qtype, shape[-1], index=idx)
+    assert torch.equal(got, ref[idx])
 
 
-@pytest.mark.parametrize("T", [1, 3, 8, 40, 300])
-def test_gpu_expert_paths_match_reference(T):
+@pytest.mark.parametrize("T,E", [(1, 16), (3, 16), (8, 16), (40, 16), (300, 16), (20, 128), (70, 128)])
+def test_gpu_expert_paths_match_reference(T, E):
+    """Gathered (decode) and grouped (prefill, with empty groups when E is large) paths vs float32."""
     from hybridmoe.devices import Device
     from hybridmoe.runtime import experts as X
     from hybridmoe.weights import QTensor
-    E, F, H, k = 16, 64, 128, 4
+    F, H, k = 64, 128, 4
     g = torch.Generator(device="cuda").manual_seed(T)
     dev = Device("CUDA0", "cuda", 0, 0, 0, torch.device("cuda"))
     ws = [QTensor(n, random_blocks(GGMLType.Q4_0, s, g), GGMLType.Q4_0, s, dev)

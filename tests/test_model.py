@@ -53,9 +53,12 @@ def test_kv_cached_decode_equals_full_forward():
 
 
 def test_ubatch_size_does_not_change_logits():
+    """Kernels are chosen by batch size (streaming int kernel for a few rows, bf16 GEMM for many, as
+    llama.cpp switches too), so batches agree to bf16 precision, not bit for bit."""
     a = hybridmoe.load("synth:tiny", ctx_size=64, ubatch_size=512).logits(IDS)
     b = hybridmoe.load("synth:tiny", ctx_size=64, ubatch_size=3).logits(IDS)
-    assert rel_l2(b, a) <= 1e-5
+    assert rel_l2(b, a) <= 1e-2
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
 
 
 def test_split_gguf_loads_like_whole(tmp_path):

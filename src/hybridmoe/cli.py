@@ -15,6 +15,7 @@ COMMANDS = {
     "inspect": ("hybridmoe.commands.inspect", "list tensors with shape, type and size"),
     "devices": ("hybridmoe.commands.devices", "list devices (llama.cpp --list-devices)"),
     "calibrate": ("hybridmoe.commands.calibrate", "measure this machine's bandwidths and rates (cached)"),
+    "serve": ("hybridmoe.commands.serve", "OpenAI-compatible HTTP server (llama-server)"),
     "bench": ("hybridmoe.commands.bench", "llama-bench"),
     "sweep-bench": ("hybridmoe.commands.sweep_bench", "llama-sweep-bench"),
 }

@@ -71,6 +71,8 @@ class Model:
             raise HybridMoeError(f"{self.path}: tensor token_embd.weight is missing; the file is not a complete model")
         self.cfg = ModelConfig.from_metadata(self.file.metadata, self.path, n_vocab=embd.shape[0])
         self._check_tensors()
+        if not options.ctx_size:                              # -c 0: the training context, as llama.cpp
+            self.options = options = dataclasses.replace(options, ctx_size=self.cfg.n_ctx_train)
         devs = list_devices()
         self.devices = {d.name: d for d in devs}
         self.placement = plan_placement(self.file.tensors, self.cfg, options, devs)

@@ -21,11 +21,20 @@ BLOCKS_PER_PROGRAM = 64
 
 if triton is not None:
     @triton.jit
-    def _q4_0_kernel(src, dst, n_blocks, BB: tl.constexpr):
+    def _src_block(b, idx, bpe, HAS_IDX: tl.constexpr):
+        """Output block b -> source block: with an index, slab b // bpe comes from slab idx[b // bpe]."""
+        b64 = b.to(tl.int64)
+        if HAS_IDX:
+            slab = tl.load(idx + b64 // bpe).to(tl.int64)
+            return slab * bpe + b64 % bpe
+        return b64
+
+    @triton.jit
+    def _q4_0_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
         pid = tl.program_id(0)
         b = pid * BB + tl.arange(0, BB)                                    # block ids [BB]
         bm = b < n_blocks
-        base = b.to(tl.int64) * 18
+        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * 18
         lo = tl.load(src + base, mask=bm, other=0).to(tl.uint16)
         hi = tl.load(src + base + 1, mask=bm, other=0).to(tl.uint16)
         d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)   # [BB]
@@ -36,11 +45,11 @@ if triton is not None:
         tl.store(dst + b.to(tl.int64)[:, None] * 32 + e[None, :], val.to(tl.bfloat16), mask=bm[:, None])
 
     @triton.jit
-    def _q8_0_kernel(src, dst, n_blocks, BB: tl.constexpr):
+    def _q8_0_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
         pid = tl.program_id(0)
         b = pid * BB + tl.arange(0, BB)
         bm = b < n_blocks
-        base = b.to(tl.int64) * 34
+        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * 34
         lo = tl.load(src + base, mask=bm, other=0).to(tl.uint16)
         hi = tl.load(src + base + 1, mask=bm, other=0).to(tl.uint16)
         d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
@@ -58,16 +67,21 @@ def has_kernel(qtype) -> bool:
     return qtype in _KERNELS
 
 
-def dequantize_bf16(raw: torch.Tensor, qtype, n_cols: int) -> torch.Tensor:
-    """uint8 [..., row_bytes] on CUDA -> bf16 [..., n_cols]."""
+def dequantize_bf16(raw: torch.Tensor, qtype, n_cols: int, index: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [..., row_bytes] on CUDA -> bf16 [..., n_cols]; with `index`, the slabs raw[index] only
+    ([len(index), ..., n_cols]), gathered inside the kernel (no copy of the selected bytes first)."""
     kern = _KERNELS.get(qtype) if raw.is_cuda else None
     if kern is None:
         from ..quant.ref import dequantize
-        return dequantize(raw, qtype, n_cols, dtype=torch.bfloat16)
+        return dequantize(raw if index is None else raw.index_select(0, index), qtype, n_cols, dtype=torch.bfloat16)
     assert raw.shape[-1] == row_bytes(qtype, n_cols)
     raw = raw.contiguous()
-    out = torch.empty(*raw.shape[:-1], n_cols, dtype=torch.bfloat16, device=raw.device)
+    lead = raw.shape[:-1] if index is None else (index.numel(), *raw.shape[1:-1])
+    out = torch.empty(*lead, n_cols, dtype=torch.bfloat16, device=raw.device)
     n_blocks = out.numel() // 32
+    bpe = max(out[0].numel() // 32, 1) if index is not None and out.numel() else 1
+    idx = index if index is not None else raw                             # any pointer when unused
     if n_blocks:
-        kern[(triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)](raw, out, n_blocks, BB=BLOCKS_PER_PROGRAM)
+        kern[(triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)](raw, out, n_blocks, idx, bpe,
+                                                           BB=BLOCKS_PER_PROGRAM, HAS_IDX=index is not None)
     return out

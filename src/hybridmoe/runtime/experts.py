@@ -38,8 +38,10 @@ def linear_raw(x: torch.Tensor, raw: torch.Tensor, w: QTensor, dev, n_threads=No
     """x [..., K] @ W[N, K]^T with W given as GGUF bytes `raw` on dev. Returns float32 [..., N]."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float()
-    k = kernels() if raw.device.type == "cpu" else None
-    if k is not None:
+    k = kernels() if raw.device.type == "cpu" and not w.is_float else None
+    if w.qtype == GGMLType.F32 and raw.device.type == "cpu":
+        y = x2 @ raw.view(torch.float32).view(w.shape[-2] if len(w.shape) > 1 else 1, -1).t()   # exact
+    elif k is not None:
         y = k.qmatmul(x2.contiguous(), raw, w.qtype, w.shape[-1], n_threads=n_threads)
     elif raw is w.raw and raw.device.type == "cuda":
         # GPU-resident dense weights are dequantized to bf16 once and kept: HBM reads of bf16 beat
@@ -92,16 +94,15 @@ def reference_moe(x, ids, wts, gate: QTensor, up: QTensor, down: QTensor, graw=N
     draw = down.raw if draw is None else draw
     T, k = ids.shape
     order, counts = route(ids, graw.shape[0])
-    tok = order // k
     w_flat = wts.reshape(-1).float()
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, c in enumerate(counts.tolist()):
         if c == 0:
             continue
-        pairs = order[start:start + c]
+        pairs = order[start:start + c]                                    # flat (token, slot) indices
         start += c
-        rows = tok[pairs]
+        rows = pairs // k
         xe = x[rows].to(dt)
         g = xe @ _deq(graw, e, gate, dt).t()
         u = xe @ _deq(uraw, e, up, dt).t()
@@ -146,37 +147,31 @@ def _gathered_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
     from ..kernels.gpu_dequant import dequantize_bf16 as dequantize
     T, k = ids.shape
     flat = ids.reshape(-1)
-    F_ = gate.shape[1]
-    gu_raw = torch.cat((graw.index_select(0, flat), uraw.index_select(0, flat)), dim=1)     # [T*k, 2F, rb]
-    wgu = dequantize(gu_raw, gate.qtype, gate.shape[-1])                                # [T*k, 2F, H]
-    wd = dequantize(draw.index_select(0, flat), down.qtype, down.shape[-1])
+    wg = dequantize(graw, gate.qtype, gate.shape[-1], index=flat)                        # [T*k, F, H]
+    wu = dequantize(uraw, gate.qtype, gate.shape[-1], index=flat)
+    wd = dequantize(draw, down.qtype, down.shape[-1], index=flat)                        # [T*k, H, F]
     xs = x.to(torch.bfloat16).repeat_interleave(k, dim=0)[:, None, :]                    # [T*k, 1, H]
-    gu = torch.bmm(xs, wgu.transpose(1, 2))[:, 0]                                        # [T*k, 2F]
-    h = (F.silu(gu[:, :F_]) * gu[:, F_:])[:, None, :]
+    h = F.silu(torch.bmm(xs, wg.transpose(1, 2))) * torch.bmm(xs, wu.transpose(1, 2))  # [T*k, 1, F]
     y = torch.bmm(h, wd.transpose(1, 2))[:, 0].float()                                   # [T*k, H]
     return (y.view(T, k, -1) * wts.float()[..., None]).sum(1)
 
 
 def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
+    """Many tokens (prefill): every expert dequantized once (one Triton pass, ~0.1 ms a layer on an H200),
+    then grouped GEMMs over the tokens sorted by expert. Empty groups are fine, so nothing here waits for
+    the GPU and Python runs ahead of the kernels."""
     from ..kernels.gpu_dequant import dequantize_bf16 as dequantize
     T, k = ids.shape
     E = graw.shape[0]
     order, counts = route(ids, E)
-    active = torch.nonzero(counts).flatten()
-    offs = torch.cumsum(counts[active], 0).to(torch.int32)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
     tok = order // k
     xs = x[tok].to(torch.bfloat16)                                        # [T*k, H] sorted by expert
-    F_ = gate.shape[1]
-    if active.numel() == E:                                               # all experts: no gather copies
-        gu_raw = torch.cat((graw, uraw), dim=1)
-        draw_a = draw
-    else:
-        gu_raw = torch.cat((graw[active], uraw[active]), dim=1)
-        draw_a = draw[active]
-    wgu = dequantize(gu_raw, gate.qtype, gate.shape[-1])                  # [A, 2F, H]
-    wd = dequantize(draw_a, down.qtype, down.shape[-1])                   # [A, H, F]
-    gu = torch._grouped_mm(xs, wgu.transpose(-2, -1), offs=offs)          # [T*k, 2F]
-    h = F.silu(gu[:, :F_]) * gu[:, F_:]
+    wg = dequantize(graw, gate.qtype, gate.shape[-1])                     # [E, F, H]
+    wu = dequantize(uraw, gate.qtype, gate.shape[-1])
+    wd = dequantize(draw, down.qtype, down.shape[-1])                     # [E, H, F]
+    h = F.silu(torch._grouped_mm(xs, wg.transpose(-2, -1), offs=offs)) * \
+        torch._grouped_mm(xs, wu.transpose(-2, -1), offs=offs)            # [T*k, F]
     y = torch._grouped_mm(h, wd.transpose(-2, -1), offs=offs).float()      # [T*k, H]
     y = y * wts.reshape(-1)[order, None].float()
     out = torch.zeros(T, y.shape[1], dtype=torch.float32, device=x.device)

@@ -1,0 +1,88 @@
+"""`hybridmoe serve`: an OpenAI-compatible HTTP server (llama.cpp's llama-server)."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from .common import add_model_args, add_runtime_args, runtime_kwargs
+
+
+def setup_arg_parser(p):
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s; 0.0.0.0 listens on every interface)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s; 0: any free port)")
+    p.add_argument("-a", "--alias", default=None, help="model name shown by /v1/models and in responses "
+                   "(default: the model's file name)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $HYBRIDMOE_API_KEY, else no key)")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, in MiB (default: 8)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level; 'warning' hides the request log (default: %(default)s)")
+    add_runtime_args(p)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready socket bound to host:port (bound before the model loads, so a port in use fails fast)."""
+    from ..errors import HybridMoeError
+    if not 0 <= port <= 65535:
+        raise HybridMoeError(f"--port {port}: give a port between 0 and 65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise HybridMoeError(f"--host {host}: cannot resolve the address ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)        # connections made while the model loads wait in the backlog
+    except OSError as e:
+        sock.close()
+        raise HybridMoeError(f"cannot listen on {host}:{port}: {e.strerror} (is another server running there? "
+                             f"pick another --port)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    if sock.family == socket.AF_INET6:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def main(args) -> int:
+    import uvicorn
+
+    import hybridmoe
+    from ..errors import HybridMoeError
+    from ..server import create_app
+
+    if args.max_body_mb <= 0:
+        raise HybridMoeError(f"--max-body-mb {args.max_body_mb}: give a positive size")
+    api_key = args.api_key or os.environ.get("HYBRIDMOE_API_KEY") or None
+    sock = bind(args.host, args.port)
+    try:
+        model = hybridmoe.load(args.model, **runtime_kwargs(args))
+        print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
+              f"in {model.load_seconds:.2f} s", file=sys.stderr)
+        app = create_app(model, args.alias, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20))
+        state = app.state.hybridmoe
+        url = url_of(sock)
+        print(f"model {state.name!r}, context {state.n_ctx} tokens; server is listening on {url}  "
+              f"(OpenAI base_url: {url}/v1)", flush=True)
+        if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+            print("warning: listening beyond this machine without --api-key: anyone who can reach the port "
+                  "can use the model", file=sys.stderr)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass            # uvicorn shuts down gracefully on Ctrl-C, then raises the signal again
+        print("server stopped", file=sys.stderr)
+    finally:
+        sock.close()
+    return 0

@@ -1,0 +1,754 @@
+"""OpenAI-compatible HTTP server, like llama.cpp's `llama-server`.
+
+`create_app(model)` returns a FastAPI app with
+
+    GET  /health                 {"status": "ok"}
+    GET  /v1/models              the one loaded model (id: --alias, else the file name)
+    GET  /props                  context size, chat template, default sampling settings
+    POST /v1/chat/completions    chat, through the model's chat template (stream or not)
+    POST /v1/completions         raw text or token-id prompt (stream or not)
+
+(/models, /chat/completions and /completions answer too, as in llama-server.)
+
+The model is not thread-safe, so every generation runs on one worker thread, in arrival order; the event
+loop only parses requests, tokenizes (in a helper thread) and relays text, so it stays responsive while a
+generation runs. A streaming client that goes away cancels its generation after the current token, and
+so does a non-streaming one (polled every 0.25 s). Requests are untrusted: the body is capped
+(8 MiB by default), every field is type-checked, the prompt must fit the context, max_tokens is capped to
+what the context has left, and every bad request gets OpenAI's error shape
+({"error": {"message", "type", "code", "param"}}) with a 4xx status, never a traceback.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hmac
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+import weakref
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from . import __version__
+from .errors import HybridMoeError
+from .generate import Sampler, SamplerSettings, Timings, generate_ids
+
+log = logging.getLogger("hybridmoe.server")
+
+MAX_BODY_BYTES = 8 << 20
+MAX_QUEUE = 64            # requests running or waiting for the model; more get 503
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+MAX_STOPS = 16            # stop sequences per request
+MAX_STOP_CHARS = 512      # characters per stop sequence
+CHAT_ROLES = ("system", "user", "assistant", "tool")   # "developer" (OpenAI's newer name) reads as "system"
+# llama-server's defaults, which are also `hybridmoe run`'s
+DEFAULT_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+class ApiError(Exception):
+    """A request the server refuses; becomes {"error": {...}} with `status`."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type_
+
+    def response(self) -> JSONResponse:
+        headers = {"Connection": "close"} if self.status == 413 else None
+        return _error_response(self.status, self.message, self.code, self.param, self.type, headers)
+
+
+def _error_response(status, message, code, param=None, type_="invalid_request_error", headers=None):
+    return JSONResponse({"error": {"message": message, "type": type_, "code": code, "param": param}},
+                        status_code=status, headers=headers)
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, code, param)
+
+
+# ---------------------------------------------------------------------------- request parsing
+
+def _type_name(v) -> str:
+    if v is None:
+        return "null"
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not allowed in JSON")
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            n = int(cl)
+        except ValueError:
+            raise _bad(f"Content-Length {cl!r} is not a number", code="invalid_request") from None
+        if n > limit:
+            raise ApiError(413, f"request body is {n} bytes; this server accepts at most {limit} bytes",
+                           "request_too_large")
+    buf = bytearray()
+    try:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise ApiError(413, f"request body is over {limit} bytes; this server accepts at most {limit} "
+                               f"bytes", "request_too_large")
+    except ClientDisconnect:
+        raise _bad("the client disconnected while sending the request body", code="client_disconnected") from None
+    if not buf.strip():
+        raise _bad("request body is empty; send a JSON object", code="invalid_json")
+    try:
+        body = json.loads(bytes(buf), parse_constant=_reject_constant)
+    except RecursionError:
+        raise _bad("request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except ValueError as e:          # JSONDecodeError, UnicodeDecodeError, huge integers, NaN
+        raise _bad(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise _bad(f"request body must be a JSON object, got {_type_name(body)}", code="invalid_json")
+    return body
+
+
+def _opt_bool(body, key, default=False) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(f"'{key}' must be a boolean, got {_type_name(v)}", key, "invalid_type")
+    return v
+
+
+def _opt_int(body, key, default=None, lo=None, hi=None):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"'{key}' must be an integer, got {_type_name(v)}", key, "invalid_type")
+    if lo is not None and v < lo:
+        raise _bad(f"'{key}' must be at least {lo}, got {v}", key)
+    if hi is not None and v > hi:
+        raise _bad(f"'{key}' must be at most {hi}, got {v}", key)
+    return v
+
+
+def _opt_num(body, key, default=None, lo=None, hi=None):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(f"'{key}' must be a number, got {_type_name(v)}", key, "invalid_type")
+    v = float(v)
+    if not math.isfinite(v):
+        raise _bad(f"'{key}' must be a finite number", key)
+    if lo is not None and v < lo:
+        raise _bad(f"'{key}' must be at least {lo}, got {v:g}", key)
+    if hi is not None and v > hi:
+        raise _bad(f"'{key}' must be at most {hi}, got {v:g}", key)
+    return v
+
+
+def _unsupported(message: str, param: str) -> ApiError:
+    return ApiError(400, message, "unsupported_parameter", param)
+
+
+def _parse_stop(v) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _bad(f"'stop' must be a string or an array of strings, got {_type_name(v)}", "stop", "invalid_type")
+    if len(v) > MAX_STOPS:
+        raise _bad(f"'stop' has {len(v)} sequences; at most {MAX_STOPS} are accepted", "stop")
+    for s in v:
+        if len(s) > MAX_STOP_CHARS:
+            raise _bad(f"a stop sequence has {len(s)} characters; at most {MAX_STOP_CHARS} are accepted", "stop")
+    return [s for s in v if s]
+
+
+class GenParams:
+    """What a request asks of one generation (common to chat and completions)."""
+
+    def __init__(self, body: dict, chat: bool):
+        self.stream = _opt_bool(body, "stream")
+        so = body.get("stream_options")
+        if so is not None and not isinstance(so, dict):
+            raise _bad(f"'stream_options' must be an object, got {_type_name(so)}", "stream_options", "invalid_type")
+        self.include_usage = _opt_bool(so or {}, "include_usage")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _bad(f"'model' must be a string, got {_type_name(model)}", "model", "invalid_type")
+        n = _opt_int(body, "n", 1)
+        if n != 1:
+            raise _bad(f"'n' is {n}, but this server returns one choice per request; send n=1 or leave it out",
+                       "n")
+        # max_completion_tokens (newer OpenAI), max_tokens, n_predict (llama-server; -1 = no limit)
+        self.max_tokens = None
+        for key in ("max_completion_tokens", "max_tokens", "n_predict"):
+            if body.get(key) is None:
+                continue
+            v = _opt_int(body, key)
+            if key == "n_predict" and v == -1:
+                break
+            if v <= 0:
+                raise _bad(f"'{key}' must be at least 1, got {v}", key)
+            self.max_tokens = v
+            break
+        temperature = _opt_num(body, "temperature", DEFAULT_SAMPLING["temperature"], lo=0)
+        top_p = _opt_num(body, "top_p", DEFAULT_SAMPLING["top_p"], lo=0, hi=1)
+        top_k = _opt_int(body, "top_k", DEFAULT_SAMPLING["top_k"], lo=0)
+        min_p = _opt_num(body, "min_p", DEFAULT_SAMPLING["min_p"], lo=0, hi=1)
+        seed = _opt_int(body, "seed", -1, lo=-(2**63), hi=2**63 - 1)
+        self.sampling = SamplerSettings(temperature, top_k, top_p, min_p, seed)
+        self.stops = _parse_stop(body.get("stop"))
+        self.ignore_eos = _opt_bool(body, "ignore_eos")
+        # what we cannot do is refused, not silently ignored
+        for key in ("presence_penalty", "frequency_penalty"):
+            if _opt_num(body, key, 0.0) != 0.0:
+                raise _unsupported(f"'{key}' is not supported by this server (only 0)", key)
+        if body.get("logit_bias"):
+            raise _unsupported("'logit_bias' is not supported by this server", "logit_bias")
+        if body.get("logprobs") or body.get("top_logprobs"):
+            key = "logprobs" if body.get("logprobs") else "top_logprobs"
+            raise _unsupported(f"'{key}' is not supported by this server", key)
+        if chat:
+            if body.get("tools") or body.get("functions"):
+                key = "tools" if body.get("tools") else "functions"
+                raise _unsupported(f"'{key}': tool calling is not supported by this server", key)
+            rf = body.get("response_format")
+            if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
+                raise _unsupported("'response_format' other than {\"type\": \"text\"} is not supported by this "
+                                   "server", "response_format")
+        else:
+            if _opt_bool(body, "echo"):
+                raise _unsupported("'echo' is not supported by this server", "echo")
+            if body.get("suffix"):
+                raise _unsupported("'suffix' (insertion) is not supported by this server", "suffix")
+            if _opt_int(body, "best_of", 1) != 1:
+                raise _unsupported("'best_of' must be 1 on this server", "best_of")
+
+
+def _parse_content(content, where: str):
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise _bad(f"{where}.content[{j}] must be an object, got {_type_name(part)}", where, "invalid_type")
+            kind = part.get("type")
+            if kind != "text":
+                raise _bad(f"{where}.content[{j}] has type {kind!r}; this server takes text parts only",
+                           where, "unsupported_content")
+            if not isinstance(part.get("text"), str):
+                raise _bad(f"{where}.content[{j}].text must be a string, got {_type_name(part.get('text'))}",
+                           where, "invalid_type")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _bad(f"{where}.content must be a string or an array of text parts, got {_type_name(content)}",
+               where, "invalid_type")
+
+
+def parse_messages(v) -> list[dict]:
+    if v is None:
+        raise _bad("'messages' is required: an array of {\"role\", \"content\"} objects", "messages",
+                   "missing_required_parameter")
+    if not isinstance(v, list):
+        raise _bad(f"'messages' must be an array, got {_type_name(v)}", "messages", "invalid_type")
+    if not v:
+        raise _bad("'messages' is empty; send at least one message", "messages")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{where} must be an object, got {_type_name(m)}", "messages", "invalid_type")
+        role = m.get("role")
+        if role is None:
+            raise _bad(f"{where}.role is missing", "messages", "missing_required_parameter")
+        if not isinstance(role, str):
+            raise _bad(f"{where}.role must be a string, got {_type_name(role)}", "messages", "invalid_type")
+        if role == "developer":
+            role = "system"
+        if role not in CHAT_ROLES:
+            raise _bad(f"{where}.role {role!r} is not a known role; use one of {', '.join(CHAT_ROLES)} "
+                       f"(or developer)", "messages")
+        msg = {"role": role}
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None:
+            if role != "assistant" or not isinstance(tool_calls, list):
+                raise _bad(f"{where}.tool_calls must be an array on an assistant message", "messages",
+                           "invalid_type")
+            msg["tool_calls"] = tool_calls
+        content = m.get("content")
+        if content is None:
+            if role != "assistant" or tool_calls is None:
+                raise _bad(f"{where}.content is missing", "messages", "missing_required_parameter")
+            msg["content"] = None
+        else:
+            msg["content"] = _parse_content(content, where)
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise _bad(f"{where}.{key} must be a string, got {_type_name(m[key])}", "messages",
+                               "invalid_type")
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def _template_kwargs(body) -> dict:
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict):
+        raise _bad(f"'chat_template_kwargs' must be an object, got {_type_name(kw)}", "chat_template_kwargs",
+                   "invalid_type")
+    for key in ("messages", "add_generation_prompt"):
+        if key in kw:
+            raise _bad(f"'chat_template_kwargs' may not set {key!r}", "chat_template_kwargs")
+    return dict(kw)
+
+
+# ---------------------------------------------------------------------------- generation
+
+class StopMatcher:
+    """Cuts the text at the first stop sequence; holds back a tail that may be the start of one, so a
+    stop sequence split over several tokens never reaches the client."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text that is safe to send, whether a stop sequence was hit)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        cut = -1
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
+        if cut >= 0:
+            out, self.pending = self.pending[:cut], ""
+            return out, True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), keep, -1):
+                if self.pending.endswith(s[:k]):
+                    keep = k
+                    break
+        n = len(self.pending) - keep
+        out, self.pending = self.pending[:n], self.pending[n:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class _NoEos:
+    """llama-server's ignore_eos: end-of-generation tokens can never be sampled."""
+
+    def __init__(self, sampler, eos_ids):
+        self.sampler = sampler
+        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+
+    def __call__(self, logits):
+        return self.sampler(logits.float().index_fill(0, self.eos, float("-inf")))
+
+
+class Job:
+    """One generation. `run` executes on the worker thread and sends ('text', str), then
+    ('end', info) or ('error', message), to `queue` on the event loop."""
+
+    def __init__(self, loop, ids: list[int], max_tokens: int, params: GenParams):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        self.ids, self.max_tokens, self.params = ids, max_tokens, params
+        self.n_generated = 0
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.done = threading.Event()
+
+    def _emit(self, item):
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:                 # the event loop is gone (server shut down)
+            self.cancel.set()
+
+    def run(self, model):
+        try:
+            self._run(model)
+        except Exception as e:                   # a bug or a device failure, reported to the one client
+            log.exception("generation failed")
+            self._emit(("error", f"generation failed: {type(e).__name__}: {e}"))
+        finally:
+            self.done.set()
+
+    def _run(self, model):
+        t_start = time.perf_counter()
+        timings = Timings()
+        finish = "length"
+        if not self.cancel.is_set():
+            tok = model.tokenizer
+            eos = tok.eos_ids
+            sampler = Sampler(self.params.sampling)
+            if self.params.ignore_eos and eos:
+                sampler = _NoEos(sampler, eos)
+            detok = tok.stream()
+            stops = StopMatcher(self.params.stops)
+            hit = False
+            gen = generate_ids(model, self.ids, self.max_tokens, sampler, timings)
+            try:
+                for t in gen:
+                    if self.cancel.is_set():
+                        break
+                    if t in eos and not self.params.ignore_eos:
+                        finish = "stop"
+                        break
+                    self.n_generated += 1
+                    text, hit = stops.feed(detok.add(t))
+                    if text:
+                        self._emit(("text", text))
+                    if hit:
+                        finish = "stop"
+                        break
+            finally:
+                gen.close()
+            if not hit and not self.cancel.is_set():
+                text, hit = stops.feed(detok.flush())
+                if hit:
+                    finish = "stop"
+                else:
+                    text += stops.flush()
+                if text:
+                    self._emit(("text", text))
+        self.cancelled = self.cancel.is_set()
+        self.finish_reason = None if self.cancelled else finish
+        total_ms = (time.perf_counter() - t_start) * 1e3
+        prompt_ms = timings.t_prompt * 1e3
+        predicted_ms = max(total_ms - prompt_ms, 0.0) if self.n_generated else 0.0
+        n_p, n_g = timings.n_prompt, self.n_generated
+        self._emit(("end", {
+            "finish_reason": self.finish_reason,
+            "usage": {"prompt_tokens": len(self.ids), "completion_tokens": n_g,
+                      "total_tokens": len(self.ids) + n_g},
+            "timings": {
+                "cache_n": 0,
+                "prompt_n": n_p, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / n_p if n_p else 0.0,
+                "prompt_per_second": 1e3 * n_p / prompt_ms if prompt_ms > 0 else 0.0,
+                "predicted_n": n_g, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / n_g if n_g else 0.0,
+                "predicted_per_second": 1e3 * n_g / predicted_ms if predicted_ms > 0 else 0.0,
+            },
+        }))
+
+
+class ServerState:
+    """The model, its one worker thread and what the endpoints share."""
+
+    def __init__(self, model, alias: str | None, api_key: str | None, max_body_bytes: int, max_queue: int):
+        self.model = model
+        self.name = alias or os.path.basename(model.path)
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.max_queue = max_queue
+        self.created = int(time.time())
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.active: set[Job] = set()
+        self.last_job: Job | None = None          # for tests and debugging
+        self.jobs_started = 0
+
+    @property
+    def n_ctx(self) -> int:
+        return self.model.options.ctx_size
+
+    def submit(self, job: Job):
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridmoe-gen")
+            self.active.add(job)
+            self.last_job = job
+            self.jobs_started += 1
+            fut = self._executor.submit(job.run, self.model)
+        fut.add_done_callback(lambda _: self.active.discard(job))
+
+    def close(self):
+        with self._lock:
+            for job in list(self.active):
+                job.cancel.set()
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)   # queued jobs still run: they see cancel and end at once
+                self._executor = None
+
+    def check_auth(self, request: Request):
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, key = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key; send 'Authorization: Bearer KEY'",
+                           "invalid_api_key", type_="authentication_error")
+
+    def check_prompt(self, ids: list[int], params: GenParams, param: str) -> int:
+        """The number of tokens this request may generate."""
+        n, n_ctx = len(ids), self.n_ctx
+        if n == 0:
+            raise _bad("the prompt is empty after tokenization; send a non-empty prompt", param)
+        if n >= n_ctx:
+            want = n + (params.max_tokens or 256)
+            suggest = -(-want // 256) * 256
+            train = self.model.cfg.n_ctx_train
+            over = n - n_ctx + 1
+            raise ApiError(400, f"the prompt has {n} tokens but the context size is {n_ctx}: {over} "
+                           f"token{'s' if over != 1 else ''} too many (at least one token must be left for the "
+                           f"reply); shorten the prompt "
+                           f"or restart the server with a larger context, e.g. -c {suggest} "
+                           f"(the model was trained with {train})", "context_length_exceeded", param)
+        left = n_ctx - n
+        return min(params.max_tokens, left) if params.max_tokens else left
+
+    async def respond(self, request: Request, kind: str, ids: list[int], params: GenParams):
+        max_tokens = self.check_prompt(ids, params, "messages" if kind == "chat" else "prompt")
+        if len(self.active) >= self.max_queue:
+            raise ApiError(503, f"the server is busy: {len(self.active)} requests are running or waiting; "
+                           f"retry later", "server_busy", type_="server_error")
+        job = Job(asyncio.get_running_loop(), ids, max_tokens, params)
+        self.submit(job)
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        if params.stream:
+            events = self._sse(job, kind, rid, params)
+            # the generator's `finally` cancels the job; this covers a response dropped before it started
+            weakref.finalize(events, job.cancel.set)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._collect(request, job, kind, rid)
+
+    def _base(self, kind: str, rid: str, stream: bool) -> dict:
+        obj = {"chat": ("chat.completion.chunk" if stream else "chat.completion"),
+               "text": "text_completion"}[kind]
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.name,
+                "system_fingerprint": f"hybridmoe-{__version__}"}
+
+    async def _collect(self, request: Request, job: Job, kind: str, rid: str):
+        parts = []
+        get = asyncio.ensure_future(job.queue.get())
+        next_check = time.monotonic() + DISCONNECT_POLL_S
+        try:
+            while True:
+                done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
+                if time.monotonic() >= next_check:      # also while text keeps coming
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
+                    if await request.is_disconnected():
+                        job.cancel.set()             # nobody will read the answer
+                        return _error_response(499, "client disconnected", "client_disconnected")
+                if not done:
+                    continue
+                item = get.result()
+                if item[0] == "text":
+                    parts.append(item[1])
+                    get = asyncio.ensure_future(job.queue.get())
+                    continue
+                if item[0] == "error":
+                    return _error_response(500, item[1], "generation_failed", type_="server_error")
+                info = item[1]
+                if info["finish_reason"] is None:
+                    return _error_response(503, "the generation was cancelled: the server is shutting down",
+                                           "cancelled", type_="server_error")
+                break
+        finally:
+            get.cancel()
+            job.cancel.set()                 # no-op once the job has ended
+        text = "".join(parts)
+        out = self._base(kind, rid, False)
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update(finish_reason=info["finish_reason"], logprobs=None)
+        out.update(choices=[choice], usage=info["usage"], timings=info["timings"])
+        return JSONResponse(out)
+
+    async def _sse(self, job: Job, kind: str, rid: str, params: GenParams):
+        def event(obj) -> str:
+            return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+        def chunk(delta_or_text, finish=None) -> dict:
+            c = self._base(kind, rid, True)
+            if kind == "chat":
+                choice = {"index": 0, "delta": delta_or_text}
+            else:
+                choice = {"index": 0, "text": delta_or_text}
+            choice.update(finish_reason=finish, logprobs=None)
+            c["choices"] = [choice]
+            return c
+
+        try:
+            if kind == "chat":
+                yield event(chunk({"role": "assistant", "content": ""}))
+            while True:
+                item = await job.queue.get()
+                if item[0] == "text":
+                    yield event(chunk({"content": item[1]} if kind == "chat" else item[1]))
+                elif item[0] == "error":
+                    yield event({"error": {"message": item[1], "type": "server_error",
+                                           "code": "generation_failed", "param": None}})
+                    return
+                else:
+                    info = item[1]
+                    if info["finish_reason"] is None:
+                        yield event({"error": {"message": "the generation was cancelled: the server is shutting "
+                                               "down", "type": "server_error", "code": "cancelled", "param": None}})
+                        return
+                    last = chunk({} if kind == "chat" else "", info["finish_reason"])
+                    last["timings"] = info["timings"]
+                    yield event(last)
+                    if params.include_usage:
+                        u = self._base(kind, rid, True)
+                        u.update(choices=[], usage=info["usage"])
+                        yield event(u)
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            job.cancel.set()                 # client gone (or stream over): stop generating
+
+
+# ---------------------------------------------------------------------------- the app
+
+def create_app(model, alias: str | None = None, *, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE) -> FastAPI:
+    """The FastAPI app serving `model` (a loaded hybridmoe.Model)."""
+    if not model.options.ctx_size:
+        # -c 0 means the training context; the decoder's caches read options.ctx_size directly
+        model.options.ctx_size = model.cfg.n_ctx_train
+    state = ServerState(model, alias, api_key, max_body_bytes, max_queue)
+    tok = model.tokenizer
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        state.close()
+
+    app = FastAPI(title="hybridmoe", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.hybridmoe = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            msg = f"no endpoint {request.method} {request.url.path}; endpoints: GET /health, GET /v1/models, " \
+                  f"POST /v1/chat/completions, POST /v1/completions"
+            return _error_response(404, msg, "not_found", type_="not_found_error")
+        if exc.status_code == 405:
+            return _error_response(405, f"{request.method} is not allowed on {request.url.path}",
+                                   "method_not_allowed")
+        return _error_response(exc.status_code, str(exc.detail), "http_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return _error_response(500, f"internal server error: {type(exc).__name__}", "internal_error",
+                               type_="server_error")
+
+    @app.get("/health")
+    @app.get("/v1/health")
+    async def health():
+        return {"status": "ok"}
+
+    def model_card() -> dict:
+        m = model
+        return {"id": state.name, "object": "model", "created": state.created, "owned_by": "hybridmoe",
+                "meta": {"n_ctx": state.n_ctx, "n_ctx_train": m.cfg.n_ctx_train, "n_vocab": tok.n_vocab,
+                         "n_embd": m.cfg.n_embd, "arch": m.cfg.arch, "size": m.file.nbytes}}
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models(request: Request):
+        state.check_auth(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str, request: Request):
+        state.check_auth(request)
+        if model_id != state.name:
+            raise ApiError(404, f"model {model_id!r} is not served here; this server serves {state.name!r}",
+                           "model_not_found", "model")
+        return model_card()
+
+    @app.get("/props")
+    async def props(request: Request):
+        state.check_auth(request)
+        return {"model_alias": state.name, "model_path": model.path, "n_ctx": state.n_ctx, "total_slots": 1,
+                "chat_template": tok.chat_template or "", "build_info": f"hybridmoe {__version__}",
+                "default_generation_settings": {"n_ctx": state.n_ctx, "params": dict(DEFAULT_SAMPLING)}}
+
+    async def encode(fn, *args):
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except HybridMoeError as e:
+            raise ApiError(400, str(e), "chat_template_error", "messages") from None
+
+    def render_chat(messages, kwargs) -> list[int]:
+        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat_completions(request: Request):
+        state.check_auth(request)
+        body = await _read_json(request, state.max_body_bytes)
+        messages = parse_messages(body.get("messages"))
+        params = GenParams(body, chat=True)
+        ids = await encode(render_chat, messages, _template_kwargs(body))
+        return await state.respond(request, "chat", ids, params)
+
+    @app.post("/v1/completions")
+    @app.post("/completions")
+    async def completions(request: Request):
+        state.check_auth(request)
+        body = await _read_json(request, state.max_body_bytes)
+        prompt = body.get("prompt")
+        params = GenParams(body, chat=False)
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]                      # one prompt in a batch of one
+        if prompt is None:
+            raise _bad("'prompt' is required: a string or an array of token ids", "prompt",
+                       "missing_required_parameter")
+        if isinstance(prompt, str):
+            ids = await encode(tok.encode, prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < tok.n_vocab]
+            if bad:
+                raise _bad(f"'prompt' has token id {bad[0]}, outside the vocabulary (0..{tok.n_vocab - 1})",
+                           "prompt")
+            ids = list(prompt)
+        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise _bad(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request",
+                       "prompt")
+        else:
+            raise _bad(f"'prompt' must be a string or a non-empty array of token ids, got {_type_name(prompt)}",
+                       "prompt", "invalid_type")
+        return await state.respond(request, "text", ids, params)
+
+    return app

@@ -1,0 +1,514 @@
+"""`hybridmoe serve`: the OpenAI-compatible server, run by uvicorn on a real socket and driven by the real
+`openai` client (and raw httpx for the bad requests). synth:tiny has random weights, so the text is gibberish,
+but it is deterministic: every check compares against `model.generate` or against another request."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import hybridmoe
+from hybridmoe.server import StopMatcher, create_app
+
+N_CTX = 2048
+ALIAS = "tiny-test"
+USER = "Tell me a story about a dragon."
+
+
+class Running:
+    def __init__(self, url, app, model, server, thread):
+        self.url, self.app, self.model, self.server, self.thread = url, app, model, server, thread
+
+    @property
+    def state(self):
+        return self.app.state.hybridmoe
+
+
+def listening_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    return sock
+
+
+@pytest.fixture(scope="module")
+def srv():
+    model = hybridmoe.load("synth:tiny", ctx_size=N_CTX)
+    app = create_app(model, alias=ALIAS)
+    sock = listening_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert thread.is_alive(), "the server thread died during startup"
+            assert time.monotonic() < deadline, "the server did not start within 20 s"
+            time.sleep(0.02)
+        host, port = sock.getsockname()
+        yield Running(f"http://{host}:{port}", app, model, server, thread)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        if thread.is_alive():
+            server.force_exit = True
+            thread.join(5)
+        sock.close()
+    assert not thread.is_alive(), "the server did not shut down"
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """A second copy of the model, for model.generate() outside the server."""
+    return hybridmoe.load("synth:tiny", ctx_size=N_CTX)
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        yield c
+
+
+def chat_ids(model, messages) -> list[int]:
+    tok = model.tokenizer
+    return tok.encode(tok.apply_chat_template(messages))
+
+
+def chat(client, content=USER, **kw):
+    return client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": content}], **kw)
+
+
+def stream_pieces(client, content=USER, **kw) -> tuple[list[str], list]:
+    chunks = list(chat(client, content, stream=True, **kw))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    return pieces, chunks
+
+
+# ---------------------------------------------------------------------------------------------- basics
+
+def test_health_models_props(srv, client, http):
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [ALIAS]
+    assert models.data[0].model_extra["meta"]["n_ctx"] == N_CTX
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    props = http.get("/props").json()
+    assert props["n_ctx"] == N_CTX and props["total_slots"] == 1
+
+
+def test_chat_greedy_equals_model_generate(client, ref):
+    r = chat(client, temperature=0, max_tokens=24)
+    want = "".join(ref.generate(USER, 24, temperature=0, chat=True))
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    assert r.object == "chat.completion" and r.model == ALIAS and r.id.startswith("chatcmpl-")
+    n_prompt = len(chat_ids(ref, [{"role": "user", "content": USER}]))
+    u = r.usage
+    assert u.prompt_tokens == n_prompt and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert 1 <= u.completion_tokens <= 24
+    assert r.choices[0].finish_reason == ("length" if u.completion_tokens == 24 else "stop")
+    t = r.model_extra["timings"]
+    assert t["prompt_n"] == n_prompt and t["predicted_n"] == u.completion_tokens
+    assert t["prompt_ms"] > 0 and t["predicted_ms"] >= 0 and t["predicted_per_second"] >= 0
+
+
+def test_chat_stream_equals_non_stream(client):
+    full = chat(client, temperature=0, max_tokens=24)
+    pieces, chunks = stream_pieces(client, temperature=0, max_tokens=24, stream_options={"include_usage": True})
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len(pieces) > 1                                   # really streamed, piece by piece
+    assert "".join(pieces) == full.choices[0].message.content
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == full.choices[0].finish_reason
+    assert finish[0].model_extra["timings"]["predicted_n"] == full.usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_sse_wire_format(http):
+    body = {"messages": [{"role": "user", "content": USER}], "max_tokens": 4, "stream": True, "seed": 3}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for e in events[:-2]:
+        assert e.startswith("data: ")
+        json.loads(e[len("data: "):])
+
+
+def test_seed_determinism_and_sampling_equals_model_generate(client, ref):
+    a = chat(client, temperature=1.0, seed=7, max_tokens=24).choices[0].message.content
+    b = chat(client, temperature=1.0, seed=7, max_tokens=24).choices[0].message.content
+    c = chat(client, temperature=1.0, seed=8, max_tokens=24).choices[0].message.content
+    assert a == b
+    assert a != c
+    assert a == "".join(ref.generate(USER, 24, temperature=1.0, seed=7, chat=True))
+    s, _ = stream_pieces(client, temperature=1.0, seed=7, max_tokens=24)
+    assert "".join(s) == a
+
+
+def test_text_parts_and_developer_role_read_as_plain_messages(client):
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
+    a, b = (client.chat.completions.create(model=ALIAS, messages=m, temperature=0, max_tokens=12)
+            for m in (plain, parts))
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+def test_completions(client, ref):
+    prompt = "Once upon a time"
+    r = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=16, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == "".join(ref.generate(prompt, 16, temperature=0))
+    assert r.usage.prompt_tokens == len(ref.tokenizer.encode(prompt))
+    ids = client.completions.create(model=ALIAS, prompt=ref.tokenizer.encode(prompt), max_tokens=16, temperature=0)
+    assert ids.choices[0].text == r.choices[0].text
+    chunks = list(client.completions.create(model=ALIAS, prompt=prompt, max_tokens=16, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_max_tokens_gives_length_and_counts(client, http):
+    r = chat(client, max_tokens=7, seed=1, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 7 and r.model_extra["timings"]["predicted_n"] == 7
+    r = chat(client, max_completion_tokens=5, seed=1, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    # max_tokens beyond the context is capped to what the context has left
+    ids = [5] * (N_CTX - 10)
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 100000, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["choices"][0]["finish_reason"] == "length"
+    assert j["usage"] == {"prompt_tokens": N_CTX - 10, "completion_tokens": 10, "total_tokens": N_CTX}
+
+
+# ---------------------------------------------------------------------------------------------- stop
+
+def test_stop_matcher_holds_back_partial_matches():
+    m = StopMatcher(["</end>", "STOP"])
+    out = []
+    for piece in ["Hello </", "en", "d> world"]:
+        text, hit = m.feed(piece)
+        out.append(text)
+        if hit:
+            break
+    assert out == ["Hello ", "", ""] and hit
+    m = StopMatcher(["abc"])
+    assert m.feed("xxab") == ("xx", False)
+    assert m.feed("d") == ("abd", False)
+    assert m.feed("a") == ("", False) and m.flush() == "a"
+    m = StopMatcher(["world", "lo w"])                         # the earliest match wins
+    assert m.feed("hello world") == ("hel", True)
+
+
+def test_stop_sequences_split_across_tokens(client):
+    kw = dict(temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
+    pieces, _ = stream_pieces(client, **kw)
+    text = "".join(pieces)
+    # a stop sequence made of the end of one token's text and the start of the next one's
+    k = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[k][-2:] + pieces[k + 1][:2]
+    want = text[:text.find(stop)]
+    r = chat(client, stop=stop, **kw)
+    assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+    s, chunks = stream_pieces(client, stop=[stop], **kw)
+    assert "".join(s) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    # a list: the earliest stop wins; a stop that never occurs changes nothing
+    early = pieces[1][:2]
+    r = chat(client, stop=[stop, early], **kw)
+    assert r.choices[0].message.content == text[:min(text.find(early), text.find(stop))]
+    r = chat(client, stop=["\x00never\x00"], **kw)
+    assert r.choices[0].message.content == text and r.choices[0].finish_reason == "length"
+    # completions too
+    c = client.completions.create(model=ALIAS, prompt="Once upon a time", temperature=0, max_tokens=30,
+                                  extra_body={"ignore_eos": True})
+    full = c.choices[0].text
+    stop = full[10:14]
+    c = client.completions.create(model=ALIAS, prompt="Once upon a time", temperature=0, max_tokens=30,
+                                  stop=stop, extra_body={"ignore_eos": True})
+    assert c.choices[0].text == full[:full.find(stop)] and c.choices[0].finish_reason == "stop"
+
+
+# ---------------------------------------------------------------------------------------------- concurrency
+
+def test_concurrent_requests_run_one_at_a_time_and_match_serial(srv, client, monkeypatch):
+    seeds = [11, 12, 13]
+    serial = [chat(client, seed=s, max_tokens=16).choices[0].message.content for s in seeds]
+    out = [None] * len(seeds)
+    inside, most, lock, forward = [0], [0], threading.Lock(), srv.model.forward
+
+    def counting_forward(*a, **kw):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.002)                            # widen the window an overlap would show in
+            return forward(*a, **kw)
+        finally:
+            with lock:
+                inside[0] -= 1
+    monkeypatch.setattr(srv.model, "forward", counting_forward)
+
+    def one(i):
+        out[i] = chat(client, seed=seeds[i], max_tokens=16).choices[0].message.content
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(seeds))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out == serial
+    assert most[0] == 1, "two generations ran on the model at once"
+
+
+def test_non_streaming_disconnect_cancels(srv):
+    body = json.dumps({"messages": [{"role": "user", "content": USER}], "max_tokens": N_CTX - 100,
+                       "ignore_eos": True}).encode()
+    before = srv.state.jobs_started
+    host, port = srv.url[len("http://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 20
+        while srv.state.jobs_started == before or srv.state.last_job.n_generated == 0:
+            assert time.monotonic() < deadline, "the generation did not start"
+            time.sleep(0.01)
+        job = srv.state.last_job
+    # the client hung up while the generation ran
+    assert job.done.wait(20), "the generation did not stop after the client went away"
+    assert job.cancelled and job.finish_reason is None
+    assert 0 < job.n_generated < N_CTX - 100
+
+
+def test_stream_disconnect_stops_generation_and_loop_stays_responsive(srv, http, client):
+    n = N_CTX - 100
+    body = {"messages": [{"role": "user", "content": USER}], "max_tokens": n, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(8)]                # role chunk, then a few text chunks
+        assert all(not x or x.startswith("data: ") for x in got)
+        job = srv.state.last_job
+        t0 = time.monotonic()
+        assert http.get("/health").json() == {"status": "ok"}   # answered while the model is busy
+        assert time.monotonic() - t0 < 5
+        assert not job.done.is_set(), "the generation ended before the test could look"
+    # leaving the block closed the connection mid-stream
+    assert job.done.wait(20), "the generation did not stop after the client went away"
+    assert job.cancelled and job.finish_reason is None
+    assert 0 < job.n_generated < n
+    assert chat(client, max_tokens=3, seed=1).usage.completion_tokens >= 1   # still serving
+
+
+def test_generation_failure_is_a_500_not_a_hang(srv, client, monkeypatch):
+    def boom(*a, **kw):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(srv.model, "forward", boom)
+    with pytest.raises(openai.InternalServerError) as e:
+        chat(client, max_tokens=3)
+    assert "generation failed: RuntimeError: boom" in str(e.value)
+    with pytest.raises(openai.APIError, match="boom"):
+        list(chat(client, max_tokens=3, stream=True))
+    monkeypatch.undo()
+    assert chat(client, max_tokens=3, seed=1).usage.completion_tokens >= 1
+
+
+# ---------------------------------------------------------------------------------------------- bad requests
+
+MSG = [{"role": "user", "content": "hi"}]
+BAD = [
+    # (endpoint, body (dict, or raw bytes), status, words the message must contain)
+    ("chat", b'{"messages": [', 400, "not valid JSON"),
+    ("chat", b"", 400, "empty"),
+    ("chat", b"[1, 2]", 400, "JSON object"),
+    ("chat", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "NaN"),
+    ("chat", {}, 400, "'messages' is required"),
+    ("chat", {"messages": "hi"}, 400, "'messages' must be an array"),
+    ("chat", {"messages": []}, 400, "'messages' is empty"),
+    ("chat", {"messages": ["hi"]}, 400, "messages[0] must be an object"),
+    ("chat", {"messages": [{"content": "hi"}]}, 400, "messages[0].role is missing"),
+    ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "'wizard' is not a known role"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content must be a string"),
+    ("chat", {"messages": [{"role": "user"}]}, 400, "messages[0].content is missing"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "text parts only"),
+    ("chat", {"messages": [{"role": "tool", "content": "42"}]}, 400, "chat template"),
+    ("chat", {"messages": MSG, "temperature": "hot"}, 400, "'temperature' must be a number"),
+    ("chat", {"messages": MSG, "temperature": -1}, 400, "'temperature' must be at least 0"),
+    ("chat", {"messages": MSG, "top_p": 2}, 400, "'top_p' must be at most 1"),
+    ("chat", {"messages": MSG, "max_tokens": 0}, 400, "'max_tokens' must be at least 1"),
+    ("chat", {"messages": MSG, "max_tokens": -5}, 400, "'max_tokens' must be at least 1"),
+    ("chat", {"messages": MSG, "max_completion_tokens": 1.5}, 400, "'max_completion_tokens' must be an integer"),
+    ("chat", {"messages": MSG, "max_tokens": True}, 400, "'max_tokens' must be an integer"),
+    ("chat", {"messages": MSG, "n": 2}, 400, "'n' is 2"),
+    ("chat", {"messages": MSG, "stop": 5}, 400, "'stop' must be a string or an array"),
+    ("chat", {"messages": MSG, "seed": "x"}, 400, "'seed' must be an integer"),
+    ("chat", {"messages": MSG, "stream": "yes"}, 400, "'stream' must be a boolean"),
+    ("chat", {"messages": MSG, "frequency_penalty": 0.5}, 400, "'frequency_penalty' is not supported"),
+    ("chat", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool calling"),
+    ("text", {}, 400, "'prompt' is required"),
+    ("text", {"prompt": 5}, 400, "'prompt' must be a string"),
+    ("text", {"prompt": [1, 99999]}, 400, "token id 99999, outside the vocabulary"),
+    ("text", {"prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ("text", {"prompt": ""}, 400, "the prompt is empty"),
+    ("text", {"prompt": "hi", "max_tokens": 0}, 400, "'max_tokens' must be at least 1"),
+    ("text", {"prompt": "hi", "echo": True}, 400, "'echo' is not supported"),
+]
+
+
+def check_error(r, status, words):
+    assert r.status_code == status, r.text
+    assert "Traceback" not in r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "code"}
+    assert words in err["message"], err["message"]
+    return err
+
+
+@pytest.mark.parametrize("kind,body,status,words", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests(http, kind, body, status, words):
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    if isinstance(body, bytes):
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, json=body)
+    err = check_error(r, status, words)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_prompt_longer_than_context(http, ref):
+    content = "dragon " * 3000
+    n = len(chat_ids(ref, [{"role": "user", "content": content}]))
+    assert n > N_CTX
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
+    err = check_error(r, 400, f"the prompt has {n} tokens but the context size is {N_CTX}")
+    assert f"{n - N_CTX + 1} tokens too many" in err["message"] and "-c " in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    r = http.post("/v1/completions", json={"prompt": [5] * N_CTX, "stream": True})
+    check_error(r, 400, "1 token too many")
+
+
+def raw_request(srv, head: bytes) -> tuple[int, dict]:
+    host, port = srv.url[len("http://"):].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(head)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_body_too_large(srv):
+    # refused from the header alone, before any of the body is read (so nothing is sent but the header here)
+    status, j = raw_request(srv, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n" % (9 << 20))
+    assert status == 413 and "this server accepts at most 8388608 bytes" in j["error"]["message"]
+
+
+def test_body_too_large_without_content_length(ref):
+    """A chunked body is counted as it arrives (in-process ASGI here, with a small limit)."""
+    app = create_app(ref, max_body_bytes=1000)
+
+    async def go():
+        async def body():
+            for _ in range(4):
+                yield b" " * 400
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            big = await c.post("/v1/completions", content=body())
+            ok = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            return big, ok
+    big, ok = asyncio.run(go())
+    assert "content-length" not in big.request.headers
+    check_error(big, 413, "over 1000 bytes")
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 1
+    app.state.hybridmoe.close()
+
+
+def test_not_found_and_wrong_method(http):
+    check_error(http.get("/v1/nothing"), 404, "no endpoint GET /v1/nothing")
+    check_error(http.get("/v1/models/other-model"), 404, "'other-model' is not served here")
+    check_error(http.get("/v1/chat/completions"), 405, "GET is not allowed")
+
+
+# ---------------------------------------------------------------------------------------------- the command
+
+SERVE = """import argparse, sys
+from hybridmoe.commands import serve
+from hybridmoe.errors import HybridMoeError
+p = argparse.ArgumentParser()
+serve.setup_arg_parser(p)
+try:
+    sys.exit(serve.main(p.parse_args(sys.argv[1:])))
+except HybridMoeError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def serve_argv(*args) -> list[str]:
+    from hybridmoe.cli import COMMANDS
+    if "serve" in COMMANDS:
+        return [sys.executable, "-m", "hybridmoe.cli", "serve", *args]
+    return [sys.executable, "-c", SERVE, *args]
+
+
+def test_serve_command(srv):
+    used_port = srv.url.rsplit(":", 1)[1]
+    r = subprocess.run(serve_argv("-m", "synth:tiny", "--port", used_port), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "cannot listen on 127.0.0.1:" + used_port in r.stderr, r.stderr
+
+    p = subprocess.Popen(serve_argv("-m", "synth:tiny", "--port", "0", "-c", "128", "--alias", "cli-tiny",
+                                    "--api-key", "sekret", "--log-level", "warning"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = [None]
+        reader = threading.Thread(target=lambda: line.__setitem__(0, p.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(60)
+        assert line[0], f"serve printed no URL; stderr: {p.stderr.read() if p.poll() is not None else ''}"
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line[0])
+        assert m, line[0]
+        url = m.group(1)
+        with httpx.Client(base_url=url, timeout=30) as c:
+            assert c.get("/health").json() == {"status": "ok"}          # /health needs no key
+            check_error(c.get("/v1/models"), 401, "API key")
+            r = c.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+            assert r.json()["data"][0]["id"] == "cli-tiny" and r.json()["data"][0]["meta"]["n_ctx"] == 128
+        with openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0, timeout=30) as oc:
+            assert oc.completions.create(model="cli-tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        p.send_signal(2)                                                # Ctrl-C: graceful shutdown
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+    assert p.returncode == 0, p.stderr.read()
