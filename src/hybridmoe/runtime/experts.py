@@ -131,7 +131,7 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
                       graw, uraw, draw, gate.qtype, down.qtype, n_threads=n_threads)
     if stats is not None and gate.device.kind == "cpu":
         stats.cpu_expert_seconds += time.perf_counter() - t0
-        n_active = int(torch.unique(ids).numel())
+        n_active = ids.shape[1] if ids.shape[0] == 1 else int(torch.unique(ids).numel())   # top-k ids are distinct
         stats.cpu_expert_bytes += n_active * (graw[0].numel() + uraw[0].numel() + draw[0].numel())
     return y
 

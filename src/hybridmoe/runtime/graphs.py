@@ -85,6 +85,7 @@ class StaticDecoder:
         pin = not self.dev.fake
         self.h_packed = torch.zeros(1, H + 2 * k, pin_memory=pin)
         self.h_moe = torch.zeros(1, H, pin_memory=pin)
+        self.h_logits = torch.zeros(1, cfg.n_vocab, pin_memory=pin)
         # segments: runs of layers that end at a CPU-expert layer (or at the output)
         self.segments, start = [], 0
         for i, lay in enumerate(self.layers):
@@ -191,7 +192,8 @@ class StaticDecoder:
                 self.moe_in.copy_(self.h_moe, non_blocking=True)
                 st.copy(self.dev.name, "CPU", hp.numel() * 4)
                 st.copy("CPU", self.dev.name, y.numel() * 4)
-        return self.logits.to("cpu", copy=True)
+        self.h_logits.copy_(self.logits)
+        return self.h_logits.clone()
 
 
 def _rope(x, cos, sin, neox: bool):
