@@ -440,7 +440,8 @@ def test_rule_warnings(monkeypatch, qwen30):
     assert p.warnings[0].startswith("-ot #1 `attn_qkv=CPU` matches no tensor of this model (names look like blk.0.")
     assert p.warnings[1] == ("-ot #3 `ffn_up_exps=CUDA1` matches 48 tensors but earlier rules place all of them "
                              "(the first matching rule wins)")
-    assert len(p.warnings) == 2
+    # a host-RAM warning depends on this machine's free memory at the moment; the rule warnings don't
+    assert len([w for w in p.warnings if not w.startswith("CPU needs")]) == 2
 
 
 def test_split_pair_warning_groups_layers(monkeypatch, qwen30):

@@ -1,14 +1,25 @@
-"""`hybridmoe plan -m MODEL [llama.cpp placement flags] [--json]`: where each tensor goes, before loading anything."""
+"""`hybridmoe plan -m MODEL [llama.cpp placement flags] [--json]`: where each tensor goes, before loading anything.
+
+`--suggest` searches placements instead (planner.py) and prints llama.cpp flags with predicted TG/PP;
+`--rig NAME_OR_FILE` plans for a machine described by a rig file (rigs/) instead of this one. Without
+--suggest, when rates are known (--rig, or this machine's cached `hybridmoe calibrate`), the plan gains a
+predicted TG/PP line for the given flags.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ..config import ModelConfig
+from ..devices import list_devices
 from ..errors import HybridMoeError
 from ..formats.gguf import TensorInfo, open_gguf
 from ..models.catalog import catalog_model, catalog_names, config_for_planning
 from ..placement import add_placement_args, format_plan, options_from_args, placement_to_json, plan_placement
+from ..placement_report import fmt_bytes, gib, layers_text
+from ..planner import OBJECTIVES, Suggestion, predict, suggest
+from ..rigs import read_rig, rig_names
 
 CATALOG_PREFIX = "catalog:"
 
@@ -34,16 +45,141 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     parser = parser or argparse.ArgumentParser(prog="hybridmoe plan", description=__doc__)
     add_model_arg(parser)
     add_placement_args(parser)
-    parser.add_argument("--json", action="store_true", help="print the placement as JSON")
+    parser.add_argument("--json", action="store_true", help="print the placement (or the suggestions) as JSON")
     parser.add_argument("--explain", action="append", default=[], metavar="NAME",
                         help="say which rule placed this tensor (repeatable)")
+    g = parser.add_argument_group("planner")
+    g.add_argument("--suggest", action="store_true",
+                   help="search placements and print llama.cpp flags with predicted TG/PP and memory per device "
+                   "(-c, -ub, -b, -ctk, -ctv, -fa, -nkvo, --no-op-offload are kept; -ngl/-ot/-ts/--n-cpu-moe "
+                   "are chosen)")
+    g.add_argument("--rig", metavar="NAME_OR_FILE",
+                   help=f"plan for the machine a rig JSON file describes, or a shipped rig ({', '.join(rig_names())}), "
+                   "instead of this one")
+    g.add_argument("--objective", choices=OBJECTIVES, default="tg",
+                   help="rank suggestions by decode speed (tg), prompt speed (pp) or the time of a 4096-token prompt "
+                   "plus 512 generated tokens (balanced); default tg")
+    g.add_argument("--top", type=int, default=4, metavar="N", help="how many suggestions to print (default 4)")
+    g.add_argument("--headroom", type=float, default=0.0, metavar="GIB",
+                   help="GiB to keep free on every GPU beyond the estimate of compute buffers (default 0)")
     return parser
+
+
+def _short_description(text: str) -> str:
+    """'rig x: NVIDIA GeForce RTX 5090, PCIe gen5 x8' -> 'RTX 5090'."""
+    text = text.split(": ", 1)[-1].split(", PCIe")[0].split(" (")[0]
+    for prefix in ("NVIDIA GeForce ", "NVIDIA "):
+        text = text.removeprefix(prefix)
+    return text[:24]
+
+
+def format_suggestions(sugs: list[Suggestion], objective: str) -> str:
+    """The suggestions as text: flags, predictions, experts per device, memory per device."""
+    if not sugs:
+        return "no suggestion"
+    first = sugs[0]
+    cfg = first.placement.cfg
+    total = sum(t.nbytes for t in first.placement.tensors.values())
+    out = [f"model: {getattr(cfg, 'name', '') or cfg.arch} ({cfg.arch}, {cfg.n_layer} layers, {fmt_bytes(total)})",
+           f"objective: {objective}; predictions are roofline bounds (tg{first.prediction.n_gen} at depth 0, "
+           f"pp{first.prediction.n_prompt}); memory as `hybridmoe plan` counts it"]
+    for i, s in enumerate(sugs, 1):
+        out += ["", f"#{i} {s.label}: TG {s.tg:.1f} t/s, PP {s.pp:.0f} t/s" + (f"   ({s.note})" if s.note else ""),
+                f"  {s.flags}", f"  predicted: {s.prediction.line()}"]
+        n_exp = sum(1 for il in range(cfg.n_layer) if s.placement.layer_tensor(il, "ffn_up_exps"))
+        on_gpu = sum(len(v) for v in s.gpu_expert_layers.values())
+        if n_exp:
+            out.append(f"  expert layers on GPUs: {on_gpu} of {n_exp}" +
+                       (f"; in RAM: blk {layers_text(s.cpu_expert_layers)}" if s.cpu_expert_layers else ""))
+        rows = []
+        for m in s.memory:
+            if m.name == "CPU" or m.total:
+                status = "OVER" if m.total > m.free else ""
+                rows.append((m.name, _short_description(m.description), layers_text(m.expert_layers)
+                             if m.expert_layers else "-", gib(m.expert_bytes), gib(m.weights), gib(m.kv),
+                             gib(m.compute), gib(m.total), gib(m.free), status))
+        head = ("device", "", "experts of blk", "experts", "weights", "KV", "compute", "total", "free", "")
+        widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+        for r in [head] + rows:
+            out.append("  " + "  ".join(str(c).ljust(w) if i < 3 else str(c).rjust(w)
+                                        for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        for w in s.placement.warnings:
+            out.append(f"  warning: {w}")
+    return "\n".join(out)
+
+
+def _machine(args):
+    """(devices, rates, rig or None, where the rates come from)."""
+    if args.rig:
+        rig = read_rig(args.rig)
+        return rig.devices, rig.rates, rig, f"rig {rig.name}"
+    from ..runtime.calibrate import cache_path, load_cached
+    rates = load_cached()
+    return list_devices(), rates, None, (f"this machine's calibration ({cache_path()}, {rates.measured_at})"
+                                         if rates else "")
+
+
+def _prediction_doc(pred, source: str) -> dict:
+    return {"tg_ts": pred.tg, "pp_ts": pred.pp, "n_gen": pred.n_gen, "n_prompt": pred.n_prompt,
+            "ubatch": pred.ubatch, "tg_limit": pred.tg_bound.limit, "pp_limit": pred.pp_bound.limit,
+            "tg_detail": pred.tg_bound.detail(), "pp_detail": pred.pp_bound.detail(),
+            "uploaded_layers": pred.uploaded_layers, "crossings_per_token": pred.crossings, "rates": source}
+
+
+def _ignored_flags(args) -> list[str]:
+    out = []
+    if args.n_gpu_layers:
+        out.append("-ngl")
+    if args.override_tensor:
+        out.append("-ot")
+    if args.cpu_moe:
+        out.append("--cpu-moe")
+    if args.n_cpu_moe:
+        out.append("--n-cpu-moe")
+    if args.tensor_split:
+        out.append("-ts")
+    return out
+
+
+def _suggest(args, cfg, tensors, opts, devices, rates, rig, source) -> int:
+    if rates is None:
+        raise HybridMoeError("--suggest needs the machine's rates: run `hybridmoe calibrate` here, or plan for a "
+                             f"rig with --rig NAME_OR_FILE (shipped: {', '.join(rig_names())})")
+    ignored = _ignored_flags(args)
+    if ignored:
+        print(f"note: --suggest chooses {', '.join(ignored)} itself; the given values are ignored", file=sys.stderr)
+    if args.headroom < 0:
+        raise HybridMoeError(f"--headroom {args.headroom:g}: give GiB >= 0")
+    sugs = suggest(tensors, cfg, devices, rates, opts, objective=args.objective, count=max(args.top, 1),
+                   headroom=int(args.headroom * (1 << 30)))
+    if args.json:
+        print(json.dumps({"rig": rig.name if rig else None, "rates": source, "objective": args.objective,
+                          "suggestions": [{"label": s.label, "note": s.note, "flags": s.flags, "argv": s.argv,
+                                           "predicted": _prediction_doc(s.prediction, source),
+                                           "devices": [{"name": m.name, "description": m.description,
+                                                        "expert_layers": m.expert_layers,
+                                                        "expert_bytes": m.expert_bytes, "weights": m.weights,
+                                                        "kv": m.kv, "compute": m.compute, "total": m.total,
+                                                        "free": m.free} for m in s.memory],
+                                           "warnings": list(s.placement.warnings)} for s in sugs]}, indent=1))
+        return 0
+    if rig:
+        print(rig.summary() + "\n")
+    else:
+        print(f"rates: {source}\n")
+    print(format_suggestions(sugs, args.objective))
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
     """Print the plan; exit status 1 when some GPU is over its free memory (the last line says what to try)."""
     cfg, tensors = load_records(args.model)
-    placement = plan_placement(tensors, cfg, options_from_args(args))
+    opts = options_from_args(args)
+    devices, rates, rig, source = _machine(args)
+    if args.suggest:
+        return _suggest(args, cfg, tensors, opts, devices, rates, rig, source)
+    placement = plan_placement(tensors, cfg, opts, devices)
+    pred = predict(placement, rates) if rates is not None else None
     problem = None
     try:
         placement.check_fits()
@@ -53,11 +189,17 @@ def main(args: argparse.Namespace) -> int:
         doc = placement_to_json(placement)
         doc["error"] = problem
         doc["explain"] = {n: placement.explain(n) for n in args.explain}
+        doc["rig"] = rig.name if rig else None
+        doc["predicted"] = _prediction_doc(pred, source) if pred else None
         print(json.dumps(doc, indent=1))
     else:
+        if rig:
+            print(rig.summary() + "\n")
         print(format_plan(placement, cfg))
         for name in args.explain:
             print(placement.explain(name))
+        if pred:
+            print(f"\npredicted (roofline bound, rates from {source}): {pred.line()}")
         print(f"\ndoes not fit: {problem}" if problem else "\nfits: every GPU has room for its weights, KV cache "
               "and compute buffers")
     return 1 if problem else 0

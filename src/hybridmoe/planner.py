@@ -1,0 +1,630 @@
+"""Planner: where each tensor should go on a rig, as llama.cpp flags, with predicted TG and PP.
+
+`suggest()` searches placements that llama.cpp's flags can express and ranks them by a roofline prediction:
+- Layout: `-ngl` (all layers plus output when they fit, else fewer) and `-ts` with exact layer counts, so each
+  GPU holds a contiguous range of layers with their attention, norms, router, shared experts and KV cache.
+  Inside a GPU's range, a layer is *full* (its routed experts on that GPU too) or *host* (its experts in RAM:
+  `--n-cpu-moe N` when those layers are a prefix, else one `-ot "blk\\.(..)\\.ffn_(up|down|gate)_exps=CPU"`).
+  gate/up/down of a layer always move together, so no fused pair is split (ik_llama.cpp issue 521).
+- Search: for each ubatch size, upload choice (op offload on/off) and host GPU h (where host layers' attention
+  sits; with op offload it also holds the upload staging buffers), start with every expert layer hosted on h,
+  spread host layers over other GPUs until every GPU fits, then turn host layers into full layers, filling the
+  GPUs fastest first (by measured or declared memory bandwidth) while everything fits. Memory is counted as
+  placement.py counts it (weights, KV cache, compute buffers, upload staging), then each candidate is
+  re-planned from its own flags, which must give the same device map and fit.
+- Prediction (`predict`, also for any given placement): roofline.model_work + tg_bound / pp_bound, plus device
+  crossings per token (half a measured sync round trip and the activation copy per crossing). Host experts are
+  uploaded for prompt processing per layer when `Rates.offload_pays` says so, as the scheduler decides.
+Objectives: "tg" (decode t/s), "pp" (prefill t/s), "balanced" (least time for a request of `workload`
+prompt and generated tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+from .config import ModelConfig
+from .devices import Device
+from .errors import PlacementError
+from .formats.gguf import TensorInfo
+from .placement import Placement, PlacementOptions, add_placement_args, options_from_args, plan_placement
+from .placement_report import layer_of, layers_regex
+from .roofline import Bound, model_work, pp_bound, tg_bound, upload_targets
+
+OBJECTIVES = ("tg", "pp", "balanced")
+UB_CHOICES = (512, 1024, 2048, 4096)          # ubatch sizes tried at or above the one asked for
+EXPS_OT = r"\.ffn_(up|down|gate)_exps"
+EXPERT_SHORTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+DEFAULTS = PlacementOptions()
+
+
+# ----------------------------------------------------------------------------------------- prediction
+
+@dataclass
+class Prediction:
+    tg: float                  # decoded tokens/s at depth 0 (tg{n_gen})
+    pp: float                  # prompt tokens/s for n_prompt tokens in ubatches of `ubatch` (pp{n_prompt})
+    tg_bound: Bound
+    pp_bound: Bound
+    n_gen: int
+    n_prompt: int
+    ubatch: int
+    uploaded_layers: list[int]     # layers whose host experts are uploaded to a GPU during prompt processing
+    crossings: int                 # device changes per decoded token
+
+    def request_seconds(self, n_prompt: int, n_gen: int) -> float:
+        return n_prompt / self.pp + n_gen / self.tg
+
+    def line(self) -> str:
+        up = f"; host experts of {len(self.uploaded_layers)} layers uploaded" if self.uploaded_layers else ""
+        return (f"TG {self.tg:.1f} t/s (tg{self.n_gen}, limit {self.tg_bound.limit}), "
+                f"PP {self.pp:.0f} t/s (pp{self.n_prompt} at -ub {self.ubatch}, limit {self.pp_bound.limit}{up})")
+
+
+def _with_term(b: Bound, key: str, secs: float) -> Bound:
+    terms = dict(b.terms)
+    if secs > 0:
+        terms[key] = terms.get(key, 0.0) + secs
+    return Bound(b.seconds + secs, b.tokens, max(terms, key=terms.get) if terms else b.limit, terms)
+
+
+def _crossing_seconds(rates, a: str, b: str, nbytes: float) -> float:
+    """A copy from device a to b: each GPU end pays half a sync round trip and its PCIe link (GPU to GPU goes
+    through the host)."""
+    return sum(rates.sync(d) / 2 + nbytes / rates.h2d(d) for d in (a, b) if d != "CPU")
+
+
+def _token_path(p: Placement, expert_dev: dict[int, str]) -> tuple[list[str], int]:
+    """Devices one token's activations visit in order (input, each layer's ops, logits back to the host), and
+    the extra crossings of split gate/up pairs. expert_dev: layer -> GPU its host experts run on (uploaded)."""
+    dev = p.device_of
+    path = [dev.get("token_embd.weight", "CPU")]
+    extra = 0
+    for il in range(p.cfg.n_layer):
+        def at(short):
+            n = p.layer_tensor(il, short)
+            return None if n is None else dev[n]
+        seq = [at("attn_norm"), p.attn_device(il), at("ffn_norm"), at("ffn_gate_inp")]
+        exps = [at(s) for s in EXPERT_SHORTS]
+        if il in expert_dev:
+            exps = [expert_dev[il] if e is not None else None for e in exps]
+        elif exps[0] is not None and exps[1] is not None and exps[0] != exps[1]:
+            extra += 1                  # the gate output moves to down's device for the SiLU product
+        seq += exps + [at("ffn_up_shexp"), at("ffn_up")]
+        seq = [d for d in seq if d is not None]
+        residual = at("ffn_norm") or p.attn_device(il)
+        seq.append(residual if residual != "CPU" else seq[-1])     # the residual add runs on a GPU side
+        path += seq
+    out = dev.get("output.weight", dev.get("token_embd.weight", "CPU"))
+    path += [out, "CPU"]
+    return [d for i, d in enumerate(path) if i == 0 or d != path[i - 1]], extra
+
+
+def _path_seconds(p: Placement, rates, n_tokens: int, expert_dev: dict[int, str]) -> tuple[float, int]:
+    path, extra = _token_path(p, expert_dev)
+    nb = n_tokens * p.cfg.n_embd * 4
+    secs = sum(_crossing_seconds(rates, a, b, nb) for a, b in zip(path, path[1:]))
+    if extra:
+        gpu = next((d for d in path if d != "CPU"), "CPU")
+        secs += extra * _crossing_seconds(rates, gpu, "CPU", nb)
+    return secs, len(path) - 1 + extra
+
+
+def _uploads(p: Placement, rates, ubatch: int) -> dict[int, str]:
+    """Layer -> GPU for the layers whose host experts the scheduler would upload for a batch of `ubatch`."""
+    gpus, o, cfg = p.gpus, p.opts, p.cfg
+    if not o.op_offload or not gpus or o.main_gpu >= len(gpus) or not cfg.n_expert:
+        return {}
+    targets = upload_targets(p.tensors, p.device_of, p.attn_device, gpus[o.main_gpu].name)
+    out = {}
+    for il in range(cfg.n_layer):
+        names = [p.layer_tensor(il, s) for s in EXPERT_SHORTS]
+        if any(n is None or n not in targets for n in names):
+            continue                      # split experts run unfused, where they live
+        nbytes = sum(p.tensors[n].nbytes for n in names)
+        n_params = sum(p.tensors[n].n_elements for n in names)
+        gpu = targets[names[0]]
+        if rates.offload_pays("moe_up_gate", ubatch, nbytes, cfg.n_expert, cfg.n_expert_used, gpu=gpu,
+                              n_params=n_params):
+            out[il] = gpu
+    return out
+
+
+def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128) -> Prediction:
+    """Roofline TG (n_gen tokens at depth 0) and PP (n_prompt tokens, ubatch from the placement's options)."""
+    p, cfg = placement, placement.cfg
+    ub = p.opts.ubatch_size
+    kv_devices = [p.kv_device(i) for i in range(cfg.n_layer)]
+    ctx = p.opts.ctx_size or cfg.n_ctx_train
+    kvb = p.kv_bytes_layer[0] / ctx if cfg.n_layer and ctx else 0.0
+    tg = tg_bound(model_work(p.tensors, p.device_of, cfg), cfg, kv_devices, rates, n_gen, 0, kvb)
+    per_token, n_cross = _path_seconds(p, rates, 1, {})
+    tg = _with_term(tg, "crossings", n_gen * per_token)
+    ups = _uploads(p, rates, ub)
+    targets = {n: g for il, g in ups.items() for n in (p.layer_tensor(il, s) for s in EXPERT_SHORTS)}
+    pp = pp_bound(model_work(p.tensors, p.device_of, cfg, targets), cfg, kv_devices, rates, n_prompt, ub, 0, kvb)
+    cross = 0.0
+    for start in range(0, n_prompt, ub):
+        cross += _path_seconds(p, rates, min(ub, n_prompt - start), ups)[0]
+    pp = _with_term(pp, "crossings", cross)
+    return Prediction(tg.ts, pp.ts, tg, pp, n_gen, n_prompt, ub, sorted(ups), n_cross)
+
+
+# ----------------------------------------------------------------------------------------- suggestions
+
+@dataclass
+class DeviceUse:
+    name: str
+    description: str
+    weights: int
+    kv: int
+    compute: int
+    free: int
+    expert_bytes: int              # routed-expert weights held there
+    expert_layers: list[int]
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute
+
+
+@dataclass
+class Suggestion:
+    flags: str                     # llama.cpp command-line flags, shell-quoted
+    argv: list[str]                # the same, as arguments
+    options: PlacementOptions
+    placement: Placement
+    prediction: Prediction
+    memory: list[DeviceUse]        # CPU first, then each GPU: use vs free
+    label: str = ""                # "best TG", "best PP", ...
+    note: str = ""                 # how it differs from the first suggestion
+    estimate: list[int] = field(default_factory=list)   # the search's own bytes per GPU (placement.py's
+    #                                count unless the two drifted; the search then corrects by re-planning)
+
+    @property
+    def tg(self) -> float:
+        return self.prediction.tg
+
+    @property
+    def pp(self) -> float:
+        return self.prediction.pp
+
+    @property
+    def gpu_expert_layers(self) -> dict[str, list[int]]:
+        return {m.name: m.expert_layers for m in self.memory if m.name != "CPU"}
+
+    @property
+    def cpu_expert_layers(self) -> list[int]:
+        return self.memory[0].expert_layers
+
+
+@dataclass
+class _Layout:
+    P: int                         # the first P layers stay entirely on the CPU (-ngl n_layer - P)
+    a: list[int]                   # per GPU: host layers (attention there, experts in RAM)
+    k: list[int]                   # per GPU: full layers (experts there too)
+    op: bool                       # op offload (upload staging buffers, PP uploads)
+    ub: int
+    ranges: list = field(default_factory=list)
+
+
+class _Search:
+    """Per-layer bytes of one model on one set of devices, the memory estimate of a layout, and the search."""
+
+    def __init__(self, tensors, cfg, opts: PlacementOptions, devices: list[Device], rates):
+        self.tensors, self.cfg, self.opts, self.devices, self.rates = tensors, cfg, opts, devices, rates
+        self.gpus = [d for d in devices if d.is_gpu]
+        n = cfg.n_layer
+        self.dense, self.exps = [0] * n, [0] * n
+        self.has_attn, self.ffn_dense, self.ffn_exps = [False] * n, [False] * n, [False] * n
+        self.width = [0] * n
+        self.out_bytes = 0
+        for name, t in tensors.items():
+            il = layer_of(name)
+            if il is None:
+                if name.startswith("output"):
+                    self.out_bytes += t.nbytes
+                continue
+            if il >= n:
+                continue
+            short = name.split(".")[2]
+            if short.endswith("_exps"):
+                self.exps[il] += t.nbytes
+                self.ffn_exps[il] = True
+            else:
+                self.dense[il] += t.nbytes
+                self.has_attn[il] |= short.startswith("attn_")
+                self.ffn_dense[il] |= short.startswith("ffn_") and not short.endswith("norm")
+            if short == "ffn_up_exps":
+                self.width[il] += cfg.n_expert_used * t.shape[-2]
+            elif short in ("ffn_up_shexp", "ffn_up"):
+                self.width[il] += t.shape[0]
+        self.has_logits = "output.weight" in tensors
+        self.moe = any(self.exps)
+        base = plan_placement(tensors, cfg, opts.replace(n_gpu_layers=0, override_tensor=[], cpu_moe=False,
+                                                         n_cpu_moe=0, tensor_split=None), devices)
+        self.kv = list(base.kv_bytes_layer)
+        self.speed_order = sorted(range(len(self.gpus)), key=lambda g: (-rates.read_bw(self.gpus[g].name), g))
+        self.n_prompt, self.n_gen = 4096, 128                  # what predictions are made for (suggest sets them)
+
+    # --- layout -> layers per GPU -> memory -------------------------------------------------------
+    def is_unit(self, il: int) -> bool:
+        return self.exps[il] > 0 or not self.moe
+
+    def ranges(self, lay: _Layout) -> list[list[tuple[int, bool]]]:
+        """Per GPU, in device order: (layer, full) for its contiguous range; host layers come first."""
+        seq, pos, out = list(range(lay.P, self.cfg.n_layer)), 0, []
+        for g in range(len(self.gpus)):
+            na, nk, rng = lay.a[g], lay.k[g], []
+            while (na or nk) and pos < len(seq):
+                il = seq[pos]
+                pos += 1
+                if not self.is_unit(il):
+                    rng.append((il, True))
+                elif na:
+                    rng.append((il, False))
+                    na -= 1
+                else:
+                    rng.append((il, True))
+                    nk -= 1
+            out.append(rng)
+        if pos < len(seq):                      # layers without experts after the last expert layer
+            last = max((g for g in range(len(out)) if out[g]), default=0)
+            out[last] += [(il, True) for il in seq[pos:]]
+        return out
+
+    def out_gpu(self, lay: _Layout, ranges) -> int | None:
+        if lay.P:
+            return None
+        return max((g for g in range(len(ranges)) if ranges[g]), default=None)
+
+    def estimate(self, lay: _Layout) -> list[int]:
+        """Bytes each GPU needs, as placement.py counts them (weights + KV + activations/logits/staging)."""
+        o, cfg = self.opts, self.cfg
+        ub = lay.ub
+        ctx = o.ctx_size or cfg.n_ctx_train
+        hidden = ub * cfg.n_embd * 4 * 8
+        scores = 0 if o.flash_attn else ub * ctx * cfg.n_head * 4
+        ranges = lay.ranges = self.ranges(lay)
+        out = self.out_gpu(lay, ranges)
+        totals = []
+        for g, rng in enumerate(ranges):
+            w = kv = act = stg = 0
+            for il, full in rng:
+                w += self.dense[il] + (self.exps[il] if full else 0)
+                kv += 0 if o.no_kv_offload else self.kv[il]
+                ffn_here = self.ffn_dense[il] or (full and self.ffn_exps[il])
+                per = hidden + scores if self.has_attn[il] else 0
+                if ffn_here:
+                    per = (per or hidden) + ub * 4 * (3 * self.width[il] + cfg.n_expert)
+                act = max(act, per)
+                if lay.op and not full and self.exps[il]:
+                    stg = max(stg, 2 * self.exps[il])
+            if lay.op and lay.P and g == o.main_gpu:          # CPU layers' experts stage on -mg
+                stg = max([stg] + [2 * self.exps[il] for il in range(lay.P)])
+            logits = 0
+            if g == out:
+                w += self.out_bytes
+                logits = ub * cfg.n_vocab * 4 if self.has_logits else 0
+            totals.append(w + kv + act + logits + stg)
+        return totals
+
+    def fits(self, lay: _Layout, slack: list[int]) -> bool:
+        return all(t <= d.free_bytes - s for t, d, s in zip(self.estimate(lay), self.gpus, slack))
+
+    # --- search -------------------------------------------------------------------------------------
+    def layout(self, P: int, h: int, op: bool, ub: int, slack: list[int], rebalance: bool = True) -> _Layout | None:
+        """Every unit hosted on GPU h, spread until it fits, then filled fastest GPU first, then (rebalance) host
+        layers moved off GPUs that can take one more full layer without them; None if it can't fit."""
+        G = len(self.gpus)
+        units = sum(1 for il in range(P, self.cfg.n_layer) if self.is_unit(il))
+        a, k = [0] * G, [0] * G
+        a[h] = units
+        lay = _Layout(P, a, k, op, ub)
+        for _ in range(units * G + 1):              # spread host layers off GPUs that are over
+            totals = self.estimate(lay)
+            over = [g for g in range(G) if totals[g] > self.gpus[g].free_bytes - slack[g]]
+            if not over:
+                break
+            g = max(over, key=lambda x: totals[x] - self.gpus[x].free_bytes + slack[x])
+            if not a[g]:
+                return None
+            room = sorted((x for x in range(G) if x != g), key=lambda x: totals[x] - self.gpus[x].free_bytes + slack[x])
+            for x in room:
+                a[g] -= 1
+                a[x] += 1
+                t2 = self.estimate(lay)
+                if t2[x] <= self.gpus[x].free_bytes - slack[x]:
+                    break
+                a[g] += 1
+                a[x] -= 1
+            else:
+                return None
+        else:
+            return None
+        grown = True
+        while grown:                                # fill: host layers become full layers, fastest GPU first;
+            grown = False                           # again while any grew (a GPU that gave up host layers
+            for g in self.speed_order:              # has room it lacked on the first pass)
+                while any(a):
+                    for src in self._sources(lay, g, h):
+                        a[src] -= 1
+                        k[g] += 1
+                        if self.fits(lay, slack):
+                            grown = True
+                            break
+                        a[src] += 1
+                        k[g] -= 1
+                    else:
+                        break
+        while rebalance and self._rebalance(lay, h, slack):
+            pass
+        self.estimate(lay)                          # refresh lay.ranges
+        return lay
+
+    def _rebalance(self, lay: _Layout, h: int, slack: list[int]) -> bool:
+        """Give one GPU room for one more full layer by moving host layers (their attention) to GPUs with
+        room to spare; True if some GPU gained a full layer."""
+        a, k, G = lay.a, lay.k, len(lay.a)
+        for g in self.speed_order:
+            if not a[g]:
+                continue
+            moved = []
+            while a[g]:
+                totals = self.estimate(lay)
+                room = sorted((x for x in range(G) if x != g),
+                              key=lambda x: totals[x] - self.gpus[x].free_bytes + slack[x])
+                for x in room:
+                    a[g] -= 1
+                    a[x] += 1
+                    if self.fits(lay, slack):
+                        moved.append(x)
+                        break
+                    a[g] += 1
+                    a[x] -= 1
+                else:
+                    break
+                for src in self._sources(lay, g, h):
+                    a[src] -= 1
+                    k[g] += 1
+                    if self.fits(lay, slack):
+                        return True
+                    a[src] += 1
+                    k[g] -= 1
+            for x in moved:                         # no gain: undo the moves
+                a[x] -= 1
+                a[g] += 1
+        return False
+
+    def _sources(self, lay: _Layout, g: int, h: int) -> list[int]:
+        """Which GPU gives up a host layer when g takes a full one: g itself, then the GPUs with the fewest
+        host layers (emptying one drops its staging buffer), the host GPU h last."""
+        others = sorted((x for x in range(len(lay.a)) if lay.a[x] and x not in (g, h)), key=lambda x: lay.a[x])
+        return ([g] if lay.a[g] else []) + others + ([h] if h != g and lay.a[h] else [])
+
+    def argv(self, lay: _Layout) -> list[str]:
+        o, n = self.opts, self.cfg.n_layer
+        ranges = lay.ranges
+        out = self.out_gpu(lay, ranges)
+        ngl = n - lay.P if lay.P else (99 if n < 99 else n + 1)
+        argv = ["-ngl", str(ngl)]
+        if len(self.gpus) > 1:
+            counts = [len(r) + (1 if g == out else 0) for g, r in enumerate(ranges)]
+            argv += ["-ts", ",".join(str(c) for c in counts)]
+        host = sorted(il for r in ranges for il, full in r if not full and self.exps[il])
+        if host:
+            on_cpu = sorted(set(host) | {il for il in range(lay.P) if self.exps[il]})
+            end = on_cpu[-1] + 1
+            if on_cpu == [il for il in range(end) if self.exps[il]]:
+                argv += ["--n-cpu-moe", str(end)]
+            else:
+                argv += ["-ot", rf"blk\.{layers_regex(host)}{EXPS_OT}=CPU"]
+        if o.main_gpu:
+            argv += ["-mg", str(o.main_gpu)]
+        argv += ["-c", str(o.ctx_size), "-ub", str(lay.ub)]
+        b = max(o.batch_size, lay.ub)
+        if b != DEFAULTS.batch_size:
+            argv += ["-b", str(b)]
+        if o.cache_type_k != DEFAULTS.cache_type_k:
+            argv += ["-ctk", o.cache_type_k]
+        if o.cache_type_v != DEFAULTS.cache_type_v:
+            argv += ["-ctv", o.cache_type_v]
+        if not o.flash_attn:
+            argv += ["-fa", "off"]
+        if o.no_kv_offload:
+            argv.append("-nkvo")
+        if not lay.op and (host or lay.P):
+            argv.append("--no-op-offload")
+        return argv
+
+
+def _quote(arg: str) -> str:
+    return f'"{arg}"' if any(c in arg for c in "\\()[]|*?{} ") else arg
+
+
+def options_from_argv(argv: list[str]) -> PlacementOptions:
+    """Placement options from llama.cpp flags, through the same argparse definitions the commands use."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_placement_args(parser)
+    return options_from_args(parser.parse_args(argv))
+
+
+def _memory(p: Placement) -> list[DeviceUse]:
+    out = []
+    for d in p.devices:
+        t = p.totals[d.name]
+        layers = sorted({layer_of(n) for n, dev in p.device_of.items() if dev == d.name and "_exps." in n
+                         and layer_of(n) is not None})
+        eb = sum(p.tensors[n].nbytes for n, dev in p.device_of.items() if dev == d.name and "_exps." in n)
+        out.append(DeviceUse(d.name, d.description, t.weights, t.kv, t.compute, t.free, eb, layers))
+    return out
+
+
+def _score(pred: Prediction, objective: str, workload: tuple[int, int]) -> float:
+    if objective == "tg":
+        return pred.tg
+    if objective == "pp":
+        return pred.pp
+    return 1.0 / pred.request_seconds(*workload)
+
+
+SECONDARY = {"tg": "pp", "pp": "tg", "balanced": "tg"}
+
+
+def _rank_key(s: Suggestion, objective: str, workload) -> tuple:
+    # values within 0.2% tie; then the other objective, the smaller ubatch, the shorter command line
+    def bucket(obj):
+        return -round(math.log(max(_score(s.prediction, obj, workload), 1e-12)) / math.log(1.002))
+    return (bucket(objective), bucket(SECONDARY[objective]), s.options.ubatch_size, len(s.argv), s.flags)
+
+
+def suggest(tensors: dict[str, TensorInfo] | list[TensorInfo], cfg: ModelConfig, devices: list[Device], rates,
+            opts: PlacementOptions | None = None, objective: str = "tg", count: int = 4, n_prompt: int = 4096,
+            n_gen: int = 128, workload: tuple[int, int] = (4096, 512), headroom: int = 0) -> list[Suggestion]:
+    """Placements ranked by `objective` ("tg", "pp" or "balanced"): the best at opts' -ub first, then the best
+    for each objective (any -ub), the best without -ot rules, and trade-offs (each better than all shown by 2%
+    in TG or PP), `count` at most. Predictions are for tg{n_gen} and pp{n_prompt}. opts gives -c, -ub (the smallest
+    tried), -b, cache types, -fa, -nkvo and --no-op-offload; -ngl/-ot/-ts/--n-cpu-moe are what the planner
+    decides. headroom: bytes left free on every GPU beyond what placement.py counts."""
+    if objective not in OBJECTIVES:
+        raise PlacementError(f"objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+    if not isinstance(tensors, dict):
+        tensors = {t.name: t for t in tensors}
+    opts = (opts or PlacementOptions()).replace(split_mode="layer")
+    s = _Search(tensors, cfg, opts, devices, rates)
+    s.n_prompt, s.n_gen = n_prompt, n_gen
+    cands = _candidates(s, opts, headroom)
+    if not cands:
+        raise PlacementError("no placement fits: even with every layer on the CPU some GPU is over (compute "
+                             "buffers); lower -ub or -c")
+    ranked = sorted(cands, key=lambda c: _rank_key(c, objective, workload))
+    # the first keeps the -ub asked for; larger ubatches (more compute buffer, fewer layers) are alternatives
+    picked = [next((c for c in ranked if c.options.ubatch_size == opts.ubatch_size), ranked[0])]
+    picked[0].label = "best " + _name(objective)
+    for obj in OBJECTIVES:
+        best = min(cands, key=lambda c: _rank_key(c, obj, workload))
+        if obj == objective and _rank_key(best, obj, workload)[0] >= _rank_key(picked[0], obj, workload)[0]:
+            continue                   # a larger -ub that is no better for the objective itself
+        if best not in picked and len(picked) < count and _adds(best, picked):
+            best.label = "best " + _name(obj) + (f" at -ub {best.options.ubatch_size}" if obj == objective else "")
+            picked.append(best)
+    simple = sorted((c for c in ranked if "-ot" not in c.argv),
+                    key=lambda c: c.options.ubatch_size != opts.ubatch_size)      # stable: keeps the ranking
+    if simple and "-ot" in picked[0].argv and simple[0] not in picked and len(picked) < count:
+        simple[0].label = "simplest flags"            # no -ot rule: --n-cpu-moe and -ts only
+        picked.append(simple[0])
+    for c in ranked:                   # then the trade-offs between them
+        if len(picked) >= count:
+            break
+        if c not in picked and _adds(c, picked):
+            c.label = "alternative"
+            picked.append(c)
+    for c in picked[1:]:
+        c.note = _difference(picked[0], c)
+    return picked
+
+
+def _adds(c: Suggestion, shown: list[Suggestion], rel: float = 0.02) -> bool:
+    """Better than each suggestion shown by more than 2% in TG or in PP: a trade-off worth listing."""
+    return all(c.tg > q.tg * (1 + rel) or c.pp > q.pp * (1 + rel) for q in shown)
+
+
+def _name(objective: str) -> str:
+    return objective if objective == "balanced" else objective.upper()
+
+
+def _candidates(s: _Search, opts: PlacementOptions, headroom: int = 0) -> list[Suggestion]:
+    G, n = len(s.gpus), s.cfg.n_layer
+    ubs = sorted({opts.ubatch_size} | {u for u in UB_CHOICES if u > opts.ubatch_size})
+    seen: dict[str, Suggestion] = {}
+    for P in range(0, n + 1):
+        for ub in ubs:
+            ops = [False] + ([True] if opts.op_offload and G and s.moe else [])
+            for op in ops:
+                for h in (range(G) if G else [None]):
+                    if op and not _uploads_pay(s, h, ub):
+                        continue             # staging memory for uploads that never happen
+                    for rebalance in (True, False):     # without: host layers stay together (simpler -ot)
+                        c = _candidate(s, P, h, op, ub, headroom, rebalance)
+                        if c is not None and c.flags not in seen:
+                            seen[c.flags] = c
+        if seen or not G:
+            break
+    return list(seen.values())
+
+
+def _uploads_pay(s: _Search, h: int, ub: int) -> bool:
+    units = [il for il in range(s.cfg.n_layer) if s.exps[il]]
+    if not units:
+        return False
+    il = units[len(units) // 2]
+    n_params = sum(t.n_elements for name, t in s.tensors.items() if layer_of(name) == il and "_exps." in name)
+    return s.rates.offload_pays("moe_up_gate", ub, s.exps[il], s.cfg.n_expert, s.cfg.n_expert_used,
+                                gpu=s.gpus[h].name, n_params=n_params)
+
+
+def _candidate(s: _Search, P: int, h: int | None, op: bool, ub: int, headroom: int = 0,
+               rebalance: bool = True) -> Suggestion | None:
+    """Build the layout, re-plan it from its own flags, and if placement.py counts more than the estimate
+    (it owns the accounting), tighten that GPU by the difference and build again."""
+    G = len(s.gpus)
+    slack = [headroom] * G
+    for _ in range(4):
+        lay = None
+        if G:
+            lay = s.layout(P, h, op, ub, slack, rebalance)
+            if lay is None:
+                return None
+            argv = s.argv(lay)
+        else:                                     # no GPU: everything on the CPU
+            argv = ["-ngl", "0", "-c", str(s.opts.ctx_size), "-ub", str(ub)]
+            if max(s.opts.batch_size, ub) != DEFAULTS.batch_size:
+                argv += ["-b", str(max(s.opts.batch_size, ub))]
+        o = options_from_argv(argv)
+        p = plan_placement(s.tensors, s.cfg, o, s.devices)
+        over = {d.name: p.totals[d.name].over for d in s.gpus if p.totals[d.name].over > 0}
+        if not over:
+            if lay is not None:
+                _check_layout(s, lay, p)
+            pred = predict(p, s.rates, s.n_prompt, s.n_gen)
+            return Suggestion(" ".join(_quote(a) for a in argv), argv, o, p, pred, _memory(p),
+                              estimate=s.estimate(lay) if lay is not None else [])
+        for g, d in enumerate(s.gpus):
+            slack[g] += over.get(d.name, 0)
+    return None
+
+
+def _check_layout(s: _Search, lay: _Layout, p: Placement) -> None:
+    """The flags must reproduce the layout: each layer's attention and experts where the search put them."""
+    for g, rng in enumerate(lay.ranges):
+        for il, full in rng:
+            want_attn = s.gpus[g].name
+            if p.attn_device(il) != want_attn:
+                raise PlacementError(f"planner bug: blk.{il} attention on {p.attn_device(il)}, expected {want_attn}")
+            for short in EXPERT_SHORTS:
+                n = p.layer_tensor(il, short)
+                if n is not None and p.device_of[n] != (want_attn if full else "CPU"):
+                    raise PlacementError(f"planner bug: {n} on {p.device_of[n]}")
+
+
+def _difference(a: Suggestion, b: Suggestion) -> str:
+    """How b differs from a, in words: expert layers on GPUs, ubatch, uploads, and the predicted change."""
+    ea = sum(len(v) for v in a.gpu_expert_layers.values())
+    eb = sum(len(v) for v in b.gpu_expert_layers.values())
+    parts = []
+    if eb != ea:
+        parts.append(f"{eb - ea:+d} expert layers on GPUs")
+    if b.options.ubatch_size != a.options.ubatch_size:
+        parts.append(f"-ub {b.options.ubatch_size}")
+    if b.options.op_offload != a.options.op_offload:
+        parts.append("uploads host experts for PP" if b.options.op_offload else "no uploads (--no-op-offload)")
+    parts.append(f"TG {_pct(b.tg, a.tg)}, PP {_pct(b.pp, a.pp)}")
+    return "; ".join(parts)
+
+
+def _pct(x: float, ref: float) -> str:
+    if ref <= 0:
+        return "n/a"
+    r = x / ref
+    return f"x{r:.2f}" if r >= 1.995 or r <= 0.5 else f"{(r - 1) * 100:+.0f}%"
