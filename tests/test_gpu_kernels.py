@@ -43,7 +43,7 @@ def test_gpu_expert_paths_match_reference(T, E):
     x = torch.randn(T, H, device="cuda")
     ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
     wts = torch.softmax(torch.randn(T, k, device="cuda"), -1)
-    ref = X.reference_moe(x.double().float(), ids.cpu(), wts.cpu(),
+    ref = X.reference_moe(x.cpu(), ids.cpu(), wts.cpu(),
                           *[QTensor(w.name, w.raw.cpu(), w.qtype, w.shape, dev) for w in ws])
     got = X.moe(x, ids, wts, ws[0].raw, ws[1].raw, ws[2].raw, *ws)
     assert rel_l2(got.cpu(), ref) <= 1e-2

@@ -290,21 +290,24 @@ def test_pp_uploads_when_they_pay():
     # decode: about 1.02 GB of active experts per token over 95 GB/s, the GPU side and crossings small
     assert _active_expert_bytes(tensors, cfg) == pytest.approx(1.02e9, rel=0.02)
     assert pred.tg == pytest.approx(rates.ram_read_bw / _active_expert_bytes(tensors, cfg), rel=0.15)
-    # on issue 521's rig the CPU computes a layer's experts for 512 tokens faster than a PCIe link uploads
-    # them; at -ub 4096 the upload to a 5090 (gen5 x8) pays, as does the A6000's gen4 x4 link
+    # on issue 521's rig the planner's upload decision per ubatch and link equals the hand calculation (the CPU
+    # at its measured efficiency vs PCIe + GPU); at -ub 4096 it pays on a 5090 (gen5 x8) and the A6000 (gen4 x4)
     cfg, tensors = catalog_model("deepseek-r1")
     devices, rates = load_rig("panchovix-7gpu")
     layer = [t for n, t in tensors.items() if n.startswith("blk.30.") and "_exps." in n]
     nbytes, params = sum(t.nbytes for t in layer), sum(t.n_elements for t in layer)
     for ub, gpu, ts in ((512, "CUDA0", "62,0,0,0,0,0,0"), (512, "CUDA6", "0,0,0,0,0,0,62"),
                         (4096, "CUDA0", "62,0,0,0,0,0,0"), (4096, "CUDA6", "0,0,0,0,0,0,62")):
-        cpu_s = 2 * params * cfg.n_expert_used / cfg.n_expert * ub / rates.cpu_bf16_flops
+        from hybridmoe.roofline import CPU_GEMM_EFFICIENCY, CPU_STREAM_EFFICIENCY, touched_fraction
+        cpu_s = max(2 * params * cfg.n_expert_used / cfg.n_expert * ub / (CPU_GEMM_EFFICIENCY * rates.cpu_bf16_flops),
+                    nbytes * touched_fraction(ub, cfg.n_expert, cfg.n_expert_used)
+                    / (CPU_STREAM_EFFICIENCY * rates.ram_read_bw))
         up_s = nbytes / rates.h2d(gpu) + 2 * params * cfg.n_expert_used / cfg.n_expert * ub / rates.flops(gpu)
         p = plan_placement(tensors, cfg, options_from_argv(["-ngl", "99", "-ts", ts, "-ot", "exps=CPU", "-ub",
                                                              str(ub), "-b", "4096"]), devices)
         pred = predict(p, rates)
         assert (30 in pred.uploaded_layers) == (up_s < cpu_s), (ub, gpu, up_s, cpu_s)
-        assert (up_s < cpu_s) == (ub == 4096)
+        assert up_s < cpu_s or ub == 512                  # at -ub 4096 the upload pays on every link here
 
 
 def test_split_gate_up_costs_a_crossing(dsr1):

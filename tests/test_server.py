@@ -12,10 +12,12 @@ import sys
 import threading
 import time
 
-import httpx
-import openai
 import pytest
-import uvicorn
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
 
 import hybridmoe
 from hybridmoe.server import StopMatcher, create_app

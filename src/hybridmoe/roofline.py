@@ -191,6 +191,10 @@ def upload_targets(tensors: dict, device_of: dict, attn_device, main_gpu: str | 
     return out
 
 
+CPU_GEMM_EFFICIENCY = 0.4
+CPU_STREAM_EFFICIENCY = 0.5
+
+
 def offload_times(rates, gpu: str, n_tokens: int, nbytes: int, n_expert: int = 1, n_used: int = 1,
                   n_params: float | None = None) -> tuple[float, float]:
     """(CPU seconds, upload + GPU seconds) for an op over `nbytes` of host weights and n_tokens.
@@ -199,8 +203,11 @@ def offload_times(rates, gpu: str, n_tokens: int, nbytes: int, n_expert: int = 1
     params = float(n_params if n_params is not None else 2 * nbytes)
     share = n_used / n_expert if n_expert else 1.0
     flops = 2.0 * params * share * n_tokens
-    cpu = max(flops / rates.flops("CPU"),
-              nbytes * touched_fraction(n_tokens, n_expert, n_used) / rates.read_bw("CPU"))
+    # The CPU side at the efficiency its expert paths reached on the H200 machine (docs/benchmarks.md,
+    # -op sweep): ~40% of the bf16 matmul peak and ~50% of the read bandwidth at ubatch 32-512. With the
+    # peaks alone, auto kept ubatch 32 and 128 on the CPU although the upload was 1.4x and 5x faster.
+    cpu = max(flops / (CPU_GEMM_EFFICIENCY * rates.flops("CPU")),
+              nbytes * touched_fraction(n_tokens, n_expert, n_used) / (CPU_STREAM_EFFICIENCY * rates.read_bw("CPU")))
     gpu_s = nbytes / rates.h2d(gpu) + flops / rates.flops(gpu) + rates.sync(gpu)
     return cpu, gpu_s
 

@@ -1,0 +1,386 @@
+"""CPU expert kernels: one grouped call per MoE layer, weights in GGUF blocks in host RAM.
+
+`moe_ffn` and `qmatmul` run the C kernel in cpu_moe.c (built at first use with
+`-O3 -march=native -fopenmp`, loaded through ctypes) for small batches, where the work is bound
+by RAM bandwidth, and a dequantize-to-bf16 + torch.mm path for large batches, where it is bound
+by matmul throughput (oneDNN; AMX on Sapphire Rapids). Without a compiler (or with
+HYBRIDMOE_CPU_KERNELS=torch) everything falls back to the plain torch reference, with one
+warning. See docs/cpu-kernels.md for the design and measurements.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as Fn
+
+from ..quant.ref import dequantize
+from ..quant.types import GGMLType, block_size, row_bytes
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("cpu_moe.c")
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+# Types the C kernel handles (ggml ids); others go to the torch reference.
+KERNEL_TYPES = frozenset(int(t) for t in (
+    GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K,
+    GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.MXFP4))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+# Batch sizes from which the dequantize + bf16 GEMM path beats the streaming kernel, measured
+# (docs/cpu-kernels.md): MoE ~T=192-256 on a 2-core Zen 5 VM, ~T=320-384 on 16-core Sapphire
+# Rapids (AMX; the per-expert GEMM calls cost more there); dense qmatmul ~T=8-16.
+# Override with HYBRIDMOE_CPU_GEMM_MIN_T / HYBRIDMOE_CPU_QMM_MIN_T.
+GEMM_MIN_T = int(os.environ.get("HYBRIDMOE_CPU_GEMM_MIN_T",
+                                "384" if "amx_bf16" in _cpu_flags().split() else "224"))
+QMM_GEMM_MIN_T = int(os.environ.get("HYBRIDMOE_CPU_QMM_MIN_T", "12"))
+
+_lock = threading.Lock()
+_lib = None          # the loaded CDLL, or False after a failed build
+_moe = _qmm = _deq = None
+_rb_cache: dict = {}
+
+
+# ----------------------------------------------------------------- build and load
+
+def cache_dir() -> Path:
+    root = os.environ.get("HYBRIDMOE_CACHE")
+    return Path(root) / "kernels" if root else Path.home() / ".cache" / "hybridmoe" / "kernels"
+
+
+def _cflags() -> tuple:
+    # extra flags (e.g. -DHM_PF_DIST=4096) for experiments; part of the cache key
+    return _CFLAGS + tuple(os.environ.get("HYBRIDMOE_KERNEL_CFLAGS", "").split())
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC", "gcc")
+    cflags = _cflags()
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(b"\0".join([src, cc.encode(), " ".join(cflags).encode(),
+                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    out = cache_dir() / f"cpu_moe-{key}.so"
+    if out.exists():
+        return out
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"C compiler {cc!r} not found")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *cflags, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)          # atomic: concurrent builders both end with a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load():
+    """The kernel library, built once per process (thread-safe); None if unavailable."""
+    global _lib, _moe, _qmm, _deq
+    if _lib is not None:
+        return _lib or None
+    with _lock:
+        if _lib is not None:
+            return _lib or None
+        if os.environ.get("HYBRIDMOE_CPU_KERNELS", "").lower() in ("torch", "0", "off", "ref"):
+            _lib = False
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build()))
+        except Exception as e:  # noqa: BLE001 - any build/load problem means: use the fallback
+            log.warning("CPU expert kernel unavailable (%s); using the slow torch reference path", e)
+            _lib = False
+            return None
+        vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.hm_moe_ffn.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32, i64, i64, vp, i32, vp, i32]
+        lib.hm_qmatmul.argtypes = [vp, i64, i64, vp, i32, i64, vp, i32]
+        lib.hm_dequant.argtypes = [vp, vp, i32, i64, i64, vp, i64, i32, i32]
+        lib.hm_set_generic.argtypes = [i32]
+        lib.hm_set_int8.argtypes = [vp, i32]
+        lib.hm_silu_mul_bf16.argtypes = [vp, i64, i64, vp, i32]
+        lib.hm_combine_bf16.argtypes = [vp, vp, vp, i64, i64, i64, vp, i32]
+        lib.hm_simd.restype = ctypes.c_char_p
+        for f in (lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant, lib.hm_set_generic, lib.hm_set_int8):
+            f.restype = i32
+        _moe, _qmm, _deq = lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant
+        _lib = lib
+        return lib
+
+
+def available() -> bool:
+    """True when the C kernel is built and loaded (else the torch fallback runs)."""
+    return _load() is not None
+
+
+def simd() -> str:
+    """'avx512-vnni' (with the integer path), 'avx512', 'generic' (portable C), or 'torch'
+    when the kernel is unavailable."""
+    lib = _load()
+    return lib.hm_simd().decode() if lib else "torch"
+
+
+def set_generic(on: bool) -> bool:
+    """Force the portable C path (for tests); returns the previous setting."""
+    lib = _load()
+    return bool(lib.hm_set_generic(int(on))) if lib else False
+
+
+_int8_setting = True
+
+
+def set_int8(types=True):
+    """Which types run single-token rows on the integer (VNNI) path: True = the default (all
+    eligible: Q4_0, Q4_K, Q5_K), False = none (fp32 activations everywhere), or an iterable
+    of types. Returns the previous setting, to pass back."""
+    global _int8_setting
+    lib = _load()
+    prev = _int8_setting
+    if lib:
+        if types is True:
+            lib.hm_set_int8(None, -1)
+        else:
+            ids = [int(t) for t in (types or ())]
+            arr = (ctypes.c_int * max(1, len(ids)))(*ids)
+            lib.hm_set_int8(arr, len(ids))
+    _int8_setting = types
+    return prev
+
+
+def _rb(qtype: int, n: int) -> int:
+    key = (qtype, n)
+    v = _rb_cache.get(key)
+    if v is None:
+        v = _rb_cache[key] = row_bytes(GGMLType(qtype), n)
+    return v
+
+
+def _threads(n_threads):
+    return n_threads if n_threads else torch.get_num_threads()
+
+
+# ----------------------------------------------------------------- references
+
+def reference_moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
+                      dtype=torch.float32, out=None) -> torch.Tensor:
+    """Plain torch MoE FFN via dequantize, computed in `dtype` (float32 or float64).
+    ids < 0 contribute nothing. Returns [T, H] in `dtype` (or writes `out`)."""
+    T, H = x.shape
+    F = gate_raw.shape[1]
+    xd = x.to(dtype)
+    res = torch.zeros(T, H, dtype=dtype)
+    flat = ids.reshape(-1).long()
+    wflat = weights.reshape(-1).to(dtype)
+    k = ids.shape[1]
+    for e in torch.unique(flat[flat >= 0]).tolist():
+        pairs = (flat == e).nonzero().reshape(-1)
+        tok = pairs // k
+        g = dequantize(gate_raw[e], gate_qtype, H, dtype)
+        u = dequantize(up_raw[e], gate_qtype, H, dtype)
+        d = dequantize(down_raw[e], down_qtype, F, dtype)
+        xe = xd[tok]
+        h = Fn.silu(xe @ g.T) * (xe @ u.T)
+        res.index_add_(0, tok, (h @ d.T) * wflat[pairs, None])
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+def reference_qmatmul(x, w_raw, qtype, n_cols, dtype=torch.float32) -> torch.Tensor:
+    """x [T, K] @ dequantize(W).T in `dtype`."""
+    return x.to(dtype) @ dequantize(w_raw, qtype, n_cols, dtype).T
+
+
+# ----------------------------------------------------------------- public API
+
+def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
+            n_threads=None, out=None, impl=None) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j].
+
+    x: float32 [T, H]; ids: int32 [T, k] (int64 accepted; ids < 0 are skipped); weights:
+    float32 [T, k]; gate_raw, up_raw: uint8 [E, F, row_bytes(gate_qtype, H)]; down_raw: uint8
+    [E, H, row_bytes(down_qtype, F)], all contiguous CPU tensors (mmapped ones are fine: the
+    weights are read in place, never copied). `out`: optional preallocated float32 [T, H].
+    impl: None (by batch size), "kernel" (C streaming kernel), "gemm" (dequantize to bf16 +
+    torch.mm) or "torch" (reference, float32)."""
+    lib = _lib if _lib else _load()
+    T = x.shape[0]
+    if impl is None:
+        impl = "kernel" if T < GEMM_MIN_T else "gemm"
+    gq, dq = int(gate_qtype), int(down_qtype)
+    if lib is None or impl == "torch" or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES:
+        return reference_moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
+                                 torch.float32, out)
+    H = x.shape[1]
+    E, F = gate_raw.shape[0], gate_raw.shape[1]
+    if ids.dtype is not torch.int32:
+        ids = ids.to(torch.int32)
+    if weights.dtype is not torch.float32:
+        weights = weights.float()
+    ids, weights = ids.contiguous(), weights.contiguous()
+    if x.dtype is not torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    if (gate_raw.shape != up_raw.shape or gate_raw.shape[2] != _rb(gq, H)
+            or tuple(down_raw.shape) != (E, H, _rb(dq, F)) or ids.shape != weights.shape
+            or ids.shape[0] != T or gate_raw.dtype is not torch.uint8 or down_raw.dtype is not torch.uint8
+            or not (gate_raw.is_contiguous() and up_raw.is_contiguous() and down_raw.is_contiguous())):
+        raise ValueError(
+            f"moe_ffn: bad shapes: x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, "
+            f"gate {tuple(gate_raw.shape)} {gate_raw.dtype}, up {tuple(up_raw.shape)}, down {tuple(down_raw.shape)} "
+            f"{down_raw.dtype} (expected gate/up [E, F, {_rb(gq, H)}], down [E, {H}, {_rb(dq, F)}], contiguous uint8)")
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.float32)
+    if impl == "gemm":
+        return _moe_ffn_gemm(x, ids, weights, gate_raw, up_raw, down_raw, gq, dq, _threads(n_threads), out)
+    rc = _moe(x.data_ptr(), T, H, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+              gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq,
+              out.data_ptr(), n_threads or torch.get_num_threads())
+    if rc:
+        raise ValueError(f"moe_ffn: kernel rejected the call (rc={rc}): an expert id >= E={E}, or "
+                         f"H={H} / F={F} not a multiple of the block size of the types")
+    return out
+
+
+def qmatmul(x, w_raw, qtype, n_cols, n_threads=None, out=None, impl=None) -> torch.Tensor:
+    """x float32 [T, K] @ W.T, W uint8 GGUF rows [N, row_bytes(qtype, K)] -> float32 [T, N].
+    n_cols is K. impl as in moe_ffn."""
+    lib = _lib if _lib else _load()
+    q = int(qtype)
+    T, K = x.shape
+    if K != n_cols:
+        raise ValueError(f"qmatmul: x has {K} columns, the weight rows {n_cols}")
+    if impl is None:
+        impl = "kernel" if T < QMM_GEMM_MIN_T else "gemm"
+    if lib is None or impl == "torch" or q not in KERNEL_TYPES:
+        r = reference_qmatmul(x, w_raw, qtype, n_cols, torch.float32)
+        return out.copy_(r) if out is not None else r
+    if x.dtype is not torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    N = w_raw.shape[0]
+    if w_raw.dim() != 2 or w_raw.shape[1] != _rb(q, K) or w_raw.dtype is not torch.uint8 or not w_raw.is_contiguous():
+        raise ValueError(f"qmatmul: weight {tuple(w_raw.shape)} {w_raw.dtype}: expected contiguous uint8 "
+                         f"[N, {_rb(q, K)}] for {GGMLType(q).name} rows of {K}")
+    if out is None:
+        out = torch.empty(T, N, dtype=torch.float32)
+    nth = n_threads or torch.get_num_threads()
+    if impl == "gemm":
+        return _qmatmul_gemm(x, w_raw, q, K, nth, out)
+    if _qmm(x.data_ptr(), T, K, w_raw.data_ptr(), q, N, out.data_ptr(), nth):
+        raise ValueError(f"qmatmul: kernel rejected K={K} for {GGMLType(q).name}")
+    return out
+
+
+def dequant(w_raw, qtype, n_cols, dtype=torch.bfloat16, n_threads=None, out=None) -> torch.Tensor:
+    """GGUF rows [N, row_bytes] -> [N, n_cols] bf16 or float32 with the C kernel (threaded)."""
+    if _load() is None:
+        r = dequantize(w_raw, qtype, n_cols, dtype)
+        return out.copy_(r) if out is not None else r
+    n = w_raw.shape[0]
+    if w_raw.dim() != 2 or w_raw.shape[1] != _rb(int(qtype), n_cols) or not w_raw.is_contiguous():
+        raise ValueError(f"dequant: expected contiguous uint8 [N, {_rb(int(qtype), n_cols)}], got {tuple(w_raw.shape)}")
+    if out is None:
+        out = torch.empty(n, n_cols, dtype=dtype)
+    _dequant_into(w_raw.data_ptr(), None, int(qtype), n, n_cols, out, _threads(n_threads))
+    return out
+
+
+def _dequant_into(src, src2, q, nrows, K, dst, nth):
+    if _deq(src, src2, q, nrows, K, dst.data_ptr(), dst.stride(0), int(dst.dtype is torch.bfloat16), nth):
+        raise ValueError(f"dequant: bad arguments for {GGMLType(q).name} rows of {K}")
+
+
+# ----------------------------------------------------------------- large-batch path
+
+def _moe_ffn_gemm(x, ids, weights, gate_raw, up_raw, down_raw, gq, dq, nth, out):
+    """Pairs grouped by expert; each active expert's gate+up (then down) weights dequantized
+    to bf16 into a reused, cache-resident buffer and multiplied with torch.mm (oneDNN)."""
+    T, H = x.shape
+    E, F = gate_raw.shape[0], gate_raw.shape[1]
+    k = ids.shape[1]
+    flat = ids.reshape(-1).long()
+    if flat.numel() and int(flat.max()) >= E:
+        raise ValueError(f"moe_ffn: expert id {int(flat.max())} >= E={E}")
+    order = torch.argsort(flat, stable=True)                 # pairs by expert, then token
+    nskip = int((flat < 0).sum())
+    order = order[nskip:]
+    P = order.numel()
+    counts = torch.bincount(flat.index_select(0, order), minlength=E).tolist()
+    # each expert's rows padded to a multiple of 16: few distinct GEMM shapes, so oneDNN
+    # builds (JITs) a handful of kernels instead of one per token count
+    cnt = torch.tensor(counts)
+    padded = (cnt + 15) // 16 * 16
+    start = torch.cumsum(padded, 0) - padded                  # padded start of each expert
+    first = torch.cumsum(cnt, 0) - cnt                        # unpadded start
+    sorted_e = flat.index_select(0, order)
+    row = start.index_select(0, sorted_e) + torch.arange(P) - first.index_select(0, sorted_e)
+    Pp = int(padded.sum())
+    slot = torch.full((T * k,), -1, dtype=torch.int64)
+    slot[order] = row
+    xs = torch.zeros(Pp, H, dtype=torch.bfloat16)
+    xs[row] = x.to(torch.bfloat16).index_select(0, order // k)
+    gu = torch.empty(Pp, 2 * F, dtype=torch.bfloat16)
+    h = torch.empty(Pp, F, dtype=torch.bfloat16)
+    y = torch.empty(Pp, H, dtype=torch.bfloat16)
+    wgu = torch.empty(2 * F, H, dtype=torch.bfloat16)
+    wd = torch.empty(H, F, dtype=torch.bfloat16)
+    gstep, dstep = F * gate_raw.shape[2], H * down_raw.shape[2]
+    gp, upp, dp = gate_raw.data_ptr(), up_raw.data_ptr(), down_raw.data_ptr()
+    spans = []
+    s = 0
+    for e, c in enumerate(counts):
+        if c:
+            c = (c + 15) // 16 * 16
+            _dequant_into(gp + e * gstep, upp + e * gstep, gq, F, H, wgu, nth)
+            torch.mm(xs[s:s + c], wgu.t(), out=gu[s:s + c])
+            spans.append((e, s, c))
+            s += c
+    _lib.hm_silu_mul_bf16(gu.data_ptr(), Pp, F, h.data_ptr(), nth)
+    for e, s, c in spans:
+        _dequant_into(dp + e * dstep, None, dq, H, F, wd, nth)
+        torch.mm(h[s:s + c], wd.t(), out=y[s:s + c])
+    _lib.hm_combine_bf16(y.data_ptr(), slot.data_ptr(), weights.data_ptr(), T, k, H, out.data_ptr(), nth)
+    return out
+
+
+def _qmatmul_gemm(x, w_raw, q, K, nth, out):
+    N = w_raw.shape[0]
+    rb = w_raw.shape[1]
+    xb = x.to(torch.bfloat16)
+    step = max(1, min(N, (8 << 20) // (2 * K)))     # ~8 MiB of bf16 weights per chunk
+    wb = torch.empty(step, K, dtype=torch.bfloat16)
+    base = w_raw.data_ptr()
+    for n0 in range(0, N, step):
+        n = min(step, N - n0)
+        _dequant_into(base + n0 * rb, None, q, n, K, wb, nth)
+        out[:, n0:n0 + n] = torch.mm(xb, wb[:n].t())
+    return out
+
+
+def block_ok(qtype, n: int) -> bool:
+    """Whether rows of n elements of qtype can go through the C kernel."""
+    return int(qtype) in KERNEL_TYPES and n % 32 == 0 and n % block_size(GGMLType(qtype)) == 0

@@ -1,0 +1,1136 @@
+/* hybridmoe CPU kernels: grouped quantized MoE FFN, quantized matmul, dequantize.
+ *
+ * Plain C11 + OpenMP, compiled at first use with -O3 -march=native (see cpu.py) and called
+ * through ctypes. Weights stay in their GGUF block layout and are read once per call.
+ *
+ * Math, fp32 path (all types): each 32-element unit of a weight row is decoded in registers
+ * to fp32 (for the 4-bit types with a permute into a 16-entry table that already holds
+ * scale * value) and multiplied with fp32 activations by FMA: exact up to fp32 rounding.
+ * Integer path (Q4_0/Q4_K/Q5_K rows used by a single token, i.e. decode; hm_set_int8):
+ * vpdpbusd on nibbles and two-term int8 activations (~15 bits), see "integer path" below.
+ * Why these and not int16 / plain int8 activations: docs/cpu-kernels.md.
+ *
+ * Paths: AVX-512 (F/BW/VL, F16C; VNNI + GFNI for the integer path) intrinsics when the
+ * compiler targets them; otherwise a portable path (scalar dequantize of 256 elements into an
+ * L1 buffer, then dot loops the compiler vectorizes for AVX2/NEON). hm_set_generic(1) forces
+ * the portable path at run time (tests use it).
+ *
+ * Threads: OpenMP, `num_threads(n)` per call (never omp_set_num_threads, which would change
+ * torch's thread count: both share torch's libgomp when torch is loaded first).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define HM_AVX512 1
+#include <immintrin.h>
+#else
+#define HM_AVX512 0
+#endif
+
+#define HM_INLINE static inline __attribute__((always_inline))
+
+/* Software prefetch, bytes ahead of the rows being computed in each thread's weight stream.
+ * Hardware prefetchers stop at 4 KiB pages and keep too few misses in flight for one core to
+ * stream at its share of bandwidth on high-latency (virtualized, many-core) memory. */
+#ifndef HM_PF_DIST
+#define HM_PF_DIST 16384   /* measured: 8-32 KiB all good on SPR; 16-32 KiB needed on the 2-vCPU VM */
+#endif
+#ifndef HM_PF_LOC
+#define HM_PF_LOC 3        /* __builtin_prefetch locality: 3 = L1, 2 = L2 */
+#endif
+
+/* ggml type ids */
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+    T_IQ4_NL = 20, T_BF16 = 30, T_MXFP4 = 39,
+};
+
+/* dense type index used by the kernel tables */
+enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I_MXFP4, N_TYPES };
+
+typedef struct {
+    int id;   /* ggml id */
+    int qk;   /* elements per block */
+    int ts;   /* bytes per block */
+} tinfo;
+
+static const tinfo TINFO[N_TYPES] = {
+    [I_F32] = {T_F32, 1, 4},        [I_F16] = {T_F16, 1, 2},    [I_BF16] = {T_BF16, 1, 2},
+    [I_Q4_0] = {T_Q4_0, 32, 18},    [I_Q8_0] = {T_Q8_0, 32, 34}, [I_Q4_K] = {T_Q4_K, 256, 144},
+    [I_Q5_K] = {T_Q5_K, 256, 176},  [I_Q6_K] = {T_Q6_K, 256, 210},
+    [I_IQ4_NL] = {T_IQ4_NL, 32, 18}, [I_MXFP4] = {T_MXFP4, 32, 17},
+};
+
+static int type_index(int id) {
+    for (int i = 0; i < N_TYPES; i++)
+        if (TINFO[i].id == id) return i;
+    return -1;
+}
+
+static inline int64_t row_bytes(int ti, int64_t n) { return n / TINFO[ti].qk * TINFO[ti].ts; }
+
+static const float KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const float KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const float KV_Q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+
+/* ------------------------------------------------------------------ scalar helpers */
+
+static inline float f32_bits(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* IEEE half -> float, exact (normals, subnormals, inf, nan) */
+static inline float fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    if (exp == 0x1F) return f32_bits(sign | 0x7F800000u | (man << 13));
+    if (exp == 0) {                        /* zero or subnormal: man * 2^-24 */
+        float v = (float)man * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    return f32_bits(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+static inline float bf16_to_f32(uint16_t h) { return f32_bits((uint32_t)h << 16); }
+
+/* ggml_e8m0_to_fp32_half */
+static inline float e8m0_half(uint8_t e) {
+    return f32_bits(e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23));
+}
+
+/* Q4_K / Q5_K 6-bit scale and min of sub-block j */
+static inline void k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* float -> bf16, round to nearest even (quiet NaN kept) */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t b; memcpy(&b, &f, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 64);
+    return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1)) >> 16);
+}
+
+/* Dequantize elements [off, off + n) of one row (off, n multiples of the block size) into
+ * out. Same float operations as ggml's reference dequantizers, so bit-exact with them. */
+static void deq_scalar(int ti, const uint8_t *row, int64_t off, int n, float *out) {
+    const int qk = TINFO[ti].qk, ts = TINFO[ti].ts;
+    const uint8_t *b = row + off / qk * ts;
+    switch (ti) {
+    case I_F32: memcpy(out, row + off * 4, (size_t)n * 4); return;
+    case I_F16: for (int i = 0; i < n; i++) out[i] = fp16_to_f32(rd16(row + (off + i) * 2)); return;
+    case I_BF16: for (int i = 0; i < n; i++) out[i] = bf16_to_f32(rd16(row + (off + i) * 2)); return;
+    }
+    for (int o = 0; o < n; o += qk, b += ts, out += qk) {
+        switch (ti) {
+        case I_Q4_0: case I_IQ4_NL: case I_MXFP4: {
+            const float *kv = ti == I_Q4_0 ? KV_Q4_0 : ti == I_IQ4_NL ? KV_IQ4NL : KV_MXFP4;
+            const float d = ti == I_MXFP4 ? e8m0_half(b[0]) : fp16_to_f32(rd16(b));
+            const uint8_t *qs = b + (ti == I_MXFP4 ? 1 : 2);
+            for (int l = 0; l < 16; l++) {
+                out[l] = d * kv[qs[l] & 0xF];
+                out[l + 16] = d * kv[qs[l] >> 4];
+            }
+            break;
+        }
+        case I_Q8_0: {
+            const float d = fp16_to_f32(rd16(b));
+            for (int l = 0; l < 32; l++) out[l] = d * (float)(int8_t)b[2 + l];
+            break;
+        }
+        case I_Q4_K: case I_Q5_K: {
+            const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
+            const uint8_t *qh = b + 16, *qs = b + (ti == I_Q5_K ? 48 : 16);
+            for (int j = 0; j < 8; j++) {
+                int sc, m;
+                k_scale_min(j, b + 4, &sc, &m);
+                const float s = d * (float)sc, mm = dmin * (float)m;
+                const uint8_t *q = qs + 32 * (j >> 1);
+                for (int l = 0; l < 32; l++) {
+                    int v = (j & 1) ? q[l] >> 4 : q[l] & 0xF;
+                    if (ti == I_Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+                    out[32 * j + l] = s * (float)v - mm;
+                }
+            }
+            break;
+        }
+        case I_Q6_K: {
+            const float d = fp16_to_f32(rd16(b + 208));
+            const int8_t *sc = (const int8_t *)(b + 192);
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+                float *y = out + 128 * h;
+                for (int l = 0; l < 32; l++) {
+                    const int is = 8 * h + l / 16;
+                    const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    y[l] = d * (float)sc[is] * (float)q1;
+                    y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                    y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                    y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+                }
+            }
+            break;
+        }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ row x token kernels
+ *
+ * A kernel computes res[r * NT + t] = dot(row w[r], x[t]) for R weight rows and NT
+ * activation rows of length K. The weight unit is decoded once and used for all NT tokens;
+ * R rows are interleaved so that several independent FMA chains hide latency.
+ * pf (may be NULL, or hold NULLs): two regions further ahead in the caller's stream, each
+ * max(R/2, 1) rows long (contiguous); they are prefetched at the pace the R rows are read:
+ * spread evenly (no bursts that fill the miss buffers), branch-free, and never past the
+ * caller's range.
+ */
+typedef void (*kern_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K,
+                        const float *const *x, float *res);
+
+#define CHUNK 256
+
+/* portable: dequantize 256 elements per row into an L1 buffer, then 16-lane dot loops */
+static void kern_generic(int ti, int R, int NT, const uint8_t *const *w, const uint8_t *const *pf,
+                         int64_t K, const float *const *x, float *res) {
+    float buf[CHUNK] __attribute__((aligned(64)));
+    float acc[4][4][16];
+    const int PR = R > 1 ? R / 2 : 1;
+    memset(acc, 0, sizeof(acc));
+    for (int64_t off = 0; off < K; off += CHUNK) {
+        const int n = (int)(K - off < CHUNK ? K - off : CHUNK);
+        for (int i = 0; i < 2; i++)
+            if (pf && pf[i])
+                for (int64_t b = PR * row_bytes(ti, off); b < PR * row_bytes(ti, off + n); b += 64)
+                    __builtin_prefetch(pf[i] + b, 0, HM_PF_LOC);
+        for (int r = 0; r < R; r++) {
+            deq_scalar(ti, w[r], off, n, buf);
+            for (int t = 0; t < NT; t++) {
+                const float *xt = x[t] + off;
+                float *a = acc[r][t];
+                for (int i = 0; i < n; i += 16)
+                    for (int l = 0; l < 16; l++) a[l] += buf[i + l] * xt[i + l];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) {
+            float s = 0;
+            for (int l = 0; l < 16; l++) s += acc[r][t][l];
+            res[r * NT + t] = s;
+        }
+}
+
+#if HM_AVX512
+
+/* fp16 -> fp32 lookup (256 KiB): a block scale becomes one scalar load that the multiply
+ * broadcasts from memory, instead of insert + convert + broadcast shuffles per block */
+static float g_f16[65536];
+
+__attribute__((constructor)) static void init_f16_table(void) {
+    for (uint32_t i = 0; i < 65536; i++) g_f16[i] = fp16_to_f32((uint16_t)i);
+}
+
+#define F16(p) g_f16[rd16(p)]
+
+/* Per-row scales of one K-quant super-block: w = q * s[j] - m[j] for 32-element unit j
+ * (Q4_K/Q5_K), or for 16-element sub-block j (Q6_K, 16 of each, m = 32 s). */
+typedef struct { float s[16], m[16]; } kscale;
+
+HM_INLINE void prep_k(const int ti, const uint8_t *b, kscale *ks) {
+    if (ti == I_Q4_K || ti == I_Q5_K) {
+        /* unpack the 12 packed bytes into 8 scales and 8 mins at once (SWAR on 32-bit words) */
+        uint32_t a, c, e;
+        memcpy(&a, b + 4, 4); memcpy(&c, b + 8, 4); memcpy(&e, b + 12, 4);
+        const uint64_t sc = (a & 0x3F3F3F3Fu) | (uint64_t)((e & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
+        const uint64_t mn = (c & 0x3F3F3F3Fu) | (uint64_t)(((e >> 4) & 0x0F0F0F0Fu) | ((c >> 2) & 0x30303030u)) << 32;
+        const __m256 fs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
+        const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)));
+        _mm256_storeu_ps(ks->s, _mm256_mul_ps(fs, _mm256_broadcast_ss(&F16(b))));
+        _mm256_storeu_ps(ks->m, _mm256_mul_ps(fm, _mm256_broadcast_ss(&F16(b + 2))));
+    } else { /* Q6_K */
+        const __m512 s = _mm512_mul_ps(_mm512_set1_ps(F16(b + 208)),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+        _mm512_storeu_ps(ks->s, s);
+        _mm512_storeu_ps(ks->m, _mm512_mul_ps(s, _mm512_set1_ps(32.0f)));
+    }
+}
+
+/* 32 elements (unit u of the block or super-block at b) -> two fp32 vectors */
+HM_INLINE void unpack32(const int ti, const uint8_t *b, const int u, const kscale *ks,
+                        __m512 *w0, __m512 *w1) {
+    const __m512i m0f = _mm512_set1_epi32(0x0F);
+    switch (ti) {
+    case I_F32:
+        *w0 = _mm512_loadu_ps((const float *)b + 32 * u);
+        *w1 = _mm512_loadu_ps((const float *)b + 32 * u + 16);
+        return;
+    case I_F16:
+        *w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 64 * u)));
+        *w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 64 * u + 32)));
+        return;
+    case I_BF16:
+        *w0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 64 * u))), 16));
+        *w1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 64 * u + 32))), 16));
+        return;
+    case I_Q4_0: case I_IQ4_NL: case I_MXFP4: {
+        /* table of scale * value, indexed by nibble (vpermps reads only the low 4 bits) */
+        const float *kv = ti == I_Q4_0 ? KV_Q4_0 : ti == I_IQ4_NL ? KV_IQ4NL : KV_MXFP4;
+        const float d = ti == I_MXFP4 ? e8m0_half(b[0]) : F16(b);
+        const __m512 tab = _mm512_mul_ps(_mm512_loadu_ps(kv), _mm512_set1_ps(d));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (ti == I_MXFP4 ? 1 : 2))));
+        *w0 = _mm512_permutexvar_ps(q, tab);
+        *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), tab);
+        return;
+    }
+    case I_Q8_0: {
+        const __m512 d = _mm512_set1_ps(F16(b));
+        *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
+        *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
+        return;
+    }
+    case I_Q4_K: case I_Q5_K: {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 vs = _mm512_set1_ps(ks->s[u]), vm = _mm512_set1_ps(ks->m[u]);
+        const uint8_t *q = b + (ti == I_Q5_K ? 48 : 16) + 32 * (u >> 1);
+        __m512i qa = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        __m512i qb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+        if (u & 1) { qa = _mm512_srli_epi32(qa, 4); qb = _mm512_srli_epi32(qb, 4); }
+        const __m512 tab = _mm512_fmsub_ps(iota, vs, vm);     /* s * q - m for q = 0..15 */
+        if (ti == I_Q4_K) {
+            *w0 = _mm512_permutexvar_ps(qa, tab);
+            *w1 = _mm512_permutexvar_ps(qb, tab);
+        } else {
+            /* 5th bit: bit u of qh[l], moved to bit 4; 32-entry table in two registers */
+            const __m512 tab_hi = _mm512_fmsub_ps(_mm512_add_ps(iota, _mm512_set1_ps(16)), vs, vm);
+            __m512i ha = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)));
+            __m512i hb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32)));
+            if (u <= 4) { ha = _mm512_slli_epi32(ha, 4 - u); hb = _mm512_slli_epi32(hb, 4 - u); }
+            else { ha = _mm512_srli_epi32(ha, u - 4); hb = _mm512_srli_epi32(hb, u - 4); }
+            /* bit select: low 4 bits from the nibble, the rest from the shifted qh */
+            qa = _mm512_ternarylogic_epi32(qa, ha, m0f, 0xE4);
+            qb = _mm512_ternarylogic_epi32(qb, hb, m0f, 0xE4);
+            *w0 = _mm512_permutex2var_ps(tab, qa, tab_hi);
+            *w1 = _mm512_permutex2var_ps(tab, qb, tab_hi);
+        }
+        return;
+    }
+    case I_Q6_K: {
+        /* unit u: half n = u/4; v = u%4 picks ql offset (v&1)*32, nibble v>>1, qh bits 2v */
+        const int n = u >> 2, v = u & 3;
+        const uint8_t *ql = b + 64 * n + 32 * (v & 1), *qh = b + 128 + 32 * n;
+        __m512i qa = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)ql));
+        __m512i qb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16)));
+        __m512i ha = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qh));
+        __m512i hb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16)));
+        if (v >> 1) { qa = _mm512_srli_epi32(qa, 4); qb = _mm512_srli_epi32(qb, 4); }
+        const int sh = 4 - 2 * v;  /* bits 2v..2v+1 of qh -> bits 4..5 */
+        if (sh > 0) { ha = _mm512_slli_epi32(ha, sh); hb = _mm512_slli_epi32(hb, sh); }
+        else if (sh < 0) { ha = _mm512_srli_epi32(ha, -sh); hb = _mm512_srli_epi32(hb, -sh); }
+        const __m512i m3f = _mm512_set1_epi32(0x3F);
+        qa = _mm512_and_si512(_mm512_ternarylogic_epi32(qa, ha, m0f, 0xE4), m3f);
+        qb = _mm512_and_si512(_mm512_ternarylogic_epi32(qb, hb, m0f, 0xE4), m3f);
+        /* s * (q - 32) with one rounding, as ggml's d * sc * (q - 32) */
+        *w0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(qa), _mm512_set1_ps(ks->s[2 * u]), _mm512_set1_ps(ks->m[2 * u]));
+        *w1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(qb), _mm512_set1_ps(ks->s[2 * u + 1]), _mm512_set1_ps(ks->m[2 * u + 1]));
+        return;
+    }
+    }
+}
+
+#define IS_K(ti) ((ti) == I_Q4_K || (ti) == I_Q5_K || (ti) == I_Q6_K)
+
+/* the block holding 32-element unit `unit` of a row */
+HM_INLINE const uint8_t *unit_block(const int ti, const uint8_t *row, int64_t unit) {
+    if (ti == I_F32 || ti == I_F16 || ti == I_BF16) return row + unit * 32 * TINFO[ti].ts;
+    if (IS_K(ti)) return row + (unit >> 3) * TINFO[ti].ts;
+    return row + unit * TINFO[ti].ts;
+}
+
+HM_INLINE void kern_avx(const int ti, const int R, const int NT, const uint8_t *const *w,
+                        const uint8_t *const *pf, int64_t K, const float *const *x, float *res) {
+    __m512 acc[4][4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) acc[r][t][0] = acc[r][t][1] = _mm512_setzero_ps();
+    const int sup = IS_K(ti) ? 8 : 1;  /* units per block */
+    /* bytes per step of the loop below (a block, a K super-block, or 32 floats); all rows
+     * advance by the same offset o */
+    const int step = (ti == I_F32 || ti == I_F16 || ti == I_BF16) ? 32 * TINFO[ti].ts : TINFO[ti].ts;
+    const int PR = R > 1 ? R / 2 : 1;   /* rows per prefetch region */
+    const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
+    const int64_t rb = K / (32 * sup) * step;
+    kscale ks[4];
+    for (int64_t o = 0, e0 = 0; o < rb; o += step, e0 += 32 * sup) {
+#pragma GCC unroll 8
+        for (int b = 0; b < PR * step; b += 64) {
+            __builtin_prefetch(pf0 + PR * o + b, 0, HM_PF_LOC);
+            __builtin_prefetch(pf1 + PR * o + b, 0, HM_PF_LOC);
+        }
+        if (IS_K(ti)) {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+            /* read the scales back from memory: broadcasts from memory are load-port work,
+             * broadcasts from registers would compete with the permutes for shuffle ports */
+            __asm__ volatile("" : : "r"(ks) : "memory");
+        }
+#pragma GCC unroll 8
+        for (int u = 0; u < sup; u++) {
+            __m512 wv[4][2];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) unpack32(ti, w[r] + o, u, &ks[r], &wv[r][0], &wv[r][1]);
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                __m512 xa = _mm512_loadu_ps(x[t] + e0 + 32 * u), xb = _mm512_loadu_ps(x[t] + e0 + 32 * u + 16);
+                /* keep x in registers for all R rows: folded memory operands would reload it
+                 * per row and saturate the load ports */
+                __asm__("" : "+v"(xa), "+v"(xb));
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    acc[r][t][0] = _mm512_fmadd_ps(wv[r][0], xa, acc[r][t][0]);
+                    acc[r][t][1] = _mm512_fmadd_ps(wv[r][1], xb, acc[r][t][1]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            res[r * NT + t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
+}
+
+#define KDEF(TI, R, NT) \
+    static void k_##TI##_##R##_##NT(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, \
+                                    const float *const *x, float *res) { \
+        kern_avx(TI, R, NT, w, pf, K, x, res); }
+#define KDEF_TYPE(TI) \
+    KDEF(TI, 4, 1) KDEF(TI, 4, 2) KDEF(TI, 2, 1) KDEF(TI, 2, 2) KDEF(TI, 2, 3) KDEF(TI, 2, 4) \
+    KDEF(TI, 1, 1) KDEF(TI, 1, 2) KDEF(TI, 1, 3) KDEF(TI, 1, 4)
+KDEF_TYPE(I_F32) KDEF_TYPE(I_F16) KDEF_TYPE(I_BF16) KDEF_TYPE(I_Q4_0) KDEF_TYPE(I_Q8_0)
+KDEF_TYPE(I_Q4_K) KDEF_TYPE(I_Q5_K) KDEF_TYPE(I_Q6_K) KDEF_TYPE(I_IQ4_NL) KDEF_TYPE(I_MXFP4)
+
+#define KROW(TI) { {0}, \
+    {0, k_##TI##_1_1, k_##TI##_1_2, k_##TI##_1_3, k_##TI##_1_4}, \
+    {0, k_##TI##_2_1, k_##TI##_2_2, k_##TI##_2_3, k_##TI##_2_4}, {0}, \
+    {0, k_##TI##_4_1, k_##TI##_4_2, 0, 0} }
+static const kern_fn KTAB[N_TYPES][5][5] = {
+    [I_F32] = KROW(I_F32), [I_F16] = KROW(I_F16), [I_BF16] = KROW(I_BF16), [I_Q4_0] = KROW(I_Q4_0),
+    [I_Q8_0] = KROW(I_Q8_0), [I_Q4_K] = KROW(I_Q4_K), [I_Q5_K] = KROW(I_Q5_K), [I_Q6_K] = KROW(I_Q6_K),
+    [I_IQ4_NL] = KROW(I_IQ4_NL), [I_MXFP4] = KROW(I_MXFP4),
+};
+#endif /* HM_AVX512 */
+
+static int g_generic = !HM_AVX512;
+
+/* res[R][NT] = rows w[0..R) . x[0..NT); R in {1,2,4}, NT in 1..4 (R == 4 only with NT <= 2) */
+static inline void dot_rows(int ti, int R, int NT, const uint8_t *const *w, const uint8_t *const *pf,
+                            int64_t K, const float *const *x, float *res) {
+#if HM_AVX512
+    if (!g_generic) { KTAB[ti][R][NT](w, pf, K, x, res); return; }
+#endif
+    kern_generic(ti, R, NT, w, pf, K, x, res);
+}
+
+/* ------------------------------------------------------------------ integer path (one token)
+ *
+ * For a weight row used by a single token (decode: each expert sees one token), the 4-bit
+ * types run on integer dot products (vpdpbusd: 64 multiply-adds per instruction) instead of
+ * fp32 FMAs (16 per instruction). Activations are quantized per 32-block in two int8 terms,
+ * x ~ d/256 * (256 q1 + q2), q1 = round(x/d), q2 = round(256 (x/d - q1)), d = max|x|/127:
+ * about 15 bits, so the rounding error stays near int16's (~3e-5 of the block max) rather
+ * than int8's. The two dot products combine exactly in int32: A = (w.q1 << 8) + w.q2.
+ * Nibbles are unpacked with one GF(2) affine byte op (gf2p8affineqb) per 64 weights.
+ */
+#if HM_AVX512 && defined(__AVX512VNNI__) && defined(__GFNI__)
+#define HM_VNNI 1
+#else
+#define HM_VNNI 0
+#endif
+
+/* activations of one row, quantized: see quant_x8 */
+typedef struct {
+    int8_t *q1, *q2;      /* [K] */
+    float *xs;            /* [K/64][16]: d/256 of block 2p in lanes 0-7, of block 2p+1 in 8-15 */
+    int32_t *c1, *c2;     /* [K/64][16]: -8 * sum(q1), -8 * sum(q2) of each block in lanes 0 / 8 */
+    float *sxf;           /* [K/32]: sum of the quantized x of each block */
+} xq8;
+
+static size_t xq8_bytes(int64_t K) { return (size_t)K * 2 + (size_t)(K / 64) * 64 * 3 + (size_t)(K / 32) * 4 + 64 * 5; }
+
+static void xq8_init(xq8 *q, void *mem, int64_t K) {
+    uintptr_t p = ((uintptr_t)mem + 63) & ~(uintptr_t)63;
+    q->q1 = (int8_t *)p; p += (size_t)K;
+    q->q2 = (int8_t *)p; p += (size_t)K;
+    q->xs = (float *)p; p += (size_t)(K / 64) * 64;
+    q->c1 = (int32_t *)p; p += (size_t)(K / 64) * 64;
+    q->c2 = (int32_t *)p; p += (size_t)(K / 64) * 64;
+    q->sxf = (float *)p;
+}
+
+/* quantize blocks [b0, b1) of 32 elements of x (b0, b1 even) */
+static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
+#if HM_VNNI
+    for (int64_t b = b0; b < b1; b++) {
+        const float *xb = x + 32 * b;
+        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127, id = amax > 0 ? 127 / amax : 0;
+        __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            const __m512 v = _mm512_mul_ps(h ? v1 : v0, _mm512_set1_ps(id));
+            const __m512 r1 = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512 r2 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, r1), _mm512_set1_ps(256)),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r2 = _mm512_min_ps(_mm512_max_ps(r2, _mm512_set1_ps(-127)), _mm512_set1_ps(127));
+            const __m512i i1 = _mm512_cvtps_epi32(r1), i2 = _mm512_cvtps_epi32(r2);
+            _mm_storeu_si128((__m128i *)(q->q1 + 32 * b + 16 * h), _mm512_cvtepi32_epi8(i1));
+            _mm_storeu_si128((__m128i *)(q->q2 + 32 * b + 16 * h), _mm512_cvtepi32_epi8(i2));
+            s1 = _mm512_add_epi32(s1, i1);
+            s2 = _mm512_add_epi32(s2, i2);
+        }
+        const int t1 = _mm512_reduce_add_epi32(s1), t2 = _mm512_reduce_add_epi32(s2);
+        const int64_t p = b / 2, l = (b & 1) * 8;
+        _mm256_storeu_ps(q->xs + 16 * p + l, _mm256_set1_ps(d / 256));
+        _mm256_storeu_si256((__m256i *)(q->c1 + 16 * p + l), _mm256_setr_epi32(-8 * t1, 0, 0, 0, 0, 0, 0, 0));
+        _mm256_storeu_si256((__m256i *)(q->c2 + 16 * p + l), _mm256_setr_epi32(-8 * t2, 0, 0, 0, 0, 0, 0, 0));
+        q->sxf[b] = d / 256 * (float)(256 * t1 + t2);
+    }
+    return;
+#endif
+    for (int64_t b = b0; b < b1; b++) {
+        const float *xb = x + 32 * b;
+        float amax = 0;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float d = amax / 127, id = amax > 0 ? 127 / amax : 0;
+        int s1 = 0, s2 = 0;
+        for (int i = 0; i < 32; i++) {
+            const float v = xb[i] * id, r1 = rintf(v);
+            float r2 = rintf((v - r1) * 256);
+            r2 = r2 > 127 ? 127 : r2 < -127 ? -127 : r2;
+            q->q1[32 * b + i] = (int8_t)r1;
+            q->q2[32 * b + i] = (int8_t)r2;
+            s1 += (int)r1;
+            s2 += (int)r2;
+        }
+        const int64_t p = b / 2, l = (b & 1) * 8;
+        for (int i = 0; i < 8; i++) {
+            q->xs[16 * p + l + i] = d / 256;
+            q->c1[16 * p + l + i] = i ? 0 : -8 * s1;
+            q->c2[16 * p + l + i] = i ? 0 : -8 * s2;
+        }
+        q->sxf[b] = d / 256 * (float)(256 * s1 + s2);
+    }
+}
+
+static int q8_type(int ti, int64_t K) {
+    return HM_VNNI && K % 64 == 0 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q5_K);
+}
+
+#if HM_VNNI
+/* gf2p8affineqb matrices (one per qword): byte 7-i of a qword selects the input bits that
+ * form output bit i. LO keeps bits 0-3, HI moves bits 4-7 down, BIT(k) moves bit k to bit 4. */
+#define GF_LO 0x0102040800000000ull
+#define GF_HI 0x1020408000000000ull
+#define GF_BIT(k) ((uint64_t)(1u << (k)) << 24)
+
+HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const uint8_t *const *pf,
+                       int64_t K, const xq8 *xq, float *res) {
+    __m512 acc[4];
+    __m256 accm[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); }
+    const int ts = TINFO[ti].ts;
+    const int step = ti == I_Q4_0 ? 2 * ts : ts;         /* bytes per iteration: 64 or 256 weights */
+    const int PR = R > 1 ? R / 2 : 1;
+    const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
+    const int64_t rb = K / 32 * (ti == I_Q4_0 ? ts : ts / 8);
+    const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
+    const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
+    for (int64_t o = 0, e = 0; o < rb; o += step, e += ti == I_Q4_0 ? 64 : 256) {
+#pragma GCC unroll 8
+        for (int b = 0; b < PR * step; b += 64) {
+            __builtin_prefetch(pf0 + PR * o + b, 0, HM_PF_LOC);
+            __builtin_prefetch(pf1 + PR * o + b, 0, HM_PF_LOC);
+        }
+        if (ti == I_Q4_0) {
+            const int64_t p = e / 64;
+            const __m512i x1 = _mm512_load_si512(xq->q1 + e), x2 = _mm512_load_si512(xq->q2 + e);
+            const __m512i c1 = _mm512_load_si512(xq->c1 + 16 * p), c2 = _mm512_load_si512(xq->c2 + 16 * p);
+            const __m512 xs = _mm512_load_ps(xq->xs + 16 * p);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const uint8_t *b0 = w[r] + o, *b1 = b0 + ts;
+                /* 128-bit lanes [qs0, qs0, qs1, qs1] -> nibbles [lo0, hi0, lo1, hi1] = 64 weights */
+                __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b0 + 2)));
+                q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b1 + 2)));
+                q = _mm512_gf2p8affine_epi64_epi8(q, mq40, 0);
+                __m512i a = _mm512_dpbusd_epi32(c1, q, x1);       /* c1, c2: the -8 offset */
+                a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), q, x2);
+                a = _mm512_add_epi32(a, c2);
+                const __m512 dw = _mm512_mask_broadcastss_ps(_mm512_set1_ps(F16(b0)), 0xFF00, _mm_load_ss(&F16(b1)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dw, xs), acc[r]);
+            }
+        } else {
+            const __m256 sx = _mm256_loadu_ps(xq->sxf + e / 32);
+            __m512 ws[4][4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                kscale ks;
+                prep_k(ti, w[r] + o, &ks);
+                const __m512 s8 = _mm512_castps256_ps512(_mm256_loadu_ps(ks.s));
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++)
+                    ws[r][c] = _mm512_permutexvar_ps(_mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                        2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c), s8);
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks.m), sx, accm[r]);   /* the mins */
+            }
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m512i x1 = _mm512_load_si512(xq->q1 + e + 64 * c), x2 = _mm512_load_si512(xq->q2 + e + 64 * c);
+                const __m512 xs = _mm512_load_ps(xq->xs + 16 * (e / 64 + c));
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *b = w[r] + o;
+                    /* 256-bit halves [qs, qs] -> [lo nibbles: sub-block 2c, hi: 2c+1] */
+                    __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + (ti == I_Q5_K ? 48 : 16) + 32 * c)));
+                    q = _mm512_gf2p8affine_epi64_epi8(q, mqk, 0);
+                    if (ti == I_Q5_K) {   /* 5th bit: bit 2c (2c+1) of qh[l] -> bit 4 */
+                        const __m512i mh = _mm512_set_epi64(GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1),
+                            GF_BIT(2 * c + 1), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c));
+                        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+                        q = _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(h, mh, 0));
+                    }
+                    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x1);
+                    a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), q, x2);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(ws[r][c], xs), acc[r]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m128 m4 = _mm_add_ps(_mm256_castps256_ps128(accm[r]), _mm256_extractf128_ps(accm[r], 1));
+        res[r] = _mm512_reduce_add_ps(acc[r]) - (m4[0] + m4[1] + m4[2] + m4[3]);
+    }
+}
+
+typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res);
+#define KQDEF(TI, R) \
+    static void kq_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res) { \
+        kern_q8(TI, R, w, pf, K, xq, res); }
+KQDEF(I_Q4_0, 1) KQDEF(I_Q4_0, 2) KQDEF(I_Q4_0, 4) KQDEF(I_Q4_K, 1) KQDEF(I_Q4_K, 2) KQDEF(I_Q4_K, 4)
+KQDEF(I_Q5_K, 1) KQDEF(I_Q5_K, 2) KQDEF(I_Q5_K, 4)
+static const kq_fn KQTAB[N_TYPES][5] = {
+    [I_Q4_0] = {0, kq_I_Q4_0_1, kq_I_Q4_0_2, 0, kq_I_Q4_0_4},
+    [I_Q4_K] = {0, kq_I_Q4_K_1, kq_I_Q4_K_2, 0, kq_I_Q4_K_4},
+    [I_Q5_K] = {0, kq_I_Q5_K_1, kq_I_Q5_K_2, 0, kq_I_Q5_K_4},
+};
+#endif /* HM_VNNI */
+
+/* Types (bit per type index) whose single-token rows take the integer path. Measured on
+ * Sapphire Rapids (16 threads, share of read bandwidth): Q4_K 58-64% -> 82-83%, Q5_K 50-57% ->
+ * 79-98%, Q4_0 70-74% -> 79-84% (there the fp32 decode is bound by the one shuffle port). */
+#define INT8_DEFAULT ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_Q5_K))
+static unsigned g_int8 = INT8_DEFAULT;
+
+/* rows w[0..R) . one token: the integer path when xq is given, else fp32 */
+static inline void dot_rows1(int ti, int R, const uint8_t *const *w, const uint8_t *const *pf, int64_t K,
+                             const float *x, const xq8 *xq, float *res) {
+#if HM_VNNI
+    if (xq) { KQTAB[ti][R](w, pf, K, xq, res); return; }
+#endif
+    (void)xq;
+    dot_rows(ti, R, 1, w, pf, K, &x, res);
+}
+
+/* ------------------------------------------------------------------ thread-local workspace */
+
+static __thread void *ws_ptr;
+static __thread size_t ws_size;
+
+static void *workspace(size_t n) {
+    if (n > ws_size) {
+        free(ws_ptr);
+        n = (n + 4095) & ~(size_t)4095;
+        if (posix_memalign(&ws_ptr, 64, n)) { ws_ptr = NULL; ws_size = 0; return NULL; }
+        ws_size = n;
+    }
+    return ws_ptr;
+}
+
+static inline void split(int64_t n, int nth, int tid, int64_t align, int64_t *lo, int64_t *hi) {
+    /* contiguous, near-equal ranges whose starts are multiples of align */
+    int64_t nb = (n + align - 1) / align;
+    int64_t a = nb * tid / nth, b = nb * (tid + 1) / nth;
+    *lo = a * align < n ? a * align : n;
+    *hi = b * align < n ? b * align : n;
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* ------------------------------------------------------------------ MoE FFN
+ *
+ * out[t] = sum_j wts[t,j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,j] (ids < 0 skip).
+ *
+ * Stage 1: work units are (active expert, pair of rows of F); each thread takes one contiguous
+ *   range of units, sized by cost (bytes + tokens), so it streams its weights in one pass.
+ *   Gate and up rows of a unit are decoded together and used for every token routed to the
+ *   expert. Output: h[pair, F] (fp32).
+ * Stage 2 (after one barrier): each thread owns a contiguous range of output rows of H and
+ *   walks all active experts, so out[t, h] is summed by one thread in ascending expert order:
+ *   deterministic, no atomics on floats, and the same for any thread count.
+ * Each thread prefetches its own stream HM_PF_DIST bytes ahead, across expert boundaries.
+ * Returns 0, or -1 on bad arguments (an expert id >= E, an unsupported type or shape).
+ */
+static inline void prefetch_range(const uint8_t *p, int64_t n) {
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, HM_PF_LOC);
+}
+
+/* pick R x NT kernel shapes for m tokens and run rows[0..R) (R is 4 or 1) */
+static inline void rows_x_tokens(int ti, int R, int m, const uint8_t *const *rows,
+                                 const uint8_t *const *pf, int64_t K, const float *const *xs, float *res) {
+    /* pf: two regions of 2 rows for R == 4 (1 row for R == 1) */
+    if (R == 4 && m > 2) {
+        const int64_t rb = row_bytes(ti, K);
+        const uint8_t *p0[2] = {pf ? pf[0] : NULL, pf && pf[0] ? pf[0] + rb : NULL};
+        const uint8_t *p1[2] = {pf ? pf[1] : NULL, pf && pf[1] ? pf[1] + rb : NULL};
+        dot_rows(ti, 2, m, rows, pf ? p0 : NULL, K, xs, res);
+        dot_rows(ti, 2, m, rows + 2, pf ? p1 : NULL, K, xs, res + 2 * m);
+    } else {
+        dot_rows(ti, R, m, rows, pf, K, xs, res);
+    }
+}
+
+/* first global granule of thread `part` of `nparts` when each of the na experts has `gpe`
+ * granules and expert a costs cost[a+1]-cost[a]: monotone in part, so consecutive threads
+ * tile the granules exactly */
+static int64_t granule_bound(const int64_t *cost, int na, int64_t gpe, int part, int nparts) {
+    const int64_t c = (int64_t)((double)cost[na] * part / nparts);
+    int a = 0;
+    while (a < na && cost[a + 1] <= c) a++;
+    if (a == na) return (int64_t)na * gpe;
+    const int64_t wa = (cost[a + 1] - cost[a]) / gpe;
+    const int64_t u = (c - cost[a] + wa - 1) / wa;
+    return (int64_t)a * gpe + (u < gpe ? u : gpe);
+}
+
+int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
+               int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+               const uint8_t *down, int dtype, float *out, int nthreads) {
+    const int gi = type_index(gtype), di = type_index(dtype);
+    if (gi < 0 || di < 0 || T < 0 || H % 32 || F % 32 || H % TINFO[gi].qk || F % TINFO[di].qk || k < 1)
+        return -1;
+    const int64_t P = T * k;
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= E) return -1;
+    if (T == 0) return 0;
+    const int64_t rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
+    /* integer path for experts that see one token: x (and h) quantized once */
+    const int q8g = (g_int8 >> gi & 1) && !g_generic && q8_type(gi, H);
+    const int q8d = (g_int8 >> di & 1) && !g_generic && q8_type(di, F);
+    const size_t xqb = q8g ? (xq8_bytes(H) + 63) & ~(size_t)63 : 0, hqb = q8d ? (xq8_bytes(F) + 63) & ~(size_t)63 : 0;
+
+    size_t need = (size_t)E * 4 * 2 + (size_t)(E + 1) * 8 * 3 + (size_t)P * 8 + 64 * 4 + (size_t)P * F * 4 +
+                  (size_t)T * xqb + (size_t)P * hqb + 64;
+    char *ws = workspace(need);
+    if (!ws) return -2;
+    int32_t *slot = (int32_t *)ws;             /* [E] expert -> active index */
+    int32_t *act = slot + E;                   /* [E] active experts, ascending */
+    int64_t *off = (int64_t *)(((uintptr_t)(act + E) + 63) & ~(uintptr_t)63); /* [E+1] pair offsets */
+    int64_t *cost = off + E + 1;               /* [E+1] stage-1 cost prefix */
+    int64_t *pos = cost + E + 1;               /* [E+1] fill cursor */
+    int32_t *ptok = (int32_t *)(pos + E + 1);  /* [P] token of sorted pair */
+    float *pw = (float *)(ptok + P);           /* [P] its router weight */
+    float *h = (float *)(((uintptr_t)(pw + P) + 63) & ~(uintptr_t)63);      /* [P, F] */
+    char *xqm = (char *)(((uintptr_t)(h + P * F) + 63) & ~(uintptr_t)63);  /* [T] quantized x */
+    char *hqm = xqm + (size_t)T * xqb;                                      /* [P] quantized h */
+
+    /* routing: counting sort of pairs by expert, stable in token order */
+    memset(slot, 0, (size_t)E * 4);
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= 0) slot[ids[p]]++;
+    int na = 0;
+    off[0] = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (slot[e]) { act[na] = (int32_t)e; off[na + 1] = off[na] + slot[e]; slot[e] = na++; }
+    for (int a = 0; a < na; a++) pos[a] = off[a];
+    for (int64_t p = 0; p < P; p++) {
+        if (ids[p] < 0) continue;
+        const int64_t s = pos[slot[ids[p]]]++;
+        ptok[s] = (int32_t)(p / k);
+        pw[s] = wts[p];
+    }
+    /* A unit is gate and up rows f, f+1. Threads split granules of gu units (32 units = 64
+     * rows when h is quantized for the integer path, so each 64-row block of h is finished by
+     * one thread); a granule costs its bytes plus compute per token. */
+    const int64_t units = F / 2, gu = q8d ? 32 : 1, gpe = units / gu;
+    cost[0] = 0;
+    for (int a = 0; a < na; a++) cost[a + 1] = cost[a] + units * (4 + (off[a + 1] - off[a]));
+
+    int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+#pragma omp parallel num_threads(nth)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (q8g) {   /* ---- stage 0: quantize x */
+            int64_t t0, t1;
+            split(T, nt, tid, 1, &t0, &t1);
+            for (int64_t t = t0; t < t1; t++) {
+                xq8 q;
+                xq8_init(&q, xqm + t * xqb, H);
+                quant_x8(x + t * H, 0, H / 32, &q);
+            }
+#pragma omp barrier
+        }
+        /* ---- stage 1: global units [g0, g1) (unit g = expert slot g / units, pair g % units) */
+        const int64_t g0 = gu * granule_bound(cost, na, gpe, tid, nt), g1 = gu * granule_bound(cost, na, gpe, tid + 1, nt);
+        const int64_t lead1 = (HM_PF_DIST + 4 * rbg - 1) / (4 * rbg);
+        for (int64_t g = g0; g < g1 && g < g0 + lead1; g++) {   /* cold start */
+            const int64_t ep = act[g / units], fp = 2 * (g % units);
+            prefetch_range(gate + (ep * F + fp) * rbg, 2 * rbg);
+            prefetch_range(up + (ep * F + fp) * rbg, 2 * rbg);
+        }
+        for (int64_t g = g0; g < g1; g++) {
+            /* the unit lead1 ahead: its 2 gate rows (region 0) and 2 up rows (region 1) */
+            const uint8_t *pf[4] = {NULL, NULL, NULL, NULL};
+            if (g + lead1 < g1) {
+                const int64_t gl = g + lead1, ep = act[gl / units], fp = 2 * (gl % units);
+                pf[0] = gate + (ep * F + fp) * rbg; pf[1] = up + (ep * F + fp) * rbg;
+                pf[2] = pf[0] + rbg; pf[3] = pf[1] + rbg;
+            }
+            const int a = (int)(g / units);
+            const int64_t f = 2 * (g % units), e = act[a], s0 = off[a], n = off[a + 1] - off[a];
+            const uint8_t *G = gate + e * F * rbg, *U = up + e * F * rbg;
+            const uint8_t *rows[4] = {G + f * rbg, G + (f + 1) * rbg, U + f * rbg, U + (f + 1) * rbg};
+            for (int64_t tt = 0; tt < n; tt += 4) {
+                const int m = (int)(n - tt < 4 ? n - tt : 4);
+                const float *xs[4];
+                float res[16];
+                for (int i = 0; i < m; i++) xs[i] = x + (int64_t)ptok[s0 + tt + i] * H;
+                const uint8_t *const *pft = tt ? NULL : pf;   /* prefetch on the first pass only */
+                if (n == 1) {
+                    xq8 q;
+                    if (q8g) xq8_init(&q, xqm + ptok[s0] * xqb, H);
+                    dot_rows1(gi, 4, rows, pft, H, xs[0], q8g ? &q : NULL, res);
+                } else if (m <= 2) {
+                    dot_rows(gi, 4, m, rows, pft, H, xs, res);   /* g f, g f+1, u f, u f+1 */
+                } else {
+                    const uint8_t *r0[2] = {rows[0], rows[2]}, *r1[2] = {rows[1], rows[3]};
+                    const uint8_t *p0[2] = {pf[0], pf[1]}, *p1[2] = {pf[2], pf[3]};
+                    float tmp[8];
+                    dot_rows(gi, 2, m, r0, tt ? NULL : p0, H, xs, tmp);     /* g f, u f */
+                    for (int i = 0; i < m; i++) { res[i] = tmp[i]; res[2 * m + i] = tmp[m + i]; }
+                    dot_rows(gi, 2, m, r1, tt ? NULL : p1, H, xs, tmp);     /* g f+1, u f+1 */
+                    for (int i = 0; i < m; i++) { res[m + i] = tmp[i]; res[3 * m + i] = tmp[m + i]; }
+                }
+                for (int i = 0; i < m; i++) {
+                    float *hp = h + (s0 + tt + i) * F + f;
+                    hp[0] = silu(res[0 * m + i]) * res[2 * m + i];
+                    hp[1] = silu(res[1 * m + i]) * res[3 * m + i];
+                }
+            }
+            if (q8d && (g % units) % 32 == 31) {   /* a 64-row block of h is complete */
+                const int64_t b0 = (f + 2 - 64) / 32;
+                for (int64_t i = 0; i < n; i++) {
+                    xq8 q;
+                    xq8_init(&q, hqm + (s0 + i) * hqb, F);
+                    quant_x8(h + (s0 + i) * F, b0, b0 + 2, &q);
+                }
+            }
+        }
+#pragma omp barrier
+        /* ---- stage 2: rows [h0, h1) of H; groups of 4 rows, expert-major:
+         * group q = expert slot q / ng, rows h0 + 4 (q % ng) */
+        int64_t h0, h1;
+        split(H, nt, tid, 4, &h0, &h1);
+        for (int64_t t = 0; t < T; t++)
+            if (h1 > h0) memset(out + t * H + h0, 0, (size_t)(h1 - h0) * 4);
+        const int64_t ng = (h1 - h0 + 3) / 4, nq = na * ng;
+        const int64_t lead2 = (HM_PF_DIST + 4 * rbd - 1) / (4 * rbd);
+        for (int64_t q = 0; q < nq && q < lead2; q++) {   /* cold start */
+            const int64_t rp = h0 + 4 * (q % ng), np = h1 - rp < 4 ? h1 - rp : 4;
+            prefetch_range(down + (act[q / ng] * H + rp) * rbd, np * rbd);
+        }
+        for (int64_t q = 0; q < nq; q++) {
+            /* the group lead2 ahead: its first rows, as far as it has rows */
+            const uint8_t *pfg = NULL;
+            int64_t pfn = 0;
+            if (q + lead2 < nq) {
+                const int64_t ql = q + lead2, rp = h0 + 4 * (ql % ng);
+                pfg = down + (act[ql / ng] * H + rp) * rbd;
+                pfn = h1 - rp < 4 ? h1 - rp : 4;
+            }
+            const int a = (int)(q / ng);
+            const int64_t r = h0 + 4 * (q % ng), nr = h1 - r < 4 ? h1 - r : 4;
+            const int64_t e = act[a], s0 = off[a], n = off[a + 1] - off[a];
+            const uint8_t *D = down + e * H * rbd;
+            for (int64_t r1 = r; r1 < r + nr;) {
+                const int R = r + nr - r1 >= 4 ? 4 : 1;
+                const uint8_t *rows[4] = {D + r1 * rbd, D + (r1 + 1) * rbd, D + (r1 + 2) * rbd, D + (r1 + 3) * rbd};
+                /* regions: rows 0-1 and 2-3 of the lookahead group (R == 4), or its row r1 - r */
+                const int64_t c0 = r1 - r;
+                const uint8_t *pf[2] = {c0 < pfn ? pfg + c0 * rbd : NULL,
+                                        R == 4 && c0 + 2 < pfn ? pfg + (c0 + 2) * rbd : NULL};
+                for (int64_t tt = 0; tt < n; tt += 4) {
+                    const int m = (int)(n - tt < 4 ? n - tt : 4);
+                    const float *xs[4];
+                    float res[16];
+                    for (int i = 0; i < m; i++) xs[i] = h + (s0 + tt + i) * F;
+                    if (n == 1) {
+                        xq8 hq;
+                        if (q8d) xq8_init(&hq, hqm + s0 * hqb, F);
+                        dot_rows1(di, R, rows, pf, F, xs[0], q8d ? &hq : NULL, res);
+                    } else {
+                        rows_x_tokens(di, R, m, rows, tt ? NULL : pf, F, xs, res);
+                    }
+                    for (int i = 0; i < m; i++) {
+                        const int64_t s = s0 + tt + i;
+                        float *o = out + (int64_t)ptok[s] * H + r1;
+                        for (int c = 0; c < R; c++) o[c] += pw[s] * res[c * m + i];
+                    }
+                }
+                r1 += R;
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[T, N] = x[T, K] @ W[N, K]^T, W as GGUF rows; each thread a contiguous range of rows */
+int hm_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int wtype, int64_t N,
+               float *out, int nthreads) {
+    const int wi = type_index(wtype);
+    if (wi < 0 || K % 32 || K % TINFO[wi].qk || T < 0 || N < 0) return -1;
+    const int64_t rb = row_bytes(wi, K);
+    xq8 xq, *xqp = NULL;
+    if (T == 1 && (g_int8 >> wi & 1) && !g_generic && q8_type(wi, K)) {
+        char *mem = workspace(xq8_bytes(K) + 64);
+        if (!mem) return -2;
+        xq8_init(&xq, mem, K);
+        quant_x8(x, 0, K / 32, &xq);
+        xqp = &xq;
+    }
+    int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+#pragma omp parallel num_threads(nth)
+    {
+        int64_t n0, n1;
+        split(N, omp_get_num_threads(), omp_get_thread_num(), 4, &n0, &n1);
+        const int64_t lead = (HM_PF_DIST + rb - 1) / rb;
+        prefetch_range(w + n0 * rb, (n1 - n0 < lead ? n1 - n0 : lead) * rb);   /* cold start */
+        for (int64_t r = n0; r < n1;) {
+            const int R = n1 - r >= 4 ? 4 : 1;
+            const uint8_t *rows[4] = {w + r * rb, w + (r + 1) * rb, w + (r + 2) * rb, w + (r + 3) * rb};
+            const uint8_t *pf[2] = {r + lead < n1 ? rows[0] + lead * rb : NULL,
+                                    R == 4 && r + 2 + lead < n1 ? rows[2] + lead * rb : NULL};
+            for (int64_t tt = 0; tt < T; tt += 4) {
+                const int m = (int)(T - tt < 4 ? T - tt : 4);
+                const float *xs[4];
+                float res[16];
+                for (int i = 0; i < m; i++) xs[i] = x + (tt + i) * K;
+                if (xqp) dot_rows1(wi, R, rows, pf, K, x, xqp, res);
+                else rows_x_tokens(wi, R, m, rows, tt ? NULL : pf, K, xs, res);
+                for (int i = 0; i < m; i++)
+                    for (int c = 0; c < R; c++) out[(tt + i) * N + r + c] = res[c * m + i];
+            }
+            r += R;
+        }
+    }
+    return 0;
+}
+
+#if HM_AVX512
+/* 16 floats -> 16 bf16, round to nearest even (as torch's .to(bfloat16)) */
+static inline __m256i bf16_pack(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    __m512i b = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                 _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))));
+    /* NaN: keep quiet NaN */
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(b, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
+#endif
+
+#if HM_AVX512
+/* 32 floats -> 32 bf16 at p */
+static inline void store_bf16x32(uint16_t *p, __m512 lo, __m512 hi) {
+#if defined(__AVX512BF16__)
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+#else
+    _mm256_storeu_si256((__m256i *)p, bf16_pack(lo));
+    _mm256_storeu_si256((__m256i *)(p + 16), bf16_pack(hi));
+#endif
+}
+#endif
+
+/* ------------------------------------------------------------------ dequantize
+ * rows [nrows, row_bytes(K)] -> dst [nrows, K] as bf16 (to_bf16 = 1) or fp32; dst rows are
+ * ldd elements apart. Used by the large-batch path (dequantize, then a bf16 GEMM). */
+static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf16) {
+#if HM_AVX512
+    if (!g_generic) {
+        float *df = (float *)dst;
+        uint16_t *db = (uint16_t *)dst;
+        const int sup = (wi == I_Q4_K || wi == I_Q5_K || wi == I_Q6_K) ? 8 : 1;
+        for (int64_t g = 0; g < K / 32; g += sup) {
+            const uint8_t *b;
+            kscale ks;
+#define DEQ_CASE(TI) case TI: b = unit_block(TI, row, g); if (IS_K(TI)) prep_k(TI, b, &ks); \
+                for (int u = 0; u < sup; u++) { __m512 w0, w1; unpack32(TI, b, u, &ks, &w0, &w1); \
+                    const int64_t e0 = (g + u) * 32; \
+                    if (to_bf16) store_bf16x32(db + e0, w0, w1); \
+                    else { _mm512_storeu_ps(df + e0, w0); _mm512_storeu_ps(df + e0 + 16, w1); } } break;
+            switch (wi) {
+                DEQ_CASE(I_F32) DEQ_CASE(I_F16) DEQ_CASE(I_BF16) DEQ_CASE(I_Q4_0) DEQ_CASE(I_Q8_0)
+                DEQ_CASE(I_Q4_K) DEQ_CASE(I_Q5_K) DEQ_CASE(I_Q6_K) DEQ_CASE(I_IQ4_NL) DEQ_CASE(I_MXFP4)
+            }
+#undef DEQ_CASE
+        }
+        return;
+    }
+#endif
+    float buf[CHUNK];
+    for (int64_t off = 0; off < K; off += CHUNK) {
+        const int n = (int)(K - off < CHUNK ? K - off : CHUNK);
+        if (to_bf16) {
+            deq_scalar(wi, row, off, n, buf);
+            for (int i = 0; i < n; i++) ((uint16_t *)dst)[off + i] = f32_to_bf16(buf[i]);
+        } else {
+            deq_scalar(wi, row, off, n, (float *)dst + off);
+        }
+    }
+}
+
+
+/* w2 != NULL: dst rows [nrows, 2 nrows) come from w2 (gate and up into one [2F, H] buffer) */
+int hm_dequant(const uint8_t *w, const uint8_t *w2, int wtype, int64_t nrows, int64_t K, void *dst,
+               int64_t ldd, int to_bf16, int nthreads) {
+    const int wi = type_index(wtype);
+    if (wi < 0 || K % 32 || K % TINFO[wi].qk || nrows < 0 || ldd < K) return -1;
+    const int64_t rb = row_bytes(wi, K), esz = to_bf16 ? 2 : 4, n = w2 ? 2 * nrows : nrows;
+    int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+#pragma omp parallel num_threads(nth)
+    {
+        int64_t r0, r1;
+        split(n, omp_get_num_threads(), omp_get_thread_num(), 1, &r0, &r1);
+        const int64_t lead = (HM_PF_DIST + rb - 1) / rb;
+        int64_t rp = r0;
+        for (int64_t r = r0; r < r1; r++) {
+            for (; rp < r1 && rp <= r + lead; rp++)
+                prefetch_range(rp < nrows ? w + rp * rb : w2 + (rp - nrows) * rb, rb);
+            const uint8_t *src = r < nrows ? w + r * rb : w2 + (r - nrows) * rb;
+            deq_row(wi, src, K, (char *)dst + r * ldd * esz, to_bf16);
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ large-batch helpers
+ * The dequantize + bf16 GEMM path (cpu.py) runs torch.mm per expert; these do the elementwise
+ * steps around it in one call each. */
+
+static inline float bf16f(uint16_t v) { return bf16_to_f32(v); }
+
+/* exp(x) in branch-free float code the compiler vectorizes: 2^n * e^r, |r| <= ln2/2, degree-6
+ * Taylor polynomial (relative error ~2e-7, far below the bf16 rounding that follows) */
+static inline float exp_vec(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = __builtin_fmaf(n, -0.693145751953125f, x);      /* ln2 split in two parts */
+    r = __builtin_fmaf(n, -1.428606765330187e-06f, r);
+    float p = 1.0f / 720;
+    p = __builtin_fmaf(p, r, 1.0f / 120);
+    p = __builtin_fmaf(p, r, 1.0f / 24);
+    p = __builtin_fmaf(p, r, 1.0f / 6);
+    p = __builtin_fmaf(p, r, 0.5f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    return p * f32_bits((uint32_t)((int32_t)n + 127) << 23);
+}
+
+/* branch-free f32_to_bf16 (vectorizable) */
+static inline uint16_t bf16_rne(float f) {
+    uint32_t b; memcpy(&b, &f, 4);
+    const uint32_t r = (b + 0x7FFFu + ((b >> 16) & 1)) >> 16, q = (b >> 16) | 64;
+    return (uint16_t)((b & 0x7FFFFFFFu) > 0x7F800000u ? q : r);
+}
+
+/* h[i, f] = silu(gu[i, f]) * gu[i, F + f] for rows i < n; gu, h bf16 (row strides 2F and F) */
+int hm_silu_mul_bf16(const uint16_t *gu, int64_t n, int64_t F, uint16_t *h, int nthreads) {
+    int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *g = gu + i * 2 * F, *u = g + F;
+        uint16_t *hi = h + i * F;
+        for (int64_t f = 0; f < F; f++) {
+            const float gf = bf16f(g[f]);
+            hi[f] = bf16_rne(gf / (1.0f + exp_vec(-gf)) * bf16f(u[f]));
+        }
+    }
+    return 0;
+}
+
+/* out[t] = sum_j w[t, j] * y[slot[t, j]] (bf16 rows of H), j ascending, slot < 0 skipped:
+ * deterministic, each token's row written by one thread */
+int hm_combine_bf16(const uint16_t *y, const int64_t *slot, const float *w, int64_t T, int64_t k,
+                    int64_t H, float *out, int nthreads) {
+    int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * H;
+        memset(o, 0, (size_t)H * 4);
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t s = slot[t * k + j];
+            if (s < 0) continue;
+            const uint16_t *yr = y + s * H;
+            const float wj = w[t * k + j];
+            for (int64_t c = 0; c < H; c++) o[c] += wj * bf16f(yr[c]);
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ info */
+
+int hm_type_supported(int id) { return type_index(id) >= 0; }
+
+/* ggml type ids whose single-token rows use the integer path: ids[0..n) (n = 0: fp32
+ * activations everywhere; n < 0: the default set). Returns how many types were accepted. */
+int hm_set_int8(const int *ids, int n) {
+    if (n < 0) { g_int8 = INT8_DEFAULT; return 3; }
+    unsigned m = 0;
+    int ok = 0;
+    for (int i = 0; i < n; i++) {
+        const int ti = type_index(ids[i]);
+        if (ti >= 0 && q8_type(ti, 64)) { m |= 1u << ti; ok++; }
+    }
+    g_int8 = m;
+    return ok;
+}
+
+/* 1: force the portable path (tests); returns the previous setting */
+int hm_set_generic(int on) {
+    int prev = g_generic;
+    g_generic = on || !HM_AVX512;
+    return prev;
+}
+
+const char *hm_simd(void) { return HM_VNNI ? "avx512-vnni" : HM_AVX512 ? "avx512" : "generic"; }

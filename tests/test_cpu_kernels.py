@@ -1,0 +1,284 @@
+"""CPU expert kernels (kernels/cpu.py + cpu_moe.c) against a float64 dequantize + matmul oracle.
+
+Error bands, relative L2 over the whole output, by what rounds:
+- fp32 path (activations stay fp32; weights decode to the exact dequantized values; fp32
+  accumulation over K <= 512 terms): ~1e-7 measured, band 2e-5.
+- integer path (Q4_0/Q4_K/Q5_K rows used by one token, on AVX512-VNNI): activations rounded per 32-block to
+  two int8 terms, x ~ d/256 (256 q1 + q2) with d = max|x|/127, so each element carries an
+  error of at most d/512 (~1.5e-5 of the block max; ~3e-5 rel measured), band 2e-4.
+- dequantize + bf16 GEMM path (large batches): x, weights, h and the products are rounded to
+  bf16 (8-bit mantissa, 2^-9 relative): ~5e-3 measured, band 1.5e-2.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from hybridmoe.kernels import cpu
+from hybridmoe.quant.ref import dequantize, random_blocks
+from hybridmoe.quant.types import GGMLType as G, block_size
+
+TYPES = [G.F32, G.F16, G.BF16, G.Q4_0, G.Q8_0, G.Q4_K, G.Q5_K, G.Q6_K, G.IQ4_NL, G.MXFP4]
+INT_PATH = {G.Q4_0, G.Q4_K, G.Q5_K}    # types on the integer path by default
+BAND = {"fp32": 2e-5, "int": 2e-4, "gemm": 1.5e-2}
+
+
+
+@pytest.fixture(autouse=True)
+def _needs_kernel(request):
+    if "fallback" not in request.node.name and not cpu.available():
+        pytest.skip("the C kernel could not be built here (fallback tests still run)")
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def band(q, impl):
+    if impl == "gemm":
+        return BAND["gemm"]
+    return BAND["int"] if q in INT_PATH and cpu.simd() == "avx512-vnni" else BAND["fp32"]
+
+
+_weights: dict = {}
+
+
+def experts(q, E, H, F):
+    """Random GGUF expert tensors gate, up [E, F, rb(H)], down [E, H, rb(F)] (cached)."""
+    key = (q, E, H, F)
+    if key not in _weights:
+        g = torch.Generator().manual_seed(hash(key) % (1 << 31))
+        _weights[key] = (random_blocks(q, (E, F, H), g), random_blocks(q, (E, F, H), g),
+                         random_blocks(q, (E, H, F), g))
+    return _weights[key]
+
+
+def routing(T, E, k, g):
+    """Top-k distinct experts per token; tokens share experts (E small)."""
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, k, generator=g) + 0.1
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def shapes(q, T):
+    bs = max(block_size(q), 64)
+    if T >= 512:
+        return 16, bs if bs >= 256 else 128, 256 if bs >= 256 else 128
+    return 16, max(2 * bs, 256) if bs < 256 else 512, 256
+
+
+CASES = [(q, T, impl) for q in TYPES for T, impl in
+         [(1, "kernel"), (2, "kernel"), (7, "kernel"), (64, "kernel"), (64, "gemm"), (512, "kernel"), (512, None)]]
+
+
+@pytest.mark.parametrize("q,T,impl", CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_moe_ffn_matches_float64(q, T, impl):
+    E, H, F = shapes(q, T)
+    k = 8
+    gate, up, down = experts(q, E, H, F)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g)
+    ids, w = routing(T, E, k, g)
+    ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, q, torch.float64)
+    out = torch.full((T, H), float("nan"))
+    res = cpu.moe_ffn(x, ids, w, gate, up, down, q, q, out=out, impl=impl)
+    assert res.data_ptr() == out.data_ptr()
+    assert torch.isfinite(out).all(), "output not fully written"
+    used = impl or ("kernel" if T < cpu.GEMM_MIN_T else "gemm")
+    assert rel_l2(out, ref) < band(q, used)
+
+
+@pytest.mark.parametrize("q", TYPES, ids=lambda v: v.name)
+@pytest.mark.parametrize("T", [1, 2, 7, 64])
+def test_qmatmul_matches_float64(q, T):
+    K = max(block_size(q), 64) * 2
+    N = 37                                   # not a multiple of the 4-row tiles
+    g = torch.Generator().manual_seed(100 + T)
+    wr = random_blocks(q, (N, K), g)
+    x = torch.randn(T, K, generator=g)
+    ref = x.double() @ dequantize(wr, q, K, torch.float64).T
+    for impl in ("kernel", "gemm"):
+        out = torch.full((T, N), float("nan"))
+        cpu.qmatmul(x, wr, q, K, out=out, impl=impl)
+        assert torch.isfinite(out).all()
+        assert rel_l2(out, ref) < band(q, impl), impl
+
+
+@pytest.mark.parametrize("q", TYPES, ids=lambda v: v.name)
+def test_portable_path(q):
+    """The scalar/auto-vectorized path compiled for CPUs without AVX-512 (forced here)."""
+    E, H, F = shapes(q, 7)
+    gate, up, down = experts(q, E, H, F)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, H, generator=g)
+    ids, w = routing(7, E, 4, g)
+    ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, q, torch.float64)
+    prev = cpu.set_generic(True)
+    try:
+        out = cpu.moe_ffn(x, ids, w, gate, up, down, q, q, impl="kernel")
+        qm = cpu.qmatmul(x, gate[0], q, H, impl="kernel")
+        deq = cpu.dequant(gate[0], q, H, torch.float32)
+    finally:
+        cpu.set_generic(prev)
+    assert rel_l2(out, ref) < BAND["fp32"]
+    assert rel_l2(qm, x.double() @ dequantize(gate[0], q, H, torch.float64).T) < BAND["fp32"]
+    assert torch.equal(deq, dequantize(gate[0], q, H))   # same float ops as ggml: bit-exact
+
+
+@pytest.mark.parametrize("q", [G.Q4_0, G.Q4_K, G.Q5_K], ids=lambda v: v.name)
+def test_activation_precision_setting(q):
+    """set_int8: False keeps fp32 activations (fp32 band); [q] puts q's single-token rows on the
+    integer path (its band, and a visibly different rounding)."""
+    E, H, F = shapes(q, 1)
+    gate, up, down = experts(q, E, H, F)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, H, generator=g)
+    ids, w = routing(1, E, 8, g)
+    ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, q, torch.float64)
+    qref = x.double() @ dequantize(gate[0], q, H, torch.float64).T
+    prev = cpu.set_int8(False)
+    try:
+        f32 = cpu.moe_ffn(x, ids, w, gate, up, down, q, q)
+        cpu.set_int8([q])
+        i8 = cpu.moe_ffn(x, ids, w, gate, up, down, q, q)
+        qm = cpu.qmatmul(x, gate[0], q, H)
+    finally:
+        cpu.set_int8(prev)
+    assert rel_l2(f32, ref) < BAND["fp32"]
+    assert rel_l2(i8, ref) < BAND["int"] and rel_l2(qm, qref) < BAND["int"]
+    if cpu.simd() == "avx512-vnni":      # the integer path exists here: its rounding shows
+        assert rel_l2(i8, ref) > 20 * rel_l2(f32, ref)
+
+
+@pytest.mark.parametrize("q", [G.Q4_0, G.Q4_K, G.Q6_K, G.BF16], ids=lambda v: v.name)
+def test_dequant(q):
+    K = 512
+    g = torch.Generator().manual_seed(7)
+    wr = random_blocks(q, (19, K), g)
+    ref = dequantize(wr, q, K)
+    f32 = cpu.dequant(wr, q, K, torch.float32)
+    assert float((f32 - ref).abs().max()) <= 1e-6 * float(ref.abs().max())   # one rounding apart at most
+    b16 = cpu.dequant(wr, q, K, torch.bfloat16)
+    assert float((b16.float() - ref).abs().max()) <= 2 ** -8 * float(ref.abs().max())
+
+
+def test_mixed_types_repeats_and_skips():
+    """Q4_K gate/up with a Q6_K down; one token routed to the same expert as all others;
+    ids < 0 are skipped; an id >= E is an error."""
+    E, H, F = 16, 512, 256
+    gate, up, _ = experts(G.Q4_K, E, H, F)
+    down = experts(G.Q6_K, E, H, F)[2]
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(9, H, generator=g)
+    ids, w = routing(9, E, 6, g)
+    ids[:, 0] = 3                        # expert 3 shared by every token
+    ids[2, 1] = -1
+    ids[4] = -1                          # a token with no experts: output 0
+    ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, G.Q4_K, G.Q6_K, torch.float64)
+    for impl in ("kernel", "gemm"):
+        out = torch.full((9, H), float("nan"))
+        cpu.moe_ffn(x, ids, w, gate, up, down, G.Q4_K, G.Q6_K, out=out, impl=impl)
+        assert torch.isfinite(out).all()
+        assert float(out[4].abs().max()) == 0.0
+        assert rel_l2(out, ref) < (BAND["gemm"] if impl == "gemm" else BAND["int"]), impl
+    bad = ids.clone()
+    bad[0, 0] = E
+    for impl in ("kernel", "gemm"):
+        with pytest.raises(ValueError):
+            cpu.moe_ffn(x, bad, w, gate, up, down, G.Q4_K, G.Q6_K, impl=impl)
+
+
+def test_deterministic_across_thread_counts():
+    q = G.Q4_0
+    E, H, F = shapes(q, 7)
+    gate, up, down = experts(q, E, H, F)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(7, H, generator=g)
+    ids, w = routing(7, E, 8, g)
+    a = cpu.moe_ffn(x, ids, w, gate, up, down, q, q, n_threads=1)
+    b = cpu.moe_ffn(x, ids, w, gate, up, down, q, q, n_threads=2)
+    c = cpu.moe_ffn(x, ids, w, gate, up, down, q, q, n_threads=3)   # more threads than cores
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_coexists_with_torch_threads():
+    """Interleave torch's OpenMP ops with kernel calls, from the main thread and a worker."""
+    q = G.Q8_0
+    E, H, F = shapes(q, 2)
+    gate, up, down = experts(q, E, H, F)
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(2, H, generator=g)
+    ids, w = routing(2, E, 4, g)
+    nt = torch.get_num_threads()
+    want = cpu.moe_ffn(x, ids, w, gate, up, down, q, q, n_threads=3)
+    assert torch.get_num_threads() == nt          # the kernel never touches torch's setting
+    a = torch.randn(256, 256, generator=g)
+    results = []
+
+    def work():
+        for _ in range(20):
+            a @ a
+            results.append(cpu.moe_ffn(x, ids, w, gate, up, down, q, q, n_threads=2))
+
+    t = threading.Thread(target=work)
+    t.start()
+    for _ in range(20):
+        torch.nn.functional.silu(a @ a).sum()
+        results.append(cpu.moe_ffn(x, ids, w, gate, up, down, q, q))
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert len(results) == 40 and all(torch.equal(r, want) for r in results)
+
+
+def test_torch_fallback():
+    q = G.Q4_K
+    E, H, F = shapes(q, 3)
+    gate, up, down = experts(q, E, H, F)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, H, generator=g)
+    ids, w = routing(3, E, 4, g)
+    ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, q, torch.float64)
+    out = torch.full((3, H), float("nan"))
+    cpu.moe_ffn(x, ids, w, gate, up, down, q, q, out=out, impl="torch")
+    assert rel_l2(out, ref) < BAND["fp32"]
+
+
+SUBPROCESS = r"""
+import logging, os, sys, torch
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+from hybridmoe.kernels import cpu
+from hybridmoe.quant.ref import random_blocks
+from hybridmoe.quant.types import GGMLType as G
+g = torch.Generator().manual_seed(0)
+gate, up, down = (random_blocks(G.Q8_0, s, g) for s in ((4, 64, 64), (4, 64, 64), (4, 64, 64)))
+x = torch.randn(2, 64, generator=g)
+ids = torch.tensor([[0, 1], [1, 3]], dtype=torch.int32)
+w = torch.tensor([[0.6, 0.4], [0.5, 0.5]])
+ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, G.Q8_0, G.Q8_0, torch.float64)
+for _ in range(2):
+    out = cpu.moe_ffn(x, ids, w, gate, up, down, G.Q8_0, G.Q8_0)
+    q = cpu.qmatmul(x, gate[0], G.Q8_0, 64)
+err = float((out.double() - ref).norm() / ref.norm())
+print("available", cpu.available(), "err", err)
+"""
+
+
+@pytest.mark.parametrize("env", [{"HYBRIDMOE_CPU_KERNELS": "torch"}, {"CC": "no-such-compiler-hm"}],
+                         ids=["env-forced", "no-compiler"])
+def test_fallback_without_kernel(env, tmp_path):
+    """Forced off, or no compiler (fresh cache): available() is False, results still right,
+    and a failed build logs exactly one warning."""
+    e = dict(os.environ, HYBRIDMOE_CACHE=str(tmp_path), **env)
+    r = subprocess.run([sys.executable, "-c", SUBPROCESS], env=e, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    words = r.stdout.split()
+    assert words[:2] == ["available", "False"]
+    assert float(words[3]) < BAND["fp32"]
+    warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("WARNING")]
+    assert len(warnings) == (1 if "CC" in env else 0), r.stderr
