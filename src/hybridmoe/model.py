@@ -125,7 +125,12 @@ class Model:
             static = self._static_decoder(kv)
             if static is not None:
                 return static.step(int(tokens[0]), pos0)
-        return self.decoder.forward(tokens, pos0, kv, all_logits).to("cpu")
+        if not self.runtime.profile:
+            return self.decoder.forward(tokens, pos0, kv, all_logits).to("cpu")
+        t0 = time.perf_counter()
+        out = self.decoder.forward(tokens, pos0, kv, all_logits).to("cpu")
+        self.stats.wall[tokens.shape[0] == 1] += time.perf_counter() - t0
+        return out
 
     def _static_decoder(self, kv):
         """The static decode path for this cache, or None where the placement has none (eager then)."""

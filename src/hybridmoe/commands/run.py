@@ -44,5 +44,10 @@ def main(args) -> int:
     sys.stdout.write("\n")
     print(timings.format(), file=sys.stderr)
     if args.profile:
-        print(model.stats.format(), file=sys.stderr)
+        from ..runtime.calibrate import load_cached
+        rates = load_cached(args.threads)
+        print(model.stats.format(rates.ram_read_bw if rates else None), file=sys.stderr)
+        if rates is None:
+            print("  (run `hybridmoe calibrate` once to compare the CPU experts with this machine's read bandwidth)",
+                  file=sys.stderr)
     return 0

@@ -21,6 +21,7 @@ class Stats:
         self.tokens = 0
         self.cpu_expert_bytes = 0                         # weight bytes read by CPU expert kernels
         self.cpu_expert_seconds = 0.0
+        self.wall = [0.0, 0.0]                            # profiled forward seconds: [batches, single tokens]
 
     @contextmanager
     def op(self, kind: str, device, sync=None):
@@ -74,6 +75,12 @@ class Stats:
         u = self.uploads
         lines.append(f"  uploads: {u['count']} copies, {u['bytes'] / 1e6:.2f} MB, {u['experts']} experts")
         lines.append(f"  syncs: {self.syncs}; device crossings per forward: {self.crossings / max(self.forwards, 1):.1f}")
+        if self.profile and sum(self.wall) > 0:
+            in_ops = sum(sec for _, sec in self.ops.values())
+            other = max(sum(self.wall) - in_ops, 0.0)
+            lines.append(f"  forward wall time {sum(self.wall) * 1e3:.1f} ms, in timed ops {in_ops * 1e3:.1f} ms; "
+                         f"the rest (Python, small ops, copies) {other * 1e3:.1f} ms = "
+                         f"{other / max(self.tokens, 1) * 1e3:.3f} ms per token")
         if self.cpu_expert_seconds > 0:
             bw = self.cpu_expert_bytes / self.cpu_expert_seconds
             msg = f"  CPU experts: {self.cpu_expert_bytes / 1e9:.2f} GB read at {bw / 1e9:.1f} GB/s"
