@@ -159,3 +159,14 @@ def test_split_gate_up_costs_one_extra_crossing(monkeypatch):
         m.forward(torch.tensor([5]), 0, kv)
         counts[name] = m.stats.crossings
     assert counts["split"] == counts["fused"] + m.cfg.n_layer
+
+
+def test_no_op_offload_never_uploads(fake_gpus):
+    m = hybridmoe.load("synth:tiny", ctx_size=128, ubatch_size=64, n_gpu_layers=99, override_tensor=["exps=CPU"],
+                       op_offload=False, offload_policy="all,1")
+    m.logits(IDS)
+    assert m.stats.uploads["bytes"] == 0
+    forced = hybridmoe.load("synth:tiny", ctx_size=128, ubatch_size=64, n_gpu_layers=99,
+                            override_tensor=["exps=CPU"], offload_policy="all,1")
+    forced.logits(IDS)
+    assert forced.stats.uploads["bytes"] > 0

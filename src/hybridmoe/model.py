@@ -87,7 +87,9 @@ class Model:
             torch.set_num_threads(runtime.threads)
         from .runtime.calibrate import load_cached
         rates = load_cached(runtime.threads) if gpus and not gpus[0].fake else None
-        self.sched = Scheduler(self.devices, self.devices["CPU"], main, runtime.offload_policy,
+        # --no-op-offload (llama.cpp's flag): host weights are never uploaded, whatever -op says
+        policy = "all,0" if not options.op_offload else runtime.offload_policy
+        self.sched = Scheduler(self.devices, self.devices["CPU"], main, policy,
                                runtime.offload_only_active_experts, runtime.fused_moe, runtime.threads,
                                runtime.profile, rates)
         self.decoder = Decoder(self.cfg, self.weights, self.sched)
