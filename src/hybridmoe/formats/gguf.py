@@ -11,7 +11,6 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch

@@ -1,0 +1,287 @@
+"""Request parsing and validation for the OpenAI-compatible server: untrusted JSON in, typed values out.
+
+Every bad field becomes an `ApiError` carrying OpenAI's error shape and a 4xx status.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
+
+from .generate import SamplerSettings
+
+MAX_STOPS = 16            # stop sequences per request
+MAX_STOP_CHARS = 512      # characters per stop sequence
+CHAT_ROLES = ("system", "user", "assistant", "tool")   # "developer" (OpenAI's newer name) reads as "system"
+# llama-server's defaults, which are also `hybridmoe run`'s
+DEFAULT_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+class ApiError(Exception):
+    """A request the server refuses; becomes {"error": {...}} with `status`."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type_
+
+    def response(self) -> JSONResponse:
+        headers = {"Connection": "close"} if self.status == 413 else None
+        return _error_response(self.status, self.message, self.code, self.param, self.type, headers)
+
+
+def _error_response(status, message, code, param=None, type_="invalid_request_error", headers=None):
+    return JSONResponse({"error": {"message": message, "type": type_, "code": code, "param": param}},
+                        status_code=status, headers=headers)
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, code, param)
+
+
+# ---------------------------------------------------------------------------- request parsing
+
+def _type_name(v) -> str:
+    if v is None:
+        return "null"
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not allowed in JSON")
+
+
+async def _read_json(request: Request, limit: int) -> dict:
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            n = int(cl)
+        except ValueError:
+            raise _bad(f"Content-Length {cl!r} is not a number", code="invalid_request") from None
+        if n > limit:
+            raise ApiError(413, f"request body is {n} bytes; this server accepts at most {limit} bytes",
+                           "request_too_large")
+    buf = bytearray()
+    try:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise ApiError(413, f"request body is over {limit} bytes; this server accepts at most {limit} "
+                               f"bytes", "request_too_large")
+    except ClientDisconnect:
+        raise _bad("the client disconnected while sending the request body", code="client_disconnected") from None
+    if not buf.strip():
+        raise _bad("request body is empty; send a JSON object", code="invalid_json")
+    try:
+        body = json.loads(bytes(buf), parse_constant=_reject_constant)
+    except RecursionError:
+        raise _bad("request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except ValueError as e:          # JSONDecodeError, UnicodeDecodeError, huge integers, NaN
+        raise _bad(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise _bad(f"request body must be a JSON object, got {_type_name(body)}", code="invalid_json")
+    return body
+
+
+def _opt_bool(body, key, default=False) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(f"'{key}' must be a boolean, got {_type_name(v)}", key, "invalid_type")
+    return v
+
+
+def _opt_int(body, key, default=None, lo=None, hi=None):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"'{key}' must be an integer, got {_type_name(v)}", key, "invalid_type")
+    if lo is not None and v < lo:
+        raise _bad(f"'{key}' must be at least {lo}, got {v}", key)
+    if hi is not None and v > hi:
+        raise _bad(f"'{key}' must be at most {hi}, got {v}", key)
+    return v
+
+
+def _opt_num(body, key, default=None, lo=None, hi=None):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(f"'{key}' must be a number, got {_type_name(v)}", key, "invalid_type")
+    v = float(v)
+    if not math.isfinite(v):
+        raise _bad(f"'{key}' must be a finite number", key)
+    if lo is not None and v < lo:
+        raise _bad(f"'{key}' must be at least {lo}, got {v:g}", key)
+    if hi is not None and v > hi:
+        raise _bad(f"'{key}' must be at most {hi}, got {v:g}", key)
+    return v
+
+
+def _unsupported(message: str, param: str) -> ApiError:
+    return ApiError(400, message, "unsupported_parameter", param)
+
+
+def _parse_stop(v) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _bad(f"'stop' must be a string or an array of strings, got {_type_name(v)}", "stop", "invalid_type")
+    if len(v) > MAX_STOPS:
+        raise _bad(f"'stop' has {len(v)} sequences; at most {MAX_STOPS} are accepted", "stop")
+    for s in v:
+        if len(s) > MAX_STOP_CHARS:
+            raise _bad(f"a stop sequence has {len(s)} characters; at most {MAX_STOP_CHARS} are accepted", "stop")
+    return [s for s in v if s]
+
+
+class GenParams:
+    """What a request asks of one generation (common to chat and completions)."""
+
+    def __init__(self, body: dict, chat: bool):
+        self.stream = _opt_bool(body, "stream")
+        so = body.get("stream_options")
+        if so is not None and not isinstance(so, dict):
+            raise _bad(f"'stream_options' must be an object, got {_type_name(so)}", "stream_options", "invalid_type")
+        self.include_usage = _opt_bool(so or {}, "include_usage")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _bad(f"'model' must be a string, got {_type_name(model)}", "model", "invalid_type")
+        n = _opt_int(body, "n", 1)
+        if n != 1:
+            raise _bad(f"'n' is {n}, but this server returns one choice per request; send n=1 or leave it out",
+                       "n")
+        # max_completion_tokens (newer OpenAI), max_tokens, n_predict (llama-server; -1 = no limit)
+        self.max_tokens = None
+        for key in ("max_completion_tokens", "max_tokens", "n_predict"):
+            if body.get(key) is None:
+                continue
+            v = _opt_int(body, key)
+            if key == "n_predict" and v == -1:
+                break
+            if v <= 0:
+                raise _bad(f"'{key}' must be at least 1, got {v}", key)
+            self.max_tokens = v
+            break
+        temperature = _opt_num(body, "temperature", DEFAULT_SAMPLING["temperature"], lo=0)
+        top_p = _opt_num(body, "top_p", DEFAULT_SAMPLING["top_p"], lo=0, hi=1)
+        top_k = _opt_int(body, "top_k", DEFAULT_SAMPLING["top_k"], lo=0)
+        min_p = _opt_num(body, "min_p", DEFAULT_SAMPLING["min_p"], lo=0, hi=1)
+        seed = _opt_int(body, "seed", -1, lo=-(2**63), hi=2**63 - 1)
+        self.sampling = SamplerSettings(temperature, top_k, top_p, min_p, seed)
+        self.stops = _parse_stop(body.get("stop"))
+        self.ignore_eos = _opt_bool(body, "ignore_eos")
+        # what we cannot do is refused, not silently ignored
+        for key in ("presence_penalty", "frequency_penalty"):
+            if _opt_num(body, key, 0.0) != 0.0:
+                raise _unsupported(f"'{key}' is not supported by this server (only 0)", key)
+        if body.get("logit_bias"):
+            raise _unsupported("'logit_bias' is not supported by this server", "logit_bias")
+        if body.get("logprobs") or body.get("top_logprobs"):
+            key = "logprobs" if body.get("logprobs") else "top_logprobs"
+            raise _unsupported(f"'{key}' is not supported by this server", key)
+        if chat:
+            if body.get("tools") or body.get("functions"):
+                key = "tools" if body.get("tools") else "functions"
+                raise _unsupported(f"'{key}': tool calling is not supported by this server", key)
+            rf = body.get("response_format")
+            if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
+                raise _unsupported("'response_format' other than {\"type\": \"text\"} is not supported by this "
+                                   "server", "response_format")
+        else:
+            if _opt_bool(body, "echo"):
+                raise _unsupported("'echo' is not supported by this server", "echo")
+            if body.get("suffix"):
+                raise _unsupported("'suffix' (insertion) is not supported by this server", "suffix")
+            if _opt_int(body, "best_of", 1) != 1:
+                raise _unsupported("'best_of' must be 1 on this server", "best_of")
+
+
+def _parse_content(content, where: str):
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise _bad(f"{where}.content[{j}] must be an object, got {_type_name(part)}", where, "invalid_type")
+            kind = part.get("type")
+            if kind != "text":
+                raise _bad(f"{where}.content[{j}] has type {kind!r}; this server takes text parts only",
+                           where, "unsupported_content")
+            if not isinstance(part.get("text"), str):
+                raise _bad(f"{where}.content[{j}].text must be a string, got {_type_name(part.get('text'))}",
+                           where, "invalid_type")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _bad(f"{where}.content must be a string or an array of text parts, got {_type_name(content)}",
+               where, "invalid_type")
+
+
+def parse_messages(v) -> list[dict]:
+    if v is None:
+        raise _bad("'messages' is required: an array of {\"role\", \"content\"} objects", "messages",
+                   "missing_required_parameter")
+    if not isinstance(v, list):
+        raise _bad(f"'messages' must be an array, got {_type_name(v)}", "messages", "invalid_type")
+    if not v:
+        raise _bad("'messages' is empty; send at least one message", "messages")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{where} must be an object, got {_type_name(m)}", "messages", "invalid_type")
+        role = m.get("role")
+        if role is None:
+            raise _bad(f"{where}.role is missing", "messages", "missing_required_parameter")
+        if not isinstance(role, str):
+            raise _bad(f"{where}.role must be a string, got {_type_name(role)}", "messages", "invalid_type")
+        if role == "developer":
+            role = "system"
+        if role not in CHAT_ROLES:
+            raise _bad(f"{where}.role {role!r} is not a known role; use one of {', '.join(CHAT_ROLES)} "
+                       f"(or developer)", "messages")
+        msg = {"role": role}
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None:
+            if role != "assistant" or not isinstance(tool_calls, list):
+                raise _bad(f"{where}.tool_calls must be an array on an assistant message", "messages",
+                           "invalid_type")
+            msg["tool_calls"] = tool_calls
+        content = m.get("content")
+        if content is None:
+            if role != "assistant" or tool_calls is None:
+                raise _bad(f"{where}.content is missing", "messages", "missing_required_parameter")
+            msg["content"] = None
+        else:
+            msg["content"] = _parse_content(content, where)
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise _bad(f"{where}.{key} must be a string, got {_type_name(m[key])}", "messages",
+                               "invalid_type")
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def _template_kwargs(body) -> dict:
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict):
+        raise _bad(f"'chat_template_kwargs' must be an object, got {_type_name(kw)}", "chat_template_kwargs",
+                   "invalid_type")
+    for key in ("messages", "add_generation_prompt"):
+        if key in kw:
+            raise _bad(f"'chat_template_kwargs' may not set {key!r}", "chat_template_kwargs")
+    return dict(kw)
