@@ -40,7 +40,7 @@ def linear_raw(x: torch.Tensor, raw: torch.Tensor, w: QTensor, dev, n_threads=No
     x2 = x.reshape(-1, x.shape[-1]).float()
     k = kernels() if raw.device.type == "cpu" and not w.is_float else None
     if w.qtype == GGMLType.F32 and raw.device.type == "cpu":
-        y = x2 @ raw.view(torch.float32).view(w.shape[-2] if len(w.shape) > 1 else 1, -1).t()   # exact
+        y = x2 @ raw.view(torch.float32).reshape(-1, w.shape[-1]).t()                 # exact, MKL
     elif k is not None:
         y = k.qmatmul(x2.contiguous(), raw, w.qtype, w.shape[-1], n_threads=n_threads)
     elif raw is w.raw and raw.device.type == "cuda":
