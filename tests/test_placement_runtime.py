@@ -114,6 +114,9 @@ def test_real_gpu_placements_match_all_cpu(name, reference):
     for got, ref in ((p, reference[0]), (d, reference[1])):
         assert rel_l2(got, ref) <= 1e-2
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.98
+    # one 40-token ubatch: 80 (token, expert) pairs take the grouped GEMM path instead of the gathered one
+    _, p40, _ = _run(opts, ub=40)
+    assert rel_l2(p40, reference[0]) <= 1e-2
 
 
 @pytest.mark.parametrize("name", ["ngl99", "ngl99-exps-cpu"])
