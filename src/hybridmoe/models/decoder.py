@@ -10,30 +10,9 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..runtime.kvcache import KVCache
+from ..runtime.ops import apply_rope, rms_norm, rope_tables
 from ..runtime.scheduler import Scheduler
 from ..weights import QTensor
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope_tables(cfg: ModelConfig, positions: torch.Tensor):
-    inv = 1.0 / (cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=positions.device)
-                                   / cfg.head_dim))
-    ang = positions.to(torch.float64)[:, None] * inv[None, :]     # [T, D/2]
-    return ang.cos().float(), ang.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
-    """x [T, n_head, D]. NeoX rotates the two halves; llama's GGUF layout rotates adjacent pairs."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    if neox:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
 class Layer:
@@ -95,7 +74,7 @@ class Decoder:
             q = rms_norm(q, s.small(L.attn_q_norm, dev), cfg.rms_eps)
             k = rms_norm(k, s.small(L.attn_k_norm, dev), cfg.rms_eps)
         if dev.name not in rope:
-            rope[dev.name] = tuple(t.to(q.device) for t in rope_tables(cfg, positions))
+            rope[dev.name] = rope_tables(positions.to(q.device), cfg.head_dim, cfg.rope_base, cfg.rope_neox)
         cos, sin = rope[dev.name]
         q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
         keys, values = kv.update(L.i, int(positions[0]), k, v)              # [n_kv, P+T, D]
@@ -117,22 +96,34 @@ class Decoder:
 
 
 def attend(q, keys, values, pos0: int) -> torch.Tensor:
-    """q [T, n_head, D]; keys/values [n_kv, P, D] (P = pos0 + T). Causal GQA attention.
+    """q [T, n_head, D]; keys/values [n_kv, P, D] (P = pos0 + T). Causal GQA attention, [T, n_head*D].
 
-    float32 on the CPU; bf16 on a GPU, where a fresh context takes the flash kernel (is_causal).
+    GPU: bf16 SDPA (flash for a fresh context). CPU: float32 with the query heads of a KV head batched
+    together, so K and V are read once and never repeated per query head (SDPA's GQA path on the CPU
+    copies them n_head/n_kv times).
     """
-    T = q.shape[0]
+    T, nh, D = q.shape
     P = keys.shape[1]
-    dt = torch.bfloat16 if q.is_cuda else torch.float32
-    qh = q.transpose(0, 1).to(dt)                                           # [n_head, T, D]
-    kf, vf = keys.to(dt), values.to(dt)
-    gqa = kf.shape[0] != qh.shape[0]
-    if T > 1 and P == T:
-        o = F.scaled_dot_product_attention(qh, kf, vf, is_causal=True, enable_gqa=gqa)
-    else:
-        mask = None
-        if T > 1:
-            qpos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
-            mask = torch.arange(P, device=q.device)[None, :] <= qpos         # [T, P]
-        o = F.scaled_dot_product_attention(qh, kf, vf, attn_mask=mask, enable_gqa=gqa)
-    return o.transpose(0, 1).reshape(T, -1).float()
+    if q.is_cuda:
+        qh = q.transpose(0, 1).to(torch.bfloat16)                           # [n_head, T, D]
+        kf, vf = keys.to(torch.bfloat16), values.to(torch.bfloat16)
+        gqa = kf.shape[0] != nh
+        if T > 1 and P == T:
+            o = F.scaled_dot_product_attention(qh, kf, vf, is_causal=True, enable_gqa=gqa)
+        else:
+            mask = None
+            if T > 1:
+                qpos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
+                mask = torch.arange(P, device=q.device)[None, :] <= qpos     # [T, P]
+            o = F.scaled_dot_product_attention(qh, kf, vf, attn_mask=mask, enable_gqa=gqa)
+        return o.transpose(0, 1).reshape(T, -1).float()
+    nkv = keys.shape[0]
+    g = nh // nkv
+    qg = q.float().view(T, nkv, g, D).permute(1, 2, 0, 3).reshape(nkv, g * T, D)   # [n_kv, g*T, D]
+    scores = torch.bmm(qg, keys.float().transpose(1, 2)).mul_(D ** -0.5)          # [n_kv, g*T, P]
+    if T > 1:
+        qpos = torch.arange(pos0, pos0 + T)[:, None]
+        future = torch.arange(P)[None, :] > qpos                                     # [T, P]
+        scores.view(nkv, g, T, P).masked_fill_(future, float("-inf"))
+    o = torch.bmm(torch.softmax(scores, -1), values.float())                         # [n_kv, g*T, D]
+    return o.view(nkv, g, T, D).permute(2, 0, 1, 3).reshape(T, nh * D)

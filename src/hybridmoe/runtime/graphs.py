@@ -17,14 +17,11 @@ import torch.nn.functional as F
 
 from ..quant.types import GGMLType
 from . import experts as X
+from .ops import apply_rope, rms_norm, rope_tables
 
 
 class NotApplicable(Exception):
     """The placement has no static decode path (mixed GPUs, q8_0 cache, ...); the eager path runs."""
-
-
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 class StaticDecoder:
@@ -70,9 +67,8 @@ class StaticDecoder:
             self.layers.append(lay)
         self.out_norm, self.w_out = small(dec.output_norm), wq(dec.output)
         # rope tables for every position of the cache
-        inv = 1.0 / (cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-        ang = torch.arange(kv.n_ctx, dtype=torch.float64)[:, None] * inv[None, :]
-        self.cos, self.sin = ang.cos().float().to(td), ang.sin().float().to(td)
+        cos, sin = rope_tables(torch.arange(kv.n_ctx), cfg.head_dim, cfg.rope_base, cfg.rope_neox)
+        self.cos, self.sin = cos[:, 0].to(td), sin[:, 0].to(td)                # [n_ctx, D]
         self.kpos = torch.arange(kv.n_ctx, device=td)
         # static buffers
         H, k = cfg.n_embd, cfg.n_expert_used
@@ -99,14 +95,14 @@ class StaticDecoder:
     def _attention(self, i, lay, x):
         cfg = self.cfg
         D, nh, nkv = cfg.head_dim, cfg.n_head, cfg.n_head_kv
-        h = _rms(x, lay["attn_norm"], cfg.rms_eps)
+        h = rms_norm(x, lay["attn_norm"], cfg.rms_eps)
         qkv = (h.to(self.cdt) @ lay["wqkv"].t()).float()
         q, k, v = qkv.split((nh * D, nkv * D, nkv * D), dim=-1)
         q, k, v = q.view(nh, D), k.view(nkv, D), v.view(nkv, D)
         if lay["q_norm"] is not None:
-            q, k = _rms(q, lay["q_norm"], cfg.rms_eps), _rms(k, lay["k_norm"], cfg.rms_eps)
-        cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)   # [1, D/2]
-        q, k = _rope(q, cos, sin, cfg.rope_neox), _rope(k, cos, sin, cfg.rope_neox)
+            q, k = rms_norm(q, lay["q_norm"], cfg.rms_eps), rms_norm(k, lay["k_norm"], cfg.rms_eps)
+        cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)   # [1, D]
+        q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
         kc, vc = self.kv.k[i], self.kv.v[i]                               # [nkv, n_ctx, D]
         kc.index_copy_(1, self.pos, k[:, None, :].to(kc.dtype))
         vc.index_copy_(1, self.pos, v[:, None, :].to(vc.dtype))
@@ -120,7 +116,7 @@ class StaticDecoder:
     def _ffn(self, lay, x):
         """Returns (x after the FFN, None), or (x, packed router output) when the experts are on the CPU."""
         cfg = self.cfg
-        h = _rms(x, lay["ffn_norm"], cfg.rms_eps)
+        h = rms_norm(x, lay["ffn_norm"], cfg.rms_eps)
         if "dense" in lay:
             g, u, d = lay["dense"]
             hc = h.to(self.cdt)
@@ -145,7 +141,7 @@ class StaticDecoder:
                 self.packed.copy_(packed)
                 self.resid.copy_(x)
                 return
-        self.logits.copy_((_rms(x, self.out_norm, self.cfg.rms_eps).to(self.cdt) @ self.w_out.t()).float())
+        self.logits.copy_((rms_norm(x, self.out_norm, self.cfg.rms_eps).to(self.cdt) @ self.w_out.t()).float())
 
     # -- running ----------------------------------------------------------------------------------------
     def _capture(self):
@@ -194,12 +190,3 @@ class StaticDecoder:
                 st.copy("CPU", self.dev.name, y.numel() * 4)
         self.h_logits.copy_(self.logits)
         return self.h_logits.clone()
-
-
-def _rope(x, cos, sin, neox: bool):
-    """x [n_head, D]; cos/sin [1, D/2]."""
-    if neox:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)

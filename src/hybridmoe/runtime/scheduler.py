@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ..errors import HybridMoeError
 from ..weights import QTensor
 from . import experts as X
+from .ops import rms_norm
 from .stats import Stats
 from .upload import Uploader
 
@@ -128,9 +129,7 @@ class Scheduler:
     def norm(self, x: torch.Tensor, w: QTensor, eps: float) -> torch.Tensor:
         """RMSNorm runs with its weight (as ggml assigns an op to its weight's backend)."""
         dev = w.device
-        x32 = self.move(x, dev).float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * self.small(w, dev)
-        return self.tag(y, dev)
+        return self.tag(rms_norm(self.move(x, dev), self.small(w, dev), eps), dev)
 
     def _offload_target(self, x_dev):
         if x_dev.kind == "cuda":
