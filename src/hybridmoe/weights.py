@@ -67,12 +67,16 @@ def byte_shape(shape: tuple[int, ...], qtype: GGMLType) -> tuple[int, ...]:
 def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | None = None) -> dict[str, QTensor]:
     """Read each tensor once and put it on the device the placement chose.
 
-    CPU tensors stay memory-mapped (as llama.cpp's mmap); with a real GPU present, CPU experts that may be
-    uploaded are copied into pinned memory so uploads run at full PCIe speed.
+    CPU tensors stay memory-mapped (as llama.cpp's mmap). With a real GPU that may receive uploads, CPU
+    experts are copied into pinned memory so uploads run at full PCIe speed (~54 vs ~21 GB/s pageable) —
+    only while that copy fits in 80% of the available RAM: pinned pages can't be reclaimed, the mapping's can.
     """
     has_cuda = any(d.kind == "cuda" and not d.fake for d in devices.values())
     if pin_host is None:
-        pin_host = has_cuda
+        host_exps = sum(i.nbytes for n, i in model.tensors.items()
+                        if "_exps." in n and devices[placement.device_of[n]].kind == "cpu")
+        cpu = next(d for d in devices.values() if d.kind == "cpu")
+        pin_host = has_cuda and placement.opts.op_offload and host_exps < 0.8 * cpu.free_bytes
     out = {}
     for name, info in model.tensors.items():
         dev = devices[placement.device_of[name]]
