@@ -76,3 +76,35 @@ def test_generate_is_deterministic_with_seed():
     b = "".join(m.generate("Hello", max_tokens=12, seed=3))
     g = "".join(m.generate("Hello", max_tokens=12, temperature=0))
     assert a == b and len(a) > 0 and len(g) > 0
+
+
+@pytest.mark.parametrize("ctk,ctv,tol", [("f32", "f32", 1e-3), ("bf16", "bf16", 5e-2), ("q8_0", "q8_0", 8e-2),
+                                         ("q8_0", "f16", 8e-2)])
+def test_kv_cache_types(ctk, ctv, tol, hf_models, tmp_path):
+    """-ctk/-ctv: the cache's precision only; decode through each type stays near the f16 cache."""
+    path = convert(hf_models["qwen3moe"][1], str(tmp_path / "m.gguf"), GGMLType.Q8_0)    # head size 32
+
+    def run(**kw):
+        m = hybridmoe.load(path, ctx_size=64, **kw)
+        kv = m.new_cache(64)
+        m.forward(torch.tensor(IDS[:8]), 0, kv)
+        return torch.cat([m.forward(torch.tensor([t]), 8 + i, kv) for i, t in enumerate(IDS[8:])])
+    ref = run()
+    got = run(cache_type_k=ctk, cache_type_v=ctv)
+    assert rel_l2(got, ref) <= tol
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_no_kv_offload_keeps_cache_on_cpu(monkeypatch):
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    a = hybridmoe.load("synth:tiny", ctx_size=64, n_gpu_layers=99)
+    b = hybridmoe.load("synth:tiny", ctx_size=64, n_gpu_layers=99, no_kv_offload=True)
+    assert {b.placement.kv_device(i) for i in range(b.cfg.n_layer)} == {"CPU"}
+    assert rel_l2(b.logits(IDS), a.logits(IDS)) <= 1e-5
+
+
+def test_q8_0_cache_needs_head_size_multiple_of_32():
+    from hybridmoe.errors import HybridMoeError
+    m = hybridmoe.load("synth:tiny", ctx_size=64, cache_type_k="q8_0")                   # head size 16
+    with pytest.raises(HybridMoeError, match="multiple of 32.*use -ctk/-ctv f16"):
+        m.logits(IDS)
