@@ -64,6 +64,7 @@ class Uploader:
                     for a, b in spans:
                         buf[j:j + b - a].copy_(w.raw[a:b], non_blocking=True)
                         j += b - a
+                    buf.record_stream(self.stream)                # a regrown slot frees it only after the copy
                 slot.ready = torch.cuda.Event()
                 slot.ready.record(self.stream)
         nbytes = sum(w.raw[0].numel() for w in ws) * n_experts
