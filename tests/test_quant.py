@@ -191,3 +191,4 @@ def test_cuda_matches_cpu(qtype):
         else:  # K-quant search may differ in last-ulp sums; check quality only
             y = dequantize(qc, qtype, 512)
             assert ((y - x).norm() / x.norm()).item() < K_BOUNDS[qtype]
+

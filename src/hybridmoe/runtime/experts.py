@@ -156,24 +156,37 @@ def _gathered_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
     return (y.view(T, k, -1) * wts.float()[..., None]).sum(1)
 
 
+GROUP_ALIGN = 16     # rows per expert group are padded to this (and empty groups to one block of it)
+
+
 def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
     """Many tokens (prefill): every expert dequantized once (one Triton pass, ~0.1 ms a layer on an H200),
-    then grouped GEMMs over the tokens sorted by expert. Empty groups are fine, so nothing here waits for
-    the GPU and Python runs ahead of the kernels."""
+    then grouped GEMMs over the tokens sorted by expert.
+
+    Each expert's rows are padded to a multiple of 16 and no group is empty, the layout grouped GEMM
+    kernels are documented for; the buffer is sized for the worst case (T*k + 16*E rows), so nothing here
+    waits for the GPU and Python runs ahead of the kernels.
+    """
     from ..kernels.gpu_dequant import dequantize_bf16 as dequantize
     T, k = ids.shape
-    E = graw.shape[0]
+    E, H = graw.shape[0], x.shape[1]
     order, counts = route(ids, E)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    padded = torch.clamp((counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN, min=GROUP_ALIGN)
+    offs = torch.cumsum(padded, 0)
+    first = torch.cumsum(counts, 0) - counts                              # unpadded start of each expert
+    e_sorted = ids.reshape(-1)[order]
+    dest = (offs - padded)[e_sorted] + torch.arange(order.numel(), device=x.device) - first[e_sorted]
     tok = order // k
-    xs = x[tok].to(torch.bfloat16)                                        # [T*k, H] sorted by expert
+    xs = torch.zeros(T * k + GROUP_ALIGN * E, H, dtype=torch.bfloat16, device=x.device)
+    xs[dest] = x[tok].to(torch.bfloat16)
+    offs = offs.to(torch.int32)
     wg = dequantize(graw, gate.qtype, gate.shape[-1])                     # [E, F, H]
     wu = dequantize(uraw, gate.qtype, gate.shape[-1])
     wd = dequantize(draw, down.qtype, down.shape[-1])                     # [E, H, F]
     h = F.silu(torch._grouped_mm(xs, wg.transpose(-2, -1), offs=offs)) * \
-        torch._grouped_mm(xs, wu.transpose(-2, -1), offs=offs)            # [T*k, F]
-    y = torch._grouped_mm(h, wd.transpose(-2, -1), offs=offs).float()      # [T*k, H]
+        torch._grouped_mm(xs, wu.transpose(-2, -1), offs=offs)            # [rows, F]
+    y = torch._grouped_mm(h, wd.transpose(-2, -1), offs=offs)[dest].float()   # [T*k, H] in expert order
     y = y * wts.reshape(-1)[order, None].float()
-    out = torch.zeros(T, y.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y)
     return out
