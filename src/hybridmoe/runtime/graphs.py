@@ -12,6 +12,8 @@ reads the whole cache under a mask, so the same graph serves every position.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -82,6 +84,7 @@ class StaticDecoder:
         self.h_packed = torch.zeros(1, H + 2 * k, pin_memory=pin)
         self.h_moe = torch.zeros(1, H, pin_memory=pin)
         self.h_logits = torch.zeros(1, cfg.n_vocab, pin_memory=pin)
+        self.h_ids = torch.zeros(1, k, dtype=torch.int32)
         # segments: runs of layers that end at a CPU-expert layer (or at the output)
         self.segments, start = [], 0
         for i, lay in enumerate(self.layers):
@@ -159,6 +162,26 @@ class StaticDecoder:
                 self._segment(s)
             self.graphs.append(g)
 
+    def _cpu_experts(self, b: int, st):
+        """Layer b's experts on the CPU from the packed [h | weights | ids] row, into the pinned h_moe."""
+        H, k = self.cfg.n_embd, self.cfg.n_expert_used
+        hp = self.h_packed
+        self.h_ids.copy_(hp[:, H + k:])                                   # float ids -> int32, exact
+        g, u, d = self.layers[b]["exps"]
+        t0 = time.perf_counter()
+        with st.op("moe_up_gate", g.device):
+            kern = X.kernels()
+            if kern is not None:
+                kern.moe_ffn(hp[:, :H], self.h_ids, hp[:, H:H + k], g.raw, u.raw, d.raw, g.qtype, d.qtype,
+                             n_threads=self.sched.n_threads, out=self.h_moe)
+            else:
+                self.h_moe.copy_(X.moe(hp[:, :H], self.h_ids.long(), hp[:, H:H + k], g.raw, u.raw, d.raw,
+                                       g, u, d, self.sched.n_threads))
+        st.cpu_expert_seconds += time.perf_counter() - t0
+        st.cpu_expert_bytes += k * (g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel())
+        st.copy(self.dev.name, "CPU", hp.numel() * 4)
+        st.copy("CPU", self.dev.name, H * 4)
+
     def step(self, token: int, pos: int) -> torch.Tensor:
         """One decode step; returns logits [1, n_vocab] on the CPU."""
         st = self.sched.stats
@@ -178,15 +201,7 @@ class StaticDecoder:
                 self._segment(s)
             if b < self.cfg.n_layer:                                      # layer b's experts on the CPU
                 self.h_packed.copy_(self.packed)                          # D2H waits for the segment
-                H, k = self.cfg.n_embd, self.cfg.n_expert_used
-                hp = self.h_packed
-                g, u, d = self.layers[b]["exps"]
-                with st.op("moe_up_gate", g.device):
-                    y = X.moe(hp[:, :H], hp[:, H + k:].long(), hp[:, H:H + k], g.raw, u.raw, d.raw, g, u, d,
-                              self.sched.n_threads, st)
-                self.h_moe.copy_(y)
+                self._cpu_experts(b, st)
                 self.moe_in.copy_(self.h_moe, non_blocking=True)
-                st.copy(self.dev.name, "CPU", hp.numel() * 4)
-                st.copy("CPU", self.dev.name, y.numel() * 4)
         self.h_logits.copy_(self.logits)
         return self.h_logits.clone()
