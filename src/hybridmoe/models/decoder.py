@@ -15,6 +15,21 @@ from ..runtime.scheduler import Scheduler
 from ..weights import QTensor
 
 
+def fuse_rows(name: str, ws) -> QTensor | None:
+    """One weight whose rows are those of `ws` (same device and type), so one matmul does the work of
+    several; the parts become views of it, so nothing is held twice. None where the parts differ."""
+    first = ws[0]
+    if any(w.device.name != first.device.name or w.qtype != first.qtype or w.shape[1:] != first.shape[1:]
+           for w in ws):
+        return None
+    fused = torch.cat([w.raw for w in ws])
+    start = 0
+    for w in ws:
+        w.raw = fused[start:start + w.raw.shape[0]]
+        start += w.raw.shape[0]
+    return QTensor(name, fused, first.qtype, (fused.shape[0], *first.shape[1:]), first.device)
+
+
 class Layer:
     def __init__(self, cfg: ModelConfig, i: int, w: dict[str, QTensor]):
         p = f"blk.{i}."
@@ -22,6 +37,7 @@ class Layer:
         self.attn_norm = w[p + "attn_norm.weight"]
         self.attn_q, self.attn_k, self.attn_v = w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]
         self.attn_output = w[p + "attn_output.weight"]
+        self.attn_qkv = fuse_rows(p + "attn_qkv", (self.attn_q, self.attn_k, self.attn_v))
         self.attn_q_norm = w.get(p + "attn_q_norm.weight")
         self.attn_k_norm = w.get(p + "attn_k_norm.weight")
         self.ffn_norm = w[p + "ffn_norm.weight"]
@@ -67,9 +83,12 @@ class Decoder:
         T, D = x.shape[0], cfg.head_dim
         h = s.norm(x, L.attn_norm, cfg.rms_eps)
         dev = kv.device(L.i)
-        q = s.move(s.linear(h, L.attn_q), dev).view(T, cfg.n_head, D)
-        k = s.move(s.linear(h, L.attn_k), dev).view(T, cfg.n_head_kv, D)
-        v = s.move(s.linear(h, L.attn_v), dev).view(T, cfg.n_head_kv, D)
+        nq, nkv = cfg.n_head * D, cfg.n_head_kv * D
+        if L.attn_qkv is not None:
+            q, k, v = s.move(s.linear(h, L.attn_qkv), dev).split((nq, nkv, nkv), dim=-1)
+        else:
+            q, k, v = (s.move(s.linear(h, w), dev) for w in (L.attn_q, L.attn_k, L.attn_v))
+        q, k, v = q.reshape(T, cfg.n_head, D), k.reshape(T, cfg.n_head_kv, D), v.reshape(T, cfg.n_head_kv, D)
         if L.attn_q_norm is not None:
             q = rms_norm(q, s.small(L.attn_q_norm, dev), cfg.rms_eps)
             k = rms_norm(k, s.small(L.attn_k_norm, dev), cfg.rms_eps)

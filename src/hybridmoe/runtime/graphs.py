@@ -50,7 +50,8 @@ class StaticDecoder:
                 if w.device.name != self.dev.name:
                     raise NotApplicable(f"{w.name} is on {w.device.name}")
             lay = dict(attn_norm=small(L.attn_norm), ffn_norm=small(L.ffn_norm),
-                       wqkv=torch.cat((wq(L.attn_q), wq(L.attn_k), wq(L.attn_v))), wo=wq(L.attn_output),
+                       wqkv=wq(L.attn_qkv) if L.attn_qkv is not None else
+                       torch.cat((wq(L.attn_q), wq(L.attn_k), wq(L.attn_v))), wo=wq(L.attn_output),
                        q_norm=small(L.attn_q_norm) if L.attn_q_norm is not None else None,
                        k_norm=small(L.attn_k_norm) if L.attn_k_norm is not None else None)
             if L.ffn_gate_inp is None:
