@@ -629,3 +629,29 @@ def test_real_gpus_listed_in_torch_order(monkeypatch):
         assert (d.name, d.index, d.fake, d.torch_device) == (f"CUDA{i}", i, False, torch.device("cuda", i))
         assert d.total_bytes == props.total_memory and 0 < d.free_bytes <= d.total_bytes
         assert d.description == props.name
+
+
+def test_seed_command_lines_paste_into_serve_and_run(capsys):
+    """Discussion 532's whole llama-server lines (flags hybridmoe has no use for included) parse; the
+    no-op flags are named on stderr."""
+    import shlex
+
+    from hybridmoe.cli import build_parser
+    from hybridmoe.commands.common import runtime_kwargs
+    qwen = r'''--model m.gguf --alias unsloth/Qwen3-235B --ctx-size 65536 -ctk q8_0 -ctv q8_0 -fa -b 4096 -ub 4096
+        -fmoe --n-gpu-layers 100 -ot "blk\.([0-9]|1[0-5])\.ffn=CUDA0" --override-tensor exps=CPU --parallel 1
+        --threads 56 --host 0.0.0.0 --port 10002'''
+    deepseek = r'''--model m.gguf --ctx-size 40960 -ctk q8_0 -mla 3 -fa -b 4096 -ub 4096 -amb 512 -fmoe -ngl 63
+        -ot "blk\.[3-4]\.ffn_.*=CUDA0" -ot exps=CPU --parallel 1 --threads 56 --no-mmap -rtr --numa distribute'''
+    p = build_parser()
+    a = p.parse_args(["serve", *shlex.split(qwen)])
+    kw = runtime_kwargs(a)
+    assert kw["n_gpu_layers"] == 100 and kw["override_tensor"][-1] == "exps=CPU" and kw["fused_moe"] is True
+    assert kw["ctx_size"] == 65536 and kw["cache_type_k"] == "q8_0" and kw["threads"] == 56
+    assert "--parallel is accepted" in capsys.readouterr().err
+    b = p.parse_args(["run", *shlex.split(deepseek)])
+    kw = runtime_kwargs(b)
+    assert kw["n_gpu_layers"] == 63 and kw["ubatch_size"] == 4096
+    err = capsys.readouterr().err
+    for flag in ("-mla", "-amb", "--no-mmap", "-rtr", "--numa", "--parallel"):
+        assert f"note: {flag} is accepted" in err

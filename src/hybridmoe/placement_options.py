@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from dataclasses import dataclass, field, fields
 
 from .errors import PlacementError
@@ -173,10 +174,52 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
                    "materialized attention scores)")
     g.add_argument("--no-op-offload", dest="no_op_offload", action="store_true",
                    help="never run ops on host-resident weights on a GPU (no upload staging buffers)")
+    add_compat_args(parser)
+
+
+# Flags of llama.cpp / ik_llama.cpp command lines (the seeds' users paste whole lines) that change nothing
+# here, with the reason printed once when one is given.
+COMPAT_FLAGS = {
+    "--no-mmap": (0, "weights stay memory-mapped; they are read once, so mapping costs nothing extra"),
+    "--mlock": (0, "not implemented: pages of the mapping may be evicted under memory pressure"),
+    "-rtr": (0, "the CPU kernels read GGUF blocks as they are, with no repacking"),
+    "--run-time-repack": (0, "the CPU kernels read GGUF blocks as they are, with no repacking"),
+    "-mla": (1, "MLA applies to DeepSeek models, which hybridmoe plans but does not run yet"),
+    "-amb": (1, "attention runs without a separate attention buffer limit"),
+    "--numa": (1, "threads are not pinned to NUMA nodes"),
+    "-np": (1, "the server runs one generation at a time"),
+    "--parallel": (1, "the server runs one generation at a time"),
+    "-tb": (1, "prompt processing uses -t threads too"),
+    "--threads-batch": (1, "prompt processing uses -t threads too"),
+    "-cnv": (0, "use `hybridmoe run --chat` or `hybridmoe serve`"),
+    "--jinja": (0, "chat templates always run (sandboxed jinja2)"),
+}
+
+
+def add_compat_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("accepted for llama.cpp compatibility (no effect here)")
+    for flag, (nargs, why) in COMPAT_FLAGS.items():
+        dest = "compat_" + flag.lstrip("-").replace("-", "_")
+        if nargs:
+            g.add_argument(flag, dest=dest, default=None, metavar="X", help=why)
+        else:
+            g.add_argument(flag, dest=dest, action="store_true", help=why)
+
+
+def compat_notes(args) -> list[str]:
+    """One line per compatibility flag that was given: what it would do in llama.cpp and why not here."""
+    out = []
+    for flag, (_, why) in COMPAT_FLAGS.items():
+        v = getattr(args, "compat_" + flag.lstrip("-").replace("-", "_"), None)
+        if v not in (None, False):
+            out.append(f"note: {flag} is accepted for compatibility and has no effect: {why}")
+    return out
 
 
 def options_from_args(args: argparse.Namespace) -> PlacementOptions:
     """PlacementOptions from a namespace filled by add_placement_args."""
+    for note in compat_notes(args):
+        print(note, file=sys.stderr)
     return PlacementOptions(
         n_gpu_layers=args.n_gpu_layers, override_tensor=list(args.override_tensor or []), cpu_moe=args.cpu_moe,
         n_cpu_moe=args.n_cpu_moe, tensor_split=args.tensor_split, main_gpu=args.main_gpu,

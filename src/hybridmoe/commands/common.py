@@ -18,8 +18,8 @@ def add_runtime_args(p: argparse.ArgumentParser):
                         "mul_mat, mul_mat_id, moe_up_gate, all (or ik_llama.cpp's 26, 27, 29, -1)")
     p.add_argument("-ooae", "--offload-only-active-experts", default="auto", choices=["auto", "0", "1"],
                    help="when offloading, upload only the experts the router picked")
-    p.add_argument("-fmoe", "--fused-moe", type=int, default=1, choices=[0, 1],
-                   help="fused up/gate expert op (default 1)")
+    p.add_argument("-fmoe", "--fused-moe", type=int, nargs="?", const=1, default=1, choices=[0, 1],
+                   help="fused up/gate expert op (default 1; a bare -fmoe, as ik_llama.cpp takes it, means 1)")
     p.add_argument("--profile", action="store_true", help="print time per op and device, copies, uploads "
                    "(runs the eager path, so decode is slower while profiling)")
     p.add_argument("--no-graphs", action="store_true", help="decode eagerly, without the static step / CUDA graphs")
