@@ -27,6 +27,13 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0):
     elif kind == "llama":
         cfg = tf.LlamaConfig(**common, intermediate_size=128, rope_theta=10000.0)
         model = tf.LlamaForCausalLM(cfg)
+    elif kind == "deepseek2":
+        cfg = tf.DeepseekV3Config(**{**common, "num_key_value_heads": 4}, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
+                                  num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                                  first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                  q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                  v_head_dim=16, rope_theta=10000.0)
+        model = tf.DeepseekV3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     # norms start at exactly 1 in HF; perturb them so a wrong norm weight would show
@@ -34,6 +41,9 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0):
         for n, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):                      # deepseek's routing bias
+                b.copy_(0.05 * torch.randn_like(b))
     model.eval()
     model.save_pretrained(out_dir)
     return model

@@ -15,13 +15,13 @@ IDS = [1, 17, 300, 42, 7, 7, 99, 511, 256, 3, 120, 64, 5, 480, 33, 2, 200, 201, 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     out = {}
-    for kind in ("qwen3moe", "qwen3", "llama"):
+    for kind in ("qwen3moe", "qwen3", "llama", "deepseek2"):
         d = tmp_path_factory.mktemp(f"hf-{kind}")
         out[kind] = (make_hf_model(kind, str(d)), str(d))
     return out
 
 
-@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3", "llama", "deepseek2"])
 def test_f32_matches_transformers(hf_models, kind, tmp_path):
     model, d = hf_models[kind]
     path = convert(d, str(tmp_path / "m-f32.gguf"), GGMLType.F32)
@@ -108,3 +108,18 @@ def test_q8_0_cache_needs_head_size_multiple_of_32():
     m = hybridmoe.load("synth:tiny", ctx_size=64, cache_type_k="q8_0")                   # head size 16
     with pytest.raises(HybridMoeError, match="multiple of 32.*use -ctk/-ctv f16"):
         m.logits(IDS)
+
+
+def test_deepseek2_placements_match_all_cpu(hf_models, tmp_path, monkeypatch):
+    """MLA, shared experts and grouped sigmoid routing under -ngl 99 -ot exps=CPU on a fake GPU."""
+    path = convert(hf_models["deepseek2"][1], str(tmp_path / "ds.gguf"), GGMLType.F32)
+    ref = hybridmoe.load(path, ctx_size=64).logits(IDS)
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    for opts in (dict(n_gpu_layers=99), dict(n_gpu_layers=99, override_tensor=["exps=CPU"])):
+        m = hybridmoe.load(path, ctx_size=64, **opts)
+        assert rel_l2(m.logits(IDS), ref) <= 1e-5
+        kv = m.new_cache(64)
+        full = m.logits(IDS)
+        m.forward(torch.tensor(IDS[:6]), 0, kv)
+        steps = torch.cat([m.forward(torch.tensor([t]), 6 + i, kv) for i, t in enumerate(IDS[6:])])
+        assert rel_l2(steps, full[6:]) <= 1e-5

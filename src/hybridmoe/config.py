@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .errors import ModelFileError
 
-ARCHITECTURES = ("qwen3moe", "qwen3", "llama")
+ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "deepseek2")
 
 
 @dataclass
@@ -28,6 +28,17 @@ class ModelConfig:
     rope_neox: bool = True        # qwen: NeoX (rotate halves); llama: GPT-J style pairs in GGUF's permuted layout
     qk_norm: bool = False
     name: str = ""
+    # deepseek2 (DeepSeek V2/V3/R1): multi-head latent attention, shared experts, sigmoid routing in groups
+    q_lora_rank: int = 0          # 0: plain attn_q
+    kv_lora_rank: int = 0
+    rope_dim: int = 0             # the roped part of each q/k head (head_dim = nope + rope)
+    v_head_dim: int = 0           # 0: head_dim
+    n_layer_dense_lead: int = 0   # the first layers have a dense FFN
+    n_expert_shared: int = 0
+    expert_gating: str = "softmax"
+    expert_weights_scale: float = 1.0
+    n_expert_groups: int = 1
+    n_group_used: int = 1
 
     @property
     def is_moe(self) -> bool:
@@ -77,6 +88,23 @@ class ModelConfig:
             qk_norm=arch in ("qwen3moe", "qwen3"),
             name=str(md.get("general.name", arch)),
         )
+        if arch == "deepseek2":
+            cfg.n_head_kv = cfg.n_head
+            cfg.head_dim = int(get("attention.key_length"))
+            cfg.v_head_dim = int(get("attention.value_length"))
+            cfg.rope_dim = int(get("rope.dimension_count"))
+            cfg.q_lora_rank = int(get("attention.q_lora_rank", 0, required=False))
+            cfg.kv_lora_rank = int(get("attention.kv_lora_rank"))
+            cfg.n_layer_dense_lead = int(get("leading_dense_block_count", 0, required=False))
+            cfg.n_expert_shared = int(get("expert_shared_count", 0, required=False))
+            cfg.expert_gating = "sigmoid" if int(get("expert_gating_func", 1, required=False)) == 2 else "softmax"
+            cfg.expert_weights_scale = float(get("expert_weights_scale", 1.0, required=False))
+            cfg.norm_topk_prob = bool(get("expert_weights_norm", False, required=False))
+            cfg.n_expert_groups = int(get("expert_group_count", 1, required=False)) or 1
+            cfg.n_group_used = int(get("expert_group_used_count", 1, required=False)) or 1
+            if f"{arch}.rope.scaling.type" in md and str(md[f"{arch}.rope.scaling.type"]) not in ("none", ""):
+                raise ModelFileError(path, f"RoPE scaling {md[f'{arch}.rope.scaling.type']!r} is not supported yet",
+                                     "only models without RoPE scaling run; plan and inspect work")
         if arch == "qwen3moe" and not (cfg.n_expert and cfg.n_expert_used and cfg.n_ff_exp):
             raise ModelFileError(path, "qwen3moe metadata lacks expert_count, expert_used_count or "
                                  "expert_feed_forward_length", "the file is incomplete")

@@ -16,7 +16,7 @@ from .models.tensors import default_qtype, tensor_shapes
 from .quant.types import GGMLType
 from .synth import config_metadata
 
-HF_ARCH = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "llama": "llama"}
+HF_ARCH = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "llama": "llama", "deepseek_v3": "deepseek2"}
 
 # HF name (after model.layers.N.) -> GGUF name (after blk.N.)
 LAYER_NAMES = {
@@ -24,6 +24,11 @@ LAYER_NAMES = {
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    # deepseek (MLA, shared experts)
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
@@ -38,6 +43,21 @@ def hf_config(hf: dict) -> ModelConfig:
     arch = HF_ARCH[mt]
     rope = hf.get("rope_parameters") or {}
     n_head = hf["num_attention_heads"]
+    if arch == "deepseek2":
+        if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+            raise ModelFileError("config.json", "RoPE scaling is not supported yet for deepseek models")
+        nope, R = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+        return ModelConfig(
+            arch=arch, n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"], n_head=n_head, n_head_kv=n_head,
+            head_dim=nope + R, n_vocab=hf["vocab_size"], n_ctx_train=hf.get("max_position_embeddings", 4096),
+            rms_eps=hf.get("rms_norm_eps", 1e-6), rope_base=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            n_ff=hf["intermediate_size"], n_expert=hf["n_routed_experts"], n_expert_used=hf["num_experts_per_tok"],
+            n_ff_exp=hf["moe_intermediate_size"], norm_topk_prob=hf.get("norm_topk_prob", True), rope_neox=False,
+            name=hf.get("_name_or_path") or "deepseek", q_lora_rank=hf.get("q_lora_rank") or 0,
+            kv_lora_rank=hf["kv_lora_rank"], rope_dim=R, v_head_dim=hf["v_head_dim"],
+            n_layer_dense_lead=hf.get("first_k_dense_replace", 0), n_expert_shared=hf.get("n_shared_experts", 0),
+            expert_gating="sigmoid", expert_weights_scale=hf.get("routed_scaling_factor", 1.0),
+            n_expert_groups=hf.get("n_group", 1), n_group_used=hf.get("topk_group", 1))
     return ModelConfig(
         arch=arch, n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"], n_head=n_head,
         n_head_kv=hf.get("num_key_value_heads", n_head),
@@ -74,6 +94,8 @@ def read_hf_tensors(hf_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                     out[TOP_NAMES[k]] = t
                 elif (m := _LAYER_RE.match(k)) and m[2] in LAYER_NAMES:
                     out[f"blk.{m[1]}.{LAYER_NAMES[m[2]]}.weight"] = t
+                elif k.endswith(".mlp.gate.e_score_correction_bias"):
+                    out[f"blk.{k.split('.')[2]}.exp_probs_b.bias"] = t
                 elif k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
                     i = int(k.split(".")[2])
                     if k.endswith("gate_up_proj"):                # fused [E, 2F, H] (transformers' in-memory form)
@@ -107,7 +129,7 @@ def convert_hf(hf_dir: str, out_path: str, expert_type=GGMLType.F32, other_type=
     tok_json = os.path.join(hf_dir, "tokenizer.json")
     vocab = hf_tokenizer_to_metadata(tok_json, n_vocab=cfg.n_vocab) if os.path.exists(tok_json) else builtin_vocab_metadata(cfg.n_vocab)
     md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg), **vocab}
-    if cfg.is_moe:
+    if cfg.is_moe and cfg.arch != "deepseek2":
         md[f"{cfg.arch}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
     plan = []
     for name, shape in tensor_shapes(cfg):

@@ -119,7 +119,7 @@ class Model:
         cfg = self.cfg
         devs = [self.devices[self.placement.kv_device(i)] for i in range(cfg.n_layer)]
         return KVCache(cfg.n_layer, n_ctx or self.options.ctx_size, cfg.n_head_kv, cfg.head_dim, devs,
-                       self.options.cache_type_k, self.options.cache_type_v)
+                       self.options.cache_type_k, self.options.cache_type_v, cfg.v_head_dim or None)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True) -> torch.Tensor:

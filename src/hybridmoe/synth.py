@@ -64,6 +64,17 @@ def config_metadata(cfg: ModelConfig) -> dict:
     if cfg.is_moe:
         md.update({f"{a}.expert_count": cfg.n_expert, f"{a}.expert_used_count": cfg.n_expert_used,
                    f"{a}.expert_feed_forward_length": cfg.n_ff_exp})
+    if a == "deepseek2":
+        md.update({f"{a}.attention.value_length": cfg.v_head_dim, f"{a}.rope.dimension_count": cfg.rope_dim,
+                   f"{a}.attention.kv_lora_rank": cfg.kv_lora_rank,
+                   f"{a}.leading_dense_block_count": cfg.n_layer_dense_lead,
+                   f"{a}.expert_shared_count": cfg.n_expert_shared,
+                   f"{a}.expert_gating_func": 2 if cfg.expert_gating == "sigmoid" else 1,
+                   f"{a}.expert_weights_scale": float(cfg.expert_weights_scale),
+                   f"{a}.expert_weights_norm": bool(cfg.norm_topk_prob),
+                   f"{a}.expert_group_count": cfg.n_expert_groups, f"{a}.expert_group_used_count": cfg.n_group_used})
+        if cfg.q_lora_rank:
+            md[f"{a}.attention.q_lora_rank"] = cfg.q_lora_rank
     return md
 
 

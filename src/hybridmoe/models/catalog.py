@@ -174,7 +174,8 @@ def catalog_model(name: str, expert=None, other=None) -> tuple[ModelConfig, dict
 def config_for_planning(md: dict, path: str, tensors: dict[str, TensorInfo]) -> ModelConfig:
     """ModelConfig of a GGUF file; for architectures hybridmoe can't run, a PlanConfig from generic keys."""
     arch = str(md.get("general.architecture", ""))
-    if arch in ARCHITECTURES or not arch:
+    if (arch in ARCHITECTURES and arch != "deepseek2") or not arch:
+        # deepseek2 runs now, but planning keeps the generic reader: it sizes the KV cache as MLA stores it
         return ModelConfig.from_metadata(md, path)
 
     def get(key, default=None):

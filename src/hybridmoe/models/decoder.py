@@ -35,9 +35,19 @@ class Layer:
         p = f"blk.{i}."
         self.i = i
         self.attn_norm = w[p + "attn_norm.weight"]
-        self.attn_q, self.attn_k, self.attn_v = w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]
         self.attn_output = w[p + "attn_output.weight"]
-        self.attn_qkv = fuse_rows(p + "attn_qkv", (self.attn_q, self.attn_k, self.attn_v))
+        self.mla = p + "attn_kv_a_mqa.weight" in w
+        if self.mla:                                                       # deepseek2
+            self.attn_q = w.get(p + "attn_q.weight")
+            self.attn_q_a, self.attn_q_a_norm = w.get(p + "attn_q_a.weight"), w.get(p + "attn_q_a_norm.weight")
+            self.attn_q_b = w.get(p + "attn_q_b.weight")
+            self.attn_kv_a_mqa, self.attn_kv_a_norm = w[p + "attn_kv_a_mqa.weight"], w[p + "attn_kv_a_norm.weight"]
+            self.attn_kv_b = w[p + "attn_kv_b.weight"]
+            self.attn_qkv = None
+        else:
+            self.attn_q, self.attn_k, self.attn_v = (w[p + "attn_q.weight"], w[p + "attn_k.weight"],
+                                                     w[p + "attn_v.weight"])
+            self.attn_qkv = fuse_rows(p + "attn_qkv", (self.attn_q, self.attn_k, self.attn_v))
         self.attn_q_norm = w.get(p + "attn_q_norm.weight")
         self.attn_k_norm = w.get(p + "attn_k_norm.weight")
         self.ffn_norm = w[p + "ffn_norm.weight"]
@@ -46,6 +56,10 @@ class Layer:
             self.ffn_gate_exps = w[p + "ffn_gate_exps.weight"]
             self.ffn_up_exps = w[p + "ffn_up_exps.weight"]
             self.ffn_down_exps = w[p + "ffn_down_exps.weight"]
+            self.exp_probs_b = w.get(p + "exp_probs_b.bias")
+            self.ffn_gate_shexp = w.get(p + "ffn_gate_shexp.weight")
+            if self.ffn_gate_shexp is not None:
+                self.ffn_up_shexp, self.ffn_down_shexp = w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"]
         else:
             self.ffn_gate, self.ffn_up, self.ffn_down = (w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"],
                                                          w[p + "ffn_down.weight"])
@@ -79,6 +93,8 @@ class Decoder:
         return s.linear(x, self.output).float()
 
     def attention(self, L: Layer, x, positions, kv: KVCache, rope: dict):
+        if L.mla:
+            return self.attention_mla(L, x, positions, kv, rope)
         cfg, s = self.cfg, self.sched
         T, D = x.shape[0], cfg.head_dim
         h = s.norm(x, L.attn_norm, cfg.rms_eps)
@@ -101,17 +117,65 @@ class Decoder:
             o = s.tag(attend(q, keys, values, int(positions[0])), dev)      # [T, n_head*D]
         return s.linear(o, L.attn_output)
 
+    def attention_mla(self, L: Layer, x, positions, kv: KVCache, rope: dict):
+        """DeepSeek's multi-head latent attention, with K and V expanded per head and cached (llama.cpp's
+        mla=0 layout): K = [k_nope, k_pe shared by the heads], RoPE on the last rope_dim of q and k."""
+        cfg, s = self.cfg, self.sched
+        T, nh, Dk, R, Dv, C = x.shape[0], cfg.n_head, cfg.head_dim, cfg.rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        eps = cfg.rms_eps
+        h = s.norm(x, L.attn_norm, eps)
+        if L.attn_q_a is not None:
+            q = s.linear(s.norm(s.linear(h, L.attn_q_a), L.attn_q_a_norm, eps), L.attn_q_b)
+        else:
+            q = s.linear(h, L.attn_q)
+        ckv = s.linear(h, L.attn_kv_a_mqa)                                  # [T, C + R]
+        c, k_pe = s.tag(ckv[:, :C], s.dev_of(ckv)), s.tag(ckv[:, C:], s.dev_of(ckv))
+        kvb = s.linear(s.norm(c, L.attn_kv_a_norm, eps), L.attn_kv_b)      # [T, nh * (Dk - R + Dv)]
+        dev = kv.device(L.i)
+        q = s.move(q, dev).reshape(T, nh, Dk)
+        k_nope, v = s.move(kvb, dev).reshape(T, nh, Dk - R + Dv).split((Dk - R, Dv), dim=-1)
+        k_pe = s.move(k_pe, dev).reshape(T, 1, R)
+        if dev.name not in rope:
+            rope[dev.name] = rope_tables(positions.to(q.device), R, cfg.rope_base, cfg.rope_neox)
+        cos, sin = rope[dev.name]
+        q_nope, q_pe = q.split((Dk - R, R), dim=-1)
+        q = torch.cat((q_nope, apply_rope(q_pe, cos, sin, cfg.rope_neox)), dim=-1)
+        k = torch.cat((k_nope, apply_rope(k_pe, cos, sin, cfg.rope_neox).expand(T, nh, R)), dim=-1)
+        keys, values = kv.update(L.i, int(positions[0]), k, v.contiguous())  # [nh, P, Dk], [nh, P, Dv]
+        with s.stats.op("attention", dev):
+            o = s.tag(attend(q, keys, values, int(positions[0])), dev)      # [T, nh * Dv]
+        return s.linear(o, L.attn_output)
+
     def ffn(self, L: Layer, x):
         cfg, s = self.cfg, self.sched
         h = s.norm(x, L.ffn_norm, cfg.rms_eps)
         if L.ffn_gate_inp is None:
             return s.dense_ffn(h, L.ffn_gate, L.ffn_up, L.ffn_down)
-        logits = s.linear(h, L.ffn_gate_inp)                                # [T, E]
-        probs = torch.softmax(logits.float(), dim=-1)
-        wts, ids = torch.topk(probs, cfg.n_expert_used, dim=-1)             # [T, k]
-        if cfg.norm_topk_prob:
-            wts = wts / wts.sum(-1, keepdim=True)
-        return s.moe(h, ids, wts, L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps, layer=L.i)
+        logits = s.linear(h, L.ffn_gate_inp).float()                        # [T, E]
+        k = cfg.n_expert_used
+        if cfg.expert_gating == "sigmoid":
+            # DeepSeek V3: sigmoid scores; the bias and the group limit steer the choice, not the weights
+            scores = torch.sigmoid(logits)
+            choice = scores if L.exp_probs_b is None else scores + s.small(L.exp_probs_b, s.dev_of(logits))
+            if cfg.n_expert_groups > 1:
+                g = choice.view(-1, cfg.n_expert_groups, cfg.n_expert // cfg.n_expert_groups)
+                top_groups = g.topk(2, dim=-1)[0].sum(-1).topk(cfg.n_group_used, dim=-1)[1]
+                keep = torch.zeros_like(g[..., 0], dtype=torch.bool).scatter_(1, top_groups, True)
+                choice = g.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+            ids = torch.topk(choice, k, dim=-1)[1]
+            wts = scores.gather(1, ids)
+            if cfg.norm_topk_prob:
+                wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
+        else:
+            wts, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)  # [T, k]
+            if cfg.norm_topk_prob:
+                wts = wts / wts.sum(-1, keepdim=True)
+        if cfg.expert_weights_scale != 1.0:
+            wts = wts * cfg.expert_weights_scale
+        y = s.moe(h, ids, wts, L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps, layer=L.i)
+        if L.ffn_gate_shexp is not None:
+            y = s.add(y, s.dense_ffn(h, L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp))
+        return y
 
 
 def attend(q, keys, values, pos0: int) -> torch.Tensor:
@@ -144,5 +208,6 @@ def attend(q, keys, values, pos0: int) -> torch.Tensor:
         qpos = torch.arange(pos0, pos0 + T)[:, None]
         future = torch.arange(P)[None, :] > qpos                                     # [T, P]
         scores.view(nkv, g, T, P).masked_fill_(future, float("-inf"))
-    o = torch.bmm(torch.softmax(scores, -1), values.float())                         # [n_kv, g*T, D]
-    return o.view(nkv, g, T, D).permute(2, 0, 1, 3).reshape(T, nh * D)
+    o = torch.bmm(torch.softmax(scores, -1), values.float())                         # [n_kv, g*T, Dv]
+    Dv = values.shape[-1]
+    return o.view(nkv, g, T, Dv).permute(2, 0, 1, 3).reshape(T, nh * Dv)

@@ -12,6 +12,8 @@ from ..quant.types import GGMLType
 def tensor_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) for every tensor of a qwen3moe / qwen3 / llama model, in GGUF file order."""
     H, D = cfg.n_embd, cfg.head_dim
+    if cfg.arch == "deepseek2":
+        return deepseek2_shapes(cfg)
     out = [("token_embd.weight", (cfg.n_vocab, H))]
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
@@ -39,6 +41,39 @@ def tensor_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
                 (b + "ffn_up.weight", (cfg.n_ff, H)),
                 (b + "ffn_down.weight", (H, cfg.n_ff)),
             ]
+    out += [("output_norm.weight", (H,)), ("output.weight", (cfg.n_vocab, H))]
+    return out
+
+
+def deepseek2_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """DeepSeek V2/V3 as llama.cpp names them: MLA attention, dense leading layers, shared experts."""
+    H, nh, Dk = cfg.n_embd, cfg.n_head, cfg.head_dim
+    Dv, R, C = cfg.v_head_dim, cfg.rope_dim, cfg.kv_lora_rank
+    out = [("token_embd.weight", (cfg.n_vocab, H))]
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        out.append((b + "attn_norm.weight", (H,)))
+        if cfg.q_lora_rank:
+            out += [(b + "attn_q_a.weight", (cfg.q_lora_rank, H)), (b + "attn_q_a_norm.weight", (cfg.q_lora_rank,)),
+                    (b + "attn_q_b.weight", (nh * Dk, cfg.q_lora_rank))]
+        else:
+            out.append((b + "attn_q.weight", (nh * Dk, H)))
+        out += [(b + "attn_kv_a_mqa.weight", (C + R, H)), (b + "attn_kv_a_norm.weight", (C,)),
+                (b + "attn_kv_b.weight", (nh * (Dk - R + Dv), C)), (b + "attn_output.weight", (H, nh * Dv)),
+                (b + "ffn_norm.weight", (H,))]
+        if i < cfg.n_layer_dense_lead:
+            out += [(b + "ffn_gate.weight", (cfg.n_ff, H)), (b + "ffn_up.weight", (cfg.n_ff, H)),
+                    (b + "ffn_down.weight", (H, cfg.n_ff))]
+            continue
+        E, F, S = cfg.n_expert, cfg.n_ff_exp, cfg.n_ff_exp * cfg.n_expert_shared
+        out.append((b + "ffn_gate_inp.weight", (E, H)))
+        if cfg.expert_gating == "sigmoid":
+            out.append((b + "exp_probs_b.bias", (E,)))
+        out += [(b + "ffn_gate_exps.weight", (E, F, H)), (b + "ffn_up_exps.weight", (E, F, H)),
+                (b + "ffn_down_exps.weight", (E, H, F))]
+        if S:
+            out += [(b + "ffn_gate_shexp.weight", (S, H)), (b + "ffn_up_shexp.weight", (S, H)),
+                    (b + "ffn_down_shexp.weight", (H, S))]
     out += [("output_norm.weight", (H,)), ("output.weight", (cfg.n_vocab, H))]
     return out
 

@@ -30,6 +30,8 @@ class StaticDecoder:
     def __init__(self, model, kv, capture: bool = True):
         dec, cfg, sched = model.decoder, model.cfg, model.sched
         self.model, self.cfg, self.kv, self.sched = model, cfg, kv, sched
+        if any(L.mla for L in dec.layers):
+            raise NotApplicable("multi-head latent attention (deepseek2) decodes eagerly")
         devs = {L.attn_q.device.name for L in dec.layers} | {dec.output.device.name, dec.output_norm.device.name}
         devs |= {kv.device(i).name for i in range(cfg.n_layer)}
         if len(devs) != 1:

@@ -11,15 +11,15 @@ CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat
 
 class KVCache:
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, devices: list,
-                 type_k: str = "f16", type_v: str = "f16"):
+                 type_k: str = "f16", type_v: str = "f16", head_dim_v: int | None = None):
         self.n_ctx = n_ctx
         self.type_k, self.type_v = type_k, type_v
-        if "q8_0" in (type_k, type_v) and head_dim % 32:
+        if "q8_0" in (type_k, type_v) and (head_dim % 32 or (head_dim_v or head_dim) % 32):
             raise HybridMoeError(f"a q8_0 KV cache needs a head size that is a multiple of 32; this model's is "
                                  f"{head_dim}: use -ctk/-ctv f16, bf16 or f32")
         self.devs = devices                                  # Device per layer
         self.k = [self._alloc(type_k, n_head_kv, n_ctx, head_dim, d) for d in devices]
-        self.v = [self._alloc(type_v, n_head_kv, n_ctx, head_dim, d) for d in devices]
+        self.v = [self._alloc(type_v, n_head_kv, n_ctx, head_dim_v or head_dim, d) for d in devices]
         self.n_past = 0
 
     @staticmethod
