@@ -43,8 +43,9 @@ def test_quantized_matches_transformers_on_dequantized_weights(hf_models, qtype,
     assert agree >= 0.95
 
 
-def test_kv_cached_decode_equals_full_forward():
-    m = hybridmoe.load("synth:tiny", ctx_size=64, ubatch_size=4)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-deepseek2", "tiny-dense"])
+def test_kv_cached_decode_equals_full_forward(preset):
+    m = hybridmoe.load(f"synth:{preset}", ctx_size=64, ubatch_size=4)
     full = m.logits(IDS)
     kv = m.new_cache(64)
     m.forward(torch.tensor(IDS[:5]), 0, kv)

@@ -27,6 +27,13 @@ PRESETS = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                           n_vocab=151936, n_ctx_train=40960, rms_eps=1e-6, rope_base=1e6, n_expert=128,
                           n_expert_used=8, n_ff_exp=768, expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
+    # DeepSeek V3's layout, tiny: MLA, a dense first layer, shared expert, sigmoid routing in 2 groups
+    "tiny-deepseek2": dict(arch="deepseek2", n_layer=2, n_embd=64, n_head=4, n_head_kv=4, head_dim=64,
+                           n_vocab=1024, n_ctx_train=4096, rms_eps=1e-6, rope_base=1e4, n_ff=128, n_expert=8,
+                           n_expert_used=2, n_ff_exp=32, q_lora_rank=32, kv_lora_rank=32, rope_dim=32,
+                           v_head_dim=32, n_layer_dense_lead=1, n_expert_shared=1, expert_gating="sigmoid",
+                           expert_weights_scale=2.5, n_expert_groups=2, n_group_used=1,
+                           expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
     # dense qwen3, small: exercises the dense path
     "tiny-dense": dict(arch="qwen3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_vocab=1024,
                        n_ctx_train=4096, rms_eps=1e-6, rope_base=1e6, n_ff=128,
@@ -44,8 +51,8 @@ def preset_config(name: str) -> tuple[ModelConfig, GGMLType, GGMLType]:
         raise HybridMoeError(f"unknown synthetic preset {name!r}; presets: {', '.join(PRESETS)}")
     p = dict(PRESETS[name])
     et, ot = p.pop("expert_type"), p.pop("other_type")
-    cfg = ModelConfig(**p, qk_norm=p["arch"] in ("qwen3", "qwen3moe"), rope_neox=p["arch"] != "llama",
-                      name=f"synth-{name}")
+    qwen = p["arch"] in ("qwen3", "qwen3moe")
+    cfg = ModelConfig(**p, qk_norm=qwen, rope_neox=qwen, name=f"synth-{name}")
     return cfg, et, ot
 
 
