@@ -27,12 +27,17 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0):
     elif kind == "llama":
         cfg = tf.LlamaConfig(**common, intermediate_size=128, rope_theta=10000.0)
         model = tf.LlamaForCausalLM(cfg)
-    elif kind == "deepseek2":
+    elif kind in ("deepseek2", "deepseek2-yarn"):
+        rope = dict(rope_theta=10000.0)
+        if kind == "deepseek2-yarn":
+            rope = dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 128, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
         cfg = tf.DeepseekV3Config(**{**common, "num_key_value_heads": 4}, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8,
                                   num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                                   first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                                   q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
-                                  v_head_dim=16, rope_theta=10000.0)
+                                  v_head_dim=16, **rope)
         model = tf.DeepseekV3ForCausalLM(cfg)
     else:
         raise ValueError(kind)

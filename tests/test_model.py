@@ -15,13 +15,13 @@ IDS = [1, 17, 300, 42, 7, 7, 99, 511, 256, 3, 120, 64, 5, 480, 33, 2, 200, 201, 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     out = {}
-    for kind in ("qwen3moe", "qwen3", "llama", "deepseek2"):
+    for kind in ("qwen3moe", "qwen3", "llama", "deepseek2", "deepseek2-yarn"):
         d = tmp_path_factory.mktemp(f"hf-{kind}")
         out[kind] = (make_hf_model(kind, str(d)), str(d))
     return out
 
 
-@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3", "llama", "deepseek2"])
+@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3", "llama", "deepseek2", "deepseek2-yarn"])
 def test_f32_matches_transformers(hf_models, kind, tmp_path):
     model, d = hf_models[kind]
     path = convert(d, str(tmp_path / "m-f32.gguf"), GGMLType.F32)

@@ -39,6 +39,7 @@ class ModelConfig:
     expert_weights_scale: float = 1.0
     n_expert_groups: int = 1
     n_group_used: int = 1
+    rope_yarn: dict | None = None  # YaRN: factor, orig_ctx, beta_fast, beta_slow, mscale_all_dim
 
     @property
     def is_moe(self) -> bool:
@@ -102,9 +103,18 @@ class ModelConfig:
             cfg.norm_topk_prob = bool(get("expert_weights_norm", False, required=False))
             cfg.n_expert_groups = int(get("expert_group_count", 1, required=False)) or 1
             cfg.n_group_used = int(get("expert_group_used_count", 1, required=False)) or 1
-            if f"{arch}.rope.scaling.type" in md and str(md[f"{arch}.rope.scaling.type"]) not in ("none", ""):
-                raise ModelFileError(path, f"RoPE scaling {md[f'{arch}.rope.scaling.type']!r} is not supported yet",
-                                     "only models without RoPE scaling run; plan and inspect work")
+            scaling = str(md.get(f"{arch}.rope.scaling.type", "none"))
+            if scaling == "yarn":
+                cfg.rope_yarn = dict(
+                    factor=float(get("rope.scaling.factor")),
+                    orig_ctx=int(get("rope.scaling.original_context_length")),
+                    beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+                    beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+                    # llama.cpp stores 0.1 * mscale_all_dim as the log multiplier
+                    mscale_all_dim=float(get("rope.scaling.yarn_log_multiplier", 0.0, required=False)) / 0.1)
+            elif scaling not in ("none", ""):
+                raise ModelFileError(path, f"RoPE scaling {scaling!r} is not supported yet",
+                                     "supported: none, yarn; plan and inspect work")
         if arch == "qwen3moe" and not (cfg.n_expert and cfg.n_expert_used and cfg.n_ff_exp):
             raise ModelFileError(path, "qwen3moe metadata lacks expert_count, expert_used_count or "
                                  "expert_feed_forward_length", "the file is incomplete")

@@ -44,8 +44,15 @@ def hf_config(hf: dict) -> ModelConfig:
     rope = hf.get("rope_parameters") or {}
     n_head = hf["num_attention_heads"]
     if arch == "deepseek2":
-        if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-            raise ModelFileError("config.json", "RoPE scaling is not supported yet for deepseek models")
+        yarn = None
+        if rope.get("rope_type", "default") == "yarn":
+            if rope.get("mscale", 0) != rope.get("mscale_all_dim", 0) or rope.get("attention_factor"):
+                raise ModelFileError("config.json", "YaRN with mscale != mscale_all_dim is not supported")
+            yarn = dict(factor=rope["factor"], orig_ctx=rope["original_max_position_embeddings"],
+                        beta_fast=rope.get("beta_fast") or 32, beta_slow=rope.get("beta_slow") or 1,
+                        mscale_all_dim=rope.get("mscale_all_dim") or 0.0)
+        elif rope.get("rope_type", "default") != "default":
+            raise ModelFileError("config.json", f"RoPE scaling {rope.get('rope_type')!r} is not supported yet")
         nope, R = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
         return ModelConfig(
             arch=arch, n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"], n_head=n_head, n_head_kv=n_head,
@@ -57,7 +64,7 @@ def hf_config(hf: dict) -> ModelConfig:
             kv_lora_rank=hf["kv_lora_rank"], rope_dim=R, v_head_dim=hf["v_head_dim"],
             n_layer_dense_lead=hf.get("first_k_dense_replace", 0), n_expert_shared=hf.get("n_shared_experts", 0),
             expert_gating="sigmoid", expert_weights_scale=hf.get("routed_scaling_factor", 1.0),
-            n_expert_groups=hf.get("n_group", 1), n_group_used=hf.get("topk_group", 1))
+            n_expert_groups=hf.get("n_group", 1), n_group_used=hf.get("topk_group", 1), rope_yarn=yarn)
     return ModelConfig(
         arch=arch, n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"], n_head=n_head,
         n_head_kv=hf.get("num_key_value_heads", n_head),

@@ -82,6 +82,13 @@ def config_metadata(cfg: ModelConfig) -> dict:
                    f"{a}.expert_group_count": cfg.n_expert_groups, f"{a}.expert_group_used_count": cfg.n_group_used})
         if cfg.q_lora_rank:
             md[f"{a}.attention.q_lora_rank"] = cfg.q_lora_rank
+    if cfg.rope_yarn:
+        y = cfg.rope_yarn
+        md.update({f"{a}.rope.scaling.type": "yarn", f"{a}.rope.scaling.factor": float(y["factor"]),
+                   f"{a}.rope.scaling.original_context_length": int(y["orig_ctx"]),
+                   f"{a}.rope.scaling.yarn_beta_fast": float(y["beta_fast"]),
+                   f"{a}.rope.scaling.yarn_beta_slow": float(y["beta_slow"]),
+                   f"{a}.rope.scaling.yarn_log_multiplier": 0.1 * float(y["mscale_all_dim"])})
     return md
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..runtime.kvcache import KVCache
-from ..runtime.ops import apply_rope, rms_norm, rope_tables
+from ..runtime.ops import apply_rope, rms_norm, rope_tables, yarn_softmax_mscale
 from ..runtime.scheduler import Scheduler
 from ..weights import QTensor
 
@@ -136,14 +136,15 @@ class Decoder:
         k_nope, v = s.move(kvb, dev).reshape(T, nh, Dk - R + Dv).split((Dk - R, Dv), dim=-1)
         k_pe = s.move(k_pe, dev).reshape(T, 1, R)
         if dev.name not in rope:
-            rope[dev.name] = rope_tables(positions.to(q.device), R, cfg.rope_base, cfg.rope_neox)
+            rope[dev.name] = rope_tables(positions.to(q.device), R, cfg.rope_base, cfg.rope_neox, cfg.rope_yarn)
         cos, sin = rope[dev.name]
         q_nope, q_pe = q.split((Dk - R, R), dim=-1)
         q = torch.cat((q_nope, apply_rope(q_pe, cos, sin, cfg.rope_neox)), dim=-1)
         k = torch.cat((k_nope, apply_rope(k_pe, cos, sin, cfg.rope_neox).expand(T, nh, R)), dim=-1)
         keys, values = kv.update(L.i, int(positions[0]), k, v.contiguous())  # [nh, P, Dk], [nh, P, Dv]
         with s.stats.op("attention", dev):
-            o = s.tag(attend(q, keys, values, int(positions[0])), dev)      # [T, nh * Dv]
+            scale = Dk ** -0.5 * yarn_softmax_mscale(cfg.rope_yarn)
+            o = s.tag(attend(q, keys, values, int(positions[0]), scale), dev)   # [T, nh * Dv]
         return s.linear(o, L.attn_output)
 
     def ffn(self, L: Layer, x):
@@ -178,7 +179,7 @@ class Decoder:
         return y
 
 
-def attend(q, keys, values, pos0: int) -> torch.Tensor:
+def attend(q, keys, values, pos0: int, scale: float | None = None) -> torch.Tensor:
     """q [T, n_head, D]; keys/values [n_kv, P, D] (P = pos0 + T). Causal GQA attention, [T, n_head*D].
 
     GPU: bf16 SDPA (flash for a fresh context). CPU: float32 with the query heads of a KV head batched
@@ -192,18 +193,18 @@ def attend(q, keys, values, pos0: int) -> torch.Tensor:
         kf, vf = keys.to(torch.bfloat16), values.to(torch.bfloat16)
         gqa = kf.shape[0] != nh
         if T > 1 and P == T:
-            o = F.scaled_dot_product_attention(qh, kf, vf, is_causal=True, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qh, kf, vf, is_causal=True, enable_gqa=gqa, scale=scale)
         else:
             mask = None
             if T > 1:
                 qpos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
                 mask = torch.arange(P, device=q.device)[None, :] <= qpos     # [T, P]
-            o = F.scaled_dot_product_attention(qh, kf, vf, attn_mask=mask, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qh, kf, vf, attn_mask=mask, enable_gqa=gqa, scale=scale)
         return o.transpose(0, 1).reshape(T, -1).float()
     nkv = keys.shape[0]
     g = nh // nkv
     qg = q.float().view(T, nkv, g, D).permute(1, 2, 0, 3).reshape(nkv, g * T, D)   # [n_kv, g*T, D]
-    scores = torch.bmm(qg, keys.float().transpose(1, 2)).mul_(D ** -0.5)          # [n_kv, g*T, P]
+    scores = torch.bmm(qg, keys.float().transpose(1, 2)).mul_(scale or D ** -0.5)  # [n_kv, g*T, P]
     if T > 1:
         qpos = torch.arange(pos0, pos0 + T)[:, None]
         future = torch.arange(P)[None, :] > qpos                                     # [T, P]

@@ -2,6 +2,8 @@
 dispatch overhead (~10 us each on the GPU machine's CPU) and, on a GPU, one kernel."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -11,9 +13,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), w, eps)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, base: float, neox: bool):
+def rope_tables(positions: torch.Tensor, head_dim: int, base: float, neox: bool, yarn: dict | None = None):
     """cos, sin [T, 1, D] laid out to match rotate() for the model's RoPE style, in float32."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
+    if yarn:
+        inv = yarn_inv_freq(inv, head_dim, base, yarn)
     ang = positions.to(torch.float64)[:, None] * inv[None, :]                 # [T, D/2]
     ang = torch.cat((ang, ang), -1) if neox else ang.repeat_interleave(2, -1)
     return ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
@@ -27,3 +31,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
     else:
         rot = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
     return torch.addcmul(x * cos, rot, sin)
+
+
+def yarn_inv_freq(inv: torch.Tensor, dim: int, base: float, yarn: dict) -> torch.Tensor:
+    """YaRN: interpolated frequencies (divided by the factor) for the slow dimensions, the original ones
+    for the fast, a linear ramp between (the YaRN paper; DeepSeek V2/V3 use it)."""
+    def corr_dim(rot):
+        return dim * math.log(yarn["orig_ctx"] / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low = max(math.floor(corr_dim(yarn["beta_fast"])), 0)
+    high = min(math.ceil(corr_dim(yarn["beta_slow"])), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv.device) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return inv / yarn["factor"] * (1 - extrapolate) + inv * extrapolate
+
+
+def yarn_softmax_mscale(yarn: dict | None) -> float:
+    """The attention-logit multiplier YaRN asks for (mscale_all_dim squared, as DeepSeek applies it)."""
+    if not yarn or yarn["factor"] <= 1 or not yarn.get("mscale_all_dim"):
+        return 1.0
+    m = 0.1 * yarn["mscale_all_dim"] * math.log(yarn["factor"]) + 1.0
+    return m * m
