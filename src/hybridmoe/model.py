@@ -118,8 +118,11 @@ class Model:
     def new_cache(self, n_ctx: int | None = None) -> KVCache:
         cfg = self.cfg
         devs = [self.devices[self.placement.kv_device(i)] for i in range(cfg.n_layer)]
+        if cfg.kv_lora_rank:                  # MLA: one compressed row per token: latent + shared roped key
+            return KVCache(cfg.n_layer, n_ctx or self.options.ctx_size, 1, cfg.kv_lora_rank + cfg.rope_dim, devs,
+                           self.options.cache_type_k, self.options.cache_type_v, head_dim_v=0)
         return KVCache(cfg.n_layer, n_ctx or self.options.ctx_size, cfg.n_head_kv, cfg.head_dim, devs,
-                       self.options.cache_type_k, self.options.cache_type_v, cfg.v_head_dim or None)
+                       self.options.cache_type_k, self.options.cache_type_v)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True) -> torch.Tensor:

@@ -156,14 +156,10 @@ def _layer_split(n_layer: int, opts: PlacementOptions, gpus: list[Device], warni
 
 
 def _kv_bytes_per_layer(cfg: ModelConfig, opts: PlacementOptions) -> int:
-    """KV cache bytes of one layer. MLA (deepseek2) planned from records caches kv_lora_rank + rope dims per
-    token, K only (ik_llama.cpp's -mla); a loaded deepseek2 (v_head_dim set) caches K and V expanded per
-    head, as hybridmoe's runtime does."""
+    """KV cache bytes of one layer. MLA (deepseek2) caches kv_lora_rank + rope dims per token, K only."""
     ctx = opts.ctx_size or cfg.n_ctx_train
     bk, bv = KV_TYPE_BYTES[opts.cache_type_k], KV_TYPE_BYTES[opts.cache_type_v]
     rank = getattr(cfg, "kv_lora_rank", 0)
-    if getattr(cfg, "v_head_dim", 0):
-        return int(ctx * cfg.n_head_kv * (cfg.head_dim * bk + cfg.v_head_dim * bv))
     if rank:
         return int(ctx * (rank + getattr(cfg, "rope_dim", 0)) * bk)
     return int(ctx * cfg.n_head_kv * cfg.head_dim * (bk + bv))

@@ -73,6 +73,7 @@ class Decoder:
         self.output_norm = weights["output_norm.weight"]
         # Tied embeddings: models without output.weight reuse token_embd (as llama.cpp does).
         self.output = weights.get("output.weight", self.token_embd)
+        self._mla = {}                                                        # (layer, device) -> (W_UK, W_UV)
         sched.set_expert_layers({L.i: (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
                                  for L in self.layers if L.ffn_gate_inp is not None}, cfg.n_expert_used)
 
@@ -118,34 +119,56 @@ class Decoder:
         return s.linear(o, L.attn_output)
 
     def attention_mla(self, L: Layer, x, positions, kv: KVCache, rope: dict):
-        """DeepSeek's multi-head latent attention, with K and V expanded per head and cached (llama.cpp's
-        mla=0 layout): K = [k_nope, k_pe shared by the heads], RoPE on the last rope_dim of q and k."""
+        """DeepSeek's multi-head latent attention with the compressed cache: per token only the normed latent
+        c (kv_lora_rank) and the roped shared k_pe (rope_dim) are stored; attn_kv_b is absorbed into the
+        query (k_nope = W_UK c) and the output (v = W_UV c), so K and V are never expanded per head."""
         cfg, s = self.cfg, self.sched
         T, nh, Dk, R, Dv, C = x.shape[0], cfg.n_head, cfg.head_dim, cfg.rope_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        eps = cfg.rms_eps
+        Dn, eps, pos0 = Dk - R, cfg.rms_eps, int(positions[0])
         h = s.norm(x, L.attn_norm, eps)
         if L.attn_q_a is not None:
             q = s.linear(s.norm(s.linear(h, L.attn_q_a), L.attn_q_a_norm, eps), L.attn_q_b)
         else:
             q = s.linear(h, L.attn_q)
         ckv = s.linear(h, L.attn_kv_a_mqa)                                  # [T, C + R]
-        c, k_pe = s.tag(ckv[:, :C], s.dev_of(ckv)), s.tag(ckv[:, C:], s.dev_of(ckv))
-        kvb = s.linear(s.norm(c, L.attn_kv_a_norm, eps), L.attn_kv_b)      # [T, nh * (Dk - R + Dv)]
+        c = s.norm(s.tag(ckv[:, :C], s.dev_of(ckv)), L.attn_kv_a_norm, eps)
         dev = kv.device(L.i)
         q = s.move(q, dev).reshape(T, nh, Dk)
-        k_nope, v = s.move(kvb, dev).reshape(T, nh, Dk - R + Dv).split((Dk - R, Dv), dim=-1)
-        k_pe = s.move(k_pe, dev).reshape(T, 1, R)
+        c, k_pe = s.move(c, dev), s.move(s.tag(ckv[:, C:], s.dev_of(ckv)), dev).reshape(T, 1, R)
         if dev.name not in rope:
             rope[dev.name] = rope_tables(positions.to(q.device), R, cfg.rope_base, cfg.rope_neox, cfg.rope_yarn)
         cos, sin = rope[dev.name]
-        q_nope, q_pe = q.split((Dk - R, R), dim=-1)
-        q = torch.cat((q_nope, apply_rope(q_pe, cos, sin, cfg.rope_neox)), dim=-1)
-        k = torch.cat((k_nope, apply_rope(k_pe, cos, sin, cfg.rope_neox).expand(T, nh, R)), dim=-1)
-        keys, values = kv.update(L.i, int(positions[0]), k, v.contiguous())  # [nh, P, Dk], [nh, P, Dv]
+        q_nope, q_pe = q.split((Dn, R), dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin, cfg.rope_neox)                    # [T, nh, R]
+        entry = torch.cat((c.float(), apply_rope(k_pe, cos, sin, cfg.rope_neox)[:, 0]), dim=-1)[:, None, :]
+        lat, _ = kv.update(L.i, pos0, entry, entry[..., :0])               # [1, P, C + R]
+        lat = lat[0].float()
+        w_uk, w_uv = self._mla_weights(L, dev)                               # [nh, Dn, C], [nh, Dv, C]
         with s.stats.op("attention", dev):
-            scale = Dk ** -0.5 * yarn_softmax_mscale(cfg.rope_yarn)
-            o = s.tag(attend(q, keys, values, int(positions[0]), scale), dev)   # [T, nh * Dv]
-        return s.linear(o, L.attn_output)
+            q_lat = torch.einsum("thd,hdc->htc", q_nope.to(w_uk.dtype), w_uk).float()      # [nh, T, C]
+            scores = q_lat @ lat[:, :C].t() + q_pe.transpose(0, 1).float() @ lat[:, C:].t()  # [nh, T, P]
+            scores = scores * (Dk ** -0.5 * yarn_softmax_mscale(cfg.rope_yarn))
+            P = lat.shape[0]
+            if T > 1:
+                future = torch.arange(P, device=q.device)[None, :] > torch.arange(pos0, pos0 + T, device=q.device)[:, None]
+                scores = scores.masked_fill(future, float("-inf"))
+            o_lat = torch.softmax(scores, -1) @ lat[:, :C]                   # [nh, T, C]
+            o = torch.einsum("htc,hvc->thv", o_lat.to(w_uv.dtype), w_uv).float().reshape(T, nh * Dv)
+        return s.linear(s.tag(o, dev), L.attn_output)
+
+    def _mla_weights(self, L: Layer, dev):
+        """attn_kv_b split per head into W_UK [nh, Dn, C] and W_UV [nh, Dv, C], dequantized once per device
+        (bf16 on a GPU, float32 on the CPU)."""
+        key = (L.i, dev.name)
+        w = self._mla.get(key)
+        if w is None:
+            cfg = self.cfg
+            dt = torch.bfloat16 if dev.torch_device.type == "cuda" else torch.float32
+            kvb = L.attn_kv_b.dequant(torch.float32).to(dev.torch_device)
+            kvb = kvb.view(cfg.n_head, cfg.head_dim - cfg.rope_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+            w_uk, w_uv = kvb.split((cfg.head_dim - cfg.rope_dim, cfg.v_head_dim), dim=1)
+            w = self._mla[key] = (w_uk.to(dt).contiguous(), w_uv.to(dt).contiguous())
+        return w
 
     def ffn(self, L: Layer, x):
         cfg, s = self.cfg, self.sched

@@ -14,12 +14,15 @@ class KVCache:
                  type_k: str = "f16", type_v: str = "f16", head_dim_v: int | None = None):
         self.n_ctx = n_ctx
         self.type_k, self.type_v = type_k, type_v
-        if "q8_0" in (type_k, type_v) and (head_dim % 32 or (head_dim_v or head_dim) % 32):
+        if "q8_0" in (type_k, type_v) and (head_dim % 32 or (head_dim if head_dim_v is None else head_dim_v) % 32):
             raise HybridMoeError(f"a q8_0 KV cache needs a head size that is a multiple of 32; this model's is "
                                  f"{head_dim}: use -ctk/-ctv f16, bf16 or f32")
         self.devs = devices                                  # Device per layer
         self.k = [self._alloc(type_k, n_head_kv, n_ctx, head_dim, d) for d in devices]
-        self.v = [self._alloc(type_v, n_head_kv, n_ctx, head_dim_v or head_dim, d) for d in devices]
+        dv = head_dim if head_dim_v is None else head_dim_v                 # 0: no V (MLA's compressed cache)
+        if not dv:
+            self.type_v = "f16"                                             # an empty buffer; -ctv has no object
+        self.v = [self._alloc(self.type_v, n_head_kv, n_ctx, dv, d) for d in devices]
         self.n_past = 0
 
     @staticmethod
