@@ -124,3 +124,13 @@ def test_deepseek2_placements_match_all_cpu(hf_models, tmp_path, monkeypatch):
         m.forward(torch.tensor(IDS[:6]), 0, kv)
         steps = torch.cat([m.forward(torch.tensor([t]), 6 + i, kv) for i, t in enumerate(IDS[6:])])
         assert rel_l2(steps, full[6:]) <= 1e-5
+
+
+def test_mla_cache_is_compressed_and_takes_q8_0():
+    """deepseek2 stores kv_lora_rank + rope_dim values per token and layer; -ctk q8_0 stays close."""
+    m = hybridmoe.load("synth:tiny-deepseek2", ctx_size=64)
+    cfg = m.cfg
+    assert m.new_cache(64).nbytes() == cfg.n_layer * 64 * (cfg.kv_lora_rank + cfg.rope_dim) * 2
+    ref = m.logits(IDS)
+    q8 = hybridmoe.load("synth:tiny-deepseek2", ctx_size=64, cache_type_k="q8_0").logits(IDS)
+    assert rel_l2(q8, ref) <= 2e-2
