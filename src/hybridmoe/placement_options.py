@@ -196,10 +196,14 @@ COMPAT_FLAGS = {
 }
 
 
+def _compat_dest(flag: str) -> str:
+    return "compat_" + flag.lstrip("-").replace("-", "_")
+
+
 def add_compat_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("accepted for llama.cpp compatibility (no effect here)")
     for flag, (nargs, why) in COMPAT_FLAGS.items():
-        dest = "compat_" + flag.lstrip("-").replace("-", "_")
+        dest = _compat_dest(flag)
         if nargs:
             g.add_argument(flag, dest=dest, default=None, metavar="X", help=why)
         else:
@@ -210,7 +214,7 @@ def compat_notes(args) -> list[str]:
     """One line per compatibility flag that was given: what it would do in llama.cpp and why not here."""
     out = []
     for flag, (_, why) in COMPAT_FLAGS.items():
-        v = getattr(args, "compat_" + flag.lstrip("-").replace("-", "_"), None)
+        v = getattr(args, _compat_dest(flag), None)
         if v not in (None, False):
             out.append(f"note: {flag} is accepted for compatibility and has no effect: {why}")
     return out
