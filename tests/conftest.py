@@ -13,6 +13,20 @@ def _cache_dir(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="module")
+def qwen235():
+    """Tensor records of Qwen3-235B-A22B (no file): discussion 532's model."""
+    from hybridmoe.models.catalog import catalog_model
+    return catalog_model("qwen3-235b-a22b")
+
+
+@pytest.fixture(scope="module")
+def dsr1():
+    """Tensor records of DeepSeek-R1 (no file): issue 521's model."""
+    from hybridmoe.models.catalog import catalog_model
+    return catalog_model("deepseek-r1")
+
+
 def rel_l2(a, b) -> float:
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
     return float((a - b).norm() / b.norm())

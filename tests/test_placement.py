@@ -29,16 +29,6 @@ def qwen30():
     return catalog_model("qwen3-30b-a3b")
 
 
-@pytest.fixture(scope="module")
-def qwen235():
-    return catalog_model("qwen3-235b-a22b")
-
-
-@pytest.fixture(scope="module")
-def dsr1():
-    return catalog_model("deepseek-r1")
-
-
 def fake(monkeypatch, spec):
     monkeypatch.setenv(FAKE_ENV, spec)
     return list_devices()

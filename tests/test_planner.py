@@ -23,16 +23,6 @@ EXPS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 @pytest.fixture(scope="module")
-def dsr1():
-    return catalog_model("deepseek-r1")
-
-
-@pytest.fixture(scope="module")
-def qwen235():
-    return catalog_model("qwen3-235b-a22b")
-
-
-@pytest.fixture(scope="module")
 def cases(dsr1, qwen235):
     """(model, rig, suggestions) for the seeds: issue 521's 7-GPU rig, discussion 532's 4-GPU rig."""
     out = {}

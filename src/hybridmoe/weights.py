@@ -51,13 +51,6 @@ class QTensor:
             t = self._cache[dtype] = self.dequant(dtype)
         return t
 
-    def to_device(self, device: Device, pin: bool = False) -> "QTensor":
-        raw = self.raw
-        if device.torch_device != raw.device:
-            raw = raw.to(device.torch_device, non_blocking=pin)
-        elif pin:
-            raw = raw.pin_memory()
-        return QTensor(self.name, raw, self.qtype, self.shape, device)
 
 
 def byte_shape(shape: tuple[int, ...], qtype: GGMLType) -> tuple[int, ...]:
