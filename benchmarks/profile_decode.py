@@ -11,9 +11,9 @@ from hybridmoe.runtime import experts as X
 M = "synth:qwen3-30b-a3b"
 
 
-def steps(m, n, graphs=True, pos0=32):
+def steps(m, n, graphs=True, pos0=32, ctx=256):
     m.runtime.graphs = graphs
-    kv = m.new_cache(256)
+    kv = m.new_cache(ctx)
     m.forward(torch.arange(1, pos0 + 1), 0, kv)
     m.forward(torch.tensor([5]), pos0, kv)
     m.forward(torch.tensor([6]), pos0 + 1, kv)
@@ -56,6 +56,7 @@ for what in sys.argv[1:]:
     if what == "gpu":
         m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=256)
         print(f"all-GPU decode: graphs {steps(m, 20) * 1e3:.2f} ms/token, eager {steps(m, 10, False) * 1e3:.2f} ms/token")
+        print(f"all-GPU decode, 4096-token cache: graphs {steps(m, 20, ctx=4096) * 1e3:.2f} ms/token")
         top_kernels(lambda: steps(m, 3, False))
         kv = m.new_cache(600)
         toks = torch.randint(0, 1000, (512,))
@@ -68,6 +69,7 @@ for what in sys.argv[1:]:
     if what == "hybrid":
         m = hybridmoe.load(M, n_gpu_layers=99, override_tensor=["exps=CPU"], ctx_size=256)
         print(f"hybrid decode: graphs {steps(m, 20) * 1e3:.2f} ms/token, eager {steps(m, 10, False) * 1e3:.2f} ms/token")
+        print(f"hybrid decode, 4096-token cache: graphs {steps(m, 20, ctx=4096) * 1e3:.2f} ms/token")
         cpu_kernel_alone(m)
         torch.set_num_threads(16)
         from torch.profiler import ProfilerActivity, profile

@@ -120,6 +120,9 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
     """Routed experts from raw bytes graw/uraw/draw [E', ...] (ids index into E'). Returns float32 [T, H]."""
     if graw.device.type == "cuda":
         if ids.numel() <= GATHER_MAX_SLOTS or not hasattr(torch, "_grouped_mm"):
+            from ..kernels import gpu_decode as gd
+            if ids.numel() <= GATHER_MAX_SLOTS and gd.supports(gate.qtype, down.qtype) and up.qtype == gate.qtype:
+                return gd.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype)     # from the bytes
             return _gathered_moe(x, ids, wts, graw, uraw, draw, gate, down)
         return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down)
     k = kernels() if graw.device.type == "cpu" else None

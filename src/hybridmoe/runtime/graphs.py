@@ -12,11 +12,13 @@ reads the whole cache under a mask, so the same graph serves every position.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 import torch.nn.functional as F
 
+from ..kernels import gpu_decode as gd
 from ..quant.types import GGMLType
 from . import experts as X
 from .ops import apply_rope, rms_norm, rope_tables
@@ -44,6 +46,11 @@ class StaticDecoder:
         td = self.dev.torch_device
         self.capture = capture and not self.dev.fake
         self.cdt = torch.bfloat16 if not self.dev.fake else torch.float32        # matmul dtype
+        # the fused Triton kernels (kernels/gpu_decode.py) on a GPU; on fake GPUs in Triton's interpreter
+        # (how they are checked against this file's torch path without a GPU)
+        D = cfg.head_dim
+        self.fast = gd.available() and D >= 16 and D & (D - 1) == 0 and \
+            (not self.dev.fake or os.environ.get("TRITON_INTERPRET") == "1")
         small = lambda w: sched.small(w, self.dev)                                # noqa: E731
         wq = lambda w: w.cached(self.cdt) if w.device.name == self.dev.name else None   # noqa: E731
         self.layers = []
@@ -136,7 +143,54 @@ class StaticDecoder:
         g, u, d = lay["exps"]
         return x + X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), None
 
+    # -- the step with the fused kernels: ~10 launches a layer ------------------------------------------
+    def _layer_fast(self, i, lay, x, addend):
+        """Layer i on x (+ addend, the CPU experts' output). Returns (x, whether the CPU takes the experts
+        from self.packed, with the residual in self.resid)."""
+        cfg = self.cfg
+        eps, H, k = cfg.rms_eps, cfg.n_embd, cfg.n_expert_used
+        x_sum = torch.empty_like(x) if addend is not None else None
+        xs, hb = gd.add_rms_norm(x, lay["attn_norm"], eps, b=addend, x_out=x_sum, h_dtype=self.cdt)
+        if addend is not None:
+            x = xs
+        qkv = hb @ lay["wqkv"].t()
+        kc, vc = self.kv.k[i], self.kv.v[i]
+        q = gd.qk_rope_cache(qkv, lay["q_norm"], lay["k_norm"], self.cos, self.sin, self.pos, kc, vc,
+                             cfg.n_head, cfg.n_head_kv, cfg.head_dim, eps, cfg.rope_neox)
+        o = gd.attention(q, kc, vc, self.pos, cfg.head_dim ** -0.5, out_dtype=self.cdt)
+        cpu = bool(lay.get("cpu_experts"))
+        x2 = self.resid if cpu else torch.empty_like(x)
+        _, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=o @ lay["wo"].t(), x_out=x2,
+                               h_out=self.packed[:, :H] if cpu else None)
+        if "dense" in lay:
+            g, u, d = lay["dense"]
+            hc = h.to(self.cdt)
+            return x2 + ((F.silu(hc @ g.t()) * (hc @ u.t())) @ d.t()).float(), False
+        router = lay["router"]
+        logits = (h.to(router.dtype) @ router.t()).float()
+        wts, ids = gd.router_topk(logits, k, cfg.norm_topk_prob, packed=self.packed if cpu else None, pack_offset=H)
+        if cpu:
+            return x2, True
+        g, u, d = lay["exps"]
+        if gd.supports(g.qtype, d.qtype) and u.qtype == g.qtype:
+            return gd.moe(h, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, residual=x2), False
+        return x2 + X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), False
+
+    def _segment_fast(self, s: int):
+        a, b = self.segments[s]
+        x, addend = (self.x_in, None) if a == 0 else (self.resid, self.moe_in)
+        for i in range(a, min(b + 1, self.cfg.n_layer)):
+            x, to_cpu = self._layer_fast(i, self.layers[i], x, addend)
+            addend = None
+            if to_cpu:
+                return
+        _, hb = gd.add_rms_norm(x, self.out_norm, self.cfg.rms_eps, b=addend, h_dtype=self.cdt)   # last layer's
+        # CPU experts (addend) when no layer follows them
+        self.logits.copy_((hb @ self.w_out.t()).float())
+
     def _segment(self, s: int):
+        if self.fast:
+            return self._segment_fast(s)
         a, b = self.segments[s]
         x = self.x_in if a == 0 else self.resid + self.moe_in
         for i in range(a, min(b + 1, self.cfg.n_layer)):

@@ -1,0 +1,323 @@
+"""Fused Triton kernels for the decode step: few launches per layer, and weights read once.
+
+A decode step written as torch ops launches ~50 kernels per layer (norms, dtype casts, the pieces of
+RoPE, a masked SDPA over the whole static cache, softmax/top-k, gathers, bmm...). Even replayed from a
+CUDA graph each costs a few microseconds, and 48 layers of them cost more than the bytes the step must
+read. Here a layer is about ten kernels:
+
+  add_rms_norm   residual add + RMSNorm (writes the residual and the normed row, in the dtype asked)
+  qk_rope_cache  q/k RMSNorm + RoPE at the position held in a device tensor, k and v into the cache
+  attention      flash-decoding: splits of the cache up to the current position only, then one merge
+  router_topk    softmax, top-k, renormalisation (ids as int32, and as floats for the CPU hand-off)
+  moe_gate_up    SiLU(gate) * up of each selected expert straight from its Q4_0/Q8_0 bytes
+  moe_down       down of each selected expert from its bytes, weighted sum over the k slots, + residual
+
+plus the dense projections (cuBLAS, bf16). Every kernel reads its position from device memory, so one
+CUDA graph serves every step. Each kernel is checked against the torch path (tests/test_gpu_decode.py,
+on a GPU or in Triton's interpreter).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..quant.types import GGMLType
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:                                      # CPU-only installs
+    triton = None
+
+QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1}           # expert types the MoE kernels read directly
+ATTN_BLOCK = 32                                          # keys per inner step
+ATTN_CHUNK = 256                                         # keys per split (programs past the position exit)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _add_rms_norm_kernel(a, b, w, x_out, h_out, H, h_stride, eps,
+                             HAS_B: tl.constexpr, WRITE_X: tl.constexpr, BH: tl.constexpr):
+        t = tl.program_id(0)
+        i = tl.arange(0, BH)
+        m = i < H
+        x = tl.load(a + t * H + i, mask=m, other=0).to(tl.float32)
+        if HAS_B:
+            x += tl.load(b + t * H + i, mask=m, other=0).to(tl.float32)
+        if WRITE_X:
+            tl.store(x_out + t * H + i, x, mask=m)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+        wv = tl.load(w + i, mask=m, other=0).to(tl.float32)
+        tl.store(h_out + t * h_stride + i, (x * r * wv).to(h_out.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _qk_rope_cache_kernel(qkv, qn_w, kn_w, cos, sin, pos, q_out, kc, vc, skh, skn, svh, svn, nh, nkv, eps,
+                              D: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
+        hd = tl.program_id(0)                          # q heads, then k heads
+        p = tl.load(pos).to(tl.int64)
+        i = tl.arange(0, D)
+        if NEOX:
+            partner = (i + D // 2) % D
+            sign = tl.where(i < D // 2, -1.0, 1.0)
+        else:
+            partner = i ^ 1
+            sign = tl.where(i % 2 == 0, -1.0, 1.0)
+        base = qkv + hd * D
+        x = tl.load(base + i).to(tl.float32)
+        xp = tl.load(base + partner).to(tl.float32)
+        if HAS_NORM:
+            r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            if hd < nh:
+                x = x * r * tl.load(qn_w + i)
+                xp = xp * r * tl.load(qn_w + partner)
+            else:
+                x = x * r * tl.load(kn_w + i)
+                xp = xp * r * tl.load(kn_w + partner)
+        y = x * tl.load(cos + p * D + i) + sign * xp * tl.load(sin + p * D + i)
+        if hd < nh:
+            tl.store(q_out + hd * D + i, y)
+        else:
+            hk = hd - nh
+            tl.store(kc + hk * skh + p * skn + i, y.to(kc.dtype.element_ty))
+            v = tl.load(qkv + (nh + nkv + hk) * D + i)
+            tl.store(vc + hk * svh + p * svn + i, v.to(vc.dtype.element_ty))
+
+    @triton.jit
+    def _attn_partial_kernel(q, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
+                             skh, skn, svh, svn,
+                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+        h = tl.program_id(0)                           # KV head
+        s = tl.program_id(1)                           # split of the cache
+        L = tl.load(pos).to(tl.int32) + 1
+        lo = s * chunk
+        hi = tl.minimum(lo + chunk, L)
+        if lo < hi:
+            g = tl.arange(0, GP)
+            gm = g < G
+            d = tl.arange(0, D)
+            qv = tl.load(q + (h * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0)
+            qv = (qv * scale).to(kc.dtype.element_ty)
+            m_i = tl.full([GP], float("-inf"), tl.float32)
+            l_i = tl.zeros([GP], tl.float32)
+            acc = tl.zeros([GP, D], tl.float32)
+            for start in range(lo, hi, BN):
+                n = start + tl.arange(0, BN)
+                nm = n < hi
+                kt = tl.load(kc + h * skh + n.to(tl.int64)[:, None] * skn + d[None, :], mask=nm[:, None], other=0)
+                sc = tl.dot(qv, tl.trans(kt))                                  # [GP, BN]
+                sc = tl.where(nm[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                pr = tl.exp(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(pr, axis=1)
+                vt = tl.load(vc + h * svh + n.to(tl.int64)[:, None] * svn + d[None, :], mask=nm[:, None], other=0)
+                acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt)
+                m_i = m_new
+            row = (h * n_split + s) * G + g
+            tl.store(o_part + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
+            tl.store(m_part + row, m_i, mask=gm)
+            tl.store(l_part + row, l_i, mask=gm)
+
+    @triton.jit
+    def _attn_merge_kernel(o_part, m_part, l_part, pos, out, chunk, n_split,
+                           G: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):
+        qh = tl.program_id(0)
+        h = qh // G
+        g = qh % G
+        L = tl.load(pos).to(tl.int32) + 1
+        n_valid = (L + chunk - 1) // chunk
+        sb = tl.arange(0, SB)
+        d = tl.arange(0, D)
+        M = tl.full([SB], float("-inf"), tl.float32)
+        for s0 in range(0, n_valid, SB):
+            sm = s0 + sb < n_valid
+            M = tl.maximum(M, tl.load(m_part + (h * n_split + s0 + sb) * G + g, mask=sm, other=float("-inf")))
+        Mx = tl.max(M, axis=0)
+        acc = tl.zeros([D], tl.float32)
+        lsum = tl.zeros([SB], tl.float32)
+        for s0 in range(0, n_valid, SB):
+            sm = s0 + sb < n_valid
+            row = (h * n_split + s0 + sb) * G + g
+            w = tl.exp(tl.load(m_part + row, mask=sm, other=float("-inf")) - Mx)
+            lsum += w * tl.load(l_part + row, mask=sm, other=0)
+            o = tl.load(o_part + row[:, None] * D + d[None, :], mask=sm[:, None], other=0)
+            acc += tl.sum(w[:, None] * o, axis=0)
+        tl.store(out + qh * D + d, (acc / tl.sum(lsum, axis=0)).to(out.dtype.element_ty))
+
+    @triton.jit
+    def _router_topk_kernel(logits, wts, ids, packed, E, pk_stride, pk_off,
+                            K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                            NORM: tl.constexpr, PACK: tl.constexpr):
+        t = tl.program_id(0)
+        i = tl.arange(0, BE)
+        m = i < E
+        lg = tl.load(logits + t * E + i, mask=m, other=float("-inf")).to(tl.float32)
+        e = tl.exp(lg - tl.max(lg, axis=0))
+        p = tl.where(m, e / tl.sum(e, axis=0), -1.0)
+        j = tl.arange(0, KP)
+        wv = tl.zeros([KP], tl.float32)
+        iv = tl.zeros([KP], tl.int32)
+        for s in tl.static_range(K):
+            mx = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == mx, i, BE), axis=0)
+            wv = tl.where(j == s, mx, wv)
+            iv = tl.where(j == s, idx, iv)
+            p = tl.where(i == idx, -2.0, p)
+        if NORM:
+            wv = wv / tl.sum(tl.where(j < K, wv, 0.0), axis=0)
+        jm = j < K
+        tl.store(wts + t * K + j, wv, mask=jm)
+        tl.store(ids + t * K + j, iv, mask=jm)
+        if PACK:                                       # [h | weights | ids as floats] for the CPU hand-off
+            tl.store(packed + t * pk_stride + pk_off + j, wv, mask=jm)
+            tl.store(packed + t * pk_stride + pk_off + K + j, iv.to(tl.float32), mask=jm)
+
+    @triton.jit
+    def _qdot(wrow, row_stride, n, nm, xp, K, QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+        """[BN] dot products of rows n of a quantized matrix (GGUF blocks from wrow) with float x[K] at xp."""
+        acc = tl.zeros([BN], tl.float32)
+        bi = tl.arange(0, NB)
+        nblk = K // 32
+        for kb in range(0, nblk, NB):
+            b = kb + bi
+            bm = b < nblk
+            m2 = nm[:, None] & bm[None, :]
+            if QT == 0:                                # Q4_0: f16 scale, 16 bytes of nibble pairs
+                blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 18
+                lo = tl.load(blk, mask=m2, other=0).to(tl.uint16)
+                hi = tl.load(blk + 1, mask=m2, other=0).to(tl.uint16)
+                dsc = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+                c = tl.arange(0, 16)
+                byte = tl.load(blk[:, :, None] + 2 + c[None, None, :], mask=m2[:, :, None], other=0).to(tl.int32)
+                xl = tl.load(xp + b[:, None] * 32 + c[None, :], mask=bm[:, None], other=0).to(tl.float32)
+                xh = tl.load(xp + b[:, None] * 32 + 16 + c[None, :], mask=bm[:, None], other=0).to(tl.float32)
+                ql = ((byte & 15) - 8).to(tl.float32)
+                qh = ((byte >> 4) - 8).to(tl.float32)
+                s = tl.sum(ql * xl[None, :, :] + qh * xh[None, :, :], axis=2)
+            else:                                      # Q8_0: f16 scale, 32 int8
+                blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 34
+                lo = tl.load(blk, mask=m2, other=0).to(tl.uint16)
+                hi = tl.load(blk + 1, mask=m2, other=0).to(tl.uint16)
+                dsc = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+                c = tl.arange(0, 32)
+                q = tl.load(blk[:, :, None] + 2 + c[None, None, :], mask=m2[:, :, None], other=0)
+                q = q.to(tl.int8, bitcast=True).to(tl.float32)
+                xv = tl.load(xp + b[:, None] * 32 + c[None, :], mask=bm[:, None], other=0).to(tl.float32)
+                s = tl.sum(q * xv[None, :, :], axis=2)
+            acc += tl.sum(s * dsc, axis=1)
+        return acc
+
+    @triton.jit
+    def _moe_gate_up_kernel(x, ids, graw, uraw, out, K, F, k_used, sge, sgn, sue, sun,
+                            QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+        s = tl.program_id(0)                           # (token, slot) pair
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < F
+        t = s // k_used
+        e = tl.load(ids + s).to(tl.int64)
+        g = _qdot(graw + e * sge, sgn, n, nm, x + t * K, K, QT, BN, NB)
+        u = _qdot(uraw + e * sue, sun, n, nm, x + t * K, K, QT, BN, NB)
+        tl.store(out + s * F + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
+
+    @triton.jit
+    def _moe_down_kernel(h, ids, wts, draw, res, out, K, N, k_used, sde, sdn,
+                         QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr):
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < N
+        acc = tl.zeros([BN], tl.float32)
+        for j in range(k_used):
+            s = t * k_used + j
+            e = tl.load(ids + s).to(tl.int64)
+            acc += tl.load(wts + s).to(tl.float32) * _qdot(draw + e * sde, sdn, n, nm, h + s * K, K, QT, BN, NB)
+        if HAS_RES:
+            acc += tl.load(res + t * N + n, mask=nm, other=0)
+        tl.store(out + t * N + n, acc, mask=nm)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float32):
+    """x = a (+ b); returns (x if x_out is given, RMSNorm(x) * w). Rows [T, H]; h_out may be a strided row view."""
+    T, H = a.shape
+    if h_out is None:
+        h_out = torch.empty(T, H, dtype=h_dtype, device=a.device)
+    _add_rms_norm_kernel[(T,)](a, b if b is not None else a, w, x_out if x_out is not None else a, h_out, H,
+                               h_out.stride(0), eps, HAS_B=b is not None, WRITE_X=x_out is not None,
+                               BH=_pow2(H))
+    return x_out, h_out
+
+
+def qk_rope_cache(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, n_head, n_head_kv, head_dim, eps, neox):
+    """qkv [1, (nh + 2 nkv) * D] -> q [nh, D] float32 (normed, roped); k (normed, roped) and v are written
+    to kc/vc [nkv, n_ctx, D] at position pos (a 1-element device tensor); cos/sin [n_ctx, D]."""
+    q = torch.empty(n_head, head_dim, dtype=torch.float32, device=qkv.device)
+    has_norm = q_norm is not None
+    _qk_rope_cache_kernel[(n_head + n_head_kv,)](
+        qkv, q_norm if has_norm else cos, k_norm if has_norm else cos, cos, sin, pos, q, kc, vc,
+        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), n_head, n_head_kv, eps,
+        D=head_dim, NEOX=neox, HAS_NORM=has_norm)
+    return q
+
+
+def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16):
+    """Decode attention of q [nh, D] over cache positions 0..pos of kc/vc [nkv, n_ctx, D]: [1, nh * D]."""
+    nh, D = q.shape
+    nkv, n_ctx = kc.shape[0], kc.shape[1]
+    G = nh // nkv
+    chunk = ATTN_CHUNK                                   # at most 512 splits: longer caches get longer ones
+    if n_ctx > 512 * ATTN_CHUNK:
+        chunk = -(-n_ctx // (512 * ATTN_BLOCK)) * ATTN_BLOCK
+    n_split = -(-n_ctx // chunk)
+    o_part = torch.empty(nkv * n_split * G, D, dtype=torch.float32, device=q.device)
+    m_part = torch.empty(nkv * n_split * G, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    _attn_partial_kernel[(nkv, n_split)](q, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
+                                         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+                                         G=G, GP=max(16, _pow2(G)), D=D, BN=ATTN_BLOCK)
+    out = torch.empty(1, nh * D, dtype=out_dtype, device=q.device)
+    _attn_merge_kernel[(nh,)](o_part, m_part, l_part, pos, out, chunk, n_split, G=G, D=D, SB=16)
+    return out
+
+
+def router_topk(logits, k: int, norm: bool, packed=None, pack_offset: int = 0):
+    """Softmax + top-k (+ renormalisation) of logits [T, E]: (weights float32 [T, k], ids int32 [T, k]).
+    With `packed`, also writes weights and ids (as floats) at packed[:, pack_offset:]."""
+    T, E = logits.shape
+    wts = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
+    _router_topk_kernel[(T,)](logits, wts, ids, packed if packed is not None else wts, E,
+                              packed.stride(0) if packed is not None else 0, pack_offset,
+                              K=k, KP=_pow2(k), BE=_pow2(E), NORM=norm, PACK=packed is not None)
+    return wts, ids
+
+
+def supports(gate_qtype, down_qtype) -> bool:
+    return triton is not None and gate_qtype in QTYPES and down_qtype in QTYPES
+
+
+def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, residual=None, block_n: int = 16,
+        blocks_k: int = 16):
+    """Routed experts for a few tokens straight from GGUF bytes: x [T, H] float32, ids [T, k] (int), wts
+    [T, k]; graw/uraw [E, F, row bytes], draw [E, H, row bytes]. Returns float32 [T, H] (+ residual)."""
+    T, H = x.shape
+    k = ids.shape[1]
+    F = graw.shape[1]
+    x = x.float().contiguous()
+    ids = ids.to(torch.int32).contiguous()
+    wts = wts.float().contiguous()
+    h = torch.empty(T * k, F, dtype=torch.float32, device=x.device)
+    _moe_gate_up_kernel[(T * k, triton.cdiv(F, block_n))](
+        x, ids, graw, uraw, h, H, F, k, graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1),
+        QT=QTYPES[gate_qtype], BN=block_n, NB=blocks_k)
+    out = torch.empty(T, H, dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(T, triton.cdiv(H, block_n))](
+        h, ids, wts, draw, residual if residual is not None else out, out, F, H, k,
+        draw.stride(0), draw.stride(1), QT=QTYPES[down_qtype], BN=block_n, NB=blocks_k,
+        HAS_RES=residual is not None)
+    return out

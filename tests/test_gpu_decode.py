@@ -1,0 +1,126 @@
+"""The fused decode kernels (kernels/gpu_decode.py) against plain torch.
+
+They run on a GPU, or on the CPU in Triton's interpreter (`TRITON_INTERPRET=1 python -m pytest
+tests/test_gpu_decode.py`, with triton installed); otherwise they are skipped (CI has neither)."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.quant.ref import dequantize, random_blocks
+from hybridmoe.quant.types import GGMLType
+from hybridmoe.runtime.ops import apply_rope, rope_tables
+
+from conftest import rel_l2
+
+gd = pytest.importorskip("hybridmoe.kernels.gpu_decode")
+if not gd.available():
+    pytest.skip("triton is not installed", allow_module_level=True)
+if torch.cuda.is_available():
+    DEV = "cuda"
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    DEV = "cpu"
+else:
+    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+
+def _gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+@pytest.mark.parametrize("H,has_b", [(256, True), (200, False), (2048, True)])
+def test_add_rms_norm(H, has_b):
+    g = _gen(H)
+    a, b = torch.randn(2, H, generator=g, device=DEV), torch.randn(2, H, generator=g, device=DEV)
+    w = torch.rand(H, generator=g, device=DEV) + 0.5
+    x_out = torch.empty_like(a)
+    packed = torch.zeros(2, H + 5, device=DEV)
+    _, h = gd.add_rms_norm(a, w, 1e-6, b=b if has_b else None, x_out=x_out, h_out=packed[:, :H])
+    x = a + b if has_b else a
+    assert torch.allclose(x_out, x)
+    assert rel_l2(packed[:, :H], F.rms_norm(x, (H,), w, 1e-6)) < 1e-6
+    assert not packed[:, H:].any()
+    _, hb = gd.add_rms_norm(a, w, 1e-6, h_dtype=torch.bfloat16)
+    assert hb.dtype == torch.bfloat16 and rel_l2(hb.float(), F.rms_norm(a, (H,), w, 1e-6)) < 1e-2
+
+
+@pytest.mark.parametrize("neox,norm", [(True, True), (False, False), (False, True)])
+def test_qk_rope_cache(neox, norm):
+    nh, nkv, D, n_ctx, pos = 8, 2, 64, 40, 29
+    g = _gen(3)
+    qkv = torch.randn(1, (nh + 2 * nkv) * D, generator=g, device=DEV).to(torch.bfloat16)
+    qn, kn = (torch.rand(D, generator=g, device=DEV) + 0.5 for _ in range(2))
+    cos, sin = rope_tables(torch.arange(n_ctx), D, 10000.0, neox)
+    cos, sin = cos[:, 0].to(DEV), sin[:, 0].to(DEV)
+    kc = torch.zeros(nkv, n_ctx, D, dtype=torch.float16, device=DEV)
+    vc = torch.zeros_like(kc)
+    q = gd.qk_rope_cache(qkv, qn if norm else None, kn if norm else None, cos, sin,
+                         torch.tensor([pos], device=DEV), kc, vc, nh, nkv, D, 1e-6, neox)
+    x = qkv.float()
+    rq, rk, rv = x[0, :nh * D].view(nh, D), x[0, nh * D:(nh + nkv) * D].view(nkv, D), x[0, (nh + nkv) * D:].view(nkv, D)
+    if norm:
+        rq, rk = F.rms_norm(rq, (D,), qn, 1e-6), F.rms_norm(rk, (D,), kn, 1e-6)
+    rq, rk = apply_rope(rq, cos[pos], sin[pos], neox), apply_rope(rk, cos[pos], sin[pos], neox)
+    assert rel_l2(q, rq) < 1e-6
+    assert rel_l2(kc[:, pos].float(), rk) < 1e-3 and torch.equal(vc[:, pos], rv.half())
+    kc[:, pos] = 0
+    vc[:, pos] = 0
+    assert not kc.any() and not vc.any()                     # nothing written elsewhere
+
+
+@pytest.mark.parametrize("nh,nkv,n_ctx,pos,dt", [(8, 2, 40, 0, torch.float16), (8, 2, 700, 600, torch.bfloat16),
+                                                  (4, 4, 300, 299, torch.float32), (16, 1, 1100, 1030, torch.float16)])
+def test_decode_attention(nh, nkv, n_ctx, pos, dt):
+    if dt == torch.bfloat16 and DEV == "cpu":
+        pytest.skip("Triton's interpreter gets bf16 tl.dot wrong (fine on GPUs)")
+    D = 64
+    g = _gen(pos)
+    q = torch.randn(nh, D, generator=g, device=DEV)
+    kc = torch.randn(nkv, n_ctx, D, generator=g, device=DEV).to(dt)
+    vc = torch.randn(nkv, n_ctx, D, generator=g, device=DEV).to(dt)
+    out = gd.attention(q, kc, vc, torch.tensor([pos], device=DEV), D ** -0.5, out_dtype=torch.float32)
+    k, v = kc[:, :pos + 1].float(), vc[:, :pos + 1].float()
+    rep = nh // nkv
+    s = torch.einsum("hd,hpd->hp", q, k.repeat_interleave(rep, 0)) * D ** -0.5
+    ref = torch.einsum("hp,hpd->hd", torch.softmax(s, -1), v.repeat_interleave(rep, 0)).reshape(1, -1)
+    assert rel_l2(out, ref) < (2e-3 if dt == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("E,k,norm", [(128, 8, True), (60, 4, False), (8, 2, True)])
+def test_router_topk(E, k, norm):
+    g = _gen(E)
+    logits = torch.randn(3, E, generator=g, device=DEV) * 3
+    packed = torch.zeros(3, 10 + 2 * k, device=DEV)
+    wts, ids = gd.router_topk(logits, k, norm, packed=packed, pack_offset=10)
+    rw, ri = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    if norm:
+        rw = rw / rw.sum(-1, keepdim=True)
+    assert torch.equal(ids.long(), ri) and rel_l2(wts, rw) < 1e-6
+    assert torch.equal(packed[:, 10:10 + k], wts) and torch.equal(packed[:, 10 + k:], ri.float())
+    assert not packed[:, :10].any()
+
+
+@pytest.mark.parametrize("gq,dq", [(GGMLType.Q4_0, GGMLType.Q4_0), (GGMLType.Q8_0, GGMLType.Q4_0),
+                                   (GGMLType.Q4_0, GGMLType.Q8_0)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_moe_from_bytes(gq, dq, T):
+    E, k, H, Fd = 16, 4, 256, 96
+    g = _gen(T)
+    graw, uraw = random_blocks(gq, (E, Fd, H), g), random_blocks(gq, (E, Fd, H), g)
+    draw = random_blocks(dq, (E, H, Fd), g)
+    x = torch.randn(T, H, generator=g, device=DEV)
+    ids = torch.stack([torch.randperm(E, generator=g, device=DEV)[:k] for _ in range(T)])
+    ids[-1, 0] = ids[0, 1]                                   # shared experts across tokens
+    wts = torch.softmax(torch.randn(T, k, generator=g, device=DEV), -1)
+    res = torch.randn(T, H, generator=g, device=DEV)
+    out = gd.moe(x, ids, wts, graw, uraw, draw, gq, dq, residual=res)
+    wg, wu = dequantize(graw, gq, H).double(), dequantize(uraw, gq, H).double()
+    wd = dequantize(draw, dq, Fd).double()
+    ref = res.double().clone()
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            hh = F.silu(wg[e] @ x[t].double()) * (wu[e] @ x[t].double())
+            ref[t] += wts[t, j].double() * (wd[e] @ hh)
+    assert rel_l2(out.double(), ref) < 1e-5
