@@ -7,7 +7,8 @@ B() { echo "### hybridmoe bench $*"; hm bench -m $M "$@" 2>&1 | grep -v "^\s*$";
 for s in "$@"; do
   echo "=============== $s"
   case $s in
-    tests) HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -5 ;;
+    tests) HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -5
+           HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q tests/test_gpu_decode.py -p no:cacheprovider 2>&1 | tail -5 ;;
     prep) hm calibrate 2>&1 | tail -8; ( time hm synth qwen3-30b-a3b ) 2>&1 | tail -4 ;;
     hybrid) B -ngl 99 -ot exps=CPU -p 512 -n 128 -r 3 --roofline ;;
     gpu) B -ngl 99 -p 512 -n 128 -r 3 --roofline ;;
@@ -21,6 +22,8 @@ for s in "$@"; do
     split) B -ngl 99 -p 0 -n 64 -r 3 -ot 'ffn_(up|down)_exps=CPU;exps=CPU' ;;
     cpu) B -ngl 0 -p 512 -n 64 -r 2 --roofline ;;
     profile) hm run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -22 ;;
-    sweep) hm sweep-bench -m $M -ngl 99 -ot exps=CPU -c 4096 -ub 1024 -n 128 2>&1 | tail -8 ;;
+    sweep) for P in "-ngl 99" "-ngl 99 -ot exps=CPU" "-ngl 99 --n-cpu-moe 24"; do
+             echo "### hybridmoe sweep-bench -m $M $P -c 4096 -ub 1024 -n 128"
+             hm sweep-bench -m $M $P -c 4096 -ub 1024 -n 128 2>&1 | tail -7; done ;;
   esac
 done

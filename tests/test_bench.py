@@ -226,6 +226,25 @@ def test_roofline_pieces_are_additive():
     assert sum(b.terms.values()) == pytest.approx(b.seconds)
 
 
+def test_offload_cost_follows_the_batch_routing():
+    """auto's inputs: the experts a batch touches set the CPU's bytes and, when few, the only-active upload;
+    a prefetched layer costs no upload; the CPU expert rate is the calibrated one when present."""
+    from hybridmoe.roofline import offload_times
+    r = _rig_rates()
+    nbytes, E, k, T = 340e6, 128, 8, 64
+    n_params = 3 * 128 * 768 * 2048
+    cpu_all, gpu_all = offload_times(r, "CUDA0", T, nbytes, E, k, n_params, n_active=128)
+    cpu_few, gpu_few = offload_times(r, "CUDA0", T, nbytes, E, k, n_params, n_active=16)
+    assert cpu_few < cpu_all and gpu_few < gpu_all
+    assert gpu_all == pytest.approx(nbytes / 54e9 + 2 * n_params * k / E * T / 790e12 + 2e-5)
+    assert gpu_few == pytest.approx(nbytes / 8 / 54e9 + 2 * n_params * k / E * T / 790e12 + 2e-5)
+    _, gpu_pre = offload_times(r, "CUDA0", T, nbytes, E, k, n_params, n_active=128, prefetched=True)
+    assert gpu_pre == pytest.approx(2 * n_params * k / E * T / 790e12 + 2e-5)
+    slow = cal.Rates(**{**r.to_dict(), "cpu_moe_flops": {"32": 1e11, "512": 1e11}})
+    assert offload_times(slow, "CUDA0", T, nbytes, E, k, n_params)[0] == \
+        pytest.approx(2 * n_params * k / E * T / 1e11)
+
+
 # ------------------------------------------------------------------------------------------ calibration
 
 def test_quick_calibration_is_positive_and_cached(quick_rates, monkeypatch):
@@ -234,6 +253,7 @@ def test_quick_calibration_is_positive_and_cached(quick_rates, monkeypatch):
         assert math.isfinite(v) and v > 0
     for d in (r.h2d_bw, r.gpu_bw, r.gpu_bf16_flops, r.sync_latency):
         assert all(math.isfinite(v) and v > 0 for v in d.values())
+    assert set(r.cpu_moe_flops) == {"32", "512"} and all(v > 0 for v in r.cpu_moe_flops.values())
     assert r.quick and r.threads >= 1 and cal.cache_path().exists()
     assert cal.load_cached(r.threads) == r
     assert cal.load_cached(r.threads + 1000) is None                # other thread counts are measured anew

@@ -196,19 +196,26 @@ CPU_STREAM_EFFICIENCY = 0.5
 
 
 def offload_times(rates, gpu: str, n_tokens: int, nbytes: int, n_expert: int = 1, n_used: int = 1,
-                  n_params: float | None = None) -> tuple[float, float]:
+                  n_params: float | None = None, n_active: int | None = None,
+                  prefetched: bool = False) -> tuple[float, float]:
     """(CPU seconds, upload + GPU seconds) for an op over `nbytes` of host weights and n_tokens.
 
-    n_params defaults to nbytes x 2 (4 bits per weight, the common expert quantization)."""
+    n_params defaults to nbytes x 2 (4 bits per weight, the common expert quantization). n_active: the
+    experts this batch routes to, when known (else the uniform-routing expectation); only-active upload
+    sends just their bytes when they are at most half (as the scheduler does). prefetched: the weights are
+    already on their way (uploaded a layer ahead), so only the GPU compute remains."""
     params = float(n_params if n_params is not None else 2 * nbytes)
     share = n_used / n_expert if n_expert else 1.0
     flops = 2.0 * params * share * n_tokens
-    # The CPU side at the efficiency its expert paths reached on the H200 machine (docs/benchmarks.md,
-    # -op sweep): ~40% of the bf16 matmul peak and ~50% of the read bandwidth at ubatch 32-512. With the
-    # peaks alone, auto kept ubatch 32 and 128 on the CPU although the upload was 1.4x and 5x faster.
-    cpu = max(flops / (CPU_GEMM_EFFICIENCY * rates.flops("CPU")),
-              nbytes * touched_fraction(n_tokens, n_expert, n_used) / (CPU_STREAM_EFFICIENCY * rates.read_bw("CPU")))
-    gpu_s = nbytes / rates.h2d(gpu) + flops / rates.flops(gpu) + rates.sync(gpu)
+    touched = n_active / n_expert if n_active is not None and n_expert else \
+        touched_fraction(n_tokens, n_expert, n_used)
+    # The CPU side: expert ops at the rate their kernel reached in calibration (else ~40% of the bf16
+    # matmul peak, what the H200 machine's CPU reached at ubatch 32-512), and never faster than reading
+    # the touched bytes at half the read bandwidth.
+    rate = rates.cpu_expert_flops(n_tokens) if n_expert > 1 else CPU_GEMM_EFFICIENCY * rates.flops("CPU")
+    cpu = max(flops / rate, nbytes * touched / (CPU_STREAM_EFFICIENCY * rates.read_bw("CPU")))
+    up = 0.0 if prefetched else nbytes * (touched if n_active is not None and n_active <= n_expert // 2 else 1.0)
+    gpu_s = up / rates.h2d(gpu) + flops / rates.flops(gpu) + rates.sync(gpu)
     return cpu, gpu_s
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 GiB, MiB = 1 << 30, 1 << 20
 
 
@@ -42,6 +42,7 @@ class Rates:
     gpu_bf16_flops: dict[str, float] = field(default_factory=dict)  # GPU name -> FLOP/s
     sync_latency: dict[str, float] = field(default_factory=dict)    # GPU name -> seconds per round trip
     gpu_names: dict[str, str] = field(default_factory=dict)         # "CUDA0" -> "NVIDIA H200"
+    cpu_moe_flops: dict[str, float] = field(default_factory=dict)   # "32"/"512" tokens -> FLOP/s, CPU expert kernel
     ram_probe_bytes: int = 0                # size of the tensor ram_read_bw was read from
     host: str = ""
     quick: bool = False
@@ -54,6 +55,16 @@ class Rates:
     def flops(self, device: str) -> float:
         return self.gpu_bf16_flops.get(device, self.cpu_bf16_flops) if device != "CPU" else self.cpu_bf16_flops
 
+    def cpu_expert_flops(self, n_tokens: int) -> float:
+        """FLOP/s of the CPU expert kernel for a batch: its streaming path (few tokens) or GEMM path, as
+        measured; unmeasured: 40% of the bf16 matmul rate."""
+        from ..roofline import CPU_GEMM_EFFICIENCY
+        if not self.cpu_moe_flops:
+            return CPU_GEMM_EFFICIENCY * self.cpu_bf16_flops
+        from ..kernels.cpu import GEMM_MIN_T
+        key = "512" if n_tokens >= GEMM_MIN_T else "32"
+        return self.cpu_moe_flops.get(key) or CPU_GEMM_EFFICIENCY * self.cpu_bf16_flops
+
     def h2d(self, device: str) -> float:
         """Host -> device copy rate; a device without a measured link is a memcpy (read + write) in RAM."""
         return self.h2d_bw.get(device, self.ram_read_bw / 2)
@@ -62,13 +73,15 @@ class Rates:
         return self.sync_latency.get(device, 0.0)
 
     def offload_pays(self, kind: str, n_tokens: int, nbytes: int, n_expert: int = 1, n_used: int = 1,
-                     gpu: str | None = None, n_params: int | None = None) -> bool:
+                     gpu: str | None = None, n_params: int | None = None, n_active: int | None = None,
+                     prefetched: bool = False) -> bool:
         """Is uploading `nbytes` of host weights and computing on a GPU faster than the CPU? (roofline estimate)"""
         from ..roofline import offload_times
         gpus = [gpu] if gpu else list(self.h2d_bw)
         if not gpus:
             return n_tokens >= 32 * n_expert // max(n_used, 1)     # no measured GPU: ik_llama.cpp's rule
-        cpu_s, gpu_s = offload_times(self, gpus[0], n_tokens, nbytes, n_expert, n_used, n_params)
+        cpu_s, gpu_s = offload_times(self, gpus[0], n_tokens, nbytes, n_expert, n_used, n_params, n_active,
+                                     prefetched)
         return gpu_s < cpu_s
 
     # -- (de)serialization ----------------------------------------------------------------------
@@ -86,6 +99,9 @@ class Rates:
                  f"  CPU  RAM read (torch.sum)  {self.ram_read_bw / 1e9:9.1f} GB/s "
                  f"({self.ram_probe_bytes / GiB:.2f} GiB tensor)",
                  f"  CPU  bf16 matmul           {self.cpu_bf16_flops / 1e12:9.3f} TFLOP/s"]
+        if self.cpu_moe_flops:
+            lines.append("  CPU  expert kernel (Q4_0)  " + ", ".join(
+                f"{v / 1e12:.3f} TFLOP/s at {t} tokens" for t, v in sorted(self.cpu_moe_flops.items(), key=lambda kv: int(kv[0]))))
         for g in self.h2d_bw:
             lines.append(f"  {g} ({self.gpu_names.get(g, '?')}): H2D pinned {self.h2d_bw[g] / 1e9:.1f} GB/s, "
                          f"device copy {self.gpu_bw[g] / 1e9:.0f} GB/s, bf16 {self.gpu_bf16_flops[g] / 1e12:.0f} "
@@ -144,6 +160,31 @@ def measure_cpu_bf16_flops(m: int = 512, k: int = 2048, n: int = 8192, reps: int
     return 2.0 * m * k * n / dt
 
 
+def measure_cpu_moe_flops(quick: bool = False) -> dict[str, float]:
+    """FLOP/s of the CPU expert kernel (kernels/cpu.py) on a Qwen3-30B-A3B-shaped Q4_0 layer of 32 experts
+    (85 MB, 8 used), at 32 tokens (its streaming path) and 512 (its GEMM path). Empty without the kernel."""
+    try:
+        from ..kernels import cpu as k
+        if not k.available():
+            return {}
+    except ImportError:
+        return {}
+    from ..quant.ref import random_blocks
+    from ..quant.types import GGMLType
+    E, F, H, used = 32, 768, 2048, 8
+    g = torch.Generator().manual_seed(0)
+    gate, up = random_blocks(GGMLType.Q4_0, (E, F, H), g), random_blocks(GGMLType.Q4_0, (E, F, H), g)
+    down = random_blocks(GGMLType.Q4_0, (E, H, F), g)
+    out = {}
+    for T in (32, 512):
+        x = torch.randn(T, H, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:used] for _ in range(T)]).to(torch.int32)
+        wts = torch.full((T, used), 1.0 / used)
+        dt = _best(lambda: k.moe_ffn(x, ids, wts, gate, up, down, GGMLType.Q4_0, GGMLType.Q4_0), 2 if quick else 3)
+        out[str(T)] = 2.0 * T * used * 3 * F * H / dt
+    return out
+
+
 def measure_gpu(index: int, quick: bool = False) -> dict[str, float]:
     dev = torch.device("cuda", index)
     sync = lambda: torch.cuda.synchronize(dev)    # noqa: E731
@@ -183,6 +224,7 @@ def calibrate(quick: bool = False, save: bool = True) -> Rates:
     ram = measure_ram_read_bw(probe, reps=3 if quick else 5)
     flops = measure_cpu_bf16_flops(reps=3 if quick else 5)
     rates = Rates(ram_read_bw=ram, cpu_bf16_flops=flops, threads=torch.get_num_threads(), ram_probe_bytes=probe,
+                  cpu_moe_flops=measure_cpu_moe_flops(quick),
                   host=socket.gethostname(), quick=quick,
                   measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if torch.cuda.is_available():

@@ -137,7 +137,8 @@ class Scheduler:
         return self.main_gpu
 
     def wants_offload(self, kind: str, w_dev, n_tokens: int, n_expert: int = 1, n_used: int = 1,
-                      nbytes: int = 0, n_params: int | None = None) -> bool:
+                      nbytes: int = 0, n_params: int | None = None, n_active: int | None = None,
+                      prefetched: bool = False) -> bool:
         """Run a host-weight op on a GPU? Forced by -op, else the calibrated cost model, else ik's rule."""
         if w_dev.kind != "cpu" or self.main_gpu is None:
             return False
@@ -149,7 +150,8 @@ class Scheduler:
             # as in ik_llama.cpp, an enabled op still needs a batch; token generation never uploads
             return n_tokens >= 32
         if self.rates is not None:
-            return self.rates.offload_pays(kind, n_tokens, nbytes, n_expert, n_used, n_params=n_params)
+            return self.rates.offload_pays(kind, n_tokens, nbytes, n_expert, n_used, n_params=n_params,
+                                           n_active=n_active, prefetched=prefetched)
         return n_tokens >= threshold
 
     def linear(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -228,8 +230,15 @@ class Scheduler:
         dev = gate.device
         nbytes = gate.nbytes + up.nbytes + down.nbytes
         n_params = 3 * math.prod(gate.shape)
-        if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes, n_params) and \
-                self.wants_offload("mul_mat_id", dev, T, E, k, nbytes, n_params):
+        n_active, prefetched = None, False
+        if dev.kind == "cpu" and self.main_gpu is not None and self.rates is not None and T > 1 and \
+                self.policy["moe_up_gate"] is None and self.policy["mul_mat_id"] is None:
+            # auto decides on this batch's routing: the experts it touches (one small sync) and whether
+            # the layer's upload is already under way
+            n_active = int(torch.unique(ids).numel())
+            prefetched = self.uploader(self.main_gpu).has_all(layer)
+        if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes, n_params, n_active, prefetched) and \
+                self.wants_offload("mul_mat_id", dev, T, E, k, nbytes, n_params, n_active, prefetched):
             return self._moe_uploaded(x, ids, wts, gate, up, down, self._offload_target(self.dev_of(x)), layer)
         x, ids, wts = self._route_to(x, ids, wts, dev)
         with self.stats.op("moe_up_gate", dev, self._sync(dev)):
@@ -251,7 +260,7 @@ class Scheduler:
         ws = (gate, up, down)
         counts = torch.bincount(ids.flatten(), minlength=E).cpu()
         active = torch.nonzero(counts).flatten().tolist()
-        if self._use_only_active(len(active), E):
+        if not up_.has_all(layer) and self._use_only_active(len(active), E):
             bufs = up_.get_active(layer, ws, active)
             remap = torch.full((E,), -1, dtype=torch.long)
             remap[active] = torch.arange(len(active))

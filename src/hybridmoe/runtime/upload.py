@@ -78,6 +78,10 @@ class Uploader:
         slot = self._slot_for(ws)
         self._copy(slot, ws, [(0, ws[0].shape[0])], ws[0].shape[0], (layer, "all"))
 
+    def has_all(self, layer: int) -> bool:
+        """Are all of `layer`'s experts here or on their way (prefetched)?"""
+        return any(s.key == (layer, "all") for s in self.slots)
+
     def get_all(self, layer: int, ws) -> list[torch.Tensor]:
         for s in self.slots:
             if s.key == (layer, "all"):
