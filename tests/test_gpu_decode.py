@@ -114,7 +114,11 @@ def test_moe_from_bytes(gq, dq, T):
     ids[-1, 0] = ids[0, 1]                                   # shared experts across tokens
     wts = torch.softmax(torch.randn(T, k, generator=g, device=DEV), -1)
     res = torch.randn(T, H, generator=g, device=DEV)
-    out = gd.moe(x, ids, wts, graw, uraw, draw, gq, dq, residual=res)
+    out = gd.moe(x, ids, wts, graw, uraw, draw, gq, dq) + res
+    parts = gd.moe(x, ids, wts, graw, uraw, draw, gq, dq, reduce=False)
+    x_sum = torch.empty_like(res)
+    gd.add_rms_norm(res, torch.ones(H, device=DEV), 1e-6, b=parts, x_out=x_sum)
+    assert rel_l2(x_sum, out) < 1e-6
     wg, wu = dequantize(graw, gq, H).double(), dequantize(uraw, gq, H).double()
     wd = dequantize(draw, dq, Fd).double()
     ref = res.double().clone()

@@ -10,7 +10,7 @@ read. Here a layer is about ten kernels:
   attention      flash-decoding: splits of the cache up to the current position only, then one merge
   router_topk    softmax, top-k, renormalisation (ids as int32, and as floats for the CPU hand-off)
   moe_gate_up    SiLU(gate) * up of each selected expert straight from its Q4_0/Q8_0 bytes
-  moe_down       down of each selected expert from its bytes, weighted sum over the k slots, + residual
+  moe_down       down of each selected expert from its bytes, weighted (the next add_rms_norm sums them)
 
 plus the dense projections (cuBLAS, bf16). Every kernel reads its position from device memory, so one
 CUDA graph serves every step. Each kernel is checked against the torch path (tests/test_gpu_decode.py,
@@ -39,14 +39,15 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _add_rms_norm_kernel(a, b, w, x_out, h_out, H, h_stride, eps,
+    def _add_rms_norm_kernel(a, b, w, x_out, h_out, H, h_stride, eps, b_rows,
                              HAS_B: tl.constexpr, WRITE_X: tl.constexpr, BH: tl.constexpr):
         t = tl.program_id(0)
         i = tl.arange(0, BH)
         m = i < H
         x = tl.load(a + t * H + i, mask=m, other=0).to(tl.float32)
         if HAS_B:
-            x += tl.load(b + t * H + i, mask=m, other=0).to(tl.float32)
+            for j in range(b_rows):
+                x += tl.load(b + (t * b_rows + j) * H + i, mask=m, other=0).to(tl.float32)
         if WRITE_X:
             tl.store(x_out + t * H + i, x, mask=m)
         r = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
@@ -177,37 +178,40 @@ if triton is not None:
 
     @triton.jit
     def _qdot(wrow, row_stride, n, nm, xp, K, QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
-        """[BN] dot products of rows n of a quantized matrix (GGUF blocks from wrow) with float x[K] at xp."""
+        """[BN] dot products of rows n of a quantized matrix (GGUF blocks from wrow) with float x[K] at xp.
+
+        Blocks are read as 16-bit words (Q4_0's 18 and Q8_0's 34 bytes keep them 2-byte aligned), half
+        the loads of a byte-wise read."""
         acc = tl.zeros([BN], tl.float32)
         bi = tl.arange(0, NB)
         nblk = K // 32
+        w16 = wrow.to(tl.pointer_type(tl.uint16))
         for kb in range(0, nblk, NB):
             b = kb + bi
             bm = b < nblk
             m2 = nm[:, None] & bm[None, :]
-            if QT == 0:                                # Q4_0: f16 scale, 16 bytes of nibble pairs
-                blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 18
-                lo = tl.load(blk, mask=m2, other=0).to(tl.uint16)
-                hi = tl.load(blk + 1, mask=m2, other=0).to(tl.uint16)
-                dsc = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+            xb = xp + b[:, None] * 32
+            if QT == 0:                                # Q4_0: f16 scale, 8 words of 4 nibbles
+                blk = w16 + n.to(tl.int64)[:, None] * (row_stride // 2) + b[None, :] * 9
+                dsc = tl.load(blk, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+                c = tl.arange(0, 8)
+                w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=m2[:, :, None], other=0).to(tl.int32)
+                # word c holds bytes 2c, 2c+1: low nibbles are elements 2c, 2c+1; high ones 2c+16, 2c+17
+                x0 = tl.load(xb + 2 * c[None, :], mask=bm[:, None], other=0)[None, :, :]
+                x1 = tl.load(xb + 2 * c[None, :] + 1, mask=bm[:, None], other=0)[None, :, :]
+                x2 = tl.load(xb + 2 * c[None, :] + 16, mask=bm[:, None], other=0)[None, :, :]
+                x3 = tl.load(xb + 2 * c[None, :] + 17, mask=bm[:, None], other=0)[None, :, :]
+                s = ((w & 15) - 8).to(tl.float32) * x0 + (((w >> 8) & 15) - 8).to(tl.float32) * x1 + \
+                    (((w >> 4) & 15) - 8).to(tl.float32) * x2 + (((w >> 12) & 15) - 8).to(tl.float32) * x3
+            else:                                      # Q8_0: f16 scale, 16 words of 2 int8
+                blk = w16 + n.to(tl.int64)[:, None] * (row_stride // 2) + b[None, :] * 17
+                dsc = tl.load(blk, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
                 c = tl.arange(0, 16)
-                byte = tl.load(blk[:, :, None] + 2 + c[None, None, :], mask=m2[:, :, None], other=0).to(tl.int32)
-                xl = tl.load(xp + b[:, None] * 32 + c[None, :], mask=bm[:, None], other=0).to(tl.float32)
-                xh = tl.load(xp + b[:, None] * 32 + 16 + c[None, :], mask=bm[:, None], other=0).to(tl.float32)
-                ql = ((byte & 15) - 8).to(tl.float32)
-                qh = ((byte >> 4) - 8).to(tl.float32)
-                s = tl.sum(ql * xl[None, :, :] + qh * xh[None, :, :], axis=2)
-            else:                                      # Q8_0: f16 scale, 32 int8
-                blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 34
-                lo = tl.load(blk, mask=m2, other=0).to(tl.uint16)
-                hi = tl.load(blk + 1, mask=m2, other=0).to(tl.uint16)
-                dsc = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-                c = tl.arange(0, 32)
-                q = tl.load(blk[:, :, None] + 2 + c[None, None, :], mask=m2[:, :, None], other=0)
-                q = q.to(tl.int8, bitcast=True).to(tl.float32)
-                xv = tl.load(xp + b[:, None] * 32 + c[None, :], mask=bm[:, None], other=0).to(tl.float32)
-                s = tl.sum(q * xv[None, :, :], axis=2)
-            acc += tl.sum(s * dsc, axis=1)
+                w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=m2[:, :, None], other=0).to(tl.int32)
+                x0 = tl.load(xb + 2 * c[None, :], mask=bm[:, None], other=0)[None, :, :]
+                x1 = tl.load(xb + 2 * c[None, :] + 1, mask=bm[:, None], other=0)[None, :, :]
+                s = (((w & 255) ^ 128) - 128).to(tl.float32) * x0 + ((((w >> 8) & 255) ^ 128) - 128).to(tl.float32) * x1
+            acc += tl.sum(tl.sum(s, axis=2) * dsc, axis=1)
         return acc
 
     @triton.jit
@@ -223,19 +227,14 @@ if triton is not None:
         tl.store(out + s * F + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
 
     @triton.jit
-    def _moe_down_kernel(h, ids, wts, draw, res, out, K, N, k_used, sde, sdn,
-                         QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, HAS_RES: tl.constexpr):
-        t = tl.program_id(0)
+    def _moe_down_kernel(h, ids, wts, draw, out, K, N, sde, sdn,
+                         QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+        s = tl.program_id(0)                           # (token, slot) pair: its weighted down row
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < N
-        acc = tl.zeros([BN], tl.float32)
-        for j in range(k_used):
-            s = t * k_used + j
-            e = tl.load(ids + s).to(tl.int64)
-            acc += tl.load(wts + s).to(tl.float32) * _qdot(draw + e * sde, sdn, n, nm, h + s * K, K, QT, BN, NB)
-        if HAS_RES:
-            acc += tl.load(res + t * N + n, mask=nm, other=0)
-        tl.store(out + t * N + n, acc, mask=nm)
+        e = tl.load(ids + s).to(tl.int64)
+        y = tl.load(wts + s).to(tl.float32) * _qdot(draw + e * sde, sdn, n, nm, h + s * K, K, QT, BN, NB)
+        tl.store(out + s * N + n, y, mask=nm)
 
 
 def _pow2(n: int) -> int:
@@ -243,12 +242,14 @@ def _pow2(n: int) -> int:
 
 
 def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float32):
-    """x = a (+ b); returns (x if x_out is given, RMSNorm(x) * w). Rows [T, H]; h_out may be a strided row view."""
+    """x = a (+ b); returns (x if x_out is given, RMSNorm(x) * w). Rows [T, H]; h_out may be a strided row view.
+    b may hold several rows per row of a ([T * r, H], e.g. the k weighted expert outputs): all are added."""
     T, H = a.shape
     if h_out is None:
         h_out = torch.empty(T, H, dtype=h_dtype, device=a.device)
+    b_rows = b.shape[0] // T if b is not None else 0
     _add_rms_norm_kernel[(T,)](a, b if b is not None else a, w, x_out if x_out is not None else a, h_out, H,
-                               h_out.stride(0), eps, HAS_B=b is not None, WRITE_X=x_out is not None,
+                               h_out.stride(0), eps, b_rows, HAS_B=b is not None, WRITE_X=x_out is not None,
                                BH=_pow2(H))
     return x_out, h_out
 
@@ -301,10 +302,11 @@ def supports(gate_qtype, down_qtype) -> bool:
     return triton is not None and gate_qtype in QTYPES and down_qtype in QTYPES
 
 
-def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, residual=None, block_n: int = 16,
-        blocks_k: int = 16):
+def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, block_n: int = 16, blocks_k: int = 16,
+        reduce: bool = True):
     """Routed experts for a few tokens straight from GGUF bytes: x [T, H] float32, ids [T, k] (int), wts
-    [T, k]; graw/uraw [E, F, row bytes], draw [E, H, row bytes]. Returns float32 [T, H] (+ residual)."""
+    [T, k]; graw/uraw [E, F, row bytes], draw [E, H, row bytes]. Returns float32 [T, H]; with reduce=False
+    the k weighted expert outputs per token [T * k, H] (add_rms_norm sums them into the residual)."""
     T, H = x.shape
     k = ids.shape[1]
     F = graw.shape[1]
@@ -315,9 +317,8 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, residual=None, bl
     _moe_gate_up_kernel[(T * k, triton.cdiv(F, block_n))](
         x, ids, graw, uraw, h, H, F, k, graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1),
         QT=QTYPES[gate_qtype], BN=block_n, NB=blocks_k)
-    out = torch.empty(T, H, dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(T, triton.cdiv(H, block_n))](
-        h, ids, wts, draw, residual if residual is not None else out, out, F, H, k,
-        draw.stride(0), draw.stride(1), QT=QTYPES[down_qtype], BN=block_n, NB=blocks_k,
-        HAS_RES=residual is not None)
-    return out
+    out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
+    _moe_down_kernel[(T * k, triton.cdiv(H, block_n))](
+        h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), QT=QTYPES[down_qtype], BN=block_n,
+        NB=blocks_k)
+    return out.view(T, k, H).sum(1) if reduce else out

@@ -145,8 +145,9 @@ class StaticDecoder:
 
     # -- the step with the fused kernels: ~10 launches a layer ------------------------------------------
     def _layer_fast(self, i, lay, x, addend):
-        """Layer i on x (+ addend, the CPU experts' output). Returns (x, whether the CPU takes the experts
-        from self.packed, with the residual in self.resid)."""
+        """Layer i on x (+ addend: rows to add first, the CPU experts' output or the k weighted GPU expert
+        rows). Returns (x, addend for the next layer, whether the CPU takes the experts from self.packed,
+        with the residual in self.resid)."""
         cfg = self.cfg
         eps, H, k = cfg.rms_eps, cfg.n_embd, cfg.n_expert_used
         x_sum = torch.empty_like(x) if addend is not None else None
@@ -165,27 +166,25 @@ class StaticDecoder:
         if "dense" in lay:
             g, u, d = lay["dense"]
             hc = h.to(self.cdt)
-            return x2 + ((F.silu(hc @ g.t()) * (hc @ u.t())) @ d.t()).float(), False
+            return x2, ((F.silu(hc @ g.t()) * (hc @ u.t())) @ d.t()).float(), False
         router = lay["router"]
         logits = (h.to(router.dtype) @ router.t()).float()
         wts, ids = gd.router_topk(logits, k, cfg.norm_topk_prob, packed=self.packed if cpu else None, pack_offset=H)
         if cpu:
-            return x2, True
+            return x2, None, True
         g, u, d = lay["exps"]
         if gd.supports(g.qtype, d.qtype) and u.qtype == g.qtype:
-            return gd.moe(h, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, residual=x2), False
-        return x2 + X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), False
+            return x2, gd.moe(h, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, reduce=False), False
+        return x2, X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), False
 
     def _segment_fast(self, s: int):
         a, b = self.segments[s]
         x, addend = (self.x_in, None) if a == 0 else (self.resid, self.moe_in)
         for i in range(a, min(b + 1, self.cfg.n_layer)):
-            x, to_cpu = self._layer_fast(i, self.layers[i], x, addend)
-            addend = None
+            x, addend, to_cpu = self._layer_fast(i, self.layers[i], x, addend)
             if to_cpu:
                 return
-        _, hb = gd.add_rms_norm(x, self.out_norm, self.cfg.rms_eps, b=addend, h_dtype=self.cdt)   # last layer's
-        # CPU experts (addend) when no layer follows them
+        _, hb = gd.add_rms_norm(x, self.out_norm, self.cfg.rms_eps, b=addend, h_dtype=self.cdt)
         self.logits.copy_((hb @ self.w_out.t()).float())
 
     def _segment(self, s: int):

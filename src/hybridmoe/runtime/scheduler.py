@@ -260,16 +260,19 @@ class Scheduler:
         ws = (gate, up, down)
         counts = torch.bincount(ids.flatten(), minlength=E).cpu()
         active = torch.nonzero(counts).flatten().tolist()
-        if not up_.has_all(layer) and self._use_only_active(len(active), E):
+        few = self._use_only_active(len(active), E)
+        if few and not up_.has_all(layer):
             bufs = up_.get_active(layer, ws, active)
             remap = torch.full((E,), -1, dtype=torch.long)
             remap[active] = torch.arange(len(active))
             ids = remap.to(ids.device)[ids]
         else:
             bufs = up_.get_all(layer, ws)
-            nxt = self.expert_layers.get(layer + 1)
-            if nxt is not None and all(w.device.kind == "cpu" for w in nxt):
-                up_.prefetch_all(layer + 1, nxt)
+        nxt = self.expert_layers.get(layer + 1)
+        if not few and nxt is not None and all(w.device.kind == "cpu" for w in nxt):
+            # this batch's routing is spread: expect the next layer's too, and upload it all a layer
+            # ahead; when it is concentrated, the next layer waits for its router and sends only its experts
+            up_.prefetch_all(layer + 1, nxt)
         with self.stats.op("moe_up_gate", run, self._sync(run)):
             y = X.moe(x, ids, wts, bufs[0], bufs[1], bufs[2], gate, up, down, self.n_threads)
         up_.release(bufs)
