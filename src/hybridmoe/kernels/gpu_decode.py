@@ -18,6 +18,8 @@ on a GPU or in Triton's interpreter).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..quant.types import GGMLType
@@ -38,6 +40,13 @@ def available() -> bool:
 
 
 if triton is not None:
+    # MoE GEMV tiles (rows per program, blocks of 32 per step, warps), chosen per shape by measurement at
+    # the first call (before any CUDA graph capture); Triton's interpreter (no timer) takes the first
+    _MOE_TILES = [(4, 64, 4), (8, 32, 4), (16, 16, 4), (8, 64, 8), (2, 64, 2), (16, 32, 8)]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _MOE_TILES = _MOE_TILES[:1]
+    _MOE_CONFIGS = [triton.Config({"BN": bn, "NB": nb}, num_warps=w) for bn, nb, w in _MOE_TILES]
+
     @triton.jit
     def _add_rms_norm_kernel(a, b, w, x_out, h_out, H, h_stride, eps, b_rows,
                              HAS_B: tl.constexpr, WRITE_X: tl.constexpr, BH: tl.constexpr):
@@ -214,6 +223,7 @@ if triton is not None:
             acc += tl.sum(tl.sum(s, axis=2) * dsc, axis=1)
         return acc
 
+    @triton.autotune(configs=_MOE_CONFIGS, key=["K", "F"])
     @triton.jit
     def _moe_gate_up_kernel(x, ids, graw, uraw, out, K, F, k_used, sge, sgn, sue, sun,
                             QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
@@ -226,6 +236,7 @@ if triton is not None:
         u = _qdot(uraw + e * sue, sun, n, nm, x + t * K, K, QT, BN, NB)
         tl.store(out + s * F + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
 
+    @triton.autotune(configs=_MOE_CONFIGS, key=["K", "N"])
     @triton.jit
     def _moe_down_kernel(h, ids, wts, draw, out, K, N, sde, sdn,
                          QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
@@ -302,8 +313,7 @@ def supports(gate_qtype, down_qtype) -> bool:
     return triton is not None and gate_qtype in QTYPES and down_qtype in QTYPES
 
 
-def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, block_n: int = 16, blocks_k: int = 16,
-        reduce: bool = True):
+def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True):
     """Routed experts for a few tokens straight from GGUF bytes: x [T, H] float32, ids [T, k] (int), wts
     [T, k]; graw/uraw [E, F, row bytes], draw [E, H, row bytes]. Returns float32 [T, H]; with reduce=False
     the k weighted expert outputs per token [T * k, H] (add_rms_norm sums them into the residual)."""
@@ -314,11 +324,10 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, block_n: int = 16
     ids = ids.to(torch.int32).contiguous()
     wts = wts.float().contiguous()
     h = torch.empty(T * k, F, dtype=torch.float32, device=x.device)
-    _moe_gate_up_kernel[(T * k, triton.cdiv(F, block_n))](
+    _moe_gate_up_kernel[lambda meta: (T * k, triton.cdiv(F, meta["BN"]))](
         x, ids, graw, uraw, h, H, F, k, graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1),
-        QT=QTYPES[gate_qtype], BN=block_n, NB=blocks_k)
+        QT=QTYPES[gate_qtype])
     out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
-    _moe_down_kernel[(T * k, triton.cdiv(H, block_n))](
-        h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), QT=QTYPES[down_qtype], BN=block_n,
-        NB=blocks_k)
+    _moe_down_kernel[lambda meta: (T * k, triton.cdiv(H, meta["BN"]))](
+        h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), QT=QTYPES[down_qtype])
     return out.view(T, k, H).sum(1) if reduce else out

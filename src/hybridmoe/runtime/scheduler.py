@@ -230,16 +230,18 @@ class Scheduler:
         dev = gate.device
         nbytes = gate.nbytes + up.nbytes + down.nbytes
         n_params = 3 * math.prod(gate.shape)
-        n_active, prefetched = None, False
+        counts, n_active, prefetched = None, None, False
         if dev.kind == "cpu" and self.main_gpu is not None and self.rates is not None and T > 1 and \
                 self.policy["moe_up_gate"] is None and self.policy["mul_mat_id"] is None:
-            # auto decides on this batch's routing: the experts it touches (one small sync) and whether
-            # the layer's upload is already under way
-            n_active = int(torch.unique(ids).numel())
+            # auto decides on this batch's routing: the experts it touches (the one sync an upload needs
+            # anyway) and whether the layer's upload is already under way
+            counts = torch.bincount(ids.flatten(), minlength=E).cpu()
+            n_active = int(torch.count_nonzero(counts))
             prefetched = self.uploader(self.main_gpu).has_all(layer)
         if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes, n_params, n_active, prefetched) and \
                 self.wants_offload("mul_mat_id", dev, T, E, k, nbytes, n_params, n_active, prefetched):
-            return self._moe_uploaded(x, ids, wts, gate, up, down, self._offload_target(self.dev_of(x)), layer)
+            return self._moe_uploaded(x, ids, wts, gate, up, down, self._offload_target(self.dev_of(x)), layer,
+                                      counts=counts)
         x, ids, wts = self._route_to(x, ids, wts, dev)
         with self.stats.op("moe_up_gate", dev, self._sync(dev)):
             y = X.moe(x, ids, wts, gate.raw, up.raw, down.raw, gate, up, down, self.n_threads, self.stats)
@@ -252,13 +254,14 @@ class Scheduler:
             return n_active <= E // 2
         return bool(self.only_active)
 
-    def _moe_uploaded(self, x, ids, wts, gate, up, down, run, layer):
+    def _moe_uploaded(self, x, ids, wts, gate, up, down, run, layer, counts=None):
         """Upload host experts (all, or only those the router picked) and compute on GPU `run`."""
         E = gate.shape[0]
         x, ids, wts = self._route_to(x, ids, wts, run)
         up_ = self.uploader(run)
         ws = (gate, up, down)
-        counts = torch.bincount(ids.flatten(), minlength=E).cpu()
+        if counts is None:
+            counts = torch.bincount(ids.flatten(), minlength=E).cpu()
         active = torch.nonzero(counts).flatten().tolist()
         few = self._use_only_active(len(active), E)
         if few and not up_.has_all(layer):
