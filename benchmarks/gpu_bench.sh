@@ -19,6 +19,11 @@ for s in "$@"; do
     policy_rev) B -ngl 99 -ot exps=CPU -p 512 -n 0 -ub 32,128,512 -b 512 -r 3 -op 'all,1;auto;all,0' ;;
     decode) python3 benchmarks/profile_decode.py gpu hybrid 2>&1 ;;
     prof4096) hm run -m $M -ngl 99 -ot exps=CPU -n 2 -c 4200 -ub 4096 -b 4096 -p "$(printf 'word %.0s' {1..2040})" --temp 0 --profile 2>&1 | tail -14 ;;
+    x2) nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+        hm plan -m $M -ngl 99 -ts 1,1 --n-cpu-moe 24 2>&1 | tail -12
+        B -ngl 99 -ts 1,1 -p 512 -n 128 -r 3 --roofline
+        B -ngl 99 -ts 1,1 --n-cpu-moe 24 -p 512 -n 128 -r 3 --roofline
+        B -ngl 99 -ot 'blk\.(2[4-9]|3[0-9]|4[0-7])\.ffn_.*_exps=CUDA1,exps=CPU' -p 512 -n 128 -r 3 --roofline ;;
     split) B -ngl 99 -p 0 -n 64 -r 3 -ot 'ffn_(up|down)_exps=CPU;exps=CPU' ;;
     cpu) B -ngl 0 -p 512 -n 64 -r 2 --roofline ;;
     profile) hm run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -22 ;;

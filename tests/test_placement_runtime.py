@@ -119,6 +119,24 @@ def test_real_gpu_placements_match_all_cpu(name, reference):
     assert rel_l2(p40, reference[0]) <= 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["experts-split", "layers-ts", "layers-ts-exps-cpu"])
+def test_two_real_gpus_match_all_cpu(name, reference):
+    """nvidia-h200-x2: layers split by -ts, experts on the second GPU and the CPU; activations move GPU to
+    GPU. Logits within bf16 tolerance of all-CPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    opts = dict(PLACEMENTS["layers-ts"], override_tensor=[r"blk\.1\.ffn_.*_exps=CPU"]) \
+        if name == "layers-ts-exps-cpu" else PLACEMENTS[name]
+    m, p, d = _run(opts)
+    assert {dev.name for dev in m.devices.values()} >= {"CUDA0", "CUDA1"}
+    for got, ref in ((p, reference[0]), (d, reference[1])):
+        assert rel_l2(got, ref) <= 1e-2
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.98
+    _, p40, _ = _run(opts, ub=40)
+    assert rel_l2(p40, reference[0]) <= 1e-2
+
+
 @pytest.mark.parametrize("name", ["ngl99", "ngl99-exps-cpu"])
 def test_static_decode_step_matches_eager(name, monkeypatch):
     """The static (CUDA-graph) decode step, run eagerly on a fake GPU, equals the eager decoder."""
