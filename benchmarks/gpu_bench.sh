@@ -7,8 +7,9 @@ B() { echo "### hybridmoe bench $*"; hm bench -m $M "$@" 2>&1 | grep -v "^\s*$";
 for s in "$@"; do
   echo "=============== $s"
   case $s in
-    tests) HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -5
-           HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q tests/test_gpu_decode.py -p no:cacheprovider 2>&1 | tail -5 ;;
+    tests) HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --tb=line 2>&1 | tail -8
+           HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \
+               -p no:cacheprovider --tb=short 2>&1 | tail -30 ;;
     prep) hm calibrate 2>&1 | tail -8; ( time hm synth qwen3-30b-a3b ) 2>&1 | tail -4 ;;
     hybrid) B -ngl 99 -ot exps=CPU -p 512 -n 128 -r 3 --roofline ;;
     gpu) B -ngl 99 -p 512 -n 128 -r 3 --roofline ;;
@@ -20,10 +21,10 @@ for s in "$@"; do
     decode) python3 benchmarks/profile_decode.py gpu hybrid 2>&1 ;;
     prof4096) hm run -m $M -ngl 99 -ot exps=CPU -n 2 -c 4200 -ub 4096 -b 4096 -p "$(printf 'word %.0s' {1..2040})" --temp 0 --profile 2>&1 | tail -14 ;;
     x2) nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-        hm plan -m $M -ngl 99 -ts 1,1 --n-cpu-moe 24 2>&1 | tail -12
-        B -ngl 99 -ts 1,1 -p 512 -n 128 -r 3 --roofline
-        B -ngl 99 -ts 1,1 --n-cpu-moe 24 -p 512 -n 128 -r 3 --roofline
-        B -ngl 99 -ot 'blk\.(2[4-9]|3[0-9]|4[0-7])\.ffn_.*_exps=CUDA1,exps=CPU' -p 512 -n 128 -r 3 --roofline ;;
+        hm plan -m $M -ngl 99 -ts 1,1 --n-cpu-moe 24 2>&1 | tail -4
+        B -ngl 99 -ts 1/1 -p 512 -n 128 -r 3 --roofline
+        B -ngl 99 -ts 1/1 --n-cpu-moe 24 -p 512 -n 128 -r 3 --roofline
+        B -ngl 99 -ts 1/1 -ot exps=CPU -p 512 -n 128 -r 3 --roofline ;;
     split) B -ngl 99 -p 0 -n 64 -r 3 -ot 'ffn_(up|down)_exps=CPU;exps=CPU' ;;
     cpu) B -ngl 0 -p 512 -n 64 -r 2 --roofline ;;
     profile) hm run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -22 ;;

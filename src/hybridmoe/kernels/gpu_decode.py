@@ -18,6 +18,7 @@ on a GPU or in Triton's interpreter).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -248,6 +249,11 @@ if triton is not None:
         tl.store(out + s * N + n, y, mask=nm)
 
 
+def on_device(t: torch.Tensor):
+    """Launch Triton kernels on t's GPU (Triton launches on the current device, which may be another)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
@@ -259,9 +265,10 @@ def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float3
     if h_out is None:
         h_out = torch.empty(T, H, dtype=h_dtype, device=a.device)
     b_rows = b.shape[0] // T if b is not None else 0
-    _add_rms_norm_kernel[(T,)](a, b if b is not None else a, w, x_out if x_out is not None else a, h_out, H,
-                               h_out.stride(0), eps, b_rows, HAS_B=b is not None, WRITE_X=x_out is not None,
-                               BH=_pow2(H))
+    with on_device(a):
+        _add_rms_norm_kernel[(T,)](a, b if b is not None else a, w, x_out if x_out is not None else a, h_out, H,
+                                   h_out.stride(0), eps, b_rows, HAS_B=b is not None, WRITE_X=x_out is not None,
+                                   BH=_pow2(H))
     return x_out, h_out
 
 
@@ -270,10 +277,11 @@ def qk_rope_cache(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, n_head, n_head_kv,
     to kc/vc [nkv, n_ctx, D] at position pos (a 1-element device tensor); cos/sin [n_ctx, D]."""
     q = torch.empty(n_head, head_dim, dtype=torch.float32, device=qkv.device)
     has_norm = q_norm is not None
-    _qk_rope_cache_kernel[(n_head + n_head_kv,)](
-        qkv, q_norm if has_norm else cos, k_norm if has_norm else cos, cos, sin, pos, q, kc, vc,
-        kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), n_head, n_head_kv, eps,
-        D=head_dim, NEOX=neox, HAS_NORM=has_norm)
+    with on_device(qkv):
+        _qk_rope_cache_kernel[(n_head + n_head_kv,)](
+            qkv, q_norm if has_norm else cos, k_norm if has_norm else cos, cos, sin, pos, q, kc, vc,
+            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), n_head, n_head_kv, eps,
+            D=head_dim, NEOX=neox, HAS_NORM=has_norm)
     return q
 
 
@@ -289,11 +297,13 @@ def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16):
     o_part = torch.empty(nkv * n_split * G, D, dtype=torch.float32, device=q.device)
     m_part = torch.empty(nkv * n_split * G, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
-    _attn_partial_kernel[(nkv, n_split)](q, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
-                                         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-                                         G=G, GP=max(16, _pow2(G)), D=D, BN=ATTN_BLOCK)
+    with on_device(q):
+        _attn_partial_kernel[(nkv, n_split)](q, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
+                                             kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+                                             G=G, GP=max(16, _pow2(G)), D=D, BN=ATTN_BLOCK)
     out = torch.empty(1, nh * D, dtype=out_dtype, device=q.device)
-    _attn_merge_kernel[(nh,)](o_part, m_part, l_part, pos, out, chunk, n_split, G=G, D=D, SB=16)
+    with on_device(q):
+        _attn_merge_kernel[(nh,)](o_part, m_part, l_part, pos, out, chunk, n_split, G=G, D=D, SB=16)
     return out
 
 
@@ -303,9 +313,10 @@ def router_topk(logits, k: int, norm: bool, packed=None, pack_offset: int = 0):
     T, E = logits.shape
     wts = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
-    _router_topk_kernel[(T,)](logits, wts, ids, packed if packed is not None else wts, E,
-                              packed.stride(0) if packed is not None else 0, pack_offset,
-                              K=k, KP=_pow2(k), BE=_pow2(E), NORM=norm, PACK=packed is not None)
+    with on_device(logits):
+        _router_topk_kernel[(T,)](logits, wts, ids, packed if packed is not None else wts, E,
+                                  packed.stride(0) if packed is not None else 0, pack_offset,
+                                  K=k, KP=_pow2(k), BE=_pow2(E), NORM=norm, PACK=packed is not None)
     return wts, ids
 
 
@@ -324,10 +335,12 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     ids = ids.to(torch.int32).contiguous()
     wts = wts.float().contiguous()
     h = torch.empty(T * k, F, dtype=torch.float32, device=x.device)
-    _moe_gate_up_kernel[lambda meta: (T * k, triton.cdiv(F, meta["BN"]))](
-        x, ids, graw, uraw, h, H, F, k, graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1),
-        QT=QTYPES[gate_qtype])
+    with on_device(x):
+        _moe_gate_up_kernel[lambda meta: (T * k, triton.cdiv(F, meta["BN"]))](
+            x, ids, graw, uraw, h, H, F, k, graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1),
+            QT=QTYPES[gate_qtype])
     out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
-    _moe_down_kernel[lambda meta: (T * k, triton.cdiv(H, meta["BN"]))](
-        h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), QT=QTYPES[down_qtype])
+    with on_device(x):
+        _moe_down_kernel[lambda meta: (T * k, triton.cdiv(H, meta["BN"]))](
+            h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), QT=QTYPES[down_qtype])
     return out.view(T, k, H).sum(1) if reduce else out

@@ -82,6 +82,7 @@ def dequantize_bf16(raw: torch.Tensor, qtype, n_cols: int, index: torch.Tensor |
     bpe = max(out[0].numel() // 32, 1) if index is not None and out.numel() else 1
     idx = index if index is not None else raw                             # any pointer when unused
     if n_blocks:
-        kern[(triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)](raw, out, n_blocks, idx, bpe,
-                                                           BB=BLOCKS_PER_PROGRAM, HAS_IDX=index is not None)
+        with torch.cuda.device(raw.device):                               # Triton launches on the current GPU
+            kern[(triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)](raw, out, n_blocks, idx, bpe,
+                                                               BB=BLOCKS_PER_PROGRAM, HAS_IDX=index is not None)
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -28,81 +29,116 @@ class NotApplicable(Exception):
     """The placement has no static decode path (mixed GPUs, q8_0 cache, ...); the eager path runs."""
 
 
+class _Seg:
+    """Layers a..b-1 on one device; kind: "cpu" (layer b-1's experts go to the CPU), "move" (layer b runs on
+    another GPU) or "out" (the output head follows)."""
+    def __init__(self, a, b, dev, kind):
+        self.a, self.b, self.dev, self.kind = a, b, dev, kind
+
+
 class StaticDecoder:
     def __init__(self, model, kv, capture: bool = True):
         dec, cfg, sched = model.decoder, model.cfg, model.sched
         self.model, self.cfg, self.kv, self.sched = model, cfg, kv, sched
         if any(L.mla for L in dec.layers):
             raise NotApplicable("multi-head latent attention (deepseek2) decodes eagerly")
-        devs = {L.attn_q.device.name for L in dec.layers} | {dec.output.device.name, dec.output_norm.device.name}
-        devs |= {kv.device(i).name for i in range(cfg.n_layer)}
-        if len(devs) != 1:
-            raise NotApplicable(f"attention, KV cache and output span {sorted(devs)}")
-        self.dev = dec.output.device
-        if self.dev.kind != "cuda":
-            raise NotApplicable("no GPU holds the attention")
         if kv.type_k == "q8_0" or kv.type_v == "q8_0":
             raise NotApplicable("q8_0 KV cache")
-        td = self.dev.torch_device
-        self.capture = capture and not self.dev.fake
-        self.cdt = torch.bfloat16 if not self.dev.fake else torch.float32        # matmul dtype
+        # every layer's attention, norms, router, dense FFN and KV cache on one GPU (its experts there or on
+        # the CPU); the output head on a GPU too
+        self.ldev = [L.attn_q.device for L in dec.layers]
+        self.out_dev = dec.output.device
+        devs = {d.name: d for d in self.ldev + [self.out_dev]}
+        if any(d.kind != "cuda" for d in devs.values()):
+            raise NotApplicable("a layer's attention or the output is not on a GPU")
+        self.dev = self.out_dev
+        fake = any(d.fake for d in devs.values())
+        self.capture = capture and not fake
+        self.cdt = torch.bfloat16 if not fake else torch.float32                 # matmul dtype
         # the fused Triton kernels (kernels/gpu_decode.py) on a GPU; on fake GPUs in Triton's interpreter
         # (how they are checked against this file's torch path without a GPU)
         D = cfg.head_dim
         self.fast = gd.available() and D >= 16 and D & (D - 1) == 0 and \
-            (not self.dev.fake or os.environ.get("TRITON_INTERPRET") == "1")
-        small = lambda w: sched.small(w, self.dev)                                # noqa: E731
-        wq = lambda w: w.cached(self.cdt) if w.device.name == self.dev.name else None   # noqa: E731
+            (not fake or os.environ.get("TRITON_INTERPRET") == "1")
+        if len(devs) > 1 and not self.fast:
+            raise NotApplicable(f"layers on {sorted(devs)} need the fused kernels (triton)")
+        if dec.output_norm.device.name != self.out_dev.name:
+            raise NotApplicable("output norm and output on different devices")
         self.layers = []
-        for L in dec.layers:
+        for i, L in enumerate(dec.layers):
+            dev = self.ldev[i]
+            small = lambda w, dev=dev: sched.small(w, dev)                                       # noqa: E731
+            wq = lambda w, dev=dev: w.cached(self.cdt) if w.device.name == dev.name else None    # noqa: E731
             for w in (L.attn_q, L.attn_k, L.attn_v, L.attn_output, L.attn_norm, L.ffn_norm):
-                if w.device.name != self.dev.name:
-                    raise NotApplicable(f"{w.name} is on {w.device.name}")
+                if w.device.name != dev.name:
+                    raise NotApplicable(f"{w.name} is on {w.device.name}, its layer's attention on {dev.name}")
+            if kv.device(i).name != dev.name:
+                raise NotApplicable(f"layer {i}: KV cache on {kv.device(i).name}, attention on {dev.name}")
             lay = dict(attn_norm=small(L.attn_norm), ffn_norm=small(L.ffn_norm),
                        wqkv=wq(L.attn_qkv) if L.attn_qkv is not None else
                        torch.cat((wq(L.attn_q), wq(L.attn_k), wq(L.attn_v))), wo=wq(L.attn_output),
                        q_norm=small(L.attn_q_norm) if L.attn_q_norm is not None else None,
                        k_norm=small(L.attn_k_norm) if L.attn_k_norm is not None else None)
             if L.ffn_gate_inp is None:
-                if not all(w.device.name == self.dev.name for w in (L.ffn_gate, L.ffn_up, L.ffn_down)):
-                    raise NotApplicable("dense FFN off the GPU")
+                if not all(w.device.name == dev.name for w in (L.ffn_gate, L.ffn_up, L.ffn_down)):
+                    raise NotApplicable("dense FFN off its layer's GPU")
                 lay.update(dense=(wq(L.ffn_gate), wq(L.ffn_up), wq(L.ffn_down)))
             else:
                 exps = (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
                 where = {w.device.name for w in exps}
-                if L.ffn_gate_inp.device.name != self.dev.name or len(where) != 1 or \
-                        where not in ({self.dev.name}, {"CPU"}):
+                if L.ffn_gate_inp.device.name != dev.name or len(where) != 1 or \
+                        where not in ({dev.name}, {"CPU"}):
                     raise NotApplicable(f"layer {L.i}: router or experts split across devices")
                 lay.update(router=L.ffn_gate_inp.cached(torch.float32 if L.ffn_gate_inp.qtype == GGMLType.F32
                                                         else self.cdt),
                            exps=exps, cpu_experts=exps[0].device.kind == "cpu")
             self.layers.append(lay)
-        self.out_norm, self.w_out = small(dec.output_norm), wq(dec.output)
-        # rope tables for every position of the cache
-        cos, sin = rope_tables(torch.arange(kv.n_ctx), cfg.head_dim, cfg.rope_base, cfg.rope_neox)
-        self.cos, self.sin = cos[:, 0].to(td), sin[:, 0].to(td)                # [n_ctx, D]
-        self.kpos = torch.arange(kv.n_ctx, device=td)
-        # static buffers
+        self.out_norm = sched.small(dec.output_norm, self.out_dev)
+        self.w_out = dec.output.cached(self.cdt)
+        # per GPU: the position, rope tables for every position of the cache, and the hand-off buffers
         H, k = cfg.n_embd, cfg.n_expert_used
-        self.pos = torch.zeros(1, dtype=torch.long, device=td)
-        self.x_in = torch.zeros(1, H, device=td)
-        self.resid = torch.zeros(1, H, device=td)
-        self.moe_in = torch.zeros(1, H, device=td)
-        self.packed = torch.zeros(1, H + 2 * k, device=td)
-        self.logits = torch.zeros(1, cfg.n_vocab, device=td)
-        pin = not self.dev.fake
+        cos, sin = rope_tables(torch.arange(kv.n_ctx), cfg.head_dim, cfg.rope_base, cfg.rope_neox)
+        self.ds = {}
+        for name, d in devs.items():
+            td = d.torch_device
+            z = lambda *shape, td=td: torch.zeros(*shape, device=td)                             # noqa: E731
+            self.ds[name] = SimpleNamespace(
+                pos=torch.zeros(1, dtype=torch.long, device=td), cos=cos[:, 0].to(td), sin=sin[:, 0].to(td),
+                kpos=torch.arange(kv.n_ctx, device=td),
+                resid=z(1, H), moe_in=z(1, H), packed=z(1, H + 2 * k), xin=z(1, H), xmove=z(1, H))
+        first = self.ds[self.ldev[0].name]
+        self.x_in = first.xin
+        self.logits = torch.zeros(1, cfg.n_vocab, device=self.out_dev.torch_device)
+        one = self.ds[self.dev.name]                         # the single-GPU torch path's buffers
+        self.pos, self.cos, self.sin, self.kpos = one.pos, one.cos, one.sin, one.kpos
+        self.resid, self.moe_in, self.packed = one.resid, one.moe_in, one.packed
+        pin = not fake
         self.h_packed = torch.zeros(1, H + 2 * k, pin_memory=pin)
         self.h_moe = torch.zeros(1, H, pin_memory=pin)
         self.h_logits = torch.zeros(1, cfg.n_vocab, pin_memory=pin)
         self.h_ids = torch.zeros(1, k, dtype=torch.int32)
-        # segments: runs of layers that end at a CPU-expert layer (or at the output)
-        self.segments, start = [], 0
+        # segments: runs of layers on one GPU that end at a CPU-expert layer, a change of GPU, or the output
+        self.segments, a = [], 0
         for i, lay in enumerate(self.layers):
+            nxt = self.ldev[i + 1] if i + 1 < cfg.n_layer else self.out_dev
             if lay.get("cpu_experts"):
-                self.segments.append((start, i))
-                start = i + 1
-        self.segments.append((start, cfg.n_layer))                    # last: up to the logits
+                self.segments.append(_Seg(a, i + 1, self.ldev[i], "cpu"))
+                a = i + 1
+            elif nxt.name != self.ldev[i].name:
+                self.segments.append(_Seg(a, i + 1, self.ldev[i], "move"))
+                a = i + 1
+        self.segments.append(_Seg(a, cfg.n_layer, self.out_dev, "out"))
         self.graphs = None
+
+    def _inputs(self, s: int):
+        """(x, rows to add to x first) at the start of segment s, on its GPU."""
+        if s == 0:
+            return self.x_in, None
+        prev, here = self.segments[s - 1], self.ds[self.segments[s].dev.name]
+        if prev.kind == "cpu":
+            same = prev.dev.name == self.segments[s].dev.name
+            return (here.resid if same else here.xin), here.moe_in
+        return here.xin, None
 
     # -- the step, as plain torch ops ------------------------------------------------------------------
     def _attention(self, i, lay, x):
@@ -146,30 +182,31 @@ class StaticDecoder:
     # -- the step with the fused kernels: ~10 launches a layer ------------------------------------------
     def _layer_fast(self, i, lay, x, addend):
         """Layer i on x (+ addend: rows to add first, the CPU experts' output or the k weighted GPU expert
-        rows). Returns (x, addend for the next layer, whether the CPU takes the experts from self.packed,
-        with the residual in self.resid)."""
+        rows). Returns (x, addend for the next layer, whether the CPU takes the experts from the GPU's
+        packed buffer, with the residual in its resid buffer)."""
         cfg = self.cfg
         eps, H, k = cfg.rms_eps, cfg.n_embd, cfg.n_expert_used
+        ds = self.ds[self.ldev[i].name]
         x_sum = torch.empty_like(x) if addend is not None else None
         xs, hb = gd.add_rms_norm(x, lay["attn_norm"], eps, b=addend, x_out=x_sum, h_dtype=self.cdt)
         if addend is not None:
             x = xs
         qkv = hb @ lay["wqkv"].t()
         kc, vc = self.kv.k[i], self.kv.v[i]
-        q = gd.qk_rope_cache(qkv, lay["q_norm"], lay["k_norm"], self.cos, self.sin, self.pos, kc, vc,
+        q = gd.qk_rope_cache(qkv, lay["q_norm"], lay["k_norm"], ds.cos, ds.sin, ds.pos, kc, vc,
                              cfg.n_head, cfg.n_head_kv, cfg.head_dim, eps, cfg.rope_neox)
-        o = gd.attention(q, kc, vc, self.pos, cfg.head_dim ** -0.5, out_dtype=self.cdt)
+        o = gd.attention(q, kc, vc, ds.pos, cfg.head_dim ** -0.5, out_dtype=self.cdt)
         cpu = bool(lay.get("cpu_experts"))
-        x2 = self.resid if cpu else torch.empty_like(x)
+        x2 = ds.resid if cpu else torch.empty_like(x)
         _, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=o @ lay["wo"].t(), x_out=x2,
-                               h_out=self.packed[:, :H] if cpu else None)
+                               h_out=ds.packed[:, :H] if cpu else None)
         if "dense" in lay:
             g, u, d = lay["dense"]
             hc = h.to(self.cdt)
             return x2, ((F.silu(hc @ g.t()) * (hc @ u.t())) @ d.t()).float(), False
         router = lay["router"]
         logits = (h.to(router.dtype) @ router.t()).float()
-        wts, ids = gd.router_topk(logits, k, cfg.norm_topk_prob, packed=self.packed if cpu else None, pack_offset=H)
+        wts, ids = gd.router_topk(logits, k, cfg.norm_topk_prob, packed=ds.packed if cpu else None, pack_offset=H)
         if cpu:
             return x2, None, True
         g, u, d = lay["exps"]
@@ -178,21 +215,29 @@ class StaticDecoder:
         return x2, X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), False
 
     def _segment_fast(self, s: int):
-        a, b = self.segments[s]
-        x, addend = (self.x_in, None) if a == 0 else (self.resid, self.moe_in)
-        for i in range(a, min(b + 1, self.cfg.n_layer)):
+        seg = self.segments[s]
+        x, addend = self._inputs(s)
+        for i in range(seg.a, seg.b):
             x, addend, to_cpu = self._layer_fast(i, self.layers[i], x, addend)
             if to_cpu:
                 return
-        _, hb = gd.add_rms_norm(x, self.out_norm, self.cfg.rms_eps, b=addend, h_dtype=self.cdt)
+        if seg.kind == "move":                        # the residual (with the last layer's FFN rows) leaves
+            xmove = self.ds[seg.dev.name].xmove
+            if addend is None:
+                xmove.copy_(x)
+            else:
+                torch.add(x, addend.sum(0, keepdim=True), out=xmove)
+            return
+        _, hb = gd.add_rms_norm(x, self.out_norm, self.cfg.rms_eps, b=addend, h_dtype=self.cdt)   # last layer's
+        # FFN rows or CPU experts (addend) when no layer follows them
         self.logits.copy_((hb @ self.w_out.t()).float())
 
     def _segment(self, s: int):
         if self.fast:
             return self._segment_fast(s)
-        a, b = self.segments[s]
-        x = self.x_in if a == 0 else self.resid + self.moe_in
-        for i in range(a, min(b + 1, self.cfg.n_layer)):
+        seg = self.segments[s]                                            # single GPU (checked in __init__)
+        x = self.x_in if seg.a == 0 else self.resid + self.moe_in
+        for i in range(seg.a, seg.b):
             lay = self.layers[i]
             x = x + self._attention(i, lay, x)
             x, packed = self._ffn(lay, x)
@@ -204,21 +249,25 @@ class StaticDecoder:
 
     # -- running ----------------------------------------------------------------------------------------
     def _capture(self):
-        stream = torch.cuda.Stream(self.dev.torch_device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for s in range(len(self.segments)):
-                self._segment(s)                                          # warm-up: lazy inits outside capture
-        torch.cuda.current_stream().wait_stream(stream)
-        pool = torch.cuda.graph_pool_handle()
+        """One CUDA graph per segment, captured on its GPU (after one eager warm-up: lazy inits, autotuning)."""
+        side = {n: torch.cuda.Stream(d.torch_device) for n, d in
+                {sg.dev.name: sg.dev for sg in self.segments}.items()}
+        for n, st in side.items():
+            st.wait_stream(torch.cuda.current_stream(st.device))
+        for s, seg in enumerate(self.segments):
+            with torch.cuda.stream(side[seg.dev.name]):
+                self._segment(s)
+        for n, st in side.items():
+            torch.cuda.current_stream(st.device).wait_stream(st)
+        pools = {n: torch.cuda.graph_pool_handle() for n in side}
         self.graphs = []
-        for s in range(len(self.segments)):
+        for s, seg in enumerate(self.segments):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.device(seg.dev.torch_device), torch.cuda.graph(g, pool=pools[seg.dev.name]):
                 self._segment(s)
             self.graphs.append(g)
 
-    def _cpu_experts(self, b: int, st):
+    def _cpu_experts(self, b: int, st, src: str, dst: str):
         """Layer b's experts on the CPU from the packed [h | weights | ids] row, into the pinned h_moe."""
         H, k = self.cfg.n_embd, self.cfg.n_expert_used
         hp = self.h_packed
@@ -235,8 +284,8 @@ class StaticDecoder:
                                        g, u, d, self.sched.n_threads))
         st.cpu_expert_seconds += time.perf_counter() - t0
         st.cpu_expert_bytes += k * (g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel())
-        st.copy(self.dev.name, "CPU", hp.numel() * 4)
-        st.copy("CPU", self.dev.name, H * 4)
+        st.copy(src, "CPU", hp.numel() * 4)
+        st.copy("CPU", dst, H * 4)
 
     def step(self, token: int, pos: int) -> torch.Tensor:
         """One decode step; returns logits [1, n_vocab] on the CPU."""
@@ -244,20 +293,32 @@ class StaticDecoder:
         dec = self.model.decoder
         emb = dec.token_embd.dequant(torch.float32, index=torch.tensor([token]))
         self.x_in.copy_(emb, non_blocking=False)
-        self.pos.fill_(pos)
+        for ds in self.ds.values():
+            ds.pos.fill_(pos)
         if self.capture and self.graphs is None:
             self._capture()
         st.forwards += 1
         st.tokens += 1
-        st.copy("CPU", self.dev.name, emb.numel() * 4)
-        for s, (a, b) in enumerate(self.segments):
+        st.copy("CPU", self.ldev[0].name, emb.numel() * 4)
+        H = self.cfg.n_embd
+        for s, seg in enumerate(self.segments):
             if self.graphs:
                 self.graphs[s].replay()
             else:
                 self._segment(s)
-            if b < self.cfg.n_layer:                                      # layer b's experts on the CPU
-                self.h_packed.copy_(self.packed)                          # D2H waits for the segment
-                self._cpu_experts(b, st)
-                self.moe_in.copy_(self.h_moe, non_blocking=True)
+            if seg.kind == "out":
+                break
+            here, nxt = self.ds[seg.dev.name], self.segments[s + 1].dev
+            there = self.ds[nxt.name]
+            if seg.kind == "cpu":                                         # layer b-1's experts on the CPU
+                self.h_packed.copy_(here.packed)                          # D2H waits for the segment
+                self._cpu_experts(seg.b - 1, st, seg.dev.name, nxt.name)
+                there.moe_in.copy_(self.h_moe, non_blocking=True)
+                if nxt.name != seg.dev.name:
+                    there.xin.copy_(here.resid, non_blocking=True)
+                    st.copy(seg.dev.name, nxt.name, H * 4)
+            else:                                                         # the next layer is on another GPU
+                there.xin.copy_(here.xmove, non_blocking=True)
+                st.copy(seg.dev.name, nxt.name, H * 4)
         self.h_logits.copy_(self.logits)
         return self.h_logits.clone()
