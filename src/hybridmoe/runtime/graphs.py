@@ -263,7 +263,9 @@ class StaticDecoder:
         self.graphs = []
         for s, seg in enumerate(self.segments):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.device(seg.dev.torch_device), torch.cuda.graph(g, pool=pools[seg.dev.name]):
+            # a capture stream on the segment's GPU (torch's default one lives on the first GPU used)
+            with torch.cuda.device(seg.dev.torch_device), \
+                    torch.cuda.graph(g, pool=pools[seg.dev.name], stream=side[seg.dev.name]):
                 self._segment(s)
             self.graphs.append(g)
 
