@@ -130,6 +130,20 @@ def test_catalog_deepseek_names_and_types(dsr1):
         catalog_model("gpt-9")
 
 
+def test_gpu_dense_matrices_count_their_dequantized_copy(monkeypatch, qwen30):
+    """The runtime keeps a bf16 copy (F32: an F32 copy) of every dense matrix on a GPU; experts and
+    token_embd have none. For Qwen3-30B-A3B all on one GPU that is ~2.4 GiB."""
+    cfg, t = qwen30
+    devs = fake(monkeypatch, "1")
+    p = plan_placement(t, cfg, PlacementOptions(n_gpu_layers=99), devs)
+    want = sum(i.n_elements * (4 if i.qtype == GGMLType.F32 else 2) for n, i in t.items()
+               if len(i.shape) >= 2 and "_exps" not in n and n != "token_embd.weight")
+    assert p.totals["CUDA0"].compute_parts["dense bf16 copies"] == want
+    assert 2.2 * 2 ** 30 < want < 2.6 * 2 ** 30
+    p_cpu = plan_placement(t, cfg, PlacementOptions(n_gpu_layers=0), devs)
+    assert "dense bf16 copies" not in p_cpu.totals["CUDA0"].compute_parts
+
+
 # --- -ngl / -ts / -sm ----------------------------------------------------------------------------
 
 def test_ngl_offloads_last_layers_then_output(monkeypatch, qwen30):

@@ -155,6 +155,14 @@ def _layer_split(n_layer: int, opts: PlacementOptions, gpus: list[Device], warni
     return out, how
 
 
+def dense_copy_bytes(name: str, info) -> int:
+    """A GPU-resident dense matrix is also kept dequantized for the GEMMs (bf16; F32 ones as F32): its
+    bytes. Experts (read from their GGUF bytes) and token_embd (rows gathered) have none."""
+    if len(info.shape) < 2 or "_exps" in name or name == "token_embd.weight":
+        return 0
+    return info.n_elements * (4 if info.qtype.name == "F32" else 2)
+
+
 def _kv_bytes_per_layer(cfg: ModelConfig, opts: PlacementOptions) -> int:
     """KV cache bytes of one layer. MLA (deepseek2) caches kv_lora_rank + rope dims per token, K only."""
     ctx = opts.ctx_size or cfg.n_ctx_train
@@ -270,6 +278,11 @@ class Placement:
             tot[self.device_of["output.weight"]].compute_parts["logits"] = ub * cfg.n_vocab * 4
         for d, b in staging.items():
             tot[d].compute_parts["upload staging"] = b
+        for name, dev in self.device_of.items():
+            extra = dense_copy_bytes(name, self.tensors[name]) if dev != "CPU" else 0
+            if extra:
+                parts = tot[dev].compute_parts
+                parts["dense bf16 copies"] = parts.get("dense bf16 copies", 0) + extra
         for t in tot.values():
             t.compute = sum(t.compute_parts.values())
         self.totals = tot

@@ -28,7 +28,8 @@ from .config import ModelConfig
 from .devices import Device
 from .errors import PlacementError
 from .formats.gguf import TensorInfo
-from .placement import Placement, PlacementOptions, add_placement_args, options_from_args, plan_placement
+from .placement import (Placement, PlacementOptions, add_placement_args, dense_copy_bytes, options_from_args,
+                        plan_placement)
 from .placement_report import layer_of, layers_regex
 from .roofline import Bound, model_work, pp_bound, tg_bound, upload_targets
 
@@ -224,7 +225,7 @@ class _Search:
             il = layer_of(name)
             if il is None:
                 if name.startswith("output"):
-                    self.out_bytes += t.nbytes
+                    self.out_bytes += t.nbytes + dense_copy_bytes(name, t)
                 continue
             if il >= n:
                 continue
@@ -233,7 +234,7 @@ class _Search:
                 self.exps[il] += t.nbytes
                 self.ffn_exps[il] = True
             else:
-                self.dense[il] += t.nbytes
+                self.dense[il] += t.nbytes + dense_copy_bytes(name, t)
                 self.has_attn[il] |= short.startswith("attn_")
                 self.ffn_dense[il] |= short.startswith("ffn_") and not short.endswith("norm")
             if short == "ffn_up_exps":
