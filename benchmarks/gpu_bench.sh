@@ -15,8 +15,8 @@ for s in "$@"; do
     gpu) B -ngl 99 -p 512 -n 128 -r 3 --roofline ;;
     ncmoe) B -ngl 99 --n-cpu-moe 24 -p 512 -n 128 -r 3 --roofline ;;
     pp4096) B -ngl 99 -ot exps=CPU -p 4096 -n 0 -ub 4096 -b 4096 -r 2 --roofline ;;
-    policy) B -ngl 99 -ot exps=CPU -p 512 -n 0 -ub 32,128,512 -b 512 -r 2 -op 'auto;all,0;all,1';
-            B -ngl 99 -ot exps=CPU -p 2048 -n 0 -ub 2048 -b 2048 -r 2 -op 'auto;all,0;all,1' ;;
+    policy) B -ngl 99 -ot exps=CPU -p 512 -n 0 -ub 32,128,512 -b 512 -r 3 -op 'auto;all,0;all,1' --interleave;
+            B -ngl 99 -ot exps=CPU -p 2048 -n 0 -ub 2048 -b 2048 -r 3 -op 'auto;all,0;all,1' --interleave ;;
     policy_rev) B -ngl 99 -ot exps=CPU -p 512 -n 0 -ub 32,128,512 -b 512 -r 3 -op 'all,1;auto;all,0' ;;
     decode) python3 benchmarks/profile_decode.py gpu hybrid 2>&1 ;;
     prof4096) hm run -m $M -ngl 99 -ot exps=CPU -n 2 -c 4200 -ub 4096 -b 4096 -p "$(printf 'word %.0s' {1..2040})" --temp 0 --profile 2>&1 | tail -14 ;;

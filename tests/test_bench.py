@@ -226,6 +226,22 @@ def test_roofline_pieces_are_additive():
     assert sum(b.terms.values()) == pytest.approx(b.seconds)
 
 
+def test_interleaved_policies_share_one_load(capsys, monkeypatch):
+    """-op alternatives run on one loaded model (no reload), alternating their repetitions with
+    --interleave; each record keeps its own policy's uploads."""
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    loads = []
+    real_load = hybridmoe.load
+    monkeypatch.setattr(hybridmoe, "load", lambda *a, **kw: loads.append(kw) or real_load(*a, **kw))
+    rc = cli(["bench", "-m", "synth:tiny", "-ngl", "99", "-ot", "exps=CPU", "-p", "64", "-n", "0", "-ub", "64",
+              "-r", "2", "-op", "all,0;all,1", "--interleave", "-o", "json", "-t", "1"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and len(loads) == 1
+    assert [r["offload_policy"] for r in out] == ["all,0", "all,1"]
+    assert out[0]["uploaded_bytes"] == 0 and out[1]["uploaded_bytes"] > 0
+    assert all(len(r["samples_ns"]) == 2 for r in out)
+
+
 def test_offload_cost_follows_the_batch_routing():
     """auto's inputs: the experts a batch touches set the CPU's bytes and, when few, the only-active upload;
     a prefetched layer costs no upload; the CPU expert rate is the calibrated one when present."""

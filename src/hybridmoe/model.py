@@ -111,6 +111,17 @@ class Model:
                 raise HybridMoeError(f"{self.path}: tensor {name} has shape {list(info.shape)}, "
                                      f"expected {list(shape)} from the metadata")
 
+    def set_policy(self, offload_policy: str | None = None, only_active="auto", fused_moe: bool = True):
+        """-op / -ooae / -fmoe on the loaded model (bench switches them without a reload)."""
+        from .runtime.scheduler import parse_offload_policy
+        rt = self.runtime
+        rt.offload_policy, rt.offload_only_active_experts, rt.fused_moe = offload_policy, only_active, fused_moe
+        self.sched.policy = parse_offload_policy("all,0" if not self.options.op_offload else offload_policy)
+        self.sched.only_active = only_active
+        self.sched.fused_moe = fused_moe
+        for up in self.sched._uploaders.values():
+            up.forget()
+
     @property
     def stats(self):
         return self.sched.stats

@@ -93,10 +93,10 @@ OPTS = tuple(Opt(*row) for row in (
     ("ts", "-ts --tensor-split", "ts", "tensor_split", -10, None, _ts, "P"),
     ("ot", "-ot --override-tensor", "ot", "tensor_buft_overrides", -10, (), str, "P", ";"),
     ("nopo", "-nopo --no-op-offload", "nopo", "no_op_offload", 4, False, _bool, "P"),
-    ("op", "-op --offload-policy", "op", "offload_policy", -10, None, lambda s: s.strip() or None, "P", ";"),
+    ("op", "-op --offload-policy", "op", "offload_policy", -10, None, lambda s: s.strip() or None, "R", ";"),
     ("ooae", "-ooae --offload-only-active-experts", "ooae", "offload_only_active_experts", 4, "auto",
-     lambda s: "auto" if s == "auto" else _bool(s), "P"),
-    ("fmoe", "-fmoe --fused-moe", "fmoe", "fused_moe", 4, True, _bool, "P"),
+     lambda s: "auto" if s == "auto" else _bool(s), "R"),
+    ("fmoe", "-fmoe --fused-moe", "fmoe", "fused_moe", 4, True, _bool, "R"),
 ))
 
 
@@ -112,6 +112,9 @@ def setup_arg_parser(p):
     p.add_argument("-o", "--output", choices=["md", "json", "jsonl", "csv"], default="md")
     p.add_argument("--roofline", action="store_true",
                    help="add each test's roofline bound from calibrated rates and the share reached")
+    p.add_argument("--interleave", action="store_true",
+                   help="alternate the repetitions of options that need no reload (-op, -ooae, -fmoe, -t, -b, -ub) "
+                        "on one loaded model, so drift over the run (warm-up, the VM) does not favour the first")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show progress on stderr (default: when stderr is a terminal)")
     g = p.add_argument_group("parameters: comma lists (-ot, -op: ';' lists); every combination is run")
@@ -182,33 +185,34 @@ def load_kwargs(group: list[dict], ctx: int) -> dict:
                 tensor_split=list(p["ts"]) if p["ts"] else None, main_gpu=p["mg"], split_mode=p["sm"],
                 no_kv_offload=p["nkvo"], ctx_size=ctx, cache_type_k=p["ctk"], cache_type_v=p["ctv"],
                 batch_size=max(q["b"] for q in group), ubatch_size=max(min(q["ub"], q["b"]) for q in group),
-                flash_attn=p["fa"], op_offload=not p["nopo"], threads=p["t"], offload_policy=p["op"],
-                offload_only_active_experts=p["ooae"], fused_moe=p["fmoe"])
+                flash_attn=p["fa"], op_offload=not p["nopo"], threads=p["t"])
 
 
 def apply_runtime(model, p: dict, default_threads: int) -> int:
-    """Batch sizes and threads on a loaded model (no reload). Returns the thread count in use."""
+    """Batch sizes, threads and the scheduler's policies on a loaded model (no reload). Returns the thread
+    count in use."""
     model.options.batch_size = p["b"]
     model.options.ubatch_size = min(p["ub"], p["b"])
     threads = p["t"] or default_threads
     torch.set_num_threads(threads)
     model.runtime.threads = p["t"]
     model.sched.n_threads = p["t"]
+    model.set_policy(p["op"], p["ooae"], p["fmoe"])
     return threads
 
 
 # -------------------------------------------------------------------------------- running
 
 
-def run_test(model, n_prompt: int, n_gen: int, n_depth: int, reps: int, seed: int, tick) -> tuple[list[int], float]:
-    """Nanoseconds of each timed repetition (after an untimed warm-up), as llama-bench times them, and the
-    bytes the scheduler uploaded to GPUs per repetition."""
+def prepare_test(model, n_prompt: int, n_gen: int, n_depth: int, seed: int):
+    """A function once(n_steps) that runs the test's prompt (at depth n_depth, filled here, not timed) and
+    n_steps decode steps, as llama-bench times them."""
     from ..generate import prefill
     kv = model.new_cache(max(n_depth + n_prompt + n_gen, 1))
     gen = torch.Generator().manual_seed(seed)
     vocab = model.cfg.n_vocab
     if n_depth:
-        prefill(model, kv, random_tokens(gen, vocab, n_depth), 0)         # the depth: filled, not timed
+        prefill(model, kv, random_tokens(gen, vocab, n_depth), 0)
     prompt = random_tokens(gen, vocab, n_prompt)
     steps = [torch.tensor([t]) for t in random_tokens(gen, vocab, n_gen)]
 
@@ -219,17 +223,37 @@ def run_test(model, n_prompt: int, n_gen: int, n_depth: int, reps: int, seed: in
         for i in range(n_steps):
             model.forward(steps[i], pos + i, kv, all_logits=False)
         model.sync()
+    return once
 
-    once(min(n_gen, 2))                                                     # warm-up
-    tick()
-    samples = []
+
+def timed(model, once, n_gen: int) -> tuple[int, int]:
+    """(nanoseconds, bytes uploaded) of one repetition."""
     up0 = model.stats.uploads["bytes"]
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        once(n_gen)
-        samples.append(time.perf_counter_ns() - t0)
+    t0 = time.perf_counter_ns()
+    once(n_gen)
+    return time.perf_counter_ns() - t0, model.stats.uploads["bytes"] - up0
+
+
+def run_tests(model, configs: list[dict], n_prompt: int, n_gen: int, n_depth: int, reps: int, seed: int,
+              default_threads: int, tick, interleave: bool) -> list[tuple[list[int], float]]:
+    """Per config (runtime options on this loaded model): nanoseconds of each timed repetition (after an
+    untimed warm-up) and the bytes uploaded per repetition. Interleaved: rep 1 of every config, then rep 2..."""
+    once = prepare_test(model, n_prompt, n_gen, n_depth, seed)
+    out = [([], 0) for _ in configs]
+    order = [(r, c) for r in range(reps) for c in range(len(configs))] if interleave else \
+        [(r, c) for c in range(len(configs)) for r in range(reps)]
+    warm = set()
+    for r, c in order:
+        apply_runtime(model, configs[c], default_threads)
+        if c not in warm:
+            once(min(n_gen, 2))                                           # warm-up
+            warm.add(c)
+            tick()
+        ns, up = timed(model, once, n_gen)
+        out[c][0].append(ns)
+        out[c] = (out[c][0], out[c][1] + up / reps)
         tick()
-    return samples, (model.stats.uploads["bytes"] - up0) / reps
+    return out
 
 
 def name_of_test(n_prompt: int, n_gen: int, n_depth: int) -> str:
@@ -292,21 +316,28 @@ def main(args) -> int:
                     model = hybridmoe.load(path, **load_kwargs(group, ctx))
                     for w in dict.fromkeys(model.placement.warnings):
                         print(f"warning: {w}", file=sys.stderr)
-                    for p in group:
-                        threads = apply_runtime(model, p, default_threads)
-                        rates = None
-                        if args.roofline:
-                            if threads not in rates_by_threads:
-                                rates_by_threads[threads] = load_or_calibrate(threads=threads, isolated=True)
-                            rates = rates_by_threads[threads]
+                    # llama-bench's order: config by config (or, --interleave, all of them per test)
+                    batches = [group] if args.interleave else [[p] for p in group]
+                    for configs in batches:
+                        runs = []
                         for d in depths:
                             for i, (n_p, n_g) in enumerate(tests):
+                                threads = apply_runtime(model, configs[0], default_threads)
                                 bar.describe(f"{name_of_test(n_p, n_g, d)} (ub {model.options.ubatch_size}, "
                                              f"{threads} threads)")
-                                samples, up = run_test(model, n_p, n_g, d, reps, seed=1234 + i, tick=bar.advance)
-                                bound = model_bound(model, rates, n_p, n_g, d, up) if rates else None
-                                results.append(result_record(model, info, p, threads, n_p, n_g, d, samples, up,
-                                                             bound))
+                                got = run_tests(model, configs, n_p, n_g, d, reps, 1234 + i, default_threads,
+                                                bar.advance, args.interleave)
+                                runs += [(c, d, n_p, n_g, smp, up) for c, (smp, up) in enumerate(got)]
+                        for c, d, n_p, n_g, samples, up in sorted(runs, key=lambda r: r[0]):
+                            p = configs[c]
+                            threads = apply_runtime(model, p, default_threads)
+                            rates = None
+                            if args.roofline:
+                                if threads not in rates_by_threads:
+                                    rates_by_threads[threads] = load_or_calibrate(threads=threads, isolated=True)
+                                rates = rates_by_threads[threads]
+                            bound = model_bound(model, rates, n_p, n_g, d, up) if rates else None
+                            results.append(result_record(model, info, p, threads, n_p, n_g, d, samples, up, bound))
                     del model
                     gc.collect()
                     if torch.cuda.is_available():

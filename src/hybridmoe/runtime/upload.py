@@ -78,6 +78,11 @@ class Uploader:
         slot = self._slot_for(ws)
         self._copy(slot, ws, [(0, ws[0].shape[0])], ws[0].shape[0], (layer, "all"))
 
+    def forget(self):
+        """Drop what the slots hold (a policy change): the next use uploads again."""
+        for s in self.slots:
+            s.key = None
+
     def has_all(self, layer: int) -> bool:
         """Are all of `layer`'s experts here or on their way (prefetched)?"""
         return any(s.key == (layer, "all") for s in self.slots)
