@@ -13,6 +13,7 @@ reads the whole cache under a mask, so the same graph serves every position.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from types import SimpleNamespace
 
@@ -298,7 +299,13 @@ class StaticDecoder:
         for ds in self.ds.values():
             ds.pos.fill_(pos)
         if self.capture and self.graphs is None:
-            self._capture()
+            try:
+                self._capture()
+            except RuntimeError as e:                   # a driver or op that can't be captured: run eagerly
+                self.capture, self.graphs = False, None
+                torch.cuda.synchronize()
+                print(f"warning: CUDA graph capture failed ({str(e).splitlines()[0]}); decoding without graphs",
+                      file=sys.stderr)
         st.forwards += 1
         st.tokens += 1
         st.copy("CPU", self.ldev[0].name, emb.numel() * 4)
