@@ -184,6 +184,27 @@ def test_static_decode_over_two_gpus_matches_eager(ts, ot, monkeypatch):
         assert rel_l2(outs[0], outs[1]) <= 1e-5
 
 
+def test_static_step_failing_at_first_falls_back_to_eager(monkeypatch, capsys):
+    """A static step that cannot run here (say, a GPU Triton cannot compile for) must not stop decoding."""
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    from hybridmoe.runtime.graphs import StaticDecoder
+    ref = hybridmoe.load("synth:tiny", ctx_size=64, graphs=False, n_gpu_layers=99)
+    kv = ref.new_cache(64)
+    ref.forward(torch.tensor(IDS[:7]), 0, kv)
+    want = ref.forward(torch.tensor([IDS[7]]), 7, kv)
+
+    def broken(self, token, pos):
+        raise RuntimeError("no kernel image is available for execution on the device")
+    monkeypatch.setattr(StaticDecoder, "step", broken)
+    m = hybridmoe.load("synth:tiny", ctx_size=64, graphs=True, n_gpu_layers=99)
+    kv = m.new_cache(64)
+    m.forward(torch.tensor(IDS[:7]), 0, kv)
+    got = m.forward(torch.tensor([IDS[7]]), 7, kv)
+    assert torch.equal(got, want)
+    assert "static decode step failed (RuntimeError: no kernel image" in capsys.readouterr().err
+    assert m._static_decoder(kv) is None                      # eager from then on, for this cache
+
+
 @pytest.mark.gpu
 def test_cuda_graph_decode_matches_eager_on_gpu():
     if not torch.cuda.is_available():

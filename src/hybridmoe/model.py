@@ -140,7 +140,18 @@ class Model:
         if tokens.shape[0] == 1:
             static = self._static_decoder(kv)
             if static is not None:
-                return static.step(int(tokens[0]), pos0)
+                try:
+                    out = static.step(int(tokens[0]), pos0)
+                    static.worked = True
+                    return out
+                except Exception as e:                  # noqa: BLE001 - first step only, then eager for good
+                    if getattr(static, "worked", False):
+                        raise
+                    import sys
+                    print(f"warning: the static decode step failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); decoding with the eager path",
+                          file=sys.stderr)
+                    self._static = {id(kv): (kv, None)}
         if not self.runtime.profile:
             return self.decoder.forward(tokens, pos0, kv, all_logits).to("cpu")
         t0 = time.perf_counter()
