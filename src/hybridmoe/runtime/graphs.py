@@ -1,14 +1,16 @@
 """Token generation with static shapes, GPU segments captured as CUDA graphs.
 
-Python launching ~40 small kernels per layer costs more than the GPU work of a decode step. Here one
-step is: the GPU runs layers up to the next layer whose experts live in host RAM (one graph replay),
-hands the normed hidden state and the router's choice to the CPU in one copy, the CPU kernel computes
-the experts, one copy brings the result back, and the next graph continues. With all experts on the GPU
-the whole step is one replay.
+Python launching ~50 small kernels per layer costs more than the GPU work of a decode step. Here one
+step is: the GPU runs layers up to the next layer whose experts live in host RAM or that runs on another
+GPU (one graph replay), hands the normed hidden state and the router's choice to the CPU in one copy (or
+the residual to the next GPU), the CPU kernel computes the experts, one copy brings the result back, and
+the next graph continues. With all experts on one GPU the whole step is one replay.
 
-Static shapes: the position is a device tensor; the KV cache is written with index_copy_ and attention
-reads the whole cache under a mask, so the same graph serves every position.
-`StaticDecoder(capture=False)` runs the same code eagerly: that is how CI checks it on fake GPUs.
+Static shapes: the position is a device tensor, read by the kernels. Two versions of a layer: the fused
+Triton kernels (kernels/gpu_decode.py, ~10 launches; attention reads the cache up to the position), and
+plain torch ops (the KV cache written with index_copy_, attention over the whole cache under a mask) where
+Triton is missing. `StaticDecoder(capture=False)` runs the same code eagerly: that is how CI checks the
+torch version on fake GPUs, and the fused one in Triton's interpreter.
 """
 from __future__ import annotations
 
