@@ -184,6 +184,24 @@ def test_static_decode_over_two_gpus_matches_eager(ts, ot, monkeypatch):
         assert rel_l2(outs[0], outs[1]) <= 1e-5
 
 
+def test_profile_times_the_static_decode_step(monkeypatch, capsys):
+    """--profile keeps the static step (what decode really runs) and splits its time: segments, CPU experts,
+    and the rest (hand-offs, Python) per token."""
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    from hybridmoe.cli import main as cli
+    rc = cli(["run", "-m", "synth:tiny", "-ngl", "99", "-ot", "exps=CPU", "-p", "hello world", "-n", "6",
+              "--temp", "0", "--profile", "-t", "1"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    # "  decode step  CUDA0  calls  ms": 5 decode steps (the first token comes from the prompt), each 3
+    # segments (2 layers with CPU experts, then the output)
+    seg = [ln.split() for ln in err.splitlines() if ln.strip().startswith("decode step")]
+    assert len(seg) == 1 and seg[0][2] == "CUDA0" and int(seg[0][3]) == 5 * 3
+    cpu = [ln.split() for ln in err.splitlines() if ln.strip().startswith("moe_up_gate") and "CPU" in ln]
+    assert int(cpu[0][2]) >= 5 * 2
+    assert "ms per token" in err and "CPU experts:" in err
+
+
 def test_static_step_failing_at_first_falls_back_to_eager(monkeypatch, capsys):
     """A static step that cannot run here (say, a GPU Triton cannot compile for) must not stop decoding."""
     monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")

@@ -141,8 +141,11 @@ class Model:
             static = self._static_decoder(kv)
             if static is not None:
                 try:
+                    t0 = time.perf_counter()
                     out = static.step(int(tokens[0]), pos0)
                     static.worked = True
+                    if self.runtime.profile:
+                        self.stats.wall[1] += time.perf_counter() - t0
                     return out
                 except Exception as e:                  # noqa: BLE001 - first step only, then eager for good
                     if getattr(static, "worked", False):
@@ -161,7 +164,7 @@ class Model:
 
     def _static_decoder(self, kv):
         """The static decode path for this cache, or None where the placement has none (eager then)."""
-        if not self.runtime.graphs or self.runtime.profile:
+        if not self.runtime.graphs:
             return None
         cached = self._static.get(id(kv))
         if cached is None or cached[0] is not kv:

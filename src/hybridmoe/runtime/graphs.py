@@ -313,10 +313,15 @@ class StaticDecoder:
         st.copy("CPU", self.ldev[0].name, emb.numel() * 4)
         H = self.cfg.n_embd
         for s, seg in enumerate(self.segments):
-            if self.graphs:
-                self.graphs[s].replay()
-            else:
-                self._segment(s)
+            # --profile: each segment timed to its end on the GPU (a sync each), as "decode graph" (replayed)
+            # or "decode step" (run op by op); the CPU experts time themselves; the rest is hand-offs + Python
+            real = seg.dev.kind == "cuda" and not seg.dev.fake
+            sync = (lambda d=seg.dev.torch_device: torch.cuda.synchronize(d)) if real and st.profile else None
+            with st.op("decode graph" if self.graphs else "decode step", seg.dev, sync):
+                if self.graphs:
+                    self.graphs[s].replay()
+                else:
+                    self._segment(s)
             if seg.kind == "out":
                 break
             here, nxt = self.ds[seg.dev.name], self.segments[s + 1].dev
