@@ -237,7 +237,7 @@ class Scheduler:
             # anyway) and whether the layer's upload is already under way
             counts = torch.bincount(ids.flatten(), minlength=E).cpu()
             n_active = int(torch.count_nonzero(counts))
-            prefetched = self.uploader(self.main_gpu).has_all(layer)
+            prefetched = self.uploader(self._offload_target(self.dev_of(x))).has_all(layer)
         if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes, n_params, n_active, prefetched) and \
                 self.wants_offload("mul_mat_id", dev, T, E, k, nbytes, n_params, n_active, prefetched):
             return self._moe_uploaded(x, ids, wts, gate, up, down, self._offload_target(self.dev_of(x)), layer,
