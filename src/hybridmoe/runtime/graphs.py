@@ -292,6 +292,12 @@ class StaticDecoder:
         st.copy(src, "CPU", hp.numel() * 4)
         st.copy("CPU", dst, H * 4)
 
+    def _run_segment(self, s: int):
+        if self.graphs:
+            self.graphs[s].replay()
+        else:
+            self._segment(s)
+
     def step(self, token: int, pos: int) -> torch.Tensor:
         """One decode step; returns logits [1, n_vocab] on the CPU."""
         st = self.sched.stats
@@ -315,13 +321,13 @@ class StaticDecoder:
         for s, seg in enumerate(self.segments):
             # --profile: each segment timed to its end on the GPU (a sync each), as "decode graph" (replayed)
             # or "decode step" (run op by op); the CPU experts time themselves; the rest is hand-offs + Python
-            real = seg.dev.kind == "cuda" and not seg.dev.fake
-            sync = (lambda d=seg.dev.torch_device: torch.cuda.synchronize(d)) if real and st.profile else None
-            with st.op("decode graph" if self.graphs else "decode step", seg.dev, sync):
-                if self.graphs:
-                    self.graphs[s].replay()
-                else:
-                    self._segment(s)
+            if st.profile:
+                real = seg.dev.kind == "cuda" and not seg.dev.fake
+                sync = (lambda d=seg.dev.torch_device: torch.cuda.synchronize(d)) if real else None
+                with st.op("decode graph" if self.graphs else "decode step", seg.dev, sync):
+                    self._run_segment(s)
+            else:
+                self._run_segment(s)
             if seg.kind == "out":
                 break
             here, nxt = self.ds[seg.dev.name], self.segments[s + 1].dev
