@@ -102,10 +102,12 @@ def test_router_topk(E, k, norm):
 
 
 @pytest.mark.parametrize("gq,dq", [(GGMLType.Q4_0, GGMLType.Q4_0), (GGMLType.Q8_0, GGMLType.Q4_0),
-                                   (GGMLType.Q4_0, GGMLType.Q8_0)])
+                                   (GGMLType.Q4_0, GGMLType.Q8_0), (GGMLType.Q4_K, GGMLType.Q6_K),
+                                   (GGMLType.Q6_K, GGMLType.Q4_K)])
 @pytest.mark.parametrize("T", [1, 3])
 def test_moe_from_bytes(gq, dq, T):
-    E, k, H, Fd = 16, 4, 256, 96
+    kq = GGMLType.Q4_K in (gq, dq) or GGMLType.Q6_K in (gq, dq)
+    E, k, H, Fd = 16, 4, (512 if kq else 256), (256 if kq else 96)          # K-quants: rows of 256s
     g = _gen(T)
     graw, uraw = random_blocks(gq, (E, Fd, H), g), random_blocks(gq, (E, Fd, H), g)
     draw = random_blocks(dq, (E, H, Fd), g)

@@ -31,7 +31,7 @@ try:
 except ImportError:                                      # CPU-only installs
     triton = None
 
-QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1}           # expert types the MoE kernels read directly
+QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3}   # read directly
 ATTN_BLOCK = 32                                          # keys per inner step
 ATTN_CHUNK = 256                                         # keys per split (programs past the position exit)
 
@@ -187,41 +187,120 @@ if triton is not None:
             tl.store(packed + t * pk_stride + pk_off + K + j, iv.to(tl.float32), mask=jm)
 
     @triton.jit
+    def _f16_at(p, mask):
+        """The little-endian f16 at byte pointers p, as float32."""
+        lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _q4_k_scale_min(sp, j, mask):
+        """Q4_K's 6-bit scale and min of sub-block j (0..7) from the 12 scale bytes at sp."""
+        jj = j[None, None, :]
+        m3 = mask[:, :, None]
+        a = tl.load(sp[:, :, None] + jj, mask=m3, other=0).to(tl.int32)                   # q[j]
+        b = tl.load(sp[:, :, None] + (jj + 4) % 12, mask=m3, other=0).to(tl.int32)        # q[j+4]
+        c = tl.load(sp[:, :, None] + tl.where(jj >= 4, jj - 4, jj), mask=m3, other=0).to(tl.int32)  # q[j-4]
+        sc = tl.where(jj < 4, a & 63, (b & 15) | ((c >> 6) << 4))
+        mn = tl.where(jj < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
+        return sc.to(tl.float32), mn.to(tl.float32)
+
+    @triton.jit
     def _qdot(wrow, row_stride, n, nm, xp, K, QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
         """[BN] dot products of rows n of a quantized matrix (GGUF blocks from wrow) with float x[K] at xp.
 
-        Blocks are read as 16-bit words (Q4_0's 18 and Q8_0's 34 bytes keep them 2-byte aligned), half
-        the loads of a byte-wise read."""
+        Q4_0/Q8_0 blocks are read as 16-bit words (their 18 and 34 bytes keep them 2-byte aligned), half the
+        loads of a byte-wise read. K-quants take NB // 8 blocks of 256 per step (the same elements per tile)."""
         acc = tl.zeros([BN], tl.float32)
-        bi = tl.arange(0, NB)
-        nblk = K // 32
-        w16 = wrow.to(tl.pointer_type(tl.uint16))
-        for kb in range(0, nblk, NB):
-            b = kb + bi
-            bm = b < nblk
-            m2 = nm[:, None] & bm[None, :]
-            xb = xp + b[:, None] * 32
-            if QT == 0:                                # Q4_0: f16 scale, 8 words of 4 nibbles
-                blk = w16 + n.to(tl.int64)[:, None] * (row_stride // 2) + b[None, :] * 9
-                dsc = tl.load(blk, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-                c = tl.arange(0, 8)
-                w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=m2[:, :, None], other=0).to(tl.int32)
-                # word c holds bytes 2c, 2c+1: low nibbles are elements 2c, 2c+1; high ones 2c+16, 2c+17
-                x0 = tl.load(xb + 2 * c[None, :], mask=bm[:, None], other=0)[None, :, :]
-                x1 = tl.load(xb + 2 * c[None, :] + 1, mask=bm[:, None], other=0)[None, :, :]
-                x2 = tl.load(xb + 2 * c[None, :] + 16, mask=bm[:, None], other=0)[None, :, :]
-                x3 = tl.load(xb + 2 * c[None, :] + 17, mask=bm[:, None], other=0)[None, :, :]
-                s = ((w & 15) - 8).to(tl.float32) * x0 + (((w >> 8) & 15) - 8).to(tl.float32) * x1 + \
-                    (((w >> 4) & 15) - 8).to(tl.float32) * x2 + (((w >> 12) & 15) - 8).to(tl.float32) * x3
-            else:                                      # Q8_0: f16 scale, 16 words of 2 int8
-                blk = w16 + n.to(tl.int64)[:, None] * (row_stride // 2) + b[None, :] * 17
-                dsc = tl.load(blk, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-                c = tl.arange(0, 16)
-                w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=m2[:, :, None], other=0).to(tl.int32)
-                x0 = tl.load(xb + 2 * c[None, :], mask=bm[:, None], other=0)[None, :, :]
-                x1 = tl.load(xb + 2 * c[None, :] + 1, mask=bm[:, None], other=0)[None, :, :]
-                s = (((w & 255) ^ 128) - 128).to(tl.float32) * x0 + ((((w >> 8) & 255) ^ 128) - 128).to(tl.float32) * x1
-            acc += tl.sum(tl.sum(s, axis=2) * dsc, axis=1)
+        if QT <= 1:
+            bi = tl.arange(0, NB)
+            nblk = K // 32
+            w16 = wrow.to(tl.pointer_type(tl.uint16))
+            for kb in range(0, nblk, NB):
+                b = kb + bi
+                bm = b < nblk
+                m2 = nm[:, None] & bm[None, :]
+                xb = xp + b[:, None] * 32
+                if QT == 0:                            # Q4_0: f16 scale, 8 words of 4 nibbles
+                    blk = w16 + n.to(tl.int64)[:, None] * (row_stride // 2) + b[None, :] * 9
+                    dsc = tl.load(blk, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+                    c = tl.arange(0, 8)
+                    w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=m2[:, :, None], other=0).to(tl.int32)
+                    # word c holds bytes 2c, 2c+1: low nibbles are elements 2c, 2c+1; high ones 2c+16, 2c+17
+                    x0 = tl.load(xb + 2 * c[None, :], mask=bm[:, None], other=0)[None, :, :]
+                    x1 = tl.load(xb + 2 * c[None, :] + 1, mask=bm[:, None], other=0)[None, :, :]
+                    x2 = tl.load(xb + 2 * c[None, :] + 16, mask=bm[:, None], other=0)[None, :, :]
+                    x3 = tl.load(xb + 2 * c[None, :] + 17, mask=bm[:, None], other=0)[None, :, :]
+                    s = ((w & 15) - 8).to(tl.float32) * x0 + (((w >> 8) & 15) - 8).to(tl.float32) * x1 + \
+                        (((w >> 4) & 15) - 8).to(tl.float32) * x2 + (((w >> 12) & 15) - 8).to(tl.float32) * x3
+                else:                                  # Q8_0: f16 scale, 16 words of 2 int8
+                    blk = w16 + n.to(tl.int64)[:, None] * (row_stride // 2) + b[None, :] * 17
+                    dsc = tl.load(blk, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+                    c = tl.arange(0, 16)
+                    w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=m2[:, :, None], other=0).to(tl.int32)
+                    x0 = tl.load(xb + 2 * c[None, :], mask=bm[:, None], other=0)[None, :, :]
+                    x1 = tl.load(xb + 2 * c[None, :] + 1, mask=bm[:, None], other=0)[None, :, :]
+                    s = (((w & 255) ^ 128) - 128).to(tl.float32) * x0 + \
+                        ((((w >> 8) & 255) ^ 128) - 128).to(tl.float32) * x1
+                acc += tl.sum(tl.sum(s, axis=2) * dsc, axis=1)
+        else:
+            NBK: tl.constexpr = NB // 8
+            bi = tl.arange(0, NBK)
+            nblk = K // 256
+            g = tl.arange(0, 4)
+            for kb in range(0, nblk, NBK):
+                b = kb + bi
+                bm = b < nblk
+                m2 = nm[:, None] & bm[None, :]
+                m4 = m2[:, :, None, None]
+                xb = xp + b[:, None, None] * 256                                            # [NBK, 1, 1]
+                if QT == 2:                            # Q4_K: d, dmin, 12 scale bytes, 4 x 32 bytes of nibbles
+                    blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 144     # [BN, NBK]
+                    d = _f16_at(blk, m2)
+                    dmin = _f16_at(blk + 2, m2)
+                    c = tl.arange(0, 32)
+                    q = tl.load(blk[:, :, None, None] + 16 + g[None, None, :, None] * 32 + c[None, None, None, :],
+                                mask=m4, other=0).to(tl.int32)                              # [BN, NBK, 4, 32]
+                    # group g: low nibbles are elements 64g + c (sub-block 2g), high ones 64g + 32 + c (2g+1)
+                    xl = tl.load(xb + g[None, :, None] * 64 + c[None, None, :], mask=bm[:, None, None], other=0)
+                    xh = tl.load(xb + g[None, :, None] * 64 + 32 + c[None, None, :], mask=bm[:, None, None], other=0)
+                    sl = tl.sum((q & 15).to(tl.float32) * xl[None], axis=3)                # [BN, NBK, 4]
+                    sh = tl.sum((q >> 4).to(tl.float32) * xh[None], axis=3)
+                    scl, mnl = _q4_k_scale_min(blk + 4, 2 * g, m2)
+                    sch, mnh = _q4_k_scale_min(blk + 4, 2 * g + 1, m2)
+                    part = d[:, :, None] * (scl * sl + sch * sh) - \
+                        dmin[:, :, None] * (mnl * tl.sum(xl, axis=2)[None] + mnh * tl.sum(xh, axis=2)[None])
+                else:                                  # Q6_K: ql[128], qh[64], 16 int8 scales, d
+                    blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 210
+                    d = _f16_at(blk + 208, m2)
+                    # row s of 4 = (half h = s // 2, l1 = s % 2); l = 16 l1 + l0 within the half
+                    l0 = tl.arange(0, 16)
+                    h = g // 2
+                    l = (g % 2)[:, None] * 16 + l0[None, :]                                 # [4, 16]
+                    qlo = tl.load(blk[:, :, None, None] + (64 * h[:, None] + l)[None, None], mask=m4, other=0)
+                    qhi = tl.load(blk[:, :, None, None] + (64 * h[:, None] + l + 32)[None, None], mask=m4, other=0)
+                    qh = tl.load(blk[:, :, None, None] + (128 + 32 * h[:, None] + l)[None, None], mask=m4,
+                                 other=0).to(tl.int32)
+                    qlo = qlo.to(tl.int32)
+                    qhi = qhi.to(tl.int32)
+                    e0 = (128 * h[:, None] + l)[None]                                        # [1, 4, 16]
+                    part = tl.zeros([BN, NBK, 4], tl.float32)
+                    for qq in tl.static_range(4):
+                        if qq == 0:
+                            v = (qlo & 15) | ((qh & 3) << 4)
+                        elif qq == 1:
+                            v = (qhi & 15) | (((qh >> 2) & 3) << 4)
+                        elif qq == 2:
+                            v = (qlo >> 4) | (((qh >> 4) & 3) << 4)
+                        else:
+                            v = (qhi >> 4) | (((qh >> 6) & 3) << 4)
+                        xv = tl.load(xb + e0 + 32 * qq, mask=bm[:, None, None], other=0)      # [NBK, 4, 16]
+                        sq = tl.sum((v - 32).to(tl.float32) * xv[None], axis=3)             # [BN, NBK, 4]
+                        si = (8 * h + g % 2 + 2 * qq)[None, None, :]                         # scale index
+                        sc = tl.load(blk[:, :, None] + 192 + si, mask=m2[:, :, None], other=0)
+                        part += sc.to(tl.int8, bitcast=True).to(tl.float32) * sq
+                    part = d[:, :, None] * part
+                acc += tl.sum(tl.sum(part, axis=2), axis=1)
         return acc
 
     @triton.autotune(configs=_MOE_CONFIGS, key=["K", "F"])
@@ -320,8 +399,20 @@ def router_topk(logits, k: int, norm: bool, packed=None, pack_offset: int = 0):
     return wts, ids
 
 
+_DISABLED: set = set()                                  # types whose MoE kernels failed to build on this GPU
+
+
 def supports(gate_qtype, down_qtype) -> bool:
-    return triton is not None and gate_qtype in QTYPES and down_qtype in QTYPES
+    return triton is not None and all(q in QTYPES and q not in _DISABLED for q in (gate_qtype, down_qtype))
+
+
+def disable(gate_qtype, down_qtype, err: Exception):
+    """Stop using the MoE kernels for these types (they failed here); the dequantize + bmm path takes over."""
+    import sys
+    _DISABLED.update((gate_qtype, down_qtype))
+    print(f"warning: the fused MoE kernel for {GGMLType(gate_qtype).name}/{GGMLType(down_qtype).name} failed "
+          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); using dequantize + bmm",
+          file=sys.stderr)
 
 
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True):

@@ -122,7 +122,10 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
         if ids.numel() <= GATHER_MAX_SLOTS or not hasattr(torch, "_grouped_mm"):
             from ..kernels import gpu_decode as gd
             if ids.numel() <= GATHER_MAX_SLOTS and gd.supports(gate.qtype, down.qtype) and up.qtype == gate.qtype:
-                return gd.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype)     # from the bytes
+                try:
+                    return gd.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype)     # from the bytes
+                except Exception as e:                  # noqa: BLE001 - a kernel this GPU can't build
+                    gd.disable(gate.qtype, down.qtype, e)
             return _gathered_moe(x, ids, wts, graw, uraw, draw, gate, down)
         return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down)
     k = kernels() if graw.device.type == "cpu" else None
