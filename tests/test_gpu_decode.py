@@ -130,3 +130,20 @@ def test_moe_from_bytes(gq, dq, T):
             hh = F.silu(wg[e] @ x[t].double()) * (wu[e] @ x[t].double())
             ref[t] += wts[t, j].double() * (wd[e] @ hh)
     assert rel_l2(out.double(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K])
+def test_one_pass_dequantize_is_the_reference(qtype):
+    """kernels/gpu_dequant.py (prefill's per-ubatch expert dequantization) equals quant/ref.py bit for bit."""
+    from hybridmoe.kernels.gpu_dequant import dequantize_bf16, has_kernel
+    assert has_kernel(qtype)
+    shape = (3, 5, 512)
+    raw = random_blocks(qtype, shape, _gen(int(qtype)))
+    ref32 = dequantize(raw, qtype, 512, dtype=torch.float32)
+    idx = torch.tensor([2, 0, 2], device=DEV)
+    for got, want in ((dequantize_bf16(raw, qtype, 512), ref32),
+                      (dequantize_bf16(raw, qtype, 512, index=idx), ref32[idx])):
+        if DEV == "cuda":
+            assert torch.equal(got, want.to(torch.bfloat16))
+        else:       # the interpreter rounds to bf16 its own way: within one bf16 step of the float32 value
+            assert ((got.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-30).all()

@@ -2,10 +2,15 @@
 
 The torch reference dequantizer makes several passes over the data; for prompt processing with a whole
 layer's experts (hundreds of MB of blocks per layer) that pass count is the cost. One Triton program
-per group of blocks reads each byte once and writes bf16 once. Types without a kernel here use
-quant/ref.py. Each kernel is checked against the reference (tests/test_gpu_kernels.py).
+per group of blocks reads each byte once and writes bf16 once: Q4_0, Q8_0, Q4_K, Q6_K. Types without a
+kernel here (or whose kernel fails to build on a GPU) use quant/ref.py. Each kernel is checked against the
+reference, bit for bit on a GPU (tests/test_gpu_kernels.py, tests/test_gpu_decode.py) and within one bf16
+step in Triton's interpreter.
 """
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 
@@ -18,6 +23,7 @@ except ImportError:                                      # CPU-only installs
     triton = None
 
 BLOCKS_PER_PROGRAM = 64
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"             # tests on the CPU in Triton's interpreter
 
 if triton is not None:
     @triton.jit
@@ -58,9 +64,64 @@ if triton is not None:
         val = d[:, None] * q.to(tl.float32)
         tl.store(dst + b.to(tl.int64)[:, None] * 32 + e[None, :], val.to(tl.bfloat16), mask=bm[:, None])
 
-    _KERNELS = {GGMLType.Q4_0: _q4_0_kernel, GGMLType.Q8_0: _q8_0_kernel}
+    @triton.jit
+    def _k_f16(p, mask):
+        lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _q4_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """256-element super-blocks of 144 bytes: d, dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles."""
+        pid = tl.program_id(0)
+        b = pid * BB + tl.arange(0, BB)
+        bm = b < n_blocks
+        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * 144
+        d = _k_f16(src + base, bm)[:, None]
+        dmin = _k_f16(src + base + 2, bm)[:, None]
+        e = tl.arange(0, 256)[None, :]
+        g = e // 64                                                        # 32-byte group of nibbles
+        hi = (e % 64) >= 32                                                # high nibble: sub-block 2g+1
+        m2 = bm[:, None]
+        byte = tl.load(src + base[:, None] + 16 + g * 32 + e % 32, mask=m2, other=0).to(tl.int32)
+        q = tl.where(hi, byte >> 4, byte & 15).to(tl.float32)
+        j = 2 * g + hi.to(tl.int32)                                        # sub-block 0..7
+        sp = src + base[:, None] + 4
+        a = tl.load(sp + j, mask=m2, other=0).to(tl.int32)
+        bb = tl.load(sp + (j + 4) % 12, mask=m2, other=0).to(tl.int32)
+        c = tl.load(sp + tl.where(j >= 4, j - 4, j), mask=m2, other=0).to(tl.int32)
+        sc = tl.where(j < 4, a & 63, (bb & 15) | ((c >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, bb & 63, (bb >> 4) | ((a >> 6) << 4)).to(tl.float32)
+        val = (d * sc) * q - dmin * mn                                     # the reference's order of ops
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
+    @triton.jit
+    def _q6_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """256-element super-blocks of 210 bytes: ql[128], qh[64], 16 int8 scales, d."""
+        pid = tl.program_id(0)
+        b = pid * BB + tl.arange(0, BB)
+        bm = b < n_blocks
+        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * 210
+        d = _k_f16(src + base + 208, bm)[:, None]
+        e = tl.arange(0, 256)[None, :]
+        h = e // 128                                                       # half
+        r = e % 128
+        quarter = r // 32                                                  # 0..3: ql lo/hi nibble, qh bit pair
+        l = r % 32
+        m2 = bm[:, None]
+        ql = tl.load(src + base[:, None] + 64 * h + l + 32 * (quarter % 2), mask=m2, other=0).to(tl.int32)
+        qh = tl.load(src + base[:, None] + 128 + 32 * h + l, mask=m2, other=0).to(tl.int32)
+        lo = tl.where(quarter >= 2, ql >> 4, ql & 15)
+        q = (lo | (((qh >> (2 * quarter)) & 3) << 4)) - 32
+        sc = tl.load(src + base[:, None] + 192 + e // 16, mask=m2, other=0).to(tl.int8, bitcast=True)
+        val = (d * sc.to(tl.float32)) * q.to(tl.float32)
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
+    _KERNELS = {GGMLType.Q4_0: _q4_0_kernel, GGMLType.Q8_0: _q8_0_kernel, GGMLType.Q4_K: _q4_k_kernel,
+                GGMLType.Q6_K: _q6_k_kernel}
+    _BLOCK = {GGMLType.Q4_0: 32, GGMLType.Q8_0: 32, GGMLType.Q4_K: 256, GGMLType.Q6_K: 256}
 else:
-    _KERNELS = {}
+    _KERNELS, _BLOCK = {}, {}
 
 
 def has_kernel(qtype) -> bool:
@@ -70,19 +131,32 @@ def has_kernel(qtype) -> bool:
 def dequantize_bf16(raw: torch.Tensor, qtype, n_cols: int, index: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [..., row_bytes] on CUDA -> bf16 [..., n_cols]; with `index`, the slabs raw[index] only
     ([len(index), ..., n_cols]), gathered inside the kernel (no copy of the selected bytes first)."""
-    kern = _KERNELS.get(qtype) if raw.is_cuda else None
-    if kern is None:
-        from ..quant.ref import dequantize
-        return dequantize(raw if index is None else raw.index_select(0, index), qtype, n_cols, dtype=torch.bfloat16)
+    kern = _KERNELS.get(qtype) if raw.is_cuda or _INTERPRET else None
+    if kern is not None:
+        try:
+            return _launch(kern, raw, qtype, n_cols, index)
+        except Exception as e:                          # noqa: BLE001 - a kernel this GPU can't build
+            import sys
+            _KERNELS.pop(qtype, None)
+            print(f"warning: the one-pass {GGMLType(qtype).name} dequantizer failed ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}); using the reference", file=sys.stderr)
+    from ..quant.ref import dequantize
+    return dequantize(raw if index is None else raw.index_select(0, index), qtype, n_cols, dtype=torch.bfloat16)
+
+
+def _launch(kern, raw, qtype, n_cols, index):
     assert raw.shape[-1] == row_bytes(qtype, n_cols)
     raw = raw.contiguous()
     lead = raw.shape[:-1] if index is None else (index.numel(), *raw.shape[1:-1])
     out = torch.empty(*lead, n_cols, dtype=torch.bfloat16, device=raw.device)
-    n_blocks = out.numel() // 32
-    bpe = max(out[0].numel() // 32, 1) if index is not None and out.numel() else 1
+    qk = _BLOCK[qtype]
+    n_blocks = out.numel() // qk
+    bpe = max(out[0].numel() // qk, 1) if index is not None and out.numel() else 1
     idx = index if index is not None else raw                             # any pointer when unused
+    bb = BLOCKS_PER_PROGRAM if qk == 32 else BLOCKS_PER_PROGRAM // 8      # ~2048 elements a program
     if n_blocks:
-        with torch.cuda.device(raw.device):                               # Triton launches on the current GPU
-            kern[(triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)](raw, out, n_blocks, idx, bpe,
-                                                               BB=BLOCKS_PER_PROGRAM, HAS_IDX=index is not None)
+        with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():   # Triton launches on
+            kern[(triton.cdiv(n_blocks, bb),)](raw, out, n_blocks, idx, bpe,       # the current GPU otherwise
+                                               BB=bb, HAS_IDX=index is not None,
+                                               enable_fp_fusion=False)   # the reference's rounding, bit for bit
     return out
