@@ -103,10 +103,10 @@ def test_router_topk(E, k, norm):
 
 @pytest.mark.parametrize("gq,dq", [(GGMLType.Q4_0, GGMLType.Q4_0), (GGMLType.Q8_0, GGMLType.Q4_0),
                                    (GGMLType.Q4_0, GGMLType.Q8_0), (GGMLType.Q4_K, GGMLType.Q6_K),
-                                   (GGMLType.Q6_K, GGMLType.Q4_K)])
+                                   (GGMLType.Q6_K, GGMLType.Q4_K), (GGMLType.Q5_K, GGMLType.Q5_K)])
 @pytest.mark.parametrize("T", [1, 3])
 def test_moe_from_bytes(gq, dq, T):
-    kq = GGMLType.Q4_K in (gq, dq) or GGMLType.Q6_K in (gq, dq)
+    kq = bool({gq, dq} & {GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
     E, k, H, Fd = 16, 4, (512 if kq else 256), (256 if kq else 96)          # K-quants: rows of 256s
     g = _gen(T)
     graw, uraw = random_blocks(gq, (E, Fd, H), g), random_blocks(gq, (E, Fd, H), g)
@@ -132,7 +132,7 @@ def test_moe_from_bytes(gq, dq, T):
     assert rel_l2(out.double(), ref) < 1e-5
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K])
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K])
 def test_one_pass_dequantize_is_the_reference(qtype):
     """kernels/gpu_dequant.py (prefill's per-ubatch expert dequantization) equals quant/ref.py bit for bit."""
     from hybridmoe.kernels.gpu_dequant import dequantize_bf16, has_kernel

@@ -31,7 +31,7 @@ try:
 except ImportError:                                      # CPU-only installs
     triton = None
 
-QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3}   # read directly
+QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3, GGMLType.Q5_K: 4}
 ATTN_BLOCK = 32                                          # keys per inner step
 ATTN_CHUNK = 256                                         # keys per split (programs past the position exit)
 
@@ -254,18 +254,29 @@ if triton is not None:
                 m2 = nm[:, None] & bm[None, :]
                 m4 = m2[:, :, None, None]
                 xb = xp + b[:, None, None] * 256                                            # [NBK, 1, 1]
-                if QT == 2:                            # Q4_K: d, dmin, 12 scale bytes, 4 x 32 bytes of nibbles
-                    blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 144     # [BN, NBK]
+                if QT == 2 or QT == 4:                 # Q4_K (144 bytes): d, dmin, 12 scale bytes, 4 x 32 bytes
+                    # of nibbles; Q5_K (176): qh[32] before the nibbles, bit j of qh[c] the 5th bit of
+                    # element c of sub-block j
+                    BS: tl.constexpr = 144 if QT == 2 else 176
+                    QS: tl.constexpr = 16 if QT == 2 else 48
+                    blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * BS     # [BN, NBK]
                     d = _f16_at(blk, m2)
                     dmin = _f16_at(blk + 2, m2)
                     c = tl.arange(0, 32)
-                    q = tl.load(blk[:, :, None, None] + 16 + g[None, None, :, None] * 32 + c[None, None, None, :],
+                    q = tl.load(blk[:, :, None, None] + QS + g[None, None, :, None] * 32 + c[None, None, None, :],
                                 mask=m4, other=0).to(tl.int32)                              # [BN, NBK, 4, 32]
                     # group g: low nibbles are elements 64g + c (sub-block 2g), high ones 64g + 32 + c (2g+1)
                     xl = tl.load(xb + g[None, :, None] * 64 + c[None, None, :], mask=bm[:, None, None], other=0)
                     xh = tl.load(xb + g[None, :, None] * 64 + 32 + c[None, None, :], mask=bm[:, None, None], other=0)
-                    sl = tl.sum((q & 15).to(tl.float32) * xl[None], axis=3)                # [BN, NBK, 4]
-                    sh = tl.sum((q >> 4).to(tl.float32) * xh[None], axis=3)
+                    ql = q & 15
+                    qhi = q >> 4
+                    if QT == 4:
+                        hb = tl.load(blk[:, :, None, None] + 16 + c[None, None, None, :], mask=m4, other=0)
+                        hb = hb.to(tl.int32)
+                        ql = ql | (((hb >> (2 * g[None, None, :, None])) & 1) << 4)
+                        qhi = qhi | (((hb >> (2 * g[None, None, :, None] + 1)) & 1) << 4)
+                    sl = tl.sum(ql.to(tl.float32) * xl[None], axis=3)                      # [BN, NBK, 4]
+                    sh = tl.sum(qhi.to(tl.float32) * xh[None], axis=3)
                     scl, mnl = _q4_k_scale_min(blk + 4, 2 * g, m2)
                     sch, mnh = _q4_k_scale_min(blk + 4, 2 * g + 1, m2)
                     part = d[:, :, None] * (scl * sl + sch * sh) - \

@@ -2,7 +2,7 @@
 
 The torch reference dequantizer makes several passes over the data; for prompt processing with a whole
 layer's experts (hundreds of MB of blocks per layer) that pass count is the cost. One Triton program
-per group of blocks reads each byte once and writes bf16 once: Q4_0, Q8_0, Q4_K, Q6_K. Types without a
+per group of blocks reads each byte once and writes bf16 once: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K. Types without a
 kernel here (or whose kernel fails to build on a GPU) use quant/ref.py. Each kernel is checked against the
 reference, bit for bit on a GPU (tests/test_gpu_kernels.py, tests/test_gpu_decode.py) and within one bf16
 step in Triton's interpreter.
@@ -96,6 +96,31 @@ if triton is not None:
         tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
 
     @triton.jit
+    def _q5_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """256-element super-blocks of 176 bytes: Q4_K's layout plus qh[32], bit j of qh[l] the 5th bit of
+        element l of sub-block j."""
+        pid = tl.program_id(0)
+        b = pid * BB + tl.arange(0, BB)
+        bm = b < n_blocks
+        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * 176
+        d = _k_f16(src + base, bm)[:, None]
+        dmin = _k_f16(src + base + 2, bm)[:, None]
+        e = tl.arange(0, 256)[None, :]
+        j = e // 32                                                        # sub-block 0..7
+        m2 = bm[:, None]
+        byte = tl.load(src + base[:, None] + 48 + (j // 2) * 32 + e % 32, mask=m2, other=0).to(tl.int32)
+        qh = tl.load(src + base[:, None] + 16 + e % 32, mask=m2, other=0).to(tl.int32)
+        q = (((byte >> (4 * (j % 2))) & 15) | (((qh >> j) & 1) << 4)).to(tl.float32)
+        sp = src + base[:, None] + 4
+        a = tl.load(sp + j, mask=m2, other=0).to(tl.int32)
+        bb = tl.load(sp + (j + 4) % 12, mask=m2, other=0).to(tl.int32)
+        c = tl.load(sp + tl.where(j >= 4, j - 4, j), mask=m2, other=0).to(tl.int32)
+        sc = tl.where(j < 4, a & 63, (bb & 15) | ((c >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, bb & 63, (bb >> 4) | ((a >> 6) << 4)).to(tl.float32)
+        val = (d * sc) * q - dmin * mn
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
+    @triton.jit
     def _q6_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
         """256-element super-blocks of 210 bytes: ql[128], qh[64], 16 int8 scales, d."""
         pid = tl.program_id(0)
@@ -118,8 +143,8 @@ if triton is not None:
         tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
 
     _KERNELS = {GGMLType.Q4_0: _q4_0_kernel, GGMLType.Q8_0: _q8_0_kernel, GGMLType.Q4_K: _q4_k_kernel,
-                GGMLType.Q6_K: _q6_k_kernel}
-    _BLOCK = {GGMLType.Q4_0: 32, GGMLType.Q8_0: 32, GGMLType.Q4_K: 256, GGMLType.Q6_K: 256}
+                GGMLType.Q5_K: _q5_k_kernel, GGMLType.Q6_K: _q6_k_kernel}
+    _BLOCK = {GGMLType.Q4_0: 32, GGMLType.Q8_0: 32, GGMLType.Q4_K: 256, GGMLType.Q5_K: 256, GGMLType.Q6_K: 256}
 else:
     _KERNELS, _BLOCK = {}, {}
 
