@@ -27,6 +27,9 @@ for s in "$@"; do
         B -ngl 99 -ts 1/1 -ot exps=CPU -p 512 -n 128 -r 3 --roofline ;;
     profpol) for OP in auto all,0 all,1; do echo "### hybridmoe run -ngl 99 -ot exps=CPU -op $OP --profile (pp ~1100 tokens at -ub 512, tg 16)"
                hm run -m $M -ngl 99 -ot exps=CPU -op $OP -ub 512 -n 16 -p "$(seq -s ' ' 1 400)" --temp 0 --profile 2>&1 | tail -13; done ;;
+    q4k) hm synth qwen3-30b-a3b-q4_k 2>&1 | tail -1
+         hm bench -m synth:qwen3-30b-a3b-q4_k -ngl 99 -p 512 -n 128 -r 3 --roofline 2>&1 | grep -v "^\s*$"
+         hm bench -m synth:qwen3-30b-a3b-q4_k -ngl 99 -ot exps=CPU -p 512 -n 128 -r 3 --roofline 2>&1 | grep -v "^\s*$" ;;
     split) B -ngl 99 -p 0 -n 64 -r 3 -ot 'ffn_(up|down)_exps=CPU;exps=CPU' ;;
     cpu) B -ngl 0 -p 512 -n 64 -r 2 --roofline ;;
     profile) hm run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -22 ;;

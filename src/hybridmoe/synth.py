@@ -27,6 +27,11 @@ PRESETS = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                           n_vocab=151936, n_ctx_train=40960, rms_eps=1e-6, rope_base=1e6, n_expert=128,
                           n_expert_used=8, n_ff_exp=768, expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
+    # the same shape with K-quant experts (Q4_K, what Q4_K_M files hold; 4.5 bits too), the rest Q8_0: 16.75 GiB
+    "qwen3-30b-a3b-q4_k": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
+                               n_vocab=151936, n_ctx_train=40960, rms_eps=1e-6, rope_base=1e6, n_expert=128,
+                               n_expert_used=8, n_ff_exp=768, expert_type=GGMLType.Q4_K,
+                               other_type=GGMLType.Q8_0),
     # DeepSeek V3's layout, tiny: MLA, a dense first layer, shared expert, sigmoid routing in 2 groups
     "tiny-deepseek2": dict(arch="deepseek2", n_layer=2, n_embd=64, n_head=4, n_head_kv=4, head_dim=64,
                            n_vocab=1024, n_ctx_train=4096, rms_eps=1e-6, rope_base=1e4, n_ff=128, n_expert=8,
