@@ -28,6 +28,8 @@ from ..quant.types import GGMLType
 try:
     import triton
     import triton.language as tl
+
+    from .gpu_dequant import f16_at, k4_scale_min
 except ImportError:                                      # CPU-only installs
     triton = None
 
@@ -187,25 +189,6 @@ if triton is not None:
             tl.store(packed + t * pk_stride + pk_off + K + j, iv.to(tl.float32), mask=jm)
 
     @triton.jit
-    def _f16_at(p, mask):
-        """The little-endian f16 at byte pointers p, as float32."""
-        lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
-        hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
-        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-    @triton.jit
-    def _q4_k_scale_min(sp, j, mask):
-        """Q4_K's 6-bit scale and min of sub-block j (0..7) from the 12 scale bytes at sp."""
-        jj = j[None, None, :]
-        m3 = mask[:, :, None]
-        a = tl.load(sp[:, :, None] + jj, mask=m3, other=0).to(tl.int32)                   # q[j]
-        b = tl.load(sp[:, :, None] + (jj + 4) % 12, mask=m3, other=0).to(tl.int32)        # q[j+4]
-        c = tl.load(sp[:, :, None] + tl.where(jj >= 4, jj - 4, jj), mask=m3, other=0).to(tl.int32)  # q[j-4]
-        sc = tl.where(jj < 4, a & 63, (b & 15) | ((c >> 6) << 4))
-        mn = tl.where(jj < 4, b & 63, (b >> 4) | ((a >> 6) << 4))
-        return sc.to(tl.float32), mn.to(tl.float32)
-
-    @triton.jit
     def _qdot(wrow, row_stride, n, nm, xp, K, QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
         """[BN] dot products of rows n of a quantized matrix (GGUF blocks from wrow) with float x[K] at xp.
 
@@ -260,8 +243,8 @@ if triton is not None:
                     BS: tl.constexpr = 144 if QT == 2 else 176
                     QS: tl.constexpr = 16 if QT == 2 else 48
                     blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * BS     # [BN, NBK]
-                    d = _f16_at(blk, m2)
-                    dmin = _f16_at(blk + 2, m2)
+                    d = f16_at(blk, m2)
+                    dmin = f16_at(blk + 2, m2)
                     c = tl.arange(0, 32)
                     q = tl.load(blk[:, :, None, None] + QS + g[None, None, :, None] * 32 + c[None, None, None, :],
                                 mask=m4, other=0).to(tl.int32)                              # [BN, NBK, 4, 32]
@@ -277,13 +260,14 @@ if triton is not None:
                         qhi = qhi | (((hb >> (2 * g[None, None, :, None] + 1)) & 1) << 4)
                     sl = tl.sum(ql.to(tl.float32) * xl[None], axis=3)                      # [BN, NBK, 4]
                     sh = tl.sum(qhi.to(tl.float32) * xh[None], axis=3)
-                    scl, mnl = _q4_k_scale_min(blk + 4, 2 * g, m2)
-                    sch, mnh = _q4_k_scale_min(blk + 4, 2 * g + 1, m2)
+                    sp, m3 = (blk + 4)[:, :, None], m2[:, :, None]
+                    scl, mnl = k4_scale_min(sp, (2 * g)[None, None, :], m3)
+                    sch, mnh = k4_scale_min(sp, (2 * g + 1)[None, None, :], m3)
                     part = d[:, :, None] * (scl * sl + sch * sh) - \
                         dmin[:, :, None] * (mnl * tl.sum(xl, axis=2)[None] + mnh * tl.sum(xh, axis=2)[None])
                 else:                                  # Q6_K: ql[128], qh[64], 16 int8 scales, d
                     blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 210
-                    d = _f16_at(blk + 208, m2)
+                    d = f16_at(blk + 208, m2)
                     # row s of 4 = (half h = s // 2, l1 = s % 2); l = 16 l1 + l0 within the half
                     l0 = tl.arange(0, 16)
                     h = g // 2

@@ -65,59 +65,46 @@ if triton is not None:
         tl.store(dst + b.to(tl.int64)[:, None] * 32 + e[None, :], val.to(tl.bfloat16), mask=bm[:, None])
 
     @triton.jit
-    def _k_f16(p, mask):
+    def f16_at(p, mask):
+        """The little-endian f16 at byte pointers p, as float32."""
         lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
         hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
         return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _q4_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
-        """256-element super-blocks of 144 bytes: d, dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles."""
-        pid = tl.program_id(0)
-        b = pid * BB + tl.arange(0, BB)
-        bm = b < n_blocks
-        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * 144
-        d = _k_f16(src + base, bm)[:, None]
-        dmin = _k_f16(src + base + 2, bm)[:, None]
-        e = tl.arange(0, 256)[None, :]
-        g = e // 64                                                        # 32-byte group of nibbles
-        hi = (e % 64) >= 32                                                # high nibble: sub-block 2g+1
-        m2 = bm[:, None]
-        byte = tl.load(src + base[:, None] + 16 + g * 32 + e % 32, mask=m2, other=0).to(tl.int32)
-        q = tl.where(hi, byte >> 4, byte & 15).to(tl.float32)
-        j = 2 * g + hi.to(tl.int32)                                        # sub-block 0..7
-        sp = src + base[:, None] + 4
-        a = tl.load(sp + j, mask=m2, other=0).to(tl.int32)
-        bb = tl.load(sp + (j + 4) % 12, mask=m2, other=0).to(tl.int32)
-        c = tl.load(sp + tl.where(j >= 4, j - 4, j), mask=m2, other=0).to(tl.int32)
-        sc = tl.where(j < 4, a & 63, (bb & 15) | ((c >> 6) << 4)).to(tl.float32)
-        mn = tl.where(j < 4, bb & 63, (bb >> 4) | ((a >> 6) << 4)).to(tl.float32)
-        val = (d * sc) * q - dmin * mn                                     # the reference's order of ops
-        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+    def k4_scale_min(sp, j, mask):
+        """Q4_K/Q5_K: the 6-bit scale and min of sub-block j (0..7) from the 12 scale bytes at sp
+        (sp, j and mask broadcast together)."""
+        a = tl.load(sp + j, mask=mask, other=0).to(tl.int32)                              # q[j]
+        b = tl.load(sp + (j + 4) % 12, mask=mask, other=0).to(tl.int32)                 # q[j+4]
+        c = tl.load(sp + tl.where(j >= 4, j - 4, j), mask=mask, other=0).to(tl.int32)   # q[j-4]
+        sc = tl.where(j < 4, a & 63, (b & 15) | ((c >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, b & 63, (b >> 4) | ((a >> 6) << 4)).to(tl.float32)
+        return sc, mn
 
     @triton.jit
-    def _q5_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
-        """256-element super-blocks of 176 bytes: Q4_K's layout plus qh[32], bit j of qh[l] the 5th bit of
-        element l of sub-block j."""
+    def _q45_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr, Q5: tl.constexpr):
+        """256-element super-blocks: d, dmin, 12 bytes of 6-bit scales/mins, then (Q5_K) qh[32], whose bit j
+        of qh[l] is the 5th bit of element l of sub-block j, then 4 x 32 bytes of nibbles (group g: low
+        nibbles sub-block 2g, high 2g+1). Q4_K: 144 bytes, Q5_K: 176."""
+        BS: tl.constexpr = 176 if Q5 else 144
+        QS: tl.constexpr = 48 if Q5 else 16
         pid = tl.program_id(0)
         b = pid * BB + tl.arange(0, BB)
         bm = b < n_blocks
-        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * 176
-        d = _k_f16(src + base, bm)[:, None]
-        dmin = _k_f16(src + base + 2, bm)[:, None]
+        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * BS
+        d = f16_at(src + base, bm)[:, None]
+        dmin = f16_at(src + base + 2, bm)[:, None]
         e = tl.arange(0, 256)[None, :]
         j = e // 32                                                        # sub-block 0..7
         m2 = bm[:, None]
-        byte = tl.load(src + base[:, None] + 48 + (j // 2) * 32 + e % 32, mask=m2, other=0).to(tl.int32)
-        qh = tl.load(src + base[:, None] + 16 + e % 32, mask=m2, other=0).to(tl.int32)
-        q = (((byte >> (4 * (j % 2))) & 15) | (((qh >> j) & 1) << 4)).to(tl.float32)
-        sp = src + base[:, None] + 4
-        a = tl.load(sp + j, mask=m2, other=0).to(tl.int32)
-        bb = tl.load(sp + (j + 4) % 12, mask=m2, other=0).to(tl.int32)
-        c = tl.load(sp + tl.where(j >= 4, j - 4, j), mask=m2, other=0).to(tl.int32)
-        sc = tl.where(j < 4, a & 63, (bb & 15) | ((c >> 6) << 4)).to(tl.float32)
-        mn = tl.where(j < 4, bb & 63, (bb >> 4) | ((a >> 6) << 4)).to(tl.float32)
-        val = (d * sc) * q - dmin * mn
+        byte = tl.load(src + base[:, None] + QS + (j // 2) * 32 + e % 32, mask=m2, other=0).to(tl.int32)
+        q = (byte >> (4 * (j % 2))) & 15
+        if Q5:
+            qh = tl.load(src + base[:, None] + 16 + e % 32, mask=m2, other=0).to(tl.int32)
+            q = q | (((qh >> j) & 1) << 4)
+        sc, mn = k4_scale_min(src + base[:, None] + 4, j, m2)
+        val = (d * sc) * q.to(tl.float32) - dmin * mn                     # the reference's order of ops
         tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
 
     @triton.jit
@@ -127,7 +114,7 @@ if triton is not None:
         b = pid * BB + tl.arange(0, BB)
         bm = b < n_blocks
         base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * 210
-        d = _k_f16(src + base + 208, bm)[:, None]
+        d = f16_at(src + base + 208, bm)[:, None]
         e = tl.arange(0, 256)[None, :]
         h = e // 128                                                       # half
         r = e % 128
@@ -142,8 +129,9 @@ if triton is not None:
         val = (d * sc.to(tl.float32)) * q.to(tl.float32)
         tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
 
-    _KERNELS = {GGMLType.Q4_0: _q4_0_kernel, GGMLType.Q8_0: _q8_0_kernel, GGMLType.Q4_K: _q4_k_kernel,
-                GGMLType.Q5_K: _q5_k_kernel, GGMLType.Q6_K: _q6_k_kernel}
+    _KERNELS = {GGMLType.Q4_0: (_q4_0_kernel, {}), GGMLType.Q8_0: (_q8_0_kernel, {}),
+                GGMLType.Q4_K: (_q45_k_kernel, {"Q5": False}), GGMLType.Q5_K: (_q45_k_kernel, {"Q5": True}),
+                GGMLType.Q6_K: (_q6_k_kernel, {})}
     _BLOCK = {GGMLType.Q4_0: 32, GGMLType.Q8_0: 32, GGMLType.Q4_K: 256, GGMLType.Q5_K: 256, GGMLType.Q6_K: 256}
 else:
     _KERNELS, _BLOCK = {}, {}
@@ -181,7 +169,8 @@ def _launch(kern, raw, qtype, n_cols, index):
     bb = BLOCKS_PER_PROGRAM if qk == 32 else BLOCKS_PER_PROGRAM // 8      # ~2048 elements a program
     if n_blocks:
         with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():   # Triton launches on
-            kern[(triton.cdiv(n_blocks, bb),)](raw, out, n_blocks, idx, bpe,       # the current GPU otherwise
-                                               BB=bb, HAS_IDX=index is not None,
-                                               enable_fp_fusion=False)   # the reference's rounding, bit for bit
+            fn, consts = kern
+            fn[(triton.cdiv(n_blocks, bb),)](raw, out, n_blocks, idx, bpe,          # the current GPU otherwise
+                                             BB=bb, HAS_IDX=index is not None, **consts,
+                                             enable_fp_fusion=False)     # the reference's rounding, bit for bit
     return out
