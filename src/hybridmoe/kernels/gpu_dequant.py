@@ -36,11 +36,15 @@ if triton is not None:
         return b64
 
     @triton.jit
-    def _q4_0_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
-        pid = tl.program_id(0)
-        b = pid * BB + tl.arange(0, BB)                                    # block ids [BB]
+    def _blocks(n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr, BS: tl.constexpr):
+        """This program's output block ids [BB], which are real, and their source byte offsets (BS bytes each)."""
+        b = tl.program_id(0) * BB + tl.arange(0, BB)
         bm = b < n_blocks
-        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * 18
+        return b, bm, _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * BS
+
+    @triton.jit
+    def _q4_0_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        b, bm, base = _blocks(n_blocks, idx, bpe, BB, HAS_IDX, 18)
         lo = tl.load(src + base, mask=bm, other=0).to(tl.uint16)
         hi = tl.load(src + base + 1, mask=bm, other=0).to(tl.uint16)
         d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)   # [BB]
@@ -52,10 +56,7 @@ if triton is not None:
 
     @triton.jit
     def _q8_0_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
-        pid = tl.program_id(0)
-        b = pid * BB + tl.arange(0, BB)
-        bm = b < n_blocks
-        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * 34
+        b, bm, base = _blocks(n_blocks, idx, bpe, BB, HAS_IDX, 34)
         lo = tl.load(src + base, mask=bm, other=0).to(tl.uint16)
         hi = tl.load(src + base + 1, mask=bm, other=0).to(tl.uint16)
         d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
@@ -89,10 +90,7 @@ if triton is not None:
         nibbles sub-block 2g, high 2g+1). Q4_K: 144 bytes, Q5_K: 176."""
         BS: tl.constexpr = 176 if Q5 else 144
         QS: tl.constexpr = 48 if Q5 else 16
-        pid = tl.program_id(0)
-        b = pid * BB + tl.arange(0, BB)
-        bm = b < n_blocks
-        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * BS
+        b, bm, base = _blocks(n_blocks, idx, bpe, BB, HAS_IDX, BS)
         d = f16_at(src + base, bm)[:, None]
         dmin = f16_at(src + base + 2, bm)[:, None]
         e = tl.arange(0, 256)[None, :]
@@ -110,10 +108,7 @@ if triton is not None:
     @triton.jit
     def _q6_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
         """256-element super-blocks of 210 bytes: ql[128], qh[64], 16 int8 scales, d."""
-        pid = tl.program_id(0)
-        b = pid * BB + tl.arange(0, BB)
-        bm = b < n_blocks
-        base = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX) * 210
+        b, bm, base = _blocks(n_blocks, idx, bpe, BB, HAS_IDX, 210)
         d = f16_at(src + base + 208, bm)[:, None]
         e = tl.arange(0, 256)[None, :]
         h = e // 128                                                       # half
