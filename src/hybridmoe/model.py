@@ -87,11 +87,9 @@ class Model:
             torch.set_num_threads(runtime.threads)
         from .runtime.calibrate import load_cached
         rates = load_cached(runtime.threads) if gpus and not gpus[0].fake else None
-        # --no-op-offload (llama.cpp's flag): host weights are never uploaded, whatever -op says
-        policy = "all,0" if not options.op_offload else runtime.offload_policy
-        self.sched = Scheduler(self.devices, self.devices["CPU"], main, policy,
-                               runtime.offload_only_active_experts, runtime.fused_moe, runtime.threads,
-                               runtime.profile, rates)
+        self.sched = Scheduler(self.devices, self.devices["CPU"], main, n_threads=runtime.threads,
+                               profile=runtime.profile, rates=rates)
+        self.set_policy(runtime.offload_policy, runtime.offload_only_active_experts, runtime.fused_moe)
         self.decoder = Decoder(self.cfg, self.weights, self.sched)
         from .tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path)
@@ -116,6 +114,7 @@ class Model:
         from .runtime.scheduler import parse_offload_policy
         rt = self.runtime
         rt.offload_policy, rt.offload_only_active_experts, rt.fused_moe = offload_policy, only_active, fused_moe
+        # --no-op-offload (llama.cpp's flag): host weights are never uploaded, whatever -op says
         self.sched.policy = parse_offload_policy("all,0" if not self.options.op_offload else offload_policy)
         self.sched.only_active = only_active
         self.sched.fused_moe = fused_moe
@@ -148,12 +147,10 @@ class Model:
                         self.stats.wall[1] += time.perf_counter() - t0
                     return out
                 except Exception as e:                  # noqa: BLE001 - first step only, then eager for good
-                    if getattr(static, "worked", False):
+                    if static.worked:
                         raise
-                    import sys
-                    print(f"warning: the static decode step failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); decoding with the eager path",
-                          file=sys.stderr)
+                    from .errors import warn_fallback
+                    warn_fallback("the static decode step", e, "decoding with the eager path")
                     self._static = {id(kv): (kv, None)}
         if not self.runtime.profile:
             return self.decoder.forward(tokens, pos0, kv, all_logits).to("cpu")

@@ -30,6 +30,7 @@ from .config import ModelConfig
 from .devices import Device, get_device, list_devices
 from .errors import PlacementError
 from .formats.gguf import TensorInfo
+from .quant.types import GGMLType
 from .placement_options import (KV_TYPE_BYTES, PlacementOptions, add_placement_args,  # noqa: F401 (re-exported)
                                 options_from_args, parse_tensor_split)
 from .placement_report import (format_plan, gib, layer_of, layers_regex, layers_text,  # noqa: F401
@@ -160,7 +161,7 @@ def dense_copy_bytes(name: str, info) -> int:
     bytes. Experts (read from their GGUF bytes) and token_embd (rows gathered) have none."""
     if len(info.shape) < 2 or "_exps" in name or name == "token_embd.weight":
         return 0
-    return info.n_elements * (4 if info.qtype.name == "F32" else 2)
+    return info.n_elements * (4 if info.qtype == GGMLType.F32 else 2)
 
 
 def _kv_bytes_per_layer(cfg: ModelConfig, opts: PlacementOptions) -> int:

@@ -239,21 +239,20 @@ def run_tests(model, configs: list[dict], n_prompt: int, n_gen: int, n_depth: in
     """Per config (runtime options on this loaded model): nanoseconds of each timed repetition (after an
     untimed warm-up) and the bytes uploaded per repetition. Interleaved: rep 1 of every config, then rep 2..."""
     once = prepare_test(model, n_prompt, n_gen, n_depth, seed)
-    out = [([], 0) for _ in configs]
+    samples = [[] for _ in configs]
+    uploaded = [0] * len(configs)
     order = [(r, c) for r in range(reps) for c in range(len(configs))] if interleave else \
         [(r, c) for c in range(len(configs)) for r in range(reps)]
-    warm = set()
     for r, c in order:
         apply_runtime(model, configs[c], default_threads)
-        if c not in warm:
+        if not samples[c]:
             once(min(n_gen, 2))                                           # warm-up
-            warm.add(c)
             tick()
         ns, up = timed(model, once, n_gen)
-        out[c][0].append(ns)
-        out[c] = (out[c][0], out[c][1] + up / reps)
+        samples[c].append(ns)
+        uploaded[c] += up
         tick()
-    return out
+    return [(smp, up / reps) for smp, up in zip(samples, uploaded)]
 
 
 def name_of_test(n_prompt: int, n_gen: int, n_depth: int) -> str:

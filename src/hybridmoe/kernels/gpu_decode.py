@@ -403,11 +403,10 @@ def supports(gate_qtype, down_qtype) -> bool:
 
 def disable(gate_qtype, down_qtype, err: Exception):
     """Stop using the MoE kernels for these types (they failed here); the dequantize + bmm path takes over."""
-    import sys
+    from ..errors import warn_fallback
     _DISABLED.update((gate_qtype, down_qtype))
-    print(f"warning: the fused MoE kernel for {GGMLType(gate_qtype).name}/{GGMLType(down_qtype).name} failed "
-          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); using dequantize + bmm",
-          file=sys.stderr)
+    warn_fallback(f"the fused MoE kernel for {GGMLType(gate_qtype).name}/{GGMLType(down_qtype).name}", err,
+                  "using dequantize + bmm")
 
 
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True):

@@ -144,10 +144,9 @@ def dequantize_bf16(raw: torch.Tensor, qtype, n_cols: int, index: torch.Tensor |
         try:
             return _launch(kern, raw, qtype, n_cols, index)
         except Exception as e:                          # noqa: BLE001 - a kernel this GPU can't build
-            import sys
+            from ..errors import warn_fallback
             _KERNELS.pop(qtype, None)
-            print(f"warning: the one-pass {GGMLType(qtype).name} dequantizer failed ({type(e).__name__}: "
-                  f"{str(e).splitlines()[0] if str(e) else ''}); using the reference", file=sys.stderr)
+            warn_fallback(f"the one-pass {GGMLType(qtype).name} dequantizer", e, "using the reference")
     from ..quant.ref import dequantize
     return dequantize(raw if index is None else raw.index_select(0, index), qtype, n_cols, dtype=torch.bfloat16)
 

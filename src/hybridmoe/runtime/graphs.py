@@ -15,13 +15,13 @@ torch version on fake GPUs, and the fused one in Triton's interpreter.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import warn_fallback
 from ..kernels import gpu_decode as gd
 from ..quant.types import GGMLType
 from . import experts as X
@@ -132,6 +132,7 @@ class StaticDecoder:
                 a = i + 1
         self.segments.append(_Seg(a, cfg.n_layer, self.out_dev, "out"))
         self.graphs = None
+        self.worked = False                             # a step has run (the model falls back before that)
 
     def _inputs(self, s: int):
         """(x, rows to add to x first) at the start of segment s, on its GPU."""
@@ -312,8 +313,7 @@ class StaticDecoder:
             except RuntimeError as e:                   # a driver or op that can't be captured: run eagerly
                 self.capture, self.graphs = False, None
                 torch.cuda.synchronize()
-                print(f"warning: CUDA graph capture failed ({str(e).splitlines()[0]}); decoding without graphs",
-                      file=sys.stderr)
+                warn_fallback("CUDA graph capture", e, "decoding without graphs")
         st.forwards += 1
         st.tokens += 1
         st.copy("CPU", self.ldev[0].name, emb.numel() * 4)
