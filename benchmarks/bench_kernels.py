@@ -7,7 +7,7 @@ call; for T=512 the achieved FLOP/s against torch's bf16 matmul rate. Many layer
 tensors are allocated and rotated so the weights come from RAM, not cache.
 
     python benchmarks/bench_kernels.py [--threads N] [--layers L] [--types Q4_0,Q8_0] [--quick]
-        [--batches 1,8d,32,512] [--repeat N] [--fp32 | --int8 Q4_0,Q4_K] [--impl kernel|gemm] [--crossover]
+        [--batches 1,8d,32,512] [--repeat N] [--fp32 | --int8 Q4_0,Q4_K] [--impl kernel|tile|gemm] [--crossover]
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def routing(T: int, kind: str, g: torch.Generator):
     return ids.to(torch.int32).contiguous(), w.contiguous()
 
 
-def time_moe(layers, q, T, kind, n_calls, g, nth):
+def time_moe(layers, q, T, kind, n_calls, g, nth, impl=None):
     """Seconds per call (best of 5 rounds: the VM is shared and noisy) and weight bytes read."""
     x = torch.randn(T, H, generator=g)
     routes = [routing(T, kind, g) for _ in range(8)]
@@ -72,14 +72,14 @@ def time_moe(layers, q, T, kind, n_calls, g, nth):
     per_expert = 2 * F * row_bytes(q, H) + H * row_bytes(q, F)
     nbytes = statistics.mean(len(torch.unique(r[0])) for r in routes) * per_expert
     L = len(layers)
-    cpu.moe_ffn(x, *routes[0], *layers[0], q, q, nth, out)
+    cpu.moe_ffn(x, *routes[0], *layers[0], q, q, nth, out, impl=impl)
     rounds = []
     for _ in range(5):
         t = time.perf_counter()
         for i in range(n_calls):
             ids, w = routes[i % 8]
             gl, ul, dl = layers[i % L]
-            cpu.moe_ffn(x, ids, w, gl, ul, dl, q, q, nth, out)
+            cpu.moe_ffn(x, ids, w, gl, ul, dl, q, q, nth, out, impl=impl)
         rounds.append((time.perf_counter() - t) / n_calls)
     return min(rounds), nbytes
 
@@ -128,11 +128,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer layers and calls")
     ap.add_argument("--repeat", type=int, default=1,
                     help="bracketed attempts per row; the best ratio is kept (for shared, noisy machines)")
-    ap.add_argument("--impl", default=None, help="force kernel/gemm/torch for all batches")
+    ap.add_argument("--impl", default=None, help="force kernel/tile/gemm/torch for all batches")
     ap.add_argument("--fp32", action="store_true", help="fp32 activations only (integer path off)")
     ap.add_argument("--int8", default=None, help="types on the integer path, e.g. Q4_0,Q4_K,Q5_K")
     ap.add_argument("--crossover", action="store_true",
-                    help="also time the streaming kernel against the dequantize+GEMM path for T = 16..256")
+                    help="also time the streaming kernel, the tile kernel and dequantize+GEMM for T = 16..512")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     nth = a.threads
@@ -143,7 +143,7 @@ def main(argv=None):
     if a.quick:
         a.layers = min(a.layers, 6)
     mode = " (fp32 activations only)" if a.fp32 else f" (integer path: {a.int8})" if a.int8 else ""
-    print(f"kernel: {cpu.simd()}{mode}, threads {nth}, "
+    print(f"kernel: {cpu.simd()}{mode}, tile products: {cpu.tile_mode()}, threads {nth}, "
           f"layers {a.layers}, torch {torch.__version__}")
     probe = torch.ones(1 << 30, dtype=torch.float32)          # 4 GiB
     bw0 = read_bandwidth(probe)
@@ -170,12 +170,7 @@ def main(argv=None):
             best = None
             for _ in range(a.repeat):      # a shared VM: keep the attempt with the best ratio
                 bw_before = read_bandwidth(probe, 2)
-                if a.impl:
-                    saved = cpu.GEMM_MIN_T
-                    cpu.GEMM_MIN_T = 0 if a.impl == "gemm" else 1 << 30
-                dt, nbytes = time_moe(layers, q, T, kind, calls, g, nth)
-                if a.impl:
-                    cpu.GEMM_MIN_T = saved
+                dt, nbytes = time_moe(layers, q, T, kind, calls, g, nth, a.impl)
                 bw_after = read_bandwidth(probe, 2)
                 bw = (bw_before + bw_after) / 2
                 if best is None or nbytes / dt / bw > best[1] / best[0] / best[2]:
@@ -183,7 +178,7 @@ def main(argv=None):
             dt, nbytes, bw = best
             gbs = nbytes / dt / 1e9
             flops = 2 * T * K_USED * 3 * H * F / dt
-            path = a.impl or ("kernel" if T < cpu.GEMM_MIN_T else "gemm")
+            path = a.impl or ("kernel" if T < cpu.GEMM_MIN_T else cpu._large_impl())
             rows.append((name, f"{T}{' (64 distinct)' if kind == 'distinct' else ''}", path, dt * 1e3, gbs, bw,
                          gbs / bw, flops / 1e9, flops / mm_rate))
         if a.crossover:
@@ -194,15 +189,15 @@ def main(argv=None):
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.1f} | {r[5]:.1f} | {r[6] * 100:.0f}% | {r[7]:.0f} | {r[8] * 100:.0f}% |")
     if cross:
-        ts = [t for t, _, _ in cross[0][1]]
-        print("\nms per call, streaming kernel / dequantize+GEMM (weights cache-warm):")
+        ts = [r[0] for r in cross[0][1]]
+        print(f"\nms per call, streaming kernel / tile kernel ({cpu.tile_mode()}) / dequantize+GEMM (weights cache-warm):")
         print("| type | " + " | ".join(f"T={t}" for t in ts) + " |")
         print("|---|" + "---|" * len(ts))
         for name, res in cross:
-            print(f"| {name} | " + " | ".join(f"{k:.1f} / {gm:.1f}" for _, k, gm in res) + " |")
+            print(f"| {name} | " + " | ".join(f"{k:.1f} / {tl:.1f} / {gm:.1f}" for _, k, tl, gm in res) + " |")
 
 
-def crossover(layer, q, g, nth, ts=(16, 32, 64, 96, 128, 192, 256)):
+def crossover(layer, q, g, nth, ts=(16, 32, 64, 96, 128, 192, 256, 512)):
     gate, up, down = layer
     res = []
     for T in ts:
@@ -210,7 +205,7 @@ def crossover(layer, q, g, nth, ts=(16, 32, 64, 96, 128, 192, 256)):
         ids, w = routing(T, "random", g)
         out = torch.empty(T, H)
         best = {}
-        for impl in ("kernel", "gemm"):
+        for impl in ("kernel", "tile", "gemm"):
             cpu.moe_ffn(x, ids, w, gate, up, down, q, q, nth, out, impl=impl)
             b = 1e9
             for _ in range(3):
@@ -218,7 +213,7 @@ def crossover(layer, q, g, nth, ts=(16, 32, 64, 96, 128, 192, 256)):
                 cpu.moe_ffn(x, ids, w, gate, up, down, q, q, nth, out, impl=impl)
                 b = min(b, time.perf_counter() - t)
             best[impl] = b * 1e3
-        res.append((T, best["kernel"], best["gemm"]))
+        res.append((T, best["kernel"], best["tile"], best["gemm"]))
     return res
 
 

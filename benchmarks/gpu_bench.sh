@@ -10,6 +10,8 @@ for s in "$@"; do
     tests) HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --tb=line 2>&1 | tail -8
            HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \
                -p no:cacheprovider --tb=short 2>&1 | tail -30 ;;
+    kernels) python3 -m pytest -q tests/test_cpu_kernels.py -p no:cacheprovider --tb=short 2>&1 | tail -5
+             python3 benchmarks/bench_kernels.py --types Q4_0,Q8_0,Q4_K --batches 1,32,128,512 --layers 8 --crossover 2>&1 | tail -18 ;;
     prep) hm calibrate 2>&1 | tail -8; ( time hm synth qwen3-30b-a3b ) 2>&1 | tail -4 ;;
     hybrid) B -ngl 99 -ot exps=CPU -p 512 -n 128 -r 3 --roofline ;;
     gpu) B -ngl 99 -p 512 -n 128 -r 3 --roofline ;;
@@ -17,7 +19,7 @@ for s in "$@"; do
     pp4096) B -ngl 99 -ot exps=CPU -p 4096 -n 0 -ub 4096 -b 4096 -r 2 --roofline ;;
     policy) B -ngl 99 -ot exps=CPU -p 512 -n 0 -ub 32,128,512 -b 512 -r 3 -op 'auto;all,0;all,1' --interleave;
             B -ngl 99 -ot exps=CPU -p 2048 -n 0 -ub 2048 -b 2048 -r 3 -op 'auto;all,0;all,1' --interleave ;;
-    policy_rev) B -ngl 99 -ot exps=CPU -p 512 -n 0 -ub 32,128,512 -b 512 -r 3 -op 'all,1;auto;all,0' ;;
+    policy_rev) B -ngl 99 -ot exps=CPU -p 512 -n 0 -ub 32,128,512 -b 512 -r 3 -op 'all,1;all,0;auto' --interleave ;;
     decode) python3 benchmarks/profile_decode.py gpu hybrid 2>&1 ;;
     prof4096) hm run -m $M -ngl 99 -ot exps=CPU -n 2 -c 4200 -ub 4096 -b 4096 -p "$(printf 'word %.0s' {1..2040})" --temp 0 --profile 2>&1 | tail -14 ;;
     x2) nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -6,8 +6,9 @@ Error bands, relative L2 over the whole output, by what rounds:
 - integer path (Q4_0/Q4_K/Q5_K rows used by one token, on AVX512-VNNI): activations rounded per 32-block to
   two int8 terms, x ~ d/256 (256 q1 + q2) with d = max|x|/127, so each element carries an
   error of at most d/512 (~1.5e-5 of the block max; ~3e-5 rel measured), band 2e-4.
-- dequantize + bf16 GEMM path (large batches): x, weights, h and the products are rounded to
-  bf16 (8-bit mantissa, 2^-9 relative): ~5e-3 measured, band 1.5e-2.
+- large-batch paths (dequantize + bf16 GEMM, and the grouped bf16 tile kernel): x, weights and h
+  (and the GEMM path's products) are rounded to bf16 (8-bit mantissa, 2^-9 relative): ~4-5e-3
+  measured, band 1.5e-2.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def rel_l2(a, b) -> float:
 
 
 def band(q, impl):
-    if impl == "gemm":
+    if impl in ("gemm", "tile"):
         return BAND["gemm"]
     return BAND["int"] if q in INT_PATH and cpu.simd() == "avx512-vnni" else BAND["fp32"]
 
@@ -74,7 +75,8 @@ def shapes(q, T):
 
 
 CASES = [(q, T, impl) for q in TYPES for T, impl in
-         [(1, "kernel"), (2, "kernel"), (7, "kernel"), (64, "kernel"), (64, "gemm"), (512, "kernel"), (512, None)]]
+         [(1, "kernel"), (2, "kernel"), (7, "kernel"), (64, "kernel"), (64, "gemm"), (64, "tile"), (512, "kernel"),
+          (512, None)]]
 
 
 @pytest.mark.parametrize("q,T,impl", CASES, ids=lambda v: getattr(v, "name", str(v)))
@@ -90,7 +92,7 @@ def test_moe_ffn_matches_float64(q, T, impl):
     res = cpu.moe_ffn(x, ids, w, gate, up, down, q, q, out=out, impl=impl)
     assert res.data_ptr() == out.data_ptr()
     assert torch.isfinite(out).all(), "output not fully written"
-    used = impl or ("kernel" if T < cpu.GEMM_MIN_T else "gemm")
+    used = impl or ("kernel" if T < cpu.GEMM_MIN_T else cpu._large_impl())
     assert rel_l2(out, ref) < band(q, used)
 
 
@@ -192,6 +194,47 @@ def test_mixed_types_repeats_and_skips():
     for impl in ("kernel", "gemm"):
         with pytest.raises(ValueError):
             cpu.moe_ffn(x, bad, w, gate, up, down, G.Q4_K, G.Q6_K, impl=impl)
+
+
+@pytest.mark.parametrize("q,dq", [(G.Q4_0, G.Q4_0), (G.Q8_0, G.Q8_0), (G.Q4_K, G.Q6_K), (G.Q5_K, G.Q5_K),
+                                  (G.BF16, G.F16), (G.MXFP4, G.IQ4_NL)], ids=lambda v: v.name)
+def test_tile_kernel_every_mode(q, dq):
+    """The grouped tile kernel with every tile-product implementation this CPU has (AMX on Sapphire
+    Rapids, AVX512-BF16, portable C), against float64: an expert shared by every token (3 token blocks,
+    the last one partial), repeated ids, skipped slots, a token with no experts, gate and down types
+    that differ; bitwise the same for any thread count."""
+    E, H, F = shapes(q, 40)
+    gate, up, _ = experts(q, E, H, F)
+    down = experts(dq, E, H, F)[2]
+    g = torch.Generator().manual_seed(21)
+    T = 40
+    x = torch.randn(T, H, generator=g)
+    ids, w = routing(T, E, 4, g)
+    ids[:, 0] = 3
+    ids[5, 1] = ids[5, 2]                     # the same expert twice for one token
+    ids[2, 3] = -1
+    ids[7] = -1
+    ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, dq, torch.float64)
+    best = cpu.tile_mode()
+    order = ["amx", "avx512-bf16", "c"]
+    try:
+        for mode in order[order.index(best):]:
+            assert cpu.tile_mode(mode) == mode
+            outs = []
+            for nth in (1, 3):
+                out = torch.full((T, H), float("nan"))
+                cpu.moe_ffn(x, ids, w, gate, up, down, q, dq, n_threads=nth, out=out, impl="tile")
+                outs.append(out)
+            assert torch.isfinite(outs[0]).all(), mode
+            assert float(outs[0][7].abs().max()) == 0.0
+            assert rel_l2(outs[0], ref) < BAND["gemm"], mode
+            assert torch.equal(outs[0], outs[1]), mode
+    finally:
+        cpu.tile_mode(best)
+    bad = ids.clone()
+    bad[0, 0] = E
+    with pytest.raises(ValueError):
+        cpu.moe_ffn(x, bad, w, gate, up, down, q, dq, impl="tile")
 
 
 def test_deterministic_across_thread_counts():

@@ -48,12 +48,12 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-# Batch sizes from which the dequantize + bf16 GEMM path beats the streaming kernel, measured
-# (docs/cpu-kernels.md): MoE ~T=192-256 on a 2-core Zen 5 VM, ~T=320-384 on 16-core Sapphire
-# Rapids (AMX; the per-expert GEMM calls cost more there); dense qmatmul ~T=8-16.
-# Override with HYBRIDMOE_CPU_GEMM_MIN_T / HYBRIDMOE_CPU_QMM_MIN_T.
+# Batch sizes from which the large-batch path beats the streaming kernel, measured
+# (docs/cpu-kernels.md): the grouped tile kernel from ~T=256 with AVX512-BF16 (2-core Zen 5 VM) and
+# from ~T=64 with AMX (16-core Sapphire Rapids); dequantize + torch.mm (CPUs without either) ~T=224;
+# dense qmatmul ~T=8-16. Override with HYBRIDMOE_CPU_GEMM_MIN_T / HYBRIDMOE_CPU_QMM_MIN_T.
 GEMM_MIN_T = int(os.environ.get("HYBRIDMOE_CPU_GEMM_MIN_T",
-                                "384" if "amx_bf16" in _cpu_flags().split() else "224"))
+                                "64" if "amx_bf16" in _cpu_flags().split() else "224"))
 QMM_GEMM_MIN_T = int(os.environ.get("HYBRIDMOE_CPU_QMM_MIN_T", "12"))
 
 _lock = threading.Lock()
@@ -124,8 +124,11 @@ def _load():
         lib.hm_set_int8.argtypes = [vp, i32]
         lib.hm_silu_mul_bf16.argtypes = [vp, i64, i64, vp, i32]
         lib.hm_combine_bf16.argtypes = [vp, vp, vp, i64, i64, i64, vp, i32]
+        lib.hm_moe_tile.argtypes = lib.hm_moe_ffn.argtypes
+        lib.hm_tile_mode.argtypes = [i32]
         lib.hm_simd.restype = ctypes.c_char_p
-        for f in (lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant, lib.hm_set_generic, lib.hm_set_int8):
+        for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_tile_mode, lib.hm_qmatmul, lib.hm_dequant,
+                  lib.hm_set_generic, lib.hm_set_int8):
             f.restype = i32
         _moe, _qmm, _deq = lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant
         _lib = lib
@@ -142,6 +145,25 @@ def simd() -> str:
     when the kernel is unavailable."""
     lib = _load()
     return lib.hm_simd().decode() if lib else "torch"
+
+
+_TILE_NAMES = {1: "c", 2: "avx512-bf16", 3: "amx"}
+
+
+def tile_mode(mode: str | None = None) -> str:
+    """The tile products of the grouped large-batch kernel (`impl="tile"`): 'amx', 'avx512-bf16', or 'c'
+    (portable and slow: large batches then take dequantize + torch.mm instead); 'torch' without the
+    kernel. `mode` forces one of them (tests, benchmarks; one the CPU lacks is ignored). Returns the
+    mode in use."""
+    lib = _load()
+    if lib is None:
+        return "torch"
+    code = {v: k for k, v in _TILE_NAMES.items()}.get(mode, -1) if mode else -1
+    return _TILE_NAMES[lib.hm_tile_mode(code)]
+
+
+def _large_impl() -> str:
+    return "tile" if tile_mode() in ("amx", "avx512-bf16") else "gemm"
 
 
 def set_generic(on: bool) -> bool:
@@ -226,12 +248,12 @@ def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
     float32 [T, k]; gate_raw, up_raw: uint8 [E, F, row_bytes(gate_qtype, H)]; down_raw: uint8
     [E, H, row_bytes(down_qtype, F)], all contiguous CPU tensors (mmapped ones are fine: the
     weights are read in place, never copied). `out`: optional preallocated float32 [T, H].
-    impl: None (by batch size), "kernel" (C streaming kernel), "gemm" (dequantize to bf16 +
-    torch.mm) or "torch" (reference, float32)."""
+    impl: None (by batch size), "kernel" (C streaming kernel), "tile" (C grouped bf16 tile GEMM: AMX or
+    AVX512-BF16), "gemm" (dequantize to bf16 + torch.mm) or "torch" (reference, float32)."""
     lib = _lib if _lib else _load()
     T = x.shape[0]
     if impl is None:
-        impl = "kernel" if T < GEMM_MIN_T else "gemm"
+        impl = "kernel" if T < GEMM_MIN_T else _large_impl()
     gq, dq = int(gate_qtype), int(down_qtype)
     if lib is None or impl == "torch" or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES:
         return reference_moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
@@ -257,7 +279,7 @@ def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
         out = torch.empty(T, H, dtype=torch.float32)
     if impl == "gemm":
         return _moe_ffn_gemm(x, ids, weights, gate_raw, up_raw, down_raw, gq, dq, _threads(n_threads), out)
-    rc = _moe(x.data_ptr(), T, H, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+    rc = (lib.hm_moe_tile if impl == "tile" else _moe)(x.data_ptr(), T, H, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
               gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq,
               out.data_ptr(), n_threads or torch.get_num_threads())
     if rc:

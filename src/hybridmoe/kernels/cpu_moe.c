@@ -1108,6 +1108,322 @@ int hm_combine_bf16(const uint16_t *y, const int64_t *slot, const float *w, int6
     return 0;
 }
 
+/* ------------------------------------------------------------------ grouped bf16 tile GEMM
+ * hm_moe_tile: the MoE FFN for large batches (prompt processing on the CPU), one call per layer,
+ * every weight byte read once, as 16 x 16 x 32 bf16 tile products with fp32 accumulation:
+ *   stage 0: pairs sorted by expert; each expert's tokens in blocks of 16, packed as bf16 pairs:
+ *            the B operand of a tile product, [K/2][16 tokens] of (x[2q], x[2q+1]).
+ *   stage 1: units (expert, 16 rows of F): the 16 gate and 16 up rows dequantized to bf16 rows
+ *            (the A operands, cache-resident), multiplied with every token block of the expert;
+ *            h = silu(g) * u, packed the same way for stage 2.
+ *   stage 2: units of 32 output rows of H: for every active expert, its 32 down rows
+ *            dequantized, multiplied with its h blocks, out[t] += w * y in ascending expert
+ *            order: one writer per output element, deterministic for any thread count.
+ * Tile products: AMX (TDPBF16PS) where the CPU has it and Linux grants the tile state, else
+ * AVX512-BF16 (vdpbf16ps, one broadcast weight pair x 16 tokens), else portable C.
+ */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && HM_AVX512
+#define HM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define HM_AMX 0
+#endif
+#if HM_AVX512 && defined(__AVX512BF16__)
+#define HM_DPBF16 1
+#else
+#define HM_DPBF16 0
+#endif
+
+enum { TILE_OFF = 0, TILE_C = 1, TILE_BF16 = 2, TILE_AMX = 3 };
+static int g_tile = -1;            /* -1: not decided yet (the best available on first use) */
+
+static int tile_best(void) {
+#if HM_AMX
+    /* Linux hands out the AMX tile-data state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA) */
+    if (syscall(SYS_arch_prctl, 0x1023, 18) == 0) return TILE_AMX;
+#endif
+    return HM_DPBF16 ? TILE_BF16 : TILE_C;
+}
+
+/* C[j][0] = A0 . B_j, C[j][1] = A1 . B_j for token blocks j < nb: A0, A1 16 bf16 rows of K
+ * (lda elements apart), B_j = B + j * bstride (uint32 pairs [K/2][16]), C [nb][2][16][16] fp32
+ * with C[..][m][n] = sum_k A[m][k] x_n[k]. */
+static void tile_c(const uint16_t *A0, const uint16_t *A1, int64_t lda, const uint32_t *B,
+                   int64_t bstride, int nb, int64_t K, float *C) {
+    for (int j = 0; j < nb; j++)
+        for (int a = 0; a < 2; a++) {
+            const uint16_t *A = a ? A1 : A0;
+            float *c = C + ((int64_t)j * 2 + a) * 256;
+            for (int m = 0; m < 16; m++)
+                for (int n = 0; n < 16; n++) {
+                    float s = 0;
+                    for (int64_t q = 0; q < K / 2; q++) {
+                        const uint32_t b = B[j * bstride + q * 16 + n];
+                        s += bf16_to_f32(A[m * lda + 2 * q]) * bf16_to_f32((uint16_t)b) +
+                             bf16_to_f32(A[m * lda + 2 * q + 1]) * bf16_to_f32((uint16_t)(b >> 16));
+                    }
+                    c[m * 16 + n] = s;
+                }
+        }
+}
+
+#if HM_DPBF16
+/* 8 weight rows x 2 token blocks per pass: 16 accumulators, one broadcast weight pair feeds two
+ * vdpbf16ps; a lone last block takes 16 rows x 1 */
+static void tile_bf16(const uint16_t *A0, const uint16_t *A1, int64_t lda, const uint32_t *B,
+                      int64_t bstride, int nb, int64_t K, float *C) {
+    for (int j = 0; j < nb; j += 2) {
+        const uint32_t *B0 = B + j * bstride, *B1 = B0 + bstride;
+        for (int a = 0; a < 2; a++) {
+            const uint32_t *A = (const uint32_t *)(a ? A1 : A0);
+            float *c = C + ((int64_t)j * 2 + a) * 256;
+            if (j + 1 < nb) {
+                for (int m0 = 0; m0 < 16; m0 += 8) {
+                    __m512 s0[8], s1[8];
+                    for (int m = 0; m < 8; m++) s0[m] = s1[m] = _mm512_setzero_ps();
+                    for (int64_t q = 0; q < K / 2; q++) {
+                        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B0 + q * 16);
+                        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B1 + q * 16);
+                        for (int m = 0; m < 8; m++) {
+                            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)A[(m0 + m) * lda / 2 + q]);
+                            s0[m] = _mm512_dpbf16_ps(s0[m], w, b0);
+                            s1[m] = _mm512_dpbf16_ps(s1[m], w, b1);
+                        }
+                    }
+                    for (int m = 0; m < 8; m++) {
+                        _mm512_storeu_ps(c + (m0 + m) * 16, s0[m]);
+                        _mm512_storeu_ps(c + 512 + (m0 + m) * 16, s1[m]);
+                    }
+                }
+            } else {
+                __m512 s0[16];
+                for (int m = 0; m < 16; m++) s0[m] = _mm512_setzero_ps();
+                for (int64_t q = 0; q < K / 2; q++) {
+                    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B0 + q * 16);
+                    for (int m = 0; m < 16; m++)
+                        s0[m] = _mm512_dpbf16_ps(s0[m], (__m512bh)_mm512_set1_epi32((int)A[m * lda / 2 + q]), b0);
+                }
+                for (int m = 0; m < 16; m++) _mm512_storeu_ps(c + m * 16, s0[m]);
+            }
+        }
+    }
+}
+#endif
+
+#if HM_AMX
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+static void amx_config(void) {
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+    _tile_loadconfig(&cfg);
+}
+
+/* tiles: 0-3 accumulators (block j x A0, A1; block j+1 x A0, A1), 4-5 A0/A1, 6-7 B_j/B_j+1 */
+static void tile_amx(const uint16_t *A0, const uint16_t *A1, int64_t lda, const uint32_t *B,
+                     int64_t bstride, int nb, int64_t K, float *C) {
+    const int64_t sa = lda * 2;
+    int j = 0;
+    for (; j + 2 <= nb; j += 2) {
+        const uint32_t *B0 = B + j * bstride, *B1 = B0 + bstride;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t kc = 0; kc < K / 32; kc++) {
+            _tile_loadd(4, A0 + kc * 32, sa);
+            _tile_loadd(5, A1 + kc * 32, sa);
+            _tile_loadd(6, B0 + kc * 256, 64);
+            _tile_loadd(7, B1 + kc * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        float *c = C + (int64_t)j * 512;
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 256, 64);
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+    }
+    if (j < nb) {
+        const uint32_t *B0 = B + j * bstride;
+        _tile_zero(0); _tile_zero(1);
+        for (int64_t kc = 0; kc < K / 32; kc++) {
+            _tile_loadd(4, A0 + kc * 32, sa);
+            _tile_loadd(5, A1 + kc * 32, sa);
+            _tile_loadd(6, B0 + kc * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        float *c = C + (int64_t)j * 512;
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 256, 64);
+    }
+}
+#endif
+
+static inline void tile_product(int mode, const uint16_t *A0, const uint16_t *A1, int64_t lda,
+                                const uint32_t *B, int64_t bstride, int nb, int64_t K, float *C) {
+#if HM_AMX
+    if (mode == TILE_AMX) { tile_amx(A0, A1, lda, B, bstride, nb, K, C); return; }
+#endif
+#if HM_DPBF16
+    if (mode == TILE_BF16) { tile_bf16(A0, A1, lda, B, bstride, nb, K, C); return; }
+#endif
+    (void)mode;
+    tile_c(A0, A1, lda, B, bstride, nb, K, C);
+}
+
+/* rows [r0, r0 + n) of a quantized matrix -> bf16 rows of K at dst, ld elements apart (K + 32:
+ * rows 4 KiB apart would share one L1 set, and a tile load reads 16 of them) */
+static inline void deq_rows_bf16(int ti, const uint8_t *w, int64_t rb, int64_t r0, int n, int64_t K,
+                                 uint16_t *dst, int64_t ld) {
+    for (int m = 0; m < n; m++) deq_row(ti, w + (r0 + m) * rb, K, dst + m * ld, 1);
+}
+
+int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
+                int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                const uint8_t *down, int dtype, float *out, int nthreads) {
+    const int gi = type_index(gtype), di = type_index(dtype);
+    if (gi < 0 || di < 0 || T < 0 || H % 32 || F % 32 || H % TINFO[gi].qk || F % TINFO[di].qk || k < 1)
+        return -1;
+    const int64_t P = T * k;
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= E) return -1;
+    if (g_tile < 0) g_tile = tile_best();
+    const int mode = g_tile == TILE_OFF ? TILE_C : g_tile;
+    const int64_t rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
+    int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+    if (T == 0) return 0;
+
+    /* routing (counting sort, stable in token order) and token blocks; sizes first */
+    int32_t *cnt = calloc((size_t)E, 4);
+    if (!cnt) return -2;
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= 0) cnt[ids[p]]++;
+    int na = 0;
+    int64_t NB = 0, nbmax = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (cnt[e]) { na++; const int64_t b = (cnt[e] + 15) / 16; NB += b; nbmax = b > nbmax ? b : nbmax; }
+    const int64_t ld = (H > F ? H : F) + 32;                       /* A rows, elements apart */
+    const size_t scratch = ((size_t)32 * ld * 2 + (size_t)nbmax * 2048 + 63) & ~(size_t)63;
+    const size_t need = 64 + (size_t)na * 4 + (size_t)(na + 1) * 8 * 3 + (size_t)P * 8 + 64 * 4 +
+                        (size_t)NB * 16 * (H + F) * 2 + (size_t)nth * scratch;
+    char *ws = workspace(need);
+    if (!ws) { free(cnt); return -2; }
+    int32_t *act = (int32_t *)ws;                                   /* [na] active experts, ascending */
+    int64_t *off = (int64_t *)(((uintptr_t)(act + na) + 63) & ~(uintptr_t)63); /* [na+1] pair offsets */
+    int64_t *boff = off + na + 1;                                   /* [na+1] token-block offsets */
+    int64_t *pos = boff + na + 1;                                   /* [na] fill cursor */
+    int32_t *ptok = (int32_t *)(pos + na + 1);                      /* [P] token of sorted pair */
+    float *pw = (float *)(ptok + P);                                /* [P] its router weight */
+    uint32_t *xb = (uint32_t *)(((uintptr_t)(pw + P) + 63) & ~(uintptr_t)63);   /* [NB][H/2][16] */
+    uint32_t *hb = xb + NB * 16 * (H / 2);                          /* [NB][F/2][16] */
+    char *scr = (char *)(hb + NB * 16 * (F / 2));                   /* [nth][scratch] */
+    int32_t *slot = cnt;                                            /* expert -> active index */
+    int a0 = 0;
+    off[0] = boff[0] = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (cnt[e]) {
+            act[a0] = (int32_t)e;
+            off[a0 + 1] = off[a0] + cnt[e];
+            boff[a0 + 1] = boff[a0] + (cnt[e] + 15) / 16;
+            slot[e] = a0++;
+        }
+    for (int a = 0; a < na; a++) pos[a] = off[a];
+    for (int64_t p = 0; p < P; p++) {
+        if (ids[p] < 0) continue;
+        const int64_t s = pos[slot[ids[p]]]++;
+        ptok[s] = (int32_t)(p / k);
+        pw[s] = wts[p];
+    }
+    free(cnt);
+    const int64_t fu = F / 16, xs = 16 * (H / 2), hs = 16 * (F / 2);
+
+#pragma omp parallel num_threads(nth)
+    {
+        const int tid = omp_get_thread_num();
+        uint16_t *Aw = (uint16_t *)(scr + (size_t)tid * scratch);   /* 32 bf16 rows */
+        float *C = (float *)(Aw + 32 * ld);                         /* [nbmax][2][16][16] */
+#if HM_AMX
+        if (mode == TILE_AMX) amx_config();
+#endif
+        /* ---- stage 0: token blocks as bf16 pairs */
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < NB; b++) {
+            int a = 0;
+            while (boff[a + 1] <= b) a++;
+            const int64_t i0 = off[a] + (b - boff[a]) * 16, cn = off[a + 1] - i0;
+            uint32_t *dst = xb + b * xs;
+            for (int n = 0; n < 16; n++) {
+                if (n < cn) {
+                    const float *xr = x + (int64_t)ptok[i0 + n] * H;
+                    for (int64_t q = 0; q < H / 2; q++)
+                        dst[q * 16 + n] = (uint32_t)bf16_rne(xr[2 * q]) | (uint32_t)bf16_rne(xr[2 * q + 1]) << 16;
+                } else {
+                    for (int64_t q = 0; q < H / 2; q++) dst[q * 16 + n] = 0;
+                }
+            }
+        }
+        /* ---- stage 1: (expert, 16 rows of F) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < (int64_t)na * fu; u++) {
+            const int a = (int)(u / fu);
+            const int64_t f0 = (u % fu) * 16, e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
+            deq_rows_bf16(gi, gate + e * F * rbg, rbg, f0, 16, H, Aw, ld);
+            deq_rows_bf16(gi, up + e * F * rbg, rbg, f0, 16, H, Aw + 16 * ld, ld);
+            tile_product(mode, Aw, Aw + 16 * ld, ld, xb + boff[a] * xs, xs, (int)nb, H, C);
+            for (int64_t j = 0; j < nb; j++) {
+                uint16_t *hd = (uint16_t *)(hb + (boff[a] + j) * hs);
+                const float *cg = C + j * 512, *cu = cg + 256;
+                for (int m = 0; m < 16; m++) {
+                    const int64_t f = f0 + m;
+                    uint16_t *hrow = hd + (f / 2) * 32 + (f & 1);
+                    for (int n = 0; n < 16; n++) {
+                        const float g = cg[m * 16 + n];
+                        hrow[2 * n] = j * 16 + n < cn ? bf16_rne(g / (1.0f + exp_vec(-g)) * cu[m * 16 + n]) : 0;
+                    }
+                }
+            }
+        }
+        /* ---- stage 2: 32 rows of H, all experts */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t v = 0; v < H / 32; v++) {
+            const int64_t h0 = v * 32;
+            for (int64_t t = 0; t < T; t++) memset(out + t * H + h0, 0, 32 * 4);
+            for (int a = 0; a < na; a++) {
+                const int64_t e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
+                deq_rows_bf16(di, down + e * H * rbd, rbd, h0, 32, F, Aw, ld);
+                tile_product(mode, Aw, Aw + 16 * ld, ld, hb + boff[a] * hs, hs, (int)nb, F, C);
+                for (int64_t j = 0; j < nb; j++)
+                    for (int n = 0; n < 16 && j * 16 + n < cn; n++) {
+                        const int64_t p = off[a] + j * 16 + n;
+                        float *o = out + (int64_t)ptok[p] * H + h0;
+                        const float w = pw[p], *c = C + j * 512 + n;
+                        for (int m = 0; m < 32; m++) o[m] += w * c[(m >> 4) * 256 + (m & 15) * 16];
+                    }
+            }
+        }
+#if HM_AMX
+        if (mode == TILE_AMX) _tile_release();
+#endif
+    }
+    return 0;
+}
+
+/* the tile-product implementation: 0 = none fast (portable C only), 2 = AVX512-BF16, 3 = AMX;
+ * set: -1 = query, else force (an unavailable mode is refused: returns the current one) */
+int hm_tile_mode(int set) {
+    if (g_tile < 0) g_tile = tile_best();
+    if (set >= TILE_C && set <= tile_best() && (set != TILE_BF16 || HM_DPBF16)) g_tile = set;
+    return g_tile;
+}
+
 /* ------------------------------------------------------------------ info */
 
 int hm_type_supported(int id) { return type_index(id) >= 0; }

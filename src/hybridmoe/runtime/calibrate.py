@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 GiB, MiB = 1 << 30, 1 << 20
 
 
