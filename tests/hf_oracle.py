@@ -39,6 +39,15 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0):
                                   q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
                                   v_head_dim=16, **rope)
         model = tf.DeepseekV3ForCausalLM(cfg)
+    elif kind == "gpt-oss":
+        # YaRN with a short original context, so the interpolated frequencies matter at 20 tokens; a window
+        # of 6 (shorter than the test prompts) on layer 0
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 128}
+        cfg = tf.GptOssConfig(**{**common, "rms_norm_eps": 1e-5}, head_dim=16, intermediate_size=32,
+                              num_local_experts=8, num_experts_per_tok=2, sliding_window=6, rope_parameters=rope)
+        cfg._attn_implementation = "eager"
+        model = tf.GptOssForCausalLM(cfg)
     else:
         raise ValueError(kind)
     # norms start at exactly 1 in HF; perturb them so a wrong norm weight would show
@@ -49,6 +58,14 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0):
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):                      # deepseek's routing bias
                 b.copy_(0.05 * torch.randn_like(b))
+        if kind == "gpt-oss":
+            for n, p in model.named_parameters():
+                if n.endswith("_proj_bias"):                                # expert biases start at 0
+                    p.copy_(0.1 * torch.randn_like(p))
+                elif n.endswith("sinks"):
+                    p.copy_(torch.randn_like(p))
+                elif n.endswith("experts.gate_up_proj"):                    # large enough for the clamps to act
+                    p.mul_(8.0)
     model.eval()
     model.save_pretrained(out_dir)
     return model

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .errors import ModelFileError
 
-ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "deepseek2")
+ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "deepseek2", "gpt-oss")
 
 
 @dataclass
@@ -39,7 +39,16 @@ class ModelConfig:
     expert_weights_scale: float = 1.0
     n_expert_groups: int = 1
     n_group_used: int = 1
-    rope_yarn: dict | None = None  # YaRN: factor, orig_ctx, beta_fast, beta_slow, mscale_all_dim
+    rope_yarn: dict | None = None  # YaRN: factor, orig_ctx, beta_fast, beta_slow, mscale_all_dim[, truncate]
+    # gpt-oss: biased attention with per-head sinks, sliding window on every swa_pattern-th layer pair,
+    # router softmax over the top-k logits, clamped SwiGLU experts with biases
+    sliding_window: int = 0       # 0: no sliding-window layers
+    swa_pattern: int = 0          # layer i slides when i % swa_pattern < swa_pattern - 1 (llama.cpp's rule)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def is_swa_layer(self, i: int) -> bool:
+        return bool(self.sliding_window and self.swa_pattern and i % self.swa_pattern < self.swa_pattern - 1)
 
     @property
     def is_moe(self) -> bool:
@@ -103,6 +112,19 @@ class ModelConfig:
             cfg.norm_topk_prob = bool(get("expert_weights_norm", False, required=False))
             cfg.n_expert_groups = int(get("expert_group_count", 1, required=False)) or 1
             cfg.n_group_used = int(get("expert_group_used_count", 1, required=False)) or 1
+        if arch == "gpt-oss":
+            # llama.cpp's openai-moe: NeoX RoPE with YaRN, every other layer (the even ones) slides over
+            # attention.sliding_window positions; SwiGLU constants are fixed there (no metadata key)
+            cfg.rope_neox = True
+            cfg.n_ff = 0                                  # feed_forward_length repeats the expert width
+            cfg.head_dim = int(get("attention.key_length", n_embd // n_head))
+            if int(get("attention.value_length", cfg.head_dim, required=False)) != cfg.head_dim:
+                raise ModelFileError(path, "gpt-oss with value_length != key_length is not supported")
+            cfg.sliding_window = int(get("attention.sliding_window"))
+            cfg.swa_pattern = 2
+            cfg.expert_gating = "softmax_topk"
+            cfg.norm_topk_prob = False
+        if arch in ("deepseek2", "gpt-oss"):
             scaling = str(md.get(f"{arch}.rope.scaling.type", "none"))
             if scaling == "yarn":
                 cfg.rope_yarn = dict(
@@ -112,11 +134,15 @@ class ModelConfig:
                     beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
                     # llama.cpp stores 0.1 * mscale_all_dim as the log multiplier
                     mscale_all_dim=float(get("rope.scaling.yarn_log_multiplier", 0.0, required=False)) / 0.1)
+                if arch == "gpt-oss":
+                    # OpenAI's reference (and transformers' config, truncate=False) keeps the correction
+                    # range unrounded
+                    cfg.rope_yarn["truncate"] = False
             elif scaling not in ("none", ""):
                 raise ModelFileError(path, f"RoPE scaling {scaling!r} is not supported yet",
                                      "supported: none, yarn; plan and inspect work")
-        if arch == "qwen3moe" and not (cfg.n_expert and cfg.n_expert_used and cfg.n_ff_exp):
-            raise ModelFileError(path, "qwen3moe metadata lacks expert_count, expert_used_count or "
+        if arch in ("qwen3moe", "gpt-oss") and not (cfg.n_expert and cfg.n_expert_used and cfg.n_ff_exp):
+            raise ModelFileError(path, f"{arch} metadata lacks expert_count, expert_used_count or "
                                  "expert_feed_forward_length", "the file is incomplete")
         if cfg.n_head % cfg.n_head_kv:
             raise ModelFileError(path, f"head_count {cfg.n_head} is not a multiple of head_count_kv {cfg.n_head_kv}")

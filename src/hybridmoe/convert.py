@@ -1,4 +1,5 @@
-"""HF safetensors (qwen3_moe, qwen3, llama) -> GGUF, with GGUF's canonical names and llama.cpp's layouts."""
+"""HF safetensors (qwen3_moe, qwen3, llama, deepseek_v3, gpt_oss) -> GGUF, with GGUF's canonical names and
+llama.cpp's layouts."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,8 @@ from .models.tensors import default_qtype, tensor_shapes
 from .quant.types import GGMLType
 from .synth import config_metadata
 
-HF_ARCH = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "llama": "llama", "deepseek_v3": "deepseek2"}
+HF_ARCH = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "llama": "llama", "deepseek_v3": "deepseek2",
+           "gpt_oss": "gpt-oss"}
 
 # HF name (after model.layers.N.) -> GGUF name (after blk.N.)
 LAYER_NAMES = {
@@ -43,6 +45,8 @@ def hf_config(hf: dict) -> ModelConfig:
     arch = HF_ARCH[mt]
     rope = hf.get("rope_parameters") or {}
     n_head = hf["num_attention_heads"]
+    if arch == "gpt-oss":
+        return gpt_oss_config(hf)
     if arch == "deepseek2":
         yarn = None
         if rope.get("rope_type", "default") == "yarn":
@@ -80,6 +84,69 @@ def hf_config(hf: dict) -> ModelConfig:
     )
 
 
+def gpt_oss_config(hf: dict) -> ModelConfig:
+    """gpt-oss as llama.cpp runs it: what it fixes (SwiGLU constants, alternating sliding layers starting
+    with a sliding one, YaRN from the attention factor's default) must hold, else the file would lie."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    n_layer, n_head = hf["num_hidden_layers"], hf["num_attention_heads"]
+    if (hf.get("swiglu_alpha", 1.702), hf.get("swiglu_limit", 7.0)) != (1.702, 7.0):
+        raise ModelFileError("config.json", "gpt-oss with swiglu_alpha/swiglu_limit other than 1.702/7.0",
+                             "llama.cpp fixes those constants; GGUF has no key for them")
+    swa = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layer)]
+    if hf.get("layer_types", swa) != swa:
+        raise ModelFileError("config.json", "gpt-oss layer_types other than alternating sliding/full")
+    if not hf.get("attention_bias", True):
+        raise ModelFileError("config.json", "gpt-oss without attention biases is not supported")
+    yarn = None
+    if rope.get("rope_type", "default") == "yarn":
+        if rope.get("attention_factor") or rope.get("mscale") or rope.get("mscale_all_dim") or \
+                rope.get("truncate", True):
+            raise ModelFileError("config.json", "gpt-oss YaRN with attention_factor, mscale or truncate=True "
+                                 "is not supported")
+        yarn = dict(factor=rope["factor"], orig_ctx=rope["original_max_position_embeddings"],
+                    beta_fast=rope.get("beta_fast") or 32, beta_slow=rope.get("beta_slow") or 1,
+                    mscale_all_dim=0.0, truncate=False)
+    elif rope.get("rope_type", "default") != "default":
+        raise ModelFileError("config.json", f"RoPE scaling {rope.get('rope_type')!r} is not supported yet")
+    return ModelConfig(
+        arch="gpt-oss", n_layer=n_layer, n_embd=hf["hidden_size"], n_head=n_head,
+        n_head_kv=hf.get("num_key_value_heads", n_head), head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        n_vocab=hf["vocab_size"], n_ctx_train=hf.get("max_position_embeddings", 4096),
+        rms_eps=hf.get("rms_norm_eps", 1e-5), rope_base=rope.get("rope_theta", hf.get("rope_theta", 150000.0)),
+        n_expert=hf["num_local_experts"], n_expert_used=hf["num_experts_per_tok"], n_ff_exp=hf["intermediate_size"],
+        norm_topk_prob=False, rope_neox=True, name=hf.get("_name_or_path") or "gpt-oss",
+        sliding_window=hf.get("sliding_window") or 0, swa_pattern=2, expert_gating="softmax_topk", rope_yarn=yarn)
+
+
+_GPT_OSS_ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+
+
+def gpt_oss_tensor(key: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One transformers gpt-oss tensor under llama.cpp's names, in its layout: experts [E, out, in] with the
+    interleaved gate_up split into gate (even columns) and up (odd), as llama.cpp's converter splits them."""
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", key)
+    if m is None:
+        return [(TOP_NAMES[key], t)] if key in TOP_NAMES else []
+    b, rest = f"blk.{m[1]}.", m[2]
+    if (a := re.match(r"^self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$", rest)):
+        return [(f"{b}{_GPT_OSS_ATTN[a[1]]}.{a[2]}", t)]
+    simple = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight":
+              "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+              "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+              "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
+    if rest in simple:
+        return [(b + simple[rest], t)]
+    if rest == "mlp.experts.down_proj":                                  # [E, F, H] -> [E, H, F]
+        return [(b + "ffn_down_exps.weight", t.transpose(1, 2).contiguous())]
+    if rest == "mlp.experts.gate_up_proj":                               # [E, H, 2F], gate/up interleaved
+        return [(b + "ffn_gate_exps.weight", t[..., ::2].transpose(1, 2).contiguous()),
+                (b + "ffn_up_exps.weight", t[..., 1::2].transpose(1, 2).contiguous())]
+    if rest == "mlp.experts.gate_up_proj_bias":                          # [E, 2F]
+        return [(b + "ffn_gate_exps.bias", t[..., ::2].contiguous()),
+                (b + "ffn_up_exps.bias", t[..., 1::2].contiguous())]
+    return []
+
+
 def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """HF's rotate-half q/k rows -> GGUF's interleaved-pair layout (as llama.cpp's converter does)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -95,7 +162,13 @@ def read_hf_tensors(hf_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         with safe_open(os.path.join(hf_dir, fn), "pt") as f:
             for k in f.keys():
                 t = f.get_tensor(k).float()
-                if m := _EXPERT_RE.match(k):
+                if cfg.arch == "gpt-oss":
+                    named = gpt_oss_tensor(k, t)
+                    if not named:
+                        raise ModelFileError(fn, f"tensor {k!r} has no GGUF name", "the checkpoint is not a "
+                                             "plain gpt-oss model (MXFP4 blocks: dequantize it first)")
+                    out.update(named)
+                elif m := _EXPERT_RE.match(k):
                     experts[(int(m[1]), m[3], int(m[2]))] = t
                 elif k in TOP_NAMES:
                     out[TOP_NAMES[k]] = t
@@ -136,7 +209,7 @@ def convert_hf(hf_dir: str, out_path: str, expert_type=GGMLType.F32, other_type=
     tok_json = os.path.join(hf_dir, "tokenizer.json")
     vocab = hf_tokenizer_to_metadata(tok_json, n_vocab=cfg.n_vocab) if os.path.exists(tok_json) else builtin_vocab_metadata(cfg.n_vocab)
     md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg), **vocab}
-    if cfg.is_moe and cfg.arch != "deepseek2":
+    if cfg.is_moe and cfg.arch not in ("deepseek2", "gpt-oss"):
         md[f"{cfg.arch}.expert_weights_norm"] = bool(cfg.norm_topk_prob)
     plan = []
     for name, shape in tensor_shapes(cfg):

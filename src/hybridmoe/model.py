@@ -12,9 +12,9 @@ from .devices import list_devices
 from .errors import HybridMoeError
 from .formats.gguf import open_gguf
 from .generate import Sampler, SamplerSettings, Timings, generate_ids
-from .models.decoder import Decoder
+from .models.decoder import build_decoder
 from .placement import PlacementOptions, plan_placement
-from .quant.types import SUPPORTED, SUPPORTED_NAMES
+from .quant.types import SUPPORTED, SUPPORTED_NAMES, GGMLType
 from .runtime.kvcache import KVCache
 from .runtime.scheduler import Scheduler
 from .weights import load_weights
@@ -62,7 +62,10 @@ class Model:
         self.path = resolve_model_path(str(path))
         self.options, self.runtime = options, runtime
         self.file = open_gguf(self.path)
+        arch = str(self.file.metadata.get("general.architecture", ""))
         for info in self.file.tensors.values():
+            if info.qtype == GGMLType.MXFP4 and arch == "gpt-oss" and info.name.endswith("_exps.weight"):
+                continue                 # gpt-oss's own expert type: its expert path dequantizes (quant/ref.py)
             if info.qtype not in SUPPORTED:
                 raise HybridMoeError(f"{self.path}: tensor {info.name} has type {info.qtype.name}, which hybridmoe "
                                      f"cannot compute with yet (supported: {SUPPORTED_NAMES})")
@@ -90,7 +93,7 @@ class Model:
         self.sched = Scheduler(self.devices, self.devices["CPU"], main, n_threads=runtime.threads,
                                profile=runtime.profile, rates=rates)
         self.set_policy(runtime.offload_policy, runtime.offload_only_active_experts, runtime.fused_moe)
-        self.decoder = Decoder(self.cfg, self.weights, self.sched)
+        self.decoder = build_decoder(self.cfg, self.weights, self.sched)
         from .tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path)
         self._static = {}
@@ -161,8 +164,8 @@ class Model:
 
     def _static_decoder(self, kv):
         """The static decode path for this cache, or None where the placement has none (eager then)."""
-        if not self.runtime.graphs:
-            return None
+        if not self.runtime.graphs or not self.decoder.static_decode:
+            return None                                       # gpt-oss: biases, sinks, swiglu_oai: eager
         cached = self._static.get(id(kv))
         if cached is None or cached[0] is not kv:
             from .runtime.graphs import NotApplicable, StaticDecoder

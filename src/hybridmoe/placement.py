@@ -190,7 +190,10 @@ class Placement:
         for name in tensors:
             li = layer_of(name)
             if li is not None:
-                self._by_layer.setdefault(li, {})[name.split(".")[2]] = name
+                layer = self._by_layer.setdefault(li, {})
+                short = name.split(".")[2]
+                if short not in layer or name.endswith(".weight"):   # a bias never stands for its matrix
+                    layer[short] = name
         self.kv_bytes_layer = [_kv_bytes_per_layer(cfg, opts)] * cfg.n_layer
         self.totals: dict[str, DeviceTotals] = {}
         self._compute_totals()

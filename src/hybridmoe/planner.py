@@ -237,6 +237,8 @@ class _Search:
                 self.dense[il] += t.nbytes + dense_copy_bytes(name, t)
                 self.has_attn[il] |= short.startswith("attn_")
                 self.ffn_dense[il] |= short.startswith("ffn_") and not short.endswith("norm")
+            if name.endswith(".bias"):
+                continue                                           # gpt-oss: biases add no width
             if short == "ffn_up_exps":
                 self.width[il] += cfg.n_expert_used * t.shape[-2]
             elif short in ("ffn_up_shexp", "ffn_up"):

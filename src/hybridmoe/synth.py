@@ -39,6 +39,15 @@ PRESETS = {
                            v_head_dim=32, n_layer_dense_lead=1, n_expert_shared=1, expert_gating="sigmoid",
                            expert_weights_scale=2.5, n_expert_groups=2, n_group_used=1,
                            expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
+    # gpt-oss's layout, tiny: biased attention with sinks, a sliding window of 8 on the even layers, YaRN,
+    # a biased router (softmax over the top-k) and biased clamped-SwiGLU experts
+    "tiny-gpt-oss": dict(arch="gpt-oss", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_vocab=1024,
+                         n_ctx_train=4096, rms_eps=1e-5, rope_base=150000.0, n_expert=8, n_expert_used=2,
+                         n_ff_exp=32, sliding_window=8, swa_pattern=2, expert_gating="softmax_topk",
+                         norm_topk_prob=False,
+                         rope_yarn=dict(factor=4.0, orig_ctx=1024, beta_fast=32.0, beta_slow=1.0,
+                                        mscale_all_dim=0.0, truncate=False),
+                         expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
     # dense qwen3, small: exercises the dense path
     "tiny-dense": dict(arch="qwen3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_vocab=1024,
                        n_ctx_train=4096, rms_eps=1e-6, rope_base=1e6, n_ff=128,
@@ -57,7 +66,7 @@ def preset_config(name: str) -> tuple[ModelConfig, GGMLType, GGMLType]:
     p = dict(PRESETS[name])
     et, ot = p.pop("expert_type"), p.pop("other_type")
     qwen = p["arch"] in ("qwen3", "qwen3moe")
-    cfg = ModelConfig(**p, qk_norm=qwen, rope_neox=qwen, name=f"synth-{name}")
+    cfg = ModelConfig(**p, qk_norm=qwen, rope_neox=qwen or p["arch"] == "gpt-oss", name=f"synth-{name}")
     return cfg, et, ot
 
 
@@ -87,6 +96,8 @@ def config_metadata(cfg: ModelConfig) -> dict:
                    f"{a}.expert_group_count": cfg.n_expert_groups, f"{a}.expert_group_used_count": cfg.n_group_used})
         if cfg.q_lora_rank:
             md[f"{a}.attention.q_lora_rank"] = cfg.q_lora_rank
+    if a == "gpt-oss":
+        md[f"{a}.attention.sliding_window"] = cfg.sliding_window
     if cfg.rope_yarn:
         y = cfg.rope_yarn
         md.update({f"{a}.rope.scaling.type": "yarn", f"{a}.rope.scaling.factor": float(y["factor"]),
@@ -103,7 +114,11 @@ def synth_tensors(cfg: ModelConfig, expert_type, other_type, seed: int):
     out = []
     for name, shape in tensor_shapes(cfg):
         qt = default_qtype(name, shape, expert_type, other_type)
-        if len(shape) == 1:
+        if name.endswith(".bias") or "attn_sinks" in name:
+            # biases small around 0; sinks of order 1, so that they take a visible share of the softmax
+            sc = 0.5 if "attn_sinks" in name else 0.02
+            make = (lambda s=shape, sc=sc: (sc * torch.randn(s, generator=gen)).float().view(torch.uint8))
+        elif len(shape) == 1:
             # norms: around 1, never zero
             make = (lambda s=shape: (1.0 + 0.1 * torch.randn(s, generator=gen)).float().view(torch.uint8))
         else:

@@ -1,4 +1,4 @@
-"""The decoder shared by llama, qwen3 and qwen3moe: RMSNorm, RoPE, GQA attention, SwiGLU FFN or MoE.
+"""The decoder shared by llama, qwen3, qwen3moe and deepseek2 (gpt-oss: gpt_oss.py): RMSNorm, RoPE, GQA attention, SwiGLU FFN or MoE.
 
 Module attributes carry GGUF tensor names (`blk.{i}.attn_q`), so a GGUF loads with no renaming table.
 Every op that has weights goes through the scheduler, which decides where it runs.
@@ -66,6 +66,8 @@ class Layer:
 
 
 class Decoder:
+    static_decode = True              # runtime/graphs.py's static step can run this block (when placed for it)
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler):
         self.cfg, self.w, self.sched = cfg, weights, sched
         self.token_embd = weights["token_embd.weight"]
@@ -200,6 +202,14 @@ class Decoder:
         if L.ffn_gate_shexp is not None:
             y = s.add(y, s.dense_ffn(h, L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp))
         return y
+
+
+def build_decoder(cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler) -> Decoder:
+    """The decoder of cfg.arch: this file's, or one with a block of its own (models/gpt_oss.py)."""
+    if cfg.arch == "gpt-oss":
+        from .gpt_oss import GptOssDecoder
+        return GptOssDecoder(cfg, weights, sched)
+    return Decoder(cfg, weights, sched)
 
 
 def attend(q, keys, values, pos0: int, scale: float | None = None) -> torch.Tensor:

@@ -14,6 +14,8 @@ def tensor_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     H, D = cfg.n_embd, cfg.head_dim
     if cfg.arch == "deepseek2":
         return deepseek2_shapes(cfg)
+    if cfg.arch == "gpt-oss":
+        return gpt_oss_shapes(cfg)
     out = [("token_embd.weight", (cfg.n_vocab, H))]
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
@@ -78,9 +80,33 @@ def deepseek2_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def gpt_oss_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """gpt-oss as llama.cpp names it: biased q/k/v/output, per-head sinks, post_attention_norm as the FFN's
+    pre-norm, a biased router and biased experts (gate and up split, as llama.cpp's converter writes them)."""
+    H, D, nh, nkv = cfg.n_embd, cfg.head_dim, cfg.n_head, cfg.n_head_kv
+    E, F = cfg.n_expert, cfg.n_ff_exp
+    out = [("token_embd.weight", (cfg.n_vocab, H))]
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (H,)),
+                (b + "attn_q.weight", (nh * D, H)), (b + "attn_q.bias", (nh * D,)),
+                (b + "attn_k.weight", (nkv * D, H)), (b + "attn_k.bias", (nkv * D,)),
+                (b + "attn_v.weight", (nkv * D, H)), (b + "attn_v.bias", (nkv * D,)),
+                (b + "attn_output.weight", (H, nh * D)), (b + "attn_output.bias", (H,)),
+                (b + "attn_sinks.weight", (nh,)),
+                (b + "post_attention_norm.weight", (H,)),
+                (b + "ffn_gate_inp.weight", (E, H)), (b + "ffn_gate_inp.bias", (E,)),
+                (b + "ffn_gate_exps.weight", (E, F, H)), (b + "ffn_gate_exps.bias", (E, F)),
+                (b + "ffn_up_exps.weight", (E, F, H)), (b + "ffn_up_exps.bias", (E, F)),
+                (b + "ffn_down_exps.weight", (E, H, F)), (b + "ffn_down_exps.bias", (E, H))]
+    out += [("output_norm.weight", (H,)), ("output.weight", (cfg.n_vocab, H))]
+    return out
+
+
 def default_qtype(name: str, shape, expert_type: GGMLType, other_type: GGMLType) -> GGMLType:
-    """Norms, 1-D tensors and the router stay F32 (llama.cpp's quantize keeps them so); the rest get their types."""
-    if len(shape) == 1 or "ffn_gate_inp" in name:
+    """Norms, 1-D tensors, biases and the router stay F32 (llama.cpp's quantize keeps them so); the rest get
+    their types."""
+    if len(shape) == 1 or "ffn_gate_inp" in name or name.endswith(".bias"):
         return GGMLType.F32
     if "_exps." in name:
         return expert_type

@@ -196,3 +196,65 @@ def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y)
     return out
+
+
+# -- gpt-oss: biased experts with the clamped SwiGLU ("swiglu_oai"). The fused kernels above (C, Triton, the
+# static step) compute silu(gate) * up without biases, so these experts take a plain path: the selected
+# experts dequantized in the device's compute dtype and multiplied with torch.
+
+def swiglu_oai(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gate clamped from above, up on both sides, then gate * sigmoid(alpha * gate) * (up + 1); float32."""
+    g = g.float().clamp(max=limit)
+    u = u.float().clamp(-limit, limit)
+    return g * torch.sigmoid(alpha * g) * (u + 1)
+
+
+def expert_matmul_dequant(x: torch.Tensor, ids: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """MUL_MAT_ID by dequantized experts: x [T, K] (shared by the k slots) or [T, k, K]; W [E, N, K].
+    Returns float32 [T, k, N]."""
+    T, k = ids.shape
+    dt = _compute_dtype(w.raw)
+    xs = x if x.dim() == 3 else x[:, None, :].expand(T, k, x.shape[-1])
+    xs = xs.reshape(T * k, -1)
+    order, counts = route(ids, w.shape[0])
+    out = torch.empty(T * k, w.shape[1], dtype=torch.float32, device=xs.device)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c == 0:
+            continue
+        sel = order[start:start + c]
+        start += c
+        out[sel] = (xs[sel].to(dt) @ _deq(w.raw, e, w, dt).t()).float()
+    return out.view(T, k, -1)
+
+
+def moe_biased(x, ids, wts, raws, ws, biases, alpha: float, limit: float, stats=None) -> torch.Tensor:
+    """Routed experts with biases from raw bytes `raws` (gate, up, down [E, ...]) on x's device; `biases`
+    float32 [E, F], [E, F], [E, H] there. Returns float32 [T, H]: sum over slots of wts * expert(x)."""
+    gate, up, down = ws
+    graw, uraw, draw = raws
+    bg, bu, bd = biases
+    dt = _compute_dtype(graw)
+    T, k = ids.shape
+    t0 = time.perf_counter()
+    order, counts = route(ids, graw.shape[0])
+    w_flat = wts.reshape(-1).float()
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    start, n_active = 0, 0
+    for e, c in enumerate(counts.tolist()):
+        if c == 0:
+            continue
+        n_active += 1
+        pairs = order[start:start + c]                                    # flat (token, slot) indices
+        start += c
+        rows = pairs // k
+        xe = x[rows].to(dt)
+        g = (xe @ _deq(graw, e, gate, dt).t()).float() + bg[e]
+        u = (xe @ _deq(uraw, e, up, dt).t()).float() + bu[e]
+        h = swiglu_oai(g, u, alpha, limit)
+        y = (h.to(dt) @ _deq(draw, e, down, dt).t()).float() + bd[e]
+        out.index_add_(0, rows, y * w_flat[pairs, None])
+    if stats is not None:
+        stats.cpu_expert_seconds += time.perf_counter() - t0
+        stats.cpu_expert_bytes += n_active * (graw[0].numel() + uraw[0].numel() + draw[0].numel())
+    return out

@@ -38,11 +38,21 @@ def yarn_inv_freq(inv: torch.Tensor, dim: int, base: float, yarn: dict) -> torch
     for the fast, a linear ramp between (the YaRN paper; DeepSeek V2/V3 use it)."""
     def corr_dim(rot):
         return dim * math.log(yarn["orig_ctx"] / (rot * 2 * math.pi)) / (2 * math.log(base))
-    low = max(math.floor(corr_dim(yarn["beta_fast"])), 0)
-    high = min(math.ceil(corr_dim(yarn["beta_slow"])), dim - 1)
+    low, high = corr_dim(yarn["beta_fast"]), corr_dim(yarn["beta_slow"])
+    if yarn.get("truncate", True):                   # gpt-oss keeps the range unrounded (truncate=False)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv.device) - low) / max(high - low, 1e-3)).clamp(0, 1)
     extrapolate = 1 - ramp
     return inv / yarn["factor"] * (1 - extrapolate) + inv * extrapolate
+
+
+def yarn_rope_mscale(yarn: dict | None) -> float:
+    """YaRN's magnitude factor on cos/sin when no mscale_all_dim is given (gpt-oss): 0.1 ln(factor) + 1,
+    so q.k grows by its square (transformers' attention_factor, llama.cpp's rope mscale)."""
+    if not yarn or yarn["factor"] <= 1 or yarn.get("mscale_all_dim"):
+        return 1.0
+    return 0.1 * math.log(yarn["factor"]) + 1.0
 
 
 def yarn_softmax_mscale(yarn: dict | None) -> float:

@@ -154,7 +154,8 @@ class Scheduler:
                                            n_active=n_active, prefetched=prefetched)
         return n_tokens >= threshold
 
-    def linear(self, x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: QTensor, bias: QTensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias, added where the matmul ran: ggml's add follows its input there)."""
         x_dev = self.dev_of(x)
         T = x.numel() // x.shape[-1]
         run = w.device
@@ -167,6 +168,8 @@ class Scheduler:
                 y = X.linear_raw(x, raw, w, run, self.n_threads)
             else:
                 y = X.linear_raw(x, w.raw, w, run, self.n_threads)
+            if bias is not None:
+                y = y + self.small(bias, run)
         return self.tag(y, run)
 
     def upload(self, raw: torch.Tensor, dev, experts: int = 0) -> torch.Tensor:
@@ -296,5 +299,46 @@ class Scheduler:
         h = self.tag(F.silu(g) * u, dd)
         with self.stats.op("mul_mat_id", dd, self._sync(dd)):
             y = X.expert_matmul(h, ids.to(dd.torch_device), down, self.n_threads)   # [T, k, H]
+            y = (y * wts.to(y.device)[..., None]).sum(1)
+        return self.tag(y, dd)
+
+    def moe_biased(self, x, ids, wts, ws: tuple, bs: tuple, alpha: float, limit: float, layer: int) -> torch.Tensor:
+        """gpt-oss's routed experts: biased gate/up/down and the clamped SwiGLU ("swiglu_oai"). The fused
+        kernels assume silu(gate) * up without biases, so this path dequantizes the selected experts and
+        multiplies with torch, where the experts live (or on the offload GPU when a batch pays for the
+        upload, as moe() decides). Gate, up and down on different devices: each matmul with its weights."""
+        gate, up, down = ws
+        if not (self.fused_moe and gate.device.name == up.device.name == down.device.name):
+            return self._moe_biased_unfused(x, ids, wts, ws, bs, alpha, limit)
+        dev = run = gate.device
+        T, E, k = x.shape[0], gate.shape[0], ids.shape[1]
+        nbytes = gate.nbytes + up.nbytes + down.nbytes
+        n_params = 3 * math.prod(gate.shape)
+        if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes, n_params) and \
+                self.wants_offload("mul_mat_id", dev, T, E, k, nbytes, n_params):
+            run = self._offload_target(self.dev_of(x))
+        x, ids, wts = self._route_to(x, ids, wts, run)
+        raws = [w.raw if run.name == dev.name else self.upload(w.raw, run, experts=E) for w in ws]
+        biases = [self.small(b, run) for b in bs]
+        with self.stats.op("moe_up_gate", run, self._sync(run)):
+            y = X.moe_biased(x, ids, wts, raws, ws, biases, alpha, limit,
+                             stats=self.stats if run.kind == "cpu" else None)
+        return self.tag(y, run)
+
+    def _moe_biased_unfused(self, x, ids, wts, ws, bs, alpha, limit):
+        """As _moe_unfused: gate and up run with their weights, the activation and down where down lives."""
+        outs = []
+        for w, b in zip(ws[:2], bs[:2]):
+            xd = self.move(x, w.device)
+            with self.stats.op("mul_mat_id", w.device, self._sync(w.device)):
+                y = X.expert_matmul_dequant(xd, ids.to(w.device.torch_device), w)                # [T, k, F]
+                y = y + self.small(b, w.device)[ids.to(w.device.torch_device)]
+            outs.append(self.tag(y, w.device))
+        dd = ws[2].device
+        g, u = self.move(outs[0], dd), self.move(outs[1], dd)
+        h = self.tag(X.swiglu_oai(g, u, alpha, limit), dd)
+        ids_d = ids.to(dd.torch_device)
+        with self.stats.op("mul_mat_id", dd, self._sync(dd)):
+            y = X.expert_matmul_dequant(h, ids_d, ws[2]) + self.small(bs[2], dd)[ids_d]       # [T, k, H]
             y = (y * wts.to(y.device)[..., None]).sum(1)
         return self.tag(y, dd)

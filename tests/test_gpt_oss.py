@@ -1,0 +1,156 @@
+"""gpt-oss: logits against transformers' GptOssForCausalLM, cached decode, placements, bad files."""
+import pytest
+import torch
+
+import hybridmoe
+from hybridmoe.errors import HybridMoeError, ModelFileError
+from hybridmoe.formats.gguf import open_gguf
+from hybridmoe.formats.gguf_write import write_gguf
+from hybridmoe.quant.types import GGMLType
+
+from conftest import rel_l2
+from hf_oracle import convert, hf_logits, make_hf_model
+
+IDS = [1, 17, 300, 42, 7, 7, 99, 511, 256, 3, 120, 64, 5, 480, 33, 2, 200, 201, 202, 10]
+F32_CACHE = dict(cache_type_k="f32", cache_type_v="f32")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """A tiny random GptOssForCausalLM (sliding window 6 < 20 tokens, YaRN, sinks, biases, clamps that act)
+    and its F32 GGUF."""
+    d = tmp_path_factory.mktemp("hf-gpt-oss")
+    model = make_hf_model("gpt-oss", str(d))
+    path = convert(str(d), str(d / "gpt-oss-f32.gguf"), GGMLType.F32)
+    return model, path, hf_logits(model, IDS)
+
+
+def test_config_from_metadata(gpt_oss):
+    m = hybridmoe.load(gpt_oss[1], ctx_size=64)
+    cfg = m.cfg
+    assert (cfg.arch, cfg.sliding_window, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp) == ("gpt-oss", 6, 8, 2, 32)
+    assert [cfg.is_swa_layer(i) for i in range(cfg.n_layer)] == [True, False]      # transformers' layer_types
+    assert cfg.rope_yarn["factor"] == 4.0 and cfg.rope_yarn["orig_ctx"] == 128 and not cfg.rope_yarn["truncate"]
+
+
+@pytest.mark.parametrize("ub", [512, 4])
+def test_matches_transformers(gpt_oss, ub):
+    """F32 weights and cache: the same arithmetic as transformers up to float32 rounding (~3e-7 measured);
+    -ub 4 makes the sliding window reach back across ubatches through the cache."""
+    _, path, ref = gpt_oss
+    ours = hybridmoe.load(path, ctx_size=64, ubatch_size=ub, **F32_CACHE).logits(IDS)
+    assert ours.shape == ref.shape
+    assert rel_l2(ours, ref) <= 1e-5
+    f16 = hybridmoe.load(path, ctx_size=64, ubatch_size=ub).logits(IDS)                 # the default f16 cache
+    assert rel_l2(f16, ref) <= 1e-3
+
+
+@pytest.mark.parametrize("src", ["hf", "synth"])
+def test_cached_decode_equals_full_forward(gpt_oss, src):
+    path = gpt_oss[1] if src == "hf" else "synth:tiny-gpt-oss"                       # synth: Q4_0 / Q8_0
+    m = hybridmoe.load(path, ctx_size=64, ubatch_size=4)
+    full = m.logits(IDS)
+    kv = m.new_cache(64)
+    assert m._static_decoder(kv) is None                                              # eager decode
+    m.forward(torch.tensor(IDS[:5]), 0, kv)
+    steps = torch.stack([m.forward(torch.tensor([t]), 5 + i, kv)[0] for i, t in enumerate(IDS[5:])])
+    assert rel_l2(steps, full[5:]) <= 1e-5
+
+
+@pytest.mark.parametrize("opts,expert_dev", [
+    (dict(n_gpu_layers=99), "CUDA0"),
+    (dict(n_gpu_layers=99, override_tensor=["exps=CPU"]), "CPU"),
+    (dict(n_gpu_layers=99, override_tensor=[r"ffn_down_exps\.=CPU"]), None),          # split experts: unfused
+])
+def test_placements_match_all_cpu(gpt_oss, monkeypatch, opts, expert_dev):
+    path = gpt_oss[1]
+    ref = hybridmoe.load(path, ctx_size=64).logits(IDS)
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    m = hybridmoe.load(path, ctx_size=64, **opts)
+    assert m.placement.device_of["blk.0.attn_sinks.weight"] == "CUDA0"
+    m.stats.reset()
+    assert rel_l2(m.logits(IDS), ref) <= 1e-5
+    ops = m.stats.ops
+    if expert_dev is not None:
+        assert ops[("moe_up_gate", expert_dev)][0] == m.cfg.n_layer
+        assert m.placement.device_of["blk.1.ffn_up_exps.bias"] == expert_dev             # biases go with -ot exps
+    else:
+        assert ops[("mul_mat_id", "CPU")][0] == m.cfg.n_layer and ops[("mul_mat_id", "CUDA0")][0] == 2 * m.cfg.n_layer
+    assert ops[("attention", "CUDA0")][0] == m.cfg.n_layer
+    kv = m.new_cache(64)
+    assert m._static_decoder(kv) is None                          # every layer on the GPU: still eager
+    full = m.logits(IDS)
+    m.forward(torch.tensor(IDS[:6]), 0, kv)
+    steps = torch.cat([m.forward(torch.tensor([t]), 6 + i, kv) for i, t in enumerate(IDS[6:])])
+    assert rel_l2(steps, full[6:]) <= 1e-5
+
+
+def _rewrite(src: str, dst: str, drop_tensor: str | None = None, drop_key: str | None = None) -> str:
+    f = open_gguf(src)
+    md = {k: v for k, v in f.metadata.items() if k != drop_key and not k.startswith("GGUF.")}
+    tensors = [(n, tuple(i.shape), i.qtype, (lambda i=i: f.raw(i))) for n, i in f.tensors.items() if n != drop_tensor]
+    write_gguf(dst, "gpt-oss", md, tensors)
+    return dst
+
+
+def test_missing_tensor_or_key_is_a_clear_error(gpt_oss, tmp_path):
+    path = gpt_oss[1]
+    bad = _rewrite(path, str(tmp_path / "no-sinks.gguf"), drop_tensor="blk.1.attn_sinks.weight")
+    with pytest.raises(HybridMoeError, match="tensor blk.1.attn_sinks.weight is missing for a gpt-oss model"):
+        hybridmoe.load(bad, ctx_size=64)
+    bad = _rewrite(path, str(tmp_path / "no-bias.gguf"), drop_tensor="blk.0.ffn_down_exps.bias")
+    with pytest.raises(HybridMoeError, match="blk.0.ffn_down_exps.bias is missing"):
+        hybridmoe.load(bad, ctx_size=64)
+    bad = _rewrite(path, str(tmp_path / "no-swa.gguf"), drop_key="gpt-oss.attention.sliding_window")
+    with pytest.raises(ModelFileError, match="gpt-oss.attention.sliding_window is missing"):
+        hybridmoe.load(bad, ctx_size=64)
+
+
+def test_mxfp4_experts_match_their_f32_dequantization(tmp_path):
+    """gpt-oss GGUFs ship MXFP4 experts: they load (for this architecture) and compute like the same experts
+    dequantized to F32 by the gguf package."""
+    import gguf
+    import numpy as np
+
+    from hybridmoe.synth import config_metadata, preset_config, synth_tensors
+    from hybridmoe.vocab import builtin_vocab_metadata
+    cfg, _, other = preset_config("tiny-gpt-oss")
+    md = {"general.name": "mxfp4", **config_metadata(cfg), **builtin_vocab_metadata(cfg.n_vocab)}
+    write_gguf(str(tmp_path / "mx.gguf"), "gpt-oss", md, synth_tensors(cfg, GGMLType.MXFP4, other, seed=7))
+
+    def f32(name, shape, qt, make):
+        data = make()                                  # every tensor, in file order: the generator's order
+        if qt != GGMLType.MXFP4:
+            return name, shape, qt, (lambda d=data: d)
+        w = np.ascontiguousarray(gguf.quants.dequantize(data.numpy().reshape(*shape[:-1], -1), qt), dtype=np.float32)
+        return name, shape, GGMLType.F32, (lambda w=w: torch.from_numpy(w).view(torch.uint8))
+    # the same seed makes the same bytes (each tensor drawn in file order from one generator)
+    write_gguf(str(tmp_path / "f32.gguf"), "gpt-oss", md,
+               [f32(*t) for t in synth_tensors(cfg, GGMLType.MXFP4, other, seed=7)])
+    mx = hybridmoe.load(str(tmp_path / "mx.gguf"), ctx_size=64)
+    assert mx.file.tensors["blk.0.ffn_up_exps.weight"].qtype == GGMLType.MXFP4
+    ref = hybridmoe.load(str(tmp_path / "f32.gguf"), ctx_size=64).logits(IDS)
+    assert rel_l2(mx.logits(IDS), ref) <= 1e-5
+
+
+def test_convert_refuses_what_gguf_cannot_carry(gpt_oss):
+    """llama.cpp fixes the SwiGLU constants and the layer pattern; a checkpoint that differs is refused."""
+    from hybridmoe.convert import hf_config
+    hf = gpt_oss[0].config.to_dict()
+    assert hf_config(hf).sliding_window == 6
+    for change in (dict(swiglu_limit=10.0), dict(layer_types=["full_attention", "sliding_attention"]),
+                   dict(rope_parameters={**hf["rope_parameters"], "truncate": True})):
+        with pytest.raises(ModelFileError, match="gpt-oss"):
+            hf_config({**hf, **change})
+
+
+def test_host_experts_offloaded_for_a_batch(gpt_oss, monkeypatch):
+    """-op all,1: a batch of 32+ tokens uploads the host experts (and their biases) to the GPU and computes there."""
+    path, ids = gpt_oss[1], (IDS * 2)[:40]
+    ref = hybridmoe.load(path, ctx_size=64).logits(ids)
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    m = hybridmoe.load(path, ctx_size=64, n_gpu_layers=99, override_tensor=["exps=CPU"], offload_policy="all,1")
+    m.stats.reset()
+    assert rel_l2(m.logits(ids), ref) <= 1e-5
+    assert m.stats.ops[("moe_up_gate", "CUDA0")][0] == m.cfg.n_layer and ("moe_up_gate", "CPU") not in m.stats.ops
+    assert m.stats.uploads["count"] == 3 * m.cfg.n_layer
