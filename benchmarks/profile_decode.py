@@ -52,7 +52,35 @@ def cpu_kernel_alone(m, reps=3):
     print(f"CPU expert kernel alone, T=1, 48 layers: {best * 1e3:.2f} ms, {nbytes / best / 1e9:.1f} GB/s")
 
 
+def prefill(m, T, label):
+    """Wall time of a T-token prefill from an empty cache (after a warm-up), then its top kernels and ops."""
+    kv = m.new_cache(T + 8)
+    toks = torch.randint(0, 1000, (T,))
+    m.forward(toks, 0, kv, all_logits=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    m.forward(toks, 0, kv, all_logits=False)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    print(f"{label}: {dt * 1e3:.1f} ms = {T / dt:.0f} t/s")
+    top_kernels(lambda: m.forward(toks, 0, kv, all_logits=False))
+
+
 for what in sys.argv[1:]:
+    if what == "pp4096":                      # hybrid prefill at -ub 4096: what bounds it
+        m = hybridmoe.load(M, n_gpu_layers=99, override_tensor=["exps=CPU"], ctx_size=4200, ubatch_size=4096,
+                           batch_size=4096)
+        prefill(m, 4096, "hybrid pp4096 forward (-ub 4096)")
+        del m
+        m = hybridmoe.load(M, n_gpu_layers=99, override_tensor=["exps=CPU"], ctx_size=4200, ubatch_size=4096,
+                           batch_size=4096, profile=True)
+        kv = m.new_cache(4200)
+        toks = torch.randint(0, 1000, (4096,))
+        m.forward(toks, 0, kv, all_logits=False)
+        m.stats.reset()
+        m.forward(toks, 0, kv, all_logits=False)
+        print(m.stats.format())
+        del m
     if what == "gpu":
         m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=256)
         print(f"all-GPU decode: graphs {steps(m, 20) * 1e3:.2f} ms/token, eager {steps(m, 10, False) * 1e3:.2f} ms/token")
