@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..config import ModelConfig
 from ..runtime.kvcache import KVCache
@@ -215,24 +216,27 @@ def build_decoder(cfg: ModelConfig, weights: dict[str, QTensor], sched: Schedule
 def attend(q, keys, values, pos0: int, scale: float | None = None) -> torch.Tensor:
     """q [T, n_head, D]; keys/values [n_kv, P, D] (P = pos0 + T). Causal GQA attention, [T, n_head*D].
 
-    GPU: bf16 SDPA (flash for a fresh context). CPU: float32 with the query heads of a KV head batched
-    together, so K and V are read once and never repeated per query head (SDPA's GQA path on the CPU
-    copies them n_head/n_kv times).
+    GPU: bf16 SDPA on the flash (or memory-efficient) kernels: 4-D inputs, K/V expanded to the query
+    heads, causal from the bottom right for a chunk after cached positions (grouped or 3-D inputs, or a
+    dense mask, fall to SDPA's math kernel, which materializes fp32 [heads, T, P] scores: 60% of a
+    4096-token prefill's GPU time). CPU: float32 with the query heads of a KV head batched together, so
+    K and V are read once and never repeated per query head (SDPA's GQA path on the CPU copies them
+    n_head/n_kv times).
     """
     T, nh, D = q.shape
     P = keys.shape[1]
     if q.is_cuda:
         qh = q.transpose(0, 1).to(torch.bfloat16)                           # [n_head, T, D]
         kf, vf = keys.to(torch.bfloat16), values.to(torch.bfloat16)
-        gqa = kf.shape[0] != nh
-        if T > 1 and P == T:
-            o = F.scaled_dot_product_attention(qh, kf, vf, is_causal=True, enable_gqa=gqa, scale=scale)
+        if T == 1:                                                          # eager decode: one row
+            o = F.scaled_dot_product_attention(qh, kf, vf, enable_gqa=kf.shape[0] != nh, scale=scale)
         else:
-            mask = None
-            if T > 1:
-                qpos = torch.arange(pos0, pos0 + T, device=q.device)[:, None]
-                mask = torch.arange(P, device=q.device)[None, :] <= qpos     # [T, P]
-            o = F.scaled_dot_product_attention(qh, kf, vf, attn_mask=mask, enable_gqa=gqa, scale=scale)
+            if kf.shape[0] != nh:
+                kf = kf.repeat_interleave(nh // kf.shape[0], 0)
+                vf = vf.repeat_interleave(nh // vf.shape[0], 0)
+            mask = None if P == T else causal_lower_right(T, P)             # query i sees keys <= pos0 + i
+            o = F.scaled_dot_product_attention(qh[None], kf[None], vf[None], attn_mask=mask, is_causal=P == T,
+                                               scale=scale)[0]
         return o.transpose(0, 1).reshape(T, -1).float()
     nkv = keys.shape[0]
     g = nh // nkv
