@@ -16,7 +16,7 @@ for s in "$@"; do
     hybrid) B -ngl 99 -ot exps=CPU -p 512 -n 128 -r 3 --roofline ;;
     gpu) B -ngl 99 -p 512 -n 128 -r 3 --roofline ;;
     ncmoe) B -ngl 99 --n-cpu-moe 24 -p 512 -n 128 -r 3 --roofline ;;
-    pp4096) B -ngl 99 -ot exps=CPU -p 4096 -n 0 -ub 4096 -b 4096 -r 2 --roofline ;;
+    pp4096) B -ngl 99 -ot exps=CPU -p 4096 -n 0 -ub 4096 -b 4096 -r 2 -ooae auto,0 --roofline ;;
     policy) B -ngl 99 -ot exps=CPU -p 512 -n 0 -ub 32,128,512 -b 512 -r 3 -op 'auto;all,0;all,1' --interleave;
             B -ngl 99 -ot exps=CPU -p 2048 -n 0 -ub 2048 -b 2048 -r 3 -op 'auto;all,0;all,1' --interleave ;;
     policy_rev) B -ngl 99 -ot exps=CPU -p 512 -n 0 -ub 32,128,512 -b 512 -r 3 -op 'all,1;all,0;auto' --interleave ;;

@@ -87,6 +87,30 @@ def test_decode_attention(nh, nkv, n_ctx, pos, dt):
     assert rel_l2(out, ref) < (2e-3 if dt == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("neox,norm,n_ctx,pos", [(True, True, 40, 29), (False, False, 300, 256), (False, True, 600, 511),
+                                                  (True, True, 40, 0)])
+def test_attention_with_rope_fused(neox, norm, n_ctx, pos):
+    """attention(rope=...) = qk_rope_cache then attention: the same output, and the same key/value written
+    at the position and nowhere else (positions at and after a split's edge included)."""
+    nh, nkv, D = 8, 2, 64
+    g = _gen(pos + 7)
+    qkv = torch.randn(1, (nh + 2 * nkv) * D, generator=g, device=DEV).to(torch.bfloat16)
+    qn, kn = (torch.rand(D, generator=g, device=DEV) + 0.5 for _ in range(2))
+    cos, sin = rope_tables(torch.arange(n_ctx), D, 10000.0, neox)
+    cos, sin = cos[:, 0].to(DEV), sin[:, 0].to(DEV)
+    kc = torch.randn(nkv, n_ctx, D, generator=g, device=DEV).half()
+    vc = torch.randn(nkv, n_ctx, D, generator=g, device=DEV).half()
+    kc2, vc2 = kc.clone(), vc.clone()
+    p = torch.tensor([pos], device=DEV)
+    norms = (qn, kn) if norm else (None, None)
+    q = gd.qk_rope_cache(qkv, *norms, cos, sin, p, kc, vc, nh, nkv, D, 1e-6, neox)
+    ref = gd.attention(q, kc, vc, p, D ** -0.5, out_dtype=torch.float32)
+    out = gd.attention(None, kc2, vc2, p, D ** -0.5, out_dtype=torch.float32,
+                       rope=(qkv, *norms, cos, sin, nh, 1e-6, neox))
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    assert rel_l2(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("E,k,norm", [(128, 8, True), (60, 4, False), (8, 2, True)])
 def test_router_topk(E, k, norm):
     g = _gen(E)

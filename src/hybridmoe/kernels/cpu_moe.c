@@ -729,15 +729,43 @@ static int64_t granule_bound(const int64_t *cost, int na, int64_t gpe, int part,
     return (int64_t)a * gpe + (u < gpe ? u : gpe);
 }
 
+/* the checks both MoE entry points make: known types, block-aligned H and F, expert ids < E */
+static int moe_args_ok(int gi, int di, int64_t T, int64_t H, int64_t F, int64_t k, const int32_t *ids, int64_t E) {
+    if (gi < 0 || di < 0 || T < 0 || H % 32 || F % 32 || H % TINFO[gi].qk || F % TINFO[di].qk || k < 1)
+        return 0;
+    for (int64_t p = 0; p < T * k; p++)
+        if (ids[p] >= E) return 0;
+    return 1;
+}
+
+/* routing: counting sort of the P = T k (token, slot) pairs by expert, stable in token order. Fills act
+ * (active experts, ascending), off [na + 1] (their pair offsets), ptok / pw [P] (token and router weight
+ * of each sorted pair); slot [E] and pos [E] are scratch. Returns na. */
+static int route_pairs(const int32_t *ids, const float *wts, int64_t P, int64_t k, int64_t E,
+                       int32_t *slot, int32_t *act, int64_t *off, int64_t *pos, int32_t *ptok, float *pw) {
+    memset(slot, 0, (size_t)E * 4);
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= 0) slot[ids[p]]++;
+    int na = 0;
+    off[0] = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (slot[e]) { act[na] = (int32_t)e; off[na + 1] = off[na] + slot[e]; slot[e] = na++; }
+    for (int a = 0; a < na; a++) pos[a] = off[a];
+    for (int64_t p = 0; p < P; p++) {
+        if (ids[p] < 0) continue;
+        const int64_t s = pos[slot[ids[p]]]++;
+        ptok[s] = (int32_t)(p / k);
+        pw[s] = wts[p];
+    }
+    return na;
+}
+
 int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
                int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                const uint8_t *down, int dtype, float *out, int nthreads) {
     const int gi = type_index(gtype), di = type_index(dtype);
-    if (gi < 0 || di < 0 || T < 0 || H % 32 || F % 32 || H % TINFO[gi].qk || F % TINFO[di].qk || k < 1)
-        return -1;
+    if (!moe_args_ok(gi, di, T, H, F, k, ids, E)) return -1;
     const int64_t P = T * k;
-    for (int64_t p = 0; p < P; p++)
-        if (ids[p] >= E) return -1;
     if (T == 0) return 0;
     const int64_t rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
     /* integer path for experts that see one token: x (and h) quantized once */
@@ -760,21 +788,7 @@ int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const f
     char *xqm = (char *)(((uintptr_t)(h + P * F) + 63) & ~(uintptr_t)63);  /* [T] quantized x */
     char *hqm = xqm + (size_t)T * xqb;                                      /* [P] quantized h */
 
-    /* routing: counting sort of pairs by expert, stable in token order */
-    memset(slot, 0, (size_t)E * 4);
-    for (int64_t p = 0; p < P; p++)
-        if (ids[p] >= 0) slot[ids[p]]++;
-    int na = 0;
-    off[0] = 0;
-    for (int64_t e = 0; e < E; e++)
-        if (slot[e]) { act[na] = (int32_t)e; off[na + 1] = off[na] + slot[e]; slot[e] = na++; }
-    for (int a = 0; a < na; a++) pos[a] = off[a];
-    for (int64_t p = 0; p < P; p++) {
-        if (ids[p] < 0) continue;
-        const int64_t s = pos[slot[ids[p]]]++;
-        ptok[s] = (int32_t)(p / k);
-        pw[s] = wts[p];
-    }
+    const int na = route_pairs(ids, wts, P, k, E, slot, act, off, pos, ptok, pw);
     /* A unit is gate and up rows f, f+1. Threads split granules of gu units (32 units = 64
      * rows when h is quantized for the integer path, so each 64-row block of h is finished by
      * one thread); a granule costs its bytes plus compute per token. */
@@ -1290,59 +1304,34 @@ int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const 
                 int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                 const uint8_t *down, int dtype, float *out, int nthreads) {
     const int gi = type_index(gtype), di = type_index(dtype);
-    if (gi < 0 || di < 0 || T < 0 || H % 32 || F % 32 || H % TINFO[gi].qk || F % TINFO[di].qk || k < 1)
-        return -1;
-    const int64_t P = T * k;
-    for (int64_t p = 0; p < P; p++)
-        if (ids[p] >= E) return -1;
+    if (!moe_args_ok(gi, di, T, H, F, k, ids, E)) return -1;
     if (g_tile < 0) g_tile = tile_best();
     const int mode = g_tile == TILE_OFF ? TILE_C : g_tile;
-    const int64_t rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
-    int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+    const int64_t P = T * k, rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
+    const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
     if (T == 0) return 0;
-
-    /* routing (counting sort, stable in token order) and token blocks; sizes first */
-    int32_t *cnt = calloc((size_t)E, 4);
-    if (!cnt) return -2;
-    for (int64_t p = 0; p < P; p++)
-        if (ids[p] >= 0) cnt[ids[p]]++;
-    int na = 0;
-    int64_t NB = 0, nbmax = 0;
-    for (int64_t e = 0; e < E; e++)
-        if (cnt[e]) { na++; const int64_t b = (cnt[e] + 15) / 16; NB += b; nbmax = b > nbmax ? b : nbmax; }
+    /* token blocks: at most P / 16 + one partial block per active expert; an expert has at most P pairs */
+    const int64_t nb_cap = P / 16 + (E < P ? E : P), nbmax_cap = (P + 15) / 16;
     const int64_t ld = (H > F ? H : F) + 32;                       /* A rows, elements apart */
-    const size_t scratch = ((size_t)32 * ld * 2 + (size_t)nbmax * 2048 + 63) & ~(size_t)63;
-    const size_t need = 64 + (size_t)na * 4 + (size_t)(na + 1) * 8 * 3 + (size_t)P * 8 + 64 * 4 +
-                        (size_t)NB * 16 * (H + F) * 2 + (size_t)nth * scratch;
+    const size_t scratch = ((size_t)32 * ld * 2 + (size_t)nbmax_cap * 2048 + 63) & ~(size_t)63;
+    const size_t need = 64 * 4 + (size_t)E * 4 * 2 + (size_t)(E + 1) * 8 * 3 + (size_t)P * 8 +
+                        (size_t)nb_cap * 16 * (H + F) * 2 + (size_t)nth * scratch;
     char *ws = workspace(need);
-    if (!ws) { free(cnt); return -2; }
-    int32_t *act = (int32_t *)ws;                                   /* [na] active experts, ascending */
-    int64_t *off = (int64_t *)(((uintptr_t)(act + na) + 63) & ~(uintptr_t)63); /* [na+1] pair offsets */
-    int64_t *boff = off + na + 1;                                   /* [na+1] token-block offsets */
-    int64_t *pos = boff + na + 1;                                   /* [na] fill cursor */
-    int32_t *ptok = (int32_t *)(pos + na + 1);                      /* [P] token of sorted pair */
+    if (!ws) return -2;
+    int32_t *slot = (int32_t *)ws;                                  /* [E] expert -> active index */
+    int32_t *act = slot + E;                                        /* [E] active experts, ascending */
+    int64_t *off = (int64_t *)(((uintptr_t)(act + E) + 63) & ~(uintptr_t)63);  /* [E+1] pair offsets */
+    int64_t *boff = off + E + 1;                                    /* [E+1] token-block offsets */
+    int64_t *pos = boff + E + 1;                                    /* [E+1] scratch */
+    int32_t *ptok = (int32_t *)(pos + E + 1);                       /* [P] token of sorted pair */
     float *pw = (float *)(ptok + P);                                /* [P] its router weight */
     uint32_t *xb = (uint32_t *)(((uintptr_t)(pw + P) + 63) & ~(uintptr_t)63);   /* [NB][H/2][16] */
-    uint32_t *hb = xb + NB * 16 * (H / 2);                          /* [NB][F/2][16] */
-    char *scr = (char *)(hb + NB * 16 * (F / 2));                   /* [nth][scratch] */
-    int32_t *slot = cnt;                                            /* expert -> active index */
-    int a0 = 0;
-    off[0] = boff[0] = 0;
-    for (int64_t e = 0; e < E; e++)
-        if (cnt[e]) {
-            act[a0] = (int32_t)e;
-            off[a0 + 1] = off[a0] + cnt[e];
-            boff[a0 + 1] = boff[a0] + (cnt[e] + 15) / 16;
-            slot[e] = a0++;
-        }
-    for (int a = 0; a < na; a++) pos[a] = off[a];
-    for (int64_t p = 0; p < P; p++) {
-        if (ids[p] < 0) continue;
-        const int64_t s = pos[slot[ids[p]]]++;
-        ptok[s] = (int32_t)(p / k);
-        pw[s] = wts[p];
-    }
-    free(cnt);
+    uint32_t *hb = xb + nb_cap * 16 * (H / 2);                      /* [NB][F/2][16] */
+    char *scr = (char *)(hb + nb_cap * 16 * (F / 2));               /* [nth][scratch] */
+    const int na = route_pairs(ids, wts, P, k, E, slot, act, off, pos, ptok, pw);
+    int64_t NB = 0;
+    boff[0] = 0;
+    for (int a = 0; a < na; a++) boff[a + 1] = NB += (off[a + 1] - off[a] + 15) / 16;
     const int64_t fu = F / 16, xs = 16 * (H / 2), hs = 16 * (F / 2);
 
 #pragma omp parallel num_threads(nth)

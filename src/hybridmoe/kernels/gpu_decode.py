@@ -72,46 +72,68 @@ if triton is not None:
         hd = tl.program_id(0)                          # q heads, then k heads
         p = tl.load(pos).to(tl.int64)
         i = tl.arange(0, D)
-        if NEOX:
-            partner = (i + D // 2) % D
-            sign = tl.where(i < D // 2, -1.0, 1.0)
-        else:
-            partner = i ^ 1
-            sign = tl.where(i % 2 == 0, -1.0, 1.0)
-        base = qkv + hd * D
-        x = tl.load(base + i).to(tl.float32)
-        xp = tl.load(base + partner).to(tl.float32)
-        if HAS_NORM:
-            r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-            if hd < nh:
-                x = x * r * tl.load(qn_w + i)
-                xp = xp * r * tl.load(qn_w + partner)
-            else:
-                x = x * r * tl.load(kn_w + i)
-                xp = xp * r * tl.load(kn_w + partner)
-        y = x * tl.load(cos + p * D + i) + sign * xp * tl.load(sin + p * D + i)
+        one = tl.arange(0, 1)                          # rows of one: _rope_rows works on [R, D]
+        row = qkv + (hd + one)[:, None] * D
+        col = i[None, :] + one[:, None] * 0
         if hd < nh:
-            tl.store(q_out + hd * D + i, y)
+            y = _rope_rows(row, qn_w, cos + p * D, sin + p * D, i, one[:, None] < 1, eps, D, NEOX, HAS_NORM)
+            tl.store(q_out + hd * D + col, y)
         else:
+            y = _rope_rows(row, kn_w, cos + p * D, sin + p * D, i, one[:, None] < 1, eps, D, NEOX, HAS_NORM)
             hk = hd - nh
-            tl.store(kc + hk * skh + p * skn + i, y.to(kc.dtype.element_ty))
+            tl.store(kc + hk * skh + p * skn + col, y.to(kc.dtype.element_ty))
             v = tl.load(qkv + (nh + nkv + hk) * D + i)
             tl.store(vc + hk * svh + p * svn + i, v.to(vc.dtype.element_ty))
 
     @triton.jit
+    def _rope_rows(src, w, cos_p, sin_p, d, rm, eps, D: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
+        """Rows [R, D] at src (row offsets already applied, masked by rm): RMSNorm with w (optional), then
+        RoPE with this position's cos/sin rows; float32."""
+        if NEOX:
+            partner = (d + D // 2) % D
+            sign = tl.where(d < D // 2, -1.0, 1.0)
+        else:
+            partner = d ^ 1
+            sign = tl.where(d % 2 == 0, -1.0, 1.0)
+        x = tl.load(src + d[None, :], mask=rm, other=0).to(tl.float32)
+        xp = tl.load(src + partner[None, :], mask=rm, other=0).to(tl.float32)
+        if HAS_NORM:
+            r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+            x = x * r[:, None] * tl.load(w + d)[None, :]
+            xp = xp * r[:, None] * tl.load(w + partner)[None, :]
+        return x * tl.load(cos_p + d)[None, :] + sign[None, :] * xp * tl.load(sin_p + d)[None, :]
+
+    @triton.jit
     def _attn_partial_kernel(q, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
-                             skh, skn, svh, svn,
-                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+                             skh, skn, svh, svn, qn_w, kn_w, cos, sin, nh, nkv, eps,
+                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                             ROPE: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
+        """Flash-decoding split s of KV head h. ROPE: q is the fused qkv row; this program norms and ropes
+        its query heads itself, and the split holding the position computes the new key/value from qkv,
+        uses them for that position and writes them to the cache (no other split reads it this step)."""
         h = tl.program_id(0)                           # KV head
         s = tl.program_id(1)                           # split of the cache
-        L = tl.load(pos).to(tl.int32) + 1
+        p = tl.load(pos).to(tl.int32)
+        L = p + 1
         lo = s * chunk
         hi = tl.minimum(lo + chunk, L)
         if lo < hi:
             g = tl.arange(0, GP)
             gm = g < G
             d = tl.arange(0, D)
-            qv = tl.load(q + (h * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0)
+            if ROPE:
+                cos_p, sin_p = cos + p.to(tl.int64) * D, sin + p.to(tl.int64) * D
+                qv = _rope_rows(q + (h * G + g)[:, None] * D, qn_w, cos_p, sin_p, d, gm[:, None], eps,
+                                D, NEOX, HAS_NORM)
+                one = tl.arange(0, 1)
+                knew = _rope_rows(q + (nh + h + one)[:, None] * D, kn_w, cos_p, sin_p, d, one[:, None] < 1, eps,
+                                  D, NEOX, HAS_NORM).to(kc.dtype.element_ty)                 # [1, D]
+                vnew = tl.load(q + (nh + nkv + h) * D + d[None, :] + one[:, None] * 0).to(vc.dtype.element_ty)
+                if hi == L:                            # this split holds the position: write the cache
+                    tl.store(kc + h * skh + p.to(tl.int64) * skn + d[None, :] + one[:, None] * 0, knew)
+                    tl.store(vc + h * svh + p.to(tl.int64) * svn + d[None, :] + one[:, None] * 0, vnew)
+            else:
+                qv = tl.load(q + (h * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0)
             qv = (qv * scale).to(kc.dtype.element_ty)
             m_i = tl.full([GP], float("-inf"), tl.float32)
             l_i = tl.zeros([GP], tl.float32)
@@ -120,6 +142,8 @@ if triton is not None:
                 n = start + tl.arange(0, BN)
                 nm = n < hi
                 kt = tl.load(kc + h * skh + n.to(tl.int64)[:, None] * skn + d[None, :], mask=nm[:, None], other=0)
+                if ROPE:
+                    kt = tl.where((n == p)[:, None], knew, kt)
                 sc = tl.dot(qv, tl.trans(kt))                                  # [GP, BN]
                 sc = tl.where(nm[None, :], sc, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -127,6 +151,8 @@ if triton is not None:
                 pr = tl.exp(sc - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(pr, axis=1)
                 vt = tl.load(vc + h * svh + n.to(tl.int64)[:, None] * svn + d[None, :], mask=nm[:, None], other=0)
+                if ROPE:
+                    vt = tl.where((n == p)[:, None], vnew, vt)
                 acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt)
                 m_i = m_new
             row = (h * n_split + s) * G + g
@@ -359,24 +385,37 @@ def qk_rope_cache(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, n_head, n_head_kv,
     return q
 
 
-def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16):
-    """Decode attention of q [nh, D] over cache positions 0..pos of kc/vc [nkv, n_ctx, D]: [1, nh * D]."""
-    nh, D = q.shape
-    nkv, n_ctx = kc.shape[0], kc.shape[1]
+def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None):
+    """Decode attention of q [nh, D] over cache positions 0..pos of kc/vc [nkv, n_ctx, D]: [1, nh * D].
+
+    rope=(qkv, q_norm, k_norm, cos, sin, n_head, eps, neox): q is None and the query comes from the fused
+    qkv row [1, (nh + 2 nkv) D], normed and roped here, and this position's key/value are computed and
+    written to the cache by the same launch (qk_rope_cache + attention in one kernel less)."""
+    nkv, n_ctx, D = kc.shape
+    nh = q.shape[0] if rope is None else rope[5]
     G = nh // nkv
     chunk = ATTN_CHUNK                                   # at most 512 splits: longer caches get longer ones
     if n_ctx > 512 * ATTN_CHUNK:
         chunk = -(-n_ctx // (512 * ATTN_BLOCK)) * ATTN_BLOCK
     n_split = -(-n_ctx // chunk)
-    o_part = torch.empty(nkv * n_split * G, D, dtype=torch.float32, device=q.device)
-    m_part = torch.empty(nkv * n_split * G, dtype=torch.float32, device=q.device)
+    dev = kc.device
+    o_part = torch.empty(nkv * n_split * G, D, dtype=torch.float32, device=dev)
+    m_part = torch.empty(nkv * n_split * G, dtype=torch.float32, device=dev)
     l_part = torch.empty_like(m_part)
-    with on_device(q):
-        _attn_partial_kernel[(nkv, n_split)](q, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
+    if rope is None:
+        src, qn, kn, cos, sin, eps, neox, has_norm = q, q, q, q, q, 0.0, False, False
+    else:
+        src, qn, kn, cos, sin, _, eps, neox = rope
+        has_norm = qn is not None
+        qn, kn = (qn, kn) if has_norm else (cos, cos)
+    with on_device(kc):
+        _attn_partial_kernel[(nkv, n_split)](src, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
                                              kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-                                             G=G, GP=max(16, _pow2(G)), D=D, BN=ATTN_BLOCK)
-    out = torch.empty(1, nh * D, dtype=out_dtype, device=q.device)
-    with on_device(q):
+                                             qn, kn, cos, sin, nh, nkv, eps,
+                                             G=G, GP=max(16, _pow2(G)), D=D, BN=ATTN_BLOCK,
+                                             ROPE=rope is not None, NEOX=neox, HAS_NORM=has_norm)
+    out = torch.empty(1, nh * D, dtype=out_dtype, device=dev)
+    with on_device(kc):
         _attn_merge_kernel[(nh,)](o_part, m_part, l_part, pos, out, chunk, n_split, G=G, D=D, SB=16)
     return out
 

@@ -63,27 +63,31 @@ def route(ids: torch.Tensor, n_expert: int):
     return order, counts
 
 
+def _mul_mat_id(x: torch.Tensor, ids: torch.Tensor, n_expert: int, n_out: int, rows) -> torch.Tensor:
+    """MUL_MAT_ID's loop: x [T, K] (shared by the k slots) or [T, k, K]; rows(x_rows, e) -> float32
+    [rows, n_out] for expert e. Returns float32 [T, k, n_out]."""
+    T, k = ids.shape
+    xs = x if x.dim() == 3 else x[:, None, :].expand(T, k, x.shape[-1])
+    xs = xs.reshape(T * k, -1)
+    order, counts = route(ids, n_expert)
+    out = torch.empty(T * k, n_out, dtype=torch.float32, device=xs.device)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            sel = order[start:start + c]
+            start += c
+            out[sel] = rows(xs[sel], e)
+    return out.view(T, k, -1)
+
+
 def expert_matmul(x: torch.Tensor, ids: torch.Tensor, w: QTensor, n_threads=None) -> torch.Tensor:
     """MUL_MAT_ID: x [T, K] (shared by the k slots) or [T, k, K]; W [E, N, K]. Returns float32 [T, k, N].
 
     Each expert's rows go through linear_raw, so the arithmetic is that of the fused path's kernels.
     """
-    T, k = ids.shape
-    xs = x.float()
-    if xs.dim() == 2:
-        xs = xs[:, None, :].expand(T, k, xs.shape[-1])
-    xs = xs.reshape(T * k, -1)
-    order, counts = route(ids, w.shape[0])
-    out = torch.empty(T * k, w.shape[1], dtype=torch.float32, device=xs.device)
     meta = QTensor(w.name, w.raw[0], w.qtype, w.shape[1:], w.device)
-    start = 0
-    for e, c in enumerate(counts.tolist()):
-        if c == 0:
-            continue
-        sel = order[start:start + c]
-        start += c
-        out[sel] = linear_raw(xs[sel], w.raw[e], meta, w.device, n_threads)
-    return out.view(T, k, -1)
+    return _mul_mat_id(x.float(), ids, w.shape[0], w.shape[1],
+                       lambda xe, e: linear_raw(xe, w.raw[e], meta, w.device, n_threads))
 
 
 def reference_moe(x, ids, wts, gate: QTensor, up: QTensor, down: QTensor, graw=None, uraw=None, draw=None):
@@ -212,20 +216,8 @@ def swiglu_oai(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float) -> 
 def expert_matmul_dequant(x: torch.Tensor, ids: torch.Tensor, w: QTensor) -> torch.Tensor:
     """MUL_MAT_ID by dequantized experts: x [T, K] (shared by the k slots) or [T, k, K]; W [E, N, K].
     Returns float32 [T, k, N]."""
-    T, k = ids.shape
     dt = _compute_dtype(w.raw)
-    xs = x if x.dim() == 3 else x[:, None, :].expand(T, k, x.shape[-1])
-    xs = xs.reshape(T * k, -1)
-    order, counts = route(ids, w.shape[0])
-    out = torch.empty(T * k, w.shape[1], dtype=torch.float32, device=xs.device)
-    start = 0
-    for e, c in enumerate(counts.tolist()):
-        if c == 0:
-            continue
-        sel = order[start:start + c]
-        start += c
-        out[sel] = (xs[sel].to(dt) @ _deq(w.raw, e, w, dt).t()).float()
-    return out.view(T, k, -1)
+    return _mul_mat_id(x, ids, w.shape[0], w.shape[1], lambda xe, e: (xe.to(dt) @ _deq(w.raw, e, w, dt).t()).float())
 
 
 def moe_biased(x, ids, wts, raws, ws, biases, alpha: float, limit: float, stats=None) -> torch.Tensor:

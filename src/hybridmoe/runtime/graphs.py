@@ -197,9 +197,9 @@ class StaticDecoder:
             x = xs
         qkv = hb @ lay["wqkv"].t()
         kc, vc = self.kv.k[i], self.kv.v[i]
-        q = gd.qk_rope_cache(qkv, lay["q_norm"], lay["k_norm"], ds.cos, ds.sin, ds.pos, kc, vc,
-                             cfg.n_head, cfg.n_head_kv, cfg.head_dim, eps, cfg.rope_neox)
-        o = gd.attention(q, kc, vc, ds.pos, cfg.head_dim ** -0.5, out_dtype=self.cdt)
+        o = gd.attention(None, kc, vc, ds.pos, cfg.head_dim ** -0.5, out_dtype=self.cdt,   # q/k norm + RoPE +
+                         rope=(qkv, lay["q_norm"], lay["k_norm"], ds.cos, ds.sin, cfg.n_head, eps,  # KV write
+                               cfg.rope_neox))                                                    # fused in
         cpu = bool(lay.get("cpu_experts"))
         x2 = ds.resid if cpu else torch.empty_like(x)
         _, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=o @ lay["wo"].t(), x_out=x2,
