@@ -1,0 +1,75 @@
+"""The MoE decode kernels (kernels/gpu_decode.py) alone, per tile configuration, at the Qwen3-30B-A3B expert
+shape (E=128, k=8, H=2048, F=768), one token: microseconds and GB/s of expert bytes read, against a device
+copy's bandwidth. For choosing gpu_decode._MOE_TILES. Usage (GPU machine):
+
+    python3 benchmarks/bench_moe_decode.py [Q4_0,Q8_0,Q4_K]
+"""
+import itertools
+import sys
+
+import torch
+import triton
+
+from hybridmoe.kernels import gpu_decode as gd
+from hybridmoe.quant.ref import random_blocks
+from hybridmoe.quant.types import GGMLType, row_bytes
+
+E, K_USED, H, F = 128, 8, 2048, 768
+
+
+def timed(fn, reps=200):
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps * 1e-3
+
+
+def main(types):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    copy_bw = 2 * big.numel() / timed(lambda: big.clone(), 10)
+    del big
+    print(f"device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    for name in types:
+        q = GGMLType[name]
+        graw, uraw = (random_blocks(q, (E, F, H), g) for _ in range(2))
+        draw = random_blocks(q, (E, H, F), g)
+        x = torch.randn(1, H, device="cuda", generator=g)
+        ids = torch.randperm(E, device="cuda", generator=g)[:K_USED][None].to(torch.int32)
+        wts = torch.softmax(torch.randn(1, K_USED, device="cuda", generator=g), -1)
+        h = torch.empty(K_USED, F, device="cuda")
+        out = torch.empty(K_USED, H, device="cuda")
+        gu_bytes = 2 * K_USED * F * row_bytes(q, H)
+        d_bytes = K_USED * H * row_bytes(q, F)
+        qt = gd.QTYPES[q]
+        auto = timed(lambda: gd.moe(x, ids, wts, graw, uraw, draw, q, q))
+        print(f"\n{name}: autotuned gd.moe (both kernels + sum): {auto * 1e6:.1f} us, "
+              f"{(gu_bytes + d_bytes) / auto / 1e9:.0f} GB/s")
+        rows = []
+        for bn, nb, w in itertools.product((1, 2, 4, 8, 16, 32), (8, 16, 32, 64), (1, 2, 4, 8)):
+            if bn * nb > 512 or (qt >= 2 and nb < 8):
+                continue
+            try:
+                t_gu = timed(lambda: gd._moe_gate_up_kernel.fn[(K_USED, triton.cdiv(F, bn))](
+                    x, ids, graw, uraw, h, H, F, K_USED, graw.stride(0), graw.stride(1), uraw.stride(0),
+                    uraw.stride(1), QT=qt, BN=bn, NB=nb, num_warps=w))
+                t_d = timed(lambda: gd._moe_down_kernel.fn[(K_USED, triton.cdiv(H, bn))](
+                    h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), QT=qt, BN=bn, NB=nb,
+                    num_warps=w))
+            except Exception as e:                      # noqa: BLE001 - a config this GPU can't build
+                print(f"  BN={bn} NB={nb} warps={w}: {type(e).__name__}")
+                continue
+            rows.append((t_gu, t_d, bn, nb, w))
+        for key, label, nbytes in ((0, "gate/up", gu_bytes), (1, "down", d_bytes)):
+            print(f"  {label}: best configs (BN, NB, warps): us, GB/s")
+            for r in sorted(rows, key=lambda r: r[key])[:6]:
+                print(f"    {r[2:]}: {r[key] * 1e6:.1f} us, {nbytes / r[key] / 1e9:.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["Q4_0", "Q8_0", "Q4_K"])
