@@ -1332,7 +1332,7 @@ int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const 
     int64_t NB = 0;
     boff[0] = 0;
     for (int a = 0; a < na; a++) boff[a + 1] = NB += (off[a + 1] - off[a] + 15) / 16;
-    const int64_t fu = F / 16, xs = 16 * (H / 2), hs = 16 * (F / 2);
+    const int64_t fu = F / 16, fgn = (fu + 3) / 4, xs = 16 * (H / 2), hs = 16 * (F / 2);
 
 #pragma omp parallel num_threads(nth)
     {
@@ -1359,43 +1359,52 @@ int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const 
                 }
             }
         }
-        /* ---- stage 1: (expert, 16 rows of F) */
+        /* ---- stage 1: (expert, 64 rows of F), 16 at a time: the expert's token blocks stay in this
+         * core's cache across the unit (with 16-row units each core re-read them from L3) */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < (int64_t)na * fu; u++) {
-            const int a = (int)(u / fu);
-            const int64_t f0 = (u % fu) * 16, e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
-            deq_rows_bf16(gi, gate + e * F * rbg, rbg, f0, 16, H, Aw, ld);
-            deq_rows_bf16(gi, up + e * F * rbg, rbg, f0, 16, H, Aw + 16 * ld, ld);
-            tile_product(mode, Aw, Aw + 16 * ld, ld, xb + boff[a] * xs, xs, (int)nb, H, C);
-            for (int64_t j = 0; j < nb; j++) {
-                uint16_t *hd = (uint16_t *)(hb + (boff[a] + j) * hs);
-                const float *cg = C + j * 512, *cu = cg + 256;
-                for (int m = 0; m < 16; m++) {
-                    const int64_t f = f0 + m;
-                    uint16_t *hrow = hd + (f / 2) * 32 + (f & 1);
-                    for (int n = 0; n < 16; n++) {
-                        const float g = cg[m * 16 + n];
-                        hrow[2 * n] = j * 16 + n < cn ? bf16_rne(g / (1.0f + exp_vec(-g)) * cu[m * 16 + n]) : 0;
+        for (int64_t u = 0; u < (int64_t)na * fgn; u++) {
+            const int a = (int)(u / fgn);
+            const int64_t e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
+            const int64_t fb1 = ((u % fgn) + 1) * 4 < fu ? ((u % fgn) + 1) * 4 : fu;
+            for (int64_t fb = (u % fgn) * 4; fb < fb1; fb++) {
+                const int64_t f0 = fb * 16;
+                deq_rows_bf16(gi, gate + e * F * rbg, rbg, f0, 16, H, Aw, ld);
+                deq_rows_bf16(gi, up + e * F * rbg, rbg, f0, 16, H, Aw + 16 * ld, ld);
+                tile_product(mode, Aw, Aw + 16 * ld, ld, xb + boff[a] * xs, xs, (int)nb, H, C);
+                for (int64_t j = 0; j < nb; j++) {
+                    uint16_t *hd = (uint16_t *)(hb + (boff[a] + j) * hs);
+                    const float *cg = C + j * 512, *cu = cg + 256;
+                    for (int m = 0; m < 16; m++) {
+                        const int64_t f = f0 + m;
+                        uint16_t *hrow = hd + (f / 2) * 32 + (f & 1);
+                        float hv[16];
+                        for (int n = 0; n < 16; n++) {            /* branch-free: vectorizes */
+                            const float g = cg[m * 16 + n];
+                            hv[n] = g / (1.0f + exp_vec(-g)) * cu[m * 16 + n];
+                        }
+                        for (int n = 0; n < 16; n++) hrow[2 * n] = j * 16 + n < cn ? bf16_rne(hv[n]) : 0;
                     }
                 }
             }
         }
-        /* ---- stage 2: 32 rows of H, all experts */
+        /* ---- stage 2: 64 rows of H (32 at a time), all experts: an expert's h blocks serve both halves */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t v = 0; v < H / 32; v++) {
-            const int64_t h0 = v * 32;
-            for (int64_t t = 0; t < T; t++) memset(out + t * H + h0, 0, 32 * 4);
+        for (int64_t v = 0; v < (H + 63) / 64; v++) {
+            const int64_t h0 = v * 64, hn = H - h0 < 64 ? H - h0 : 64;
+            for (int64_t t = 0; t < T; t++) memset(out + t * H + h0, 0, (size_t)hn * 4);
             for (int a = 0; a < na; a++) {
                 const int64_t e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
-                deq_rows_bf16(di, down + e * H * rbd, rbd, h0, 32, F, Aw, ld);
-                tile_product(mode, Aw, Aw + 16 * ld, ld, hb + boff[a] * hs, hs, (int)nb, F, C);
-                for (int64_t j = 0; j < nb; j++)
-                    for (int n = 0; n < 16 && j * 16 + n < cn; n++) {
-                        const int64_t p = off[a] + j * 16 + n;
-                        float *o = out + (int64_t)ptok[p] * H + h0;
-                        const float w = pw[p], *c = C + j * 512 + n;
-                        for (int m = 0; m < 32; m++) o[m] += w * c[(m >> 4) * 256 + (m & 15) * 16];
-                    }
+                for (int64_t r0 = h0; r0 < h0 + hn; r0 += 32) {
+                    deq_rows_bf16(di, down + e * H * rbd, rbd, r0, 32, F, Aw, ld);
+                    tile_product(mode, Aw, Aw + 16 * ld, ld, hb + boff[a] * hs, hs, (int)nb, F, C);
+                    for (int64_t j = 0; j < nb; j++)
+                        for (int n = 0; n < 16 && j * 16 + n < cn; n++) {
+                            const int64_t p = off[a] + j * 16 + n;
+                            float *o = out + (int64_t)ptok[p] * H + r0;
+                            const float w = pw[p], *c = C + j * 512 + n;
+                            for (int m = 0; m < 32; m++) o[m] += w * c[(m >> 4) * 256 + (m & 15) * 16];
+                        }
+                }
             }
         }
 #if HM_AMX
