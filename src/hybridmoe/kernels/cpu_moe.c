@@ -1293,6 +1293,10 @@ static inline void tile_product(int mode, const uint16_t *A0, const uint16_t *A1
     tile_c(A0, A1, lda, B, bstride, nb, K, C);
 }
 
+static inline void prefetch_l2(const uint8_t *p, int64_t n) {
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 2);
+}
+
 /* rows [r0, r0 + n) of a quantized matrix -> bf16 rows of K at dst, ld elements apart (K + 32:
  * rows 4 KiB apart would share one L1 set, and a tile load reads 16 of them) */
 static inline void deq_rows_bf16(int ti, const uint8_t *w, int64_t rb, int64_t r0, int n, int64_t K,
@@ -1368,6 +1372,10 @@ int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const 
             const int64_t fb1 = ((u % fgn) + 1) * 4 < fu ? ((u % fgn) + 1) * 4 : fu;
             for (int64_t fb = (u % fgn) * 4; fb < fb1; fb++) {
                 const int64_t f0 = fb * 16;
+                if (fb + 1 < fb1) {                               /* the next 16 rows, into L2 */
+                    prefetch_l2(gate + (e * F + f0 + 16) * rbg, 16 * rbg);
+                    prefetch_l2(up + (e * F + f0 + 16) * rbg, 16 * rbg);
+                }
                 deq_rows_bf16(gi, gate + e * F * rbg, rbg, f0, 16, H, Aw, ld);
                 deq_rows_bf16(gi, up + e * F * rbg, rbg, f0, 16, H, Aw + 16 * ld, ld);
                 tile_product(mode, Aw, Aw + 16 * ld, ld, xb + boff[a] * xs, xs, (int)nb, H, C);
@@ -1395,6 +1403,8 @@ int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const 
             for (int a = 0; a < na; a++) {
                 const int64_t e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
                 for (int64_t r0 = h0; r0 < h0 + hn; r0 += 32) {
+                    if (r0 + 32 < h0 + hn) prefetch_l2(down + (e * H + r0 + 32) * rbd, 32 * rbd);
+                    else if (a + 1 < na) prefetch_l2(down + ((int64_t)act[a + 1] * H + h0) * rbd, 32 * rbd);
                     deq_rows_bf16(di, down + e * H * rbd, rbd, r0, 32, F, Aw, ld);
                     tile_product(mode, Aw, Aw + 16 * ld, ld, hb + boff[a] * hs, hs, (int)nb, F, C);
                     for (int64_t j = 0; j < nb; j++)
