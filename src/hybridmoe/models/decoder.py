@@ -68,17 +68,22 @@ class Layer:
 
 class Decoder:
     static_decode = True              # runtime/graphs.py's static step can run this block (when placed for it)
+    layer_class = Layer
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler):
         self.cfg, self.w, self.sched = cfg, weights, sched
         self.token_embd = weights["token_embd.weight"]
-        self.layers = [Layer(cfg, i, weights) for i in range(cfg.n_layer)]
+        self.layers = [self.layer_class(cfg, i, weights) for i in range(cfg.n_layer)]
         self.output_norm = weights["output_norm.weight"]
         # Tied embeddings: models without output.weight reuse token_embd (as llama.cpp does).
         self.output = weights.get("output.weight", self.token_embd)
         self._mla = {}                                                        # (layer, device) -> (W_UK, W_UV)
-        sched.set_expert_layers({L.i: (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
-                                 for L in self.layers if L.ffn_gate_inp is not None}, cfg.n_expert_used)
+        sched.set_expert_layers(self.expert_layers(), cfg.n_expert_used)
+
+    def expert_layers(self) -> dict:
+        """layer -> (gate, up, down) expert tensors, for the uploader to send a layer ahead."""
+        return {L.i: (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps) for L in self.layers
+                if L.ffn_gate_inp is not None}
 
     def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab] float32 (or [1, n_vocab] for the last position only)."""

@@ -56,18 +56,15 @@ class GptOssLayer:
 
 class GptOssDecoder(Decoder):
     static_decode = False             # runtime/graphs.py's step has neither biases, sinks nor swiglu_oai
+    layer_class = GptOssLayer
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler):
-        self.cfg, self.w, self.sched = cfg, weights, sched
-        self.token_embd = weights["token_embd.weight"]
-        self.layers = [GptOssLayer(cfg, i, weights) for i in range(cfg.n_layer)]
-        self.output_norm = weights["output_norm.weight"]
-        self.output = weights.get("output.weight", self.token_embd)
-        self._mla = {}
-        # no expert layers for the uploader's prefetch: moe_biased uploads whole tensors itself
-        sched.set_expert_layers({}, cfg.n_expert_used)
+        super().__init__(cfg, weights, sched)
         m = yarn_rope_mscale(cfg.rope_yarn)
         self.scale = cfg.head_dim ** -0.5 * m * m        # YaRN's cos/sin factor, on both q and k
+
+    def expert_layers(self) -> dict:
+        return {}                     # no prefetch a layer ahead: moe_biased uploads whole tensors itself
 
     def attention(self, L: GptOssLayer, x, positions, kv: KVCache, rope: dict):
         cfg, s = self.cfg, self.sched
