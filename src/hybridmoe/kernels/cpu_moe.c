@@ -1149,7 +1149,7 @@ int hm_combine_bf16(const uint16_t *y, const int64_t *slot, const float *w, int6
 #define HM_DPBF16 0
 #endif
 
-enum { TILE_OFF = 0, TILE_C = 1, TILE_BF16 = 2, TILE_AMX = 3 };
+enum { TILE_C = 1, TILE_BF16 = 2, TILE_AMX = 3 };
 static int g_tile = -1;            /* -1: not decided yet (the best available on first use) */
 
 static int tile_best(void) {
@@ -1310,7 +1310,7 @@ int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const 
     const int gi = type_index(gtype), di = type_index(dtype);
     if (!moe_args_ok(gi, di, T, H, F, k, ids, E)) return -1;
     if (g_tile < 0) g_tile = tile_best();
-    const int mode = g_tile == TILE_OFF ? TILE_C : g_tile;
+    const int mode = g_tile;
     const int64_t P = T * k, rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
     const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
     if (T == 0) return 0;
@@ -1424,7 +1424,7 @@ int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const 
     return 0;
 }
 
-/* the tile-product implementation: 0 = none fast (portable C only), 2 = AVX512-BF16, 3 = AMX;
+/* the tile-product implementation: 1 = portable C, 2 = AVX512-BF16, 3 = AMX;
  * set: -1 = query, else force (an unavailable mode is refused: returns the current one) */
 int hm_tile_mode(int set) {
     if (g_tile < 0) g_tile = tile_best();
