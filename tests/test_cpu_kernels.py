@@ -237,6 +237,34 @@ def test_tile_kernel_every_mode(q, dq):
         cpu.moe_ffn(x, bad, w, gate, up, down, q, dq, impl="tile")
 
 
+@pytest.mark.parametrize("q", [G.MXFP4, G.Q4_0, G.Q8_0], ids=lambda v: v.name)
+@pytest.mark.parametrize("T,impl", [(1, "kernel"), (7, "kernel"), (40, "tile")])
+def test_gpt_oss_experts(q, T, impl):
+    """gpt-oss's experts (biases, clamped SwiGLU) in the C kernels against float64; inputs large enough that
+    the clamps at 7 act on a good share of gate and up values."""
+    E, H, F = shapes(q, T)
+    gate, up, down = experts(q, E, H, F)
+    g = torch.Generator().manual_seed(30 + T)
+    x = 60 * torch.randn(T, H, generator=g)
+    ids, w = routing(T, E, 4, g)
+    oai = (torch.randn(E, F, generator=g), torch.randn(E, F, generator=g), torch.randn(E, H, generator=g),
+           1.702, 7.0)
+    ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, q, torch.float64, oai=oai)
+    gd = x.double() @ dequantize(gate[int(ids[0, 0])], q, H, torch.float64).T
+    assert 0.05 < float((gd.abs() > 7).double().mean()) < 0.95          # the clamps matter here
+    best = cpu.tile_mode()
+    modes = ["amx", "avx512-bf16", "c"]
+    try:
+        for mode in (modes[modes.index(best):] if impl == "tile" else [best]):
+            cpu.tile_mode(mode)
+            out = torch.full((T, H), float("nan"))
+            cpu.moe_ffn(x, ids, w, gate, up, down, q, q, out=out, impl=impl, oai=oai)
+            assert torch.isfinite(out).all()
+            assert rel_l2(out, ref) < (BAND["gemm"] if impl == "tile" else BAND["int"]), mode
+    finally:
+        cpu.tile_mode(best)
+
+
 def test_deterministic_across_thread_counts():
     q = G.Q4_0
     E, H, F = shapes(q, 7)

@@ -125,9 +125,10 @@ def _load():
         lib.hm_silu_mul_bf16.argtypes = [vp, i64, i64, vp, i32]
         lib.hm_combine_bf16.argtypes = [vp, vp, vp, i64, i64, i64, vp, i32]
         lib.hm_moe_tile.argtypes = lib.hm_moe_ffn.argtypes
+        lib.hm_moe_oai.argtypes = lib.hm_moe_ffn.argtypes + [vp, vp, vp, ctypes.c_float, ctypes.c_float, i32]
         lib.hm_tile_mode.argtypes = [i32]
         lib.hm_simd.restype = ctypes.c_char_p
-        for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_tile_mode, lib.hm_qmatmul, lib.hm_dequant,
+        for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_tile_mode, lib.hm_qmatmul, lib.hm_dequant,
                   lib.hm_set_generic, lib.hm_set_int8):
             f.restype = i32
         _moe, _qmm, _deq = lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant
@@ -207,10 +208,17 @@ def _threads(n_threads):
 
 # ----------------------------------------------------------------- references
 
+def swiglu_oai(g, u, alpha: float, limit: float):
+    """gpt-oss's expert activation: gate clamped from above, up on both sides, g sigmoid(alpha g) (u + 1)."""
+    g = g.clamp(max=limit)
+    return g * torch.sigmoid(alpha * g) * (u.clamp(-limit, limit) + 1)
+
+
 def reference_moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
-                      dtype=torch.float32, out=None) -> torch.Tensor:
+                      dtype=torch.float32, out=None, oai=None) -> torch.Tensor:
     """Plain torch MoE FFN via dequantize, computed in `dtype` (float32 or float64).
-    ids < 0 contribute nothing. Returns [T, H] in `dtype` (or writes `out`)."""
+    ids < 0 contribute nothing. Returns [T, H] in `dtype` (or writes `out`). oai = (bg, bu, bd, alpha,
+    limit): gpt-oss's biased experts and clamped SwiGLU instead of silu(gate) * up."""
     T, H = x.shape
     F = gate_raw.shape[1]
     xd = x.to(dtype)
@@ -225,8 +233,13 @@ def reference_moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, d
         u = dequantize(up_raw[e], gate_qtype, H, dtype)
         d = dequantize(down_raw[e], down_qtype, F, dtype)
         xe = xd[tok]
-        h = Fn.silu(xe @ g.T) * (xe @ u.T)
-        res.index_add_(0, tok, (h @ d.T) * wflat[pairs, None])
+        if oai is None:
+            y = (Fn.silu(xe @ g.T) * (xe @ u.T)) @ d.T
+        else:
+            bg, bu, bd, alpha, limit = oai
+            h = swiglu_oai(xe @ g.T + bg[e].to(dtype), xe @ u.T + bu[e].to(dtype), alpha, limit)
+            y = h @ d.T + bd[e].to(dtype)
+        res.index_add_(0, tok, y * wflat[pairs, None])
     if out is not None:
         out.copy_(res)
         return out
@@ -241,7 +254,7 @@ def reference_qmatmul(x, w_raw, qtype, n_cols, dtype=torch.float32) -> torch.Ten
 # ----------------------------------------------------------------- public API
 
 def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
-            n_threads=None, out=None, impl=None) -> torch.Tensor:
+            n_threads=None, out=None, impl=None, oai=None) -> torch.Tensor:
     """out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j].
 
     x: float32 [T, H]; ids: int32 [T, k] (int64 accepted; ids < 0 are skipped); weights:
@@ -249,7 +262,9 @@ def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
     [E, H, row_bytes(down_qtype, F)], all contiguous CPU tensors (mmapped ones are fine: the
     weights are read in place, never copied). `out`: optional preallocated float32 [T, H].
     impl: None (by batch size), "kernel" (C streaming kernel), "tile" (C grouped bf16 tile GEMM: AMX or
-    AVX512-BF16), "gemm" (dequantize to bf16 + torch.mm) or "torch" (reference, float32)."""
+    AVX512-BF16), "gemm" (dequantize to bf16 + torch.mm) or "torch" (reference, float32).
+    oai = (bg, bu, bd, alpha, limit): gpt-oss's experts, with float32 biases bg, bu [E, F] and bd [E, H]
+    and the clamped SwiGLU (the C kernels; "gemm" then runs the streaming kernel)."""
     lib = _lib if _lib else _load()
     T = x.shape[0]
     if impl is None:
@@ -257,7 +272,7 @@ def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
     gq, dq = int(gate_qtype), int(down_qtype)
     if lib is None or impl == "torch" or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES:
         return reference_moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
-                                 torch.float32, out)
+                                 torch.float32, out, oai)
     H = x.shape[1]
     E, F = gate_raw.shape[0], gate_raw.shape[1]
     if ids.dtype is not torch.int32:
@@ -277,11 +292,19 @@ def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
             f"{down_raw.dtype} (expected gate/up [E, F, {_rb(gq, H)}], down [E, {H}, {_rb(dq, F)}], contiguous uint8)")
     if out is None:
         out = torch.empty(T, H, dtype=torch.float32)
-    if impl == "gemm":
+    args = (x.data_ptr(), T, H, ids.data_ptr(), weights.data_ptr(), ids.shape[1], gate_raw.data_ptr(),
+            up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq, out.data_ptr(), n_threads or torch.get_num_threads())
+    if oai is not None:
+        bg, bu, bd, alpha, limit = oai
+        bg, bu, bd = (b.float().contiguous() for b in (bg, bu, bd))
+        if bg.shape != (E, F) or bu.shape != (E, F) or bd.shape != (E, H):
+            raise ValueError(f"moe_ffn: biases {tuple(bg.shape)}, {tuple(bu.shape)}, {tuple(bd.shape)}; "
+                             f"expected [{E}, {F}], [{E}, {F}], [{E}, {H}]")
+        rc = lib.hm_moe_oai(*args, bg.data_ptr(), bu.data_ptr(), bd.data_ptr(), alpha, limit, int(impl == "tile"))
+    elif impl == "gemm":
         return _moe_ffn_gemm(x, ids, weights, gate_raw, up_raw, down_raw, gq, dq, _threads(n_threads), out)
-    rc = (lib.hm_moe_tile if impl == "tile" else _moe)(x.data_ptr(), T, H, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
-              gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq,
-              out.data_ptr(), n_threads or torch.get_num_threads())
+    else:
+        rc = (lib.hm_moe_tile if impl == "tile" else _moe)(*args)
     if rc:
         raise ValueError(f"moe_ffn: kernel rejected the call (rc={rc}): an expert id >= E={E}, or "
                          f"H={H} / F={F} not a multiple of the block size of the types")

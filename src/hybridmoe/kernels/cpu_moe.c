@@ -729,6 +729,30 @@ static int64_t granule_bound(const int64_t *cost, int na, int64_t gpe, int part,
     return (int64_t)a * gpe + (u < gpe ? u : gpe);
 }
 
+/* The expert activation between gate/up and down. 0: silu(g) * u (Qwen3, DeepSeek, llama). 1: gpt-oss's
+ * "swiglu_oai": g, u take their biases, g is clamped from above and u on both sides at `limit`, then
+ * g * sigmoid(alpha g) * (u + 1); down takes its bias too. Biases are float32 [E, F] (gate, up), [E, H]. */
+typedef struct {
+    int kind;
+    float alpha, limit;
+    const float *bg, *bu, *bd;
+} moe_act;
+
+static const moe_act ACT_SILU = {0, 0.0f, 0.0f, NULL, NULL, NULL};
+
+static inline float act_h(const moe_act *A, float g, float u, int64_t e, int64_t F, int64_t f) {
+    if (!A->kind) return silu(g) * u;
+    g += A->bg[e * F + f];
+    u += A->bu[e * F + f];
+    g = g < A->limit ? g : A->limit;
+    u = u < -A->limit ? -A->limit : u > A->limit ? A->limit : u;
+    return g / (1.0f + expf(-A->alpha * g)) * (u + 1.0f);
+}
+
+static inline float down_bias(const moe_act *A, int64_t e, int64_t H, int64_t r) {
+    return A->bd ? A->bd[e * H + r] : 0.0f;
+}
+
 /* the checks both MoE entry points make: known types, block-aligned H and F, expert ids < E */
 static int moe_args_ok(int gi, int di, int64_t T, int64_t H, int64_t F, int64_t k, const int32_t *ids, int64_t E) {
     if (gi < 0 || di < 0 || T < 0 || H % 32 || F % 32 || H % TINFO[gi].qk || F % TINFO[di].qk || k < 1)
@@ -760,9 +784,9 @@ static int route_pairs(const int32_t *ids, const float *wts, int64_t P, int64_t 
     return na;
 }
 
-int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
-               int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
-               const uint8_t *down, int dtype, float *out, int nthreads) {
+static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
+                       int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                       const uint8_t *down, int dtype, float *out, int nthreads, const moe_act *A) {
     const int gi = type_index(gtype), di = type_index(dtype);
     if (!moe_args_ok(gi, di, T, H, F, k, ids, E)) return -1;
     const int64_t P = T * k;
@@ -853,8 +877,8 @@ int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const f
                 }
                 for (int i = 0; i < m; i++) {
                     float *hp = h + (s0 + tt + i) * F + f;
-                    hp[0] = silu(res[0 * m + i]) * res[2 * m + i];
-                    hp[1] = silu(res[1 * m + i]) * res[3 * m + i];
+                    hp[0] = act_h(A, res[0 * m + i], res[2 * m + i], e, F, f);
+                    hp[1] = act_h(A, res[1 * m + i], res[3 * m + i], e, F, f + 1);
                 }
             }
             if (q8d && (g % units) % 32 == 31) {   /* a 64-row block of h is complete */
@@ -914,7 +938,7 @@ int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const f
                     for (int i = 0; i < m; i++) {
                         const int64_t s = s0 + tt + i;
                         float *o = out + (int64_t)ptok[s] * H + r1;
-                        for (int c = 0; c < R; c++) o[c] += pw[s] * res[c * m + i];
+                        for (int c = 0; c < R; c++) o[c] += pw[s] * (res[c * m + i] + down_bias(A, e, H, r1 + c));
                     }
                 }
                 r1 += R;
@@ -1304,9 +1328,9 @@ static inline void deq_rows_bf16(int ti, const uint8_t *w, int64_t rb, int64_t r
     for (int m = 0; m < n; m++) deq_row(ti, w + (r0 + m) * rb, K, dst + m * ld, 1);
 }
 
-int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
-                int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
-                const uint8_t *down, int dtype, float *out, int nthreads) {
+static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
+                        int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                        const uint8_t *down, int dtype, float *out, int nthreads, const moe_act *A) {
     const int gi = type_index(gtype), di = type_index(dtype);
     if (!moe_args_ok(gi, di, T, H, F, k, ids, E)) return -1;
     if (g_tile < 0) g_tile = tile_best();
@@ -1386,9 +1410,13 @@ int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const 
                         const int64_t f = f0 + m;
                         uint16_t *hrow = hd + (f / 2) * 32 + (f & 1);
                         float hv[16];
-                        for (int n = 0; n < 16; n++) {            /* branch-free: vectorizes */
-                            const float g = cg[m * 16 + n];
-                            hv[n] = g / (1.0f + exp_vec(-g)) * cu[m * 16 + n];
+                        if (!A->kind) {
+                            for (int n = 0; n < 16; n++) {        /* branch-free: vectorizes */
+                                const float g = cg[m * 16 + n];
+                                hv[n] = g / (1.0f + exp_vec(-g)) * cu[m * 16 + n];
+                            }
+                        } else {
+                            for (int n = 0; n < 16; n++) hv[n] = act_h(A, cg[m * 16 + n], cu[m * 16 + n], e, F, f);
                         }
                         for (int n = 0; n < 16; n++) hrow[2 * n] = j * 16 + n < cn ? bf16_rne(hv[n]) : 0;
                     }
@@ -1412,7 +1440,8 @@ int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const 
                             const int64_t p = off[a] + j * 16 + n;
                             float *o = out + (int64_t)ptok[p] * H + r0;
                             const float w = pw[p], *c = C + j * 512 + n;
-                            for (int m = 0; m < 32; m++) o[m] += w * c[(m >> 4) * 256 + (m & 15) * 16];
+                            for (int m = 0; m < 32; m++)
+                                o[m] += w * (c[(m >> 4) * 256 + (m & 15) * 16] + down_bias(A, e, H, r0 + m));
                         }
                 }
             }
@@ -1422,6 +1451,30 @@ int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const 
 #endif
     }
     return 0;
+}
+
+int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
+               int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+               const uint8_t *down, int dtype, float *out, int nthreads) {
+    return moe_ffn_act(x, T, H, ids, wts, k, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
+}
+
+int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
+                int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                const uint8_t *down, int dtype, float *out, int nthreads) {
+    return moe_tile_act(x, T, H, ids, wts, k, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
+}
+
+/* gpt-oss's experts: biases bg, bu [E, F] and bd [E, H] (float32) and the clamped SwiGLU; tile = 1 runs
+ * the grouped tile kernel, else the streaming one */
+int hm_moe_oai(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
+               int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+               const uint8_t *down, int dtype, float *out, int nthreads,
+               const float *bg, const float *bu, const float *bd, float alpha, float limit, int tile) {
+    if (!bg || !bu || !bd) return -1;
+    const moe_act A = {1, alpha, limit, bg, bu, bd};
+    return (tile ? moe_tile_act : moe_ffn_act)(x, T, H, ids, wts, k, gate, up, gtype, F, E, down, dtype, out,
+                                               nthreads, &A);
 }
 
 /* the tile-product implementation: 1 = portable C, 2 = AVX512-BF16, 3 = AMX;

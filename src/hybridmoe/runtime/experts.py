@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..kernels.cpu import swiglu_oai  # noqa: F401 - gpt-oss's activation, for the torch paths
 from ..quant.types import GGMLType
 from ..weights import QTensor
 
@@ -202,16 +203,9 @@ def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
     return out
 
 
-# -- gpt-oss: biased experts with the clamped SwiGLU ("swiglu_oai"). The fused kernels above (C, Triton, the
-# static step) compute silu(gate) * up without biases, so these experts take a plain path: the selected
-# experts dequantized in the device's compute dtype and multiplied with torch.
-
-def swiglu_oai(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """gate clamped from above, up on both sides, then gate * sigmoid(alpha * gate) * (up + 1); float32."""
-    g = g.float().clamp(max=limit)
-    u = u.float().clamp(-limit, limit)
-    return g * torch.sigmoid(alpha * g) * (u + 1)
-
+# -- gpt-oss: biased experts with the clamped SwiGLU ("swiglu_oai"). In host memory the C kernels take them
+# (`oai=`); on a GPU (the Triton kernels and the static step compute silu(gate) * up without biases) the
+# selected experts are dequantized in the device's compute dtype and multiplied with torch.
 
 def expert_matmul_dequant(x: torch.Tensor, ids: torch.Tensor, w: QTensor) -> torch.Tensor:
     """MUL_MAT_ID by dequantized experts: x [T, K] (shared by the k slots) or [T, k, K]; W [E, N, K].
@@ -220,15 +214,28 @@ def expert_matmul_dequant(x: torch.Tensor, ids: torch.Tensor, w: QTensor) -> tor
     return _mul_mat_id(x, ids, w.shape[0], w.shape[1], lambda xe, e: (xe.to(dt) @ _deq(w.raw, e, w, dt).t()).float())
 
 
-def moe_biased(x, ids, wts, raws, ws, biases, alpha: float, limit: float, stats=None) -> torch.Tensor:
+def moe_biased(x, ids, wts, raws, ws, biases, alpha: float, limit: float, stats=None,
+               n_threads=None) -> torch.Tensor:
     """Routed experts with biases from raw bytes `raws` (gate, up, down [E, ...]) on x's device; `biases`
-    float32 [E, F], [E, F], [E, H] there. Returns float32 [T, H]: sum over slots of wts * expert(x)."""
+    float32 [E, F], [E, F], [E, H] there. Returns float32 [T, H]: sum over slots of wts * expert(x).
+    Bytes in host memory go through the C kernels (one call a layer); GPU bytes are dequantized per
+    selected expert and multiplied with torch."""
     gate, up, down = ws
     graw, uraw, draw = raws
     bg, bu, bd = biases
-    dt = _compute_dtype(graw)
     T, k = ids.shape
     t0 = time.perf_counter()
+    kc = kernels() if graw.device.type == "cpu" else None
+    if kc is not None and up.qtype == gate.qtype:
+        out = kc.moe_ffn(x.float().contiguous(), ids.to(torch.int32).contiguous(), wts.float().contiguous(),
+                         graw, uraw, draw, gate.qtype, down.qtype, n_threads=n_threads,
+                         oai=(bg, bu, bd, alpha, limit))
+        if stats is not None:
+            stats.cpu_expert_seconds += time.perf_counter() - t0
+            stats.cpu_expert_bytes += int(torch.unique(ids).numel()) * (graw[0].numel() + uraw[0].numel() +
+                                                                      draw[0].numel())
+        return out
+    dt = _compute_dtype(graw)
     order, counts = route(ids, graw.shape[0])
     w_flat = wts.reshape(-1).float()
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)

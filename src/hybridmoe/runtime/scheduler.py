@@ -322,7 +322,7 @@ class Scheduler:
         biases = [self.small(b, run) for b in bs]
         with self.stats.op("moe_up_gate", run, self._sync(run)):
             y = X.moe_biased(x, ids, wts, raws, ws, biases, alpha, limit,
-                             stats=self.stats if run.kind == "cpu" else None)
+                             stats=self.stats if run.kind == "cpu" else None, n_threads=self.n_threads)
         return self.tag(y, run)
 
     def _moe_biased_unfused(self, x, ids, wts, ws, bs, alpha, limit):
