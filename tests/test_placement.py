@@ -95,6 +95,8 @@ def test_devices_command(monkeypatch, capsys):
     ("qwen3-30b-a3b", 30.53e9, 1 + 48 * 12 + 2),
     ("qwen3-235b-a22b", 235.09e9, 1 + 94 * 12 + 2),
     ("deepseek-r1", 671.03e9, 1 + 3 * 12 + 58 * 17 + 2),
+    ("gpt-oss-20b", 20.91e9, 1 + 24 * 19 + 2),
+    ("gpt-oss-120b", 116.83e9, 1 + 36 * 19 + 2),
 ])
 def test_catalog_shapes_match_published_sizes(name, params, n_tensors):
     cfg, t = catalog_model(name)
@@ -104,6 +106,16 @@ def test_catalog_shapes_match_published_sizes(name, params, n_tensors):
         if x.qtype == GGMLType.F32:
             assert x.nbytes == 4 * x.n_elements
     assert t["blk.0.ffn_gate_inp.weight" if cfg.arch == "qwen3moe" else "blk.3.ffn_gate_inp.weight"].qtype == GGMLType.F32
+
+
+@pytest.mark.parametrize("name,gb", [("gpt-oss-20b", 12.1), ("gpt-oss-120b", 63.4)])
+def test_catalog_gpt_oss_like_ggml_orgs_files(name, gb):
+    """Experts MXFP4, the rest Q8_0: the sizes of ggml-org's gpt-oss GGUFs (12.1 and 63.4 GB) within 2%."""
+    cfg, t = catalog_model(name)
+    assert cfg.arch == "gpt-oss" and cfg.is_swa_layer(0) and not cfg.is_swa_layer(1)
+    assert {x.qtype for n, x in t.items() if "_exps.weight" in n} == {GGMLType.MXFP4}
+    assert t["blk.0.attn_q.weight"].qtype == GGMLType.Q8_0 and t["blk.0.attn_sinks.weight"].qtype == GGMLType.F32
+    assert abs(sum(x.nbytes for x in t.values()) / 1e9 - gb) < 0.02 * gb
 
 
 def test_catalog_deepseek_names_and_types(dsr1):

@@ -1,7 +1,8 @@
 """Tensor records of well-known MoE models that are not on disk, for planning and dry runs.
 
 `catalog_model("qwen3-235b-a22b")` gives a config and {name: TensorInfo} with the real GGUF names and
-shapes, typed like a Q4_K_M quant as llama.cpp writes it:
+shapes, typed like a Q4_K_M quant as llama.cpp writes it (gpt-oss: as ggml-org ships it, experts MXFP4,
+the other matrices Q8_0):
   experts Q4_K, with ffn_down_exps Q6_K on llama.cpp's "more bits" layers (first and last eighth, every
   third in between); attention and shared experts Q8_0; dense FFN Q4_K (down Q6_K on the same layers);
   token_embd Q4_K; output Q6_K; norms, biases and the router (ffn_gate_inp) F32.
@@ -39,6 +40,23 @@ def _qwen3moe(name, n_layer, n_embd, n_head, n_head_kv, n_expert, n_used, n_ff_e
                        head_dim=128, n_vocab=151936, n_ctx_train=40960, rms_eps=1e-6, rope_base=1e6, n_ff=n_ff,
                        n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp, norm_topk_prob=True,
                        rope_neox=True, qk_norm=True, name=name)
+
+
+def _gpt_oss(name, n_layer, n_expert):
+    return ModelConfig(arch="gpt-oss", n_layer=n_layer, n_embd=2880, n_head=64, n_head_kv=8, head_dim=64,
+                       n_vocab=201088, n_ctx_train=131072, rms_eps=1e-5, rope_base=150000.0, n_expert=n_expert,
+                       n_expert_used=4, n_ff_exp=2880, norm_topk_prob=False, rope_neox=True, qk_norm=False,
+                       sliding_window=128, swa_pattern=2, expert_gating="softmax_topk",
+                       rope_yarn=dict(factor=32.0, orig_ctx=4096, beta_fast=32.0, beta_slow=1.0,
+                                      mscale_all_dim=0.0, truncate=False), name=name)
+
+
+def gpt_oss_type(name: str, shape: tuple[int, ...]) -> GGMLType:
+    """The types of ggml-org's gpt-oss GGUFs: experts MXFP4 (as OpenAI ships them), the other matrices
+    Q8_0; norms, biases, sinks and the router F32."""
+    if len(shape) == 1 or ".ffn_gate_inp." in name:
+        return T.F32
+    return T.MXFP4 if "_exps." in name else T.Q8_0
 
 
 def _deepseek_r1() -> PlanConfig:
@@ -145,6 +163,8 @@ CATALOG = {
     "qwen3-30b-a3b": lambda: _qwen3moe("Qwen3-30B-A3B", 48, 2048, 32, 4, 128, 8, 768, 6144),
     "qwen3-235b-a22b": lambda: _qwen3moe("Qwen3-235B-A22B", 94, 4096, 64, 4, 128, 8, 1536, 12288),
     "deepseek-r1": _deepseek_r1,
+    "gpt-oss-20b": lambda: _gpt_oss("gpt-oss-20b", 24, 32),
+    "gpt-oss-120b": lambda: _gpt_oss("gpt-oss-120b", 36, 128),
 }
 ALIASES = {"deepseek-v3": "deepseek-r1", "deepseek-r1-0528": "deepseek-r1"}
 
@@ -165,7 +185,9 @@ def catalog_model(name: str, expert=None, other=None) -> tuple[ModelConfig, dict
     other = other or (types[1] if len(types) > 1 else None)
     cfg = CATALOG[key]()
     shapes = deepseek2_shapes(cfg) if cfg.arch == "deepseek2" else tensor_shapes(cfg)
-    tensors = {n: _record(n, s, q4_k_m_type(n, s, cfg.n_layer)) for n, s in shapes}
+    typed = (lambda n, s: gpt_oss_type(n, s)) if cfg.arch == "gpt-oss" else \
+        (lambda n, s: q4_k_m_type(n, s, cfg.n_layer))
+    tensors = {n: _record(n, s, typed(n, s)) for n, s in shapes}
     if expert or other:
         tensors = with_types(tensors, expert, other)
     return cfg, tensors
