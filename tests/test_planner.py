@@ -73,6 +73,14 @@ def test_rig_files_and_errors(tmp_path):
     devices, rates = load_rig(str(path))
     assert devices[1].total_bytes == 16 * GiB and devices[1].free_bytes == 15 * GiB
     assert rates.sync("CUDA0") == pytest.approx(10e-6) and rates.threads == 8
+    assert rates.cpu_expert_flops(512) == pytest.approx(0.4e12)       # no expert rate: 40% of bf16
+    for bad in ({"x": 1}, {"32": -1}, [1]):
+        path.write_text(json.dumps({**rig, "cpu": {**rig["cpu"], "expert_kernel_tflops": bad}}))
+        with pytest.raises(HybridMoeError, match="expert_kernel_tflops"):
+            load_rig(str(path))
+    _, h200 = load_rig("h200-rig")
+    assert h200.cpu_expert_flops(1) == pytest.approx(0.5e12) and h200.cpu_expert_flops(4096) == pytest.approx(3e12)
+    path.write_text(json.dumps(rig))
     with pytest.raises(HybridMoeError, match="panchovix-7gpu"):
         load_rig("no-such-rig")
     del rig["gpus"][0]["hbm_gbps"]

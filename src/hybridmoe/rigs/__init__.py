@@ -97,8 +97,16 @@ def read_rig(path_or_name: str) -> Rig:
     threads = int(_num(cpu, "threads", f"rig {name} cpu", 1, 1))
     devices = [Device("CPU", "cpu", 0, ram, min(ram_free, ram), torch.device("meta"), True,
                       f"rig {name}: {cpu.get('name', 'CPU')}")]
+    # optional: the CPU expert kernel's measured rate by batch size ({"32": TFLOP/s, "512": TFLOP/s}, what
+    # `hybridmoe calibrate` prints); without it the offload model assumes 40% of the bf16 matmul rate
+    moe = cpu.get("expert_kernel_tflops", {})
+    if not isinstance(moe, dict) or any(not str(t).isdigit() for t in moe):
+        raise HybridMoeError(f"rig {name} cpu: expert_kernel_tflops must map token counts to TFLOP/s, "
+                             f'e.g. {{"32": 0.5, "512": 3.0}}')
+    moe_flops = {str(t): _num(moe, t, f"rig {name} cpu expert_kernel_tflops", 1e-9) * 1e12 for t in moe}
     rates = Rates(ram_read_bw=cpu["ram_read_gbps"] * 1e9, cpu_bf16_flops=cpu["bf16_tflops"] * 1e12,
-                  threads=threads, host=f"rig:{name}", measured_at=str(doc.get("source", "")))
+                  threads=threads, host=f"rig:{name}", measured_at=str(doc.get("source", "")),
+                  cpu_moe_flops=moe_flops)
     for i, g in enumerate(doc["gpus"]):
         where_g = f"rig {name} gpus[{i}]"
         if not isinstance(g, dict):
