@@ -154,3 +154,24 @@ def test_host_experts_offloaded_for_a_batch(gpt_oss, monkeypatch):
     assert rel_l2(m.logits(ids), ref) <= 1e-5
     assert m.stats.ops[("moe_up_gate", "CUDA0")][0] == m.cfg.n_layer and ("moe_up_gate", "CPU") not in m.stats.ops
     assert m.stats.uploads["count"] == 3 * m.cfg.n_layer
+
+
+def test_sliding_window_layers_keep_a_ring(gpt_oss):
+    """Sliding-window layers cache window - 1 + ubatch slots (the plan counts the same bytes), and a batch
+    longer than the ring was sized for is refused by the cache (Model.forward splits one itself)."""
+    m = hybridmoe.load(gpt_oss[1], ctx_size=64, ubatch_size=4, **F32_CACHE)
+    cfg, kv = m.cfg, m.new_cache(64)
+    w = cfg.sliding_window
+    assert kv.slots == [w - 1 + 4 if cfg.is_swa_layer(i) else 64 for i in range(cfg.n_layer)]
+    assert any(kv.windows) and min(kv.slots) < 64
+    per_layer = [kv.k[i].numel() * 4 + kv.v[i].numel() * 4 for i in range(cfg.n_layer)]
+    assert per_layer == m.placement.kv_bytes_layer                      # plan = what is allocated
+    k = torch.zeros(5, cfg.n_head_kv, cfg.head_dim)
+    with pytest.raises(HybridMoeError, match="sliding-window"):
+        kv.update_window(0, 0, k, k)
+    # far past the ring's size: cached decode still equals the full forward (slots were reused)
+    full = m.logits(IDS)
+    kv = m.new_cache(64)
+    m.forward(torch.tensor(IDS[:9]), 0, kv)                              # split into ubatches of 4
+    steps = torch.stack([m.forward(torch.tensor([t]), 9 + i, kv)[0] for i, t in enumerate(IDS[9:])])
+    assert rel_l2(steps, full[9:]) <= 1e-5

@@ -134,12 +134,18 @@ class Model:
         if cfg.kv_lora_rank:                  # MLA: one compressed row per token: latent + shared roped key
             return KVCache(cfg.n_layer, n_ctx or self.options.ctx_size, 1, cfg.kv_lora_rank + cfg.rope_dim, devs,
                            self.options.cache_type_k, self.options.cache_type_v, head_dim_v=0)
+        windows = [cfg.sliding_window if cfg.is_swa_layer(i) else 0 for i in range(cfg.n_layer)]
         return KVCache(cfg.n_layer, n_ctx or self.options.ctx_size, cfg.n_head_kv, cfg.head_dim, devs,
-                       self.options.cache_type_k, self.options.cache_type_v)
+                       self.options.cache_type_k, self.options.cache_type_v, windows=windows,
+                       ubatch=min(self.options.ubatch_size, self.options.batch_size))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
-        if tokens.shape[0] == 1:
+        T = tokens.shape[0]
+        if T > kv.ubatch and any(kv.windows):          # a sliding-window ring holds one ubatch of new tokens
+            outs = [self.forward(tokens[i:i + kv.ubatch], pos0 + i, kv, all_logits) for i in range(0, T, kv.ubatch)]
+            return torch.cat(outs) if all_logits else outs[-1]
+        if T == 1:
             static = self._static_decoder(kv)
             if static is not None:
                 try:

@@ -164,14 +164,26 @@ def dense_copy_bytes(name: str, info) -> int:
     return info.n_elements * (4 if info.qtype == GGMLType.F32 else 2)
 
 
-def _kv_bytes_per_layer(cfg: ModelConfig, opts: PlacementOptions) -> int:
-    """KV cache bytes of one layer. MLA (deepseek2) caches kv_lora_rank + rope dims per token, K only."""
-    ctx = opts.ctx_size or cfg.n_ctx_train
+def kv_token_bytes(cfg: ModelConfig, opts: PlacementOptions) -> float:
+    """KV cache bytes per token of one layer. MLA (deepseek2) caches kv_lora_rank + rope dims, K only."""
     bk, bv = KV_TYPE_BYTES[opts.cache_type_k], KV_TYPE_BYTES[opts.cache_type_v]
     rank = getattr(cfg, "kv_lora_rank", 0)
     if rank:
-        return int(ctx * (rank + getattr(cfg, "rope_dim", 0)) * bk)
-    return int(ctx * cfg.n_head_kv * cfg.head_dim * (bk + bv))
+        return (rank + getattr(cfg, "rope_dim", 0)) * bk
+    return cfg.n_head_kv * cfg.head_dim * (bk + bv)
+
+
+def kv_slots(cfg: ModelConfig, opts: PlacementOptions, layer: int) -> int:
+    """Token slots layer `layer` caches: the context, or for a sliding-window layer (gpt-oss) a ring of the
+    window plus a ubatch (the most any batch's queries can see)."""
+    ctx = opts.ctx_size or cfg.n_ctx_train
+    if getattr(cfg, "is_swa_layer", None) and cfg.is_swa_layer(layer):
+        return min(ctx, cfg.sliding_window - 1 + min(opts.ubatch_size, opts.batch_size))
+    return ctx
+
+
+def _kv_bytes_per_layer(cfg: ModelConfig, opts: PlacementOptions, layer: int) -> int:
+    return int(kv_slots(cfg, opts, layer) * kv_token_bytes(cfg, opts))
 
 
 class Placement:
@@ -194,7 +206,7 @@ class Placement:
                 short = name.split(".")[2]
                 if short not in layer or name.endswith(".weight"):   # a bias never stands for its matrix
                     layer[short] = name
-        self.kv_bytes_layer = [_kv_bytes_per_layer(cfg, opts)] * cfg.n_layer
+        self.kv_bytes_layer = [_kv_bytes_per_layer(cfg, opts, i) for i in range(cfg.n_layer)]
         self.totals: dict[str, DeviceTotals] = {}
         self._compute_totals()
 

@@ -28,7 +28,8 @@ from .config import ModelConfig
 from .devices import Device
 from .errors import PlacementError
 from .formats.gguf import TensorInfo
-from .placement import (Placement, PlacementOptions, add_placement_args, dense_copy_bytes, options_from_args,
+from .placement import (Placement, PlacementOptions, add_placement_args, dense_copy_bytes, kv_token_bytes,
+                        options_from_args,
                         plan_placement)
 from .placement_report import layer_of, layers_regex
 from .roofline import Bound, model_work, pp_bound, tg_bound, upload_targets
@@ -137,8 +138,7 @@ def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128)
     p, cfg = placement, placement.cfg
     ub = p.opts.ubatch_size
     kv_devices = [p.kv_device(i) for i in range(cfg.n_layer)]
-    ctx = p.opts.ctx_size or cfg.n_ctx_train
-    kvb = p.kv_bytes_layer[0] / ctx if cfg.n_layer and ctx else 0.0
+    kvb = kv_token_bytes(cfg, p.opts) if cfg.n_layer else 0.0
     tg = tg_bound(model_work(p.tensors, p.device_of, cfg), cfg, kv_devices, rates, n_gen, 0, kvb)
     per_token, n_cross = _path_seconds(p, rates, 1, {})
     tg = _with_term(tg, "crossings", n_gen * per_token)

@@ -83,10 +83,10 @@ class GptOssDecoder(Decoder):
         cos, sin = rope[dev.name]
         q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
         pos0 = int(positions[0])
-        keys, values = kv.update(L.i, pos0, k, v)                          # [n_kv, P+T, D]
+        keys, values, start = kv.update_window(L.i, pos0, k, v)           # positions start..P+T-1
         sinks = s.small(L.attn_sinks, dev)
         with s.stats.op("attention", dev):
-            o = s.tag(attend_sinks(q, keys, values, pos0, sinks, self.scale, L.window), dev)
+            o = s.tag(attend_sinks(q, keys, values, pos0, sinks, self.scale, L.window, start), dev)
         return s.linear(o, L.attn_output, L.attn_output_b)
 
     def ffn(self, L: GptOssLayer, x):
@@ -100,15 +100,16 @@ class GptOssDecoder(Decoder):
                             cfg.swiglu_alpha, cfg.swiglu_limit, layer=L.i)
 
 
-def attend_sinks(q, keys, values, pos0: int, sinks: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    """q [T, n_head, D]; keys/values [n_kv, P, D] (P = pos0 + T); sinks [n_head]. Causal GQA attention whose
-    softmax has one more logit per head (its sink, which takes probability mass and returns no value);
-    window > 0 lets query position p see keys p-window+1..p only. float32 on q's device; [T, n_head*D]."""
+def attend_sinks(q, keys, values, pos0: int, sinks: torch.Tensor, scale: float, window: int = 0,
+                 start: int = 0) -> torch.Tensor:
+    """q [T, n_head, D]; keys/values [n_kv, P - start, D] for positions start..P-1 (P = pos0 + T); sinks
+    [n_head]. Causal GQA attention whose softmax has one more logit per head (its sink, which takes
+    probability mass and returns no value); window > 0 lets query position p see keys p-window+1..p only.
+    float32 on q's device; [T, n_head*D]."""
     T, nh, D = q.shape
-    nkv, P = keys.shape[0], keys.shape[1]
+    nkv, P = keys.shape[0], start + keys.shape[1]
     g = nh // nkv
-    start = max(0, pos0 + 1 - window) if window else 0                # keys no query of this batch can see
-    keys, values = keys[:, start:].float(), values[:, start:].float()
+    keys, values = keys.float(), values.float()
     dev = q.device
     qg = q.float().view(T, nkv, g, D).permute(1, 2, 0, 3).reshape(nkv, g * T, D)          # [n_kv, g*T, D]
     scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(scale)                               # [n_kv, g*T, P']

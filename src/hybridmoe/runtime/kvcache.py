@@ -1,4 +1,8 @@
-"""Static KV cache: one preallocated [n_kv_head, n_ctx, head_dim] buffer per layer, on its attention's device."""
+"""Static KV cache: one preallocated [n_kv_head, slots, head_dim] buffer per layer, on its attention's device.
+
+A layer caches every position of the context (slots = n_ctx), or, with a sliding window (gpt-oss's
+alternating layers), a ring of window - 1 + ubatch slots: position p lives in slot p % slots, and the keys
+a batch's queries can see are still there when the batch holds at most `ubatch` tokens."""
 from __future__ import annotations
 
 import torch
@@ -11,18 +15,23 @@ CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat
 
 class KVCache:
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, devices: list,
-                 type_k: str = "f16", type_v: str = "f16", head_dim_v: int | None = None):
+                 type_k: str = "f16", type_v: str = "f16", head_dim_v: int | None = None,
+                 windows: list[int] | None = None, ubatch: int = 512):
         self.n_ctx = n_ctx
+        # per layer: the sliding window (0: none) and the slots it keeps
+        self.windows = list(windows) if windows else [0] * n_layer
+        self.ubatch = ubatch
+        self.slots = [min(n_ctx, w - 1 + ubatch) if w else n_ctx for w in self.windows]
         self.type_k, self.type_v = type_k, type_v
         if "q8_0" in (type_k, type_v) and (head_dim % 32 or (head_dim if head_dim_v is None else head_dim_v) % 32):
             raise HybridMoeError(f"a q8_0 KV cache needs a head size that is a multiple of 32; this model's is "
                                  f"{head_dim}: use -ctk/-ctv f16, bf16 or f32")
         self.devs = devices                                  # Device per layer
-        self.k = [self._alloc(type_k, n_head_kv, n_ctx, head_dim, d) for d in devices]
+        self.k = [self._alloc(type_k, n_head_kv, n, head_dim, d) for n, d in zip(self.slots, devices)]
         dv = head_dim if head_dim_v is None else head_dim_v                 # 0: no V (MLA's compressed cache)
         if not dv:
             self.type_v = "f16"                                             # an empty buffer; -ctv has no object
-        self.v = [self._alloc(self.type_v, n_head_kv, n_ctx, dv, d) for d in devices]
+        self.v = [self._alloc(self.type_v, n_head_kv, n, dv, d) for n, d in zip(self.slots, devices)]
         self.n_past = 0
 
     @staticmethod
@@ -39,21 +48,36 @@ class KVCache:
 
     def update(self, layer: int, pos0: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v [T, n_kv, D] at pos0..pos0+T; return keys, values [n_kv, pos0+T, D] as float."""
+        keys, values, _ = self.update_window(layer, pos0, k, v)
+        return keys, values
+
+    def update_window(self, layer: int, pos0: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [T, n_kv, D] at pos0..pos0+T; return (keys, values, start): positions start..pos0+T-1,
+        [n_kv, pos0+T-start, D], where start is 0, or for a sliding-window layer the first position any
+        query of this batch can see."""
         T = k.shape[0]
         end = pos0 + T
         if end > self.n_ctx:
             raise HybridMoeError(f"context is full: {end} tokens do not fit in -c {self.n_ctx}; raise -c")
+        w, n = self.windows[layer], self.slots[layer]
+        start = max(0, pos0 + 1 - w) if w else 0
+        ring = n < self.n_ctx
+        if ring and T > n - w + 1:
+            raise HybridMoeError(f"a batch of {T} tokens is more than this sliding-window cache was sized for "
+                                 f"({n - w + 1}); raise -ub or give fewer tokens per forward")
+        put = torch.arange(pos0, end, device=k.device) % n if ring else slice(pos0, end)
+        get = torch.arange(start, end, device=k.device) % n if ring else slice(start, end)
         out = []
         for buf, kind, x in ((self.k[layer], self.type_k, k), (self.v[layer], self.type_v, v)):
             x = x.transpose(0, 1)                            # [n_kv, T, D]
             if kind == "q8_0":
                 from ..quant.ref import dequantize, quantize
-                buf[:, pos0:end] = quantize(x.float(), GGMLType.Q8_0)
-                out.append(dequantize(buf[:, :end], GGMLType.Q8_0, x.shape[-1]))
+                buf[:, put] = quantize(x.float(), GGMLType.Q8_0)
+                out.append(dequantize(buf[:, get], GGMLType.Q8_0, x.shape[-1]))
             else:
-                buf[:, pos0:end] = x.to(buf.dtype)
-                out.append(buf[:, :end])
-        return out[0], out[1]
+                buf[:, put] = x.to(buf.dtype)
+                out.append(buf[:, get])
+        return out[0], out[1], start
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
