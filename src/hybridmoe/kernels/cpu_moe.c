@@ -1324,8 +1324,12 @@ static inline void prefetch_l2(const uint8_t *p, int64_t n) {
 /* rows [r0, r0 + n) of a quantized matrix -> bf16 rows of K at dst, ld elements apart (K + 32:
  * rows 4 KiB apart would share one L1 set, and a tile load reads 16 of them) */
 static inline void deq_rows_bf16(int ti, const uint8_t *w, int64_t rb, int64_t r0, int n, int64_t K,
-                                 uint16_t *dst, int64_t ld) {
-    for (int m = 0; m < n; m++) deq_row(ti, w + (r0 + m) * rb, K, dst + m * ld, 1);
+                                 uint16_t *dst, int64_t ld, const uint8_t *pf) {
+    /* pf: the next rows this thread will read (n rows of rb bytes), prefetched into L2 a row at a time */
+    for (int m = 0; m < n; m++) {
+        if (pf) prefetch_l2(pf + m * rb, rb);
+        deq_row(ti, w + (r0 + m) * rb, K, dst + m * ld, 1);
+    }
 }
 
 static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
@@ -1396,12 +1400,11 @@ static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids
             const int64_t fb1 = ((u % fgn) + 1) * 4 < fu ? ((u % fgn) + 1) * 4 : fu;
             for (int64_t fb = (u % fgn) * 4; fb < fb1; fb++) {
                 const int64_t f0 = fb * 16;
-                if (fb + 1 < fb1) {                               /* the next 16 rows, into L2 */
-                    prefetch_l2(gate + (e * F + f0 + 16) * rbg, 16 * rbg);
-                    prefetch_l2(up + (e * F + f0 + 16) * rbg, 16 * rbg);
-                }
-                deq_rows_bf16(gi, gate + e * F * rbg, rbg, f0, 16, H, Aw, ld);
-                deq_rows_bf16(gi, up + e * F * rbg, rbg, f0, 16, H, Aw + 16 * ld, ld);
+                const int nx = fb + 1 < fb1;                      /* the unit's next 16 rows, into L2 */
+                deq_rows_bf16(gi, gate + e * F * rbg, rbg, f0, 16, H, Aw, ld,
+                              nx ? gate + (e * F + f0 + 16) * rbg : NULL);
+                deq_rows_bf16(gi, up + e * F * rbg, rbg, f0, 16, H, Aw + 16 * ld, ld,
+                              nx ? up + (e * F + f0 + 16) * rbg : NULL);
                 tile_product(mode, Aw, Aw + 16 * ld, ld, xb + boff[a] * xs, xs, (int)nb, H, C);
                 for (int64_t j = 0; j < nb; j++) {
                     uint16_t *hd = (uint16_t *)(hb + (boff[a] + j) * hs);
@@ -1431,9 +1434,9 @@ static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids
             for (int a = 0; a < na; a++) {
                 const int64_t e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
                 for (int64_t r0 = h0; r0 < h0 + hn; r0 += 32) {
-                    if (r0 + 32 < h0 + hn) prefetch_l2(down + (e * H + r0 + 32) * rbd, 32 * rbd);
-                    else if (a + 1 < na) prefetch_l2(down + ((int64_t)act[a + 1] * H + h0) * rbd, 32 * rbd);
-                    deq_rows_bf16(di, down + e * H * rbd, rbd, r0, 32, F, Aw, ld);
+                    const uint8_t *nx = r0 + 32 < h0 + hn ? down + (e * H + r0 + 32) * rbd :
+                                        a + 1 < na ? down + ((int64_t)act[a + 1] * H + h0) * rbd : NULL;
+                    deq_rows_bf16(di, down + e * H * rbd, rbd, r0, 32, F, Aw, ld, nx);
                     tile_product(mode, Aw, Aw + 16 * ld, ld, hb + boff[a] * hs, hs, (int)nb, F, C);
                     for (int64_t j = 0; j < nb; j++)
                         for (int n = 0; n < 16 && j * 16 + n < cn; n++) {
