@@ -49,11 +49,12 @@ def _cpu_flags() -> str:
 
 
 # Batch sizes from which the large-batch path beats the streaming kernel, measured
-# (docs/cpu-kernels.md): the grouped tile kernel from ~T=256 with AVX512-BF16 (2-core Zen 5 VM) and
-# from ~T=64 with AMX (16-core Sapphire Rapids); dequantize + torch.mm (CPUs without either) ~T=224;
+# (docs/cpu-kernels.md): the grouped tile kernel from ~T=64 with AMX (16-core Sapphire Rapids) and from
+# ~T=128-192 with AVX512-BF16 (2-core Zen 5 VM); dequantize + torch.mm (CPUs without either) ~T=224;
 # dense qmatmul ~T=8-16. Override with HYBRIDMOE_CPU_GEMM_MIN_T / HYBRIDMOE_CPU_QMM_MIN_T.
+_FLAGS = _cpu_flags().split()
 GEMM_MIN_T = int(os.environ.get("HYBRIDMOE_CPU_GEMM_MIN_T",
-                                "64" if "amx_bf16" in _cpu_flags().split() else "224"))
+                                "64" if "amx_bf16" in _FLAGS else "160" if "avx512_bf16" in _FLAGS else "224"))
 QMM_GEMM_MIN_T = int(os.environ.get("HYBRIDMOE_CPU_QMM_MIN_T", "12"))
 
 _lock = threading.Lock()
