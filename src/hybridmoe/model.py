@@ -65,7 +65,7 @@ class Model:
         arch = str(self.file.metadata.get("general.architecture", ""))
         for info in self.file.tensors.values():
             if info.qtype == GGMLType.MXFP4 and arch == "gpt-oss" and info.name.endswith("_exps.weight"):
-                continue                 # gpt-oss's own expert type: its expert path dequantizes (quant/ref.py)
+                continue                 # gpt-oss's own expert type: the C kernels and quant/ref.py read it
             if info.qtype not in SUPPORTED:
                 raise HybridMoeError(f"{self.path}: tensor {info.name} has type {info.qtype.name}, which hybridmoe "
                                      f"cannot compute with yet (supported: {SUPPORTED_NAMES})")

@@ -1,4 +1,5 @@
-"""The decoder shared by llama, qwen3, qwen3moe and deepseek2 (gpt-oss: gpt_oss.py): RMSNorm, RoPE, GQA attention, SwiGLU FFN or MoE.
+"""The decoder shared by llama, qwen3, qwen3moe and deepseek2 (gpt-oss's block: gpt_oss.py): RMSNorm, RoPE,
+GQA attention, SwiGLU FFN or MoE.
 
 Module attributes carry GGUF tensor names (`blk.{i}.attn_q`), so a GGUF loads with no renaming table.
 Every op that has weights goes through the scheduler, which decides where it runs.
