@@ -134,3 +134,20 @@ def test_mla_cache_is_compressed_and_takes_q8_0():
     ref = m.logits(IDS)
     q8 = hybridmoe.load("synth:tiny-deepseek2", ctx_size=64, cache_type_k="q8_0").logits(IDS)
     assert rel_l2(q8, ref) <= 2e-2
+
+
+@pytest.mark.parametrize("T,P", [(1, 9), (3, 10), (20, 20), (200, 300), (256, 256)])
+def test_cpu_attention_paths_match_float64(T, P):
+    """attend() on the CPU (a batched bmm for short chunks, fused SDPA for long ones and fresh prompts) against
+    causal GQA attention in float64, with cached positions before the chunk."""
+    from hybridmoe.models.decoder import attend
+    g = torch.Generator().manual_seed(T + P)
+    nh, nkv, D = 8, 2, 32
+    q = torch.randn(T, nh, D, generator=g)
+    keys, values = (torch.randn(nkv, P, D, generator=g).half() for _ in range(2))
+    pos0 = P - T
+    s = torch.einsum("thd,hpd->htp", q.double(), keys.double().repeat_interleave(nh // nkv, 0)) * D ** -0.5
+    s = s.masked_fill(torch.arange(P)[None, None, :] > torch.arange(pos0, P)[None, :, None], float("-inf"))
+    ref = torch.einsum("htp,hpd->thd", torch.softmax(s, -1), values.double().repeat_interleave(nh // nkv, 0))
+    out = attend(q, keys, values, pos0)
+    assert rel_l2(out, ref.reshape(T, -1)) < 1e-6
