@@ -175,3 +175,25 @@ def test_sliding_window_layers_keep_a_ring(gpt_oss):
     m.forward(torch.tensor(IDS[:9]), 0, kv)                              # split into ubatches of 4
     steps = torch.stack([m.forward(torch.tensor([t]), 9 + i, kv)[0] for i, t in enumerate(IDS[9:])])
     assert rel_l2(steps, full[9:]) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+def test_ring_cache_returns_the_window_in_order(kind):
+    """A sliding-window layer's ring hands back exactly the positions a batch can see, oldest first, after
+    many wrap-arounds (and the same in a q8_0 cache, to its rounding)."""
+    from hybridmoe.devices import list_devices
+    from hybridmoe.runtime.kvcache import KVCache
+    cpu = list_devices()[0]
+    kv = KVCache(2, 100, 2, 32, [cpu, cpu], kind, kind, windows=[5, 0], ubatch=3)
+    assert kv.slots == [7, 100]
+    hist = torch.randn(100, 2, 32, generator=torch.Generator().manual_seed(0))
+    pos = 0
+    for T in [3, 1, 2, 3, 1, 1, 3, 2, 3, 3, 1, 2] * 3:
+        keys, values, start = kv.update_window(0, pos, hist[pos:pos + T], -hist[pos:pos + T])
+        full, _, s0 = kv.update_window(1, pos, hist[pos:pos + T], hist[pos:pos + T])
+        pos += T
+        assert start == max(0, pos - T + 1 - 5) and s0 == 0 and keys.shape[1] == pos - start
+        want = hist[start:pos].transpose(0, 1)
+        tol = 1e-3 if kind == "f16" else 2e-2
+        assert rel_l2(keys.float(), want) < tol and rel_l2(values.float(), -want) < tol
+        assert rel_l2(full.float(), hist[:pos].transpose(0, 1)) < tol
