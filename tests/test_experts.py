@@ -25,3 +25,27 @@ def test_grouped_expert_layout_matches_reference():
     ref = X.reference_moe(x, ids, wts, *ws)
     got = X._grouped_moe(x, ids, wts, ws[0].raw, ws[1].raw, ws[2].raw, ws[0], ws[2])
     assert float((got - ref).norm() / ref.norm()) <= 2e-2                               # bf16 GEMMs
+
+
+def test_grouped_expert_layout_with_gpt_oss_activation():
+    """The same grouped layout with gpt-oss's biases and clamped SwiGLU (the GPU prefill path of its experts)
+    against the C kernel's oai path in float64's reference."""
+    from hybridmoe.devices import Device
+    from hybridmoe.kernels import cpu
+    from hybridmoe.runtime import experts as X
+    from hybridmoe.weights import QTensor
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    g = torch.Generator().manual_seed(4)
+    E, Fd, H, k, T = 16, 64, 96, 4, 29
+    dev = Device("CPU", "cpu", 0, 0, 0, torch.device("cpu"))
+    ws = [QTensor(n, random_blocks(GGMLType.Q8_0, s, g), GGMLType.Q8_0, s, dev)
+          for n, s in (("g", (E, Fd, H)), ("u", (E, Fd, H)), ("d", (E, H, Fd)))]
+    x = 40 * torch.randn(T, H, generator=g)                      # large enough for the clamps at 7 to act
+    ids = torch.stack([torch.randperm(E // 2, generator=g)[:k] for _ in range(T)])
+    wts = torch.softmax(torch.randn(T, k, generator=g), -1)
+    oai = (torch.randn(E, Fd, generator=g), torch.randn(E, Fd, generator=g), torch.randn(E, H, generator=g), 1.702, 7.0)
+    ref = cpu.reference_moe_ffn(x, ids, wts, ws[0].raw, ws[1].raw, ws[2].raw, GGMLType.Q8_0, GGMLType.Q8_0,
+                                torch.float64, oai=oai)
+    got = X._grouped_moe(x, ids, wts, ws[0].raw, ws[1].raw, ws[2].raw, ws[0], ws[2], oai=oai)
+    assert float((got - ref).norm() / ref.norm()) <= 2e-2                               # bf16 GEMMs

@@ -170,13 +170,14 @@ def _gathered_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
 GROUP_ALIGN = 16     # rows per expert group are padded to this (and empty groups to one block of it)
 
 
-def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
+def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor, oai=None):
     """Many tokens (prefill): every expert dequantized once (one Triton pass, ~0.1 ms a layer on an H200),
     then grouped GEMMs over the tokens sorted by expert.
 
     Each expert's rows are padded to a multiple of 16 and no group is empty, the layout grouped GEMM
     kernels are documented for; the buffer is sized for the worst case (T*k + 16*E rows), so nothing here
-    waits for the GPU and Python runs ahead of the kernels.
+    waits for the GPU and Python runs ahead of the kernels. oai = (bg, bu, bd, alpha, limit): gpt-oss's
+    biased experts and clamped SwiGLU (biases added to the real rows only; padding rows are never read).
     """
     from ..kernels.gpu_dequant import dequantize_bf16 as dequantize
     T, k = ids.shape
@@ -194,9 +195,17 @@ def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
     wg = dequantize(graw, gate.qtype, gate.shape[-1])                     # [E, F, H]
     wu = dequantize(uraw, gate.qtype, gate.shape[-1])
     wd = dequantize(draw, down.qtype, down.shape[-1])                     # [E, H, F]
-    h = F.silu(torch._grouped_mm(xs, wg.transpose(-2, -1), offs=offs)) * \
-        torch._grouped_mm(xs, wu.transpose(-2, -1), offs=offs)            # [rows, F]
+    hg = torch._grouped_mm(xs, wg.transpose(-2, -1), offs=offs)          # [rows, F]
+    hu = torch._grouped_mm(xs, wu.transpose(-2, -1), offs=offs)
+    if oai is None:
+        h = F.silu(hg) * hu
+    else:
+        bg, bu, bd, alpha, limit = oai
+        hg, hu = hg.float().index_add_(0, dest, bg[e_sorted]), hu.float().index_add_(0, dest, bu[e_sorted])
+        h = swiglu_oai(hg, hu, alpha, limit).to(torch.bfloat16)
     y = torch._grouped_mm(h, wd.transpose(-2, -1), offs=offs)[dest].float()   # [T*k, H] in expert order
+    if oai is not None:
+        y = y + bd[e_sorted]
     y = y * wts.reshape(-1)[order, None].float()
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, y)
@@ -225,6 +234,8 @@ def moe_biased(x, ids, wts, raws, ws, biases, alpha: float, limit: float, stats=
     bg, bu, bd = biases
     T, k = ids.shape
     t0 = time.perf_counter()
+    if graw.device.type == "cuda" and ids.numel() > GATHER_MAX_SLOTS and hasattr(torch, "_grouped_mm"):
+        return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down, oai=(bg, bu, bd, alpha, limit))
     kc = kernels() if graw.device.type == "cpu" else None
     if kc is not None and up.qtype == gate.qtype:
         out = kc.moe_ffn(x.float().contiguous(), ids.to(torch.int32).contiguous(), wts.float().contiguous(),
