@@ -102,19 +102,26 @@ class Decoder:
         x = s.norm(x, self.output_norm, cfg.rms_eps)
         return s.linear(x, self.output).float()
 
-    def attention(self, L: Layer, x, positions, kv: KVCache, rope: dict):
-        if L.mla:
-            return self.attention_mla(L, x, positions, kv, rope)
+    def qkv(self, L, x, kv: KVCache):
+        """The attention input of layer L: normed x projected to q [T, n_head, D] and k, v [T, n_kv, D] on
+        the layer's KV device (with the projections' biases where the layer has them), and that device."""
         cfg, s = self.cfg, self.sched
         T, D = x.shape[0], cfg.head_dim
         h = s.norm(x, L.attn_norm, cfg.rms_eps)
         dev = kv.device(L.i)
         nq, nkv = cfg.n_head * D, cfg.n_head_kv * D
+        bias = lambda w: getattr(L, w + "_b", None)                          # noqa: E731
         if L.attn_qkv is not None:
-            q, k, v = s.move(s.linear(h, L.attn_qkv), dev).split((nq, nkv, nkv), dim=-1)
+            q, k, v = s.move(s.linear(h, L.attn_qkv, bias("attn_qkv")), dev).split((nq, nkv, nkv), dim=-1)
         else:
-            q, k, v = (s.move(s.linear(h, w), dev) for w in (L.attn_q, L.attn_k, L.attn_v))
-        q, k, v = q.reshape(T, cfg.n_head, D), k.reshape(T, cfg.n_head_kv, D), v.reshape(T, cfg.n_head_kv, D)
+            q, k, v = (s.move(s.linear(h, getattr(L, w), bias(w)), dev) for w in ("attn_q", "attn_k", "attn_v"))
+        return q.reshape(T, cfg.n_head, D), k.reshape(T, cfg.n_head_kv, D), v.reshape(T, cfg.n_head_kv, D), dev
+
+    def attention(self, L: Layer, x, positions, kv: KVCache, rope: dict):
+        if L.mla:
+            return self.attention_mla(L, x, positions, kv, rope)
+        cfg, s = self.cfg, self.sched
+        q, k, v, dev = self.qkv(L, x, kv)
         if L.attn_q_norm is not None:
             q = rms_norm(q, s.small(L.attn_q_norm, dev), cfg.rms_eps)
             k = rms_norm(k, s.small(L.attn_k_norm, dev), cfg.rms_eps)

@@ -68,16 +68,8 @@ class GptOssDecoder(Decoder):
 
     def attention(self, L: GptOssLayer, x, positions, kv: KVCache, rope: dict):
         cfg, s = self.cfg, self.sched
-        T, D = x.shape[0], cfg.head_dim
-        h = s.norm(x, L.attn_norm, cfg.rms_eps)
-        dev = kv.device(L.i)
-        nq, nkv = cfg.n_head * D, cfg.n_head_kv * D
-        if L.attn_qkv is not None:
-            q, k, v = s.move(s.linear(h, L.attn_qkv, L.attn_qkv_b), dev).split((nq, nkv, nkv), dim=-1)
-        else:
-            q, k, v = (s.move(s.linear(h, w, b), dev) for w, b in
-                       ((L.attn_q, L.attn_q_b), (L.attn_k, L.attn_k_b), (L.attn_v, L.attn_v_b)))
-        q, k, v = q.reshape(T, cfg.n_head, D), k.reshape(T, cfg.n_head_kv, D), v.reshape(T, cfg.n_head_kv, D)
+        D = cfg.head_dim
+        q, k, v, dev = self.qkv(L, x, kv)
         if dev.name not in rope:
             rope[dev.name] = rope_tables(positions.to(q.device), D, cfg.rope_base, cfg.rope_neox, cfg.rope_yarn)
         cos, sin = rope[dev.name]
