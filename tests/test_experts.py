@@ -6,19 +6,24 @@ from hybridmoe.quant.ref import random_blocks
 from hybridmoe.quant.types import GGMLType
 
 
-def test_grouped_expert_layout_matches_reference():
-    """The padded grouped-GEMM layout of the prefill path (run on the CPU, where torch has _grouped_mm too):
-    empty experts, uneven counts, repeated ids across tokens."""
+def _experts(g, E, Fd, H):
+    """Random Q8_0 gate/up/down expert QTensors on the CPU."""
     from hybridmoe.devices import Device
-    from hybridmoe.runtime import experts as X
     from hybridmoe.weights import QTensor
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch without _grouped_mm")
+    dev = Device("CPU", "cpu", 0, 0, 0, torch.device("cpu"))
+    return [QTensor(n, random_blocks(GGMLType.Q8_0, s, g), GGMLType.Q8_0, s, dev)
+            for n, s in (("g", (E, Fd, H)), ("u", (E, Fd, H)), ("d", (E, H, Fd)))]
+
+
+def test_grouped_expert_layout_matches_reference():
+    """The padded grouped-GEMM layout of the prefill path (run on the CPU, where torch has _grouped_mm too):
+    empty experts, uneven counts, repeated ids across tokens."""
+    from hybridmoe.runtime import experts as X
     g = torch.Generator().manual_seed(3)
     E, Fd, H, k, T = 24, 64, 96, 3, 37
-    dev = Device("CPU", "cpu", 0, 0, 0, torch.device("cpu"))
-    ws = [QTensor(n, random_blocks(GGMLType.Q8_0, s, g), GGMLType.Q8_0, s, dev)
-          for n, s in (("g", (E, Fd, H)), ("u", (E, Fd, H)), ("d", (E, H, Fd)))]
+    ws = _experts(g, E, Fd, H)
     x = torch.randn(T, H, generator=g)
     ids = torch.stack([torch.randperm(E // 2, generator=g)[:k] for _ in range(T)])     # half the experts empty
     wts = torch.softmax(torch.randn(T, k, generator=g), -1)
@@ -30,17 +35,11 @@ def test_grouped_expert_layout_matches_reference():
 def test_grouped_expert_layout_with_gpt_oss_activation():
     """The same grouped layout with gpt-oss's biases and clamped SwiGLU (the GPU prefill path of its experts)
     against the C kernel's oai path in float64's reference."""
-    from hybridmoe.devices import Device
     from hybridmoe.kernels import cpu
     from hybridmoe.runtime import experts as X
-    from hybridmoe.weights import QTensor
-    if not hasattr(torch, "_grouped_mm"):
-        pytest.skip("torch without _grouped_mm")
     g = torch.Generator().manual_seed(4)
     E, Fd, H, k, T = 16, 64, 96, 4, 29
-    dev = Device("CPU", "cpu", 0, 0, 0, torch.device("cpu"))
-    ws = [QTensor(n, random_blocks(GGMLType.Q8_0, s, g), GGMLType.Q8_0, s, dev)
-          for n, s in (("g", (E, Fd, H)), ("u", (E, Fd, H)), ("d", (E, H, Fd)))]
+    ws = _experts(g, E, Fd, H)
     x = 40 * torch.randn(T, H, generator=g)                      # large enough for the clamps at 7 to act
     ids = torch.stack([torch.randperm(E // 2, generator=g)[:k] for _ in range(T)])
     wts = torch.softmax(torch.randn(T, k, generator=g), -1)
