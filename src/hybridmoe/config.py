@@ -8,6 +8,12 @@ from .errors import ModelFileError
 ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "deepseek2", "gpt-oss")
 
 
+def kv_slots(n_ctx: int, window: int, ubatch: int) -> int:
+    """Token slots a layer's KV cache keeps: the whole context, or with a sliding window a ring of
+    window - 1 + ubatch (every key a batch of up to `ubatch` tokens can see)."""
+    return min(n_ctx, window - 1 + ubatch) if window else n_ctx
+
+
 @dataclass
 class ModelConfig:
     arch: str
@@ -49,6 +55,10 @@ class ModelConfig:
 
     def is_swa_layer(self, i: int) -> bool:
         return bool(self.sliding_window and self.swa_pattern and i % self.swa_pattern < self.swa_pattern - 1)
+
+    def window(self, i: int) -> int:
+        """Layer i's sliding window, 0 for full attention."""
+        return self.sliding_window if self.is_swa_layer(i) else 0
 
     @property
     def is_moe(self) -> bool:

@@ -134,9 +134,9 @@ class Model:
         if cfg.kv_lora_rank:                  # MLA: one compressed row per token: latent + shared roped key
             return KVCache(cfg.n_layer, n_ctx or self.options.ctx_size, 1, cfg.kv_lora_rank + cfg.rope_dim, devs,
                            self.options.cache_type_k, self.options.cache_type_v, head_dim_v=0)
-        windows = [cfg.sliding_window if cfg.is_swa_layer(i) else 0 for i in range(cfg.n_layer)]
         return KVCache(cfg.n_layer, n_ctx or self.options.ctx_size, cfg.n_head_kv, cfg.head_dim, devs,
-                       self.options.cache_type_k, self.options.cache_type_v, windows=windows,
+                       self.options.cache_type_k, self.options.cache_type_v,
+                       windows=[cfg.window(i) for i in range(cfg.n_layer)],
                        ubatch=min(self.options.ubatch_size, self.options.batch_size))
 
     @torch.inference_mode()

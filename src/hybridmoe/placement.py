@@ -26,7 +26,7 @@ import bisect
 import re
 from dataclasses import dataclass, field
 
-from .config import ModelConfig
+from .config import ModelConfig, kv_slots
 from .devices import Device, get_device, list_devices
 from .errors import PlacementError
 from .formats.gguf import TensorInfo
@@ -173,17 +173,10 @@ def kv_token_bytes(cfg: ModelConfig, opts: PlacementOptions) -> float:
     return cfg.n_head_kv * cfg.head_dim * (bk + bv)
 
 
-def kv_slots(cfg: ModelConfig, opts: PlacementOptions, layer: int) -> int:
-    """Token slots layer `layer` caches: the context, or for a sliding-window layer (gpt-oss) a ring of the
-    window plus a ubatch (the most any batch's queries can see)."""
-    ctx = opts.ctx_size or cfg.n_ctx_train
-    if getattr(cfg, "is_swa_layer", None) and cfg.is_swa_layer(layer):
-        return min(ctx, cfg.sliding_window - 1 + min(opts.ubatch_size, opts.batch_size))
-    return ctx
-
-
 def _kv_bytes_per_layer(cfg: ModelConfig, opts: PlacementOptions, layer: int) -> int:
-    return int(kv_slots(cfg, opts, layer) * kv_token_bytes(cfg, opts))
+    """KV cache bytes of one layer (a sliding-window layer keeps a ring: config.kv_slots)."""
+    slots = kv_slots(opts.ctx_size or cfg.n_ctx_train, cfg.window(layer), min(opts.ubatch_size, opts.batch_size))
+    return int(slots * kv_token_bytes(cfg, opts))
 
 
 class Placement:

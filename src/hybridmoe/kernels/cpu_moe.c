@@ -1151,10 +1151,10 @@ int hm_combine_bf16(const uint16_t *y, const int64_t *slot, const float *w, int6
  * every weight byte read once, as 16 x 16 x 32 bf16 tile products with fp32 accumulation:
  *   stage 0: pairs sorted by expert; each expert's tokens in blocks of 16, packed as bf16 pairs:
  *            the B operand of a tile product, [K/2][16 tokens] of (x[2q], x[2q+1]).
- *   stage 1: units (expert, 16 rows of F): the 16 gate and 16 up rows dequantized to bf16 rows
- *            (the A operands, cache-resident), multiplied with every token block of the expert;
- *            h = silu(g) * u, packed the same way for stage 2.
- *   stage 2: units of 32 output rows of H: for every active expert, its 32 down rows
+ *   stage 1: units (expert, 64 rows of F), 16 rows at a time: 16 gate and 16 up rows dequantized
+ *            to bf16 rows (the A operands, cache-resident), multiplied with every token block of
+ *            the expert; h = act(g, u), packed the same way for stage 2.
+ *   stage 2: units of 64 output rows of H, 32 at a time: for every active expert, its down rows
  *            dequantized, multiplied with its h blocks, out[t] += w * y in ascending expert
  *            order: one writer per output element, deterministic for any thread count.
  * Tile products: AMX (TDPBF16PS) where the CPU has it and Linux grants the tile state, else

@@ -185,8 +185,7 @@ def catalog_model(name: str, expert=None, other=None) -> tuple[ModelConfig, dict
     other = other or (types[1] if len(types) > 1 else None)
     cfg = CATALOG[key]()
     shapes = deepseek2_shapes(cfg) if cfg.arch == "deepseek2" else tensor_shapes(cfg)
-    typed = (lambda n, s: gpt_oss_type(n, s)) if cfg.arch == "gpt-oss" else \
-        (lambda n, s: q4_k_m_type(n, s, cfg.n_layer))
+    typed = gpt_oss_type if cfg.arch == "gpt-oss" else (lambda n, s: q4_k_m_type(n, s, cfg.n_layer))
     tensors = {n: _record(n, s, typed(n, s)) for n, s in shapes}
     if expert or other:
         tensors = with_types(tensors, expert, other)

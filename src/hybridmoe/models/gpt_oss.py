@@ -51,7 +51,7 @@ class GptOssLayer:
             w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"])
         self.ffn_gate_exps_b, self.ffn_up_exps_b, self.ffn_down_exps_b = (
             w[p + "ffn_gate_exps.bias"], w[p + "ffn_up_exps.bias"], w[p + "ffn_down_exps.bias"])
-        self.window = cfg.sliding_window if cfg.is_swa_layer(i) else 0
+        self.window = cfg.window(i)
 
 
 class GptOssDecoder(Decoder):

@@ -213,8 +213,8 @@ def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor, oa
 
 
 # -- gpt-oss: biased experts with the clamped SwiGLU ("swiglu_oai"). In host memory the C kernels take them
-# (`oai=`); on a GPU (the Triton kernels and the static step compute silu(gate) * up without biases) the
-# selected experts are dequantized in the device's compute dtype and multiplied with torch.
+# (`oai=`); on a GPU prompts take the grouped GEMMs (`_grouped_moe(oai=)`) and a few tokens (the Triton
+# decode kernels compute silu(gate) * up without biases) a per-expert dequantize + matmul loop.
 
 def expert_matmul_dequant(x: torch.Tensor, ids: torch.Tensor, w: QTensor) -> torch.Tensor:
     """MUL_MAT_ID by dequantized experts: x [T, K] (shared by the k slots) or [T, k, K]; W [E, N, K].
@@ -241,30 +241,26 @@ def moe_biased(x, ids, wts, raws, ws, biases, alpha: float, limit: float, stats=
         out = kc.moe_ffn(x.float().contiguous(), ids.to(torch.int32).contiguous(), wts.float().contiguous(),
                          graw, uraw, draw, gate.qtype, down.qtype, n_threads=n_threads,
                          oai=(bg, bu, bd, alpha, limit))
-        if stats is not None:
-            stats.cpu_expert_seconds += time.perf_counter() - t0
-            stats.cpu_expert_bytes += int(torch.unique(ids).numel()) * (graw[0].numel() + uraw[0].numel() +
-                                                                      draw[0].numel())
-        return out
-    dt = _compute_dtype(graw)
-    order, counts = route(ids, graw.shape[0])
-    w_flat = wts.reshape(-1).float()
-    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-    start, n_active = 0, 0
-    for e, c in enumerate(counts.tolist()):
-        if c == 0:
-            continue
-        n_active += 1
-        pairs = order[start:start + c]                                    # flat (token, slot) indices
-        start += c
-        rows = pairs // k
-        xe = x[rows].to(dt)
-        g = (xe @ _deq(graw, e, gate, dt).t()).float() + bg[e]
-        u = (xe @ _deq(uraw, e, up, dt).t()).float() + bu[e]
-        h = swiglu_oai(g, u, alpha, limit)
-        y = (h.to(dt) @ _deq(draw, e, down, dt).t()).float() + bd[e]
-        out.index_add_(0, rows, y * w_flat[pairs, None])
+    else:
+        dt = _compute_dtype(graw)
+        order, counts = route(ids, graw.shape[0])
+        w_flat = wts.reshape(-1).float()
+        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            if c == 0:
+                continue
+            pairs = order[start:start + c]                                # flat (token, slot) indices
+            start += c
+            rows = pairs // k
+            xe = x[rows].to(dt)
+            g = (xe @ _deq(graw, e, gate, dt).t()).float() + bg[e]
+            u = (xe @ _deq(uraw, e, up, dt).t()).float() + bu[e]
+            h = swiglu_oai(g, u, alpha, limit)
+            y = (h.to(dt) @ _deq(draw, e, down, dt).t()).float() + bd[e]
+            out.index_add_(0, rows, y * w_flat[pairs, None])
     if stats is not None:
         stats.cpu_expert_seconds += time.perf_counter() - t0
-        stats.cpu_expert_bytes += n_active * (graw[0].numel() + uraw[0].numel() + draw[0].numel())
+        stats.cpu_expert_bytes += int(torch.unique(ids).numel()) * (graw[0].numel() + uraw[0].numel() +
+                                                                  draw[0].numel())
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import kv_slots
 from ..errors import HybridMoeError
 from ..quant.types import GGMLType
 
@@ -21,7 +22,7 @@ class KVCache:
         # per layer: the sliding window (0: none) and the slots it keeps
         self.windows = list(windows) if windows else [0] * n_layer
         self.ubatch = ubatch
-        self.slots = [min(n_ctx, w - 1 + ubatch) if w else n_ctx for w in self.windows]
+        self.slots = [kv_slots(n_ctx, w, ubatch) for w in self.windows]
         self.type_k, self.type_v = type_k, type_v
         if "q8_0" in (type_k, type_v) and (head_dim % 32 or (head_dim if head_dim_v is None else head_dim_v) % 32):
             raise HybridMoeError(f"a q8_0 KV cache needs a head size that is a multiple of 32; this model's is "

@@ -303,10 +303,10 @@ class Scheduler:
         return self.tag(y, dd)
 
     def moe_biased(self, x, ids, wts, ws: tuple, bs: tuple, alpha: float, limit: float, layer: int) -> torch.Tensor:
-        """gpt-oss's routed experts: biased gate/up/down and the clamped SwiGLU ("swiglu_oai"). The fused
-        kernels assume silu(gate) * up without biases, so this path dequantizes the selected experts and
-        multiplies with torch, where the experts live (or on the offload GPU when a batch pays for the
-        upload, as moe() decides). Gate, up and down on different devices: each matmul with its weights."""
+        """gpt-oss's routed experts: biased gate/up/down and the clamped SwiGLU ("swiglu_oai"), where the
+        experts live or on the offload GPU when a batch pays for the upload (whole tensors: no only-active
+        upload or prefetch here), computed by experts.moe_biased. Gate, up and down on different devices:
+        each matmul with its weights."""
         gate, up, down = ws
         if not (self.fused_moe and gate.device.name == up.device.name == down.device.name):
             return self._moe_biased_unfused(x, ids, wts, ws, bs, alpha, limit)
