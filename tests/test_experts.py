@@ -48,3 +48,20 @@ def test_grouped_expert_layout_with_gpt_oss_activation():
                                 torch.float64, oai=oai)
     got = X._grouped_moe(x, ids, wts, ws[0].raw, ws[1].raw, ws[2].raw, ws[0], ws[2], oai=oai)
     assert float((got - ref).norm() / ref.norm()) <= 2e-2                               # bf16 GEMMs
+
+
+def test_reference_loop_with_gpt_oss_activation():
+    """The per-expert loop gpt-oss's experts take on a GPU for a few tokens, against float64."""
+    from hybridmoe.kernels import cpu
+    from hybridmoe.runtime import experts as X
+    g = torch.Generator().manual_seed(5)
+    E, Fd, H, k, T = 8, 64, 96, 4, 3
+    ws = _experts(g, E, Fd, H)
+    x = 40 * torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.softmax(torch.randn(T, k, generator=g), -1)
+    oai = (torch.randn(E, Fd, generator=g), torch.randn(E, Fd, generator=g), torch.randn(E, H, generator=g), 1.702, 7.0)
+    ref = cpu.reference_moe_ffn(x, ids, wts, ws[0].raw, ws[1].raw, ws[2].raw, GGMLType.Q8_0, GGMLType.Q8_0,
+                                torch.float64, oai=oai)
+    got = X.reference_moe(x, ids, wts, *ws, oai=oai)
+    assert float((got - ref).norm() / ref.norm()) <= 1e-5

@@ -91,8 +91,10 @@ def expert_matmul(x: torch.Tensor, ids: torch.Tensor, w: QTensor, n_threads=None
                        lambda xe, e: linear_raw(xe, w.raw[e], meta, w.device, n_threads))
 
 
-def reference_moe(x, ids, wts, gate: QTensor, up: QTensor, down: QTensor, graw=None, uraw=None, draw=None):
-    """Plain per-expert loop in the device's compute dtype: the oracle and the fallback."""
+def reference_moe(x, ids, wts, gate: QTensor, up: QTensor, down: QTensor, graw=None, uraw=None, draw=None,
+                  oai=None):
+    """Plain per-expert loop in the device's compute dtype: the oracle and the fallback. oai = (bg, bu, bd,
+    alpha, limit): gpt-oss's biases and clamped SwiGLU (the biases and activation in float32)."""
     graw = gate.raw if graw is None else graw
     dt = _compute_dtype(graw)
     uraw = up.raw if uraw is None else uraw
@@ -111,8 +113,13 @@ def reference_moe(x, ids, wts, gate: QTensor, up: QTensor, down: QTensor, graw=N
         xe = x[rows].to(dt)
         g = xe @ _deq(graw, e, gate, dt).t()
         u = xe @ _deq(uraw, e, up, dt).t()
-        y = (F.silu(g) * u) @ _deq(draw, e, down, dt).t()
-        out.index_add_(0, rows, y.float() * w_flat[pairs, None])
+        if oai is None:
+            y = ((F.silu(g) * u) @ _deq(draw, e, down, dt).t()).float()
+        else:
+            bg, bu, bd, alpha, limit = oai
+            h = swiglu_oai(g.float() + bg[e], u.float() + bu[e], alpha, limit)
+            y = (h.to(dt) @ _deq(draw, e, down, dt).t()).float() + bd[e]
+        out.index_add_(0, rows, y * w_flat[pairs, None])
     return out
 
 
@@ -227,38 +234,20 @@ def moe_biased(x, ids, wts, raws, ws, biases, alpha: float, limit: float, stats=
                n_threads=None) -> torch.Tensor:
     """Routed experts with biases from raw bytes `raws` (gate, up, down [E, ...]) on x's device; `biases`
     float32 [E, F], [E, F], [E, H] there. Returns float32 [T, H]: sum over slots of wts * expert(x).
-    Bytes in host memory go through the C kernels (one call a layer); GPU bytes are dequantized per
-    selected expert and multiplied with torch."""
+    Bytes in host memory go through the C kernels (one call a layer); on a GPU prompts take the grouped
+    GEMMs and a few tokens the per-expert reference loop."""
     gate, up, down = ws
     graw, uraw, draw = raws
-    bg, bu, bd = biases
-    T, k = ids.shape
+    oai = (*biases, alpha, limit)
     t0 = time.perf_counter()
     if graw.device.type == "cuda" and ids.numel() > GATHER_MAX_SLOTS and hasattr(torch, "_grouped_mm"):
-        return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down, oai=(bg, bu, bd, alpha, limit))
+        return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down, oai=oai)
     kc = kernels() if graw.device.type == "cpu" else None
     if kc is not None and up.qtype == gate.qtype:
         out = kc.moe_ffn(x.float().contiguous(), ids.to(torch.int32).contiguous(), wts.float().contiguous(),
-                         graw, uraw, draw, gate.qtype, down.qtype, n_threads=n_threads,
-                         oai=(bg, bu, bd, alpha, limit))
+                         graw, uraw, draw, gate.qtype, down.qtype, n_threads=n_threads, oai=oai)
     else:
-        dt = _compute_dtype(graw)
-        order, counts = route(ids, graw.shape[0])
-        w_flat = wts.reshape(-1).float()
-        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, c in enumerate(counts.tolist()):
-            if c == 0:
-                continue
-            pairs = order[start:start + c]                                # flat (token, slot) indices
-            start += c
-            rows = pairs // k
-            xe = x[rows].to(dt)
-            g = (xe @ _deq(graw, e, gate, dt).t()).float() + bg[e]
-            u = (xe @ _deq(uraw, e, up, dt).t()).float() + bu[e]
-            h = swiglu_oai(g, u, alpha, limit)
-            y = (h.to(dt) @ _deq(draw, e, down, dt).t()).float() + bd[e]
-            out.index_add_(0, rows, y * w_flat[pairs, None])
+        out = reference_moe(x, ids, wts, gate, up, down, graw, uraw, draw, oai=oai)
     if stats is not None:
         stats.cpu_expert_seconds += time.perf_counter() - t0
         stats.cpu_expert_bytes += int(torch.unique(ids).numel()) * (graw[0].numel() + uraw[0].numel() +
