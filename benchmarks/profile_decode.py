@@ -81,6 +81,22 @@ for what in sys.argv[1:]:
         m.forward(toks, 0, kv, all_logits=False)
         print(m.stats.format())
         del m
+    if what == "pp512":                       # all-GPU prefill: host enqueue time against the GPU's
+        m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=600)
+        kv = m.new_cache(600)
+        toks = torch.randint(0, 1000, (512,))
+        for _ in range(2):
+            m.forward(toks, 0, kv, all_logits=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m.forward(toks, 0, kv, all_logits=False)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        print(f"all-GPU pp512 forward: {(t2 - t0) * 1e3:.1f} ms ({512 / (t2 - t0):.0f} t/s), "
+              f"of which the host enqueued for {(t1 - t0) * 1e3:.1f} ms")
+        top_kernels(lambda: m.forward(toks, 0, kv, all_logits=False), 25)
+        del m
     if what == "gpu":
         m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=256)
         print(f"all-GPU decode: graphs {steps(m, 20) * 1e3:.2f} ms/token, eager {steps(m, 10, False) * 1e3:.2f} ms/token")

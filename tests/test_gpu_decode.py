@@ -156,6 +156,88 @@ def test_moe_from_bytes(gq, dq, T):
     assert rel_l2(out.double(), ref) < 1e-5
 
 
+def _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq):
+    """float64 sum over slots of wts * down(SiLU(gate x) * up x), from the reference dequantizer."""
+    H, Fd = x.shape[1], graw.shape[1]
+    wg, wu = dequantize(graw, gq, H).double(), dequantize(uraw, gq, H).double()
+    wd = dequantize(draw, dq, Fd).double()
+    ref = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            hh = F.silu(wg[e] @ x[t].double()) * (wu[e] @ x[t].double())
+            ref[t] += wts[t, j].double() * (wd[e] @ hh)
+    return ref
+
+
+@pytest.mark.parametrize("gq,dq", [(GGMLType.Q4_0, GGMLType.Q4_0), (GGMLType.Q8_0, GGMLType.Q4_0),
+                                   (GGMLType.Q4_0, GGMLType.Q8_0), (GGMLType.Q4_K, GGMLType.Q6_K),
+                                   (GGMLType.Q5_K, GGMLType.Q4_K)])
+@pytest.mark.parametrize("T,E", [(5, 16), (40, 16), (70, 8)])
+def test_prefill_moe_from_bytes(gq, dq, T, E):
+    """kernels/gpu_moe.py: sorted, padded blocks (empty experts, experts over several blocks, a partial last
+    K step and column tile) against float64. bf16 operands on a GPU, float32 in the interpreter."""
+    from hybridmoe.kernels import gpu_moe
+    kq = bool({gq, dq} & {GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+    k, H, Fd = 4, (512 if kq else 160), (256 if kq else 96)
+    g = _gen(T + E)
+    graw, uraw = random_blocks(gq, (E, Fd, H), g), random_blocks(gq, (E, Fd, H), g)
+    draw = random_blocks(dq, (E, H, Fd), g)
+    x = torch.randn(T, H, generator=g, device=DEV)
+    ids = torch.stack([torch.randperm(E, generator=g, device=DEV)[:k] for _ in range(T)])
+    ids[: T // 2, 0] = 1                                      # one expert with many rows
+    ids[ids == 3] = 2 if E > 8 else ids[ids == 3]             # an expert no token picked (when E allows)
+    wts = torch.softmax(torch.randn(T, k, generator=g, device=DEV), -1)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    out = gpu_moe.moe(x, ids, wts, graw, uraw, draw, gq, dq, dtype=dt)
+    assert out.shape == (T, H) and out.dtype == torch.float32
+    assert rel_l2(out.double(), _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq)) < (1e-2 if DEV == "cuda" else 1e-5)
+
+
+@pytest.mark.parametrize("q", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K])
+def test_prefill_moe_every_tile(q):
+    """Each tile configuration the autotuner may pick computes the same function (float64 reference)."""
+    from hybridmoe.kernels import gpu_moe
+    E, k, T, H, Fd = 8, 2, 24, 512, 256 + (0 if q == GGMLType.Q4_K else 96)
+    g = _gen(int(q))
+    graw, uraw = random_blocks(q, (E, Fd, H), g), random_blocks(q, (E, Fd, H), g)
+    draw = random_blocks(q, (E, H, Fd), g)
+    x = torch.randn(T, H, generator=g, device=DEV)
+    ids = torch.stack([torch.randperm(E, generator=g, device=DEV)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g, device=DEV)
+    ref = _moe_ref(x, ids, wts, graw, uraw, draw, q, q)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    for tile in gpu_moe.TILES:
+        out = gpu_moe.moe(x, ids, wts, graw, uraw, draw, q, q, dtype=dt, tile=tile)
+        assert rel_l2(out.double(), ref) < (1e-2 if DEV == "cuda" else 1e-5), tile
+
+
+def test_prefill_moe_align():
+    """Every pair lands once, in its expert's blocks, experts in order; padding and spare blocks are marked."""
+    from hybridmoe.kernels import gpu_moe
+    g = _gen(11)
+    E, T, k, bm = 8, 37, 3, 16
+    ids = torch.stack([torch.randperm(E, generator=g, device=DEV)[:k] for _ in range(T)])
+    pairs, blk_e = gpu_moe.align(ids, E, bm)
+    flat = ids.reshape(-1)
+    seen = []
+    for b, e in enumerate(blk_e.tolist()):
+        rows = pairs[b * bm:(b + 1) * bm].tolist()
+        real = [p for p in rows if p < T * k]
+        if e < 0:
+            assert not real
+            continue
+        assert real and all(int(flat[p]) == e for p in real)
+        assert rows[:len(real)] == real                       # padding only at the end of an expert's run
+        seen += real
+    assert sorted(seen) == list(range(T * k))
+    es = blk_e.tolist()
+    used = [e for e in es if e >= 0]
+    assert used == sorted(used) and es[:len(used)] == used    # experts in order, spare blocks last
+    counts = torch.bincount(flat, minlength=E).tolist()
+    assert all(used.count(e) == -(-c // bm) for e, c in enumerate(counts))
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K])
 def test_one_pass_dequantize_is_the_reference(qtype):
     """kernels/gpu_dequant.py (prefill's per-ubatch expert dequantization) equals quant/ref.py bit for bit."""

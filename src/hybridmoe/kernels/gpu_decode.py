@@ -436,8 +436,9 @@ def router_topk(logits, k: int, norm: bool, packed=None, pack_offset: int = 0):
 _DISABLED: set = set()                                  # types whose MoE kernels failed to build on this GPU
 
 
-def supports(gate_qtype, down_qtype) -> bool:
-    return triton is not None and all(q in QTYPES and q not in _DISABLED for q in (gate_qtype, down_qtype))
+def supports(gate_qtype, up_qtype, down_qtype) -> bool:
+    return triton is not None and gate_qtype == up_qtype and \
+        all(q in QTYPES and q not in _DISABLED for q in (gate_qtype, down_qtype))
 
 
 def disable(gate_qtype, down_qtype, err: Exception):

@@ -2,8 +2,9 @@
 
 Host memory (the CPU, and fake GPUs, which are CPU-backed): the C kernels (kernels/cpu.py) when they
 built, else dequantize + float32 matmul. So a fake GPU does the same arithmetic as the CPU, and placement
-tests compare placements exactly. CUDA: dequantize the needed weights (only the active experts) to bf16
-and run grouped GEMMs (`torch._grouped_mm`).
+tests compare placements exactly. CUDA: Triton kernels that read the GGUF blocks themselves (GEMVs for a
+few tokens, kernels/gpu_decode.py; grouped GEMMs for prompts, kernels/gpu_moe.py); types without them, and
+gpt-oss's biased experts, dequantize to bf16 and run `torch._grouped_mm`.
 """
 from __future__ import annotations
 
@@ -131,13 +132,15 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
         stats=None) -> torch.Tensor:
     """Routed experts from raw bytes graw/uraw/draw [E', ...] (ids index into E'). Returns float32 [T, H]."""
     if graw.device.type == "cuda":
-        if ids.numel() <= GATHER_MAX_SLOTS or not hasattr(torch, "_grouped_mm"):
-            from ..kernels import gpu_decode as gd
-            if ids.numel() <= GATHER_MAX_SLOTS and gd.supports(gate.qtype, down.qtype) and up.qtype == gate.qtype:
-                try:
-                    return gd.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype)     # from the bytes
-                except Exception as e:                  # noqa: BLE001 - a kernel this GPU can't build
-                    gd.disable(gate.qtype, down.qtype, e)
+        few = ids.numel() <= GATHER_MAX_SLOTS
+        from ..kernels import gpu_decode as gd, gpu_moe as gm
+        fast = gd if few else gm                        # GEMV kernels for decode, grouped GEMMs for prompts
+        if fast.supports(gate.qtype, up.qtype, down.qtype):
+            try:
+                return fast.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype)      # from the bytes
+            except Exception as e:                      # noqa: BLE001 - a kernel this GPU can't build
+                fast.disable(gate.qtype, down.qtype, e)
+        if few or not hasattr(torch, "_grouped_mm"):
             return _gathered_moe(x, ids, wts, graw, uraw, draw, gate, down)
         return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down)
     k = kernels() if graw.device.type == "cpu" else None

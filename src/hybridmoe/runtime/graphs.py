@@ -214,7 +214,7 @@ class StaticDecoder:
         if cpu:
             return x2, None, True
         g, u, d = lay["exps"]
-        if gd.supports(g.qtype, d.qtype) and u.qtype == g.qtype:
+        if gd.supports(g.qtype, u.qtype, d.qtype):
             return x2, gd.moe(h, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, reduce=False), False
         return x2, X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), False
 

@@ -1,0 +1,76 @@
+"""Prompt-processing MoE on the GPU, one layer at the Qwen3-30B-A3B expert shape (E=128, k=8, H=2048, F=768),
+spread routing: the fused kernels from GGUF bytes (kernels/gpu_moe.py) against dequantize-to-bf16 +
+torch._grouped_mm (runtime/experts._grouped_moe), in one run. Reports ms a layer, TFLOP/s, GB/s of the expert
+bytes the batch touches, the same run's bf16 GEMM rate and device copy bandwidth, and the relative
+difference of the two paths. Usage (GPU machine):
+
+    python3 benchmarks/bench_moe_prefill.py [Q4_0,Q8_0,Q4_K] [128,512,2048,4096]
+"""
+import sys
+
+import torch
+
+from hybridmoe.devices import Device
+from hybridmoe.kernels import gpu_moe
+from hybridmoe.quant.ref import random_blocks
+from hybridmoe.quant.types import GGMLType, row_bytes
+from hybridmoe.runtime import experts as X
+from hybridmoe.weights import QTensor
+
+E, K_USED, H, F = 128, 8, 2048, 768
+
+
+def timed(fn, reps=20):
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) / reps * 1e-3)
+    return best
+
+
+def main(types, batches):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    copy_bw = 2 * big.numel() / timed(lambda: big.clone(), 5)
+    del big
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = 2 * 8192 ** 3 / timed(lambda: a @ a, 5)
+    del a
+    print(f"device copy {copy_bw / 1e9:.0f} GB/s (read + write), bf16 GEMM {mm / 1e12:.0f} TFLOP/s")
+    dev = Device("CUDA0", "cuda", 0, 0, 0, torch.device("cuda"))
+    print("| type | T | fused ms | TFLOP/s | expert GB/s | dequant + grouped_mm ms | speed-up | rel. diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in types:
+        q = GGMLType[name]
+        ws = [QTensor(n, random_blocks(q, s, g), q, s, dev) for n, s in (("g", (E, F, H)), ("u", (E, F, H)),
+                                                                           ("d", (E, H, F)))]
+        raws = [w.raw for w in ws]
+        nbytes = 2 * E * F * row_bytes(q, H) + E * H * row_bytes(q, F)
+        for T in batches:
+            x = torch.randn(T, H, device="cuda", generator=g)
+            ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K_USED] for _ in range(T)])
+            wts = torch.softmax(torch.randn(T, K_USED, device="cuda", generator=g), -1)
+            touched = int(torch.unique(ids).numel()) / E
+            fused = timed(lambda: gpu_moe.moe(x, ids, wts, *raws, q, q))
+            ref = timed(lambda: X._grouped_moe(x, ids, wts, *raws, ws[0], ws[2]))
+            y1 = gpu_moe.moe(x, ids, wts, *raws, q, q)
+            y2 = X._grouped_moe(x, ids, wts, *raws, ws[0], ws[2])
+            diff = float((y1 - y2).norm() / y2.norm())
+            flops = 2 * 3 * T * K_USED * H * F
+            print(f"| {name} | {T} | {fused * 1e3:.3f} | {flops / fused / 1e12:.1f} | "
+                  f"{nbytes * touched / fused / 1e9:.0f} | {ref * 1e3:.3f} | {ref / fused:.2f} | {diff:.1e} |")
+    print("autotuner's choices (K, N, BM, type, gate/up, permuted out, ...): config")
+    for key, cfg in gpu_moe._moe_gemm_kernel.cache.items():
+        print(f"  {key[:6]}: {cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["Q4_0", "Q8_0", "Q4_K"],
+         [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else [128, 512, 2048, 4096])

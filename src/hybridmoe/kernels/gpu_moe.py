@@ -1,0 +1,263 @@
+"""Prompt-processing MoE on a GPU straight from GGUF bytes: grouped GEMMs that dequantize in registers.
+
+The (token, slot) pairs are sorted by expert and each expert's run is padded to whole blocks of BM rows
+(`align`, on the GPU: no host sync, so Python runs ahead of the kernels). Then two launches a layer:
+
+  gate/up   per (row block, column tile): the block's expert's gate and up rows are read from their
+            blocks, dequantized to bf16 in registers and multiplied on the tensor cores (two accumulators
+            sharing the activation tile); the epilogue writes SiLU(gate) * up in bf16
+  down      per (row block, column tile): the same from the down blocks, scaled by the router weight and
+            written to the pair's row; the k rows of a token are summed after
+
+Every weight byte is read once per row block (once per layer when an expert's tokens fit in one block) and
+nothing is written to memory in bf16 but activations: the one-pass dequantization this replaces wrote every
+expert of a layer out as bf16 (2.4 GB a layer for Qwen3-30B-A3B) before `torch._grouped_mm` read it back.
+
+Q4_0 blocks are read as 16-bit words; their nibbles come out of the word in the order low nibbles of byte
+pairs first, so the kernel's K axis is that of the block's elements interleaved: position p of a 32-block
+holds element p // 2 + 16 (p % 2). The activations are permuted the same way (once per layer for gate/up;
+the gate/up epilogue writes its output permuted for a Q4_0 down), and a dot product doesn't care about the
+order of its terms. Q8_0 words give the natural order, and K-quants are gathered a 256-super-block at a
+time with the one-pass dequantizer's value functions (kernels/gpu_dequant.py).
+
+Checked against float64 on the GPU and in Triton's interpreter (tests/test_gpu_decode.py).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..quant.types import GGMLType
+from .gpu_decode import on_device
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .gpu_dequant import q45_k_values, q6_k_values
+except ImportError:                                      # CPU-only installs
+    triton = None
+
+QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q5_K: 3, GGMLType.Q6_K: 4}
+_BLOCK = {0: 32, 1: 32, 2: 256, 3: 256, 4: 256}
+_BYTES = {0: 18, 1: 34, 2: 144, 3: 176, 4: 210}
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+if triton is not None:
+    # (columns per program, 32-blocks per K step (Q4_0/Q8_0; K-quants step one super-block), warps, stages)
+    # Triton's autotuner times them at a shape's first call (a few seconds of compiling per new shape);
+    # HYBRIDMOE_MOE_TUNE=0 takes the first (tests: test_prefill_moe_every_tile runs each one)
+    TILES = [(64, 2, 4, 3), (128, 2, 4, 3), (128, 4, 8, 3), (64, 4, 4, 4), (32, 4, 4, 3)]
+    if _INTERPRET:
+        TILES = [(32, 2, 4, 1)]
+    _TUNED = TILES if os.environ.get("HYBRIDMOE_MOE_TUNE", "1") != "0" else TILES[:1]
+    _CONFIGS = [triton.Config({"BN": bn, "NBK": nbk}, num_warps=w, num_stages=st) for bn, nbk, w, st in _TUNED]
+
+
+    _ALIGN_CHUNK = 256
+
+    @triton.jit
+    def _count_kernel(ids, counts, rank, n, CH: tl.constexpr):
+        """Pairs per expert, and each pair's rank among its expert's (the counter's value before it)."""
+        i = tl.program_id(0) * CH + tl.arange(0, CH)
+        m = i < n
+        e = tl.load(ids + i, mask=m, other=0).to(tl.int32)
+        tl.store(rank + i, tl.atomic_add(counts + e, 1, mask=m), mask=m)
+
+    @triton.jit
+    def _place_kernel(ids, counts, rank, pairs, blk_e, n, E, n_blocks, BM: tl.constexpr, EP: tl.constexpr,
+                      CH: tl.constexpr):
+        """Each pair to its expert's blocks (experts in order, each padded to whole blocks); the expert of
+        each block. Every program sums the counts itself (E is small)."""
+        j = tl.arange(0, EP)
+        c = tl.load(counts + j, mask=j < E, other=0)
+        nblk = (c + BM - 1) // BM
+        end = tl.cumsum(nblk, 0)                                           # blocks up to each expert's last
+        i = tl.program_id(0) * CH + tl.arange(0, CH)
+        m = i < n
+        e = tl.load(ids + i, mask=m, other=0).to(tl.int32)
+        start = tl.sum(tl.where(j[None, :] < e[:, None], nblk[None, :], 0), axis=1)   # blocks before e's
+        tl.store(pairs + start * BM + tl.load(rank + i, mask=m, other=0), i, mask=m)
+        b = i                                                              # this program's blocks
+        be = tl.sum(((end[None, :] <= b[:, None]) & (j[None, :] < E)).to(tl.int32), axis=1)
+        tl.store(blk_e + b, tl.where(be < E, be, -1), mask=b < n_blocks)
+
+    @triton.jit
+    def _w_tile(wp, rs, n64, nm, kb, nblk, QT: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
+        """Weights [BN, BK] (float32) of rows n64 of one expert (GGUF rows of rs bytes from wp) for the K
+        step starting at block kb of nblk: NBK blocks of 32 (Q4_0: interleaved order, see the module
+        docstring), or one 256-super-block of a K-quant."""
+        m2 = nm[:, None]
+        if QT <= 1:
+            b = kb + tl.arange(0, NBK)
+            bm = m2 & (b < nblk)[None, :]                                      # [BN, NBK]
+            w16 = wp.to(tl.pointer_type(tl.uint16))
+            if QT == 0:                              # f16 scale, then 8 words of 4 nibbles
+                blk = w16 + n64[:, None] * (rs // 2) + b[None, :] * 9
+                d = tl.load(blk, mask=bm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+                c = tl.arange(0, 8)
+                w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=bm[:, :, None], other=0).to(tl.int32)
+                # word c: bytes 2c, 2c+1; low nibbles elements 2c, 2c+1, high ones 2c+16, 2c+17
+                lo = tl.reshape(tl.join(w & 15, (w >> 8) & 15), [BN, NBK, 16])         # elements 0..15
+                hi = tl.reshape(tl.join((w >> 4) & 15, (w >> 12) & 15), [BN, NBK, 16])  # elements 16..31
+                v = (tl.join(lo, hi) - 8).to(tl.float32) * d[:, :, None, None]
+            else:                                    # f16 scale, then 16 words of 2 int8: natural order
+                blk = w16 + n64[:, None] * (rs // 2) + b[None, :] * 17
+                d = tl.load(blk, mask=bm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+                c = tl.arange(0, 16)
+                w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=bm[:, :, None], other=0).to(tl.int32)
+                v = tl.join(((w & 255) ^ 128) - 128, (((w >> 8) & 255) ^ 128) - 128).to(tl.float32)
+                v = v * d[:, :, None, None]
+            return tl.reshape(v, [BN, NBK * 32])
+        else:
+            base = n64[:, None] * rs + kb * (144 if QT == 2 else (176 if QT == 3 else 210))
+            if QT == 4:
+                return q6_k_values(wp, base, m2)
+            return q45_k_values(wp, base, m2, QT == 3)
+
+    @triton.jit
+    def _perm32(n):
+        """Where natural column n sits in Q4_0's interleaved order."""
+        j = n % 32
+        return n - j + 2 * (j % 16) + j // 16
+
+    @triton.autotune(configs=_CONFIGS, key=["K", "N", "BM", "QT", "GATE_UP", "PERM_OUT"])
+    @triton.jit
+    def _moe_gemm_kernel(a, a_stride, w1, w2, sw_e, sw_n, out, out_stride, pairs, blk_e, wts, n_pairs, k_used,
+                         K, N, QT: tl.constexpr, BM: tl.constexpr, GATE_UP: tl.constexpr,
+                         PERM_OUT: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
+        n_nt = tl.cdiv(N, BN)
+        pid_m = tl.program_id(0) // n_nt
+        pid_n = tl.program_id(0) % n_nt
+        e = tl.load(blk_e + pid_m)
+        if e >= 0:                                   # blocks past the routed rows are -1
+            r = pid_m * BM + tl.arange(0, BM)
+            pair = tl.load(pairs + r)
+            valid = pair < n_pairs
+            arow = (pair // k_used) if GATE_UP else r
+            a_rows = a + arow.to(tl.int64)[:, None] * a_stride
+            n = pid_n * BN + tl.arange(0, BN)
+            nm = n < N
+            n64 = n.to(tl.int64)
+            wp1 = w1 + e.to(tl.int64) * sw_e
+            wp2 = w2 + e.to(tl.int64) * sw_e
+            QK: tl.constexpr = 32 if QT <= 1 else 256
+            BK: tl.constexpr = NBK * 32 if QT <= 1 else 256
+            nblk = K // QK
+            acc1 = tl.zeros([BM, BN], tl.float32)
+            acc2 = tl.zeros([BM, BN], tl.float32)
+            for k0 in range(0, K, BK):
+                kk = k0 + tl.arange(0, BK)
+                at = tl.load(a_rows + kk[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0)
+                wt = _w_tile(wp1, sw_n, n64, nm, k0 // QK, nblk, QT, BN, NBK).to(at.dtype)
+                acc1 = tl.dot(at, tl.trans(wt), acc1)
+                if GATE_UP:
+                    wt2 = _w_tile(wp2, sw_n, n64, nm, k0 // QK, nblk, QT, BN, NBK).to(at.dtype)
+                    acc2 = tl.dot(at, tl.trans(wt2), acc2)
+            if GATE_UP:                              # SiLU(gate) * up for every row of the block (padding: 0)
+                h = acc1 / (1.0 + tl.exp(-acc1)) * acc2
+                col = _perm32(n) if PERM_OUT else n
+                tl.store(out + r.to(tl.int64)[:, None] * out_stride + col[None, :], h.to(out.dtype.element_ty),
+                         mask=nm[None, :])
+            else:                                    # the pair's weighted row
+                wv = tl.load(wts + pair, mask=valid, other=0)
+                tl.store(out + pair.to(tl.int64)[:, None] * out_stride + n[None, :], acc1 * wv[:, None],
+                         mask=valid[:, None] & nm[None, :])
+
+
+def available() -> bool:
+    return triton is not None
+
+
+_DISABLED: set = set()                                  # type pairs whose kernels failed to build on this GPU
+
+
+def supports(gate_qtype, up_qtype, down_qtype) -> bool:
+    return (triton is not None and gate_qtype == up_qtype and gate_qtype in QTYPES and down_qtype in QTYPES
+            and (gate_qtype, down_qtype) not in _DISABLED)
+
+
+def disable(gate_qtype, down_qtype, err: Exception):
+    """Stop using these kernels for this type pair (they failed here); dequantize + grouped GEMM takes over."""
+    from ..errors import warn_fallback
+    _DISABLED.add((gate_qtype, down_qtype))
+    warn_fallback(f"the fused prefill MoE kernel for {GGMLType(gate_qtype).name}/{GGMLType(down_qtype).name}",
+                  err, "dequantizing the experts to bf16 first")
+
+
+def block_rows(n_pairs: int, n_expert: int) -> int:
+    """Rows per block (BM) for this batch: the mean pairs per expert rounded up to a power of two, 16..128,
+    so an expert's tokens mostly fit one block and its weights are read once."""
+    mean = n_pairs / max(n_expert, 1)
+    bm = 16
+    while bm < 128 and bm < mean:
+        bm *= 2
+    return bm
+
+
+def align(ids: torch.Tensor, n_expert: int, bm: int):
+    """(token, slot) pairs grouped by expert, each expert's run padded to whole blocks of bm rows.
+
+    Returns pairs int32 [n_blocks * bm] (the flat pair index t * k + j, or T * k for padding) and the
+    expert of each block int32 [n_blocks] (-1 for blocks past the last routed row). n_blocks is the worst
+    case for any routing, so nothing waits for the GPU. Four launches (a prompt's layer is host-bound):
+    the pairs' ranks within their experts come from atomic counters, so the order of an expert's rows
+    varies from run to run; each row's result doesn't depend on it."""
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    n_blocks = -(-n // bm) + min(n_expert, n)
+    counts = torch.zeros(n_expert, dtype=torch.int32, device=flat.device)
+    rank = torch.empty(n, dtype=torch.int32, device=flat.device)
+    pairs = torch.full((n_blocks * bm,), n, dtype=torch.int32, device=flat.device)
+    blk_e = torch.empty(n_blocks, dtype=torch.int32, device=flat.device)
+    ep = max(16, 1 << (n_expert - 1).bit_length())
+    grid = (triton.cdiv(max(n, n_blocks), _ALIGN_CHUNK),)
+    _count_kernel[grid](flat, counts, rank, n, CH=_ALIGN_CHUNK)
+    _place_kernel[grid](flat, counts, rank, pairs, blk_e, n, n_expert, n_blocks, BM=bm, EP=ep, CH=_ALIGN_CHUNK)
+    return pairs, blk_e
+
+
+def q4_0_order(n_cols: int, device) -> torch.Tensor:
+    """The natural column at each position of Q4_0's interleaved K order (see the module docstring)."""
+    p = torch.arange(n_cols, device=device)
+    j = p % 32
+    return p - j + j // 2 + 16 * (j % 2)
+
+
+def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, gate_up, perm_out, tile):
+    args = (a, a.stride(0), w1, w2, w1.stride(0), w1.stride(1), out, out.stride(0), pairs, blk_e, wts, n_pairs,
+            k_used, K, N)
+    kw = dict(QT=QTYPES[qtype], BM=bm, GATE_UP=gate_up, PERM_OUT=perm_out)
+    if tile is None:
+        _moe_gemm_kernel[lambda meta: (blk_e.numel() * triton.cdiv(N, meta["BN"]),)](*args, **kw)
+    else:
+        bn, nbk, warps, stages = tile
+        _moe_gemm_kernel.fn[(blk_e.numel() * triton.cdiv(N, bn),)](*args, **kw, BN=bn, NBK=nbk, num_warps=warps,
+                                                                    num_stages=stages)
+
+
+def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, dtype=torch.bfloat16, tile=None) -> torch.Tensor:
+    """Routed experts for a batch of tokens from GGUF bytes: x [T, H], ids [T, k] (int), wts [T, k];
+    graw/uraw [E, F, row bytes], draw [E, H, row bytes] on one GPU. Returns float32 [T, H].
+
+    dtype: the tensor cores' operand type (bf16; float32 for Triton's interpreter, whose bf16 dot is wrong).
+    tile: one of TILES for both kernels instead of the autotuner's choice (tests, benchmarks)."""
+    T, H = x.shape
+    k = ids.shape[1]
+    E, F = graw.shape[0], graw.shape[1]
+    n_pairs = T * k
+    bm = block_rows(n_pairs, E)
+    with on_device(x):
+        pairs, blk_e = align(ids, E, bm)
+        a = x.to(dtype)
+        if gate_qtype == GGMLType.Q4_0:
+            a = a[:, q4_0_order(H, x.device)]
+        a = a.contiguous()
+        h = torch.empty(pairs.numel(), F, dtype=dtype, device=x.device)
+        wf = wts.reshape(-1).float().contiguous()
+        _gemm(a, graw, uraw, h, pairs, blk_e, wf, n_pairs, k, H, F, gate_qtype, bm, True,
+              down_qtype == GGMLType.Q4_0, tile)
+        out = torch.empty(n_pairs, H, dtype=torch.float32, device=x.device)
+        _gemm(h, draw, draw, out, pairs, blk_e, wf, n_pairs, k, F, H, down_qtype, bm, False, False, tile)
+    return out.view(T, k, H).sum(1)
