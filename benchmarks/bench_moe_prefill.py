@@ -4,7 +4,7 @@ torch._grouped_mm (runtime/experts._grouped_moe), in one run. Reports ms a layer
 bytes the batch touches, the same run's bf16 GEMM rate and device copy bandwidth, and the relative
 difference of the two paths. Usage (GPU machine):
 
-    python3 benchmarks/bench_moe_prefill.py [Q4_0,Q8_0,Q4_K] [128,512,2048,4096]
+    python3 benchmarks/bench_moe_prefill.py [Q4_0,Q8_0] [128,512,2048,4096]
 """
 import sys
 
@@ -66,11 +66,15 @@ def main(types, batches):
             flops = 2 * 3 * T * K_USED * H * F
             print(f"| {name} | {T} | {fused * 1e3:.3f} | {flops / fused / 1e12:.1f} | "
                   f"{nbytes * touched / fused / 1e9:.0f} | {ref * 1e3:.3f} | {ref / fused:.2f} | {diff:.1e} |")
+            if T == 512 and name == "Q4_0":                 # rows per block around block_rows' choice
+                for bm in (16, 32, 64, 128):
+                    t = timed(lambda: gpu_moe.moe(x, ids, wts, *raws, q, q, bm=bm))
+                    print(f"|   BM={bm} | {T} | {t * 1e3:.3f} | {flops / t / 1e12:.1f} | | | | |")
     print("autotuner's choices (K, N, BM, type, gate/up, permuted out, ...): config")
     for key, cfg in gpu_moe._moe_gemm_kernel.cache.items():
         print(f"  {key[:6]}: {cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["Q4_0", "Q8_0", "Q4_K"],
+    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["Q4_0", "Q8_0"],
          [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else [128, 512, 2048, 4096])

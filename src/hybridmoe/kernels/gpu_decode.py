@@ -6,7 +6,8 @@ CUDA graph each costs a few microseconds, and 48 layers of them cost more than t
 read. Here a layer is about ten kernels:
 
   add_rms_norm   residual add + RMSNorm (writes the residual and the normed row, in the dtype asked)
-  qk_rope_cache  q/k RMSNorm + RoPE at the position held in a device tensor, k and v into the cache
+  qk_rope_cache  q/k RMSNorm + RoPE at the position held in a device tensor, k and v into the cache (for a
+                 prompt's tokens too: the eager prefill uses it)
   attention      flash-decoding: splits of the cache up to the current position only, then one merge
   router_topk    softmax, top-k, renormalisation (ids as int32, and as floats for the CPU hand-off)
   moe_gate_up    SiLU(gate) * up of each selected expert straight from its Q4_0/Q8_0 bytes
@@ -67,28 +68,34 @@ if triton is not None:
         tl.store(h_out + t * h_stride + i, (x * r * wv).to(h_out.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _qk_rope_cache_kernel(qkv, qn_w, kn_w, cos, sin, pos, q_out, kc, vc, skh, skn, svh, svn, nh, nkv, eps,
-                              D: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
+    def _qk_rope_cache_kernel(qkv, qkv_stride, qn_w, kn_w, cos, sin, pos, pos0, cos_first, q_out, q_stride, kc, vc,
+                              skh, skn, svh, svn, T, nh, nkv, eps, D: tl.constexpr, NEOX: tl.constexpr,
+                              HAS_NORM: tl.constexpr, POS_PTR: tl.constexpr, BT: tl.constexpr):
+        """Tokens t of a block (positions p0 + t, p0 read from pos or given) of head hd: q heads are normed,
+        roped and stored as q_out[hd, t]; k heads normed, roped and written to the cache with v."""
         hd = tl.program_id(0)                          # q heads, then k heads
-        p = tl.load(pos).to(tl.int64)
+        t = tl.program_id(1) * BT + tl.arange(0, BT)
+        tm = t < T
+        p0 = tl.load(pos).to(tl.int64) if POS_PTR else pos0.to(tl.int64)
+        p = p0 + t
         i = tl.arange(0, D)
-        one = tl.arange(0, 1)                          # rows of one: _rope_rows works on [R, D]
-        row = qkv + (hd + one)[:, None] * D
-        col = i[None, :] + one[:, None] * 0
+        row = qkv + t.to(tl.int64)[:, None] * qkv_stride
+        crow = (p - cos_first)[:, None] * D            # cos/sin rows hold positions cos_first..
+        rm = tm[:, None]
         if hd < nh:
-            y = _rope_rows(row, qn_w, cos + p * D, sin + p * D, i, one[:, None] < 1, eps, D, NEOX, HAS_NORM)
-            tl.store(q_out + hd * D + col, y)
+            y = _rope_rows(row + hd * D, qn_w, cos + crow, sin + crow, i, rm, eps, D, NEOX, HAS_NORM)
+            tl.store(q_out + hd * q_stride + t[:, None] * D + i[None, :], y.to(q_out.dtype.element_ty), mask=rm)
         else:
-            y = _rope_rows(row, kn_w, cos + p * D, sin + p * D, i, one[:, None] < 1, eps, D, NEOX, HAS_NORM)
+            y = _rope_rows(row + hd * D, kn_w, cos + crow, sin + crow, i, rm, eps, D, NEOX, HAS_NORM)
             hk = hd - nh
-            tl.store(kc + hk * skh + p * skn + col, y.to(kc.dtype.element_ty))
-            v = tl.load(qkv + (nh + nkv + hk) * D + i)
-            tl.store(vc + hk * svh + p * svn + i, v.to(vc.dtype.element_ty))
+            tl.store(kc + hk * skh + p[:, None] * skn + i[None, :], y.to(kc.dtype.element_ty), mask=rm)
+            v = tl.load(row + (nh + nkv + hk) * D + i[None, :], mask=rm, other=0)
+            tl.store(vc + hk * svh + p[:, None] * svn + i[None, :], v.to(vc.dtype.element_ty), mask=rm)
 
     @triton.jit
     def _rope_rows(src, w, cos_p, sin_p, d, rm, eps, D: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
         """Rows [R, D] at src (row offsets already applied, masked by rm): RMSNorm with w (optional), then
-        RoPE with this position's cos/sin rows; float32."""
+        RoPE with cos/sin rows at cos_p/sin_p (one position's, or [R, 1] pointers: each row's own); float32."""
         if NEOX:
             partner = (d + D // 2) % D
             sign = tl.where(d < D // 2, -1.0, 1.0)
@@ -101,7 +108,7 @@ if triton is not None:
             r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
             x = x * r[:, None] * tl.load(w + d)[None, :]
             xp = xp * r[:, None] * tl.load(w + partner)[None, :]
-        return x * tl.load(cos_p + d)[None, :] + sign[None, :] * xp * tl.load(sin_p + d)[None, :]
+        return x * tl.load(cos_p + d[None, :]) + sign[None, :] * xp * tl.load(sin_p + d[None, :])
 
     @triton.jit
     def _attn_partial_kernel(q, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
@@ -372,16 +379,22 @@ def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float3
     return x_out, h_out
 
 
-def qk_rope_cache(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, n_head, n_head_kv, head_dim, eps, neox):
-    """qkv [1, (nh + 2 nkv) * D] -> q [nh, D] float32 (normed, roped); k (normed, roped) and v are written
-    to kc/vc [nkv, n_ctx, D] at position pos (a 1-element device tensor); cos/sin [n_ctx, D]."""
-    q = torch.empty(n_head, head_dim, dtype=torch.float32, device=qkv.device)
+def qk_rope_cache(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, n_head, n_head_kv, head_dim, eps, neox,
+                  q_dtype=torch.float32, cos_first: int = 0):
+    """qkv [T, (nh + 2 nkv) * D] (rows may be strided) -> q [nh, T, D] in q_dtype (normed, roped); k (normed,
+    roped) and v are written to kc/vc [nkv, n_ctx, D] at positions pos.. (pos: an int, or a 1-element device
+    tensor, as the static decode step holds it). cos/sin [n, D] float32 hold positions cos_first.. ."""
+    T = qkv.shape[0]
+    q = torch.empty(n_head, T, head_dim, dtype=q_dtype, device=qkv.device)
     has_norm = q_norm is not None
+    on_dev = isinstance(pos, torch.Tensor)
+    bt = min(32, _pow2(T))
     with on_device(qkv):
-        _qk_rope_cache_kernel[(n_head + n_head_kv,)](
-            qkv, q_norm if has_norm else cos, k_norm if has_norm else cos, cos, sin, pos, q, kc, vc,
-            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), n_head, n_head_kv, eps,
-            D=head_dim, NEOX=neox, HAS_NORM=has_norm)
+        _qk_rope_cache_kernel[(n_head + n_head_kv, triton.cdiv(T, bt))](
+            qkv, qkv.stride(0), q_norm if has_norm else cos, k_norm if has_norm else cos, cos, sin,
+            pos if on_dev else cos, 0 if on_dev else pos, cos_first, q, q.stride(0), kc, vc,
+            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), T, n_head, n_head_kv, eps,
+            D=head_dim, NEOX=neox, HAS_NORM=has_norm, POS_PTR=on_dev, BT=bt)
     return q
 
 

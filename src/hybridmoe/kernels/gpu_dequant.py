@@ -84,56 +84,45 @@ if triton is not None:
         return sc, mn
 
     @triton.jit
-    def q45_k_values(src, base, m2, Q5: tl.constexpr):
-        """Q4_K/Q5_K super-blocks at byte offsets base [R, 1] (rows masked by m2) -> float32 [R, 256].
-
-        256-element super-blocks: d, dmin, 12 bytes of 6-bit scales/mins, then (Q5_K) qh[32], whose bit j
+    def _q45_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr, Q5: tl.constexpr):
+        """256-element super-blocks: d, dmin, 12 bytes of 6-bit scales/mins, then (Q5_K) qh[32], whose bit j
         of qh[l] is the 5th bit of element l of sub-block j, then 4 x 32 bytes of nibbles (group g: low
         nibbles sub-block 2g, high 2g+1). Q4_K: 144 bytes, Q5_K: 176."""
+        BS: tl.constexpr = 176 if Q5 else 144
         QS: tl.constexpr = 48 if Q5 else 16
-        d = f16_at(src + base, m2)
-        dmin = f16_at(src + base + 2, m2)
+        b, bm, base = _blocks(n_blocks, idx, bpe, BB, HAS_IDX, BS)
+        d = f16_at(src + base, bm)[:, None]
+        dmin = f16_at(src + base + 2, bm)[:, None]
         e = tl.arange(0, 256)[None, :]
         j = e // 32                                                        # sub-block 0..7
-        byte = tl.load(src + base + QS + (j // 2) * 32 + e % 32, mask=m2, other=0).to(tl.int32)
+        m2 = bm[:, None]
+        byte = tl.load(src + base[:, None] + QS + (j // 2) * 32 + e % 32, mask=m2, other=0).to(tl.int32)
         q = (byte >> (4 * (j % 2))) & 15
         if Q5:
-            qh = tl.load(src + base + 16 + e % 32, mask=m2, other=0).to(tl.int32)
+            qh = tl.load(src + base[:, None] + 16 + e % 32, mask=m2, other=0).to(tl.int32)
             q = q | (((qh >> j) & 1) << 4)
-        sc, mn = k4_scale_min(src + base + 4, j, m2)
-        return (d * sc) * q.to(tl.float32) - dmin * mn                     # the reference's order of ops
+        sc, mn = k4_scale_min(src + base[:, None] + 4, j, m2)
+        val = (d * sc) * q.to(tl.float32) - dmin * mn                     # the reference's order of ops
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
 
     @triton.jit
-    def q6_k_values(src, base, m2):
-        """Q6_K super-blocks of 210 bytes (ql[128], qh[64], 16 int8 scales, d) at byte offsets base [R, 1]
-        -> float32 [R, 256]."""
-        d = f16_at(src + base + 208, m2)
+    def _q6_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """256-element super-blocks of 210 bytes: ql[128], qh[64], 16 int8 scales, d."""
+        b, bm, base = _blocks(n_blocks, idx, bpe, BB, HAS_IDX, 210)
+        d = f16_at(src + base + 208, bm)[:, None]
         e = tl.arange(0, 256)[None, :]
         h = e // 128                                                       # half
         r = e % 128
         quarter = r // 32                                                  # 0..3: ql lo/hi nibble, qh bit pair
         l = r % 32
-        ql = tl.load(src + base + 64 * h + l + 32 * (quarter % 2), mask=m2, other=0).to(tl.int32)
-        qh = tl.load(src + base + 128 + 32 * h + l, mask=m2, other=0).to(tl.int32)
+        m2 = bm[:, None]
+        ql = tl.load(src + base[:, None] + 64 * h + l + 32 * (quarter % 2), mask=m2, other=0).to(tl.int32)
+        qh = tl.load(src + base[:, None] + 128 + 32 * h + l, mask=m2, other=0).to(tl.int32)
         lo = tl.where(quarter >= 2, ql >> 4, ql & 15)
         q = (lo | (((qh >> (2 * quarter)) & 3) << 4)) - 32
-        sc = tl.load(src + base + 192 + e // 16, mask=m2, other=0).to(tl.int8, bitcast=True)
-        return (d * sc.to(tl.float32)) * q.to(tl.float32)
-
-    @triton.jit
-    def _q45_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr, Q5: tl.constexpr):
-        BS: tl.constexpr = 176 if Q5 else 144
-        b, bm, base = _blocks(n_blocks, idx, bpe, BB, HAS_IDX, BS)
-        val = q45_k_values(src, base[:, None], bm[:, None], Q5)
-        tl.store(dst + b.to(tl.int64)[:, None] * 256 + tl.arange(0, 256)[None, :], val.to(tl.bfloat16),
-                 mask=bm[:, None])
-
-    @triton.jit
-    def _q6_k_kernel(src, dst, n_blocks, idx, bpe, BB: tl.constexpr, HAS_IDX: tl.constexpr):
-        b, bm, base = _blocks(n_blocks, idx, bpe, BB, HAS_IDX, 210)
-        val = q6_k_values(src, base[:, None], bm[:, None])
-        tl.store(dst + b.to(tl.int64)[:, None] * 256 + tl.arange(0, 256)[None, :], val.to(tl.bfloat16),
-                 mask=bm[:, None])
+        sc = tl.load(src + base[:, None] + 192 + e // 16, mask=m2, other=0).to(tl.int8, bitcast=True)
+        val = (d * sc.to(tl.float32)) * q.to(tl.float32)
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
 
     _KERNELS = {GGMLType.Q4_0: (_q4_0_kernel, {}), GGMLType.Q8_0: (_q8_0_kernel, {}),
                 GGMLType.Q4_K: (_q45_k_kernel, {"Q5": False}), GGMLType.Q5_K: (_q45_k_kernel, {"Q5": True}),

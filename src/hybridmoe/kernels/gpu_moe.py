@@ -17,8 +17,8 @@ Q4_0 blocks are read as 16-bit words; their nibbles come out of the word in the 
 pairs first, so the kernel's K axis is that of the block's elements interleaved: position p of a 32-block
 holds element p // 2 + 16 (p % 2). The activations are permuted the same way (once per layer for gate/up;
 the gate/up epilogue writes its output permuted for a Q4_0 down), and a dot product doesn't care about the
-order of its terms. Q8_0 words give the natural order, and K-quants are gathered a 256-super-block at a
-time with the one-pass dequantizer's value functions (kernels/gpu_dequant.py).
+order of its terms. Q8_0 words give the natural order. Other types (K-quants: a first version that gathered
+their 256-element super-blocks byte by byte ran at 0.74x of dequantize + grouped GEMM) take that path.
 
 Checked against float64 on the GPU and in Triton's interpreter (tests/test_gpu_decode.py).
 """
@@ -34,18 +34,14 @@ from .gpu_decode import on_device
 try:
     import triton
     import triton.language as tl
-
-    from .gpu_dequant import q45_k_values, q6_k_values
 except ImportError:                                      # CPU-only installs
     triton = None
 
-QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q5_K: 3, GGMLType.Q6_K: 4}
-_BLOCK = {0: 32, 1: 32, 2: 256, 3: 256, 4: 256}
-_BYTES = {0: 18, 1: 34, 2: 144, 3: 176, 4: 210}
+QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
-    # (columns per program, 32-blocks per K step (Q4_0/Q8_0; K-quants step one super-block), warps, stages)
+    # (columns per program, 32-blocks per K step, warps, stages)
     # Triton's autotuner times them at a shape's first call (a few seconds of compiling per new shape);
     # HYBRIDMOE_MOE_TUNE=0 takes the first (tests: test_prefill_moe_every_tile runs each one)
     TILES = [(64, 2, 4, 3), (128, 2, 4, 3), (128, 4, 8, 3), (64, 4, 4, 4), (32, 4, 4, 3)]
@@ -85,36 +81,28 @@ if triton is not None:
 
     @triton.jit
     def _w_tile(wp, rs, n64, nm, kb, nblk, QT: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
-        """Weights [BN, BK] (float32) of rows n64 of one expert (GGUF rows of rs bytes from wp) for the K
-        step starting at block kb of nblk: NBK blocks of 32 (Q4_0: interleaved order, see the module
-        docstring), or one 256-super-block of a K-quant."""
-        m2 = nm[:, None]
-        if QT <= 1:
-            b = kb + tl.arange(0, NBK)
-            bm = m2 & (b < nblk)[None, :]                                      # [BN, NBK]
-            w16 = wp.to(tl.pointer_type(tl.uint16))
-            if QT == 0:                              # f16 scale, then 8 words of 4 nibbles
-                blk = w16 + n64[:, None] * (rs // 2) + b[None, :] * 9
-                d = tl.load(blk, mask=bm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-                c = tl.arange(0, 8)
-                w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=bm[:, :, None], other=0).to(tl.int32)
-                # word c: bytes 2c, 2c+1; low nibbles elements 2c, 2c+1, high ones 2c+16, 2c+17
-                lo = tl.reshape(tl.join(w & 15, (w >> 8) & 15), [BN, NBK, 16])         # elements 0..15
-                hi = tl.reshape(tl.join((w >> 4) & 15, (w >> 12) & 15), [BN, NBK, 16])  # elements 16..31
-                v = (tl.join(lo, hi) - 8).to(tl.float32) * d[:, :, None, None]
-            else:                                    # f16 scale, then 16 words of 2 int8: natural order
-                blk = w16 + n64[:, None] * (rs // 2) + b[None, :] * 17
-                d = tl.load(blk, mask=bm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-                c = tl.arange(0, 16)
-                w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=bm[:, :, None], other=0).to(tl.int32)
-                v = tl.join(((w & 255) ^ 128) - 128, (((w >> 8) & 255) ^ 128) - 128).to(tl.float32)
-                v = v * d[:, :, None, None]
-            return tl.reshape(v, [BN, NBK * 32])
-        else:
-            base = n64[:, None] * rs + kb * (144 if QT == 2 else (176 if QT == 3 else 210))
-            if QT == 4:
-                return q6_k_values(wp, base, m2)
-            return q45_k_values(wp, base, m2, QT == 3)
+        """Weights [BN, NBK * 32] (float32) of rows n64 of one expert (GGUF rows of rs bytes from wp), blocks
+        kb.. of nblk (Q4_0: in the interleaved order, see the module docstring)."""
+        b = kb + tl.arange(0, NBK)
+        bm = nm[:, None] & (b < nblk)[None, :]                                 # [BN, NBK]
+        w16 = wp.to(tl.pointer_type(tl.uint16))
+        if QT == 0:                                  # f16 scale, then 8 words of 4 nibbles
+            blk = w16 + n64[:, None] * (rs // 2) + b[None, :] * 9
+            d = tl.load(blk, mask=bm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            c = tl.arange(0, 8)
+            w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=bm[:, :, None], other=0).to(tl.int32)
+            # word c: bytes 2c, 2c+1; low nibbles elements 2c, 2c+1, high ones 2c+16, 2c+17
+            lo = tl.reshape(tl.join(w & 15, (w >> 8) & 15), [BN, NBK, 16])             # elements 0..15
+            hi = tl.reshape(tl.join((w >> 4) & 15, (w >> 12) & 15), [BN, NBK, 16])      # elements 16..31
+            v = (tl.join(lo, hi) - 8).to(tl.float32) * d[:, :, None, None]
+        else:                                        # f16 scale, then 16 words of 2 int8: natural order
+            blk = w16 + n64[:, None] * (rs // 2) + b[None, :] * 17
+            d = tl.load(blk, mask=bm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            c = tl.arange(0, 16)
+            w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=bm[:, :, None], other=0).to(tl.int32)
+            v = tl.join(((w & 255) ^ 128) - 128, (((w >> 8) & 255) ^ 128) - 128).to(tl.float32)
+            v = v * d[:, :, None, None]
+        return tl.reshape(v, [BN, NBK * 32])
 
     @triton.jit
     def _perm32(n):
@@ -142,18 +130,17 @@ if triton is not None:
             n64 = n.to(tl.int64)
             wp1 = w1 + e.to(tl.int64) * sw_e
             wp2 = w2 + e.to(tl.int64) * sw_e
-            QK: tl.constexpr = 32 if QT <= 1 else 256
-            BK: tl.constexpr = NBK * 32 if QT <= 1 else 256
-            nblk = K // QK
+            BK: tl.constexpr = NBK * 32
+            nblk = K // 32
             acc1 = tl.zeros([BM, BN], tl.float32)
             acc2 = tl.zeros([BM, BN], tl.float32)
             for k0 in range(0, K, BK):
                 kk = k0 + tl.arange(0, BK)
                 at = tl.load(a_rows + kk[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0)
-                wt = _w_tile(wp1, sw_n, n64, nm, k0 // QK, nblk, QT, BN, NBK).to(at.dtype)
+                wt = _w_tile(wp1, sw_n, n64, nm, k0 // 32, nblk, QT, BN, NBK).to(at.dtype)
                 acc1 = tl.dot(at, tl.trans(wt), acc1)
                 if GATE_UP:
-                    wt2 = _w_tile(wp2, sw_n, n64, nm, k0 // QK, nblk, QT, BN, NBK).to(at.dtype)
+                    wt2 = _w_tile(wp2, sw_n, n64, nm, k0 // 32, nblk, QT, BN, NBK).to(at.dtype)
                     acc2 = tl.dot(at, tl.trans(wt2), acc2)
             if GATE_UP:                              # SiLU(gate) * up for every row of the block (padding: 0)
                 h = acc1 / (1.0 + tl.exp(-acc1)) * acc2
@@ -187,11 +174,12 @@ def disable(gate_qtype, down_qtype, err: Exception):
 
 
 def block_rows(n_pairs: int, n_expert: int) -> int:
-    """Rows per block (BM) for this batch: the mean pairs per expert rounded up to a power of two, 16..128,
-    so an expert's tokens mostly fit one block and its weights are read once."""
+    """Rows per block (BM) for this batch: a power of two from 16 to 128 of at least 1.5x the mean pairs per
+    expert, so most experts' rows fit one block and their weights are dequantized once (the dequantization,
+    not the tensor cores, is what a block costs)."""
     mean = n_pairs / max(n_expert, 1)
     bm = 16
-    while bm < 128 and bm < mean:
+    while bm < 128 and bm < 1.5 * mean:
         bm *= 2
     return bm
 
@@ -218,11 +206,17 @@ def align(ids: torch.Tensor, n_expert: int, bm: int):
     return pairs, blk_e
 
 
+_ORDERS: dict = {}
+
+
 def q4_0_order(n_cols: int, device) -> torch.Tensor:
     """The natural column at each position of Q4_0's interleaved K order (see the module docstring)."""
-    p = torch.arange(n_cols, device=device)
-    j = p % 32
-    return p - j + j // 2 + 16 * (j % 2)
+    key = (n_cols, str(device))
+    if key not in _ORDERS:
+        p = torch.arange(n_cols, device=device)
+        j = p % 32
+        _ORDERS[key] = p - j + j // 2 + 16 * (j % 2)
+    return _ORDERS[key]
 
 
 def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, gate_up, perm_out, tile):
@@ -237,17 +231,19 @@ def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, g
                                                                     num_stages=stages)
 
 
-def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, dtype=torch.bfloat16, tile=None) -> torch.Tensor:
+def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, dtype=torch.bfloat16, tile=None,
+        bm=None) -> torch.Tensor:
     """Routed experts for a batch of tokens from GGUF bytes: x [T, H], ids [T, k] (int), wts [T, k];
     graw/uraw [E, F, row bytes], draw [E, H, row bytes] on one GPU. Returns float32 [T, H].
 
     dtype: the tensor cores' operand type (bf16; float32 for Triton's interpreter, whose bf16 dot is wrong).
-    tile: one of TILES for both kernels instead of the autotuner's choice (tests, benchmarks)."""
+    tile: one of TILES for both kernels instead of the autotuner's choice; bm: rows per block instead of
+    block_rows' (tests, benchmarks)."""
     T, H = x.shape
     k = ids.shape[1]
     E, F = graw.shape[0], graw.shape[1]
     n_pairs = T * k
-    bm = block_rows(n_pairs, E)
+    bm = bm or block_rows(n_pairs, E)
     with on_device(x):
         pairs, blk_e = align(ids, E, bm)
         a = x.to(dtype)

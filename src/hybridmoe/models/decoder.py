@@ -121,6 +121,9 @@ class Decoder:
         if L.mla:
             return self.attention_mla(L, x, positions, kv, rope)
         cfg, s = self.cfg, self.sched
+        if kv.device(L.i).torch_device.type == "cuda" and L.attn_qkv is not None and kv.plain(L.i) and \
+                positions.shape[0] > 1 and _gpu_kernels() is not None:
+            return self.attention_gpu(L, x, positions, kv, rope)
         q, k, v, dev = self.qkv(L, x, kv)
         if L.attn_q_norm is not None:
             q = rms_norm(q, s.small(L.attn_q_norm, dev), cfg.rms_eps)
@@ -132,6 +135,29 @@ class Decoder:
         keys, values = kv.update(L.i, int(positions[0]), k, v)              # [n_kv, P+T, D]
         with s.stats.op("attention", dev):
             o = s.tag(attend(q, keys, values, int(positions[0])), dev)      # [T, n_head*D]
+        return s.linear(o, L.attn_output)
+
+    def attention_gpu(self, L: Layer, x, positions, kv: KVCache, rope: dict):
+        """A prompt's attention on a GPU in four launches: the qkv GEMM; q/k norm + RoPE + the cache write
+        (one Triton kernel, q written in the cache's dtype, heads first); SDPA on the cache; the output
+        GEMM (was ~20 torch ops, and prefill on a GPU is bound by the host's launches)."""
+        cfg, s = self.cfg, self.sched
+        D, pos0, T = cfg.head_dim, int(positions[0]), positions.shape[0]
+        dev = kv.device(L.i)
+        kv.check_fits(pos0, T)
+        h = s.norm(x, L.attn_norm, cfg.rms_eps)
+        rows = s.move(s.linear(h, L.attn_qkv, getattr(L, "attn_qkv_b", None)), dev)
+        if dev.name not in rope:
+            rope[dev.name] = rope_tables(positions.to(rows.device), D, cfg.rope_base, cfg.rope_neox)
+        cos, sin = rope[dev.name]
+        kc, vc = kv.k[L.i], kv.v[L.i]
+        qn, kn = ((s.small(L.attn_q_norm, dev), s.small(L.attn_k_norm, dev)) if L.attn_q_norm is not None
+                  else (None, None))
+        with s.stats.op("attention", dev):
+            q = _gpu_kernels().qk_rope_cache(rows, qn, kn, cos[:, 0], sin[:, 0], pos0, kc, vc, cfg.n_head,
+                                             cfg.n_head_kv, D, cfg.rms_eps, cfg.rope_neox, q_dtype=kc.dtype,
+                                             cos_first=pos0)
+            o = s.tag(attend_gpu(q, kc[:, :pos0 + T], vc[:, :pos0 + T], pos0), dev)
         return s.linear(o, L.attn_output)
 
     def attention_mla(self, L: Layer, x, positions, kv: KVCache, rope: dict):
@@ -239,18 +265,8 @@ def attend(q, keys, values, pos0: int, scale: float | None = None) -> torch.Tens
     T, nh, D = q.shape
     P = keys.shape[1]
     if q.is_cuda:
-        qh = q.transpose(0, 1).to(torch.bfloat16)                           # [n_head, T, D]
-        kf, vf = keys.to(torch.bfloat16), values.to(torch.bfloat16)
-        if T == 1:                                                          # eager decode: one row
-            o = F.scaled_dot_product_attention(qh, kf, vf, enable_gqa=kf.shape[0] != nh, scale=scale)
-        else:
-            if kf.shape[0] != nh:
-                kf = kf.repeat_interleave(nh // kf.shape[0], 0)
-                vf = vf.repeat_interleave(nh // vf.shape[0], 0)
-            mask = None if P == T else causal_lower_right(T, P)             # query i sees keys <= pos0 + i
-            o = F.scaled_dot_product_attention(qh[None], kf[None], vf[None], attn_mask=mask, is_causal=P == T,
-                                               scale=scale)[0]
-        return o.transpose(0, 1).reshape(T, -1).float()
+        return attend_gpu(q.transpose(0, 1).to(torch.bfloat16), keys.to(torch.bfloat16), values.to(torch.bfloat16),
+                          pos0, scale)
     nkv = keys.shape[0]
     g = nh // nkv
     if T >= 192 or (T > 1 and P == T):
@@ -272,3 +288,30 @@ def attend(q, keys, values, pos0: int, scale: float | None = None) -> torch.Tens
     o = torch.bmm(torch.softmax(scores, -1), values.float())                         # [n_kv, g*T, Dv]
     Dv = values.shape[-1]
     return o.view(nkv, g, T, Dv).permute(2, 0, 1, 3).reshape(T, nh * Dv)
+
+
+def attend_gpu(qh, keys, values, pos0: int, scale: float | None = None) -> torch.Tensor:
+    """attend() on a GPU: qh [n_head, T, D], keys/values [n_kv, P, D], one 16-bit dtype. [T, n_head*Dv] float32."""
+    nh, T, _ = qh.shape
+    P = keys.shape[1]
+    if T == 1:                                                              # eager decode: one row
+        o = F.scaled_dot_product_attention(qh, keys, values, enable_gqa=keys.shape[0] != nh, scale=scale)
+    else:
+        if keys.shape[0] != nh:
+            keys = keys.repeat_interleave(nh // keys.shape[0], 0)
+            values = values.repeat_interleave(nh // values.shape[0], 0)
+        mask = None if P == T else causal_lower_right(T, P)                 # query i sees keys <= pos0 + i
+        o = F.scaled_dot_product_attention(qh[None], keys[None], values[None], attn_mask=mask, is_causal=P == T,
+                                           scale=scale)[0]
+    out = torch.empty(T, nh * o.shape[-1], dtype=torch.float32, device=o.device)
+    out.view(T, nh, -1).copy_(o.transpose(0, 1))                            # one launch: transpose and cast
+    return out
+
+
+def _gpu_kernels():
+    """kernels/gpu_decode.py where Triton is installed, else None."""
+    try:
+        from ..kernels import gpu_decode as gd
+    except ImportError:
+        return None
+    return gd if gd.available() else None

@@ -47,6 +47,15 @@ class KVCache:
     def device(self, layer: int):
         return self.devs[layer]
 
+    def plain(self, layer: int) -> bool:
+        """Keys and values of this layer are 16-bit floats of one dtype at slots = positions (no ring, no
+        q8_0): kernels may write and read them in place."""
+        return self.type_k == self.type_v and self.type_k in ("f16", "bf16") and self.slots[layer] == self.n_ctx
+
+    def check_fits(self, pos0: int, n: int):
+        if pos0 + n > self.n_ctx:
+            raise HybridMoeError(f"context is full: {pos0 + n} tokens do not fit in -c {self.n_ctx}; raise -c")
+
     def update(self, layer: int, pos0: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v [T, n_kv, D] at pos0..pos0+T; return keys, values [n_kv, pos0+T, D] as float."""
         keys, values, _ = self.update_window(layer, pos0, k, v)
@@ -58,8 +67,7 @@ class KVCache:
         query of this batch can see."""
         T = k.shape[0]
         end = pos0 + T
-        if end > self.n_ctx:
-            raise HybridMoeError(f"context is full: {end} tokens do not fit in -c {self.n_ctx}; raise -c")
+        self.check_fits(pos0, T)
         w, n = self.windows[layer], self.slots[layer]
         start = max(0, pos0 + 1 - w) if w else 0
         ring = n < self.n_ctx
