@@ -138,15 +138,16 @@ class Decoder:
         return s.linear(o, L.attn_output)
 
     def attention_gpu(self, L: Layer, x, positions, kv: KVCache, rope: dict):
-        """A prompt's attention on a GPU in four launches: the qkv GEMM; q/k norm + RoPE + the cache write
-        (one Triton kernel, q written in the cache's dtype, heads first); SDPA on the cache; the output
-        GEMM (was ~20 torch ops, and prefill on a GPU is bound by the host's launches)."""
+        """A prompt's attention on a GPU in a few launches: the qkv GEMM (bf16 out); q/k norm + RoPE + the
+        cache write (one Triton kernel, q written in the cache's dtype, heads first); SDPA on the cache; its
+        output transposed into bf16 rows; the output GEMM (was ~20 torch ops, and prefill on a GPU is bound
+        by the host's launches)."""
         cfg, s = self.cfg, self.sched
         D, pos0, T = cfg.head_dim, int(positions[0]), positions.shape[0]
         dev = kv.device(L.i)
         kv.check_fits(pos0, T)
         h = s.norm(x, L.attn_norm, cfg.rms_eps)
-        rows = s.move(s.linear(h, L.attn_qkv, getattr(L, "attn_qkv_b", None)), dev)
+        rows = s.move(s.linear(h, L.attn_qkv, getattr(L, "attn_qkv_b", None), f32=False), dev)
         if dev.name not in rope:
             rope[dev.name] = rope_tables(positions.to(rows.device), D, cfg.rope_base, cfg.rope_neox)
         cos, sin = rope[dev.name]
@@ -157,7 +158,7 @@ class Decoder:
             q = _gpu_kernels().qk_rope_cache(rows, qn, kn, cos[:, 0], sin[:, 0], pos0, kc, vc, cfg.n_head,
                                              cfg.n_head_kv, D, cfg.rms_eps, cfg.rope_neox, q_dtype=kc.dtype,
                                              cos_first=pos0)
-            o = s.tag(attend_gpu(q, kc[:, :pos0 + T], vc[:, :pos0 + T], pos0), dev)
+            o = s.tag(attend_gpu(q, kc[:, :pos0 + T], vc[:, :pos0 + T], pos0, out_dtype=torch.bfloat16), dev)
         return s.linear(o, L.attn_output)
 
     def attention_mla(self, L: Layer, x, positions, kv: KVCache, rope: dict):
@@ -232,6 +233,8 @@ class Decoder:
             wts = scores.gather(1, ids)
             if cfg.norm_topk_prob:
                 wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
+        elif logits.is_cuda and _gpu_kernels() is not None:
+            wts, ids = _gpu_kernels().router_topk(logits.contiguous(), k, cfg.norm_topk_prob)  # one launch, not 4
         else:
             wts, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)  # [T, k]
             if cfg.norm_topk_prob:
@@ -290,8 +293,8 @@ def attend(q, keys, values, pos0: int, scale: float | None = None) -> torch.Tens
     return o.view(nkv, g, T, Dv).permute(2, 0, 1, 3).reshape(T, nh * Dv)
 
 
-def attend_gpu(qh, keys, values, pos0: int, scale: float | None = None) -> torch.Tensor:
-    """attend() on a GPU: qh [n_head, T, D], keys/values [n_kv, P, D], one 16-bit dtype. [T, n_head*Dv] float32."""
+def attend_gpu(qh, keys, values, pos0: int, scale: float | None = None, out_dtype=torch.float32) -> torch.Tensor:
+    """attend() on a GPU: qh [n_head, T, D], keys/values [n_kv, P, D], one 16-bit dtype. [T, n_head*Dv]."""
     nh, T, _ = qh.shape
     P = keys.shape[1]
     if T == 1:                                                              # eager decode: one row
@@ -303,7 +306,7 @@ def attend_gpu(qh, keys, values, pos0: int, scale: float | None = None) -> torch
         mask = None if P == T else causal_lower_right(T, P)                 # query i sees keys <= pos0 + i
         o = F.scaled_dot_product_attention(qh[None], keys[None], values[None], attn_mask=mask, is_causal=P == T,
                                            scale=scale)[0]
-    out = torch.empty(T, nh * o.shape[-1], dtype=torch.float32, device=o.device)
+    out = torch.empty(T, nh * o.shape[-1], dtype=out_dtype, device=o.device)
     out.view(T, nh, -1).copy_(o.transpose(0, 1))                            # one launch: transpose and cast
     return out
 

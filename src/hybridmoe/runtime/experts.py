@@ -36,21 +36,24 @@ def _compute_dtype(t: torch.Tensor):
     return torch.bfloat16 if t.device.type == "cuda" else torch.float32
 
 
-def linear_raw(x: torch.Tensor, raw: torch.Tensor, w: QTensor, dev, n_threads=None) -> torch.Tensor:
-    """x [..., K] @ W[N, K]^T with W given as GGUF bytes `raw` on dev. Returns float32 [..., N]."""
+def linear_raw(x: torch.Tensor, raw: torch.Tensor, w: QTensor, dev, n_threads=None, f32: bool = True) -> torch.Tensor:
+    """x [..., K] @ W[N, K]^T with W given as GGUF bytes `raw` on dev. Returns float32 [..., N] (f32=False: a
+    GPU-resident weight's bf16 GEMM output as it is, for a consumer that reads bf16)."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).float()
+    x2 = x.reshape(-1, x.shape[-1])
     k = kernels() if raw.device.type == "cpu" and not w.is_float else None
     if w.qtype == GGMLType.F32 and raw.device.type == "cpu":
-        y = x2 @ raw.view(torch.float32).reshape(-1, w.shape[-1]).t()                 # exact, MKL
+        y = x2.float() @ raw.view(torch.float32).reshape(-1, w.shape[-1]).t()          # exact, MKL
     elif k is not None:
-        y = k.qmatmul(x2.contiguous(), raw, w.qtype, w.shape[-1], n_threads=n_threads)
+        y = k.qmatmul(x2.float().contiguous(), raw, w.qtype, w.shape[-1], n_threads=n_threads)
     elif raw is w.raw and raw.device.type == "cuda":
         # GPU-resident dense weights are dequantized to bf16 once and kept: HBM reads of bf16 beat
         # re-dequantizing every call, and non-expert matrices are a small share of an MoE model
         dt = torch.float32 if w.qtype == GGMLType.F32 else torch.bfloat16     # F32 (the router) stays exact
-        y = (x2.to(dt) @ w.cached(dt).t()).float()
+        y = x2.to(dt) @ w.cached(dt).t()
+        y = y.float() if f32 else y
     else:
+        x2 = x2.float()
         dt = _compute_dtype(raw)
         wt = QTensor(w.name, raw, w.qtype, w.shape, dev).dequant(dt)
         y = (x2.to(dt) @ wt.t()).float()

@@ -154,8 +154,9 @@ class Scheduler:
                                            n_active=n_active, prefetched=prefetched)
         return n_tokens >= threshold
 
-    def linear(self, x: torch.Tensor, w: QTensor, bias: QTensor | None = None) -> torch.Tensor:
-        """x @ W^T (+ bias, added where the matmul ran: ggml's add follows its input there)."""
+    def linear(self, x: torch.Tensor, w: QTensor, bias: QTensor | None = None, f32: bool = True) -> torch.Tensor:
+        """x @ W^T (+ bias, added where the matmul ran: ggml's add follows its input there). f32=False: a
+        GPU's bf16 result is not cast to float32 (its consumer reads bf16)."""
         x_dev = self.dev_of(x)
         T = x.numel() // x.shape[-1]
         run = w.device
@@ -167,7 +168,7 @@ class Scheduler:
                 raw = self.upload(w.raw, run)
                 y = X.linear_raw(x, raw, w, run, self.n_threads)
             else:
-                y = X.linear_raw(x, w.raw, w, run, self.n_threads)
+                y = X.linear_raw(x, w.raw, w, run, self.n_threads, f32=f32)
             if bias is not None:
                 y = y + self.small(bias, run)
         return self.tag(y, run)
