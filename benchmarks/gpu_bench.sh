@@ -12,9 +12,10 @@ for s in "$@"; do
                -p no:cacheprovider --tb=short 2>&1 | tail -30 ;;
     moetests) HYBRIDMOE_MOE_TUNE=0 python3 -m pytest -q tests/test_gpu_decode.py tests/test_gpu_kernels.py -k "prefill_moe or expert_paths" \
                   -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
-    prefill) python3 benchmarks/bench_moe_prefill.py Q4_0 128,512,2048,4096 2>&1 | tail -12
+    prefill) python3 benchmarks/bench_moe_prefill.py Q4_0 128,512,2048,4096 2>&1 | tail -16
              python3 benchmarks/bench_moe_prefill.py Q8_0 512 2>&1 | tail -8 ;;
     prof512) python3 benchmarks/profile_decode.py pp512 2>&1 ;;
+    kbench) python3 benchmarks/bench_kernels.py --types Q4_0,Q8_0,Q4_K --batches 1,8d,512 --layers 8 2>&1 | tail -14 ;;
     kernels) python3 -m pytest -q tests/test_cpu_kernels.py -p no:cacheprovider --tb=short 2>&1 | tail -5
              python3 benchmarks/bench_kernels.py --types Q4_0,Q8_0,Q4_K --batches 1,32,128,512 --layers 8 --crossover 2>&1 | tail -18 ;;
     prep) hm calibrate 2>&1 | tail -8; ( time hm synth qwen3-30b-a3b ) 2>&1 | tail -4 ;;

@@ -15,9 +15,9 @@ expert of a layer out as bf16 (2.4 GB a layer for Qwen3-30B-A3B) before `torch._
 
 Q4_0 blocks are read as 16-bit words; their nibbles come out of the word in the order low nibbles of byte
 pairs first, so the kernel's K axis is that of the block's elements interleaved: position p of a 32-block
-holds element p // 2 + 16 (p % 2). The activations are read in the same order (gate/up gathers its
-columns so; its epilogue writes its output permuted for a Q4_0 down), and a dot product doesn't care about
-the order of its terms. Q8_0 words give the natural order. Other types (K-quants: a first version that gathered
+holds element p // 2 + 16 (p % 2). The activations are permuted the same way (once per layer for gate/up;
+the gate/up epilogue writes its output permuted for a Q4_0 down), and a dot product doesn't care about the
+order of its terms. Q8_0 words give the natural order. Other types (K-quants: a first version that gathered
 their 256-element super-blocks byte by byte ran at 0.74x of dequantize + grouped GEMM) take that path.
 
 Checked against float64 on the GPU and in Triton's interpreter (tests/test_gpu_decode.py).
@@ -110,20 +110,15 @@ if triton is not None:
         j = n % 32
         return n - j + 2 * (j % 16) + j // 16
 
-    @triton.jit
-    def _unperm32(p):
-        """The natural column at position p of Q4_0's interleaved order."""
-        j = p % 32
-        return p - j + j // 2 + 16 * (j % 2)
 
-    @triton.autotune(configs=_CONFIGS, key=["K", "N", "BM", "QT", "GATE_UP", "PERM_IN", "PERM_OUT"])
+    @triton.autotune(configs=_CONFIGS, key=["K", "N", "BM", "QT", "GATE_UP", "PERM_OUT"])
     @triton.jit
     def _moe_gemm_kernel(a, a_stride, w1, w2, sw_e, sw_n, out, out_stride, pairs, blk_e, wts, n_pairs, k_used,
-                         K, N, QT: tl.constexpr, BM: tl.constexpr, GATE_UP: tl.constexpr, PERM_IN: tl.constexpr,
-                         PERM_OUT: tl.constexpr, DOT_F32: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
-        """One (row block, column tile). a: the activations (any float dtype; PERM_IN: read in Q4_0's order);
-        the tensor cores take bf16 (DOT_F32: float32, for Triton's interpreter)."""
-        DT: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
+                         K, N, QT: tl.constexpr, BM: tl.constexpr, GATE_UP: tl.constexpr,
+                         PERM_OUT: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
+        """One (row block, column tile); the tensor cores take a's dtype (bf16, or float32 in Triton's
+        interpreter). a's columns are in the kernel's K order (contiguous loads: a version that gathered
+        float32 columns in Q4_0's order in here ran 1.5x slower than the torch gather it saved)."""
         n_nt = tl.cdiv(N, BN)
         pid_m = tl.program_id(0) // n_nt
         pid_n = tl.program_id(0) % n_nt
@@ -145,12 +140,11 @@ if triton is not None:
             acc2 = tl.zeros([BM, BN], tl.float32)
             for k0 in range(0, K, BK):
                 kk = k0 + tl.arange(0, BK)
-                acol = _unperm32(kk) if PERM_IN else kk
-                at = tl.load(a_rows + acol[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0).to(DT)
-                wt = _w_tile(wp1, sw_n, n64, nm, k0 // 32, nblk, QT, BN, NBK).to(DT)
+                at = tl.load(a_rows + kk[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0)
+                wt = _w_tile(wp1, sw_n, n64, nm, k0 // 32, nblk, QT, BN, NBK).to(at.dtype)
                 acc1 = tl.dot(at, tl.trans(wt), acc1)
                 if GATE_UP:
-                    wt2 = _w_tile(wp2, sw_n, n64, nm, k0 // 32, nblk, QT, BN, NBK).to(DT)
+                    wt2 = _w_tile(wp2, sw_n, n64, nm, k0 // 32, nblk, QT, BN, NBK).to(at.dtype)
                     acc2 = tl.dot(at, tl.trans(wt2), acc2)
             if GATE_UP:                              # SiLU(gate) * up for every row of the block (padding: 0)
                 h = acc1 / (1.0 + tl.exp(-acc1)) * acc2
@@ -216,11 +210,23 @@ def align(ids: torch.Tensor, n_expert: int, bm: int):
     return pairs, blk_e
 
 
-def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, gate_up, perm_in, perm_out, tile):
+_ORDERS: dict = {}
+
+
+def q4_0_order(n_cols: int, device) -> torch.Tensor:
+    """The natural column at each position of Q4_0's interleaved K order (see the module docstring)."""
+    key = (n_cols, str(device))
+    if key not in _ORDERS:
+        p = torch.arange(n_cols, device=device)
+        j = p % 32
+        _ORDERS[key] = p - j + j // 2 + 16 * (j % 2)
+    return _ORDERS[key]
+
+
+def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, gate_up, perm_out, tile):
     args = (a, a.stride(0), w1, w2, w1.stride(0), w1.stride(1), out, out.stride(0), pairs, blk_e, wts, n_pairs,
             k_used, K, N)
-    kw = dict(QT=QTYPES[qtype], BM=bm, GATE_UP=gate_up, PERM_IN=perm_in, PERM_OUT=perm_out,
-              DOT_F32=out.dtype == torch.float32 if gate_up else a.dtype == torch.float32)
+    kw = dict(QT=QTYPES[qtype], BM=bm, GATE_UP=gate_up, PERM_OUT=perm_out)
     if tile is None:
         _moe_gemm_kernel[lambda meta: (blk_e.numel() * triton.cdiv(N, meta["BN"]),)](*args, **kw)
     else:
@@ -244,12 +250,12 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, dtype=torch.bfloa
     bm = bm or block_rows(n_pairs, E)
     with on_device(x):
         pairs, blk_e = align(ids, E, bm)
-        a = x if x.stride(-1) == 1 else x.contiguous()                # cast to dtype as the kernel reads it
+        a = x.to(dtype)
+        a = a[:, q4_0_order(H, x.device)] if gate_qtype == GGMLType.Q4_0 else a.contiguous()
         h = torch.empty(pairs.numel(), F, dtype=dtype, device=x.device)
         wf = wts.reshape(-1).float().contiguous()
-        q4 = GGMLType.Q4_0
-        _gemm(a, graw, uraw, h, pairs, blk_e, wf, n_pairs, k, H, F, gate_qtype, bm, True, gate_qtype == q4,
-              down_qtype == q4, tile)
+        _gemm(a, graw, uraw, h, pairs, blk_e, wf, n_pairs, k, H, F, gate_qtype, bm, True,
+              down_qtype == GGMLType.Q4_0, tile)
         out = torch.empty(n_pairs, H, dtype=torch.float32, device=x.device)
-        _gemm(h, draw, draw, out, pairs, blk_e, wf, n_pairs, k, F, H, down_qtype, bm, False, False, False, tile)
+        _gemm(h, draw, draw, out, pairs, blk_e, wf, n_pairs, k, F, H, down_qtype, bm, False, False, tile)
     return out.view(T, k, H).sum(1)
