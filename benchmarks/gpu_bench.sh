@@ -14,6 +14,8 @@ for s in "$@"; do
                   -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
     prefill) python3 benchmarks/bench_moe_prefill.py Q4_0 128,512,2048,4096 2>&1 | tail -16
              python3 benchmarks/bench_moe_prefill.py Q8_0 512 2>&1 | tail -8 ;;
+    jitter) python3 benchmarks/pp_jitter.py 12 2>&1 | tail -14
+            hm bench -m $M -ngl 99 -p 512 -n 0 -r 8 -o jsonl 2>/dev/null | python3 -c "import json,sys; [print(r['test'], [round(x) for x in r['samples_ts']]) for r in map(json.loads, sys.stdin)]" ;;
     prof512) python3 benchmarks/profile_decode.py pp512 2>&1 ;;
     kbench) python3 benchmarks/bench_kernels.py --types Q4_0,Q8_0,Q4_K --batches 1,8d,512 --layers 8 2>&1 | tail -14 ;;
     kernels) python3 -m pytest -q tests/test_cpu_kernels.py -p no:cacheprovider --tb=short 2>&1 | tail -5
