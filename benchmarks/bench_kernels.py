@@ -8,11 +8,19 @@ tensors are allocated and rotated so the weights come from RAM, not cache.
 
     python benchmarks/bench_kernels.py [--threads N] [--layers L] [--types Q4_0,Q8_0] [--quick]
         [--batches 1,8d,32,512] [--repeat N] [--fp32 | --int8 Q4_0,Q4_K] [--impl kernel|tile|gemm] [--crossover]
+        [--alloc torch,file,pinned,4k,huge,huge-pinned]
+
+--alloc repeats the table for each kind of memory the expert bytes can live in: torch's allocator (the
+default), a private file mapping (what `-ngl 0` read before hostmem.py), cudaHostAlloc (`pin_memory()`),
+and hostmem.Arena on 4 KiB or 2 MiB pages, pinned with cudaHostRegister or not.
 """
 from __future__ import annotations
 
 import argparse
+import mmap
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -20,6 +28,7 @@ import torch
 from hybridmoe.kernels import cpu
 from hybridmoe.quant.ref import random_blocks
 from hybridmoe.quant.types import GGMLType, row_bytes
+from hybridmoe.runtime import hostmem
 
 E, K_USED, H, F = 128, 8, 2048, 768
 
@@ -46,13 +55,46 @@ def bf16_matmul_rate(reps: int = 3) -> float:
     return best
 
 
-def make_layers(q: GGMLType, n_layers: int, g: torch.Generator):
+def make_layers(q: GGMLType, n_layers: int, g: torch.Generator, alloc: str = "torch"):
     """n_layers copies (separate memory) of one random layer: gate, up [E, F, rb], down [E, H, rb]."""
     base = [random_blocks(q, (E, F, H), g), random_blocks(q, (E, F, H), g), random_blocks(q, (E, H, F), g)]
-    layers = [base]
-    for _ in range(n_layers - 1):
-        layers.append([t.clone() for t in base])
-    return layers
+    flat = [t for _ in range(n_layers) for t in base]
+    if alloc == "torch":
+        out = [t.clone() for t in flat]
+    elif alloc == "pinned":
+        out = [t.pin_memory() for t in flat]
+    elif alloc == "file":
+        with tempfile.TemporaryFile(dir="/tmp") as f:
+            for t in flat:
+                f.write(t.numpy().tobytes())
+            f.flush()
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        whole = torch.frombuffer(mm, dtype=torch.uint8)
+        out, o = [], 0
+        for t in flat:
+            out.append(whole[o:o + t.numel()].view(t.shape))
+            o += t.numel()
+        for t in out:                  # fault the file's pages in, as a warm mapping would be
+            t.sum(dtype=torch.int64)
+    elif alloc in ("4k", "huge", "huge-pinned", "4k-pinned"):
+        arena = hostmem.Arena(hostmem.arena_size(flat), huge=alloc.startswith("huge"))
+        out = [arena.take(t) for t in flat]
+        if alloc.endswith("pinned") and not arena.pin():
+            raise SystemExit("cudaHostRegister refused the arena")
+    else:
+        raise SystemExit(f"unknown --alloc {alloc!r}")
+    return [out[i:i + 3] for i in range(0, len(out), 3)]
+
+
+def anon_huge_mib() -> float:
+    """This process's anonymous memory on transparent huge pages (MiB), from /proc/self/smaps_rollup."""
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
 
 
 def routing(T: int, kind: str, g: torch.Generator):
@@ -133,6 +175,7 @@ def main(argv=None):
     ap.add_argument("--int8", default=None, help="types on the integer path, e.g. Q4_0,Q4_K,Q5_K")
     ap.add_argument("--crossover", action="store_true",
                     help="also time the streaming kernel, the tile kernel and dequantize+GEMM for T = 16..512")
+    ap.add_argument("--alloc", default="torch", help="memory kinds for the expert bytes (see the module doc)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     nth = a.threads
@@ -144,7 +187,7 @@ def main(argv=None):
         a.layers = min(a.layers, 6)
     mode = " (fp32 activations only)" if a.fp32 else f" (integer path: {a.int8})" if a.int8 else ""
     print(f"kernel: {cpu.simd()}{mode}, tile products: {cpu.tile_mode()}, threads {nth}, "
-          f"layers {a.layers}, torch {torch.__version__}")
+          f"layers {a.layers}, torch {torch.__version__}, transparent huge pages: {hostmem.thp_mode()}")
     probe = torch.ones(1 << 30, dtype=torch.float32)          # 4 GiB
     bw0 = read_bandwidth(probe)
     mm_rate = bf16_matmul_rate()
@@ -158,9 +201,13 @@ def main(argv=None):
 
     g = torch.Generator().manual_seed(0)
     rows, cross = [], []
-    for name in a.types.split(","):
+    allocs = a.alloc.split(",")
+    for name, alloc in ((n, m) for n in a.types.split(",") for m in allocs):
         q = GGMLType[name.strip()]
-        layers = make_layers(q, a.layers, g)
+        huge0 = anon_huge_mib()
+        layers = make_layers(q, a.layers, g, alloc)
+        if len(allocs) > 1:
+            print(f"{name} in {alloc} memory: {anon_huge_mib() - huge0:.0f} MiB more on huge pages")
         for b in a.batches.split(","):
             kind = "distinct" if b.endswith("d") else "random"
             T = int(b.rstrip("d"))
@@ -179,7 +226,8 @@ def main(argv=None):
             gbs = nbytes / dt / 1e9
             flops = 2 * T * K_USED * 3 * H * F / dt
             path = a.impl or ("kernel" if T < cpu.GEMM_MIN_T else cpu._large_impl())
-            rows.append((name, f"{T}{' (64 distinct)' if kind == 'distinct' else ''}", path, dt * 1e3, gbs, bw,
+            label = name if len(allocs) == 1 else f"{name} ({alloc})"
+            rows.append((label, f"{T}{' (64 distinct)' if kind == 'distinct' else ''}", path, dt * 1e3, gbs, bw,
                          gbs / bw, flops / 1e9, flops / mm_rate))
         if a.crossover:
             cross.append((name, crossover(layers[0], q, g, nth)))

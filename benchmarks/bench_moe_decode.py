@@ -3,6 +3,9 @@ shape (E=128, k=8, H=2048, F=768), one token: microseconds and GB/s of expert by
 copy's bandwidth. For choosing gpu_decode._MOE_TILES. Usage (GPU machine):
 
     python3 benchmarks/bench_moe_decode.py [Q4_0,Q8_0,Q4_K]
+    python3 benchmarks/bench_moe_decode.py --tiles [Q4_0,Q8_0,Q4_K,Q6_K]
+
+--tiles times only gpu_decode._MOE_TILES on each kernel: the measurements behind gpu_decode.moe_tile.
 """
 import itertools
 import sys
@@ -71,5 +74,34 @@ def main(types):
                 print(f"    {r[2:]}: {r[key] * 1e6:.1f} us, {nbytes / r[key] / 1e9:.0f} GB/s")
 
 
+def tiles(types):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print("| type | kernel | " + " | ".join(str(t) for t in gd._MOE_TILES) + " | rule's pick |")
+    print("|---|---|" + "---:|" * (len(gd._MOE_TILES) + 1))
+    for name in types:
+        q = GGMLType[name]
+        qt = gd.QTYPES[q]
+        graw, uraw = (random_blocks(q, (E, F, H), g) for _ in range(2))
+        draw = random_blocks(q, (E, H, F), g)
+        x = torch.randn(1, H, device="cuda", generator=g)
+        ids = torch.randperm(E, device="cuda", generator=g)[:K_USED][None].to(torch.int32)
+        wts = torch.softmax(torch.randn(1, K_USED, device="cuda", generator=g), -1)
+        h, out = torch.empty(K_USED, F, device="cuda"), torch.empty(K_USED, H, device="cuda")
+        for label, run in (
+                ("gate/up", lambda bn, nb, w: gd._moe_gate_up_kernel.fn[(K_USED, triton.cdiv(F, bn))](
+                    x, ids, graw, uraw, h, H, F, K_USED, graw.stride(0), graw.stride(1), uraw.stride(0),
+                    uraw.stride(1), QT=qt, BN=bn, NB=nb, num_warps=w)),
+                ("down", lambda bn, nb, w: gd._moe_down_kernel.fn[(K_USED, triton.cdiv(H, bn))](
+                    h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), QT=qt, BN=bn, NB=nb,
+                    num_warps=w))):
+            us = [timed(lambda t=t: run(*t)) * 1e6 for t in gd._MOE_TILES]
+            pick = gd.moe_tile(q, label == "gate/up")
+            print(f"| {name} | {label} | " + " | ".join(f"{u:.1f}" for u in us) +
+                  f" | {pick} ({us[gd._MOE_TILES.index(pick)] / min(us):.2f}x best) |")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--tiles"]:
+        tiles(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+        sys.exit()
     main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["Q4_0", "Q8_0", "Q4_K"])

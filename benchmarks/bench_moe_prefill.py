@@ -5,6 +5,10 @@ bytes the batch touches, the same run's bf16 GEMM rate and device copy bandwidth
 difference of the two paths. Usage (GPU machine):
 
     python3 benchmarks/bench_moe_prefill.py [Q4_0,Q8_0] [128,512,2048,4096]
+    python3 benchmarks/bench_moe_prefill.py --tiles [Q4_0,Q8_0] [64,128,512,2048,4096]
+
+--tiles times each of gpu_moe.TILES on the gate/up and the down kernel separately (us a call, rows per
+block from block_rows), the measurements behind gpu_moe.pick_tile's rule.
 """
 import sys
 
@@ -75,6 +79,37 @@ def main(types, batches):
         print(f"  {key[:6]}: {cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages}")
 
 
+def tiles(types, batches):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print("| type | T | BM | kernel | " + " | ".join(str(t) for t in gpu_moe.TILES) + " | rule's pick |")
+    print("|---|---:|---:|---|" + "---:|" * (len(gpu_moe.TILES) + 1))
+    for name in types:
+        q = GGMLType[name]
+        gr, ur, dr = (random_blocks(q, s, g) for s in ((E, F, H), (E, F, H), (E, H, F)))
+        for T in batches:
+            x = torch.randn(T, H, device="cuda", generator=g)
+            ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K_USED] for _ in range(T)])
+            wf = torch.softmax(torch.randn(T, K_USED, device="cuda", generator=g), -1).reshape(-1)
+            n = T * K_USED
+            bm = gpu_moe.block_rows(n, E)
+            pairs, blk_e = gpu_moe.align(ids, E, bm)
+            a = x.to(torch.bfloat16)
+            a = a[:, gpu_moe.q4_0_order(H, x.device)] if q == GGMLType.Q4_0 else a
+            h = torch.randn(pairs.numel(), F, dtype=torch.bfloat16, device="cuda")
+            out = torch.empty(n, H, device="cuda")
+            for label, args in (("gate/up", (a, gr, ur, h, pairs, blk_e, wf, n, K_USED, H, F, q, bm, True,
+                                              q == GGMLType.Q4_0)),
+                                ("down", (h, dr, dr, out, pairs, blk_e, wf, n, K_USED, F, H, q, bm, False, False))):
+                us = [timed(lambda t=t: gpu_moe._gemm(*args, t)) * 1e6 for t in gpu_moe.TILES]
+                pick = gpu_moe.pick_tile(bm, args[13], q)
+                print(f"| {name} | {T} | {bm} | {label} | " + " | ".join(f"{u:.0f}" for u in us) +
+                      f" | {pick} ({us[gpu_moe.TILES.index(pick)] / min(us):.2f}x best) |")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--tiles"]:
+        tiles(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0"],
+              [int(t) for t in sys.argv[3].split(",")] if len(sys.argv) > 3 else [64, 128, 512, 2048, 4096])
+        sys.exit()
     main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["Q4_0", "Q8_0"],
          [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 2 else [128, 512, 2048, 4096])

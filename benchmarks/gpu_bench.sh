@@ -7,15 +7,26 @@ B() { echo "### hybridmoe bench $*"; hm bench -m $M "$@" 2>&1 | grep -v "^\s*$";
 for s in "$@"; do
   echo "=============== $s"
   case $s in
-    tests) HYBRIDMOE_MOE_TUNE=0 HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --tb=line 2>&1 | tail -8
-           HYBRIDMOE_MOE_TUNE=0 HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \
+    tests) HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --tb=line 2>&1 | tail -8
+           HYBRIDMOE_CACHE=/tmp/hm-test python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \
                -p no:cacheprovider --tb=short 2>&1 | tail -30 ;;
-    moetests) HYBRIDMOE_MOE_TUNE=0 python3 -m pytest -q tests/test_gpu_decode.py tests/test_gpu_kernels.py -k "prefill_moe or expert_paths" \
+    moetests) python3 -m pytest -q tests/test_gpu_decode.py tests/test_gpu_kernels.py -k "prefill_moe or expert_paths" \
                   -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
     prefill) python3 benchmarks/bench_moe_prefill.py Q4_0 128,512,2048,4096 2>&1 | tail -16
              python3 benchmarks/bench_moe_prefill.py Q8_0 512 2>&1 | tail -8 ;;
     jitter) python3 benchmarks/pp_jitter.py 12 2>&1 | tail -14
             hm bench -m $M -ngl 99 -p 512 -n 0 -r 8 -o jsonl 2>/dev/null | python3 -c "import json,sys; [print(r['test'], [round(x) for x in r['samples_ts']]) for r in map(json.loads, sys.stdin)]" ;;
+    alloc) python3 -m pytest -q tests/test_placement_runtime.py -k arena -p no:cacheprovider --tb=short 2>&1 | tail -3
+           python3 benchmarks/bench_kernels.py --types Q4_0 --batches 1,8d --layers 8 --alloc torch,file,pinned,4k,huge,huge-pinned 2>&1 | tail -22
+           for A in 0 1; do echo "### HYBRIDMOE_HOST_ARENA=$A"; HYBRIDMOE_HOST_ARENA=$A B -ngl 99 -ot exps=CPU -p 0 -n 128 -r 3 --roofline; done ;;
+    tgvar) B -ngl 99 -ot exps=CPU -p 0 -n 64 -r 3 -t 8,12,16
+           for V in OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=infinite OMP_PROC_BIND=close; do echo "### $V"
+             env $V python3 -m hybridmoe.cli bench -m $M -ngl 99 -ot exps=CPU -p 0 -n 64 -r 3 2>&1 | grep tg64; done ;;
+    kalone) python3 benchmarks/profile_decode.py kalone 2>&1 ;;
+    firstcall) for V in cold warm HYBRIDMOE_MOE_TUNE=1; do echo "### hybridmoe run -ngl 99 -ot exps=CPU, 1200-token prompt, -n 16 ($V)"
+                 env ${V/#[cw]*/X=1} python3 -m hybridmoe.cli run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..1200})" --temp 0 2>&1 | grep -E "loaded|time ="; done ;;
+    tiles) python3 benchmarks/bench_moe_prefill.py --tiles Q4_0,Q8_0 64,128,512,2048,4096 2>&1 | tail -24 ;;
+    dtiles) python3 benchmarks/bench_moe_decode.py --tiles Q4_0,Q8_0,Q4_K,Q5_K,Q6_K 2>&1 | tail -14 ;;
     prof512) python3 benchmarks/profile_decode.py pp512 2>&1 ;;
     kbench) python3 benchmarks/bench_kernels.py --types Q4_0,Q8_0,Q4_K --batches 1,8d,512 --layers 8 2>&1 | tail -14 ;;
     kernels) python3 -m pytest -q tests/test_cpu_kernels.py -p no:cacheprovider --tb=short 2>&1 | tail -5

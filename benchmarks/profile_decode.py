@@ -1,12 +1,13 @@
 """Where decode and prefill time goes on the GPU machine: step times with/without graphs, top CUDA kernels,
 and the CPU expert kernel alone (bytes/s) for the hybrid placement. Usage: python3 benchmarks/profile_decode.py"""
+import os
 import sys
 import time
 
 import torch
 
 import hybridmoe
-from hybridmoe.runtime import experts as X
+from hybridmoe.quant.types import GGMLType
 
 M = "synth:qwen3-30b-a3b"
 
@@ -34,22 +35,41 @@ def top_kernels(fn, n=15):
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
 
 
-def cpu_kernel_alone(m, reps=3):
-    lay = [L for L in m.decoder.layers]
-    ws = [(L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps) for L in lay]
-    H, k, E = m.cfg.n_embd, m.cfg.n_expert_used, m.cfg.n_expert
-    x = torch.randn(1, H)
+def _kernel_rate(layers, H, k, E, reps=3):
+    """Bytes/s of the CPU expert kernel at T=1 over `layers` [(gate, up, down) raw], routes drawn up front."""
+    from hybridmoe.kernels import cpu
+    x, out = torch.randn(1, H), torch.empty(1, H)
+    routes = [(torch.randperm(E)[:k][None].to(torch.int32), torch.softmax(torch.randn(1, k), -1)) for _ in layers]
+    nbytes = sum(k * (g[0].numel() + u[0].numel() + d[0].numel()) for g, u, d in layers)
     best = 1e9
     for _ in range(reps):
         t0 = time.perf_counter()
-        nbytes = 0
-        for g, u, d in ws:
-            ids = torch.randperm(E)[:k][None].to(torch.int32)
-            w = torch.softmax(torch.randn(1, k), -1)
-            X.moe(x, ids, w, g.raw, u.raw, d.raw, g, u, d)
-            nbytes += k * (g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel())
+        for (g, u, d), (ids, w) in zip(layers, routes):
+            cpu.moe_ffn(x, ids, w, g, u, d, GGMLType.Q4_0, GGMLType.Q4_0, out=out)
         best = min(best, time.perf_counter() - t0)
-    print(f"CPU expert kernel alone, T=1, 48 layers: {best * 1e3:.2f} ms, {nbytes / best / 1e9:.1f} GB/s")
+    return nbytes / best, best
+
+
+def cpu_kernel_alone(m, reps=3):
+    """The CPU expert kernel at T=1 on the model's own expert bytes, on the first 8 layers of them, and on
+    8 layers of bench_kernels.py's copies (torch's allocator, and hostmem's arena): one VM, one process."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import bench_kernels as bk
+    from hybridmoe.runtime import hostmem
+    H, k, E = m.cfg.n_embd, m.cfg.n_expert_used, m.cfg.n_expert
+    ws = [(L.ffn_gate_exps.raw, L.ffn_up_exps.raw, L.ffn_down_exps.raw) for L in m.decoder.layers]
+    probe = torch.ones(1 << 30)
+    print(f"RAM read (torch.sum, 4 GiB): {bk.read_bandwidth(probe):.1f} GB/s; THP {hostmem.thp_mode()}, "
+          f"process AnonHugePages {bk.anon_huge_mib():.0f} MiB")
+    bw, dt = _kernel_rate(ws, H, k, E, reps)
+    print(f"CPU expert kernel alone, T=1, {len(ws)} layers (the model's): {dt * 1e3:.2f} ms, {bw / 1e9:.1f} GB/s")
+    print(f"  first 8 of them: {_kernel_rate(ws[:8] * 6, H, k, E, reps)[0] / 1e9:.1f} GB/s")
+    g = torch.Generator().manual_seed(0)
+    for alloc in ("torch", "huge"):
+        lay = bk.make_layers(GGMLType.Q4_0, 8, g, alloc)
+        print(f"  bench_kernels' 8 layers ({alloc}): {_kernel_rate(lay * 6, H, k, E, reps)[0] / 1e9:.1f} GB/s")
+        del lay
+    print(f"RAM read again: {bk.read_bandwidth(probe):.1f} GB/s")
 
 
 def prefill(m, T, label):
@@ -109,6 +129,12 @@ for what in sys.argv[1:]:
         t0 = time.perf_counter(); m.forward(toks, 0, kv, all_logits=False); torch.cuda.synchronize()
         print(f"all-GPU pp512 forward: {(time.perf_counter() - t0) * 1e3:.1f} ms")
         top_kernels(lambda: m.forward(toks, 0, kv, all_logits=False))
+        del m
+    if what == "kalone":                      # the CPU kernel on the model's bytes against bench_kernels' copies
+        m = hybridmoe.load(M, n_gpu_layers=99, override_tensor=["exps=CPU"], ctx_size=256)
+        print(f"hybrid decode: graphs {steps(m, 20) * 1e3:.2f} ms/token")
+        cpu_kernel_alone(m)
+        print(f"hybrid decode: graphs {steps(m, 20) * 1e3:.2f} ms/token")
         del m
     if what == "hybrid":
         m = hybridmoe.load(M, n_gpu_layers=99, override_tensor=["exps=CPU"], ctx_size=256)

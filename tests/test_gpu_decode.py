@@ -224,8 +224,8 @@ def test_prefill_moe_from_bytes(gq, dq, T, E):
 
 @pytest.mark.parametrize("q", [GGMLType.Q4_0, GGMLType.Q8_0])
 def test_prefill_moe_every_tile(q):
-    """Each tile configuration the autotuner may pick, and each block height, computes the same function
-    (float64 reference)."""
+    """Each tile configuration (pick_tile's rule or the autotuner may take any), and each block height,
+    computes the same function (float64 reference)."""
     from hybridmoe.kernels import gpu_moe
     E, k, T, H, Fd = 8, 2, 24, 512, 352
     g = _gen(int(q))
@@ -240,6 +240,37 @@ def test_prefill_moe_every_tile(q):
         for bm in (16, 64, 128):
             out = gpu_moe.moe(x, ids, wts, graw, uraw, draw, q, q, dtype=dt, tile=tile, bm=bm)
             assert rel_l2(out.double(), ref) < (1e-2 if DEV == "cuda" else 1e-5), (tile, bm)
+
+
+def test_tile_rules_name_known_tiles():
+    """The measured tile rules only name tiles of the lists the kernels are tested with (on a GPU; the
+    interpreter has a single tile)."""
+    from hybridmoe.kernels import gpu_moe
+    for q in gd.QTYPES:
+        for gate_up in (True, False):
+            assert gd.moe_tile(q, gate_up) in gd._MOE_TILES
+            for bm in (16, 32, 64, 128):
+                if q in gpu_moe.QTYPES:
+                    assert gpu_moe.pick_tile(bm, gate_up, q) in gpu_moe.TILES
+    if DEV == "cuda":
+        assert {gd.moe_tile(q, g) for q in gd.QTYPES for g in (True, False)} - {gd._MOE_TILES[0]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K])
+def test_decode_moe_every_tile(q, monkeypatch):
+    """Each decode tile gives the same result as the reference, whichever the rule picks."""
+    E, k, H, Fd = 16, 4, 512, 256
+    g = _gen(int(q) + 7)
+    graw, uraw = random_blocks(q, (E, Fd, H), g), random_blocks(q, (E, Fd, H), g)
+    draw = random_blocks(q, (E, H, Fd), g)
+    x = torch.randn(2, H, generator=g, device=DEV)
+    ids = torch.stack([torch.randperm(E, generator=g, device=DEV)[:k] for _ in range(2)])
+    wts = torch.rand(2, k, generator=g, device=DEV)
+    ref = _moe_ref(x, ids, wts, graw, uraw, draw, q, q)
+    for tile in gd._MOE_TILES:
+        monkeypatch.setattr(gd, "moe_tile", lambda *_, t=tile: t)
+        assert rel_l2(gd.moe(x, ids, wts, graw, uraw, draw, q, q).double(), ref) < 1e-3, tile
 
 
 def test_prefill_moe_align():

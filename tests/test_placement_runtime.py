@@ -259,3 +259,60 @@ def test_no_op_offload_never_uploads(fake_gpus):
                             override_tensor=["exps=CPU"], offload_policy="all,1")
     forced.logits(IDS)
     assert forced.stats.uploads["bytes"] > 0
+
+
+def test_host_arena_holds_copies_and_frees_its_mapping():
+    import gc
+    import weakref
+
+    from hybridmoe.runtime import hostmem
+
+    g = torch.Generator().manual_seed(3)
+    srcs = [torch.randint(0, 256, (5, 999), dtype=torch.uint8, generator=g), torch.randn(7, 3, generator=g)]
+    arena = hostmem.Arena(hostmem.arena_size(srcs))
+    views = [arena.take(s) for s in srcs]
+    for s, v in zip(srcs, views):
+        assert torch.equal(s, v) and v.dtype == s.dtype and v.data_ptr() % hostmem.ALIGN == 0
+    assert arena.buf.data_ptr() % hostmem.HUGE == 0
+    with pytest.raises(ValueError, match="full"):
+        arena.take(srcs[0])
+    mm = weakref.ref(arena._mm)
+    del arena
+    gc.collect()
+    assert mm() is not None, "the views must keep the mapping alive"
+    views[0].add_(1)                       # still writable memory
+    del views, v                           # (v: the loop variable above)
+    gc.collect()
+    assert mm() is None
+
+
+def test_cpu_experts_live_in_the_arena(monkeypatch):
+    def mapped(m, name):       # the tensor's bytes are the file mapping's
+        return m.weights[name].raw.data_ptr() == m.file.raw(m.file.tensors[name]).data_ptr()
+
+    monkeypatch.setenv("HYBRIDMOE_HOST_ARENA", "1")              # (without it: only when pinned for a GPU)
+    m = hybridmoe.load("synth:tiny", ctx_size=128)
+    exps = [n for n in m.weights if "_exps." in n]
+    assert exps and not any(mapped(m, n) for n in exps)
+    assert all(m.weights[n].raw.data_ptr() % 4096 == 0 for n in exps)
+    assert mapped(m, "token_embd.weight")
+    monkeypatch.setenv("HYBRIDMOE_HOST_ARENA", "0")
+    m0 = hybridmoe.load("synth:tiny", ctx_size=128)
+    assert all(mapped(m0, n) or m0.weights[n].raw.is_pinned() for n in exps)   # pinned copies with a GPU
+    ids = torch.tensor(IDS[:12])
+    assert torch.equal(m.logits(ids), m0.logits(ids))
+
+
+@pytest.mark.gpu
+def test_pinned_arena_uploads_asynchronously():
+    from hybridmoe.runtime import hostmem
+
+    src = torch.randint(0, 256, (1 << 22,), dtype=torch.uint8)
+    arena = hostmem.Arena(src.numel())
+    v = arena.take(src)
+    assert arena.pin() and v.is_pinned()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        d = v.to("cuda", non_blocking=True)
+    s.synchronize()
+    assert torch.equal(d.cpu(), src)

@@ -180,7 +180,8 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
 # Flags of llama.cpp / ik_llama.cpp command lines (the seeds' users paste whole lines) that change nothing
 # here, with the reason printed once when one is given.
 COMPAT_FLAGS = {
-    "--no-mmap": (0, "weights stay memory-mapped; they are read once, so mapping costs nothing extra"),
+    "--no-mmap": (0, "weights stay memory-mapped (read once, so mapping costs nothing extra); with a GPU, CPU "
+                  "experts are copied into pinned RAM when they fit"),
     "--mlock": (0, "not implemented: pages of the mapping may be evicted under memory pressure"),
     "-rtr": (0, "the CPU kernels read GGUF blocks as they are, with no repacking"),
     "--run-time-repack": (0, "the CPU kernels read GGUF blocks as they are, with no repacking"),

@@ -5,12 +5,15 @@ tensors keep their GGUF bytes so that CPU kernels read them as they are and an u
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from .devices import Device
 from .quant.types import GGMLType, row_bytes
+from .runtime import hostmem
 
 FLOAT_DTYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
@@ -57,27 +60,43 @@ def byte_shape(shape: tuple[int, ...], qtype: GGMLType) -> tuple[int, ...]:
     return (*shape[:-1], row_bytes(qtype, shape[-1]))
 
 
-def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | None = None) -> dict[str, QTensor]:
+def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | None = None,
+                 host_arena: bool | None = None) -> dict[str, QTensor]:
     """Read each tensor once and put it on the device the placement chose.
 
     CPU tensors stay memory-mapped (as llama.cpp's mmap). With a real GPU that may receive uploads, CPU
-    experts are copied into pinned memory so uploads run at full PCIe speed (~54 vs ~21 GB/s pageable) —
-    only while that copy fits in 80% of the available RAM: pinned pages can't be reclaimed, the mapping's can.
+    experts are copied into one pinned arena (runtime/hostmem.py: anonymous memory on 2 MiB pages,
+    registered with CUDA) so uploads run at full PCIe speed (~54 vs ~21 GB/s pageable), only while that
+    copy fits in 80% of the available RAM: pinned pages can't be reclaimed, the mapping's can.
+    HYBRIDMOE_HOST_ARENA=1 copies CPU experts into the arena without a GPU too, =0 never (per-tensor
+    pin_memory() then, as before the arena): bench_kernels.py --alloc compares the memory kinds.
     """
     has_cuda = any(d.kind == "cuda" and not d.fake for d in devices.values())
+    host_exps = [n for n, i in model.tensors.items()
+                 if "_exps." in n and devices[placement.device_of[n]].kind == "cpu"]
+    fits = sum(model.tensors[n].nbytes for n in host_exps) < 0.8 * next(
+        d for d in devices.values() if d.kind == "cpu").free_bytes
     if pin_host is None:
-        host_exps = sum(i.nbytes for n, i in model.tensors.items()
-                        if "_exps." in n and devices[placement.device_of[n]].kind == "cpu")
-        cpu = next(d for d in devices.values() if d.kind == "cpu")
-        pin_host = has_cuda and placement.opts.op_offload and host_exps < 0.8 * cpu.free_bytes
+        pin_host = has_cuda and placement.opts.op_offload and fits
+    if host_arena is None:
+        env = os.environ.get("HYBRIDMOE_HOST_ARENA", "")
+        host_arena = fits and env != "0" and (pin_host or env == "1")
+    arena = None
+    if host_arena and host_exps:
+        arena = hostmem.Arena(sum(hostmem.arena_size([model.raw(model.tensors[n])]) for n in host_exps))
     out = {}
     for name, info in model.tensors.items():
         dev = devices[placement.device_of[name]]
         raw = model.raw(info).view(byte_shape(info.shape, info.qtype))
         if dev.kind == "cpu":
-            if pin_host and "_exps." in name:
+            if arena is not None and "_exps." in name:
+                raw = arena.take(raw)
+            elif pin_host and "_exps." in name:
                 raw = raw.pin_memory()
         elif not dev.fake:
             raw = raw.to(dev.torch_device)
         out[name] = QTensor(name, raw, info.qtype, info.shape, dev)
+    if arena is not None and pin_host and not arena.pin():
+        print("hybridmoe: cudaHostRegister refused the expert arena (locked-memory limit?): uploads of CPU "
+              "experts run from pageable memory, at about half the PCIe speed", file=sys.stderr)
     return out

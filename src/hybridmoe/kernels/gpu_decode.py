@@ -44,11 +44,13 @@ def available() -> bool:
 
 
 if triton is not None:
-    # MoE GEMV tiles (rows per program, blocks of 32 per step, warps), chosen per shape by measurement at
-    # the first call (before any CUDA graph capture); Triton's interpreter (no timer) takes the first
+    # MoE GEMV tiles (rows per program, blocks of 32 per step, warps): moe_tile picks one by a rule
+    # measured on H200 (benchmarks/bench_moe_decode.py --tiles); HYBRIDMOE_MOE_TUNE=1 has Triton's
+    # autotuner time them all at the first call instead (seconds of compiling); the interpreter takes the first
     _MOE_TILES = [(4, 64, 4), (8, 32, 4), (16, 16, 4), (8, 64, 8), (2, 64, 2), (16, 32, 8)]
     if os.environ.get("TRITON_INTERPRET") == "1":
         _MOE_TILES = _MOE_TILES[:1]
+    _MOE_AUTOTUNE = os.environ.get("HYBRIDMOE_MOE_TUNE", "0") == "1" and len(_MOE_TILES) > 1
     _MOE_CONFIGS = [triton.Config({"BN": bn, "NB": nb}, num_warps=w) for bn, nb, w in _MOE_TILES]
 
     @triton.jit
@@ -473,12 +475,36 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     ids = ids.to(torch.int32).contiguous()
     wts = wts.float().contiguous()
     h = torch.empty(T * k, F, dtype=torch.float32, device=x.device)
-    with on_device(x):
-        _moe_gate_up_kernel[lambda meta: (T * k, triton.cdiv(F, meta["BN"]))](
-            x, ids, graw, uraw, h, H, F, k, graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1),
-            QT=QTYPES[gate_qtype])
     out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
+    gu = (x, ids, graw, uraw, h, H, F, k, graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1))
+    dn = (h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1))
     with on_device(x):
-        _moe_down_kernel[lambda meta: (T * k, triton.cdiv(H, meta["BN"]))](
-            h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), QT=QTYPES[down_qtype])
+        if _MOE_AUTOTUNE:
+            _moe_gate_up_kernel[lambda meta: (T * k, triton.cdiv(F, meta["BN"]))](*gu, QT=QTYPES[gate_qtype])
+            _moe_down_kernel[lambda meta: (T * k, triton.cdiv(H, meta["BN"]))](*dn, QT=QTYPES[down_qtype])
+        else:
+            bn, nb, w = moe_tile(gate_qtype, True)
+            _moe_gate_up_kernel.fn[(T * k, triton.cdiv(F, bn))](*gu, QT=QTYPES[gate_qtype], BN=bn, NB=nb,
+                                                                 num_warps=w)
+            bn, nb, w = moe_tile(down_qtype, False)
+            _moe_down_kernel.fn[(T * k, triton.cdiv(H, bn))](*dn, QT=QTYPES[down_qtype], BN=bn, NB=nb,
+                                                             num_warps=w)
     return out.view(T, k, H).sum(1) if reduce else out
+
+
+# the fastest of _MOE_TILES per (type, gate/up kernel) at the Qwen3-30B-A3B expert shape on H200
+# (bench_moe_decode.py --tiles, 2026-11-24; us a call in docs/benchmarks.md): (BN, NB, warps)
+_MOE_TILE_RULE = {
+    (GGMLType.Q4_0, True): (16, 16, 4), (GGMLType.Q4_0, False): (8, 32, 4),
+    (GGMLType.Q8_0, True): (16, 16, 4), (GGMLType.Q8_0, False): (16, 16, 4),
+    (GGMLType.Q4_K, True): (8, 64, 8), (GGMLType.Q4_K, False): (4, 64, 4),
+    (GGMLType.Q5_K, True): (8, 64, 8), (GGMLType.Q5_K, False): (16, 32, 8),
+    (GGMLType.Q6_K, True): (4, 64, 4), (GGMLType.Q6_K, False): (16, 16, 4),
+}
+
+
+def moe_tile(qtype, gate_up: bool):
+    """The tile of the gate/up or the down decode kernel for this type (see _MOE_TILES)."""
+    if len(_MOE_TILES) == 1:
+        return _MOE_TILES[0]
+    return _MOE_TILE_RULE.get((GGMLType(qtype), gate_up), _MOE_TILES[0])

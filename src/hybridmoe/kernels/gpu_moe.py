@@ -41,14 +41,15 @@ QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
-    # (columns per program, 32-blocks per K step, warps, stages)
-    # Triton's autotuner times them at a shape's first call (a few seconds of compiling per new shape);
-    # HYBRIDMOE_MOE_TUNE=0 takes the first (tests: test_prefill_moe_every_tile runs each one)
+    # (columns per program, 32-blocks per K step, warps, stages). pick_tile chooses one per call by a rule
+    # measured on H200 (benchmarks/bench_moe_prefill.py --tiles); HYBRIDMOE_MOE_TUNE=1 lets Triton's
+    # autotuner time them all instead, at each new shape's first call: ~30 s of compiling on a fresh
+    # machine and ~2 s of timing every process, for a first prompt (tests: test_prefill_moe_every_tile)
     TILES = [(64, 2, 4, 3), (128, 2, 4, 3), (128, 4, 8, 3), (64, 4, 4, 4), (32, 4, 4, 3)]
     if _INTERPRET:
         TILES = [(32, 2, 4, 1)]
-    _TUNED = TILES if os.environ.get("HYBRIDMOE_MOE_TUNE", "1") != "0" else TILES[:1]
-    _CONFIGS = [triton.Config({"BN": bn, "NBK": nbk}, num_warps=w, num_stages=st) for bn, nbk, w, st in _TUNED]
+    _AUTOTUNE = os.environ.get("HYBRIDMOE_MOE_TUNE", "0") == "1" and not _INTERPRET
+    _CONFIGS = [triton.Config({"BN": bn, "NBK": nbk}, num_warps=w, num_stages=st) for bn, nbk, w, st in TILES]
 
 
     _ALIGN_CHUNK = 256
@@ -223,14 +224,27 @@ def q4_0_order(n_cols: int, device) -> torch.Tensor:
     return _ORDERS[key]
 
 
+def pick_tile(bm: int, gate_up: bool, qtype):
+    """The tile for one of the two grouped GEMMs (see TILES), by the rule measured on H200 at the Qwen3-30B-A3B
+    shape (bench_moe_prefill.py --tiles, 2026-11-24): gate/up takes 64 columns a program except at 32-64
+    rows per block, where 128 won (Q8_0 at BM 64: 455 vs 704 us; at BM 128 it lost 1.5-2.2x); down takes
+    128 columns, except Q8_0 at >= 64 rows per block (64: 228 vs 267 us). Within 3% of the best of TILES
+    at every type and T measured (64 to 4096 tokens)."""
+    if _INTERPRET:
+        return TILES[0]
+    if gate_up:
+        return TILES[1] if 32 <= bm <= 64 else TILES[0]
+    return TILES[0] if qtype == GGMLType.Q8_0 and bm >= 64 else TILES[1]
+
+
 def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, gate_up, perm_out, tile):
     args = (a, a.stride(0), w1, w2, w1.stride(0), w1.stride(1), out, out.stride(0), pairs, blk_e, wts, n_pairs,
             k_used, K, N)
     kw = dict(QT=QTYPES[qtype], BM=bm, GATE_UP=gate_up, PERM_OUT=perm_out)
-    if tile is None:
+    if tile is None and _AUTOTUNE:
         _moe_gemm_kernel[lambda meta: (blk_e.numel() * triton.cdiv(N, meta["BN"]),)](*args, **kw)
     else:
-        bn, nbk, warps, stages = tile
+        bn, nbk, warps, stages = tile or pick_tile(bm, gate_up, qtype)
         _moe_gemm_kernel.fn[(blk_e.numel() * triton.cdiv(N, bn),)](*args, **kw, BN=bn, NBK=nbk, num_warps=warps,
                                                                     num_stages=stages)
 
