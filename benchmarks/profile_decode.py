@@ -116,6 +116,38 @@ for what in sys.argv[1:]:
         print(f"all-GPU pp512 forward: {(t2 - t0) * 1e3:.1f} ms ({512 / (t2 - t0):.0f} t/s), "
               f"of which the host enqueued for {(t1 - t0) * 1e3:.1f} ms")
         top_kernels(lambda: m.forward(toks, 0, kv, all_logits=False), 25)
+        import warnings                       # where the forward waits for the GPU (the host can't run ahead)
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m.forward(toks, 0, kv, all_logits=False)
+        torch.cuda.set_sync_debug_mode("default")
+        sites = {}
+        for w in caught:
+            site = f"{str(w.message)[:80]} @ {w.filename}:{w.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+        print(f"synchronizing calls in one forward: {len(caught)}")
+        for site, n in sorted(sites.items(), key=lambda kv: -kv[1])[:10]:
+            print(f"  {n} x {site}")
+        del m
+    if what == "pyprof":                      # all-GPU prefill: where the host's Python time goes
+        import cProfile
+        import pstats
+        m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=600)
+        kv = m.new_cache(600)
+        toks = torch.randint(0, 1000, (512,))
+        for _ in range(3):
+            m.forward(toks, 0, kv, all_logits=False)
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(4):
+            m.forward(toks, 0, kv, all_logits=False)
+        torch.cuda.synchronize()
+        pr.disable()
+        st = pstats.Stats(pr)
+        st.sort_stats("tottime").print_stats(28)
+        st.sort_stats("cumulative").print_stats(30)
         del m
     if what == "gpu":
         m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=256)
