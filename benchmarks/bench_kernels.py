@@ -11,14 +11,13 @@ tensors are allocated and rotated so the weights come from RAM, not cache.
         [--alloc torch,file,pinned,4k,huge,huge-pinned]
 
 --alloc repeats the table for each kind of memory the expert bytes can live in: torch's allocator (the
-default), a private file mapping (what `-ngl 0` read before hostmem.py), cudaHostAlloc (`pin_memory()`),
+default), a private file mapping (what the CPU kernels read without a GPU), cudaHostAlloc (`pin_memory()`),
 and hostmem.Arena on 4 KiB or 2 MiB pages, pinned with cudaHostRegister or not.
 """
 from __future__ import annotations
 
 import argparse
 import mmap
-import os
 import statistics
 import tempfile
 import time

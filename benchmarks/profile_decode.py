@@ -86,6 +86,17 @@ def prefill(m, T, label):
     top_kernels(lambda: m.forward(toks, 0, kv, all_logits=False))
 
 
+def all_gpu_pp512(warm=3):
+    """The all-GPU model, a cache and a 512-token prompt, after `warm` forwards (compiles, caches)."""
+    m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=600)
+    kv = m.new_cache(600)
+    toks = torch.randint(0, 1000, (512,))
+    for _ in range(warm):
+        m.forward(toks, 0, kv, all_logits=False)
+    torch.cuda.synchronize()
+    return m, kv, toks
+
+
 for what in sys.argv[1:]:
     if what == "pp4096":                      # hybrid prefill at -ub 4096: what bounds it
         m = hybridmoe.load(M, n_gpu_layers=99, override_tensor=["exps=CPU"], ctx_size=4200, ubatch_size=4096,
@@ -102,12 +113,7 @@ for what in sys.argv[1:]:
         print(m.stats.format())
         del m
     if what == "pp512":                       # all-GPU prefill: host enqueue time against the GPU's
-        m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=600)
-        kv = m.new_cache(600)
-        toks = torch.randint(0, 1000, (512,))
-        for _ in range(2):
-            m.forward(toks, 0, kv, all_logits=False)
-        torch.cuda.synchronize()
+        m, kv, toks = all_gpu_pp512()
         t0 = time.perf_counter()
         m.forward(toks, 0, kv, all_logits=False)
         t1 = time.perf_counter()
@@ -133,12 +139,7 @@ for what in sys.argv[1:]:
     if what == "pyprof":                      # all-GPU prefill: where the host's Python time goes
         import cProfile
         import pstats
-        m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=600)
-        kv = m.new_cache(600)
-        toks = torch.randint(0, 1000, (512,))
-        for _ in range(3):
-            m.forward(toks, 0, kv, all_logits=False)
-        torch.cuda.synchronize()
+        m, kv, toks = all_gpu_pp512()
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(4):

@@ -72,8 +72,7 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
     pin_memory() then, as before the arena): bench_kernels.py --alloc compares the memory kinds.
     """
     has_cuda = any(d.kind == "cuda" and not d.fake for d in devices.values())
-    host_exps = [n for n, i in model.tensors.items()
-                 if "_exps." in n and devices[placement.device_of[n]].kind == "cpu"]
+    host_exps = [n for n in model.tensors if "_exps." in n and devices[placement.device_of[n]].kind == "cpu"]
     fits = sum(model.tensors[n].nbytes for n in host_exps) < 0.8 * next(
         d for d in devices.values() if d.kind == "cpu").free_bytes
     if pin_host is None:
@@ -83,7 +82,7 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
         host_arena = fits and env != "0" and (pin_host or env == "1")
     arena = None
     if host_arena and host_exps:
-        arena = hostmem.Arena(sum(hostmem.arena_size([model.raw(model.tensors[n])]) for n in host_exps))
+        arena = hostmem.Arena(hostmem.arena_size(model.raw(model.tensors[n]) for n in host_exps))
     out = {}
     for name, info in model.tensors.items():
         dev = devices[placement.device_of[name]]
