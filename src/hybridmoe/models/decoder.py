@@ -117,27 +117,34 @@ class Decoder:
             q, k, v = (s.move(s.linear(h, getattr(L, w), bias(w)), dev) for w in ("attn_q", "attn_k", "attn_v"))
         return q.reshape(T, cfg.n_head, D), k.reshape(T, cfg.n_head_kv, D), v.reshape(T, cfg.n_head_kv, D), dev
 
+    def rope_for(self, rope: dict, dev, positions, dim: int | None = None, yarn: dict | None = None):
+        """This forward's cos/sin tables on device `dev` (rope: device name -> tables), made by the first
+        layer there."""
+        if dev.name not in rope:
+            cfg = self.cfg
+            rope[dev.name] = rope_tables(positions.to(dev.torch_device), dim or cfg.head_dim, cfg.rope_base,
+                                         cfg.rope_neox, yarn)
+        return rope[dev.name]
+
     def attention(self, L: Layer, x, positions, kv: KVCache, rope: dict):
         if L.mla:
             return self.attention_mla(L, x, positions, kv, rope)
         cfg, s = self.cfg, self.sched
         if kv.device(L.i).torch_device.type == "cuda" and L.attn_qkv is not None and kv.plain(L.i) and \
                 positions.shape[0] > 1 and _gpu_kernels() is not None:
-            return self.attention_gpu(L, x, positions, kv, rope)
+            return self.attention_gpu(L, x, positions, kv, rope, _gpu_kernels())
         q, k, v, dev = self.qkv(L, x, kv)
         if L.attn_q_norm is not None:
             q = rms_norm(q, s.small(L.attn_q_norm, dev), cfg.rms_eps)
             k = rms_norm(k, s.small(L.attn_k_norm, dev), cfg.rms_eps)
-        if dev.name not in rope:
-            rope[dev.name] = rope_tables(positions.to(q.device), cfg.head_dim, cfg.rope_base, cfg.rope_neox)
-        cos, sin = rope[dev.name]
+        cos, sin = self.rope_for(rope, dev, positions)
         q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
         keys, values = kv.update(L.i, int(positions[0]), k, v)              # [n_kv, P+T, D]
         with s.stats.op("attention", dev):
             o = s.tag(attend(q, keys, values, int(positions[0])), dev)      # [T, n_head*D]
         return s.linear(o, L.attn_output)
 
-    def attention_gpu(self, L: Layer, x, positions, kv: KVCache, rope: dict):
+    def attention_gpu(self, L: Layer, x, positions, kv: KVCache, rope: dict, gd):
         """A prompt's attention on a GPU in a few launches: the qkv GEMM (bf16 out); q/k norm + RoPE + the
         cache write (one Triton kernel, q written in the cache's dtype, heads first); SDPA on the cache; its
         output transposed into bf16 rows; the output GEMM (was ~20 torch ops, and prefill on a GPU is bound
@@ -148,14 +155,12 @@ class Decoder:
         kv.check_fits(pos0, T)
         h = s.norm(x, L.attn_norm, cfg.rms_eps)
         rows = s.move(s.linear(h, L.attn_qkv, getattr(L, "attn_qkv_b", None), f32=False), dev)
-        if dev.name not in rope:
-            rope[dev.name] = rope_tables(positions.to(rows.device), D, cfg.rope_base, cfg.rope_neox)
-        cos, sin = rope[dev.name]
+        cos, sin = self.rope_for(rope, dev, positions)
         kc, vc = kv.k[L.i], kv.v[L.i]
         qn, kn = ((s.small(L.attn_q_norm, dev), s.small(L.attn_k_norm, dev)) if L.attn_q_norm is not None
                   else (None, None))
         with s.stats.op("attention", dev):
-            q = _gpu_kernels().qk_rope_cache(rows, qn, kn, cos[:, 0], sin[:, 0], pos0, kc, vc, cfg.n_head,
+            q = gd.qk_rope_cache(rows, qn, kn, cos[:, 0], sin[:, 0], pos0, kc, vc, cfg.n_head,
                                              cfg.n_head_kv, D, cfg.rms_eps, cfg.rope_neox, q_dtype=kc.dtype,
                                              cos_first=pos0)
             o = s.tag(attend_gpu(q, kc[:, :pos0 + T], vc[:, :pos0 + T], pos0, out_dtype=torch.bfloat16), dev)
@@ -178,9 +183,7 @@ class Decoder:
         dev = kv.device(L.i)
         q = s.move(q, dev).reshape(T, nh, Dk)
         c, k_pe = s.move(c, dev), s.move(s.tag(ckv[:, C:], s.dev_of(ckv)), dev).reshape(T, 1, R)
-        if dev.name not in rope:
-            rope[dev.name] = rope_tables(positions.to(q.device), R, cfg.rope_base, cfg.rope_neox, cfg.rope_yarn)
-        cos, sin = rope[dev.name]
+        cos, sin = self.rope_for(rope, dev, positions, R, cfg.rope_yarn)
         q_nope, q_pe = q.split((Dn, R), dim=-1)
         q_pe = apply_rope(q_pe, cos, sin, cfg.rope_neox)                    # [T, nh, R]
         entry = torch.cat((c.float(), apply_rope(k_pe, cos, sin, cfg.rope_neox)[:, 0]), dim=-1)[:, None, :]
@@ -312,9 +315,7 @@ def attend_gpu(qh, keys, values, pos0: int, scale: float | None = None, out_dtyp
 
 
 def _gpu_kernels():
-    """kernels/gpu_decode.py where Triton is installed, else None."""
-    try:
-        from ..kernels import gpu_decode as gd
-    except ImportError:
-        return None
+    """kernels/gpu_decode.py where Triton is installed, else None (imported at first use: importing Triton
+    is slow, and CPU-only runs never need it)."""
+    from ..kernels import gpu_decode as gd
     return gd if gd.available() else None

@@ -18,7 +18,7 @@ import torch
 from ..config import ModelConfig
 from ..quant.types import GGMLType
 from ..runtime.kvcache import KVCache
-from ..runtime.ops import apply_rope, rope_tables, yarn_rope_mscale
+from ..runtime.ops import apply_rope, yarn_rope_mscale
 from ..runtime.scheduler import Scheduler
 from ..weights import QTensor
 from .decoder import Decoder, fuse_rows
@@ -68,11 +68,8 @@ class GptOssDecoder(Decoder):
 
     def attention(self, L: GptOssLayer, x, positions, kv: KVCache, rope: dict):
         cfg, s = self.cfg, self.sched
-        D = cfg.head_dim
         q, k, v, dev = self.qkv(L, x, kv)
-        if dev.name not in rope:
-            rope[dev.name] = rope_tables(positions.to(q.device), D, cfg.rope_base, cfg.rope_neox, cfg.rope_yarn)
-        cos, sin = rope[dev.name]
+        cos, sin = self.rope_for(rope, dev, positions, yarn=cfg.rope_yarn)
         q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
         pos0 = int(positions[0])
         keys, values, start = kv.update_window(L.i, pos0, k, v)           # positions start..P+T-1
