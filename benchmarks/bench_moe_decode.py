@@ -4,8 +4,11 @@ copy's bandwidth. For choosing gpu_decode._MOE_TILES. Usage (GPU machine):
 
     python3 benchmarks/bench_moe_decode.py [Q4_0,Q8_0,Q4_K]
     python3 benchmarks/bench_moe_decode.py --tiles [Q4_0,Q8_0,Q4_K,Q6_K]
+    python3 benchmarks/bench_moe_decode.py --split [Q4_0,Q8_0]
 
 --tiles times only gpu_decode._MOE_TILES on each kernel: the measurements behind gpu_decode.moe_tile.
+--split times GGUF rows against split rows (quant.ref.split_rows) over a grid of tiles, each kernel replayed
+from a CUDA graph (as decode runs it: no launch overhead in the figure).
 """
 import itertools
 import sys
@@ -14,7 +17,7 @@ import torch
 import triton
 
 from hybridmoe.kernels import gpu_decode as gd
-from hybridmoe.quant.ref import random_blocks
+from hybridmoe.quant.ref import random_blocks, split_rows
 from hybridmoe.quant.types import GGMLType, row_bytes
 
 E, K_USED, H, F = 128, 8, 2048, 768
@@ -100,7 +103,70 @@ def tiles(types):
                   f" | {pick} ({us[gd._MOE_TILES.index(pick)] / min(us):.2f}x best) |")
 
 
+def graph_timed(fn, n=20, reps=20):
+    """Seconds a call of fn, n calls captured in one CUDA graph and replayed (no host launch cost)."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr, stream=s):
+            for _ in range(n):
+                fn()
+    gr.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        gr.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps / n * 1e-3
+
+
+def split(types):
+    """GGUF rows (fp32 activations) against split rows (int8 activations, dp4a): the whole gd.moe and each
+    kernel over a grid of tiles, replayed from CUDA graphs."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grid = [(bn, nb, w) for bn in (4, 8, 16, 32) for nb in (8, 16, 32) for w in (2, 4, 8) if bn * nb <= 256]
+    for name in types:
+        q = GGMLType[name]
+        qt = gd.QTYPES[q]
+        graw, uraw = (random_blocks(q, (E, F, H), g) for _ in range(2))
+        draw = random_blocks(q, (E, H, F), g)
+        gs, us, ds = (split_rows(t, q) for t in (graw, uraw, draw))
+        x = torch.randn(1, H, device="cuda", generator=g)
+        ids = torch.randperm(E, device="cuda", generator=g)[:K_USED][None].to(torch.int32)
+        wts = torch.softmax(torch.randn(1, K_USED, device="cuda", generator=g), -1)
+        h, out = torch.empty(K_USED, F, device="cuda"), torch.empty(K_USED, H, device="cuda")
+        gu_bytes = 2 * K_USED * F * row_bytes(q, H)
+        d_bytes = K_USED * H * row_bytes(q, F)
+        old = graph_timed(lambda: gd.moe(x, ids, wts, graw, uraw, draw, q, q, reduce=False))
+        new = graph_timed(lambda: gd.moe(x, ids, wts, gs, us, ds, q, q, reduce=False, gate_split=True,
+                                         down_split=True))
+        print(f"{name}: gd.moe GGUF rows {old * 1e6:.1f} us, split rows {new * 1e6:.1f} us "
+              f"(tiles {gd.split_tile(q, True)}, {gd.split_tile(q, False)}; {(gu_bytes + d_bytes) / new / 1e9:.0f} GB/s), {old / new:.2f}x")
+        xq, hq = gd.quant_x8(x), gd.quant_x8(h)
+        print(f"  quant_x8: x {graph_timed(lambda: gd.quant_x8(x)) * 1e6:.1f} us, "
+              f"h {graph_timed(lambda: gd.quant_x8(h)) * 1e6:.1f} us")
+        res = {"gate/up": [], "down": []}
+        for bn, nb, w in grid:
+            res["gate/up"].append((graph_timed(lambda: gd._moe_gate_up8_kernel[(K_USED, triton.cdiv(F, bn))](
+                *xq, ids, gs, us, h, H, F, K_USED, gs.stride(0), gs.stride(1), us.stride(0), us.stride(1),
+                QT=qt, BN=bn, NB=nb, EMU=False, num_warps=w)), (bn, nb, w)))
+            res["down"].append((graph_timed(lambda: gd._moe_down8_kernel[(K_USED, triton.cdiv(H, bn))](
+                *hq, ids, wts, ds, out, F, H, ds.stride(0), ds.stride(1), QT=qt, BN=bn, NB=nb, EMU=False,
+                num_warps=w)), (bn, nb, w)))
+        for label, nbytes in (("gate/up", gu_bytes), ("down", d_bytes)):
+            best = sorted(res[label])[:5]
+            print(f"  {label}: " + ", ".join(f"{c} {t * 1e6:.1f} us ({nbytes / t / 1e9:.0f} GB/s)" for t, c in best))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--split"]:
+        split(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0"])
+        sys.exit()
     if sys.argv[1:2] == ["--tiles"]:
         tiles(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
         sys.exit()

@@ -27,6 +27,10 @@ for s in "$@"; do
                  env ${V/#[cw]*/X=1} python3 -m hybridmoe.cli run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..1200})" --temp 0 2>&1 | grep -E "loaded|time ="; done ;;
     tiles) python3 benchmarks/bench_moe_prefill.py --tiles Q4_0,Q8_0 64,128,512,2048,4096 2>&1 | tail -24 ;;
     dtiles) python3 benchmarks/bench_moe_decode.py --tiles Q4_0,Q8_0,Q4_K,Q5_K,Q6_K 2>&1 | tail -14 ;;
+    dsplit) python3 -m pytest -q tests/test_gpu_decode.py -k "split_rows or moe_from_bytes" -p no:cacheprovider --tb=short 2>&1 | tail -5
+            python3 benchmarks/bench_moe_decode.py --split Q4_0,Q8_0 2>&1 | tail -14 ;;
+    splitab) for V in 0 1 0 1; do echo "### HYBRIDMOE_SPLIT_ROWS=$V"
+               HYBRIDMOE_SPLIT_ROWS=$V python3 -m hybridmoe.cli bench -m $M -ngl 99 -p 512 -n 128 -r 3 2>&1 | grep -E "pp512|tg128"; done ;;
     pyprof) python3 benchmarks/profile_decode.py pyprof 2>&1 | grep -v "^\s*$" | cut -c1-160 ;;
     gputune) for V in X=1 HYBRIDMOE_MOE_TUNE=1 X=2; do echo "### $V"
                env $V python3 -m hybridmoe.cli bench -m $M -ngl 99 -p 0 -n 128 -r 5 2>&1 | grep tg128; done ;;

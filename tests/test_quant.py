@@ -6,7 +6,7 @@ import pytest
 import torch
 from gguf import quants as gq
 
-from hybridmoe.quant.ref import REF_TYPES, dequantize, quantize, random_blocks
+from hybridmoe.quant.ref import REF_TYPES, can_split, dequantize, join_rows, quantize, random_blocks, split_rows
 from hybridmoe.quant.types import GGMLType, row_bytes
 
 T = GGMLType
@@ -146,6 +146,28 @@ def test_k_quant_round_trip(qtype):
     y = dequantize(quantize(x, qtype), qtype, 256)
     # within about half a quantization step of a 32-group spanning [-3, 20]
     assert torch.isfinite(y).all() and (y[:, 7] - 20.0).abs().max() < OUTLIER_TOL[qtype]
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q8_0])
+def test_split_rows_keep_the_bytes(qtype):
+    """The split row layout (GPU-resident experts): quants first as 16-byte-aligned runs, then the scales;
+    join_rows restores the GGUF rows, and a QTensor marked split dequantizes to the same values."""
+    from hybridmoe.devices import Device
+    from hybridmoe.weights import QTensor
+    g = torch.Generator().manual_seed(int(qtype))
+    raw = random_blocks(qtype, (3, 4, 512), g)
+    s = split_rows(raw, qtype)
+    bs = 18 if qtype == GGMLType.Q4_0 else 34
+    assert s.shape == raw.shape and s.dtype == torch.uint8
+    assert torch.equal(s[..., :bs - 2], raw[..., 2:bs])                  # block 0's quants lead the row
+    assert torch.equal(s[..., -2:], raw[..., -bs:-bs + 2])               # the last block's scale ends it
+    assert torch.equal(join_rows(s, qtype), raw)
+    assert torch.equal(join_rows(s[1], qtype), raw[1])
+    cpu = Device("CPU", "cpu", 0, 1 << 30, 1 << 30, torch.device("cpu"))
+    qs = QTensor("blk.0.ffn_up_exps.weight", s, qtype, (3, 4, 512), cpu, split=True)
+    assert torch.equal(qs.dequant(), dequantize(raw, qtype, 512))
+    assert torch.equal(qs.dequant(index=torch.tensor([2, 0])), dequantize(raw[[2, 0]], qtype, 512))
+    assert can_split(qtype, 512) and not can_split(qtype, 160) and not can_split(GGMLType.Q4_K, 512)
 
 
 def test_quantize_rejects_bad_row_length():

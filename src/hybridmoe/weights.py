@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .devices import Device
+from .quant.ref import can_split, join_rows, split_rows
 from .quant.types import GGMLType, row_bytes
 from .runtime import hostmem
 
@@ -20,12 +21,15 @@ FLOAT_DTYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLTy
 
 @dataclass(eq=False)
 class QTensor:
-    """A weight: raw GGUF bytes [..., row_bytes] on `device`, logical shape `shape`."""
+    """A weight: raw GGUF bytes [..., row_bytes] on `device`, logical shape `shape`. split: each row's
+    bytes are in the split layout (quant.ref.split_rows: GPU-resident Q4_0/Q8_0 experts), in raw and in
+    every copy made of it."""
     name: str
     raw: torch.Tensor
     qtype: GGMLType
     shape: tuple[int, ...]
     device: Device
+    split: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -39,6 +43,8 @@ class QTensor:
     def dequant(self, dtype=torch.float32, index=None) -> torch.Tensor:
         """Dequantized weights (optionally rows `index` of the outermost dim, e.g. selected experts)."""
         raw = self.raw if index is None else self.raw[index]
+        if self.split:
+            raw = join_rows(raw, self.qtype)
         if self.is_float:
             return raw.view(FLOAT_DTYPES[self.qtype]).to(dtype)
         if raw.is_cuda and dtype == torch.bfloat16:
@@ -70,7 +76,12 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
     copy fits in 80% of the available RAM: pinned pages can't be reclaimed, the mapping's can.
     HYBRIDMOE_HOST_ARENA=1 copies CPU experts into the arena without a GPU too, =0 never (per-tensor
     pin_memory() then, as before the arena): bench_kernels.py --alloc compares the memory kinds.
+
+    Q4_0/Q8_0 experts on a GPU are kept in the split row layout (quant.ref.split_rows; same bytes, quants
+    first): the GPU kernels read them as 16-byte vectors (bench_moe_decode.py --split).
+    HYBRIDMOE_SPLIT_ROWS=0 keeps GGUF rows.
     """
+    split_ok = os.environ.get("HYBRIDMOE_SPLIT_ROWS", "1") != "0"
     has_cuda = any(d.kind == "cuda" and not d.fake for d in devices.values())
     host_exps = [n for n in model.tensors if "_exps." in n and devices[placement.device_of[n]].kind == "cpu"]
     fits = sum(model.tensors[n].nbytes for n in host_exps) < 0.8 * next(
@@ -87,6 +98,7 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
     for name, info in model.tensors.items():
         dev = devices[placement.device_of[name]]
         raw = model.raw(info).view(byte_shape(info.shape, info.qtype))
+        split = False
         if dev.kind == "cpu":
             if arena is not None and "_exps." in name:
                 raw = arena.take(raw)
@@ -94,7 +106,9 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
                 raw = raw.pin_memory()
         elif not dev.fake:
             raw = raw.to(dev.torch_device)
-        out[name] = QTensor(name, raw, info.qtype, info.shape, dev)
+            if split_ok and "_exps." in name and len(info.shape) == 3 and can_split(info.qtype, info.shape[-1]):
+                raw, split = split_rows(raw, info.qtype), True
+        out[name] = QTensor(name, raw, info.qtype, info.shape, dev, split)
     if arena is not None and pin_host and not arena.pin():
         print("hybridmoe: cudaHostRegister refused the expert arena (locked-memory limit?): uploads of CPU "
               "experts run from pageable memory, at about half the PCIe speed", file=sys.stderr)

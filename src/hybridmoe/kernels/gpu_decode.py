@@ -333,6 +333,108 @@ if triton is not None:
                 acc += tl.sum(tl.sum(part, axis=2), axis=1)
         return acc
 
+    @triton.jit
+    def _quant_x8_kernel(x, x_stride, q1, q2, xs, xc, K, NBQ: tl.constexpr):
+        """One row of x in two int8 terms per 32-block (as the CPU kernel's integer path, cpu_moe.c):
+        x ~ d / 256 * (256 q1 + q2), d = max|x| / 127; xs = d / 256 and xc = -8 (256 sum q1 + sum q2), the
+        term a Q4_0 block's offset of 8 contributes."""
+        r = tl.program_id(0)
+        j = tl.arange(0, 32)
+        bi = tl.arange(0, NBQ)
+        nblk = K // 32
+        for kb in range(0, nblk, NBQ):
+            b = kb + bi
+            bm = b < nblk
+            v = tl.load(x + r * x_stride + b[:, None] * 32 + j[None, :], mask=bm[:, None], other=0).to(tl.float32)
+            amax = tl.max(tl.abs(v), axis=1)
+            t = v * (127.0 / tl.maximum(amax, 1e-30))[:, None]          # all-zero blocks stay 0
+            a = tl.floor(t + 0.5)
+            c = tl.minimum(tl.floor((t - a) * 256.0 + 0.5), 127.0)
+            o = r * K + b[:, None] * 32 + j[None, :]
+            tl.store(q1 + o, a.to(tl.int8), mask=bm[:, None])
+            tl.store(q2 + o, c.to(tl.int8), mask=bm[:, None])
+            tl.store(xs + r * nblk + b, amax * (1.0 / (127.0 * 256.0)), mask=bm)
+            tl.store(xc + r * nblk + b, (-8.0 * (256.0 * tl.sum(a, axis=1) + tl.sum(c, axis=1))).to(tl.int32),
+                     mask=bm)
+
+    @triton.jit
+    def _dp4a(a, b, c, EMU: tl.constexpr):
+        """c + the dot product of a's and b's four signed bytes (the dp4a instruction; EMU: plain integer
+        ops, for Triton's interpreter)."""
+        if EMU:
+            s = c
+            for i in tl.static_range(4):
+                s += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+            return s
+        else:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _qdot8(wrow, row_stride, n, nm, q1, q2, xs, xc, K, QT: tl.constexpr, BN: tl.constexpr,
+               NB: tl.constexpr, EMU: tl.constexpr):
+        """[BN] dot products of rows n of a Q4_0 (QT 0) or Q8_0 (1) matrix in split rows (quant.ref.split_rows)
+        with one activation row quantized by _quant_x8_kernel (q1, q2 int8 [K]; xs, xc [K / 32]).
+
+        Each (row, block) is one thread's: its quants are one or two 16-byte loads, and four dp4a per
+        16 bytes give both int8 terms; the activations' words are loaded in the same shape (L1 hits), so
+        nothing moves between threads until the final sum over blocks."""
+        QB: tl.constexpr = 16 if QT == 0 else 32
+        acc = tl.zeros([BN, NB], tl.float32)
+        nblk = K // 32
+        bi = tl.arange(0, NB)
+        c = tl.arange(0, 4)
+        rows = wrow + n.to(tl.int64)[:, None] * row_stride                                 # [BN, 1]
+        zn = (n * 0)[:, None, None]                                                        # x words per row
+        x1 = q1.to(tl.pointer_type(tl.int32)) + zn
+        x2 = q2.to(tl.pointer_type(tl.int32)) + zn
+        for kb in range(0, nblk, NB):
+            b = kb + bi
+            bm = b < nblk
+            m2 = nm[:, None] & bm[None, :]
+            m3 = m2[:, :, None]
+            wp = (rows + b[None, :] * QB).to(tl.pointer_type(tl.int32))[:, :, None] + c[None, None, :]
+            wa = tl.load(wp, mask=m3, other=0)
+            if QT == 0:                                # byte i of word c: elements 4c + i (low), 4c + i + 16
+                wb = (wa >> 4) & 0x0F0F0F0F
+                wa = wa & 0x0F0F0F0F
+            else:                                      # words c and c + 4: elements 4c + i, 4c + i + 16
+                wb = tl.load(wp + 4, mask=m3, other=0)
+            xo = (b * 8)[None, :, None] + c[None, None, :]
+            xm = bm[None, :, None]
+            a1 = _dp4a(wb, tl.load(x1 + xo + 4, mask=xm, other=0), _dp4a(wa, tl.load(x1 + xo, mask=xm, other=0), 0, EMU), EMU)
+            a2 = _dp4a(wb, tl.load(x2 + xo + 4, mask=xm, other=0), _dp4a(wa, tl.load(x2 + xo, mask=xm, other=0), 0, EMU), EMU)
+            dot = tl.sum((a1 << 8) + a2, axis=2)                                          # [BN, NB]
+            if QT == 0:
+                dot += tl.load(xc + b, mask=bm, other=0)[None, :]
+            dw = tl.load((rows + nblk * QB).to(tl.pointer_type(tl.float16)) + b[None, :], mask=m2, other=0)
+            acc += dot.to(tl.float32) * dw.to(tl.float32) * tl.load(xs + b, mask=bm, other=0)[None, :]
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _moe_gate_up8_kernel(q1, q2, xs, xc, ids, graw, uraw, out, K, F, k_used, sge, sgn, sue, sun,
+                             QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, EMU: tl.constexpr):
+        s = tl.program_id(0)                           # (token, slot) pair
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < F
+        t = s // k_used
+        e = tl.load(ids + s).to(tl.int64)
+        xo, so = t * K, t * (K // 32)
+        g = _qdot8(graw + e * sge, sgn, n, nm, q1 + xo, q2 + xo, xs + so, xc + so, K, QT, BN, NB, EMU)
+        u = _qdot8(uraw + e * sue, sun, n, nm, q1 + xo, q2 + xo, xs + so, xc + so, K, QT, BN, NB, EMU)
+        tl.store(out + s * F + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
+
+    @triton.jit
+    def _moe_down8_kernel(q1, q2, xs, xc, ids, wts, draw, out, K, N, sde, sdn,
+                          QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, EMU: tl.constexpr):
+        s = tl.program_id(0)                           # (token, slot) pair: its weighted down row
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < N
+        e = tl.load(ids + s).to(tl.int64)
+        xo, so = s * K, s * (K // 32)
+        y = _qdot8(draw + e * sde, sdn, n, nm, q1 + xo, q2 + xo, xs + so, xc + so, K, QT, BN, NB, EMU)
+        tl.store(out + s * N + n, tl.load(wts + s).to(tl.float32) * y, mask=nm)
+
     @triton.autotune(configs=_MOE_CONFIGS, key=["K", "F"])
     @triton.jit
     def _moe_gate_up_kernel(x, ids, graw, uraw, out, K, F, k_used, sge, sgn, sue, sun,
@@ -464,10 +566,41 @@ def disable(gate_qtype, down_qtype, err: Exception):
                   "using dequantize + bmm")
 
 
-def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True):
+_EMU = os.environ.get("TRITON_INTERPRET") == "1"       # no inline PTX in the interpreter
+# (BN, NB, warps) of the split-row kernels per (type, gate/up kernel): the fastest at the Qwen3-30B-A3B
+# expert shape on H200 (bench_moe_decode.py --split, 2026-11-24: gate/up 6.7 / 8.0 us, down 4.4 / 5.0 us
+# for Q4_0 / Q8_0); the interpreter takes one larger tile (fewer programs to step through)
+_SPLIT_TILE_RULE = {
+    (GGMLType.Q4_0, True): (4, 32, 2), (GGMLType.Q4_0, False): (16, 8, 2),
+    (GGMLType.Q8_0, True): (4, 32, 2), (GGMLType.Q8_0, False): (8, 8, 4),
+}
+
+
+def split_tile(qtype, gate_up: bool):
+    return (16, 8, 4) if _EMU else _SPLIT_TILE_RULE[(GGMLType(qtype), gate_up)]
+
+
+def quant_x8(x: torch.Tensor):
+    """Rows of x [R, K] (K a multiple of 32) in two int8 terms per 32-block: (q1, q2 int8 [R, K], xs float32
+    and xc int32 [R, K / 32]); see _quant_x8_kernel."""
+    R, K = x.shape
+    q1 = torch.empty(R, K, dtype=torch.int8, device=x.device)
+    q2 = torch.empty_like(q1)
+    xs = torch.empty(R, K // 32, dtype=torch.float32, device=x.device)
+    xc = torch.empty(R, K // 32, dtype=torch.int32, device=x.device)
+    _quant_x8_kernel[(R,)](x, x.stride(0), q1, q2, xs, xc, K, NBQ=16)
+    return q1, q2, xs, xc
+
+
+def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True, gate_split: bool = False,
+        down_split: bool = False, tiles8=None):
     """Routed experts for a few tokens straight from GGUF bytes: x [T, H] float32, ids [T, k] (int), wts
     [T, k]; graw/uraw [E, F, row bytes], draw [E, H, row bytes]. Returns float32 [T, H]; with reduce=False
-    the k weighted expert outputs per token [T * k, H] (add_rms_norm sums them into the residual)."""
+    the k weighted expert outputs per token [T * k, H] (add_rms_norm sums them into the residual).
+
+    gate_split / down_split: those rows are Q4_0/Q8_0 in the split layout (quant.ref.split_rows, as
+    GPU-resident experts are kept): their kernel takes int8 activations (quant_x8) and dp4a; tiles8 (gate/up
+    and down (BN, NB, warps)) instead of split_tile's (benchmarks)."""
     T, H = x.shape
     k = ids.shape[1]
     F = graw.shape[1]
@@ -476,19 +609,34 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     wts = wts.float().contiguous()
     h = torch.empty(T * k, F, dtype=torch.float32, device=x.device)
     out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
-    gu = (x, ids, graw, uraw, h, H, F, k, graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1))
-    dn = (h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1))
+    strides = (graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1))
     with on_device(x):
-        if _MOE_AUTOTUNE:
-            _moe_gate_up_kernel[lambda meta: (T * k, triton.cdiv(F, meta["BN"]))](*gu, QT=QTYPES[gate_qtype])
-            _moe_down_kernel[lambda meta: (T * k, triton.cdiv(H, meta["BN"]))](*dn, QT=QTYPES[down_qtype])
+        if gate_split:
+            bn8, nb8, w8 = tiles8[0] if tiles8 else split_tile(gate_qtype, True)
+            _moe_gate_up8_kernel[(T * k, triton.cdiv(F, bn8))](*quant_x8(x), ids, graw, uraw, h, H, F, k, *strides,
+                                                                QT=QTYPES[gate_qtype], BN=bn8, NB=nb8, EMU=_EMU,
+                                                                num_warps=w8)
         else:
-            bn, nb, w = moe_tile(gate_qtype, True)
-            _moe_gate_up_kernel.fn[(T * k, triton.cdiv(F, bn))](*gu, QT=QTYPES[gate_qtype], BN=bn, NB=nb,
+            gu = (x, ids, graw, uraw, h, H, F, k, *strides)
+            if _MOE_AUTOTUNE:
+                _moe_gate_up_kernel[lambda meta: (T * k, triton.cdiv(F, meta["BN"]))](*gu, QT=QTYPES[gate_qtype])
+            else:
+                bn, nb, w = moe_tile(gate_qtype, True)
+                _moe_gate_up_kernel.fn[(T * k, triton.cdiv(F, bn))](*gu, QT=QTYPES[gate_qtype], BN=bn, NB=nb,
+                                                                     num_warps=w)
+        if down_split:
+            bn8, nb8, w8 = tiles8[1] if tiles8 else split_tile(down_qtype, False)
+            _moe_down8_kernel[(T * k, triton.cdiv(H, bn8))](*quant_x8(h), ids, wts, draw, out, F, H, draw.stride(0),
+                                                             draw.stride(1), QT=QTYPES[down_qtype], BN=bn8, NB=nb8,
+                                                             EMU=_EMU, num_warps=w8)
+        else:
+            dn = (h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1))
+            if _MOE_AUTOTUNE:
+                _moe_down_kernel[lambda meta: (T * k, triton.cdiv(H, meta["BN"]))](*dn, QT=QTYPES[down_qtype])
+            else:
+                bn, nb, w = moe_tile(down_qtype, False)
+                _moe_down_kernel.fn[(T * k, triton.cdiv(H, bn))](*dn, QT=QTYPES[down_qtype], BN=bn, NB=nb,
                                                                  num_warps=w)
-            bn, nb, w = moe_tile(down_qtype, False)
-            _moe_down_kernel.fn[(T * k, triton.cdiv(H, bn))](*dn, QT=QTYPES[down_qtype], BN=bn, NB=nb,
-                                                             num_warps=w)
     return out.view(T, k, H).sum(1) if reduce else out
 
 

@@ -81,13 +81,32 @@ if triton is not None:
         tl.store(blk_e + b, tl.where(be < E, be, -1), mask=b < n_blocks)
 
     @triton.jit
-    def _w_tile(wp, rs, n64, nm, kb, nblk, QT: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
-        """Weights [BN, NBK * 32] (float32) of rows n64 of one expert (GGUF rows of rs bytes from wp), blocks
-        kb.. of nblk (Q4_0: in the interleaved order, see the module docstring)."""
+    def _w_tile(wp, rs, n64, nm, kb, nblk, QT: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr,
+                SPLIT: tl.constexpr):
+        """Weights [BN, NBK * 32] (float32) of rows n64 of one expert (rows of rs bytes from wp: GGUF, or the
+        split layout of quant.ref.split_rows), blocks kb.. of nblk (Q4_0: in the interleaved order, see the
+        module docstring; the split layout's 32-bit words give the same order)."""
         b = kb + tl.arange(0, NBK)
         bm = nm[:, None] & (b < nblk)[None, :]                                 # [BN, NBK]
         w16 = wp.to(tl.pointer_type(tl.uint16))
-        if QT == 0:                                  # f16 scale, then 8 words of 4 nibbles
+        if SPLIT:                                    # quants as 16-byte vectors, then the f16 scales
+            QB: tl.constexpr = 16 if QT == 0 else 32
+            rows = wp + n64[:, None] * rs
+            d = tl.load((rows + nblk * QB).to(tl.pointer_type(tl.float16)) + b[None, :], mask=bm, other=0)
+            d = d.to(tl.float32)
+            c = tl.arange(0, QB // 4)
+            w = tl.load((rows + b[None, :] * QB).to(tl.pointer_type(tl.int32))[:, :, None] + c[None, None, :],
+                        mask=bm[:, :, None], other=0)                          # [BN, NBK, QB / 4]
+            if QT == 0:                              # byte i of word c: elements 4c + i (low), 4c + i + 16
+                lo = tl.reshape(tl.join(tl.join(w & 15, (w >> 16) & 15), tl.join((w >> 8) & 15, (w >> 24) & 15)),
+                                [BN, NBK, 16])
+                hi = tl.reshape(tl.join(tl.join((w >> 4) & 15, (w >> 20) & 15),
+                                        tl.join((w >> 12) & 15, (w >> 28) & 15)), [BN, NBK, 16])
+                v = (tl.join(lo, hi) - 8).to(tl.float32) * d[:, :, None, None]
+            else:                                    # byte i of word c: element 4c + i
+                v = tl.join(tl.join((w << 24) >> 24, (w << 8) >> 24), tl.join((w << 16) >> 24, w >> 24))
+                v = v.to(tl.float32) * d[:, :, None, None, None]
+        elif QT == 0:                                # f16 scale, then 8 words of 4 nibbles
             blk = w16 + n64[:, None] * (rs // 2) + b[None, :] * 9
             d = tl.load(blk, mask=bm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
             c = tl.arange(0, 8)
@@ -112,11 +131,11 @@ if triton is not None:
         return n - j + 2 * (j % 16) + j // 16
 
 
-    @triton.autotune(configs=_CONFIGS, key=["K", "N", "BM", "QT", "GATE_UP", "PERM_OUT"])
+    @triton.autotune(configs=_CONFIGS, key=["K", "N", "BM", "QT", "GATE_UP", "PERM_OUT", "SPLIT"])
     @triton.jit
     def _moe_gemm_kernel(a, a_stride, w1, w2, sw_e, sw_n, out, out_stride, pairs, blk_e, wts, n_pairs, k_used,
                          K, N, QT: tl.constexpr, BM: tl.constexpr, GATE_UP: tl.constexpr,
-                         PERM_OUT: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
+                         PERM_OUT: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
         """One (row block, column tile); the tensor cores take a's dtype (bf16, or float32 in Triton's
         interpreter). a's columns are in the kernel's K order (contiguous loads: a version that gathered
         float32 columns in Q4_0's order in here ran 1.5x slower than the torch gather it saved)."""
@@ -142,10 +161,10 @@ if triton is not None:
             for k0 in range(0, K, BK):
                 kk = k0 + tl.arange(0, BK)
                 at = tl.load(a_rows + kk[None, :], mask=valid[:, None] & (kk < K)[None, :], other=0)
-                wt = _w_tile(wp1, sw_n, n64, nm, k0 // 32, nblk, QT, BN, NBK).to(at.dtype)
+                wt = _w_tile(wp1, sw_n, n64, nm, k0 // 32, nblk, QT, BN, NBK, SPLIT).to(at.dtype)
                 acc1 = tl.dot(at, tl.trans(wt), acc1)
                 if GATE_UP:
-                    wt2 = _w_tile(wp2, sw_n, n64, nm, k0 // 32, nblk, QT, BN, NBK).to(at.dtype)
+                    wt2 = _w_tile(wp2, sw_n, n64, nm, k0 // 32, nblk, QT, BN, NBK, SPLIT).to(at.dtype)
                     acc2 = tl.dot(at, tl.trans(wt2), acc2)
             if GATE_UP:                              # SiLU(gate) * up for every row of the block (padding: 0)
                 h = acc1 / (1.0 + tl.exp(-acc1)) * acc2
@@ -237,10 +256,10 @@ def pick_tile(bm: int, gate_up: bool, qtype):
     return TILES[0] if qtype == GGMLType.Q8_0 and bm >= 64 else TILES[1]
 
 
-def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, gate_up, perm_out, tile):
+def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, gate_up, perm_out, split, tile):
     args = (a, a.stride(0), w1, w2, w1.stride(0), w1.stride(1), out, out.stride(0), pairs, blk_e, wts, n_pairs,
             k_used, K, N)
-    kw = dict(QT=QTYPES[qtype], BM=bm, GATE_UP=gate_up, PERM_OUT=perm_out)
+    kw = dict(QT=QTYPES[qtype], BM=bm, GATE_UP=gate_up, PERM_OUT=perm_out, SPLIT=split)
     if tile is None and _AUTOTUNE:
         _moe_gemm_kernel[lambda meta: (blk_e.numel() * triton.cdiv(N, meta["BN"]),)](*args, **kw)
     else:
@@ -250,9 +269,10 @@ def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, g
 
 
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, dtype=torch.bfloat16, tile=None,
-        bm=None) -> torch.Tensor:
+        bm=None, gate_split: bool = False, down_split: bool = False) -> torch.Tensor:
     """Routed experts for a batch of tokens from GGUF bytes: x [T, H], ids [T, k] (int), wts [T, k];
-    graw/uraw [E, F, row bytes], draw [E, H, row bytes] on one GPU. Returns float32 [T, H].
+    graw/uraw [E, F, row bytes], draw [E, H, row bytes] on one GPU (rows in the split layout where
+    *_split, quant.ref.split_rows). Returns float32 [T, H].
 
     dtype: the tensor cores' operand type (bf16; float32 for Triton's interpreter, whose bf16 dot is wrong).
     tile: one of TILES for both kernels instead of the autotuner's choice; bm: rows per block instead of
@@ -269,7 +289,7 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, dtype=torch.bfloa
         h = torch.empty(pairs.numel(), F, dtype=dtype, device=x.device)
         wf = wts.reshape(-1).float().contiguous()
         _gemm(a, graw, uraw, h, pairs, blk_e, wf, n_pairs, k, H, F, gate_qtype, bm, True,
-              down_qtype == GGMLType.Q4_0, tile)
+              down_qtype == GGMLType.Q4_0, gate_split, tile)
         out = torch.empty(n_pairs, H, dtype=torch.float32, device=x.device)
-        _gemm(h, draw, draw, out, pairs, blk_e, wf, n_pairs, k, F, H, down_qtype, bm, False, False, tile)
+        _gemm(h, draw, draw, out, pairs, blk_e, wf, n_pairs, k, F, H, down_qtype, bm, False, False, down_split, tile)
     return out.view(T, k, H).sum(1)

@@ -157,6 +157,33 @@ def dequantize(raw: torch.Tensor, qtype: GGMLType, n_cols: int, dtype: torch.dty
     return out.to(dtype).reshape(*lead, n_cols)
 
 
+# The "split" row layout of Q4_0 / Q8_0 for GPU-resident experts: each row's block quants first (16 or 32
+# bytes a block, so 16-byte aligned when the row is), then its f16 scales. Same bytes, reordered within the
+# row, so GPU kernels load the quants as 16-byte vectors instead of the 2-byte words an 18- or 34-byte block
+# allows. Rows of a multiple of 256 columns only (their byte length, 18 or 34 x 8k, keeps every row aligned).
+SPLIT_TYPES = (GGMLType.Q4_0, GGMLType.Q8_0)
+
+
+def can_split(qtype, n_cols: int) -> bool:
+    return GGMLType(qtype) in SPLIT_TYPES and n_cols % 256 == 0
+
+
+def split_rows(raw: torch.Tensor, qtype: GGMLType) -> torch.Tensor:
+    """GGUF rows [..., row_bytes] -> the split layout (a new tensor, same shape and device)."""
+    bs = type_size(GGMLType(qtype))
+    blk = raw.reshape(*raw.shape[:-1], -1, bs)
+    return torch.cat([blk[..., 2:].flatten(-2), blk[..., :2].flatten(-2)], -1)
+
+
+def join_rows(raw: torch.Tensor, qtype: GGMLType) -> torch.Tensor:
+    """The split layout back to GGUF rows (for the paths that read GGUF bytes: dequantize, copies to the CPU)."""
+    bs = type_size(GGMLType(qtype))
+    nblk = raw.shape[-1] // bs
+    qs = raw[..., :nblk * (bs - 2)].reshape(*raw.shape[:-1], nblk, bs - 2)
+    d = raw[..., nblk * (bs - 2):].reshape(*raw.shape[:-1], nblk, 2)
+    return torch.cat([d, qs], -1).flatten(-2)
+
+
 # --------------------------------------------------------------- quantize
 
 def _roundf(v: torch.Tensor) -> torch.Tensor:

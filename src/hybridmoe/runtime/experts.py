@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.cpu import swiglu_oai  # noqa: F401 - gpt-oss's activation, for the torch paths
+from ..quant.ref import join_rows
 from ..quant.types import GGMLType
 from ..weights import QTensor
 
@@ -55,7 +56,7 @@ def linear_raw(x: torch.Tensor, raw: torch.Tensor, w: QTensor, dev, n_threads=No
     else:
         x2 = x2.float()
         dt = _compute_dtype(raw)
-        wt = QTensor(w.name, raw, w.qtype, w.shape, dev).dequant(dt)
+        wt = QTensor(w.name, raw, w.qtype, w.shape, dev, w.split).dequant(dt)
         y = (x2.to(dt) @ wt.t()).float()
     return y.reshape(*lead, -1)
 
@@ -90,7 +91,7 @@ def expert_matmul(x: torch.Tensor, ids: torch.Tensor, w: QTensor, n_threads=None
 
     Each expert's rows go through linear_raw, so the arithmetic is that of the fused path's kernels.
     """
-    meta = QTensor(w.name, w.raw[0], w.qtype, w.shape[1:], w.device)
+    meta = QTensor(w.name, w.raw[0], w.qtype, w.shape[1:], w.device, w.split)
     return _mul_mat_id(x.float(), ids, w.shape[0], w.shape[1],
                        lambda xe, e: linear_raw(xe, w.raw[e], meta, w.device, n_threads))
 
@@ -127,8 +128,13 @@ def reference_moe(x, ids, wts, gate: QTensor, up: QTensor, down: QTensor, graw=N
     return out
 
 
+def _gguf(raw, w: QTensor):
+    """raw (w's bytes or a copy of them) in GGUF rows, for the dequantizing fallbacks."""
+    return join_rows(raw, w.qtype) if w.split else raw
+
+
 def _deq(raw, e, meta: QTensor, dt):
-    return QTensor(meta.name, raw[e], meta.qtype, meta.shape[1:], meta.device).dequant(dt)
+    return QTensor(meta.name, raw[e], meta.qtype, meta.shape[1:], meta.device, meta.split).dequant(dt)
 
 
 def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor, n_threads=None,
@@ -140,7 +146,8 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
         fast = gd if few else gm                        # GEMV kernels for decode, grouped GEMMs for prompts
         if fast.supports(gate.qtype, up.qtype, down.qtype):
             try:
-                return fast.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype)      # from the bytes
+                return fast.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype,      # from the bytes
+                                gate_split=gate.split, down_split=down.split)
             except Exception as e:                      # noqa: BLE001 - a kernel this GPU can't build
                 fast.disable(gate.qtype, down.qtype, e)
         if few or not hasattr(torch, "_grouped_mm"):
@@ -171,9 +178,9 @@ def _gathered_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):
     from ..kernels.gpu_dequant import dequantize_bf16 as dequantize
     T, k = ids.shape
     flat = ids.reshape(-1)
-    wg = dequantize(graw, gate.qtype, gate.shape[-1], index=flat)                        # [T*k, F, H]
-    wu = dequantize(uraw, gate.qtype, gate.shape[-1], index=flat)
-    wd = dequantize(draw, down.qtype, down.shape[-1], index=flat)                        # [T*k, H, F]
+    wg = dequantize(_gguf(graw, gate), gate.qtype, gate.shape[-1], index=flat)           # [T*k, F, H]
+    wu = dequantize(_gguf(uraw, gate), gate.qtype, gate.shape[-1], index=flat)
+    wd = dequantize(_gguf(draw, down), down.qtype, down.shape[-1], index=flat)           # [T*k, H, F]
     xs = x.to(torch.bfloat16).repeat_interleave(k, dim=0)[:, None, :]                    # [T*k, 1, H]
     h = F.silu(torch.bmm(xs, wg.transpose(1, 2))) * torch.bmm(xs, wu.transpose(1, 2))  # [T*k, 1, F]
     y = torch.bmm(h, wd.transpose(1, 2))[:, 0].float()                                   # [T*k, H]
@@ -205,9 +212,9 @@ def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor, oa
     xs = torch.zeros(T * k + GROUP_ALIGN * E, H, dtype=torch.bfloat16, device=x.device)
     xs[dest] = x[tok].to(torch.bfloat16)
     offs = offs.to(torch.int32)
-    wg = dequantize(graw, gate.qtype, gate.shape[-1])                     # [E, F, H]
-    wu = dequantize(uraw, gate.qtype, gate.shape[-1])
-    wd = dequantize(draw, down.qtype, down.shape[-1])                     # [E, H, F]
+    wg = dequantize(_gguf(graw, gate), gate.qtype, gate.shape[-1])       # [E, F, H]
+    wu = dequantize(_gguf(uraw, gate), gate.qtype, gate.shape[-1])
+    wd = dequantize(_gguf(draw, down), down.qtype, down.shape[-1])       # [E, H, F]
     hg = torch._grouped_mm(xs, wg.transpose(-2, -1), offs=offs)          # [rows, F]
     hu = torch._grouped_mm(xs, wu.transpose(-2, -1), offs=offs)
     if oai is None:

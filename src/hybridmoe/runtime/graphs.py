@@ -215,7 +215,8 @@ class StaticDecoder:
             return x2, None, True
         g, u, d = lay["exps"]
         if gd.supports(g.qtype, u.qtype, d.qtype):
-            return x2, gd.moe(h, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, reduce=False), False
+            return x2, gd.moe(h, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, reduce=False,
+                              gate_split=g.split, down_split=d.split), False
         return x2, X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), False
 
     def _segment_fast(self, s: int):
