@@ -26,6 +26,7 @@ for s in "$@"; do
     firstcall) for V in cold warm HYBRIDMOE_MOE_TUNE=1; do echo "### hybridmoe run -ngl 99 -ot exps=CPU, 1200-token prompt, -n 16 ($V)"
                  env ${V/#[cw]*/X=1} python3 -m hybridmoe.cli run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..1200})" --temp 0 2>&1 | grep -E "loaded|time ="; done ;;
     tiles) python3 benchmarks/bench_moe_prefill.py --tiles Q4_0,Q8_0 64,128,512,2048,4096 2>&1 | tail -24 ;;
+    stiles) python3 benchmarks/bench_moe_prefill.py --tiles-split Q4_0,Q8_0 128,512,4096 2>&1 | tail -14 ;;
     dtiles) python3 benchmarks/bench_moe_decode.py --tiles Q4_0,Q8_0,Q4_K,Q5_K,Q6_K 2>&1 | tail -14 ;;
     dsplit) python3 -m pytest -q tests/test_gpu_decode.py -k "split_rows or moe_from_bytes" -p no:cacheprovider --tb=short 2>&1 | tail -5
             python3 benchmarks/bench_moe_decode.py --split Q4_0,Q8_0 2>&1 | tail -14 ;;

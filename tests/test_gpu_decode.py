@@ -29,6 +29,26 @@ def _gen(seed):
     return torch.Generator(device=DEV).manual_seed(seed)
 
 
+@pytest.mark.parametrize("H", [96, 2048])
+def test_int8_rows(H):
+    """quant_x8's two int8 terms reconstruct a row to ~15 bits of each block's max, an all-zero block
+    stays zero, and add_rms_norm's q8_out writes exactly what quant_x8 writes for the normed row."""
+    g = _gen(H + 1)
+    a = torch.randn(2, H, generator=g, device=DEV) * torch.logspace(-3, 2, H, device=DEV)
+    a[1, :32] = 0
+    q1, q2, xs, xc = gd.quant_x8(a)
+    back = (q1.float() * 256 + q2.float()).view(2, H // 32, 32) * xs[..., None]
+    blk_max = a.view(2, H // 32, 32).abs().amax(-1, keepdim=True)
+    assert ((back - a.view(2, H // 32, 32)).abs() <= blk_max * 2 ** -15).all()
+    assert not q1[1, :32].any() and not q2[1, :32].any() and xs[1, 0] == 0
+    assert torch.equal(xc, -8 * (256 * q1.view(2, -1, 32).int().sum(-1) + q2.view(2, -1, 32).int().sum(-1)))
+    w = torch.rand(H, generator=g, device=DEV) + 0.5
+    bufs = gd.x8_buffers(2, H, DEV)
+    _, h = gd.add_rms_norm(a, w, 1e-6, q8_out=bufs)
+    for got, want in zip(bufs, gd.quant_x8(h)):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("H,has_b", [(256, True), (200, False), (2048, True)])
 def test_add_rms_norm(H, has_b):
     g = _gen(H)
@@ -293,6 +313,7 @@ def test_tile_rules_name_known_tiles():
             for bm in (16, 32, 64, 128):
                 if q in gpu_moe.QTYPES:
                     assert gpu_moe.pick_tile(bm, gate_up, q) in gpu_moe.TILES
+                    assert gpu_moe.pick_tile(bm, gate_up, q, split=True) in gpu_moe.TILES
     if DEV == "cuda":
         assert {gd.moe_tile(q, g) for q in gd.QTYPES for g in (True, False)} - {gd._MOE_TILES[0]}
 

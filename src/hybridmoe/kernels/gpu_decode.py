@@ -54,8 +54,9 @@ if triton is not None:
     _MOE_CONFIGS = [triton.Config({"BN": bn, "NB": nb}, num_warps=w) for bn, nb, w in _MOE_TILES]
 
     @triton.jit
-    def _add_rms_norm_kernel(a, b, w, x_out, h_out, H, h_stride, eps, b_rows,
-                             HAS_B: tl.constexpr, WRITE_X: tl.constexpr, BH: tl.constexpr):
+    def _add_rms_norm_kernel(a, b, w, x_out, h_out, H, h_stride, eps, b_rows, q1, q2, xs, xc,
+                             HAS_B: tl.constexpr, WRITE_X: tl.constexpr, BH: tl.constexpr, Q8: tl.constexpr):
+        """Q8: the normed row also in two int8 terms (_quant_blocks) for the split-row MoE kernels."""
         t = tl.program_id(0)
         i = tl.arange(0, BH)
         m = i < H
@@ -67,7 +68,10 @@ if triton is not None:
             tl.store(x_out + t * H + i, x, mask=m)
         r = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
         wv = tl.load(w + i, mask=m, other=0).to(tl.float32)
-        tl.store(h_out + t * h_stride + i, (x * r * wv).to(h_out.dtype.element_ty), mask=m)
+        y = x * r * wv
+        tl.store(h_out + t * h_stride + i, y.to(h_out.dtype.element_ty), mask=m)
+        if Q8:
+            _quant_blocks(tl.reshape(y, [BH // 32, 32]), tl.arange(0, BH // 32), t, H, q1, q2, xs, xc)
 
     @triton.jit
     def _qk_rope_cache_kernel(qkv, qkv_stride, qn_w, kn_w, cos, sin, pos, pos0, cos_first, q_out, q_stride, kc, vc,
@@ -334,28 +338,31 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _quant_x8_kernel(x, x_stride, q1, q2, xs, xc, K, NBQ: tl.constexpr):
-        """One row of x in two int8 terms per 32-block (as the CPU kernel's integer path, cpu_moe.c):
-        x ~ d / 256 * (256 q1 + q2), d = max|x| / 127; xs = d / 256 and xc = -8 (256 sum q1 + sum q2), the
-        term a Q4_0 block's offset of 8 contributes."""
-        r = tl.program_id(0)
-        j = tl.arange(0, 32)
-        bi = tl.arange(0, NBQ)
+    def _quant_blocks(v, b, r, K, q1, q2, xs, xc):
+        """Blocks b (v: their [NB, 32] float32 values) of row r of a K-column activation in two int8 terms,
+        as the CPU kernel's integer path (cpu_moe.c): x ~ d / 256 * (256 q1 + q2), d = max|x| / 127;
+        xs = d / 256 and xc = -8 (256 sum q1 + sum q2), the term a Q4_0 block's offset of 8 contributes."""
         nblk = K // 32
-        for kb in range(0, nblk, NBQ):
-            b = kb + bi
-            bm = b < nblk
-            v = tl.load(x + r * x_stride + b[:, None] * 32 + j[None, :], mask=bm[:, None], other=0).to(tl.float32)
-            amax = tl.max(tl.abs(v), axis=1)
-            t = v * (127.0 / tl.maximum(amax, 1e-30))[:, None]          # all-zero blocks stay 0
-            a = tl.floor(t + 0.5)
-            c = tl.minimum(tl.floor((t - a) * 256.0 + 0.5), 127.0)
-            o = r * K + b[:, None] * 32 + j[None, :]
-            tl.store(q1 + o, a.to(tl.int8), mask=bm[:, None])
-            tl.store(q2 + o, c.to(tl.int8), mask=bm[:, None])
-            tl.store(xs + r * nblk + b, amax * (1.0 / (127.0 * 256.0)), mask=bm)
-            tl.store(xc + r * nblk + b, (-8.0 * (256.0 * tl.sum(a, axis=1) + tl.sum(c, axis=1))).to(tl.int32),
-                     mask=bm)
+        bm = b < nblk
+        j = tl.arange(0, 32)
+        amax = tl.max(tl.abs(v), axis=1)
+        t = v * (127.0 / tl.maximum(amax, 1e-30))[:, None]          # all-zero blocks stay 0
+        a = tl.floor(t + 0.5)
+        c = tl.minimum(tl.floor((t - a) * 256.0 + 0.5), 127.0)
+        o = r * K + b[:, None] * 32 + j[None, :]
+        tl.store(q1 + o, a.to(tl.int8), mask=bm[:, None])
+        tl.store(q2 + o, c.to(tl.int8), mask=bm[:, None])
+        tl.store(xs + r * nblk + b, amax * (1.0 / (127.0 * 256.0)), mask=bm)
+        tl.store(xc + r * nblk + b, (-8.0 * (256.0 * tl.sum(a, axis=1) + tl.sum(c, axis=1))).to(tl.int32), mask=bm)
+
+    @triton.jit
+    def _quant_x8_kernel(x, x_stride, q1, q2, xs, xc, K, NBQ: tl.constexpr):
+        """NBQ 32-blocks of one row of x (program (row, chunk)): _quant_blocks."""
+        r = tl.program_id(0)
+        b = tl.program_id(1) * NBQ + tl.arange(0, NBQ)
+        j = tl.arange(0, 32)
+        v = tl.load(x + r * x_stride + b[:, None] * 32 + j[None, :], mask=(b < K // 32)[:, None], other=0)
+        _quant_blocks(v.to(tl.float32), b, r, K, q1, q2, xs, xc)
 
     @triton.jit
     def _dp4a(a, b, c, EMU: tl.constexpr):
@@ -402,8 +409,10 @@ if triton is not None:
                 wb = tl.load(wp + 4, mask=m3, other=0)
             xo = (b * 8)[None, :, None] + c[None, None, :]
             xm = bm[None, :, None]
-            a1 = _dp4a(wb, tl.load(x1 + xo + 4, mask=xm, other=0), _dp4a(wa, tl.load(x1 + xo, mask=xm, other=0), 0, EMU), EMU)
-            a2 = _dp4a(wb, tl.load(x2 + xo + 4, mask=xm, other=0), _dp4a(wa, tl.load(x2 + xo, mask=xm, other=0), 0, EMU), EMU)
+            a1 = _dp4a(wa, tl.load(x1 + xo, mask=xm, other=0), 0, EMU)                    # the q1 term
+            a1 = _dp4a(wb, tl.load(x1 + xo + 4, mask=xm, other=0), a1, EMU)
+            a2 = _dp4a(wa, tl.load(x2 + xo, mask=xm, other=0), 0, EMU)                    # the q2 term
+            a2 = _dp4a(wb, tl.load(x2 + xo + 4, mask=xm, other=0), a2, EMU)
             dot = tl.sum((a1 << 8) + a2, axis=2)                                          # [BN, NB]
             if QT == 0:
                 dot += tl.load(xc + b, mask=bm, other=0)[None, :]
@@ -469,17 +478,19 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float32):
+def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float32, q8_out=None):
     """x = a (+ b); returns (x if x_out is given, RMSNorm(x) * w). Rows [T, H]; h_out may be a strided row view.
-    b may hold several rows per row of a ([T * r, H], e.g. the k weighted expert outputs): all are added."""
+    b may hold several rows per row of a ([T * r, H], e.g. the k weighted expert outputs): all are added.
+    q8_out (x8_buffers(T, H)): the normed rows in two int8 terms too, as quant_x8 writes them."""
     T, H = a.shape
     if h_out is None:
         h_out = torch.empty(T, H, dtype=h_dtype, device=a.device)
     b_rows = b.shape[0] // T if b is not None else 0
+    q8 = q8_out if q8_out is not None else (a,) * 4
     with on_device(a):
         _add_rms_norm_kernel[(T,)](a, b if b is not None else a, w, x_out if x_out is not None else a, h_out, H,
-                                   h_out.stride(0), eps, b_rows, HAS_B=b is not None, WRITE_X=x_out is not None,
-                                   BH=_pow2(H))
+                                   h_out.stride(0), eps, b_rows, *q8, HAS_B=b is not None,
+                                   WRITE_X=x_out is not None, BH=_pow2(H), Q8=q8_out is not None)
     return x_out, h_out
 
 
@@ -580,27 +591,30 @@ def split_tile(qtype, gate_up: bool):
     return (16, 8, 4) if _EMU else _SPLIT_TILE_RULE[(GGMLType(qtype), gate_up)]
 
 
+def x8_buffers(R: int, K: int, device):
+    """(q1, q2 int8 [R, K], xs float32 and xc int32 [R, K / 32]): rows in two int8 terms per 32-block."""
+    q1 = torch.empty(R, K, dtype=torch.int8, device=device)
+    return (q1, torch.empty_like(q1), torch.empty(R, K // 32, dtype=torch.float32, device=device),
+            torch.empty(R, K // 32, dtype=torch.int32, device=device))
+
+
 def quant_x8(x: torch.Tensor):
-    """Rows of x [R, K] (K a multiple of 32) in two int8 terms per 32-block: (q1, q2 int8 [R, K], xs float32
-    and xc int32 [R, K / 32]); see _quant_x8_kernel."""
+    """Rows of x [R, K] (K a multiple of 32) in two int8 terms per 32-block (x8_buffers; _quant_blocks)."""
     R, K = x.shape
-    q1 = torch.empty(R, K, dtype=torch.int8, device=x.device)
-    q2 = torch.empty_like(q1)
-    xs = torch.empty(R, K // 32, dtype=torch.float32, device=x.device)
-    xc = torch.empty(R, K // 32, dtype=torch.int32, device=x.device)
-    _quant_x8_kernel[(R,)](x, x.stride(0), q1, q2, xs, xc, K, NBQ=16)
+    q1, q2, xs, xc = x8_buffers(R, K, x.device)
+    _quant_x8_kernel[(R, triton.cdiv(K // 32, 8))](x, x.stride(0), q1, q2, xs, xc, K, NBQ=8)
     return q1, q2, xs, xc
 
 
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True, gate_split: bool = False,
-        down_split: bool = False, tiles8=None):
+        down_split: bool = False, tiles8=None, xq=None):
     """Routed experts for a few tokens straight from GGUF bytes: x [T, H] float32, ids [T, k] (int), wts
     [T, k]; graw/uraw [E, F, row bytes], draw [E, H, row bytes]. Returns float32 [T, H]; with reduce=False
     the k weighted expert outputs per token [T * k, H] (add_rms_norm sums them into the residual).
 
     gate_split / down_split: those rows are Q4_0/Q8_0 in the split layout (quant.ref.split_rows, as
-    GPU-resident experts are kept): their kernel takes int8 activations (quant_x8) and dp4a; tiles8 (gate/up
-    and down (BN, NB, warps)) instead of split_tile's (benchmarks)."""
+    GPU-resident experts are kept): their kernel takes int8 activations (quant_x8, or xq: x already in
+    them, from add_rms_norm) and dp4a; tiles8 (gate/up and down (BN, NB, warps)) instead of split_tile's."""
     T, H = x.shape
     k = ids.shape[1]
     F = graw.shape[1]
@@ -613,9 +627,9 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     with on_device(x):
         if gate_split:
             bn8, nb8, w8 = tiles8[0] if tiles8 else split_tile(gate_qtype, True)
-            _moe_gate_up8_kernel[(T * k, triton.cdiv(F, bn8))](*quant_x8(x), ids, graw, uraw, h, H, F, k, *strides,
-                                                                QT=QTYPES[gate_qtype], BN=bn8, NB=nb8, EMU=_EMU,
-                                                                num_warps=w8)
+            _moe_gate_up8_kernel[(T * k, triton.cdiv(F, bn8))](*(xq or quant_x8(x)), ids, graw, uraw, h, H, F, k,
+                                                                *strides, QT=QTYPES[gate_qtype], BN=bn8, NB=nb8,
+                                                                EMU=_EMU, num_warps=w8)
         else:
             gu = (x, ids, graw, uraw, h, H, F, k, *strides)
             if _MOE_AUTOTUNE:

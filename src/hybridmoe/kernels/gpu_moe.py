@@ -243,14 +243,18 @@ def q4_0_order(n_cols: int, device) -> torch.Tensor:
     return _ORDERS[key]
 
 
-def pick_tile(bm: int, gate_up: bool, qtype):
+def pick_tile(bm: int, gate_up: bool, qtype, split: bool = False):
     """The tile for one of the two grouped GEMMs (see TILES), by the rule measured on H200 at the Qwen3-30B-A3B
     shape (bench_moe_prefill.py --tiles, 2026-11-24): gate/up takes 64 columns a program except at 32-64
     rows per block, where 128 won (Q8_0 at BM 64: 455 vs 704 us; at BM 128 it lost 1.5-2.2x); down takes
     128 columns, except Q8_0 at >= 64 rows per block (64: 228 vs 267 us). Within 3% of the best of TILES
-    at every type and T measured (64 to 4096 tokens)."""
+    at every type and T measured (64 to 4096 tokens). On split rows (--tiles-split) gate/up takes 64
+    columns at every block height (BM 64: 351 vs 397 us Q4_0, 287 vs 343 us Q8_0) and down 64 for Q8_0,
+    128 for Q4_0: the best of TILES at each type and T measured (128, 512, 4096 tokens) but one within 1%."""
     if _INTERPRET:
         return TILES[0]
+    if split:
+        return TILES[0] if gate_up or qtype == GGMLType.Q8_0 else TILES[1]
     if gate_up:
         return TILES[1] if 32 <= bm <= 64 else TILES[0]
     return TILES[0] if qtype == GGMLType.Q8_0 and bm >= 64 else TILES[1]
@@ -263,7 +267,7 @@ def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, g
     if tile is None and _AUTOTUNE:
         _moe_gemm_kernel[lambda meta: (blk_e.numel() * triton.cdiv(N, meta["BN"]),)](*args, **kw)
     else:
-        bn, nbk, warps, stages = tile or pick_tile(bm, gate_up, qtype)
+        bn, nbk, warps, stages = tile or pick_tile(bm, gate_up, qtype, split)
         _moe_gemm_kernel.fn[(blk_e.numel() * triton.cdiv(N, bn),)](*args, **kw, BN=bn, NBK=nbk, num_warps=warps,
                                                                     num_stages=stages)
 

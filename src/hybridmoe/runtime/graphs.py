@@ -202,8 +202,10 @@ class StaticDecoder:
                                cfg.rope_neox))                                                    # fused in
         cpu = bool(lay.get("cpu_experts"))
         x2 = ds.resid if cpu else torch.empty_like(x)
+        exps = None if cpu or "dense" in lay else lay["exps"]
+        xq = gd.x8_buffers(x.shape[0], H, x.device) if exps and exps[0].split else None   # the MoE's int8 x
         _, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=o @ lay["wo"].t(), x_out=x2,
-                               h_out=ds.packed[:, :H] if cpu else None)
+                               h_out=ds.packed[:, :H] if cpu else None, q8_out=xq)
         if "dense" in lay:
             g, u, d = lay["dense"]
             hc = h.to(self.cdt)
@@ -213,10 +215,10 @@ class StaticDecoder:
         wts, ids = gd.router_topk(logits, k, cfg.norm_topk_prob, packed=ds.packed if cpu else None, pack_offset=H)
         if cpu:
             return x2, None, True
-        g, u, d = lay["exps"]
+        g, u, d = exps
         if gd.supports(g.qtype, u.qtype, d.qtype):
             return x2, gd.moe(h, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, reduce=False,
-                              gate_split=g.split, down_split=d.split), False
+                              gate_split=g.split, down_split=d.split, xq=xq), False
         return x2, X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), False
 
     def _segment_fast(self, s: int):
