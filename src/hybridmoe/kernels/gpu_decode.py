@@ -606,6 +606,21 @@ def quant_x8(x: torch.Tensor):
     return q1, q2, xs, xc
 
 
+def _launch(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool):
+    """A GGUF-row MoE kernel over (pair, column tile): moe_tile's tile, or the autotuner's (HYBRIDMOE_MOE_TUNE=1)."""
+    if _MOE_AUTOTUNE:
+        kernel[lambda meta: (n_pairs, triton.cdiv(n_out, meta["BN"]))](*args, QT=QTYPES[qtype])
+    else:
+        bn, nb, w = moe_tile(qtype, gate_up)
+        kernel.fn[(n_pairs, triton.cdiv(n_out, bn))](*args, QT=QTYPES[qtype], BN=bn, NB=nb, num_warps=w)
+
+
+def _launch8(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool, tile=None):
+    """A split-row (dp4a) MoE kernel over (pair, column tile): split_tile's tile unless one is given."""
+    bn, nb, w = tile or split_tile(qtype, gate_up)
+    kernel[(n_pairs, triton.cdiv(n_out, bn))](*args, QT=QTYPES[qtype], BN=bn, NB=nb, EMU=_EMU, num_warps=w)
+
+
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True, gate_split: bool = False,
         down_split: bool = False, tiles8=None, xq=None):
     """Routed experts for a few tokens straight from GGUF bytes: x [T, H] float32, ids [T, k] (int), wts
@@ -624,33 +639,19 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     h = torch.empty(T * k, F, dtype=torch.float32, device=x.device)
     out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     strides = (graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1))
+    tiles8 = tiles8 or (None, None)
     with on_device(x):
         if gate_split:
-            bn8, nb8, w8 = tiles8[0] if tiles8 else split_tile(gate_qtype, True)
-            _moe_gate_up8_kernel[(T * k, triton.cdiv(F, bn8))](*(xq or quant_x8(x)), ids, graw, uraw, h, H, F, k,
-                                                                *strides, QT=QTYPES[gate_qtype], BN=bn8, NB=nb8,
-                                                                EMU=_EMU, num_warps=w8)
+            _launch8(_moe_gate_up8_kernel, (*(xq or quant_x8(x)), ids, graw, uraw, h, H, F, k, *strides), T * k, F,
+                     gate_qtype, True, tiles8[0])
         else:
-            gu = (x, ids, graw, uraw, h, H, F, k, *strides)
-            if _MOE_AUTOTUNE:
-                _moe_gate_up_kernel[lambda meta: (T * k, triton.cdiv(F, meta["BN"]))](*gu, QT=QTYPES[gate_qtype])
-            else:
-                bn, nb, w = moe_tile(gate_qtype, True)
-                _moe_gate_up_kernel.fn[(T * k, triton.cdiv(F, bn))](*gu, QT=QTYPES[gate_qtype], BN=bn, NB=nb,
-                                                                     num_warps=w)
+            _launch(_moe_gate_up_kernel, (x, ids, graw, uraw, h, H, F, k, *strides), T * k, F, gate_qtype, True)
         if down_split:
-            bn8, nb8, w8 = tiles8[1] if tiles8 else split_tile(down_qtype, False)
-            _moe_down8_kernel[(T * k, triton.cdiv(H, bn8))](*quant_x8(h), ids, wts, draw, out, F, H, draw.stride(0),
-                                                             draw.stride(1), QT=QTYPES[down_qtype], BN=bn8, NB=nb8,
-                                                             EMU=_EMU, num_warps=w8)
+            _launch8(_moe_down8_kernel, (*quant_x8(h), ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1)),
+                     T * k, H, down_qtype, False, tiles8[1])
         else:
-            dn = (h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1))
-            if _MOE_AUTOTUNE:
-                _moe_down_kernel[lambda meta: (T * k, triton.cdiv(H, meta["BN"]))](*dn, QT=QTYPES[down_qtype])
-            else:
-                bn, nb, w = moe_tile(down_qtype, False)
-                _moe_down_kernel.fn[(T * k, triton.cdiv(H, bn))](*dn, QT=QTYPES[down_qtype], BN=bn, NB=nb,
-                                                                 num_warps=w)
+            _launch(_moe_down_kernel, (h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1)), T * k, H,
+                    down_qtype, False)
     return out.view(T, k, H).sum(1) if reduce else out
 
 

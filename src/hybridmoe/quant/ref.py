@@ -176,7 +176,7 @@ def split_rows(raw: torch.Tensor, qtype: GGMLType) -> torch.Tensor:
 
 
 def join_rows(raw: torch.Tensor, qtype: GGMLType) -> torch.Tensor:
-    """The split layout back to GGUF rows (for the paths that read GGUF bytes: dequantize, copies to the CPU)."""
+    """The split layout back to GGUF rows (for the dequantizing fallbacks, which read GGUF rows)."""
     bs = type_size(GGMLType(qtype))
     nblk = raw.shape[-1] // bs
     qs = raw[..., :nblk * (bs - 2)].reshape(*raw.shape[:-1], nblk, bs - 2)
