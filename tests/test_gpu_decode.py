@@ -211,8 +211,8 @@ def test_moe_from_bytes(gq, dq, T):
 @pytest.mark.parametrize("T", [1, 2])
 def test_moe_from_split_rows(gq, dq, T):
     """The dp4a kernels on rows in the split layout (quant.ref.split_rows: how GPU-resident Q4_0/Q8_0 experts
-    are kept), with two-term int8 activations, against float64 on the GGUF rows: ~1e-5, the CPU integer
-    path's band. A K of 768 with 16 blocks a step has a partial last step."""
+    are kept), with two-term int8 activations, against float64 on the GGUF rows: within 1e-4 (the CPU
+    integer path measures 3-5e-5). A K of 768 with 16 blocks a step has a partial last step."""
     E, k, H, Fd = 8, 3, 768, 256
     g = _gen(7 + T)
     graw, uraw = random_blocks(gq, (E, Fd, H), g), random_blocks(gq, (E, Fd, H), g)

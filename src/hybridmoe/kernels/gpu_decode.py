@@ -37,6 +37,7 @@ except ImportError:                                      # CPU-only installs
 QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3, GGMLType.Q5_K: 4}
 ATTN_BLOCK = 32                                          # keys per inner step
 ATTN_CHUNK = 256                                         # keys per split (programs past the position exit)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: one tile, no inline PTX
 
 
 def available() -> bool:
@@ -48,7 +49,7 @@ if triton is not None:
     # measured on H200 (benchmarks/bench_moe_decode.py --tiles); HYBRIDMOE_MOE_TUNE=1 has Triton's
     # autotuner time them all at the first call instead (seconds of compiling); the interpreter takes the first
     _MOE_TILES = [(4, 64, 4), (8, 32, 4), (16, 16, 4), (8, 64, 8), (2, 64, 2), (16, 32, 8)]
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _INTERPRET:
         _MOE_TILES = _MOE_TILES[:1]
     _MOE_AUTOTUNE = os.environ.get("HYBRIDMOE_MOE_TUNE", "0") == "1" and len(_MOE_TILES) > 1
     _MOE_CONFIGS = [triton.Config({"BN": bn, "NB": nb}, num_warps=w) for bn, nb, w in _MOE_TILES]
@@ -577,7 +578,6 @@ def disable(gate_qtype, down_qtype, err: Exception):
                   "using dequantize + bmm")
 
 
-_EMU = os.environ.get("TRITON_INTERPRET") == "1"       # no inline PTX in the interpreter
 # (BN, NB, warps) of the split-row kernels per (type, gate/up kernel): the fastest at the Qwen3-30B-A3B
 # expert shape on H200 (bench_moe_decode.py --split, 2026-11-24: gate/up 6.7 / 8.0 us, down 4.4 / 5.0 us
 # for Q4_0 / Q8_0); the interpreter takes one larger tile (fewer programs to step through)
@@ -588,7 +588,7 @@ _SPLIT_TILE_RULE = {
 
 
 def split_tile(qtype, gate_up: bool):
-    return (16, 8, 4) if _EMU else _SPLIT_TILE_RULE[(GGMLType(qtype), gate_up)]
+    return (16, 8, 4) if _INTERPRET else _SPLIT_TILE_RULE[(GGMLType(qtype), gate_up)]
 
 
 def x8_buffers(R: int, K: int, device):
@@ -618,7 +618,7 @@ def _launch(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool):
 def _launch8(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool, tile=None):
     """A split-row (dp4a) MoE kernel over (pair, column tile): split_tile's tile unless one is given."""
     bn, nb, w = tile or split_tile(qtype, gate_up)
-    kernel[(n_pairs, triton.cdiv(n_out, bn))](*args, QT=QTYPES[qtype], BN=bn, NB=nb, EMU=_EMU, num_warps=w)
+    kernel[(n_pairs, triton.cdiv(n_out, bn))](*args, QT=QTYPES[qtype], BN=bn, NB=nb, EMU=_INTERPRET, num_warps=w)
 
 
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True, gate_split: bool = False,

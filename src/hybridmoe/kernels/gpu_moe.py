@@ -88,7 +88,6 @@ if triton is not None:
         module docstring; the split layout's 32-bit words give the same order)."""
         b = kb + tl.arange(0, NBK)
         bm = nm[:, None] & (b < nblk)[None, :]                                 # [BN, NBK]
-        w16 = wp.to(tl.pointer_type(tl.uint16))
         if SPLIT:                                    # quants as 16-byte vectors, then the f16 scales
             QB: tl.constexpr = 16 if QT == 0 else 32
             rows = wp + n64[:, None] * rs
@@ -107,7 +106,7 @@ if triton is not None:
                 v = tl.join(tl.join((w << 24) >> 24, (w << 8) >> 24), tl.join((w << 16) >> 24, w >> 24))
                 v = v.to(tl.float32) * d[:, :, None, None, None]
         elif QT == 0:                                # f16 scale, then 8 words of 4 nibbles
-            blk = w16 + n64[:, None] * (rs // 2) + b[None, :] * 9
+            blk = wp.to(tl.pointer_type(tl.uint16)) + n64[:, None] * (rs // 2) + b[None, :] * 9
             d = tl.load(blk, mask=bm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
             c = tl.arange(0, 8)
             w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=bm[:, :, None], other=0).to(tl.int32)
@@ -116,7 +115,7 @@ if triton is not None:
             hi = tl.reshape(tl.join((w >> 4) & 15, (w >> 12) & 15), [BN, NBK, 16])      # elements 16..31
             v = (tl.join(lo, hi) - 8).to(tl.float32) * d[:, :, None, None]
         else:                                        # f16 scale, then 16 words of 2 int8: natural order
-            blk = w16 + n64[:, None] * (rs // 2) + b[None, :] * 17
+            blk = wp.to(tl.pointer_type(tl.uint16)) + n64[:, None] * (rs // 2) + b[None, :] * 17
             d = tl.load(blk, mask=bm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
             c = tl.arange(0, 16)
             w = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=bm[:, :, None], other=0).to(tl.int32)
