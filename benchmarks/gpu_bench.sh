@@ -23,6 +23,12 @@ for s in "$@"; do
            for V in OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=infinite OMP_PROC_BIND=close; do echo "### $V"
              env $V python3 -m hybridmoe.cli bench -m $M -ngl 99 -ot exps=CPU -p 0 -n 64 -r 3 2>&1 | grep tg64; done ;;
     kalone) python3 benchmarks/profile_decode.py kalone 2>&1 ;;
+    handoff) python3 benchmarks/profile_decode.py handoff 2>&1 ;;
+    htests) timeout 400 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py tests/test_cpu_kernels.py \
+                -k "handoff or real_gpu or cuda_graph" -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
+    handoffab) for V in sync poll sync poll; do echo "### HYBRIDMOE_HANDOFF=$V"
+                 HYBRIDMOE_HANDOFF=$V python3 -m hybridmoe.cli bench -m $M -ngl 99 -ot exps=CPU -p 0 -n 128 -r 3 --roofline 2>&1 | grep -E "tg128"
+                 HYBRIDMOE_HANDOFF=$V python3 -m hybridmoe.cli bench -m $M -ngl 99 --n-cpu-moe 24 -p 0 -n 128 -r 3 --roofline 2>&1 | grep -E "tg128"; done ;;
     firstcall) for V in cold warm HYBRIDMOE_MOE_TUNE=1; do echo "### hybridmoe run -ngl 99 -ot exps=CPU, 1200-token prompt, -n 16 ($V)"
                  env ${V/#[cw]*/X=1} python3 -m hybridmoe.cli run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..1200})" --temp 0 2>&1 | grep -E "loaded|time ="; done ;;
     tiles) python3 benchmarks/bench_moe_prefill.py --tiles Q4_0,Q8_0 64,128,512,2048,4096 2>&1 | tail -24 ;;

@@ -72,6 +72,137 @@ def cpu_kernel_alone(m, reps=3):
     print(f"RAM read again: {bk.read_bandwidth(probe):.1f} GB/s")
 
 
+def _phases(tr, k0, k1):
+    """A streaming kernel call split by its per-thread stamps (cpu.last_trace): us."""
+    enter, s1, s2, end = tr.unbind(1)
+    return dict(start=(enter.min() - k0) * 1e6, enter_spread=(enter.max() - enter.min()) * 1e6,
+                stage1=(s1.max() - enter.min()) * 1e6, stage1_mean=(s1 - enter).mean() * 1e6,
+                s1_imbalance=(s1.max() - s1.mean()) * 1e6, barrier=(s2.min() - s1.max()) * 1e6,
+                stage2=(end.max() - s2.min()) * 1e6, stage2_mean=(end - s2).mean() * 1e6,
+                s2_imbalance=(end.max() - end.mean()) * 1e6, ret=(k1 - end.max()) * 1e6)
+
+
+def _report(name, rows, nb1, nb2):
+    keys = rows[0].keys()
+    mean = {key: sum(float(r[key]) for r in rows) / len(rows) for key in keys}
+    print(f"{name}: {len(rows)} calls, us a layer (mean): " +
+          ", ".join(f"{key} {v:.1f}" for key, v in mean.items()))
+    print(f"  stage 1 {nb1 / mean['stage1'] / 1e3:.1f} GB/s, stage 2 {nb2 / mean['stage2'] / 1e3:.1f} GB/s, "
+          f"call {(nb1 + nb2) / (mean['start'] + mean['stage1'] + mean['barrier'] + mean['stage2'] + mean['ret']) / 1e3:.1f}"
+          " GB/s (kernel bytes over start + stages + barrier + return)")
+
+
+def handoff_poll(m, n=20):
+    """The polled hand-off (graphs.StaticDecoder._step_polled): the step time, and per CPU-expert layer the
+    kernel's phases; `gpu` runs from the CPU's last thread finishing one layer to the first thread starting
+    the next: the GPU segment between them, both flag latencies and the thread start."""
+    from hybridmoe.kernels import cpu
+    L0 = m.decoder.layers[0]
+    k = m.cfg.n_expert_used
+    nb1 = k * (L0.ffn_gate_exps.raw[0].numel() + L0.ffn_up_exps.raw[0].numel())
+    nb2 = k * L0.ffn_down_exps.raw[0].numel()
+    steps(m, 4)
+    cpu.trace(True)
+    rec = []
+    make0 = cpu.handoff_call
+
+    def make(*a, **kw):
+        call = make0(*a, **kw)
+
+        def timed(step):
+            k0 = time.perf_counter()
+            rc = call(step)
+            rec.append((k0, time.perf_counter(), cpu.last_trace()))
+            return rc
+        return timed
+    cpu.handoff_call = make
+    try:
+        dt = steps(m, n)
+    finally:
+        cpu.handoff_call = make0
+        cpu.trace(False)
+    per = len(rec) // (n + 2)                            # calls a step; steps() runs two untimed tokens first
+    rec = rec[2 * per:]
+    rows = []
+    for i, (k0, k1, tr) in enumerate(rec):
+        r = _phases(tr, k0, k1)                         # start: the wait for the GPU, then the threads' start
+        if i % per:
+            r["gpu"] = (tr[:, 0].min() - rec[i - 1][2][:, 3].max()) * 1e6
+        rows.append(r)
+    print(f"polled hand-off: decode step {dt * 1e3:.2f} ms/token, {per} CPU-expert layers")
+    gaps = [r.pop("gpu") for r in rows if "gpu" in r]
+    _report("in the decode step", rows, nb1, nb2)
+    print(f"  gpu (CPU done -> next layer's threads start) {sum(float(g) for g in gaps) / len(gaps):.1f} us a layer")
+    s1 = torch.stack([r[2][:, 1] - r[2][:, 0] for r in rec]).mean(0) * 1e6
+    s2 = torch.stack([r[2][:, 3] - r[2][:, 2] for r in rec]).mean(0) * 1e6
+    print(f"  per thread, us: stage 1 {[round(float(v)) for v in s1]}, stage 2 {[round(float(v)) for v in s2]}")
+
+
+def handoff(m, n=20):
+    """Hybrid decode layer by layer (synchronous hand-off, HYBRIDMOE_HANDOFF=sync): the graph replay's enqueue, the wait for the GPU segment (D2H), Python
+    before the kernel, the kernel's phases from its per-thread stamps (thread start, gate/up, barrier, down,
+    return), and what follows until the next replay; then the same kernel called back to back on the same
+    layers (no GPU in between), for comparison."""
+    from hybridmoe.kernels import cpu
+    from hybridmoe.runtime import graphs as G
+    L0 = m.decoder.layers[0]
+    k = m.cfg.n_expert_used
+    nb1 = k * (L0.ffn_gate_exps.raw[0].numel() + L0.ffn_up_exps.raw[0].numel())
+    nb2 = k * L0.ffn_down_exps.raw[0].numel()
+    steps(m, 4)
+    cpu.trace(True)
+    rec, cur = [], {}
+    run0, exp0, moe0 = G.StaticDecoder._run_segment, G.StaticDecoder._cpu_experts, cpu.moe_ffn
+
+    def run_seg(self, s):
+        t = time.perf_counter()
+        if "c1" in cur:
+            rec.append(dict(cur, nxt=t))
+            cur.clear()
+        run0(self, s)
+        cur.update(r0=t, r1=time.perf_counter())
+
+    def cpu_exp(self, b, st, src, dst):
+        cur["c0"] = time.perf_counter()
+        exp0(self, b, st, src, dst)
+        cur["c1"] = time.perf_counter()
+
+    def moe(*a, **kw):
+        k0 = time.perf_counter()
+        r = moe0(*a, **kw)
+        cur.update(k0=k0, k1=time.perf_counter(), tr=cpu.last_trace())
+        return r
+    G.StaticDecoder._run_segment, G.StaticDecoder._cpu_experts, cpu.moe_ffn = run_seg, cpu_exp, moe
+    try:
+        dt = steps(m, n)
+    finally:
+        G.StaticDecoder._run_segment, G.StaticDecoder._cpu_experts, cpu.moe_ffn = run0, exp0, moe0
+    rec = rec[len(rec) // (n + 2) * 2:]                 # steps() runs two untimed tokens first
+    rows = [dict(enqueue=(r["r1"] - r["r0"]) * 1e6, d2h_wait=(r["c0"] - r["r1"]) * 1e6,
+                 py_before=(r["k0"] - r["c0"]) * 1e6, **_phases(r["tr"], r["k0"], r["k1"]),
+                 py_after=(r["c1"] - r["k1"]) * 1e6, to_next=(r["nxt"] - r["c1"]) * 1e6) for r in rec]
+    serial = ("enqueue", "d2h_wait", "py_before", "start", "stage1", "barrier", "stage2", "ret", "py_after", "to_next")
+    per_layer = sum(sum(float(r[key]) for key in serial) for r in rows) / len(rows)
+    print(f"hybrid decode step {dt * 1e3:.2f} ms/token; per CPU-expert layer {per_layer:.1f} us accounted "
+          f"(x {len(m.decoder.layers)} = {per_layer * len(m.decoder.layers) / 1e3:.2f} ms)")
+    _report("in the decode step", rows, nb1, nb2)
+    # the same layers back to back
+    H = m.cfg.n_embd
+    x, out = torch.randn(1, H), torch.empty(1, H)
+    ws = [(L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps) for L in m.decoder.layers]
+    back = []
+    for _ in range(3):
+        for g, u, d in ws:
+            ids = torch.randperm(m.cfg.n_expert)[:k][None].to(torch.int32)
+            w = torch.softmax(torch.randn(1, k), -1)
+            k0 = time.perf_counter()
+            cpu.moe_ffn(x, ids, w, g.raw, u.raw, d.raw, g.qtype, d.qtype, out=out)
+            k1 = time.perf_counter()
+            back.append(_phases(cpu.last_trace(), k0, k1))
+    _report("back to back", back[len(ws):], nb1, nb2)
+    cpu.trace(False)
+
+
 def prefill(m, T, label):
     """Wall time of a T-token prefill from an empty cache (after a warm-up), then its top kernels and ops."""
     kv = m.new_cache(T + 8)
@@ -168,6 +299,16 @@ for what in sys.argv[1:]:
         print(f"hybrid decode: graphs {steps(m, 20) * 1e3:.2f} ms/token")
         cpu_kernel_alone(m)
         print(f"hybrid decode: graphs {steps(m, 20) * 1e3:.2f} ms/token")
+        del m
+    if what == "handoff":                     # hybrid decode: where each layer's time goes
+        os.environ["HYBRIDMOE_HANDOFF"] = "sync"
+        m = hybridmoe.load(M, n_gpu_layers=99, override_tensor=["exps=CPU"], ctx_size=256)
+        handoff(m)
+        os.environ["HYBRIDMOE_HANDOFF"] = "poll"
+        handoff_poll(m)
+        sys.path.insert(0, os.path.dirname(__file__))
+        import bench_kernels as bk
+        print(f"RAM read (torch.sum, 4 GiB): {bk.read_bandwidth(torch.ones(1 << 30)):.1f} GB/s")
         del m
     if what == "hybrid":
         m = hybridmoe.load(M, n_gpu_layers=99, override_tensor=["exps=CPU"], ctx_size=256)

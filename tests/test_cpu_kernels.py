@@ -307,6 +307,48 @@ def test_coexists_with_torch_threads():
     assert len(results) == 40 and all(torch.equal(r, want) for r in results)
 
 
+def _handoff_layer(q=G.Q4_0, k=8):
+    E, H, F = shapes(q, 1)
+    gate, up, down = experts(q, E, H, F)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, H, generator=g)
+    ids, w = routing(1, E, k, g)
+    packed = torch.cat((x[0], w[0], ids[0].float()))
+    bufs = dict(packed=packed, out=torch.full((H,), float("nan")), ready=torch.zeros(16, dtype=torch.int32),
+                done=torch.zeros(16, dtype=torch.int32))
+    want = cpu.moe_ffn(x, ids, w, gate, up, down, q, q)[0]
+    return (gate, up, down, q, q), bufs, want
+
+
+def test_handoff_waits_for_the_flag_then_runs_the_experts():
+    """The CPU side of the polled GPU hand-off: the call spins until another thread (the GPU's stand-in)
+    sets the ready flag to the step, computes exactly what moe_ffn does, then sets the done flag."""
+    w, b, want = _handoff_layer()
+    call = cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], timeout_s=30.0)
+    publisher = threading.Timer(0.05, lambda: b["ready"].fill_(7))
+    publisher.start()
+    assert call(7) == 0                                # ctypes drops the GIL while the kernel spins
+    publisher.join()
+    assert torch.equal(b["out"], want) and int(b["done"][0]) == 7
+    b["out"].fill_(float("nan"))
+    b["ready"][0] = 8                                  # already there: no wait
+    assert call(8) == 0 and torch.equal(b["out"], want) and int(b["done"][0]) == 8
+
+
+def test_handoff_errors_still_release_the_gpu():
+    w, b, _ = _handoff_layer()
+    call = cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], timeout_s=0.05)
+    assert call(3) == -3 and int(b["done"][0]) == 3    # the GPU never came: a timeout, not a hang
+    H = b["out"].numel()
+    for bad in (float("nan"), 1e9, -1.0):              # an id that is not an expert
+        b["packed"][H + 8] = bad
+        b["ready"][0] = 4
+        assert call(4) == -1 and int(b["done"][0]) == 4
+        b["done"][0] = 0
+    with pytest.raises(ValueError, match="no kernel"):
+        cpu.handoff_call(*w[:3], G.Q2_K, G.Q4_0, b["packed"], b["out"], b["ready"], b["done"])
+
+
 def test_torch_fallback():
     q = G.Q4_K
     E, H, F = shapes(q, 3)

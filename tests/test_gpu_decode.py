@@ -3,6 +3,7 @@
 They run on a GPU, or on the CPU in Triton's interpreter (`TRITON_INTERPRET=1 python -m pytest
 tests/test_gpu_decode.py`, with triton installed); otherwise they are skipped (CI has neither)."""
 import os
+import time
 
 import pytest
 import torch
@@ -159,6 +160,43 @@ def test_attention_with_rope_fused(neox, norm, n_ctx, pos):
                        rope=(qkv, *norms, cos, sin, nh, 1e-6, neox))
     assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
     assert rel_l2(out, ref) < 1e-5
+
+
+def test_handoff_kernels(monkeypatch):
+    """publish copies a device row into pinned host memory, then sets a host flag to the step; await_host
+    copies host memory to the device once the host's flag equals the step (on a GPU: it really waits), and
+    sets err after too many polls instead of hanging."""
+    cuda = DEV == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def host(n, dtype=torch.float32):
+        return torch.zeros(n, dtype=dtype, pin_memory=cuda)
+    src = torch.randn(3000, generator=_gen(3), device=DEV)          # three blocks of the copy loop
+    dst, flag, err = host(3000), host(16, torch.int32), host(1, torch.int32)
+    step = torch.full((1,), 5, dtype=torch.int32, device=DEV)
+    gd.publish(src, dst, flag, step)
+    sync()
+    assert torch.equal(dst, src.cpu()) and int(flag[0]) == 5
+    back = torch.zeros(3000, device=DEV)
+    gd.await_host(flag, step, dst, back, err)
+    sync()
+    assert torch.equal(back, src) and int(err[0]) == 0
+    if cuda:                                            # the GPU spins until the host's flag says 6
+        step.fill_(6)
+        gd.await_host(flag, step, dst, back, err)
+        done = torch.cuda.Event()
+        done.record()
+        time.sleep(0.05)
+        assert not done.query()
+        dst.mul_(2)
+        flag[0] = 6
+        done.synchronize()
+        assert torch.equal(back, 2 * src) and int(err[0]) == 0
+    monkeypatch.setattr(gd, "AWAIT_MAX_POLLS", 3)
+    step.fill_(7)
+    gd.await_host(flag, step, dst, back, err)          # the flag stays at 6
+    sync()
+    assert int(err[0]) == 1
 
 
 @pytest.mark.parametrize("E,k,norm", [(128, 8, True), (60, 4, False), (8, 2, True)])

@@ -4,6 +4,7 @@ Fake GPUs are CPU-backed, so the arithmetic is identical and the tolerance is 1e
 GEMMs, so it gets 1e-2 and top-1 agreement.
 """
 import os
+import time
 
 import pytest
 import torch
@@ -236,6 +237,56 @@ def test_cuda_graph_decode_matches_eager_on_gpu():
             outs.append(torch.cat([m.forward(torch.tensor([t]), 7 + i, kv) for i, t in enumerate(IDS[7:20])]))
         assert rel_l2(outs[0], outs[1]) <= 1e-2
         assert top1_agreement(outs[0], outs[1]) >= 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [PLACEMENTS["ngl99-exps-cpu"], dict(n_gpu_layers=99, n_cpu_moe=1)],
+                         ids=["exps-cpu", "n-cpu-moe-1"])
+def test_polled_handoff_matches_the_synchronous_one(opts, monkeypatch):
+    """Experts on the CPU during CUDA-graph decode: the hand-off polled in pinned memory gives the logits of
+    the synchronous one (within the bf16 GPU tolerance: two loads of the same placement differ by that
+    much), each side read exactly what the other wrote, and an error on the CPU side raises without
+    leaving the GPU waiting."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from hybridmoe.kernels import cpu
+    outs = []
+    for mode in ("poll", "sync"):
+        monkeypatch.setenv("HYBRIDMOE_HANDOFF", mode)
+        m = hybridmoe.load("synth:tiny", ctx_size=64, **opts)
+        kv = m.new_cache(64)
+        m.forward(torch.tensor(IDS[:7]), 0, kv)
+        outs.append(torch.cat([m.forward(torch.tensor([t]), 7 + i, kv) for i, t in enumerate(IDS[7:20])]))
+        sd = m._static_decoder(kv)
+        assert (sd.hk is not None) == (mode == "poll")
+        if mode == "poll":                                    # the last CPU layer of the last step
+            hk, ds, H = sd.hk, sd.ds["CUDA0"], m.cfg.n_embd
+            j, b = len(hk.calls) - 1, max(hk.slot)
+            assert torch.equal(hk.packed[j], ds.packed[0].cpu())                 # what the CPU read
+            g, u, d = sd.layers[sd.segments[b].b - 1]["exps"]
+            k = m.cfg.n_expert_used
+            again = cpu.moe_ffn(hk.packed[j:j + 1, :H], hk.packed[j:j + 1, H + k:].int(),
+                                hk.packed[j:j + 1, H:H + k], g.raw, u.raw, d.raw, g.qtype, d.qtype,
+                                n_threads=sd.sched.n_threads)
+            assert torch.equal(hk.out[j], again[0])                              # from a whole row
+            assert torch.equal(ds.moe_in[0].cpu(), hk.out[j])                    # what the GPU read
+    assert rel_l2(outs[0], outs[1]) <= 1e-2
+    assert top1_agreement(outs[0], outs[1]) >= 0.9
+    monkeypatch.setenv("HYBRIDMOE_HANDOFF", "poll")
+    m = hybridmoe.load("synth:tiny", ctx_size=64, **opts)
+    kv = m.new_cache(64)
+    m.forward(torch.tensor(IDS[:7]), 0, kv)
+    m.forward(torch.tensor([IDS[7]]), 7, kv)                 # a first step (a failing one falls back to eager)
+    sd = m._static_decoder(kv)
+
+    def boom(step):
+        raise RuntimeError("boom")
+    sd.hk.calls[0] = boom
+    with pytest.raises(RuntimeError, match="boom"):
+        m.forward(torch.tensor([IDS[8]]), 8, kv)
+    t0 = time.perf_counter()
+    torch.cuda.synchronize()                                  # nothing left spinning on the GPU
+    assert time.perf_counter() - t0 < 5 and int(sd.hk.err[0]) == 0
 
 
 def test_split_gate_up_costs_one_extra_crossing(monkeypatch):

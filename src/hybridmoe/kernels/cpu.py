@@ -10,6 +10,7 @@ warning. See docs/cpu-kernels.md for the design and measurements.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -128,8 +129,11 @@ def _load():
         lib.hm_moe_tile.argtypes = lib.hm_moe_ffn.argtypes
         lib.hm_moe_oai.argtypes = lib.hm_moe_ffn.argtypes + [vp, vp, vp, ctypes.c_float, ctypes.c_float, i32]
         lib.hm_tile_mode.argtypes = [i32]
+        lib.hm_trace.argtypes, lib.hm_trace_get.argtypes = [i32], [vp]
+        lib.hm_moe_handoff.argtypes = [vp, vp, ctypes.c_double, vp, i64, i64, vp, vp, i32, i64, i64, vp, i32, vp,
+                                       i32, i32]
         lib.hm_simd.restype = ctypes.c_char_p
-        for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_tile_mode, lib.hm_qmatmul, lib.hm_dequant,
+        for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode, lib.hm_qmatmul, lib.hm_dequant,
                   lib.hm_set_generic, lib.hm_set_int8):
             f.restype = i32
         _moe, _qmm, _deq = lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant
@@ -193,6 +197,24 @@ def set_int8(types=True):
             lib.hm_set_int8(arr, len(ids))
     _int8_setting = types
     return prev
+
+
+def trace(on: bool = True) -> None:
+    """Profiling: the streaming MoE kernel stamps each thread's phases per call (see last_trace)."""
+    lib = _load()
+    if lib:
+        lib.hm_trace(int(on))
+
+
+def last_trace() -> torch.Tensor:
+    """The last streaming `moe_ffn` call's per-thread stamps while trace() is on: float64 [threads, 4] =
+    entered the parallel region, finished stage 1 (gate/up), left the barrier, finished stage 2 (down),
+    in seconds of CLOCK_MONOTONIC (the clock of time.perf_counter on Linux)."""
+    lib = _load()
+    if not lib:
+        return torch.zeros(0, 4, dtype=torch.float64)
+    buf = torch.zeros(256, 4, dtype=torch.float64)
+    return buf[:lib.hm_trace_get(buf.data_ptr())].clone()
 
 
 def _rb(qtype: int, n: int) -> int:
@@ -310,6 +332,31 @@ def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
         raise ValueError(f"moe_ffn: kernel rejected the call (rc={rc}): an expert id >= E={E}, or "
                          f"H={H} / F={F} not a multiple of the block size of the types")
     return out
+
+
+def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out, ready, done,
+                 n_threads=None, timeout_s: float = 30.0):
+    """One layer's side of the decode hand-off with a GPU (graphs.py), as a function of the step number.
+
+    Calling it with `step` waits until ready[0] == step (the GPU has written one token's [x | router
+    weights | expert ids as floats] to `packed`), runs the experts into `out` (as moe_ffn), then sets
+    done[0] = step, also after an error, so that the GPU never waits forever. It returns 0, -1 for an id
+    that is not an expert, or -3 when the GPU did not come within timeout_s. packed float32 [H + 2k] and
+    out float32 [H] (pinned), ready and done int32 (pinned), all CPU tensors that outlive the function."""
+    lib = _load()
+    gq, dq = int(gate_qtype), int(down_qtype)
+    E, F = gate_raw.shape[0], gate_raw.shape[1]
+    H = out.numel()
+    k = (packed.numel() - H) // 2
+    if (lib is None or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES or gate_raw.shape != up_raw.shape
+            or gate_raw.shape[2] != _rb(gq, H) or tuple(down_raw.shape) != (E, H, _rb(dq, F))
+            or packed.numel() != H + 2 * k or not 1 <= k <= 64
+            or not all(t.is_contiguous() for t in (gate_raw, up_raw, down_raw))):
+        raise ValueError(f"handoff_call: no kernel for gate {tuple(gate_raw.shape)} {GGMLType(gq).name}, "
+                         f"down {tuple(down_raw.shape)} {GGMLType(dq).name}, H={H}, k={k}")
+    return functools.partial(lib.hm_moe_handoff, ready.data_ptr(), done.data_ptr(), timeout_s, packed.data_ptr(),
+                             H, k, gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq,
+                             out.data_ptr(), _threads(n_threads))
 
 
 def qmatmul(x, w_raw, qtype, n_cols, n_threads=None, out=None, impl=None) -> torch.Tensor:

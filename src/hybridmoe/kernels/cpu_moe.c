@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <omp.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
@@ -683,18 +684,38 @@ static inline void split(int64_t n, int nth, int tid, int64_t align, int64_t *lo
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
+/* ------------------------------------------------------------------ tracing (profiling only)
+ * hm_trace(1): each thread of the streaming MoE kernel stamps, per call, when it entered the parallel
+ * region, finished stage 1, left the barrier and finished stage 2 (CLOCK_MONOTONIC seconds, the clock of
+ * Python's time.perf_counter), so a profiler can split a call into thread start-up, work, and waiting. */
+#define HM_TR_MAX 256
+static int g_trace, g_tr_n;
+static double g_tr[HM_TR_MAX][4];
+static inline double hm_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+#define HM_STAMP(tid, i) do { if (g_trace && (tid) < HM_TR_MAX) g_tr[tid][i] = hm_now(); } while (0)
+int hm_trace(int on) { g_trace = on; return g_tr_n; }
+int hm_trace_get(double *dst) {   /* the last call's [n threads][4] stamps; returns n */
+    memcpy(dst, g_tr, sizeof(double) * 4 * (size_t)g_tr_n);
+    return g_tr_n;
+}
+
 /* ------------------------------------------------------------------ MoE FFN
  *
  * out[t] = sum_j wts[t,j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t,j] (ids < 0 skip).
  *
- * Stage 1: work units are (active expert, pair of rows of F); each thread takes one contiguous
- *   range of units, sized by cost (bytes + tokens), so it streams its weights in one pass.
- *   Gate and up rows of a unit are decoded together and used for every token routed to the
- *   expert. Output: h[pair, F] (fp32).
- * Stage 2 (after one barrier): each thread owns a contiguous range of output rows of H and
- *   walks all active experts, so out[t, h] is summed by one thread in ascending expert order:
- *   deterministic, no atomics on floats, and the same for any thread count.
- * Each thread prefetches its own stream HM_PF_DIST bytes ahead, across expert boundaries.
+ * Stage 1: work units are (active expert, pair of rows of F); threads claim chunks of 32
+ *   consecutive units (64 rows of gate and of up) from a shared counter. Gate and up rows of a
+ *   unit are decoded together and used for every token routed to the expert. Output: h[pair, F]
+ *   (fp32).
+ * Stage 2 (after one barrier): threads claim chunks of 32 output rows of H; a chunk walks all
+ *   active experts, so out[t, h] is summed by one thread in ascending expert order:
+ *   deterministic, no atomics on floats, and the same for any thread count or schedule.
+ * Each thread prefetches its own stream HM_PF_DIST bytes ahead, across expert boundaries and
+ * into the next chunk it has claimed.
  * Returns 0, or -1 on bad arguments (an expert id >= E, an unsupported type or shape).
  */
 static inline void prefetch_range(const uint8_t *p, int64_t n) {
@@ -714,19 +735,6 @@ static inline void rows_x_tokens(int ti, int R, int m, const uint8_t *const *row
     } else {
         dot_rows(ti, R, m, rows, pf, K, xs, res);
     }
-}
-
-/* first global granule of thread `part` of `nparts` when each of the na experts has `gpe`
- * granules and expert a costs cost[a+1]-cost[a]: monotone in part, so consecutive threads
- * tile the granules exactly */
-static int64_t granule_bound(const int64_t *cost, int na, int64_t gpe, int part, int nparts) {
-    const int64_t c = (int64_t)((double)cost[na] * part / nparts);
-    int a = 0;
-    while (a < na && cost[a + 1] <= c) a++;
-    if (a == na) return (int64_t)na * gpe;
-    const int64_t wa = (cost[a + 1] - cost[a]) / gpe;
-    const int64_t u = (c - cost[a] + wa - 1) / wa;
-    return (int64_t)a * gpe + (u < gpe ? u : gpe);
 }
 
 /* The expert activation between gate/up and down. 0: silu(g) * u (Qwen3, DeepSeek, llama). 1: gpt-oss's
@@ -784,6 +792,152 @@ static int route_pairs(const int32_t *ids, const float *wts, int64_t P, int64_t 
     return na;
 }
 
+/* What the stages of one moe_ffn_act call share. */
+typedef struct {
+    const float *x, *pw;
+    float *h, *out;
+    const int32_t *act, *ptok;
+    const int64_t *off;
+    const uint8_t *gate, *up, *down;
+    char *xqm, *hqm;
+    const moe_act *A;
+    int64_t T, H, F, rbg, rbd, units, xqb, hqb;
+    int gi, di, q8g, q8d, na;
+} moe_ctx;
+
+/* Stage 1 on global units [g0, g1) (unit g = active expert g / units, rows 2 (g % units) and + 1 of gate
+ * and up), prefetching lead units ahead, across into the thread's next range [n0, n1). cold: prefetch the
+ * first lead units first (the thread's first range). */
+static void stage1_range(const moe_ctx *c, int64_t g0, int64_t g1, int64_t n0, int64_t n1, int cold) {
+    const int64_t units = c->units, F = c->F, H = c->H, rbg = c->rbg;
+    const int64_t lead = (HM_PF_DIST + 4 * rbg - 1) / (4 * rbg);
+    for (int64_t g = g0; cold && g < g1 && g < g0 + lead; g++) {
+        const int64_t ep = c->act[g / units], fp = 2 * (g % units);
+        prefetch_range(c->gate + (ep * F + fp) * rbg, 2 * rbg);
+        prefetch_range(c->up + (ep * F + fp) * rbg, 2 * rbg);
+    }
+    for (int64_t g = g0; g < g1; g++) {
+        /* the unit lead ahead: its 2 gate rows (region 0) and 2 up rows (region 1) */
+        const uint8_t *pf[4] = {NULL, NULL, NULL, NULL};
+        int64_t gl = g + lead;
+        const int pfok = gl < g1 || (gl = n0 + (gl - g1)) < n1;
+        if (pfok) {
+            const int64_t ep = c->act[gl / units], fp = 2 * (gl % units);
+            pf[0] = c->gate + (ep * F + fp) * rbg; pf[1] = c->up + (ep * F + fp) * rbg;
+            pf[2] = pf[0] + rbg; pf[3] = pf[1] + rbg;
+        }
+        const int a = (int)(g / units);
+        const int64_t f = 2 * (g % units), e = c->act[a], s0 = c->off[a], n = c->off[a + 1] - c->off[a];
+        const uint8_t *G = c->gate + e * F * rbg, *U = c->up + e * F * rbg;
+        const uint8_t *rows[4] = {G + f * rbg, G + (f + 1) * rbg, U + f * rbg, U + (f + 1) * rbg};
+        for (int64_t tt = 0; tt < n; tt += 4) {
+            const int m = (int)(n - tt < 4 ? n - tt : 4);
+            const float *xs[4];
+            float res[16];
+            for (int i = 0; i < m; i++) xs[i] = c->x + (int64_t)c->ptok[s0 + tt + i] * H;
+            const uint8_t *const *pft = tt ? NULL : pf;   /* prefetch on the first pass only */
+            if (n == 1) {
+                xq8 q;
+                if (c->q8g) xq8_init(&q, c->xqm + c->ptok[s0] * c->xqb, H);
+                dot_rows1(c->gi, 4, rows, pft, H, xs[0], c->q8g ? &q : NULL, res);
+            } else if (m <= 2) {
+                dot_rows(c->gi, 4, m, rows, pft, H, xs, res);   /* g f, g f+1, u f, u f+1 */
+            } else {
+                const uint8_t *r0[2] = {rows[0], rows[2]}, *r1[2] = {rows[1], rows[3]};
+                const uint8_t *p0[2] = {pf[0], pf[1]}, *p1[2] = {pf[2], pf[3]};
+                float tmp[8];
+                dot_rows(c->gi, 2, m, r0, tt ? NULL : p0, H, xs, tmp);     /* g f, u f */
+                for (int i = 0; i < m; i++) { res[i] = tmp[i]; res[2 * m + i] = tmp[m + i]; }
+                dot_rows(c->gi, 2, m, r1, tt ? NULL : p1, H, xs, tmp);     /* g f+1, u f+1 */
+                for (int i = 0; i < m; i++) { res[m + i] = tmp[i]; res[3 * m + i] = tmp[m + i]; }
+            }
+            for (int i = 0; i < m; i++) {
+                float *hp = c->h + (s0 + tt + i) * F + f;
+                hp[0] = act_h(c->A, res[0 * m + i], res[2 * m + i], e, F, f);
+                hp[1] = act_h(c->A, res[1 * m + i], res[3 * m + i], e, F, f + 1);
+            }
+        }
+        if (c->q8d && (g % units) % 32 == 31) {   /* a 64-row block of h is complete */
+            const int64_t b0 = (f + 2 - 64) / 32;
+            for (int64_t i = 0; i < n; i++) {
+                xq8 q;
+                xq8_init(&q, c->hqm + (s0 + i) * c->hqb, F);
+                quant_x8(c->h + (s0 + i) * F, b0, b0 + 2, &q);
+            }
+        }
+    }
+}
+
+/* Stage 2 on output rows [h0, h1) of H, every active expert in ascending order (groups of 4 rows,
+ * expert-major: group q = expert q / ng, rows h0 + 4 (q % ng)); prefetching lead groups ahead, across
+ * into the thread's next range [n0, n1). */
+static void stage2_range(const moe_ctx *c, int64_t h0, int64_t h1, int64_t n0, int64_t n1, int cold) {
+    const int64_t H = c->H, F = c->F, rbd = c->rbd, na = c->na;
+    for (int64_t t = 0; t < c->T; t++)
+        if (h1 > h0) memset(c->out + t * H + h0, 0, (size_t)(h1 - h0) * 4);
+    const int64_t ng = (h1 - h0 + 3) / 4, nq = na * ng, ngn = (n1 - n0 + 3) / 4, nqn = na * ngn;
+    const int64_t lead = (HM_PF_DIST + 4 * rbd - 1) / (4 * rbd);
+    for (int64_t q = 0; cold && q < nq && q < lead; q++) {
+        const int64_t rp = h0 + 4 * (q % ng), np = h1 - rp < 4 ? h1 - rp : 4;
+        prefetch_range(c->down + (c->act[q / ng] * H + rp) * rbd, np * rbd);
+    }
+    for (int64_t q = 0; q < nq; q++) {
+        /* the group lead ahead (here or in the next range): its first rows, as far as it has rows */
+        const uint8_t *pfg = NULL;
+        int64_t pfn = 0;
+        if (q + lead < nq) {
+            const int64_t ql = q + lead, rp = h0 + 4 * (ql % ng);
+            pfg = c->down + (c->act[ql / ng] * H + rp) * rbd;
+            pfn = h1 - rp < 4 ? h1 - rp : 4;
+        } else if (q + lead - nq < nqn) {
+            const int64_t ql = q + lead - nq, rp = n0 + 4 * (ql % ngn);
+            pfg = c->down + (c->act[ql / ngn] * H + rp) * rbd;
+            pfn = n1 - rp < 4 ? n1 - rp : 4;
+        }
+        const int a = (int)(q / ng);
+        const int64_t r = h0 + 4 * (q % ng), nr = h1 - r < 4 ? h1 - r : 4;
+        const int64_t e = c->act[a], s0 = c->off[a], n = c->off[a + 1] - c->off[a];
+        const uint8_t *D = c->down + e * H * rbd;
+        for (int64_t r1 = r; r1 < r + nr;) {
+            const int R = r + nr - r1 >= 4 ? 4 : 1;
+            const uint8_t *rows[4] = {D + r1 * rbd, D + (r1 + 1) * rbd, D + (r1 + 2) * rbd, D + (r1 + 3) * rbd};
+            /* regions: rows 0-1 and 2-3 of the lookahead group (R == 4), or its row r1 - r */
+            const int64_t c0 = r1 - r;
+            const uint8_t *pf[2] = {c0 < pfn ? pfg + c0 * rbd : NULL,
+                                    R == 4 && c0 + 2 < pfn ? pfg + (c0 + 2) * rbd : NULL};
+            for (int64_t tt = 0; tt < n; tt += 4) {
+                const int m = (int)(n - tt < 4 ? n - tt : 4);
+                const float *xs[4];
+                float res[16];
+                for (int i = 0; i < m; i++) xs[i] = c->h + (s0 + tt + i) * F;
+                if (n == 1) {
+                    xq8 hq;
+                    if (c->q8d) xq8_init(&hq, c->hqm + s0 * c->hqb, F);
+                    dot_rows1(c->di, R, rows, pf, F, xs[0], c->q8d ? &hq : NULL, res);
+                } else {
+                    rows_x_tokens(c->di, R, m, rows, tt ? NULL : pf, F, xs, res);
+                }
+                for (int i = 0; i < m; i++) {
+                    const int64_t sp = s0 + tt + i;
+                    float *o = c->out + (int64_t)c->ptok[sp] * H + r1;
+                    for (int cc = 0; cc < R; cc++) o[cc] += c->pw[sp] * (res[cc * m + i] + down_bias(c->A, e, H, r1 + cc));
+                }
+            }
+            r1 += R;
+        }
+    }
+}
+
+/* Work is claimed in chunks from a shared counter, so a thread that runs slow (a busy or descheduled
+ * vCPU) takes fewer: a static split left the slowest thread 30-50% behind the mean on the GPU machine's
+ * VMs (profile_decode.py handoff). Each chunk still streams long runs of rows, and each thread claims
+ * its next chunk when it starts one, so its prefetch runs on into it. Which thread computes a value never
+ * changes the value: the result is bitwise the same for any thread count and any schedule. */
+#define S1_CHUNK 32   /* units: 64 rows of gate and of up (whole 64-row blocks of h for the integer path) */
+#define S2_CHUNK 32   /* output rows of H */
+
+static inline int64_t claim(int64_t *ctr) { return __atomic_fetch_add(ctr, 1, __ATOMIC_RELAXED); }
+
 static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
                        int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                        const uint8_t *down, int dtype, float *out, int nthreads, const moe_act *A) {
@@ -797,15 +951,14 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
     const int q8d = (g_int8 >> di & 1) && !g_generic && q8_type(di, F);
     const size_t xqb = q8g ? (xq8_bytes(H) + 63) & ~(size_t)63 : 0, hqb = q8d ? (xq8_bytes(F) + 63) & ~(size_t)63 : 0;
 
-    size_t need = (size_t)E * 4 * 2 + (size_t)(E + 1) * 8 * 3 + (size_t)P * 8 + 64 * 4 + (size_t)P * F * 4 +
+    size_t need = (size_t)E * 4 * 2 + (size_t)(E + 1) * 8 * 2 + (size_t)P * 8 + 64 * 4 + (size_t)P * F * 4 +
                   (size_t)T * xqb + (size_t)P * hqb + 64;
     char *ws = workspace(need);
     if (!ws) return -2;
     int32_t *slot = (int32_t *)ws;             /* [E] expert -> active index */
     int32_t *act = slot + E;                   /* [E] active experts, ascending */
     int64_t *off = (int64_t *)(((uintptr_t)(act + E) + 63) & ~(uintptr_t)63); /* [E+1] pair offsets */
-    int64_t *cost = off + E + 1;               /* [E+1] stage-1 cost prefix */
-    int64_t *pos = cost + E + 1;               /* [E+1] fill cursor */
+    int64_t *pos = off + E + 1;                /* [E+1] fill cursor */
     int32_t *ptok = (int32_t *)(pos + E + 1);  /* [P] token of sorted pair */
     float *pw = (float *)(ptok + P);           /* [P] its router weight */
     float *h = (float *)(((uintptr_t)(pw + P) + 63) & ~(uintptr_t)63);      /* [P, F] */
@@ -813,17 +966,21 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
     char *hqm = xqm + (size_t)T * xqb;                                      /* [P] quantized h */
 
     const int na = route_pairs(ids, wts, P, k, E, slot, act, off, pos, ptok, pw);
-    /* A unit is gate and up rows f, f+1. Threads split granules of gu units (32 units = 64
-     * rows when h is quantized for the integer path, so each 64-row block of h is finished by
-     * one thread); a granule costs its bytes plus compute per token. */
-    const int64_t units = F / 2, gu = q8d ? 32 : 1, gpe = units / gu;
-    cost[0] = 0;
-    for (int a = 0; a < na; a++) cost[a + 1] = cost[a] + units * (4 + (off[a + 1] - off[a]));
+    const moe_ctx c = {.x = x, .pw = pw, .h = h, .out = out, .act = act, .ptok = ptok, .off = off, .gate = gate,
+                       .up = up, .down = down, .xqm = xqm, .hqm = hqm, .A = A, .T = T, .H = H, .F = F, .rbg = rbg,
+                       .rbd = rbd, .units = F / 2, .xqb = (int64_t)xqb, .hqb = (int64_t)hqb, .gi = gi, .di = di,
+                       .q8g = q8g, .q8d = q8d, .na = na};
+    /* stage-1 chunks: S1_CHUNK units (when h is quantized, F % 64 == 0, so chunks are 64-row aligned in
+     * every expert); stage-2 chunks: S2_CHUNK rows of H */
+    const int64_t U = (int64_t)na * c.units, nc1 = (U + S1_CHUNK - 1) / S1_CHUNK, nc2 = (H + S2_CHUNK - 1) / S2_CHUNK;
+    int64_t ctr1 = 0, ctr2 = 0;
 
     int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
 #pragma omp parallel num_threads(nth)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        HM_STAMP(tid, 0);
+        if (tid == 0) g_tr_n = nt < HM_TR_MAX ? nt : HM_TR_MAX;
         if (q8g) {   /* ---- stage 0: quantize x */
             int64_t t0, t1;
             split(T, nt, tid, 1, &t0, &t1);
@@ -834,116 +991,24 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
             }
 #pragma omp barrier
         }
-        /* ---- stage 1: global units [g0, g1) (unit g = expert slot g / units, pair g % units) */
-        const int64_t g0 = gu * granule_bound(cost, na, gpe, tid, nt), g1 = gu * granule_bound(cost, na, gpe, tid + 1, nt);
-        const int64_t lead1 = (HM_PF_DIST + 4 * rbg - 1) / (4 * rbg);
-        for (int64_t g = g0; g < g1 && g < g0 + lead1; g++) {   /* cold start */
-            const int64_t ep = act[g / units], fp = 2 * (g % units);
-            prefetch_range(gate + (ep * F + fp) * rbg, 2 * rbg);
-            prefetch_range(up + (ep * F + fp) * rbg, 2 * rbg);
+        /* ---- stage 1: chunks of units */
+        int64_t cur = claim(&ctr1), nxt = claim(&ctr1);
+        for (int cold = 1; cur < nc1; cold = 0, cur = nxt, nxt = claim(&ctr1)) {
+            const int64_t g1 = (cur + 1) * S1_CHUNK < U ? (cur + 1) * S1_CHUNK : U;
+            const int64_t n0 = nxt < nc1 ? nxt * S1_CHUNK : 0, n1 = nxt < nc1 ? ((nxt + 1) * S1_CHUNK < U ? (nxt + 1) * S1_CHUNK : U) : 0;
+            stage1_range(&c, cur * S1_CHUNK, g1, n0, n1, cold);
         }
-        for (int64_t g = g0; g < g1; g++) {
-            /* the unit lead1 ahead: its 2 gate rows (region 0) and 2 up rows (region 1) */
-            const uint8_t *pf[4] = {NULL, NULL, NULL, NULL};
-            if (g + lead1 < g1) {
-                const int64_t gl = g + lead1, ep = act[gl / units], fp = 2 * (gl % units);
-                pf[0] = gate + (ep * F + fp) * rbg; pf[1] = up + (ep * F + fp) * rbg;
-                pf[2] = pf[0] + rbg; pf[3] = pf[1] + rbg;
-            }
-            const int a = (int)(g / units);
-            const int64_t f = 2 * (g % units), e = act[a], s0 = off[a], n = off[a + 1] - off[a];
-            const uint8_t *G = gate + e * F * rbg, *U = up + e * F * rbg;
-            const uint8_t *rows[4] = {G + f * rbg, G + (f + 1) * rbg, U + f * rbg, U + (f + 1) * rbg};
-            for (int64_t tt = 0; tt < n; tt += 4) {
-                const int m = (int)(n - tt < 4 ? n - tt : 4);
-                const float *xs[4];
-                float res[16];
-                for (int i = 0; i < m; i++) xs[i] = x + (int64_t)ptok[s0 + tt + i] * H;
-                const uint8_t *const *pft = tt ? NULL : pf;   /* prefetch on the first pass only */
-                if (n == 1) {
-                    xq8 q;
-                    if (q8g) xq8_init(&q, xqm + ptok[s0] * xqb, H);
-                    dot_rows1(gi, 4, rows, pft, H, xs[0], q8g ? &q : NULL, res);
-                } else if (m <= 2) {
-                    dot_rows(gi, 4, m, rows, pft, H, xs, res);   /* g f, g f+1, u f, u f+1 */
-                } else {
-                    const uint8_t *r0[2] = {rows[0], rows[2]}, *r1[2] = {rows[1], rows[3]};
-                    const uint8_t *p0[2] = {pf[0], pf[1]}, *p1[2] = {pf[2], pf[3]};
-                    float tmp[8];
-                    dot_rows(gi, 2, m, r0, tt ? NULL : p0, H, xs, tmp);     /* g f, u f */
-                    for (int i = 0; i < m; i++) { res[i] = tmp[i]; res[2 * m + i] = tmp[m + i]; }
-                    dot_rows(gi, 2, m, r1, tt ? NULL : p1, H, xs, tmp);     /* g f+1, u f+1 */
-                    for (int i = 0; i < m; i++) { res[m + i] = tmp[i]; res[3 * m + i] = tmp[m + i]; }
-                }
-                for (int i = 0; i < m; i++) {
-                    float *hp = h + (s0 + tt + i) * F + f;
-                    hp[0] = act_h(A, res[0 * m + i], res[2 * m + i], e, F, f);
-                    hp[1] = act_h(A, res[1 * m + i], res[3 * m + i], e, F, f + 1);
-                }
-            }
-            if (q8d && (g % units) % 32 == 31) {   /* a 64-row block of h is complete */
-                const int64_t b0 = (f + 2 - 64) / 32;
-                for (int64_t i = 0; i < n; i++) {
-                    xq8 q;
-                    xq8_init(&q, hqm + (s0 + i) * hqb, F);
-                    quant_x8(h + (s0 + i) * F, b0, b0 + 2, &q);
-                }
-            }
-        }
+        HM_STAMP(tid, 1);
 #pragma omp barrier
-        /* ---- stage 2: rows [h0, h1) of H; groups of 4 rows, expert-major:
-         * group q = expert slot q / ng, rows h0 + 4 (q % ng) */
-        int64_t h0, h1;
-        split(H, nt, tid, 4, &h0, &h1);
-        for (int64_t t = 0; t < T; t++)
-            if (h1 > h0) memset(out + t * H + h0, 0, (size_t)(h1 - h0) * 4);
-        const int64_t ng = (h1 - h0 + 3) / 4, nq = na * ng;
-        const int64_t lead2 = (HM_PF_DIST + 4 * rbd - 1) / (4 * rbd);
-        for (int64_t q = 0; q < nq && q < lead2; q++) {   /* cold start */
-            const int64_t rp = h0 + 4 * (q % ng), np = h1 - rp < 4 ? h1 - rp : 4;
-            prefetch_range(down + (act[q / ng] * H + rp) * rbd, np * rbd);
+        HM_STAMP(tid, 2);
+        /* ---- stage 2: chunks of output rows */
+        cur = claim(&ctr2), nxt = claim(&ctr2);
+        for (int cold = 1; cur < nc2; cold = 0, cur = nxt, nxt = claim(&ctr2)) {
+            const int64_t h1 = (cur + 1) * S2_CHUNK < H ? (cur + 1) * S2_CHUNK : H;
+            const int64_t n0 = nxt < nc2 ? nxt * S2_CHUNK : 0, n1 = nxt < nc2 ? ((nxt + 1) * S2_CHUNK < H ? (nxt + 1) * S2_CHUNK : H) : 0;
+            stage2_range(&c, cur * S2_CHUNK, h1, n0, n1, cold);
         }
-        for (int64_t q = 0; q < nq; q++) {
-            /* the group lead2 ahead: its first rows, as far as it has rows */
-            const uint8_t *pfg = NULL;
-            int64_t pfn = 0;
-            if (q + lead2 < nq) {
-                const int64_t ql = q + lead2, rp = h0 + 4 * (ql % ng);
-                pfg = down + (act[ql / ng] * H + rp) * rbd;
-                pfn = h1 - rp < 4 ? h1 - rp : 4;
-            }
-            const int a = (int)(q / ng);
-            const int64_t r = h0 + 4 * (q % ng), nr = h1 - r < 4 ? h1 - r : 4;
-            const int64_t e = act[a], s0 = off[a], n = off[a + 1] - off[a];
-            const uint8_t *D = down + e * H * rbd;
-            for (int64_t r1 = r; r1 < r + nr;) {
-                const int R = r + nr - r1 >= 4 ? 4 : 1;
-                const uint8_t *rows[4] = {D + r1 * rbd, D + (r1 + 1) * rbd, D + (r1 + 2) * rbd, D + (r1 + 3) * rbd};
-                /* regions: rows 0-1 and 2-3 of the lookahead group (R == 4), or its row r1 - r */
-                const int64_t c0 = r1 - r;
-                const uint8_t *pf[2] = {c0 < pfn ? pfg + c0 * rbd : NULL,
-                                        R == 4 && c0 + 2 < pfn ? pfg + (c0 + 2) * rbd : NULL};
-                for (int64_t tt = 0; tt < n; tt += 4) {
-                    const int m = (int)(n - tt < 4 ? n - tt : 4);
-                    const float *xs[4];
-                    float res[16];
-                    for (int i = 0; i < m; i++) xs[i] = h + (s0 + tt + i) * F;
-                    if (n == 1) {
-                        xq8 hq;
-                        if (q8d) xq8_init(&hq, hqm + s0 * hqb, F);
-                        dot_rows1(di, R, rows, pf, F, xs[0], q8d ? &hq : NULL, res);
-                    } else {
-                        rows_x_tokens(di, R, m, rows, tt ? NULL : pf, F, xs, res);
-                    }
-                    for (int i = 0; i < m; i++) {
-                        const int64_t s = s0 + tt + i;
-                        float *o = out + (int64_t)ptok[s] * H + r1;
-                        for (int c = 0; c < R; c++) o[c] += pw[s] * (res[c * m + i] + down_bias(A, e, H, r1 + c));
-                    }
-                }
-                r1 += R;
-            }
-        }
+        HM_STAMP(tid, 3);
     }
     return 0;
 }
@@ -1460,6 +1525,41 @@ int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const f
                int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                const uint8_t *down, int dtype, float *out, int nthreads) {
     return moe_ffn_act(x, T, H, ids, wts, k, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
+}
+
+/* Decode hand-off with a GPU through pinned host memory, no CUDA call on either side: wait until the GPU
+ * has written one token's [x (H) | router weights (k) | expert ids as floats (k)] to `packed` and then
+ * `step` to *ready (graphs.py: gpu_decode.publish), run its experts into out, then set *done = step (the
+ * GPU's next segment waits for that: gpu_decode.await_host). Returns 0; -1 for an id that is not an
+ * expert or bad arguments; -3 when *ready did not reach step within timeout_s. *done is set in every
+ * case, so a GPU waiting on it never hangs (the caller raises on an error). */
+int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t H,
+                   int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                   const uint8_t *down, int dtype, float *out, int nthreads, int32_t step) {
+    int rc = 0;
+    double deadline = 0;
+    for (uint64_t spin = 0; __atomic_load_n(ready, __ATOMIC_ACQUIRE) != step; spin++) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+        if ((spin & 1023) == 0) {
+            const double t = hm_now();
+            if (deadline == 0) deadline = t + timeout_s;
+            else if (t > deadline) { rc = -3; break; }
+        }
+    }
+    int32_t ids[64];
+    float wts[64];
+    if (!rc && (k < 1 || k > 64)) rc = -1;
+    for (int64_t j = 0; !rc && j < k; j++) {
+        const float f = packed[H + k + j];
+        if (!(f >= 0.0f && f < (float)E)) rc = -1;   /* NaN too */
+        ids[j] = rc ? 0 : (int32_t)f;
+        wts[j] = packed[H + j];
+    }
+    if (!rc) rc = moe_ffn_act(packed, 1, H, ids, wts, k, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
+    __atomic_store_n(done, step, __ATOMIC_RELEASE);
+    return rc;
 }
 
 int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,

@@ -229,6 +229,40 @@ if triton is not None:
             tl.store(packed + t * pk_stride + pk_off + K + j, iv.to(tl.float32), mask=jm)
 
     @triton.jit
+    def _publish_kernel(src, dst, flag, step, N, BN: tl.constexpr, EMU: tl.constexpr):
+        """dst[:N] = src[:N] (device -> pinned host memory), then flag[0] = step[0] once the host can see
+        every element: each thread fences its writes at system scope, the block syncs, then one store."""
+        o = tl.arange(0, BN)
+        for i in range(0, N, BN):
+            m = i + o < N
+            tl.store(dst + i + o, tl.load(src + i + o, mask=m), mask=m)
+        z = tl.arange(0, 128)                          # one element a thread (4 warps): one fence each
+        v = tl.load(step + z * 0)
+        if not EMU:
+            v = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+        tl.debug_barrier()
+        tl.store(flag + z * 0, v, mask=z == 0)
+
+    @triton.jit
+    def _await_kernel(flag, step, src, dst, err, N, MAX_POLLS, BN: tl.constexpr):
+        """Poll flag[0] (pinned host memory) until the host sets it to step[0], then dst[:N] = src[:N] (host ->
+        device; volatile loads: fresh from host memory). After MAX_POLLS polls err[0] = 1 and the copy goes
+        ahead anyway, so a missing host never hangs the GPU (the host checks err after the step)."""
+        want = tl.load(step)
+        got = tl.load(flag, volatile=True)
+        n = 0
+        while (got != want) & (n < MAX_POLLS):
+            got = tl.load(flag, volatile=True)
+            n += 1
+        if got != want:
+            tl.store(err, 1)
+        o = tl.arange(0, BN)
+        for i in range(0, N, BN):
+            m = i + o < N
+            tl.store(dst + i + o, tl.load(src + i + o, mask=m, volatile=True), mask=m)
+
+    @triton.jit
     def _qdot(wrow, row_stride, n, nm, xp, K, QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
         """[BN] dot products of rows n of a quantized matrix (GGUF blocks from wrow) with float x[K] at xp.
 
@@ -560,6 +594,25 @@ def router_topk(logits, k: int, norm: bool, packed=None, pack_offset: int = 0):
                                   packed.stride(0) if packed is not None else 0, pack_offset,
                                   K=k, KP=_pow2(k), BE=_pow2(E), NORM=norm, PACK=packed is not None)
     return wts, ids
+
+
+def publish(src, dst, flag, step):
+    """Stream-ordered device -> host hand-off: copy src (device) into dst (pinned host memory), then set
+    flag[0] (pinned int32) to step[0] (device int32) once dst is visible to the host, which polls the flag
+    (cpu.handoff_call). Both tensors flat, same length; one small launch, capturable in a CUDA graph."""
+    with on_device(step):
+        _publish_kernel[(1,)](src, dst, flag, step, src.numel(), BN=1024, EMU=_INTERPRET, num_warps=4)
+
+
+AWAIT_MAX_POLLS = 1 << 26                              # ~1 us each over PCIe: about a minute
+
+
+def await_host(flag, step, src, dst, err):
+    """Stream-ordered host -> device hand-off: the GPU waits until the host sets flag[0] (pinned int32) to
+    step[0] (device int32), then copies src (pinned host memory) into dst (device). err[0] (device int32)
+    becomes 1 if the host never came (after AWAIT_MAX_POLLS polls)."""
+    with on_device(step):
+        _await_kernel[(1,)](flag, step, src, dst, err, src.numel(), AWAIT_MAX_POLLS, BN=1024, num_warps=4)
 
 
 _DISABLED: set = set()                                  # types whose MoE kernels failed to build on this GPU

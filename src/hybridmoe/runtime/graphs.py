@@ -131,8 +131,34 @@ class StaticDecoder:
                 self.segments.append(_Seg(a, i + 1, self.ldev[i], "move"))
                 a = i + 1
         self.segments.append(_Seg(a, cfg.n_layer, self.out_dev, "out"))
+        self.hk = self._handoff(len(devs))
         self.graphs = None
         self.worked = False                             # a step has run (the model falls back before that)
+
+    def _handoff(self, n_devices: int):
+        """Pinned buffers, flags and per-layer C calls for the polled hand-off of experts to the CPU (step), or
+        None where the synchronous one runs: several GPUs, no graphs or fused kernels, --profile (it times
+        each segment with a sync), a type without the C kernel, or HYBRIDMOE_HANDOFF=sync."""
+        cpu_segs = [s for s, seg in enumerate(self.segments) if seg.kind == "cpu"]
+        kern = X.kernels()
+        if not cpu_segs or not (self.capture and self.fast) or n_devices > 1 or kern is None or \
+                self.sched.stats.profile or os.environ.get("HYBRIDMOE_HANDOFF", "poll") == "sync":
+            return None
+        H, k, n, td = self.cfg.n_embd, self.cfg.n_expert_used, len(cpu_segs), self.dev.torch_device
+        pin = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, pin_memory=True)  # noqa: E731
+        hk = SimpleNamespace(packed=pin(n, H + 2 * k), out=pin(n, H), ready=pin(n, 16, dtype=torch.int32),
+                             done=pin(n, 16, dtype=torch.int32), err=pin(1, dtype=torch.int32),   # a flag a line
+                             step=torch.zeros(1, dtype=torch.int32, device=td), n=0, slot={}, calls=[], bytes=0)
+        for j, s in enumerate(cpu_segs):
+            g, u, d = self.layers[self.segments[s].b - 1]["exps"]
+            try:
+                hk.calls.append(kern.handoff_call(g.raw, u.raw, d.raw, g.qtype, d.qtype, hk.packed[j], hk.out[j],
+                                                  hk.ready[j], hk.done[j], self.sched.n_threads))
+            except ValueError:                          # a type or shape the C kernel lacks
+                return None
+            hk.slot[s] = j
+            hk.bytes += k * (g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel())
+        return hk
 
     def _inputs(self, s: int):
         """(x, rows to add to x first) at the start of segment s, on its GPU."""
@@ -222,11 +248,18 @@ class StaticDecoder:
         return x2, X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), False
 
     def _segment_fast(self, s: int):
-        seg = self.segments[s]
+        seg, hk = self.segments[s], self.hk
+        ds = self.ds[seg.dev.name]
+        if hk is not None and s - 1 in hk.slot:         # first wait for the CPU's experts of the last segment
+            j = hk.slot[s - 1]
+            gd.await_host(hk.done[j], hk.step, hk.out[j], ds.moe_in, hk.err)
         x, addend = self._inputs(s)
         for i in range(seg.a, seg.b):
             x, addend, to_cpu = self._layer_fast(i, self.layers[i], x, addend)
             if to_cpu:
+                if hk is not None:                      # hand [h | weights | ids] to the CPU
+                    j = hk.slot[s]
+                    gd.publish(ds.packed, hk.packed[j], hk.ready[j], hk.step)
                 return
         if seg.kind == "move":                        # the residual (with the last layer's FFN rows) leaves
             xmove = self.ds[seg.dev.name].xmove
@@ -302,6 +335,34 @@ class StaticDecoder:
         else:
             self._segment(s)
 
+    def _step_polled(self, st):
+        """The segments of one step on one GPU with every hand-off polled in pinned memory: the GPU publishes
+        a CPU-expert layer's [h | weights | ids] and a flag (gd.publish), the C kernel spins on the flag, runs
+        the experts, and sets a flag of its own, which the next segment's first kernel spins on
+        (gd.await_host). Segment s + 1 is enqueued before the CPU works on segment s, so no Python, launch
+        or synchronization sits between the two devices; both flags carry the step's number."""
+        hk = self.hk
+        hk.n = hk.n % (1 << 30) + 1
+        hk.step.fill_(hk.n)
+        self.graphs[0].replay()
+        try:
+            for s in range(len(self.segments) - 1):    # one GPU: each segment but the last ends at a CPU layer
+                self.graphs[s + 1].replay()            # waits on the GPU for the call below
+                rc = hk.calls[hk.slot[s]](hk.n)
+                if rc:
+                    b = self.segments[s].b - 1
+                    raise RuntimeError(f"layer {b}: the router chose an expert id that is not an expert (a NaN "
+                                       f"in the hidden state?)" if rc == -1 else
+                                       f"layer {b}: the GPU did not hand over the CPU experts' input in 30 s")
+        except BaseException:
+            hk.done[:, 0].fill_(hk.n)                   # let every waiting GPU segment go on
+            raise
+        n = len(hk.calls)
+        st.ops[("moe_up_gate", "CPU")][0] += n
+        st.cpu_expert_bytes += hk.bytes
+        st.copy(self.dev.name, "CPU", hk.packed[0].numel() * 4, n)
+        st.copy("CPU", self.dev.name, hk.out[0].numel() * 4, n)
+
     def step(self, token: int, pos: int) -> torch.Tensor:
         """One decode step; returns logits [1, n_vocab] on the CPU."""
         st = self.sched.stats
@@ -314,12 +375,18 @@ class StaticDecoder:
             try:
                 self._capture()
             except RuntimeError as e:                   # a driver or op that can't be captured: run eagerly
-                self.capture, self.graphs = False, None
+                self.capture, self.graphs, self.hk = False, None, None
                 torch.cuda.synchronize()
                 warn_fallback("CUDA graph capture", e, "decoding without graphs")
         st.forwards += 1
         st.tokens += 1
         st.copy("CPU", self.ldev[0].name, emb.numel() * 4)
+        if self.hk is not None and self.graphs:
+            self._step_polled(st)
+            self.h_logits.copy_(self.logits)
+            if self.hk.err[0]:
+                raise RuntimeError("the GPU waited more than a minute for the CPU experts of a decode step")
+            return self.h_logits.clone()
         H = self.cfg.n_embd
         for s, seg in enumerate(self.segments):
             # --profile: each segment timed to its end on the GPU (a sync each), as "decode graph" (replayed)

@@ -41,11 +41,11 @@ class Stats:
         rec[0] += 1
         rec[1] += time.perf_counter() - t0
 
-    def copy(self, src: str, dst: str, nbytes: int):
+    def copy(self, src: str, dst: str, nbytes: int, count: int = 1):
         rec = self.copies[(src, dst)]
-        rec[0] += 1
-        rec[1] += nbytes
-        self.crossings += 1
+        rec[0] += count
+        rec[1] += nbytes * count
+        self.crossings += count
 
     def upload(self, nbytes: int, experts: int):
         self.uploads["count"] += 1
