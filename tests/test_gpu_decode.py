@@ -57,11 +57,13 @@ def test_add_rms_norm(H, has_b):
     w = torch.rand(H, generator=g, device=DEV) + 0.5
     x_out = torch.empty_like(a)
     packed = torch.zeros(2, H + 5, device=DEV)
-    _, h = gd.add_rms_norm(a, w, 1e-6, b=b if has_b else None, x_out=x_out, h_out=packed[:, :H])
+    h2 = torch.empty(2, H, dtype=torch.bfloat16, device=DEV)
+    _, h = gd.add_rms_norm(a, w, 1e-6, b=b if has_b else None, x_out=x_out, h_out=packed[:, :H], h2_out=h2)
     x = a + b if has_b else a
     assert torch.allclose(x_out, x)
     assert rel_l2(packed[:, :H], F.rms_norm(x, (H,), w, 1e-6)) < 1e-6
     assert not packed[:, H:].any()
+    assert ((h2.float() - packed[:, :H]).abs() <= packed[:, :H].abs() * 2 ** -7).all()   # the row in bf16
     _, hb = gd.add_rms_norm(a, w, 1e-6, h_dtype=torch.bfloat16)
     assert hb.dtype == torch.bfloat16 and rel_l2(hb.float(), F.rms_norm(a, (H,), w, 1e-6)) < 1e-2
 
@@ -163,27 +165,33 @@ def test_attention_with_rope_fused(neox, norm, n_ctx, pos):
 
 
 def test_handoff_kernels(monkeypatch):
-    """publish copies a device row into pinned host memory, then sets a host flag to the step; await_host
-    copies host memory to the device once the host's flag equals the step (on a GPU: it really waits), and
-    sets err after too many polls instead of hanging."""
+    """publish copies a device row into pinned host memory, then sets a host flag to the step.
+    add_rms_norm(wait=) adds a row from pinned host memory once the host's flag equals the step (on a GPU:
+    it really waits), and sets err after too many polls instead of hanging."""
     cuda = DEV == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    def host(n, dtype=torch.float32):
-        return torch.zeros(n, dtype=dtype, pin_memory=cuda)
-    src = torch.randn(3000, generator=_gen(3), device=DEV)          # three blocks of the copy loop
-    dst, flag, err = host(3000), host(16, torch.int32), host(1, torch.int32)
+    def host(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, pin_memory=cuda)
+    H = 3000                                            # three blocks of publish's copy loop
+    src = torch.randn(H, generator=_gen(3), device=DEV)
+    dst, flag, err = host(H), host(16, dtype=torch.int32), host(1, dtype=torch.int32)
     step = torch.full((1,), 5, dtype=torch.int32, device=DEV)
     gd.publish(src, dst, flag, step)
     sync()
     assert torch.equal(dst, src.cpu()) and int(flag[0]) == 5
-    back = torch.zeros(3000, device=DEV)
-    gd.await_host(flag, step, dst, back, err)
+    a, w = torch.randn(1, H, generator=_gen(4), device=DEV), torch.rand(H, generator=_gen(5), device=DEV) + 0.5
+    x_out = torch.empty_like(a)
+
+    def norm(b):
+        return gd.add_rms_norm(a, w, 1e-6, b=b, x_out=x_out, wait=(flag, step, err))[1]
+    want = gd.add_rms_norm(a, w, 1e-6, b=src[None])[1]
+    h = norm(dst[None])
     sync()
-    assert torch.equal(back, src) and int(err[0]) == 0
+    assert torch.equal(h, want) and torch.equal(x_out, a + src) and int(err[0]) == 0
     if cuda:                                            # the GPU spins until the host's flag says 6
         step.fill_(6)
-        gd.await_host(flag, step, dst, back, err)
+        h = norm(dst[None])
         done = torch.cuda.Event()
         done.record()
         time.sleep(0.05)
@@ -191,10 +199,10 @@ def test_handoff_kernels(monkeypatch):
         dst.mul_(2)
         flag[0] = 6
         done.synchronize()
-        assert torch.equal(back, 2 * src) and int(err[0]) == 0
+        assert torch.equal(x_out, a + 2 * src) and int(err[0]) == 0
     monkeypatch.setattr(gd, "AWAIT_MAX_POLLS", 3)
     step.fill_(7)
-    gd.await_host(flag, step, dst, back, err)          # the flag stays at 6
+    norm(dst[None])                                     # the flag stays at 6
     sync()
     assert int(err[0]) == 1
 

@@ -269,7 +269,6 @@ def test_polled_handoff_matches_the_synchronous_one(opts, monkeypatch):
                                 hk.packed[j:j + 1, H:H + k], g.raw, u.raw, d.raw, g.qtype, d.qtype,
                                 n_threads=sd.sched.n_threads)
             assert torch.equal(hk.out[j], again[0])                              # from a whole row
-            assert torch.equal(ds.moe_in[0].cpu(), hk.out[j])                    # what the GPU read
     assert rel_l2(outs[0], outs[1]) <= 1e-2
     assert top1_agreement(outs[0], outs[1]) >= 0.9
     monkeypatch.setenv("HYBRIDMOE_HANDOFF", "poll")

@@ -38,6 +38,7 @@ QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3
 ATTN_BLOCK = 32                                          # keys per inner step
 ATTN_CHUNK = 256                                         # keys per split (programs past the position exit)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: one tile, no inline PTX
+AWAIT_MAX_POLLS = 1 << 26                                # add_rms_norm(wait=): ~1 us a poll over PCIe, ~a minute
 
 
 def available() -> bool:
@@ -55,14 +56,29 @@ if triton is not None:
     _MOE_CONFIGS = [triton.Config({"BN": bn, "NB": nb}, num_warps=w) for bn, nb, w in _MOE_TILES]
 
     @triton.jit
-    def _add_rms_norm_kernel(a, b, w, x_out, h_out, H, h_stride, eps, b_rows, q1, q2, xs, xc,
-                             HAS_B: tl.constexpr, WRITE_X: tl.constexpr, BH: tl.constexpr, Q8: tl.constexpr):
-        """Q8: the normed row also in two int8 terms (_quant_blocks) for the split-row MoE kernels."""
+    def _add_rms_norm_kernel(a, b, w, x_out, h_out, h2_out, H, h_stride, eps, b_rows, q1, q2, xs, xc,
+                             flag, step, err, max_polls, HAS_B: tl.constexpr, WRITE_X: tl.constexpr,
+                             BH: tl.constexpr, Q8: tl.constexpr, H2: tl.constexpr, WAIT: tl.constexpr):
+        """Q8: the normed row also in two int8 terms (_quant_blocks) for the split-row MoE kernels. H2: also in
+        h2_out's dtype. WAIT: b is in pinned host memory, written by the host, which then sets flag[0] (pinned
+        int32) to step[0]: poll the flag first, then read b fresh (after max_polls polls, err[0] = 1 and go
+        on, so a host that never comes does not hang the GPU; the host checks err)."""
         t = tl.program_id(0)
         i = tl.arange(0, BH)
         m = i < H
         x = tl.load(a + t * H + i, mask=m, other=0).to(tl.float32)
-        if HAS_B:
+        if WAIT:
+            want = tl.load(step)
+            got = tl.load(flag, volatile=True)
+            n = 0
+            while (got != want) & (n < max_polls):
+                got = tl.load(flag, volatile=True)
+                n += 1
+            if got != want:
+                tl.store(err, 1)
+            for j in range(b_rows):
+                x += tl.load(b + (t * b_rows + j) * H + i, mask=m, other=0, volatile=True).to(tl.float32)
+        elif HAS_B:
             for j in range(b_rows):
                 x += tl.load(b + (t * b_rows + j) * H + i, mask=m, other=0).to(tl.float32)
         if WRITE_X:
@@ -71,6 +87,8 @@ if triton is not None:
         wv = tl.load(w + i, mask=m, other=0).to(tl.float32)
         y = x * r * wv
         tl.store(h_out + t * h_stride + i, y.to(h_out.dtype.element_ty), mask=m)
+        if H2:
+            tl.store(h2_out + t * H + i, y.to(h2_out.dtype.element_ty), mask=m)
         if Q8:
             _quant_blocks(tl.reshape(y, [BH // 32, 32]), tl.arange(0, BH // 32), t, H, q1, q2, xs, xc)
 
@@ -243,24 +261,6 @@ if triton is not None:
                                           is_pure=False, pack=1)
         tl.debug_barrier()
         tl.store(flag + z * 0, v, mask=z == 0)
-
-    @triton.jit
-    def _await_kernel(flag, step, src, dst, err, N, MAX_POLLS, BN: tl.constexpr):
-        """Poll flag[0] (pinned host memory) until the host sets it to step[0], then dst[:N] = src[:N] (host ->
-        device; volatile loads: fresh from host memory). After MAX_POLLS polls err[0] = 1 and the copy goes
-        ahead anyway, so a missing host never hangs the GPU (the host checks err after the step)."""
-        want = tl.load(step)
-        got = tl.load(flag, volatile=True)
-        n = 0
-        while (got != want) & (n < MAX_POLLS):
-            got = tl.load(flag, volatile=True)
-            n += 1
-        if got != want:
-            tl.store(err, 1)
-        o = tl.arange(0, BN)
-        for i in range(0, N, BN):
-            m = i + o < N
-            tl.store(dst + i + o, tl.load(src + i + o, mask=m, volatile=True), mask=m)
 
     @triton.jit
     def _qdot(wrow, row_stride, n, nm, xp, K, QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
@@ -513,19 +513,27 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float32, q8_out=None):
+def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float32, q8_out=None, h2_out=None,
+                 wait=None):
     """x = a (+ b); returns (x if x_out is given, RMSNorm(x) * w). Rows [T, H]; h_out may be a strided row view.
     b may hold several rows per row of a ([T * r, H], e.g. the k weighted expert outputs): all are added.
-    q8_out (x8_buffers(T, H)): the normed rows in two int8 terms too, as quant_x8 writes them."""
+    q8_out (x8_buffers(T, H)): the normed rows in two int8 terms too, as quant_x8 writes them. h2_out [T, H]:
+    the normed rows once more, in its dtype (e.g. bf16 for the router's GEMV, saving a cast launch).
+    wait = (flag, step, err): b lives in pinned host memory and is ready once the host sets flag[0] (pinned
+    int32) to step[0] (device int32); the kernel polls for that first (the host side of the decode hand-off:
+    cpu.handoff_call). err[0] (int32, pinned) becomes 1 if the host never came (after AWAIT_MAX_POLLS polls)."""
     T, H = a.shape
     if h_out is None:
         h_out = torch.empty(T, H, dtype=h_dtype, device=a.device)
     b_rows = b.shape[0] // T if b is not None else 0
     q8 = q8_out if q8_out is not None else (a,) * 4
+    flag, step, err = wait if wait is not None else (a, a, a)
     with on_device(a):
-        _add_rms_norm_kernel[(T,)](a, b if b is not None else a, w, x_out if x_out is not None else a, h_out, H,
-                                   h_out.stride(0), eps, b_rows, *q8, HAS_B=b is not None,
-                                   WRITE_X=x_out is not None, BH=_pow2(H), Q8=q8_out is not None)
+        _add_rms_norm_kernel[(T,)](a, b if b is not None else a, w, x_out if x_out is not None else a, h_out,
+                                   h2_out if h2_out is not None else a, H, h_out.stride(0), eps, b_rows, *q8,
+                                   flag, step, err, AWAIT_MAX_POLLS, HAS_B=b is not None,
+                                   WRITE_X=x_out is not None, BH=_pow2(H), Q8=q8_out is not None,
+                                   H2=h2_out is not None, WAIT=wait is not None)
     return x_out, h_out
 
 
@@ -602,17 +610,6 @@ def publish(src, dst, flag, step):
     (cpu.handoff_call). Both tensors flat, same length; one small launch, capturable in a CUDA graph."""
     with on_device(step):
         _publish_kernel[(1,)](src, dst, flag, step, src.numel(), BN=1024, EMU=_INTERPRET, num_warps=4)
-
-
-AWAIT_MAX_POLLS = 1 << 26                              # ~1 us each over PCIe: about a minute
-
-
-def await_host(flag, step, src, dst, err):
-    """Stream-ordered host -> device hand-off: the GPU waits until the host sets flag[0] (pinned int32) to
-    step[0] (device int32), then copies src (pinned host memory) into dst (device). err[0] (device int32)
-    becomes 1 if the host never came (after AWAIT_MAX_POLLS polls)."""
-    with on_device(step):
-        _await_kernel[(1,)](flag, step, src, dst, err, src.numel(), AWAIT_MAX_POLLS, BN=1024, num_warps=4)
 
 
 _DISABLED: set = set()                                  # types whose MoE kernels failed to build on this GPU

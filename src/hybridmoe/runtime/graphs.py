@@ -210,15 +210,16 @@ class StaticDecoder:
         return x + X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), None
 
     # -- the step with the fused kernels: ~10 launches a layer ------------------------------------------
-    def _layer_fast(self, i, lay, x, addend):
+    def _layer_fast(self, i, lay, x, addend, wait=None):
         """Layer i on x (+ addend: rows to add first, the CPU experts' output or the k weighted GPU expert
-        rows). Returns (x, addend for the next layer, whether the CPU takes the experts from the GPU's
-        packed buffer, with the residual in its resid buffer)."""
+        rows; wait: addend is in pinned memory, ready when the host sets a flag, see add_rms_norm). Returns
+        (x, addend for the next layer, whether the CPU takes the experts from the GPU's packed buffer, with
+        the residual in its resid buffer)."""
         cfg = self.cfg
         eps, H, k = cfg.rms_eps, cfg.n_embd, cfg.n_expert_used
         ds = self.ds[self.ldev[i].name]
         x_sum = torch.empty_like(x) if addend is not None else None
-        xs, hb = gd.add_rms_norm(x, lay["attn_norm"], eps, b=addend, x_out=x_sum, h_dtype=self.cdt)
+        xs, hb = gd.add_rms_norm(x, lay["attn_norm"], eps, b=addend, x_out=x_sum, h_dtype=self.cdt, wait=wait)
         if addend is not None:
             x = xs
         qkv = hb @ lay["wqkv"].t()
@@ -230,14 +231,15 @@ class StaticDecoder:
         x2 = ds.resid if cpu else torch.empty_like(x)
         exps = None if cpu or "dense" in lay else lay["exps"]
         xq = gd.x8_buffers(x.shape[0], H, x.device) if exps and exps[0].split else None   # the MoE's int8 x
+        router = lay.get("router")
+        h2 = torch.empty_like(x, dtype=router.dtype) if router is not None and router.dtype != x.dtype else None
         _, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=o @ lay["wo"].t(), x_out=x2,
-                               h_out=ds.packed[:, :H] if cpu else None, q8_out=xq)
+                               h_out=ds.packed[:, :H] if cpu else None, q8_out=xq, h2_out=h2)
         if "dense" in lay:
             g, u, d = lay["dense"]
             hc = h.to(self.cdt)
             return x2, ((F.silu(hc @ g.t()) * (hc @ u.t())) @ d.t()).float(), False
-        router = lay["router"]
-        logits = (h.to(router.dtype) @ router.t()).float()
+        logits = (h2 if h2 is not None else h) @ router.t()                # top-k reads bf16 logits as they are
         wts, ids = gd.router_topk(logits, k, cfg.norm_topk_prob, packed=ds.packed if cpu else None, pack_offset=H)
         if cpu:
             return x2, None, True
@@ -250,12 +252,14 @@ class StaticDecoder:
     def _segment_fast(self, s: int):
         seg, hk = self.segments[s], self.hk
         ds = self.ds[seg.dev.name]
-        if hk is not None and s - 1 in hk.slot:         # first wait for the CPU's experts of the last segment
-            j = hk.slot[s - 1]
-            gd.await_host(hk.done[j], hk.step, hk.out[j], ds.moe_in, hk.err)
         x, addend = self._inputs(s)
+        wait = None
+        if hk is not None and s - 1 in hk.slot:         # the first kernel waits for the CPU experts' output
+            j = hk.slot[s - 1]
+            addend, wait = hk.out[j:j + 1], (hk.done[j], hk.step, hk.err)
         for i in range(seg.a, seg.b):
-            x, addend, to_cpu = self._layer_fast(i, self.layers[i], x, addend)
+            x, addend, to_cpu = self._layer_fast(i, self.layers[i], x, addend, wait)
+            wait = None
             if to_cpu:
                 if hk is not None:                      # hand [h | weights | ids] to the CPU
                     j = hk.slot[s]
@@ -268,8 +272,8 @@ class StaticDecoder:
             else:
                 torch.add(x, addend.sum(0, keepdim=True), out=xmove)
             return
-        _, hb = gd.add_rms_norm(x, self.out_norm, self.cfg.rms_eps, b=addend, h_dtype=self.cdt)   # last layer's
-        # FFN rows or CPU experts (addend) when no layer follows them
+        # addend: the last layer's FFN rows or CPU experts, when no layer follows them
+        _, hb = gd.add_rms_norm(x, self.out_norm, self.cfg.rms_eps, b=addend, h_dtype=self.cdt, wait=wait)
         self.logits.copy_((hb @ self.w_out.t()).float())
 
     def _segment(self, s: int):
