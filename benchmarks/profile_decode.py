@@ -294,6 +294,25 @@ for what in sys.argv[1:]:
         print(f"all-GPU pp512 forward: {(time.perf_counter() - t0) * 1e3:.1f} ms")
         top_kernels(lambda: m.forward(toks, 0, kv, all_logits=False))
         del m
+    if what == "segkernels":                  # the static step's kernels one by one (no graph): GPU time each
+        from hybridmoe.runtime.graphs import StaticDecoder
+        m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=256)
+        print(f"all-GPU decode: graphs {steps(m, 20) * 1e3:.2f} ms/token")
+        kv = m.new_cache(256)
+        m.forward(torch.arange(1, 33), 0, kv)
+        sd = StaticDecoder(m, kv, capture=False)
+        for i in range(3):
+            sd.step(5 + i, 32 + i)
+        torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(4):
+                sd.step(9 + i, 35 + i)
+            torch.cuda.synchronize()
+        ev = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        print(f"{len(ev) / 4:.0f} kernels a step, GPU time {sum(e.device_time for e in ev) / 4 / 1e3:.2f} ms a step")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        del m
     if what == "kalone":                      # the CPU kernel on the model's bytes against bench_kernels' copies
         m = hybridmoe.load(M, n_gpu_layers=99, override_tensor=["exps=CPU"], ctx_size=256)
         print(f"hybrid decode: graphs {steps(m, 20) * 1e3:.2f} ms/token")

@@ -933,8 +933,12 @@ static void stage2_range(const moe_ctx *c, int64_t h0, int64_t h1, int64_t n0, i
  * VMs (profile_decode.py handoff). Each chunk still streams long runs of rows, and each thread claims
  * its next chunk when it starts one, so its prefetch runs on into it. Which thread computes a value never
  * changes the value: the result is bitwise the same for any thread count and any schedule. */
+#ifndef S1_CHUNK
 #define S1_CHUNK 32   /* units: 64 rows of gate and of up (whole 64-row blocks of h for the integer path) */
-#define S2_CHUNK 32   /* output rows of H */
+#endif
+#ifndef S2_CHUNK
+#define S2_CHUNK 32   /* output rows of H (a multiple of 4) */
+#endif
 
 static inline int64_t claim(int64_t *ctr) { return __atomic_fetch_add(ctr, 1, __ATOMIC_RELAXED); }
 
