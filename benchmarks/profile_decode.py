@@ -87,9 +87,16 @@ def _report(name, rows, nb1, nb2):
     mean = {key: sum(float(r[key]) for r in rows) / len(rows) for key in keys}
     print(f"{name}: {len(rows)} calls, us a layer (mean): " +
           ", ".join(f"{key} {v:.1f}" for key, v in mean.items()))
+    call = sum(mean[key] for key in ("start", "stage1", "barrier", "stage2", "ret"))
     print(f"  stage 1 {nb1 / mean['stage1'] / 1e3:.1f} GB/s, stage 2 {nb2 / mean['stage2'] / 1e3:.1f} GB/s, "
-          f"call {(nb1 + nb2) / (mean['start'] + mean['stage1'] + mean['barrier'] + mean['stage2'] + mean['ret']) / 1e3:.1f}"
-          " GB/s (kernel bytes over start + stages + barrier + return)")
+          f"call {(nb1 + nb2) / call / 1e3:.1f} GB/s (kernel bytes over start + stages + barrier + return)")
+
+
+def _stage_bytes(m):
+    """Expert bytes a token reads in a layer's stage 1 (gate, up) and stage 2 (down)."""
+    L0, k = m.decoder.layers[0], m.cfg.n_expert_used
+    return (k * (L0.ffn_gate_exps.raw[0].numel() + L0.ffn_up_exps.raw[0].numel()),
+            k * L0.ffn_down_exps.raw[0].numel())
 
 
 def handoff_poll(m, n=20):
@@ -97,10 +104,7 @@ def handoff_poll(m, n=20):
     kernel's phases; `gpu` runs from the CPU's last thread finishing one layer to the first thread starting
     the next: the GPU segment between them, both flag latencies and the thread start."""
     from hybridmoe.kernels import cpu
-    L0 = m.decoder.layers[0]
-    k = m.cfg.n_expert_used
-    nb1 = k * (L0.ffn_gate_exps.raw[0].numel() + L0.ffn_up_exps.raw[0].numel())
-    nb2 = k * L0.ffn_down_exps.raw[0].numel()
+    nb1, nb2 = _stage_bytes(m)
     steps(m, 4)
     cpu.trace(True)
     rec = []
@@ -139,16 +143,14 @@ def handoff_poll(m, n=20):
 
 
 def handoff(m, n=20):
-    """Hybrid decode layer by layer (synchronous hand-off, HYBRIDMOE_HANDOFF=sync): the graph replay's enqueue, the wait for the GPU segment (D2H), Python
-    before the kernel, the kernel's phases from its per-thread stamps (thread start, gate/up, barrier, down,
-    return), and what follows until the next replay; then the same kernel called back to back on the same
-    layers (no GPU in between), for comparison."""
+    """Hybrid decode layer by layer with the synchronous hand-off (load with HYBRIDMOE_HANDOFF=sync): the
+    graph replay's enqueue, the wait for the GPU segment (D2H), Python before the kernel, the kernel's
+    phases from its per-thread stamps (thread start, gate/up, barrier, down, return), and what follows until
+    the next replay; then the same kernel called back to back on the same layers (no GPU in between)."""
     from hybridmoe.kernels import cpu
     from hybridmoe.runtime import graphs as G
-    L0 = m.decoder.layers[0]
+    nb1, nb2 = _stage_bytes(m)
     k = m.cfg.n_expert_used
-    nb1 = k * (L0.ffn_gate_exps.raw[0].numel() + L0.ffn_up_exps.raw[0].numel())
-    nb2 = k * L0.ffn_down_exps.raw[0].numel()
     steps(m, 4)
     cpu.trace(True)
     rec, cur = [], {}

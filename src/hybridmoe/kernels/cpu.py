@@ -133,8 +133,8 @@ def _load():
         lib.hm_moe_handoff.argtypes = [vp, vp, ctypes.c_double, vp, i64, i64, vp, vp, i32, i64, i64, vp, i32, vp,
                                        i32, i32]
         lib.hm_simd.restype = ctypes.c_char_p
-        for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode, lib.hm_qmatmul, lib.hm_dequant,
-                  lib.hm_set_generic, lib.hm_set_int8):
+        for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode,
+                  lib.hm_qmatmul, lib.hm_dequant, lib.hm_set_generic, lib.hm_set_int8):
             f.restype = i32
         _moe, _qmm, _deq = lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant
         _lib = lib

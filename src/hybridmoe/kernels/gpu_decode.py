@@ -12,6 +12,8 @@ read. Here a layer is about ten kernels:
   router_topk    softmax, top-k, renormalisation (ids as int32, and as floats for the CPU hand-off)
   moe_gate_up    SiLU(gate) * up of each selected expert straight from its Q4_0/Q8_0 bytes
   moe_down       down of each selected expert from its bytes, weighted (the next add_rms_norm sums them)
+  publish        (experts on the CPU) the router's packed row and a flag into pinned host memory; the next
+                 segment's add_rms_norm(wait=) polls the CPU's flag and reads its output from host memory
 
 plus the dense projections (cuBLAS, bf16). Every kernel reads its position from device memory, so one
 CUDA graph serves every step. Each kernel is checked against the torch path (tests/test_gpu_decode.py,

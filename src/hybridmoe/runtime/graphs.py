@@ -343,7 +343,7 @@ class StaticDecoder:
         """The segments of one step on one GPU with every hand-off polled in pinned memory: the GPU publishes
         a CPU-expert layer's [h | weights | ids] and a flag (gd.publish), the C kernel spins on the flag, runs
         the experts, and sets a flag of its own, which the next segment's first kernel spins on
-        (gd.await_host). Segment s + 1 is enqueued before the CPU works on segment s, so no Python, launch
+        (gd.add_rms_norm(wait=)). Segment s + 1 is enqueued before the CPU works on segment s, so no Python, launch
         or synchronization sits between the two devices; both flags carry the step's number."""
         hk = self.hk
         hk.n = hk.n % (1 << 30) + 1
@@ -389,6 +389,7 @@ class StaticDecoder:
             self._step_polled(st)
             self.h_logits.copy_(self.logits)
             if self.hk.err[0]:
+                self.hk.err.zero_()
                 raise RuntimeError("the GPU waited more than a minute for the CPU experts of a decode step")
             return self.h_logits.clone()
         H = self.cfg.n_embd
