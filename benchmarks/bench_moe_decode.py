@@ -17,7 +17,7 @@ import torch
 import triton
 
 from hybridmoe.kernels import gpu_decode as gd
-from hybridmoe.quant.ref import random_blocks, split_rows
+from hybridmoe.quant.ref import dequantize, random_blocks, split_rows
 from hybridmoe.quant.types import GGMLType, row_bytes
 
 E, K_USED, H, F = 128, 8, 2048, 768
@@ -163,7 +163,41 @@ def split(types):
             print(f"  {label}: " + ", ".join(f"{c} {t * 1e6:.1f} us ({nbytes / t / 1e9:.0f} GB/s)" for t, c in best))
 
 
+def dense(types):
+    """The static decode step's dense GEMVs (Qwen3-30B-A3B: QKV, output projection, head) from split rows with
+    dp4a (gpu_decode.gemv8) against cuBLAS on bf16 weights, and gemv8 over a grid of tiles, replayed from
+    CUDA graphs."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grid = [(bn, nb, w) for bn in (4, 8, 16, 32) for nb in (8, 16, 32) for w in (2, 4, 8) if bn * nb <= 256]
+    for name in types:
+        q = GGMLType[name]
+        for label, N, K in (("qkv", 5120, 2048), ("output", 2048, 4096), ("head", 151936, 2048)):
+            raw = random_blocks(q, (N, K), g)
+            ws = [split_rows(raw, q)]
+            wb = dequantize(raw, q, K).to(torch.bfloat16)
+            x = torch.randn(1, K, device="cuda", generator=g)
+            xb, xq = x.to(torch.bfloat16), gd.quant_x8(x)
+            out = torch.empty(1, N, device="cuda", dtype=torch.bfloat16)
+            nbytes = raw.numel()
+            t_bf = graph_timed(lambda: xb @ wb.t())
+            t_q8 = graph_timed(lambda: gd.gemv8(xq, ws, q, K, out))
+            t_qx = graph_timed(lambda: gd.quant_x8(x))
+            res = []
+            for bn, nb, w in grid:
+                res.append((graph_timed(lambda: gd._gemv8_kernel[(triton.cdiv(N, bn),)](
+                    *xq, ws[0], ws[0], ws[0], N, N, out, K, N, ws[0].stride(0), QT=gd.QTYPES[q], BN=bn, NB=nb,
+                    EMU=False, num_warps=w)), (bn, nb, w)))
+            best = sorted(res)[:4]
+            print(f"{name} {label} [{N}, {K}]: cuBLAS bf16 {t_bf * 1e6:.1f} us ({2 * N * K / t_bf / 1e9:.0f} GB/s), "
+                  f"gemv8 {gd.gemv8_tile(K)} {t_q8 * 1e6:.1f} us ({nbytes / t_q8 / 1e9:.0f} GB/s), {t_bf / t_q8:.2f}x; "
+                  f"quant_x8 {t_qx * 1e6:.1f} us")
+            print("  best tiles: " + ", ".join(f"{c} {t * 1e6:.1f} us ({nbytes / t / 1e9:.0f} GB/s)" for t, c in best))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--dense"]:
+        dense(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q8_0", "Q4_0"])
+        sys.exit()
     if sys.argv[1:2] == ["--split"]:
         split(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0"])
         sys.exit()

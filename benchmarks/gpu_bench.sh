@@ -24,12 +24,17 @@ for s in "$@"; do
              env $V python3 -m hybridmoe.cli bench -m $M -ngl 99 -ot exps=CPU -p 0 -n 64 -r 3 2>&1 | grep tg64; done ;;
     kalone) python3 benchmarks/profile_decode.py kalone 2>&1 ;;
     handoff) python3 benchmarks/profile_decode.py handoff 2>&1 ;;
+    handoff24) python3 benchmarks/profile_decode.py handoff24 2>&1 ;;
     chunks) for F in "" "-DS2_CHUNK=64" "-DS2_CHUNK=128" "-DS1_CHUNK=64 -DS2_CHUNK=64" "" "-DS2_CHUNK=64" "-DS2_CHUNK=128" "-DS1_CHUNK=64 -DS2_CHUNK=64"; do
               echo "### HYBRIDMOE_KERNEL_CFLAGS='$F'"
               HYBRIDMOE_KERNEL_CFLAGS="$F" python3 benchmarks/bench_kernels.py --types Q4_0 --batches 1,8d --layers 8 2>&1 | tail -3; done ;;
     segkernels) python3 benchmarks/profile_decode.py segkernels 2>&1 | cut -c1-180 ;;
     htests) timeout 400 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py tests/test_cpu_kernels.py \
-                -k "handoff or real_gpu or cuda_graph" -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
+                -k "handoff or real_gpu or cuda_graph or gemv8 or split_row" -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
+    dense) python3 benchmarks/bench_moe_decode.py --dense Q8_0 2>&1 | tail -8 ;;
+    gemvab) for V in 0 1 0 1; do echo "### HYBRIDMOE_GEMV8=$V"
+              HYBRIDMOE_GEMV8=$V python3 -m hybridmoe.cli bench -m $M -ngl 99 -p 0 -n 128 -r 3 2>&1 | grep -E "tg128"
+              HYBRIDMOE_GEMV8=$V python3 -m hybridmoe.cli bench -m $M -ngl 99 --n-cpu-moe 24 -p 0 -n 128 -r 3 --roofline 2>&1 | grep -E "tg128"; done ;;
     handoffab) for V in sync poll sync poll; do echo "### HYBRIDMOE_HANDOFF=$V"
                  HYBRIDMOE_HANDOFF=$V python3 -m hybridmoe.cli bench -m $M -ngl 99 -ot exps=CPU -p 0 -n 128 -r 3 --roofline 2>&1 | grep -E "tg128"
                  HYBRIDMOE_HANDOFF=$V python3 -m hybridmoe.cli bench -m $M -ngl 99 --n-cpu-moe 24 -p 0 -n 128 -r 3 --roofline 2>&1 | grep -E "tg128"; done ;;

@@ -133,7 +133,10 @@ def handoff_poll(m, n=20):
         if i % per:
             r["gpu"] = (tr[:, 0].min() - rec[i - 1][2][:, 3].max()) * 1e6
         rows.append(r)
-    print(f"polled hand-off: decode step {dt * 1e3:.2f} ms/token, {per} CPU-expert layers")
+    in_calls = sum(k1 - k0 for k0, k1, _ in rec) / n
+    print(f"polled hand-off: decode step {dt * 1e3:.2f} ms/token, {per} CPU-expert layers; in their calls "
+          f"{in_calls * 1e3:.2f} ms, the rest {(dt - in_calls) * 1e3:.2f} ms (the GPU before the first of them and "
+          f"after the last, the step's host work)")
     gaps = [r.pop("gpu") for r in rows if "gpu" in r]
     _report("in the decode step", rows, nb1, nb2)
     print(f"  gpu (CPU done -> next layer's threads start) {sum(float(g) for g in gaps) / len(gaps):.1f} us a layer")
@@ -330,6 +333,10 @@ for what in sys.argv[1:]:
         sys.path.insert(0, os.path.dirname(__file__))
         import bench_kernels as bk
         print(f"RAM read (torch.sum, 4 GiB): {bk.read_bandwidth(torch.ones(1 << 30)):.1f} GB/s")
+        del m
+    if what == "handoff24":                   # the polled hand-off with --n-cpu-moe 24
+        m = hybridmoe.load(M, n_gpu_layers=99, n_cpu_moe=24, ctx_size=256)
+        handoff_poll(m)
         del m
     if what == "hybrid":
         m = hybridmoe.load(M, n_gpu_layers=99, override_tensor=["exps=CPU"], ctx_size=256)

@@ -274,6 +274,24 @@ def test_moe_from_split_rows(gq, dq, T):
     assert rel_l2(half.double(), ref) < 1e-4
 
 
+@pytest.mark.parametrize("q", [GGMLType.Q4_0, GGMLType.Q8_0])
+@pytest.mark.parametrize("blocks", [(48,), (32, 16, 16)])
+def test_gemv8_from_split_rows(q, blocks):
+    """A dense GEMV from split rows with two-term int8 x (the static decode step's QKV, output projection
+    and head), over one weight or three row blocks read in place (q, k, v), against float64: within 1e-4."""
+    K = 768
+    g = _gen(20 + len(blocks))
+    ws = [random_blocks(q, (n, K), g) for n in blocks]
+    x = torch.randn(1, K, generator=g, device=DEV)
+    ref = x.double() @ torch.cat([dequantize(w, q, K) for w in ws]).double().t()
+    out = torch.empty(sum(blocks), dtype=torch.float32, device=DEV)
+    gd.gemv8(gd.quant_x8(x), [split_rows(w, q) for w in ws], q, K, out)
+    assert rel_l2(out.double(), ref[0]) < 1e-4
+    bf = gd.gemv8(gd.quant_x8(x), [split_rows(w, q) for w in ws], q, K,
+                  torch.empty(sum(blocks), dtype=torch.bfloat16, device=DEV))
+    assert rel_l2(bf.double(), ref[0]) < 1e-2
+
+
 def _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq):
     """float64 sum over slots of wts * down(SiLU(gate x) * up x), from the reference dequantizer."""
     H, Fd = x.shape[1], graw.shape[1]

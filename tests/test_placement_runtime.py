@@ -240,6 +240,31 @@ def test_cuda_graph_decode_matches_eager_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ngl99", "ngl99-exps-cpu"])
+def test_split_row_kernels_match_all_cpu(name):
+    """synth:tiny-wide (rows 256 wide): on a GPU its Q4_0/Q8_0 experts, attention projections and head are
+    kept in split rows and the static decode step multiplies them with dp4a (gpu_decode.gemv8, the MoE
+    kernels); prompt and decode logits match all-CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+
+    def run(opts):
+        m = hybridmoe.load("synth:tiny-wide", ctx_size=64, **opts)
+        kv = m.new_cache(64)
+        prompt = m.forward(torch.tensor(IDS[:12]), 0, kv)
+        decode = torch.cat([m.forward(torch.tensor([t]), 12 + i, kv) for i, t in enumerate(IDS[12:24])])
+        return m, kv, prompt, decode
+    _, _, p_ref, d_ref = run({})
+    m, kv, p, d = run(PLACEMENTS[name])
+    sd = m._static_decoder(kv)
+    assert sd.out8 and all("qkv8" in lay and "o8" in lay for lay in sd.layers)
+    assert m.decoder.layers[0].attn_qkv.split and (m.decoder.layers[0].ffn_up_exps.split == (name == "ngl99"))
+    for got, ref in ((p, p_ref), (d, d_ref)):
+        assert rel_l2(got, ref) <= 1e-2
+        assert top1_agreement(got, ref) >= 0.98
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("opts", [PLACEMENTS["ngl99-exps-cpu"], dict(n_gpu_layers=99, n_cpu_moe=1)],
                          ids=["exps-cpu", "n-cpu-moe-1"])
 def test_polled_handoff_matches_the_synchronous_one(opts, monkeypatch):

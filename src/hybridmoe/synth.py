@@ -23,6 +23,10 @@ PRESETS = {
     "tiny": dict(arch="qwen3moe", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_vocab=1024,
                  n_ctx_train=4096, rms_eps=1e-6, rope_base=1e6, n_expert=8, n_expert_used=2, n_ff_exp=32,
                  expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
+    # tiny too, but every row 256 wide: GPU-resident Q4_0/Q8_0 weights take the split-row (dp4a) kernels
+    "tiny-wide": dict(arch="qwen3moe", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_vocab=1024,
+                      n_ctx_train=4096, rms_eps=1e-6, rope_base=1e6, n_expert=8, n_expert_used=2, n_ff_exp=256,
+                      expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
     # Qwen3-30B-A3B's shape: experts Q4_0, the rest Q8_0: 16.75 GiB
     "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                           n_vocab=151936, n_ctx_train=40960, rms_eps=1e-6, rope_base=1e6, n_expert=128,

@@ -6,6 +6,7 @@ tensors keep their GGUF bytes so that CPU kernels read them as they are and an u
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -22,8 +23,8 @@ FLOAT_DTYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLTy
 @dataclass(eq=False)
 class QTensor:
     """A weight: raw GGUF bytes [..., row_bytes] on `device`, logical shape `shape`. split: each row's
-    bytes are in the split layout (quant.ref.split_rows: GPU-resident Q4_0/Q8_0 experts), in raw and in
-    every copy made of it."""
+    bytes are in the split layout (quant.ref.split_rows: GPU-resident Q4_0/Q8_0 experts, attention
+    projections and output head), in raw and in every copy made of it."""
     name: str
     raw: torch.Tensor
     qtype: GGMLType
@@ -62,6 +63,10 @@ class QTensor:
 
 
 
+# 2-D weights kept in split rows on a GPU, next to the experts: what the static decode step's gemv8 reads
+_DENSE_SPLIT = re.compile(r"(^|\.)(attn_(q|k|v|qkv|output)|output)\.weight$")
+
+
 def byte_shape(shape: tuple[int, ...], qtype: GGMLType) -> tuple[int, ...]:
     return (*shape[:-1], row_bytes(qtype, shape[-1]))
 
@@ -78,7 +83,8 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
     pin_memory() then, as before the arena): bench_kernels.py --alloc compares the memory kinds.
 
     Q4_0/Q8_0 experts on a GPU are kept in the split row layout (quant.ref.split_rows; same bytes, quants
-    first): the GPU kernels read them as 16-byte vectors (bench_moe_decode.py --split).
+    first): the GPU kernels read them as 16-byte vectors (bench_moe_decode.py --split). So are the attention
+    projections and the output head, which the static decode step multiplies with dp4a (gpu_decode.gemv8).
     HYBRIDMOE_SPLIT_ROWS=0 keeps GGUF rows.
     """
     split_ok = os.environ.get("HYBRIDMOE_SPLIT_ROWS", "1") != "0"
@@ -106,7 +112,8 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
                 raw = raw.pin_memory()
         elif not dev.fake:
             raw = raw.to(dev.torch_device)
-            if split_ok and "_exps." in name and len(info.shape) == 3 and can_split(info.qtype, info.shape[-1]):
+            if split_ok and (("_exps." in name and len(info.shape) == 3) or _DENSE_SPLIT.search(name)) \
+                    and can_split(info.qtype, info.shape[-1]):
                 raw, split = split_rows(raw, info.qtype), True
         out[name] = QTensor(name, raw, info.qtype, info.shape, dev, split)
     if arena is not None and pin_host and not arena.pin():

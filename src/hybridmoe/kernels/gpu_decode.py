@@ -481,6 +481,23 @@ if triton is not None:
         y = _qdot8(draw + e * sde, sdn, n, nm, q1 + xo, q2 + xo, xs + so, xc + so, K, QT, BN, NB, EMU)
         tl.store(out + s * N + n, tl.load(wts + s).to(tl.float32) * y, mask=nm)
 
+    @triton.jit
+    def _gemv8_kernel(q1, q2, xs, xc, w0, w1, w2, n1, n2, out, K, N, rs,
+                      QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, EMU: tl.constexpr):
+        """out[n] = W[n] . x for one activation row in two int8 terms, W in split rows: rows [0, n1) at w0,
+        [n1, n2) at w1, [n2, N) at w2 (a fused QKV read from its three tensors; n1, n2 multiples of BN)."""
+        n0 = tl.program_id(0) * BN
+        if n0 < n1:
+            w, first = w0, 0
+        elif n0 < n2:
+            w, first = w1, n1
+        else:
+            w, first = w2, n2
+        n = n0 + tl.arange(0, BN)
+        nm = n < N
+        y = _qdot8(w, rs, n - first, nm, q1, q2, xs, xc, K, QT, BN, NB, EMU)
+        tl.store(out + n, y.to(out.dtype.element_ty), mask=nm)
+
     @triton.autotune(configs=_MOE_CONFIGS, key=["K", "F"])
     @triton.jit
     def _moe_gate_up_kernel(x, ids, graw, uraw, out, K, F, k_used, sge, sgn, sue, sun,
@@ -656,6 +673,39 @@ def quant_x8(x: torch.Tensor):
     q1, q2, xs, xc = x8_buffers(R, K, x.device)
     _quant_x8_kernel[(R, triton.cdiv(K // 32, 8))](x, x.stride(0), q1, q2, xs, xc, K, NBQ=8)
     return q1, q2, xs, xc
+
+
+def gemv8_tile(K: int):
+    """(rows, blocks, warps) of gemv8's programs: the fastest on H200 at the Qwen3-30B-A3B shapes
+    (bench_moe_decode.py --dense, Q8_0: QKV and head at K = 2048 (4, 32, 2) / (4, 16, 2), within 2%; the
+    output projection at K = 4096 (4, 32, 8), 4.0 us against 5.5 us for (4, 32, 2))."""
+    return (16, 8, 4) if _INTERPRET else (4, 32, 8) if K >= 4096 else (4, 32, 2)
+
+
+def gemv8(xq, ws, qtype, K: int, out: torch.Tensor):
+    """out [N] (any float dtype) = x . W^T for one row x in two int8 terms (x8_buffers, from add_rms_norm's
+    q8_out or quant_x8) and W [N, K] of `qtype` (Q4_0/Q8_0) in split rows, given as one to three row
+    blocks `ws` (e.g. q, k, v: read where they are, no concatenated copy). Each block's rows must be a
+    multiple of the tile's (can_gemv8)."""
+    bn, nb, warps = gemv8_tile(K)
+    n = [w.shape[0] for w in ws]
+    w0, w1, w2 = (list(ws) + [ws[-1]] * 2)[:3]
+    n1, n2 = n[0], sum(n[:2])
+    N = sum(n)
+    with on_device(out):
+        _gemv8_kernel[(triton.cdiv(N, bn),)](*xq, w0, w1, w2, n1, n2, out, K, N,
+                                             ws[0].stride(0), QT=QTYPES[qtype], BN=bn, NB=nb, EMU=_INTERPRET,
+                                             num_warps=warps)
+    return out
+
+
+def can_gemv8(ws) -> bool:
+    """Whether gemv8 takes these weights (QTensors): Q4_0/Q8_0 of one type and width, in split rows on one
+    GPU, each block of rows a multiple of the tile's. HYBRIDMOE_GEMV8=0: never (bf16 GEMVs; for A/B runs)."""
+    bn = gemv8_tile(ws[0].shape[-1])[0]
+    return triton is not None and os.environ.get("HYBRIDMOE_GEMV8", "1") != "0" and all(
+        w.split and w.qtype == ws[0].qtype and w.shape[-1] == ws[0].shape[-1] and w.raw.device == ws[0].raw.device
+        and w.raw.dim() == 2 and w.shape[0] % bn == 0 for w in ws) and ws[0].qtype in (GGMLType.Q4_0, GGMLType.Q8_0)
 
 
 def _launch(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool):

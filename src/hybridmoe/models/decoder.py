@@ -22,14 +22,14 @@ def fuse_rows(name: str, ws) -> QTensor | None:
     several; the parts become views of it, so nothing is held twice. None where the parts differ."""
     first = ws[0]
     if any(w.device.name != first.device.name or w.qtype != first.qtype or w.shape[1:] != first.shape[1:]
-           for w in ws):
+           or w.split != first.split for w in ws):
         return None
     fused = torch.cat([w.raw for w in ws])
     start = 0
     for w in ws:
         w.raw = fused[start:start + w.raw.shape[0]]
         start += w.raw.shape[0]
-    return QTensor(name, fused, first.qtype, (fused.shape[0], *first.shape[1:]), first.device)
+    return QTensor(name, fused, first.qtype, (fused.shape[0], *first.shape[1:]), first.device, first.split)
 
 
 class Layer:

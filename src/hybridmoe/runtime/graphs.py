@@ -78,10 +78,15 @@ class StaticDecoder:
             if kv.device(i).name != dev.name:
                 raise NotApplicable(f"layer {i}: KV cache on {kv.device(i).name}, attention on {dev.name}")
             lay = dict(attn_norm=small(L.attn_norm), ffn_norm=small(L.ffn_norm),
-                       wqkv=wq(L.attn_qkv) if L.attn_qkv is not None else
-                       torch.cat((wq(L.attn_q), wq(L.attn_k), wq(L.attn_v))), wo=wq(L.attn_output),
                        q_norm=small(L.attn_q_norm) if L.attn_q_norm is not None else None,
                        k_norm=small(L.attn_k_norm) if L.attn_k_norm is not None else None)
+            qkv = [L.attn_qkv] if L.attn_qkv is not None else [L.attn_q, L.attn_k, L.attn_v]
+            if self.fast and gd.can_gemv8(qkv) and gd.can_gemv8([L.attn_output]):   # dp4a from the Q8_0/Q4_0
+                lay.update(qkv8=[w.raw for w in qkv], o8=[L.attn_output.raw],         # bytes (split rows): half
+                           nqkv=sum(w.shape[0] for w in qkv), q8type=(qkv[0].qtype, L.attn_output.qtype))
+            else:                                                                 # the bytes of bf16
+                lay.update(wqkv=wq(qkv[0]) if len(qkv) == 1 else torch.cat([wq(w) for w in qkv]),
+                           wo=wq(L.attn_output))
             if L.ffn_gate_inp is None:
                 if not all(w.device.name == dev.name for w in (L.ffn_gate, L.ffn_up, L.ffn_down)):
                     raise NotApplicable("dense FFN off its layer's GPU")
@@ -97,7 +102,8 @@ class StaticDecoder:
                            exps=exps, cpu_experts=exps[0].device.kind == "cpu")
             self.layers.append(lay)
         self.out_norm = sched.small(dec.output_norm, self.out_dev)
-        self.w_out = dec.output.cached(self.cdt)
+        self.out8 = self.fast and gd.can_gemv8([dec.output])                 # the head by dp4a too
+        self.w_out = dec.output.raw if self.out8 else dec.output.cached(self.cdt)
         # per GPU: the position, rope tables for every position of the cache, and the hand-off buffers
         H, k = cfg.n_embd, cfg.n_expert_used
         cos, sin = rope_tables(torch.arange(kv.n_ctx), cfg.head_dim, cfg.rope_base, cfg.rope_neox)
@@ -219,10 +225,15 @@ class StaticDecoder:
         eps, H, k = cfg.rms_eps, cfg.n_embd, cfg.n_expert_used
         ds = self.ds[self.ldev[i].name]
         x_sum = torch.empty_like(x) if addend is not None else None
-        xs, hb = gd.add_rms_norm(x, lay["attn_norm"], eps, b=addend, x_out=x_sum, h_dtype=self.cdt, wait=wait)
+        xq = gd.x8_buffers(x.shape[0], H, x.device) if "qkv8" in lay else None
+        xs, hb = gd.add_rms_norm(x, lay["attn_norm"], eps, b=addend, x_out=x_sum, h_dtype=self.cdt, wait=wait,
+                                 q8_out=xq)
         if addend is not None:
             x = xs
-        qkv = hb @ lay["wqkv"].t()
+        if xq is not None:
+            qkv = gd.gemv8(xq, lay["qkv8"], lay["q8type"][0], H, hb.new_empty(1, lay["nqkv"]))
+        else:
+            qkv = hb @ lay["wqkv"].t()
         kc, vc = self.kv.k[i], self.kv.v[i]
         o = gd.attention(None, kc, vc, ds.pos, cfg.head_dim ** -0.5, out_dtype=self.cdt,   # q/k norm + RoPE +
                          rope=(qkv, lay["q_norm"], lay["k_norm"], ds.cos, ds.sin, cfg.n_head, eps,  # KV write
@@ -233,7 +244,9 @@ class StaticDecoder:
         xq = gd.x8_buffers(x.shape[0], H, x.device) if exps and exps[0].split else None   # the MoE's int8 x
         router = lay.get("router")
         h2 = torch.empty_like(x, dtype=router.dtype) if router is not None and router.dtype != x.dtype else None
-        _, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=o @ lay["wo"].t(), x_out=x2,
+        ob = gd.gemv8(gd.quant_x8(o), lay["o8"], lay["q8type"][1], o.shape[1], hb.new_empty(1, H)) \
+            if "o8" in lay else o @ lay["wo"].t()
+        _, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=ob, x_out=x2,
                                h_out=ds.packed[:, :H] if cpu else None, q8_out=xq, h2_out=h2)
         if "dense" in lay:
             g, u, d = lay["dense"]
@@ -273,8 +286,13 @@ class StaticDecoder:
                 torch.add(x, addend.sum(0, keepdim=True), out=xmove)
             return
         # addend: the last layer's FFN rows or CPU experts, when no layer follows them
-        _, hb = gd.add_rms_norm(x, self.out_norm, self.cfg.rms_eps, b=addend, h_dtype=self.cdt, wait=wait)
-        self.logits.copy_((hb @ self.w_out.t()).float())
+        xq = gd.x8_buffers(1, self.cfg.n_embd, x.device) if self.out8 else None
+        _, hb = gd.add_rms_norm(x, self.out_norm, self.cfg.rms_eps, b=addend, h_dtype=self.cdt, wait=wait,
+                                q8_out=xq)
+        if self.out8:
+            gd.gemv8(xq, [self.w_out], self.model.decoder.output.qtype, self.cfg.n_embd, self.logits)
+        else:
+            self.logits.copy_((hb @ self.w_out.t()).float())
 
     def _segment(self, s: int):
         if self.fast:
