@@ -275,11 +275,11 @@ def test_moe_from_split_rows(gq, dq, T):
 
 
 @pytest.mark.parametrize("q", [GGMLType.Q4_0, GGMLType.Q8_0])
-@pytest.mark.parametrize("blocks", [(48,), (32, 16, 16)])
-def test_gemv8_from_split_rows(q, blocks):
+@pytest.mark.parametrize("blocks,K", [((48,), 768), ((32, 16, 16), 768), ((32,), 4096)])
+def test_gemv8_from_split_rows(q, blocks, K):
     """A dense GEMV from split rows with two-term int8 x (the static decode step's QKV, output projection
-    and head), over one weight or three row blocks read in place (q, k, v), against float64: within 1e-4."""
-    K = 768
+    and head), over one weight or three row blocks read in place (q, k, v), against float64: within 1e-4.
+    K = 4096 takes the other tile (gemv8_tile)."""
     g = _gen(20 + len(blocks))
     ws = [random_blocks(q, (n, K), g) for n in blocks]
     x = torch.randn(1, K, generator=g, device=DEV)
