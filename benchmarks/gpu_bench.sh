@@ -76,6 +76,8 @@ for s in "$@"; do
          hm bench -m synth:qwen3-30b-a3b-q4_k -ngl 99 -ot exps=CPU -p 512 -n 128 -r 3 --roofline 2>&1 | grep -v "^\s*$" ;;
     split) B -ngl 99 -p 0 -n 64 -r 3 -ot 'ffn_(up|down)_exps=CPU;exps=CPU' ;;
     cpu) B -ngl 0 -p 512 -n 64 -r 2 --roofline ;;
+    cpuprof) for P in "word" "$(printf 'word %.0s' {1..600})"; do echo "### hybridmoe run -ngl 0 --profile, ${#P}-character prompt, -n 32"
+               hm run -m $M -ngl 0 -n 32 -p "$P" --temp 0 --profile 2>&1 | tail -16; done ;;
     profile) hm run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -22 ;;
     sweep) for P in "-ngl 99" "-ngl 99 -ot exps=CPU" "-ngl 99 --n-cpu-moe 24"; do
              echo "### hybridmoe sweep-bench -m $M $P -c 4096 -ub 1024 -n 128"

@@ -11,6 +11,7 @@ import math
 import re
 
 import pytest
+import torch
 
 import hybridmoe
 from hybridmoe.cli import main as cli
@@ -259,6 +260,26 @@ def test_offload_cost_follows_the_batch_routing():
     slow = cal.Rates(**{**r.to_dict(), "cpu_moe_flops": {"32": 1e11, "512": 1e11}})
     assert offload_times(slow, "CUDA0", T, nbytes, E, k, n_params)[0] == \
         pytest.approx(2 * n_params * k / E * T / 1e11)
+
+
+def test_token_generation_never_uploads_host_weights():
+    """Below a 32-token batch no op uploads host weights, whatever the cost model says: on a VM whose
+    probe read 79 GB/s it priced CPU streaming (at half of that) under PCIe, and -ngl 0 decode uploaded
+    1.4 GB a token. From 32 tokens the model decides (and -op forces)."""
+    from hybridmoe.devices import Device
+    from hybridmoe.roofline import offload_times
+    from hybridmoe.runtime.scheduler import Scheduler
+    slow_ram = cal.Rates(**{**_rig_rates().to_dict(), "ram_read_bw": 79e9})
+    head = 151936 * 2048 * 34 // 32                              # the Q8_0 output head's bytes
+    cpu_s, gpu_s = offload_times(slow_ram, "CUDA0", 1, head, n_params=151936 * 2048)
+    assert gpu_s < cpu_s                                         # the model alone would upload at T=1
+    cpu = Device("CPU", "cpu", 0, 1 << 36, 1 << 36, torch.device("cpu"))
+    gpu = Device("CUDA0", "cuda", 0, 1 << 36, 1 << 36, torch.device("cpu"), fake=True)
+    for policy in (None, "all,1"):
+        sched = Scheduler({"CPU": cpu, "CUDA0": gpu}, cpu, gpu, offload_policy=policy, rates=slow_ram)
+        assert not sched.wants_offload("mul_mat", cpu, 1, nbytes=head, n_params=151936 * 2048)
+        assert not sched.wants_offload("mul_mat", cpu, 31, nbytes=head, n_params=151936 * 2048)
+        assert sched.wants_offload("mul_mat", cpu, 512, nbytes=head, n_params=151936 * 2048)
 
 
 # ------------------------------------------------------------------------------------------ calibration

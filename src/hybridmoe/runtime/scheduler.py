@@ -146,9 +146,13 @@ class Scheduler:
         if forced is False:
             return False
         threshold = 32 * n_expert // max(n_used, 1)
+        if n_tokens < 32:
+            # as in llama.cpp and ik_llama.cpp, an op needs a batch: token generation never uploads. The
+            # cost model alone sent -ngl 0's decode matmuls to the GPU once CPU streaming was estimated
+            # below PCIe (0.5 x a 79 GB/s probe): 1.4 GB of pageable uploads a token, 3.7 t/s
+            return False
         if forced is True:
-            # as in ik_llama.cpp, an enabled op still needs a batch; token generation never uploads
-            return n_tokens >= 32
+            return True
         if self.rates is not None:
             return self.rates.offload_pays(kind, n_tokens, nbytes, n_expert, n_used, n_params=n_params,
                                            n_active=n_active, prefetched=prefetched)
