@@ -191,6 +191,7 @@ def upload_targets(tensors: dict, device_of: dict, attn_device, main_gpu: str | 
     return out
 
 
+OFFLOAD_MIN_BATCH = 32     # no op uploads host weights for fewer tokens (llama.cpp, ik_llama.cpp): decode never
 CPU_GEMM_EFFICIENCY = 0.4
 CPU_STREAM_EFFICIENCY = 0.5
 

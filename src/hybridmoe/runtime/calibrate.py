@@ -75,8 +75,11 @@ class Rates:
     def offload_pays(self, kind: str, n_tokens: int, nbytes: int, n_expert: int = 1, n_used: int = 1,
                      gpu: str | None = None, n_params: int | None = None, n_active: int | None = None,
                      prefetched: bool = False) -> bool:
-        """Is uploading `nbytes` of host weights and computing on a GPU faster than the CPU? (roofline estimate)"""
-        from ..roofline import offload_times
+        """Is uploading `nbytes` of host weights and computing on a GPU faster than the CPU? (roofline estimate;
+        never below OFFLOAD_MIN_BATCH tokens, as the scheduler decides)"""
+        from ..roofline import OFFLOAD_MIN_BATCH, offload_times
+        if n_tokens < OFFLOAD_MIN_BATCH:
+            return False
         gpus = [gpu] if gpu else list(self.h2d_bw)
         if not gpus:
             return n_tokens >= 32 * n_expert // max(n_used, 1)     # no measured GPU: ik_llama.cpp's rule

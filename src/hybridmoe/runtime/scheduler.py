@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import HybridMoeError
+from ..roofline import OFFLOAD_MIN_BATCH
 from ..weights import QTensor
 from . import experts as X
 from .ops import rms_norm
@@ -146,7 +147,7 @@ class Scheduler:
         if forced is False:
             return False
         threshold = 32 * n_expert // max(n_used, 1)
-        if n_tokens < 32:
+        if n_tokens < OFFLOAD_MIN_BATCH:
             # as in llama.cpp and ik_llama.cpp, an op needs a batch: token generation never uploads. The
             # cost model alone sent -ngl 0's decode matmuls to the GPU once CPU streaming was estimated
             # below PCIe (0.5 x a 79 GB/s probe): 1.4 GB of pageable uploads a token, 3.7 t/s
