@@ -225,6 +225,15 @@ def _rb(qtype: int, n: int) -> int:
     return v
 
 
+def _experts_ok(gate_raw, up_raw, down_raw, gq: int, dq: int, H: int) -> bool:
+    """A layer's experts as the C kernels take them: contiguous uint8 GGUF rows, gate and up [E, F,
+    row_bytes(gq, H)], down [E, H, row_bytes(dq, F)]."""
+    E, F = gate_raw.shape[0], gate_raw.shape[1]
+    return (gate_raw.shape == up_raw.shape and gate_raw.shape[2] == _rb(gq, H)
+            and tuple(down_raw.shape) == (E, H, _rb(dq, F))
+            and all(t.dtype is torch.uint8 and t.is_contiguous() for t in (gate_raw, up_raw, down_raw)))
+
+
 def _threads(n_threads):
     return n_threads if n_threads else torch.get_num_threads()
 
@@ -305,10 +314,7 @@ def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
     ids, weights = ids.contiguous(), weights.contiguous()
     if x.dtype is not torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
-    if (gate_raw.shape != up_raw.shape or gate_raw.shape[2] != _rb(gq, H)
-            or tuple(down_raw.shape) != (E, H, _rb(dq, F)) or ids.shape != weights.shape
-            or ids.shape[0] != T or gate_raw.dtype is not torch.uint8 or down_raw.dtype is not torch.uint8
-            or not (gate_raw.is_contiguous() and up_raw.is_contiguous() and down_raw.is_contiguous())):
+    if not _experts_ok(gate_raw, up_raw, down_raw, gq, dq, H) or ids.shape != weights.shape or ids.shape[0] != T:
         raise ValueError(
             f"moe_ffn: bad shapes: x {tuple(x.shape)}, ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, "
             f"gate {tuple(gate_raw.shape)} {gate_raw.dtype}, up {tuple(up_raw.shape)}, down {tuple(down_raw.shape)} "
@@ -348,10 +354,9 @@ def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out
     E, F = gate_raw.shape[0], gate_raw.shape[1]
     H = out.numel()
     k = (packed.numel() - H) // 2
-    if (lib is None or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES or gate_raw.shape != up_raw.shape
-            or gate_raw.shape[2] != _rb(gq, H) or tuple(down_raw.shape) != (E, H, _rb(dq, F))
-            or packed.numel() != H + 2 * k or not 1 <= k <= 64
-            or not all(t.is_contiguous() for t in (gate_raw, up_raw, down_raw))):
+    if (lib is None or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES
+            or not _experts_ok(gate_raw, up_raw, down_raw, gq, dq, H) or packed.numel() != H + 2 * k
+            or not 1 <= k <= 64):
         raise ValueError(f"handoff_call: no kernel for gate {tuple(gate_raw.shape)} {GGMLType(gq).name}, "
                          f"down {tuple(down_raw.shape)} {GGMLType(dq).name}, H={H}, k={k}")
     return functools.partial(lib.hm_moe_handoff, ready.data_ptr(), done.data_ptr(), timeout_s, packed.data_ptr(),

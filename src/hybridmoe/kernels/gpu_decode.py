@@ -78,11 +78,9 @@ if triton is not None:
                 n += 1
             if got != want:
                 tl.store(err, 1)
+        if HAS_B:                                      # (from host memory, WAIT: read fresh)
             for j in range(b_rows):
-                x += tl.load(b + (t * b_rows + j) * H + i, mask=m, other=0, volatile=True).to(tl.float32)
-        elif HAS_B:
-            for j in range(b_rows):
-                x += tl.load(b + (t * b_rows + j) * H + i, mask=m, other=0).to(tl.float32)
+                x += tl.load(b + (t * b_rows + j) * H + i, mask=m, other=0, volatile=WAIT).to(tl.float32)
         if WRITE_X:
             tl.store(x_out + t * H + i, x, mask=m)
         r = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
@@ -703,9 +701,9 @@ def can_gemv8(ws) -> bool:
     """Whether gemv8 takes these weights (QTensors): Q4_0/Q8_0 of one type and width, in split rows on one
     GPU, each block of rows a multiple of the tile's. HYBRIDMOE_GEMV8=0: never (bf16 GEMVs; for A/B runs)."""
     bn = gemv8_tile(ws[0].shape[-1])[0]
-    return triton is not None and os.environ.get("HYBRIDMOE_GEMV8", "1") != "0" and all(
+    return triton is not None and os.environ.get("HYBRIDMOE_GEMV8", "1") != "0" and all(   # split: Q4_0/Q8_0
         w.split and w.qtype == ws[0].qtype and w.shape[-1] == ws[0].shape[-1] and w.raw.device == ws[0].raw.device
-        and w.raw.dim() == 2 and w.shape[0] % bn == 0 for w in ws) and ws[0].qtype in (GGMLType.Q4_0, GGMLType.Q8_0)
+        and w.raw.dim() == 2 and w.shape[0] % bn == 0 for w in ws)
 
 
 def _launch(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool):

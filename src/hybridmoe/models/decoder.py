@@ -160,9 +160,8 @@ class Decoder:
         qn, kn = ((s.small(L.attn_q_norm, dev), s.small(L.attn_k_norm, dev)) if L.attn_q_norm is not None
                   else (None, None))
         with s.stats.op("attention", dev):
-            q = gd.qk_rope_cache(rows, qn, kn, cos[:, 0], sin[:, 0], pos0, kc, vc, cfg.n_head,
-                                             cfg.n_head_kv, D, cfg.rms_eps, cfg.rope_neox, q_dtype=kc.dtype,
-                                             cos_first=pos0)
+            q = gd.qk_rope_cache(rows, qn, kn, cos[:, 0], sin[:, 0], pos0, kc, vc, cfg.n_head, cfg.n_head_kv, D,
+                                 cfg.rms_eps, cfg.rope_neox, q_dtype=kc.dtype, cos_first=pos0)
             o = s.tag(attend_gpu(q, kc[:, :pos0 + T], vc[:, :pos0 + T], pos0, out_dtype=torch.bfloat16), dev)
         return s.linear(o, L.attn_output)
 

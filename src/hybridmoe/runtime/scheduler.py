@@ -146,7 +146,6 @@ class Scheduler:
         forced = self.policy.get(kind)
         if forced is False:
             return False
-        threshold = 32 * n_expert // max(n_used, 1)
         if n_tokens < OFFLOAD_MIN_BATCH:
             # as in llama.cpp and ik_llama.cpp, an op needs a batch: token generation never uploads. The
             # cost model alone sent -ngl 0's decode matmuls to the GPU once CPU streaming was estimated
@@ -157,7 +156,7 @@ class Scheduler:
         if self.rates is not None:
             return self.rates.offload_pays(kind, n_tokens, nbytes, n_expert, n_used, n_params=n_params,
                                            n_active=n_active, prefetched=prefetched)
-        return n_tokens >= threshold
+        return n_tokens >= 32 * n_expert // max(n_used, 1)
 
     def linear(self, x: torch.Tensor, w: QTensor, bias: QTensor | None = None, f32: bool = True) -> torch.Tensor:
         """x @ W^T (+ bias, added where the matmul ran: ggml's add follows its input there). f32=False: a
