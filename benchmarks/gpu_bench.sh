@@ -78,6 +78,11 @@ for s in "$@"; do
     cpu) B -ngl 0 -p 512 -n 64 -r 2 --roofline ;;
     cpuprof) for P in "word" "$(printf 'word %.0s' {1..600})"; do echo "### hybridmoe run -ngl 0 --profile, ${#P}-character prompt, -n 32"
                hm run -m $M -ngl 0 -n 32 -p "$P" --temp 0 --profile 2>&1 | tail -16; done ;;
+    cputests) python3 -m pytest -q tests/test_cpu_decode.py tests/test_model.py -p no:cacheprovider --tb=short 2>&1 | tail -5 ;;
+    cpustep) for G in --no-graphs "" --no-graphs ""; do echo "### hybridmoe run -ngl 0 $G, tg 48"
+               hm run -m $M -ngl 0 -n 48 -p "word word" --temp 0 $G 2>&1 | grep "eval time" | tail -1; done
+             B -ngl 0 -p 0 -n 64 -r 3 --roofline
+             hm run -m $M -ngl 0 -n 32 -p "word" --temp 0 --profile 2>&1 | tail -10 ;;
     profile) hm run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -22 ;;
     sweep) for P in "-ngl 99" "-ngl 99 -ot exps=CPU" "-ngl 99 --n-cpu-moe 24"; do
              echo "### hybridmoe sweep-bench -m $M $P -c 4096 -ub 1024 -n 128"

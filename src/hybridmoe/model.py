@@ -1,6 +1,7 @@
 """`hybridmoe.load(path, **options)`: file -> config -> placement -> weights -> decoder, in that order."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -174,11 +175,15 @@ class Model:
             return None                                       # gpt-oss: biases, sinks, swiglu_oai: eager
         cached = self._static.get(id(kv))
         if cached is None or cached[0] is not kv:
-            from .runtime.graphs import NotApplicable, StaticDecoder
-            try:
-                sd = StaticDecoder(self, kv)
-            except NotApplicable:
-                sd = None
+            sd = None
+            if all(d.kind == "cpu" for d in kv.devs):
+                from .runtime.cpu_decode import CpuDecoder, NotApplicable
+                with contextlib.suppress(NotApplicable):
+                    sd = CpuDecoder(self, kv)
+            else:
+                from .runtime.graphs import NotApplicable, StaticDecoder
+                with contextlib.suppress(NotApplicable):
+                    sd = StaticDecoder(self, kv)
             self._static = {id(kv): (kv, sd)}                 # one cache at a time keeps its graphs
             return sd
         return cached[1]

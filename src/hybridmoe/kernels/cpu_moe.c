@@ -1592,6 +1592,360 @@ int hm_tile_mode(int set) {
     return g_tile;
 }
 
+/* ------------------------------------------------------------------ decode step on the CPU
+ *
+ * hm_decode_step: one token through a whole llama-style decoder (llama, qwen3, qwen3moe: RMSNorm, RoPE,
+ * GQA attention over a f32/f16/bf16 KV cache, softmax-routed experts and/or a SwiGLU FFN), every weight in
+ * host RAM, in one call from Python (runtime/cpu_decode.py). The eager path spent ~18 ms a token of
+ * Qwen3-30B-A3B in Python and small torch ops; here a layer is five parallel regions (q/k/v, attention,
+ * output projection, router, experts) and a few loops over H on the calling thread.
+ * Matrix-vector products: threads claim chunks of GV_CHUNK rows (of q, k and v together), each row by the
+ * kernels hm_qmatmul uses (the integer path for the types hm_set_int8 names), prefetching ahead into the
+ * next chunk as the MoE kernel does. Attention: flash-decoding, (KV head, run of positions) tasks with an
+ * online softmax over the query heads of the group, merged per head. */
+typedef struct { const uint8_t *w; int64_t rows; int32_t type, pad; } hm_mat;
+
+typedef struct {
+    const float *attn_norm, *q_norm, *k_norm, *ffn_norm;   /* q_norm / k_norm NULL: none */
+    hm_mat q, k, v, o;
+    void *kc, *vc;                                         /* [nkv, slots, D] of kv_type */
+    hm_mat router, gate_exps, up_exps, down_exps;          /* router.rows == 0: no routed experts */
+    hm_mat gate, up, down;                                 /* SwiGLU FFN (dense or shared expert); gate.rows == 0: none */
+} hm_dlayer;
+
+typedef struct {
+    int64_t n_layer, H, nh, nkv, D, slots, E, k, n_ff_exp, n_ff;
+    int32_t kv_type, neox, norm_topk, nthreads;
+    float eps, scale, wscale, pad;
+    const float *out_norm;
+    hm_mat embd, head;
+    const hm_dlayer *layers;
+    uint8_t *scratch;                                      /* hm_decode_scratch(m) bytes, 64-aligned */
+} hm_dmodel;
+
+#ifndef GV_CHUNK
+#define GV_CHUNK 32      /* rows a thread claims at a time (a multiple of 4) */
+#endif
+#define ATT_MAXCH 64     /* position runs per KV head at most */
+#define DEC_MAXD 1024    /* head size bound (thread-local rows) */
+
+typedef struct { const uint8_t *w; int64_t n, rb; float *out; int ti, q8; } gv_part;
+
+static gv_part gv_mk(const hm_mat *m, int64_t K, float *out) {
+    const int ti = type_index(m->type);
+    const gv_part p = {m->w, m->rows, row_bytes(ti, K), out, ti, (g_int8 >> ti & 1) && !g_generic && q8_type(ti, K)};
+    return p;
+}
+
+static inline const uint8_t *gv_row(const gv_part *p, const int64_t *start, int np, int64_t g) {
+    int i = 0;
+    while (i + 1 < np && g >= start[i + 1]) i++;
+    return p[i].w + (g - start[i]) * p[i].rb;
+}
+
+/* rows [g0, g1) of the parts laid end to end, prefetching lead rows ahead, on into [n0, n1) */
+static void gv_range(const gv_part *p, const int64_t *start, int np, int64_t K, const float *x, const xq8 *xq,
+                     int64_t g0, int64_t g1, int64_t n0, int64_t n1, int cold) {
+    int i = 0;
+    for (int64_t g = g0; g < g1;) {
+        while (g >= start[i + 1]) i++;
+        const gv_part *P = p + i;
+        const int64_t r = g - start[i], lead = (HM_PF_DIST + P->rb - 1) / P->rb;
+        const int R = g + 4 <= g1 && g + 4 <= start[i + 1] ? 4 : 1;
+        if (cold && g == g0) {
+            int64_t n = g1 - g0 < lead ? g1 - g0 : lead;
+            n = n < start[i + 1] - g ? n : start[i + 1] - g;
+            prefetch_range(P->w + r * P->rb, n * P->rb);
+        }
+        int64_t gl = g + lead;
+        const uint8_t *pf[2] = {NULL, NULL};
+        if (gl < g1 || (gl = n0 + (gl - g1)) < n1) {   /* prefetches never fault: no bound for row gl + 2 */
+            pf[0] = gv_row(p, start, np, gl);
+            pf[1] = R == 4 ? gv_row(p, start, np, gl + 2) : NULL;
+        }
+        const uint8_t *rows[4] = {P->w + r * P->rb, NULL, NULL, NULL};
+        for (int c = 1; c < R; c++) rows[c] = rows[0] + c * P->rb;
+        float res[16];
+        dot_rows1(P->ti, R, rows, pf, K, x, P->q8 ? xq : NULL, res);
+        for (int c = 0; c < R; c++) P->out[r + c] = res[c];
+        g += R;
+    }
+}
+
+/* out of each part = its rows . x (K columns); xq: room for x quantized (integer-path parts) */
+static void gemv_run(const gv_part *p, int np, int64_t K, const float *x, const xq8 *xq, int nth) {
+    int64_t start[5] = {0};
+    int q8 = 0;
+    for (int i = 0; i < np; i++) { start[i + 1] = start[i] + p[i].n; q8 |= p[i].q8; }
+    if (q8) quant_x8(x, 0, K / 32, xq);
+    const int64_t N = start[np], nc = (N + GV_CHUNK - 1) / GV_CHUNK;
+    int64_t ctr = 0;
+#pragma omp parallel num_threads(nth)
+    {
+        int64_t cur = claim(&ctr), nxt = claim(&ctr);
+        for (int cold = 1; cur < nc; cold = 0, cur = nxt, nxt = claim(&ctr)) {
+            const int64_t g1 = (cur + 1) * GV_CHUNK < N ? (cur + 1) * GV_CHUNK : N;
+            const int64_t n0 = nxt < nc ? nxt * GV_CHUNK : 0;
+            const int64_t n1 = nxt < nc ? (n0 + GV_CHUNK < N ? n0 + GV_CHUNK : N) : 0;
+            gv_range(p, start, np, K, x, xq, cur * GV_CHUNK, g1, n0, n1, cold);
+        }
+    }
+}
+
+static inline float dotf(const float *a, const float *b, int64_t n) {
+#if HM_AVX512
+    if (n % 16 == 0) {
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
+        return _mm512_reduce_add_ps(s);
+    }
+#endif
+    float s = 0;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y = x * w / rms(x) (in place allowed) */
+static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    const float r = 1.0f / sqrtf(dotf(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+/* RoPE on nheads rows of D with this position's cos/sin [D], laid out as ops.rope_tables: NeoX rotates the
+ * two halves, GGUF llama adjacent pairs */
+static void rope_heads(float *x, int64_t nheads, int64_t D, const float *cs, const float *sn, int neox) {
+    for (int64_t h = 0; h < nheads; h++) {
+        float *v = x + h * D;
+        if (neox) {
+            for (int64_t i = 0; i < D / 2; i++) {
+                const float a = v[i], b = v[i + D / 2];
+                v[i] = a * cs[i] - b * sn[i];
+                v[i + D / 2] = b * cs[i + D / 2] + a * sn[i + D / 2];
+            }
+        } else {
+            for (int64_t i = 0; i < D; i += 2) {
+                const float a = v[i], b = v[i + 1];
+                v[i] = a * cs[i] - b * sn[i];
+                v[i + 1] = b * cs[i + 1] + a * sn[i + 1];
+            }
+        }
+    }
+}
+
+/* float -> IEEE half, round to nearest even (as torch's .to(float16)) */
+static inline uint16_t f32_to_fp16(float f) {
+    uint32_t b; memcpy(&b, &f, 4);
+    const uint16_t sign = (uint16_t)((b >> 16) & 0x8000);
+    const uint32_t a = b & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return sign | 0x7E00;                       /* nan */
+    if (a >= 0x477FF000u) return sign | 0x7C00;                      /* rounds to inf */
+    if (a < 0x38800000u) return sign | (uint16_t)rintf(f32_bits(a) * 16777216.0f);   /* subnormal: x 2^24 */
+    return sign | (uint16_t)((a + 0xFFFu + ((a >> 13) & 1) - 0x38000000u) >> 13);
+}
+
+static inline void kv_load(int kvt, const void *base, int64_t off, int64_t D, float *dst) {
+    if (kvt == T_F32) { memcpy(dst, (const float *)base + off, (size_t)D * 4); return; }
+    const uint16_t *s = (const uint16_t *)base + off;
+    if (kvt == T_BF16) { for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(s[d]); return; }
+#if HM_AVX512
+    if (D % 16 == 0) {
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + d))));
+        return;
+    }
+#endif
+    for (int64_t d = 0; d < D; d++) dst[d] = fp16_to_f32(s[d]);
+}
+
+static inline void kv_store(int kvt, void *base, int64_t off, int64_t D, const float *src) {
+    if (kvt == T_F32) { memcpy((float *)base + off, src, (size_t)D * 4); return; }
+    uint16_t *s = (uint16_t *)base + off;
+    for (int64_t d = 0; d < D; d++) s[d] = kvt == T_BF16 ? f32_to_bf16(src[d]) : f32_to_fp16(src[d]);
+}
+
+/* one query token (q [nh, D], roped) against positions [0, P) of layer L's cache -> o [nh, D] */
+static void attend1(const hm_dmodel *m, const hm_dlayer *L, const float *q, int64_t P, float *part, float *o,
+                    int nth) {
+    const int64_t D = m->D, nkv = m->nkv, G = m->nh / m->nkv, S = m->slots, W = D + 2;
+    int64_t nch = (P + 31) / 32;
+    nch = nch < ATT_MAXCH ? nch : ATT_MAXCH;
+    const int64_t CH = (P + nch - 1) / nch;
+    nch = (P + CH - 1) / CH;
+    const int kvt = m->kv_type;
+    const float scale = m->scale;
+#pragma omp parallel num_threads(nth)
+    {
+        float kf[DEC_MAXD], vf[DEC_MAXD];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < nkv * nch; t++) {
+            const int64_t g = t / nch, c = t % nch, p0 = c * CH, p1 = p0 + CH < P ? p0 + CH : P;
+            float *pt = part + t * G * W;               /* per query head j: [max, sum, acc[D]] */
+            for (int64_t j = 0; j < G; j++) {
+                pt[j * W] = -INFINITY;
+                memset(pt + j * W + 1, 0, (size_t)(D + 1) * 4);
+            }
+            for (int64_t p = p0; p < p1; p++) {
+                kv_load(kvt, L->kc, (g * S + p) * D, D, kf);
+                kv_load(kvt, L->vc, (g * S + p) * D, D, vf);
+                for (int64_t j = 0; j < G; j++) {
+                    float *a = pt + j * W, *acc = a + 2;
+                    const float s = dotf(q + (g * G + j) * D, kf, D) * scale;
+                    if (s > a[0]) {                     /* a new max: rescale what was summed */
+                        const float f = expf(a[0] - s);
+                        a[1] *= f;
+                        for (int64_t d = 0; d < D; d++) acc[d] *= f;
+                        a[0] = s;
+                    }
+                    const float e = expf(s - a[0]);
+                    a[1] += e;
+                    for (int64_t d = 0; d < D; d++) acc[d] += e * vf[d];
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < m->nh; h++) {
+            const int64_t g = h / G, j = h % G;
+            float mx = -INFINITY, l = 0;
+            for (int64_t c = 0; c < nch; c++) {
+                const float mc = part[((g * nch + c) * G + j) * W];
+                mx = mc > mx ? mc : mx;
+            }
+            float *oh = o + h * D;
+            memset(oh, 0, (size_t)D * 4);
+            for (int64_t c = 0; c < nch; c++) {
+                const float *a = part + ((g * nch + c) * G + j) * W;
+                const float f = expf(a[0] - mx);
+                l += f * a[1];
+                for (int64_t d = 0; d < D; d++) oh[d] += f * a[2 + d];
+            }
+            const float il = l > 0 ? 1.0f / l : 0.0f;
+            for (int64_t d = 0; d < D; d++) oh[d] *= il;
+        }
+    }
+}
+
+/* softmax over the router's E logits, the top k (ties: lower id), renormalized if asked, times scale */
+static void route_softmax(const float *l, int64_t E, int64_t k, int norm, float scale, int32_t *ids, float *w) {
+    float mx = -INFINITY, sum = 0, sel = 0;
+    for (int64_t e = 0; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+    for (int64_t e = 0; e < E; e++) sum += expf(l[e] - mx);
+    int64_t prev = -1;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if ((prev < 0 || l[e] < l[prev] || (l[e] == l[prev] && e > prev)) && (best < 0 || l[e] > l[best]))
+                best = e;
+        ids[j] = (int32_t)best;                         /* -1 (NaN logits): the expert kernel skips it */
+        w[j] = best < 0 ? 0.0f : expf(l[best] - mx) / sum;
+        sel += w[j];
+        if (best >= 0) prev = best;
+    }
+    for (int64_t j = 0; j < k; j++) w[j] = (norm && sel > 0 ? w[j] / sel : w[j]) * scale;
+}
+
+/* the scratch layout: float buffers of the step, then x quantized; base NULL: only the size */
+typedef struct { float *x, *h, *y, *y2, *qkv, *att, *rl, *ff, *part; xq8 xq; } dec_bufs;
+
+static int64_t dec_layout(const hm_dmodel *m, uint8_t *base, dec_bufs *b) {
+    const int64_t H = m->H, nq = m->nh * m->D, kmax = H > nq ? (H > m->n_ff ? H : m->n_ff) : (nq > m->n_ff ? nq : m->n_ff);
+    const int64_t n[9] = {H, H, H, H, nq + 2 * m->nkv * m->D, nq, m->E > 0 ? m->E : 1, 2 * m->n_ff + 1,
+                          m->nh * ATT_MAXCH * (m->D + 2)};
+    float **dst[9] = {&b->x, &b->h, &b->y, &b->y2, &b->qkv, &b->att, &b->rl, &b->ff, &b->part};
+    int64_t off = 0;
+    for (int i = 0; i < 9; i++) {
+        if (base) *dst[i] = (float *)(base + off);
+        off += (n[i] * 4 + 63) & ~(int64_t)63;
+    }
+    if (base) xq8_init(&b->xq, base + off, kmax);
+    return off + (int64_t)xq8_bytes(kmax) + 64;
+}
+
+int64_t hm_decode_scratch(const hm_dmodel *m) {
+    dec_bufs b;
+    return dec_layout(m, NULL, &b);
+}
+
+/* Decode one token at position pos: logits [n_vocab] = the model on token, its keys and values written to
+ * the cache at pos. cs / sn: RoPE cos and sin [D] of pos. times (NULL: none) += seconds in matrix-vector
+ * products [0], attention [1], routed experts [2]. Returns 0; -1 for a token or position out of range;
+ * the expert kernel's error otherwise. Shapes and types are checked by the caller (cpu_decode.py). */
+int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *cs, const float *sn,
+                   float *logits, double *times) {
+    const int64_t H = m->H, D = m->D, nh = m->nh, nkv = m->nkv, nq = nh * D, nk = nkv * D, S = m->slots;
+    const int nth = m->nthreads > 0 ? m->nthreads : omp_get_max_threads();
+    if (token < 0 || token >= m->embd.rows || pos < 0 || pos >= S || D > DEC_MAXD) return -1;
+    dec_bufs b;
+    dec_layout(m, m->scratch, &b);
+    double t = times ? hm_now() : 0;
+#define LAP(i) do { if (times) { const double t1 = hm_now(); times[i] += t1 - t; t = t1; } } while (0)
+#define UNTIMED() do { if (times) t = hm_now(); } while (0)
+    const int ei = type_index(m->embd.type);
+    deq_scalar(ei, m->embd.w + token * row_bytes(ei, H), 0, (int)H, b.x);
+    for (int64_t l = 0; l < m->n_layer; l++) {
+        const hm_dlayer *L = m->layers + l;
+        float *q = b.qkv, *k = b.qkv + nq, *v = b.qkv + nq + nk;
+        rmsnorm(b.x, L->attn_norm, H, m->eps, b.h);
+        const gv_part pqkv[3] = {gv_mk(&L->q, H, q), gv_mk(&L->k, H, k), gv_mk(&L->v, H, v)};
+        UNTIMED();
+        gemv_run(pqkv, 3, H, b.h, &b.xq, nth);
+        LAP(0);
+        for (int64_t i = 0; L->q_norm && i < nh; i++) rmsnorm(q + i * D, L->q_norm, D, m->eps, q + i * D);
+        for (int64_t i = 0; L->k_norm && i < nkv; i++) rmsnorm(k + i * D, L->k_norm, D, m->eps, k + i * D);
+        rope_heads(q, nh, D, cs, sn, m->neox);
+        rope_heads(k, nkv, D, cs, sn, m->neox);
+        for (int64_t g = 0; g < nkv; g++) {
+            kv_store(m->kv_type, L->kc, (g * S + pos) * D, D, k + g * D);
+            kv_store(m->kv_type, L->vc, (g * S + pos) * D, D, v + g * D);
+        }
+        UNTIMED();
+        attend1(m, L, q, pos + 1, b.part, b.att, nth);
+        LAP(1);
+        const gv_part po = gv_mk(&L->o, nq, b.y);
+        gemv_run(&po, 1, nq, b.att, &b.xq, nth);
+        LAP(0);
+        for (int64_t i = 0; i < H; i++) b.x[i] += b.y[i];
+        rmsnorm(b.x, L->ffn_norm, H, m->eps, b.h);
+        float *ffo = b.y;
+        if (L->router.rows) {
+            int32_t ids[64];
+            float wts[64];
+            const gv_part pr = gv_mk(&L->router, H, b.rl);
+            UNTIMED();
+            gemv_run(&pr, 1, H, b.h, &b.xq, nth);
+            LAP(0);
+            route_softmax(b.rl, L->router.rows, m->k, m->norm_topk, m->wscale, ids, wts);
+            UNTIMED();
+            const int rc = moe_ffn_act(b.h, 1, H, ids, wts, m->k, L->gate_exps.w, L->up_exps.w, L->gate_exps.type,
+                                       m->n_ff_exp, L->router.rows, L->down_exps.w, L->down_exps.type, b.y, nth,
+                                       &ACT_SILU);
+            LAP(2);
+            if (rc) return rc;
+            ffo = b.y2;
+        }
+        if (L->gate.rows) {
+            const int64_t F = L->gate.rows;
+            const gv_part pgu[2] = {gv_mk(&L->gate, H, b.ff), gv_mk(&L->up, H, b.ff + F)};
+            UNTIMED();
+            gemv_run(pgu, 2, H, b.h, &b.xq, nth);
+            for (int64_t i = 0; i < F; i++) b.ff[i] = silu(b.ff[i]) * b.ff[F + i];
+            const gv_part pd = gv_mk(&L->down, F, ffo);
+            gemv_run(&pd, 1, F, b.ff, &b.xq, nth);
+            LAP(0);
+            if (L->router.rows)
+                for (int64_t i = 0; i < H; i++) b.y[i] += b.y2[i];
+        }
+        for (int64_t i = 0; i < H; i++) b.x[i] += b.y[i];
+    }
+    rmsnorm(b.x, m->out_norm, H, m->eps, b.h);
+    const gv_part ph = gv_mk(&m->head, H, logits);
+    UNTIMED();
+    gemv_run(&ph, 1, H, b.h, &b.xq, nth);
+    LAP(0);
+#undef LAP
+#undef UNTIMED
+    return 0;
+}
+
 /* ------------------------------------------------------------------ info */
 
 int hm_type_supported(int id) { return type_index(id) >= 0; }

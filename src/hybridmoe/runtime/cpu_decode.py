@@ -1,0 +1,200 @@
+"""Token generation with every weight in host RAM: one C call a token (kernels/cpu_moe.c, hm_decode_step).
+
+The eager path runs a decode step as ~25 torch ops and scheduler calls a layer: for Qwen3-30B-A3B's 48
+layers that was ~18 ms of Python a token next to ~45 ms of kernels (docs/benchmarks.md, `cpuprof`). Here
+the whole step, embedding to logits, is one ctypes call over structs built once: norms, RoPE, the cache
+write and attention in C, the matrix-vector products and the experts by the same kernels the eager path
+calls. It runs where the placement has every weight the step reads and the KV cache on the CPU (`-ngl 0`,
+or no GPU), for the decoders of models/decoder.py without MLA; elsewhere the eager path (or the GPU's
+static step, graphs.py) runs.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..kernels import cpu
+from ..quant.types import GGMLType, block_size
+from .kvcache import CACHE_DTYPES
+from .ops import rope_tables
+
+c_i64, c_i32, c_f32, c_vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class NotApplicable(Exception):
+    """This model or placement has no CPU decode step; the eager path runs."""
+
+
+class _Mat(ctypes.Structure):
+    _fields_ = [("w", c_vp), ("rows", c_i64), ("type", c_i32), ("pad", c_i32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(n, c_vp) for n in ("attn_norm", "q_norm", "k_norm", "ffn_norm")] + \
+               [(n, _Mat) for n in ("q", "k", "v", "o")] + [("kc", c_vp), ("vc", c_vp)] + \
+               [(n, _Mat) for n in ("router", "gate_exps", "up_exps", "down_exps", "gate", "up", "down")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, c_i64) for n in ("n_layer", "H", "nh", "nkv", "D", "slots", "E", "k", "n_ff_exp", "n_ff")] + \
+               [(n, c_i32) for n in ("kv_type", "neox", "norm_topk", "nthreads")] + \
+               [(n, c_f32) for n in ("eps", "scale", "wscale", "pad")] + \
+               [("out_norm", c_vp), ("embd", _Mat), ("head", _Mat), ("layers", ctypes.POINTER(_Layer)),
+                ("scratch", c_vp)]
+
+
+_KV_TYPES = {"f32": int(GGMLType.F32), "f16": int(GGMLType.F16), "bf16": int(GGMLType.BF16)}
+_ROPE_BLOCK = 256                                   # positions per cached block of cos/sin
+
+
+def _lib():
+    lib = cpu._load()
+    if lib is None:
+        raise NotApplicable("the C kernels are unavailable")
+    if not getattr(lib, "_decode_ready", False):
+        lib.hm_decode_scratch.argtypes = [ctypes.POINTER(_Model)]
+        lib.hm_decode_scratch.restype = c_i64
+        lib.hm_decode_step.argtypes = [ctypes.POINTER(_Model), c_i64, c_i64, c_vp, c_vp, c_vp, c_vp]
+        lib.hm_decode_step.restype = c_i32
+        lib._decode_ready = True
+    return lib
+
+
+class CpuDecoder:
+    """The static decode step of an all-CPU placement: step(token, pos) -> logits [1, n_vocab]."""
+
+    def __init__(self, model, kv):
+        dec, cfg, sched = model.decoder, model.cfg, model.sched
+        if any(L.mla for L in dec.layers):
+            raise NotApplicable("multi-head latent attention (deepseek2) decodes eagerly")
+        if cfg.expert_gating != "softmax":
+            raise NotApplicable(f"{cfg.expert_gating} expert gating decodes eagerly")
+        if kv.type_k != kv.type_v or kv.type_k not in _KV_TYPES:
+            raise NotApplicable(f"a {kv.type_k}/{kv.type_v} KV cache decodes eagerly")
+        if any(n != kv.n_ctx for n in kv.slots) or any(d.kind != "cpu" for d in kv.devs):
+            raise NotApplicable("a sliding-window or GPU KV cache")
+        D, H = cfg.head_dim, cfg.n_embd
+        if D > 1024 or D % 2 or cfg.n_expert_used > 64:
+            raise NotApplicable(f"head size {D} / {cfg.n_expert_used} experts a token")
+        lib = _lib()
+        self.model, self.cfg, self.kv, self.sched = model, cfg, kv, sched
+        self.keep = []                                # every tensor the structs point into
+        self.used = []                                # the QTensors the step reads
+
+        def mat(w, cols):
+            if w is None:
+                return _Mat(None, 0, 0, 0)
+            self._check(w, cols)
+            return _Mat(w.raw.data_ptr(), w.shape[0] if len(w.shape) == 2 else w.shape[0] * w.shape[1], int(w.qtype))
+
+        def vec(w, n):
+            if w is None:
+                return None
+            self._check(w, None)
+            t = w.dequant(torch.float32).reshape(-1).contiguous()
+            if t.numel() != n:
+                raise NotApplicable(f"{w.name} has {t.numel()} values, not {n}")
+            self.keep.append(t)
+            return t.data_ptr()
+
+        layers = (_Layer * cfg.n_layer)()
+        n_ff = n_ff_exp = 0
+        for i, L in enumerate(dec.layers):
+            if getattr(L, "exp_probs_b", None) is not None or any(
+                    getattr(L, b, None) is not None for b in ("attn_q_b", "attn_qkv_b", "attn_output_b")):
+                raise NotApplicable(f"layer {i} has biases")
+            S = layers[i]
+            S.attn_norm, S.ffn_norm = vec(L.attn_norm, H), vec(L.ffn_norm, H)
+            S.q_norm, S.k_norm = vec(L.attn_q_norm, D), vec(L.attn_k_norm, D)
+            S.q, S.k, S.v = mat(L.attn_q, H), mat(L.attn_k, H), mat(L.attn_v, H)
+            S.o = mat(L.attn_output, cfg.n_head * D)
+            if (S.q.rows, S.k.rows, S.v.rows) != (cfg.n_head * D, cfg.n_head_kv * D, cfg.n_head_kv * D):
+                raise NotApplicable(f"layer {i}: q/k/v rows {S.q.rows}/{S.k.rows}/{S.v.rows}")
+            S.kc, S.vc = kv.k[i].data_ptr(), kv.v[i].data_ptr()
+            if L.ffn_gate_inp is not None:
+                S.router = mat(L.ffn_gate_inp, H)
+                S.gate_exps, S.up_exps, S.down_exps = (mat(L.ffn_gate_exps, H), mat(L.ffn_up_exps, H),
+                                                       mat(L.ffn_down_exps, L.ffn_down_exps.shape[-1]))
+                n_ff_exp = L.ffn_gate_exps.shape[1]
+                if not cpu._experts_ok(L.ffn_gate_exps.raw, L.ffn_up_exps.raw, L.ffn_down_exps.raw,
+                                       S.gate_exps.type, S.down_exps.type, H) or \
+                        L.ffn_gate_exps.shape[0] != S.router.rows:
+                    raise NotApplicable(f"layer {i}: expert tensors the kernel can't take")
+                shared = (L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp) if L.ffn_gate_shexp is not None else None
+            else:
+                shared = (L.ffn_gate, L.ffn_up, L.ffn_down)
+            if shared is not None:
+                g, u, d = shared
+                S.gate, S.up, S.down = mat(g, H), mat(u, H), mat(d, g.shape[0])
+                n_ff = max(n_ff, g.shape[0])
+        m = self.m = _Model()
+        m.n_layer, m.H, m.nh, m.nkv, m.D, m.slots = cfg.n_layer, H, cfg.n_head, cfg.n_head_kv, D, kv.n_ctx
+        m.E, m.k, m.n_ff_exp, m.n_ff = cfg.n_expert, cfg.n_expert_used, n_ff_exp, n_ff
+        m.kv_type, m.neox, m.norm_topk = _KV_TYPES[kv.type_k], int(cfg.rope_neox), int(cfg.norm_topk_prob)
+        m.nthreads = sched.n_threads or torch.get_num_threads()
+        m.eps, m.scale, m.wscale = cfg.rms_eps, D ** -0.5, cfg.expert_weights_scale
+        m.out_norm = vec(dec.output_norm, H)
+        m.embd, m.head = mat(dec.token_embd, H), mat(dec.output, H)
+        self.layers = layers
+        m.layers = layers
+        self.scratch = torch.empty(lib.hm_decode_scratch(ctypes.byref(m)), dtype=torch.uint8)
+        m.scratch = self.scratch.data_ptr()
+        self.n_vocab = m.head.rows
+        self.lib, self.mp = lib, ctypes.byref(m)
+        self.times = (ctypes.c_double * 3)()
+        self.rope = (-_ROPE_BLOCK - 1, None)      # (first position, (cos, sin)) of the cached block
+        self.worked = False
+        ek = [L for L in dec.layers if L.ffn_gate_inp is not None]
+        # bytes the routed experts read a token: k experts of each MoE layer
+        self.expert_bytes = sum(cfg.n_expert_used * (L.ffn_gate_exps.nbytes + L.ffn_up_exps.nbytes +
+                                                     L.ffn_down_exps.nbytes) // L.ffn_gate_exps.shape[0] for L in ek)
+        self.n_moe = len(ek)
+        self.gemvs = sum(3 + (L.ffn_gate_inp is not None) + 2 * (L.ffn_gate_inp is None or L.ffn_gate_shexp is not None)
+                         for L in dec.layers) + 1
+
+    def _check(self, w, cols):
+        if w.device.kind != "cpu" or w.split:
+            raise NotApplicable(f"{w.name} is on {w.device.name}")
+        if int(w.qtype) not in cpu.KERNEL_TYPES:
+            raise NotApplicable(f"{w.name}: no CPU kernel for {w.qtype.name}")
+        if cols is not None and (w.shape[-1] != cols or cols % 32 or cols % block_size(w.qtype)
+                                 or w.raw.dtype != torch.uint8 or not w.raw.is_contiguous()):
+            raise NotApplicable(f"{w.name}: shape {tuple(w.shape)}, {cols} columns expected")
+        self.used.append(w)
+
+    def _cos_sin(self, pos: int):
+        start, tabs = self.rope
+        if not 0 <= pos - start < _ROPE_BLOCK:
+            start = pos - pos % _ROPE_BLOCK
+            cfg = self.cfg
+            cos, sin = rope_tables(torch.arange(start, start + _ROPE_BLOCK), cfg.head_dim, cfg.rope_base,
+                                   cfg.rope_neox, cfg.rope_yarn)
+            tabs = (cos[:, 0].contiguous(), sin[:, 0].contiguous())
+            self.rope = (start, tabs)
+        return tabs[0][pos - start], tabs[1][pos - start]
+
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        """One decode step: the KV cache gets position pos; returns logits [1, n_vocab] float32."""
+        self.kv.check_fits(pos, 1)
+        if not 0 <= token < self.m.embd.rows:
+            raise ValueError(f"token id {token} is not in the vocabulary (0..{self.m.embd.rows - 1})")
+        st = self.sched.stats
+        cos, sin = self._cos_sin(pos)
+        out = torch.empty(1, self.n_vocab, dtype=torch.float32)
+        t = self.times
+        rc = self.lib.hm_decode_step(self.mp, token, pos, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t)
+        if rc:
+            raise RuntimeError(f"the CPU decode step failed (kernel error {rc})")
+        st.forwards += 1
+        st.tokens += 1
+        st.cpu_expert_bytes += self.expert_bytes
+        st.cpu_expert_seconds += t[2]
+        for i, (op, calls) in enumerate((("mul_mat", self.gemvs), ("attention", self.cfg.n_layer),
+                                         ("moe_up_gate", self.n_moe))):
+            if calls:
+                rec = st.ops[(op, "CPU")]
+                rec[0] += calls
+                rec[1] += t[i] if st.profile else 0.0
+            t[i] = 0.0
+        return out
