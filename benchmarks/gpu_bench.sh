@@ -83,6 +83,11 @@ for s in "$@"; do
                hm run -m $M -ngl 0 -n 48 -p "word word" --temp 0 $G 2>&1 | grep "eval time" | tail -1; done
              B -ngl 0 -p 0 -n 64 -r 3 --roofline
              hm run -m $M -ngl 0 -n 32 -p "word" --temp 0 --profile 2>&1 | tail -10 ;;
+    cpuonly) echo "### CUDA_VISIBLE_DEVICES= (no GPU)"
+             CUDA_VISIBLE_DEVICES= python3 -m hybridmoe.cli bench -m $M -ngl 0 -p 512 -n 64 -r 2 --roofline 2>&1 | grep -E "pp512|tg64"
+             CUDA_VISIBLE_DEVICES= python3 -m hybridmoe.cli run -m $M -n 8 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -12 ;;
+    ngl0pp) B -ngl 0 -p 512 -n 0 -r 2 --roofline
+            hm run -m $M -ngl 0 -n 4 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -14 ;;
     profile) hm run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -22 ;;
     sweep) for P in "-ngl 99" "-ngl 99 -ot exps=CPU" "-ngl 99 --n-cpu-moe 24"; do
              echo "### hybridmoe sweep-bench -m $M $P -c 4096 -ub 1024 -n 128"

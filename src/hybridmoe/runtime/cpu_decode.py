@@ -132,7 +132,6 @@ class CpuDecoder:
         m.n_layer, m.H, m.nh, m.nkv, m.D, m.slots = cfg.n_layer, H, cfg.n_head, cfg.n_head_kv, D, kv.n_ctx
         m.E, m.k, m.n_ff_exp, m.n_ff = cfg.n_expert, cfg.n_expert_used, n_ff_exp, n_ff
         m.kv_type, m.neox, m.norm_topk = _KV_TYPES[kv.type_k], int(cfg.rope_neox), int(cfg.norm_topk_prob)
-        m.nthreads = sched.n_threads or torch.get_num_threads()
         m.eps, m.scale, m.wscale = cfg.rms_eps, D ** -0.5, cfg.expert_weights_scale
         m.out_norm = vec(dec.output_norm, H)
         m.embd, m.head = mat(dec.token_embd, H), mat(dec.output, H)
@@ -183,6 +182,7 @@ class CpuDecoder:
         cos, sin = self._cos_sin(pos)
         out = torch.empty(1, self.n_vocab, dtype=torch.float32)
         t = self.times
+        self.m.nthreads = self.sched.n_threads or torch.get_num_threads()     # bench -t changes it between runs
         rc = self.lib.hm_decode_step(self.mp, token, pos, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t)
         if rc:
             raise RuntimeError(f"the CPU decode step failed (kernel error {rc})")
