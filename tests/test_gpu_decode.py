@@ -140,6 +140,20 @@ def test_decode_attention(nh, nkv, n_ctx, pos, dt):
     assert rel_l2(out, ref) < (2e-3 if dt == torch.float32 else 1e-2)
 
 
+def test_attention_writes_its_output_in_int8_terms():
+    """attention(q8_out=) = quant_x8 of its output (computed from the float32 values, not the bf16 ones)."""
+    nh, nkv, D, n_ctx, pos = 8, 2, 64, 300, 270
+    g = _gen(11)
+    q = torch.randn(nh, D, generator=g, device=DEV)
+    kc, vc = (torch.randn(nkv, n_ctx, D, generator=g, device=DEV).half() for _ in range(2))
+    p = torch.tensor([pos], device=DEV)
+    xq = gd.x8_buffers(1, nh * D, DEV)
+    out = gd.attention(q, kc, vc, p, D ** -0.5, out_dtype=torch.float32, q8_out=xq)
+    assert torch.equal(out, gd.attention(q, kc, vc, p, D ** -0.5, out_dtype=torch.float32))
+    for got, want in zip(xq, gd.quant_x8(out)):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("neox,norm,n_ctx,pos", [(True, True, 40, 29), (False, False, 300, 256), (False, True, 600, 511),
                                                   (True, True, 40, 0)])
 def test_attention_with_rope_fused(neox, norm, n_ctx, pos):
@@ -165,21 +179,25 @@ def test_attention_with_rope_fused(neox, norm, n_ctx, pos):
 
 
 def test_handoff_kernels(monkeypatch):
-    """publish copies a device row into pinned host memory, then sets a host flag to the step.
-    add_rms_norm(wait=) adds a row from pinned host memory once the host's flag equals the step (on a GPU:
-    it really waits), and sets err after too many polls instead of hanging."""
+    """router_topk(publish=) copies the packed row [h | weights | ids] into pinned host memory, then sets a
+    host flag to the step. add_rms_norm(wait=) adds a row from pinned host memory once the host's flag
+    equals the step (on a GPU: it really waits), and sets err after too many polls instead of hanging."""
     cuda = DEV == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def host(*shape, dtype=torch.float32):
         return torch.zeros(*shape, dtype=dtype, pin_memory=cuda)
-    H = 3000                                            # three blocks of publish's copy loop
-    src = torch.randn(H, generator=_gen(3), device=DEV)
-    dst, flag, err = host(H), host(16, dtype=torch.int32), host(1, dtype=torch.int32)
+    H, E, k = 3000, 16, 4                               # three blocks of the row's copy loop
+    packed = torch.randn(1, H + 2 * k, generator=_gen(3), device=DEV)
+    logits = torch.randn(1, E, generator=_gen(6), device=DEV)
+    dst, flag, err = host(H + 2 * k), host(16, dtype=torch.int32), host(1, dtype=torch.int32)
     step = torch.full((1,), 5, dtype=torch.int32, device=DEV)
-    gd.publish(src, dst, flag, step)
+    wts, ids = gd.router_topk(logits, k, True, packed=packed, pack_offset=H, publish=(dst, flag, step))
     sync()
-    assert torch.equal(dst, src.cpu()) and int(flag[0]) == 5
+    assert int(flag[0]) == 5 and torch.equal(dst, packed[0].cpu())
+    assert torch.equal(dst[H:H + k], wts[0].cpu()) and torch.equal(dst[H + k:], ids[0].float().cpu())
+    src = packed[0, :H]
+    dst = dst[:H]
     a, w = torch.randn(1, H, generator=_gen(4), device=DEV), torch.rand(H, generator=_gen(5), device=DEV) + 0.5
     x_out = torch.empty_like(a)
 

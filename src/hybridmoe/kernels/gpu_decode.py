@@ -9,11 +9,12 @@ read. Here a layer is about ten kernels:
   qk_rope_cache  q/k RMSNorm + RoPE at the position held in a device tensor, k and v into the cache (for a
                  prompt's tokens too: the eager prefill uses it)
   attention      flash-decoding: splits of the cache up to the current position only, then one merge
-  router_topk    softmax, top-k, renormalisation (ids as int32, and as floats for the CPU hand-off)
+                 (which also writes the output in int8 terms for the output projection's dp4a GEMV)
+  router_topk    softmax, top-k, renormalisation (ids as int32, and as floats for the CPU hand-off); when
+                 the experts are on the CPU it also writes the packed row and a flag into pinned host memory
+                 (the next segment's add_rms_norm(wait=) polls the CPU's flag, reads its output from there)
   moe_gate_up    SiLU(gate) * up of each selected expert straight from its Q4_0/Q8_0 bytes
   moe_down       down of each selected expert from its bytes, weighted (the next add_rms_norm sums them)
-  publish        (experts on the CPU) the router's packed row and a flag into pinned host memory; the next
-                 segment's add_rms_norm(wait=) polls the CPU's flag and reads its output from host memory
 
 plus the dense projections (cuBLAS, bf16). Every kernel reads its position from device memory, so one
 CUDA graph serves every step. Each kernel is checked against the torch path (tests/test_gpu_decode.py,
@@ -193,8 +194,10 @@ if triton is not None:
             tl.store(l_part + row, l_i, mask=gm)
 
     @triton.jit
-    def _attn_merge_kernel(o_part, m_part, l_part, pos, out, chunk, n_split,
-                           G: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):
+    def _attn_merge_kernel(o_part, m_part, l_part, pos, out, chunk, n_split, q1, q2, xs, xc, K,
+                           G: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, Q8: tl.constexpr):
+        """Query head qh's output from its splits; Q8: also in two int8 terms (_quant_blocks), as the output
+        projection's gemv8 reads it (one quant_x8 launch less)."""
         qh = tl.program_id(0)
         h = qh // G
         g = qh % G
@@ -216,12 +219,32 @@ if triton is not None:
             lsum += w * tl.load(l_part + row, mask=sm, other=0)
             o = tl.load(o_part + row[:, None] * D + d[None, :], mask=sm[:, None], other=0)
             acc += tl.sum(w[:, None] * o, axis=0)
-        tl.store(out + qh * D + d, (acc / tl.sum(lsum, axis=0)).to(out.dtype.element_ty))
+        v = acc / tl.sum(lsum, axis=0)
+        tl.store(out + qh * D + d, v.to(out.dtype.element_ty))
+        if Q8:
+            _quant_blocks(tl.reshape(v, (D // 32, 32)), qh * (D // 32) + tl.arange(0, D // 32), 0, K,
+                          q1, q2, xs, xc)
 
     @triton.jit
-    def _router_topk_kernel(logits, wts, ids, packed, E, pk_stride, pk_off,
+    def _flag_after_writes(flag, step, EMU: tl.constexpr):
+        """flag[0] = step[0] once the host can see every write this program made before: each thread fences
+        its writes at system scope, the block syncs, then one store. Launch with num_warps=4 (one element
+        a thread)."""
+        z = tl.arange(0, 128)
+        v = tl.load(step + z * 0)
+        if not EMU:
+            v = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+        tl.debug_barrier()
+        tl.store(flag + z * 0, v, mask=z == 0)
+
+    @triton.jit
+    def _router_topk_kernel(logits, wts, ids, packed, E, pk_stride, pk_off, dst, flag, step,
                             K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                            NORM: tl.constexpr, PACK: tl.constexpr):
+                            NORM: tl.constexpr, PACK: tl.constexpr, PUB: tl.constexpr, BN: tl.constexpr,
+                            EMU: tl.constexpr):
+        """PUB (one row, with PACK): then [packed row[:pk_off] | weights | ids as floats] into dst (pinned host
+        memory) and flag[0] = step[0] once the host can see it: the CPU hand-off, in this launch."""
         t = tl.program_id(0)
         i = tl.arange(0, BE)
         m = i < E
@@ -245,22 +268,14 @@ if triton is not None:
         if PACK:                                       # [h | weights | ids as floats] for the CPU hand-off
             tl.store(packed + t * pk_stride + pk_off + j, wv, mask=jm)
             tl.store(packed + t * pk_stride + pk_off + K + j, iv.to(tl.float32), mask=jm)
-
-    @triton.jit
-    def _publish_kernel(src, dst, flag, step, N, BN: tl.constexpr, EMU: tl.constexpr):
-        """dst[:N] = src[:N] (device -> pinned host memory), then flag[0] = step[0] once the host can see
-        every element: each thread fences its writes at system scope, the block syncs, then one store."""
-        o = tl.arange(0, BN)
-        for i in range(0, N, BN):
-            m = i + o < N
-            tl.store(dst + i + o, tl.load(src + i + o, mask=m), mask=m)
-        z = tl.arange(0, 128)                          # one element a thread (4 warps): one fence each
-        v = tl.load(step + z * 0)
-        if not EMU:
-            v = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32,
-                                          is_pure=False, pack=1)
-        tl.debug_barrier()
-        tl.store(flag + z * 0, v, mask=z == 0)
+            if PUB:
+                o = tl.arange(0, BN)
+                for i in range(0, pk_off, BN):
+                    m = i + o < pk_off
+                    tl.store(dst + i + o, tl.load(packed + i + o, mask=m), mask=m)
+                tl.store(dst + pk_off + j, wv, mask=jm)
+                tl.store(dst + pk_off + K + j, iv.to(tl.float32), mask=jm)
+                _flag_after_writes(flag, step, EMU)
 
     @triton.jit
     def _qdot(wrow, row_stride, n, nm, xp, K, QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
@@ -573,12 +588,13 @@ def qk_rope_cache(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, n_head, n_head_kv,
     return q
 
 
-def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None):
+def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None, q8_out=None):
     """Decode attention of q [nh, D] over cache positions 0..pos of kc/vc [nkv, n_ctx, D]: [1, nh * D].
 
     rope=(qkv, q_norm, k_norm, cos, sin, n_head, eps, neox): q is None and the query comes from the fused
     qkv row [1, (nh + 2 nkv) D], normed and roped here, and this position's key/value are computed and
-    written to the cache by the same launch (qk_rope_cache + attention in one kernel less)."""
+    written to the cache by the same launch (qk_rope_cache + attention in one kernel less).
+    q8_out (x8_buffers(1, nh * D), D a multiple of 32): the output in two int8 terms too, as quant_x8."""
     nkv, n_ctx, D = kc.shape
     nh = q.shape[0] if rope is None else rope[5]
     G = nh // nkv
@@ -604,29 +620,30 @@ def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None):
                                              ROPE=rope is not None, NEOX=neox, HAS_NORM=has_norm)
     out = torch.empty(1, nh * D, dtype=out_dtype, device=dev)
     with on_device(kc):
-        _attn_merge_kernel[(nh,)](o_part, m_part, l_part, pos, out, chunk, n_split, G=G, D=D, SB=16)
+        _attn_merge_kernel[(nh,)](o_part, m_part, l_part, pos, out, chunk, n_split,
+                                  *(q8_out if q8_out is not None else (out,) * 4), nh * D,
+                                  G=G, D=D, SB=16, Q8=q8_out is not None)
     return out
 
 
-def router_topk(logits, k: int, norm: bool, packed=None, pack_offset: int = 0):
+def router_topk(logits, k: int, norm: bool, packed=None, pack_offset: int = 0, publish=None):
     """Softmax + top-k (+ renormalisation) of logits [T, E]: (weights float32 [T, k], ids int32 [T, k]).
-    With `packed`, also writes weights and ids (as floats) at packed[:, pack_offset:]."""
+    With `packed`, also writes weights and ids (as floats) at packed[:, pack_offset:].
+    publish=(dst, flag, step) (T = 1, with packed): then the whole packed row also goes to dst (pinned host
+    memory) and flag[0] (pinned int32) becomes step[0] (device int32) once the host can see it: the
+    router's launch hands the row to the CPU (cpu.handoff_call polls the flag)."""
     T, E = logits.shape
     wts = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
+    if publish is not None and (packed is None or T != 1):
+        raise ValueError("router_topk(publish=) takes one row and its packed buffer")
+    dst, flag, step = publish if publish is not None else (wts, ids, ids)
     with on_device(logits):
         _router_topk_kernel[(T,)](logits, wts, ids, packed if packed is not None else wts, E,
-                                  packed.stride(0) if packed is not None else 0, pack_offset,
-                                  K=k, KP=_pow2(k), BE=_pow2(E), NORM=norm, PACK=packed is not None)
+                                  packed.stride(0) if packed is not None else 0, pack_offset, dst, flag, step,
+                                  K=k, KP=_pow2(k), BE=_pow2(E), NORM=norm, PACK=packed is not None,
+                                  PUB=publish is not None, BN=1024, EMU=_INTERPRET, num_warps=4)
     return wts, ids
-
-
-def publish(src, dst, flag, step):
-    """Stream-ordered device -> host hand-off: copy src (device) into dst (pinned host memory), then set
-    flag[0] (pinned int32) to step[0] (device int32) once dst is visible to the host, which polls the flag
-    (cpu.handoff_call). Both tensors flat, same length; one small launch, capturable in a CUDA graph."""
-    with on_device(step):
-        _publish_kernel[(1,)](src, dst, flag, step, src.numel(), BN=1024, EMU=_INTERPRET, num_warps=4)
 
 
 _DISABLED: set = set()                                  # types whose MoE kernels failed to build on this GPU

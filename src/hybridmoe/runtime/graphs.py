@@ -216,11 +216,12 @@ class StaticDecoder:
         return x + X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), None
 
     # -- the step with the fused kernels: ~10 launches a layer ------------------------------------------
-    def _layer_fast(self, i, lay, x, addend, wait=None):
+    def _layer_fast(self, i, lay, x, addend, wait=None, publish=None):
         """Layer i on x (+ addend: rows to add first, the CPU experts' output or the k weighted GPU expert
         rows; wait: addend is in pinned memory, ready when the host sets a flag, see add_rms_norm). Returns
         (x, addend for the next layer, whether the CPU takes the experts from the GPU's packed buffer, with
-        the residual in its resid buffer)."""
+        the residual in its resid buffer). publish: (host row, flag, step) where the router hands that
+        buffer to the CPU itself (the polled hand-off)."""
         cfg = self.cfg
         eps, H, k = cfg.rms_eps, cfg.n_embd, cfg.n_expert_used
         ds = self.ds[self.ldev[i].name]
@@ -235,17 +236,18 @@ class StaticDecoder:
         else:
             qkv = hb @ lay["wqkv"].t()
         kc, vc = self.kv.k[i], self.kv.v[i]
+        oq = gd.x8_buffers(1, cfg.n_head * cfg.head_dim, x.device) if "o8" in lay else None
         o = gd.attention(None, kc, vc, ds.pos, cfg.head_dim ** -0.5, out_dtype=self.cdt,   # q/k norm + RoPE +
                          rope=(qkv, lay["q_norm"], lay["k_norm"], ds.cos, ds.sin, cfg.n_head, eps,  # KV write
-                               cfg.rope_neox))                                                    # fused in
+                               cfg.rope_neox), q8_out=oq)                                         # fused in
         cpu = bool(lay.get("cpu_experts"))
         x2 = ds.resid if cpu else torch.empty_like(x)
         exps = None if cpu or "dense" in lay else lay["exps"]
         xq = gd.x8_buffers(x.shape[0], H, x.device) if exps and exps[0].split else None   # the MoE's int8 x
         router = lay.get("router")
         h2 = torch.empty_like(x, dtype=router.dtype) if router is not None and router.dtype != x.dtype else None
-        ob = gd.gemv8(gd.quant_x8(o), lay["o8"], lay["q8type"][1], o.shape[1], hb.new_empty(1, H)) \
-            if "o8" in lay else o @ lay["wo"].t()
+        ob = gd.gemv8(oq, lay["o8"], lay["q8type"][1], o.shape[1], hb.new_empty(1, H)) if oq is not None \
+            else o @ lay["wo"].t()
         _, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=ob, x_out=x2,
                                h_out=ds.packed[:, :H] if cpu else None, q8_out=xq, h2_out=h2)
         if "dense" in lay:
@@ -253,7 +255,8 @@ class StaticDecoder:
             hc = h.to(self.cdt)
             return x2, ((F.silu(hc @ g.t()) * (hc @ u.t())) @ d.t()).float(), False
         logits = (h2 if h2 is not None else h) @ router.t()                # top-k reads bf16 logits as they are
-        wts, ids = gd.router_topk(logits, k, cfg.norm_topk_prob, packed=ds.packed if cpu else None, pack_offset=H)
+        wts, ids = gd.router_topk(logits, k, cfg.norm_topk_prob, packed=ds.packed if cpu else None, pack_offset=H,
+                                  publish=publish if cpu else None)
         if cpu:
             return x2, None, True
         g, u, d = exps
@@ -270,13 +273,12 @@ class StaticDecoder:
         if hk is not None and s - 1 in hk.slot:         # the first kernel waits for the CPU experts' output
             j = hk.slot[s - 1]
             addend, wait = hk.out[j:j + 1], (hk.done[j], hk.step, hk.err)
+        # the polled hand-off: the router of the segment's last layer writes [h | weights | ids] for the CPU
+        pub = (hk.packed[hk.slot[s]], hk.ready[hk.slot[s]], hk.step) if hk is not None and s in hk.slot else None
         for i in range(seg.a, seg.b):
-            x, addend, to_cpu = self._layer_fast(i, self.layers[i], x, addend, wait)
+            x, addend, to_cpu = self._layer_fast(i, self.layers[i], x, addend, wait, pub if i == seg.b - 1 else None)
             wait = None
             if to_cpu:
-                if hk is not None:                      # hand [h | weights | ids] to the CPU
-                    j = hk.slot[s]
-                    gd.publish(ds.packed, hk.packed[j], hk.ready[j], hk.step)
                 return
         if seg.kind == "move":                        # the residual (with the last layer's FFN rows) leaves
             xmove = self.ds[seg.dev.name].xmove
@@ -359,7 +361,7 @@ class StaticDecoder:
 
     def _step_polled(self, st):
         """The segments of one step on one GPU with every hand-off polled in pinned memory: the GPU publishes
-        a CPU-expert layer's [h | weights | ids] and a flag (gd.publish), the C kernel spins on the flag, runs
+        a CPU-expert layer's [h | weights | ids] and a flag (gd.router_topk(publish=)), the C kernel spins on the flag, runs
         the experts, and sets a flag of its own, which the next segment's first kernel spins on
         (gd.add_rms_norm(wait=)). Segment s + 1 is enqueued before the CPU works on segment s, so no Python, launch
         or synchronization sits between the two devices; both flags carry the step's number."""
