@@ -88,6 +88,13 @@ for s in "$@"; do
              CUDA_VISIBLE_DEVICES= python3 -m hybridmoe.cli run -m $M -n 8 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -12 ;;
     ngl0pp) B -ngl 0 -p 512 -n 0 -r 2 --roofline
             hm run -m $M -ngl 0 -n 4 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -14 ;;
+    oldnew) # A/B against an older tree: bench_old/src (untracked: git archive OLD src | tar -x -C bench_old)
+            for V in old new old new; do
+              P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"
+              for PL in "-ngl 99" "-ngl 99 --n-cpu-moe 24" "-ngl 99 -ot exps=CPU"; do
+                echo "### $V: $PL"
+                PYTHONPATH="$P:/tmp/hm-site" python3 -m hybridmoe.cli bench -m $M $PL -p 0 -n 128 -r 3 --roofline 2>&1 | grep tg128
+              done; done ;;
     profile) hm run -m $M -ngl 99 -ot exps=CPU -n 16 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -22 ;;
     sweep) for P in "-ngl 99" "-ngl 99 -ot exps=CPU" "-ngl 99 --n-cpu-moe 24"; do
              echo "### hybridmoe sweep-bench -m $M $P -c 4096 -ub 1024 -n 128"
