@@ -271,8 +271,8 @@ if triton is not None:
             if PUB:
                 o = tl.arange(0, BN)
                 for i in range(0, pk_off, BN):
-                    m = i + o < pk_off
-                    tl.store(dst + i + o, tl.load(packed + i + o, mask=m), mask=m)
+                    om = i + o < pk_off
+                    tl.store(dst + i + o, tl.load(packed + i + o, mask=om), mask=om)
                 tl.store(dst + pk_off + j, wv, mask=jm)
                 tl.store(dst + pk_off + K + j, iv.to(tl.float32), mask=jm)
                 _flag_after_writes(flag, step, EMU)
