@@ -91,7 +91,8 @@ for s in "$@"; do
     oldnew) # A/B against an older tree: bench_old/src (untracked: git archive OLD src | tar -x -C bench_old)
             for V in old new old new; do
               P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"
-              for PL in ${OLDNEW:-"-ngl 99" "-ngl 99 --n-cpu-moe 24"}; do
+              for PL in "-ngl 99" "-ngl 99 --n-cpu-moe 24" "-ngl 99 -ot exps=CPU"; do
+                [ -n "$OLDNEW" ] && [[ "$PL" != *"$OLDNEW"* ]] && continue
                 echo "### $V: $PL"
                 PYTHONPATH="$P:/tmp/hm-site" python3 -m hybridmoe.cli bench -m $M $PL -p 0 -n 128 -r 3 --roofline 2>&1 | grep tg128
               done; done ;;
