@@ -30,7 +30,7 @@ for s in "$@"; do
               HYBRIDMOE_KERNEL_CFLAGS="$F" python3 benchmarks/bench_kernels.py --types Q4_0 --batches 1,8d --layers 8 2>&1 | tail -3; done ;;
     segkernels) python3 benchmarks/profile_decode.py segkernels 2>&1 | cut -c1-180 ;;
     htests) timeout 400 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py tests/test_cpu_kernels.py \
-                -k "handoff or real_gpu or cuda_graph or gemv8 or split_row" -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
+                -k "handoff or real_gpu or cuda_graph or gemv8 or split_row or router or static" -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
     dense) python3 benchmarks/bench_moe_decode.py --dense Q8_0 2>&1 | tail -8 ;;
     gemvab) for V in 0 1 0 1; do echo "### HYBRIDMOE_GEMV8=$V"
               HYBRIDMOE_GEMV8=$V python3 -m hybridmoe.cli bench -m $M -ngl 99 -p 0 -n 128 -r 3 2>&1 | grep -E "tg128"
