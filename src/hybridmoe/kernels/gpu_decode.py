@@ -10,10 +10,9 @@ read. Here a layer is about ten kernels:
                  prompt's tokens too: the eager prefill uses it)
   attention      flash-decoding: splits of the cache up to the current position only, then one merge
                  (which also writes the output in int8 terms for the output projection's dp4a GEMV)
-  router         the router's GEMV, softmax, top-k, renormalisation in one launch (ids as int32, and as floats
-                 for the CPU hand-off); when the experts are on the CPU it also writes the packed row and a
-                 flag into pinned host memory (the next segment's add_rms_norm(wait=) polls the CPU's flag and
-                 reads its output from there). router_topk: the same from logits, for prompts
+  router_topk    softmax, top-k, renormalisation (ids as int32, and as floats for the CPU hand-off); when
+                 the experts are on the CPU it also writes the packed row and a flag into pinned host memory
+                 (the next segment's add_rms_norm(wait=) polls the CPU's flag, reads its output from there)
   moe_gate_up    SiLU(gate) * up of each selected expert straight from its Q4_0/Q8_0 bytes
   moe_down       down of each selected expert from its bytes, weighted (the next add_rms_norm sums them)
 
@@ -60,10 +59,11 @@ if triton is not None:
     _MOE_CONFIGS = [triton.Config({"BN": bn, "NB": nb}, num_warps=w) for bn, nb, w in _MOE_TILES]
 
     @triton.jit
-    def _add_rms_norm_kernel(a, b, w, x_out, h_out, H, h_stride, eps, b_rows, q1, q2, xs, xc,
+    def _add_rms_norm_kernel(a, b, w, x_out, h_out, h2_out, H, h_stride, eps, b_rows, q1, q2, xs, xc,
                              flag, step, err, max_polls, HAS_B: tl.constexpr, WRITE_X: tl.constexpr,
-                             BH: tl.constexpr, Q8: tl.constexpr, WAIT: tl.constexpr):
-        """Q8: the normed row also in two int8 terms (_quant_blocks) for the split-row MoE kernels. WAIT: b is in pinned host memory, written by the host, which then sets flag[0] (pinned
+                             BH: tl.constexpr, Q8: tl.constexpr, H2: tl.constexpr, WAIT: tl.constexpr):
+        """Q8: the normed row also in two int8 terms (_quant_blocks) for the split-row MoE kernels. H2: also in
+        h2_out's dtype. WAIT: b is in pinned host memory, written by the host, which then sets flag[0] (pinned
         int32) to step[0]: poll the flag first, then read b fresh (after max_polls polls, err[0] = 1 and go
         on, so a host that never comes does not hang the GPU; the host checks err)."""
         t = tl.program_id(0)
@@ -88,6 +88,8 @@ if triton is not None:
         wv = tl.load(w + i, mask=m, other=0).to(tl.float32)
         y = x * r * wv
         tl.store(h_out + t * h_stride + i, y.to(h_out.dtype.element_ty), mask=m)
+        if H2:
+            tl.store(h2_out + t * H + i, y.to(h2_out.dtype.element_ty), mask=m)
         if Q8:
             _quant_blocks(tl.reshape(y, [BH // 32, 32]), tl.arange(0, BH // 32), t, H, q1, q2, xs, xc)
 
@@ -237,16 +239,16 @@ if triton is not None:
         tl.store(flag + z * 0, v, mask=z == 0)
 
     @triton.jit
-    def _topk_row(logits, t, E, wts, ids, packed, pk_stride, pk_off, dst, flag, step,
-                  K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr, PACK: tl.constexpr,
-                  PUB: tl.constexpr, BN: tl.constexpr, EMU: tl.constexpr, FRESH: tl.constexpr):
-        """Softmax, top-k (ties: the lower id) and renormalisation of row t of logits [T, E] (FRESH: written by
-        other programs of this launch, read past L1). PACK: weights and ids (as floats) also into the packed
-        row at pk_off. PUB (one row, with PACK): then [packed row[:pk_off] | weights | ids as floats] into dst
-        (pinned host memory) and flag[0] = step[0] once the host can see it: the CPU hand-off."""
+    def _router_topk_kernel(logits, wts, ids, packed, E, pk_stride, pk_off, dst, flag, step,
+                            K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                            NORM: tl.constexpr, PACK: tl.constexpr, PUB: tl.constexpr, BN: tl.constexpr,
+                            EMU: tl.constexpr):
+        """PUB (one row, with PACK): then [packed row[:pk_off] | weights | ids as floats] into dst (pinned host
+        memory) and flag[0] = step[0] once the host can see it: the CPU hand-off, in this launch."""
+        t = tl.program_id(0)
         i = tl.arange(0, BE)
         m = i < E
-        lg = tl.load(logits + t * E + i, mask=m, other=float("-inf"), volatile=FRESH).to(tl.float32)
+        lg = tl.load(logits + t * E + i, mask=m, other=float("-inf")).to(tl.float32)
         e = tl.exp(lg - tl.max(lg, axis=0))
         p = tl.where(m, e / tl.sum(e, axis=0), -1.0)
         j = tl.arange(0, KP)
@@ -268,46 +270,12 @@ if triton is not None:
             tl.store(packed + t * pk_stride + pk_off + K + j, iv.to(tl.float32), mask=jm)
             if PUB:
                 o = tl.arange(0, BN)
-                for c in range(0, pk_off, BN):
-                    om = c + o < pk_off
-                    tl.store(dst + c + o, tl.load(packed + c + o, mask=om), mask=om)
+                for i in range(0, pk_off, BN):
+                    om = i + o < pk_off
+                    tl.store(dst + i + o, tl.load(packed + i + o, mask=om), mask=om)
                 tl.store(dst + pk_off + j, wv, mask=jm)
                 tl.store(dst + pk_off + K + j, iv.to(tl.float32), mask=jm)
                 _flag_after_writes(flag, step, EMU)
-
-    @triton.jit
-    def _router_topk_kernel(logits, wts, ids, packed, E, pk_stride, pk_off,
-                            K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                            NORM: tl.constexpr, PACK: tl.constexpr):
-        _topk_row(logits, tl.program_id(0), E, wts, ids, packed, pk_stride, pk_off, wts, ids, ids,
-                  K, KP, BE, NORM, PACK, False, 1024, True, False)
-
-    @triton.jit
-    def _router_kernel(h, wr, H, E, logits, counter, wts, ids, packed, pk_off, dst, flag, step,
-                       RB: tl.constexpr, BH: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                       NORM: tl.constexpr, PACK: tl.constexpr, PUB: tl.constexpr, BN: tl.constexpr,
-                       EMU: tl.constexpr):
-        """One token's router in one launch: program p computes logits of rows [p RB, p RB + RB) of wr [E, H];
-        the program that finishes last (a counter, reset for the next launch) does _topk_row on them."""
-        r = tl.program_id(0) * RB + tl.arange(0, RB)
-        rm = r < E
-        acc = tl.zeros([RB], tl.float32)
-        for k0 in range(0, H, BH):
-            kk = k0 + tl.arange(0, BH)
-            km = kk < H
-            hv = tl.load(h + kk, mask=km, other=0).to(tl.float32)
-            w = tl.load(wr + r[:, None] * H + kk[None, :], mask=rm[:, None] & km[None, :], other=0).to(tl.float32)
-            acc += tl.sum(w * hv[None, :], axis=1)
-        tl.store(logits + r, acc, mask=rm)
-        # the grid-sync pattern: every thread's stores, a block barrier, then one thread's acq_rel atomic (a
-        # scalar atomic: Triton has one thread do it) releases them GPU-wide; the last block acquires them
-        tl.debug_barrier()
-        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            tl.debug_barrier()
-            tl.store(counter, 0)                       # stream order: the next launch starts from 0
-            _topk_row(logits, 0, E, wts, ids, packed, 0, pk_off, dst, flag, step,
-                      K, KP, BE, NORM, PACK, PUB, BN, EMU, True)
 
     @triton.jit
     def _qdot(wrow, row_stride, n, nm, xp, K, QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
@@ -577,10 +545,12 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float32, q8_out=None, wait=None):
+def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float32, q8_out=None, h2_out=None,
+                 wait=None):
     """x = a (+ b); returns (x if x_out is given, RMSNorm(x) * w). Rows [T, H]; h_out may be a strided row view.
     b may hold several rows per row of a ([T * r, H], e.g. the k weighted expert outputs): all are added.
-    q8_out (x8_buffers(T, H)): the normed rows in two int8 terms too, as quant_x8 writes them.
+    q8_out (x8_buffers(T, H)): the normed rows in two int8 terms too, as quant_x8 writes them. h2_out [T, H]:
+    the normed rows once more, in its dtype (e.g. bf16 for the router's GEMV, saving a cast launch).
     wait = (flag, step, err): b lives in pinned host memory and is ready once the host sets flag[0] (pinned
     int32) to step[0] (device int32); the kernel polls for that first (the host side of the decode hand-off:
     cpu.handoff_call). err[0] (int32, pinned) becomes 1 if the host never came (after AWAIT_MAX_POLLS polls)."""
@@ -592,10 +562,10 @@ def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float3
     flag, step, err = wait if wait is not None else (a, a, a)
     with on_device(a):
         _add_rms_norm_kernel[(T,)](a, b if b is not None else a, w, x_out if x_out is not None else a, h_out,
-                                   H, h_out.stride(0), eps, b_rows, *q8,
+                                   h2_out if h2_out is not None else a, H, h_out.stride(0), eps, b_rows, *q8,
                                    flag, step, err, AWAIT_MAX_POLLS, HAS_B=b is not None,
                                    WRITE_X=x_out is not None, BH=_pow2(H), Q8=q8_out is not None,
-                                   WAIT=wait is not None)
+                                   H2=h2_out is not None, WAIT=wait is not None)
     return x_out, h_out
 
 
@@ -656,43 +626,23 @@ def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None, q8_out
     return out
 
 
-_COUNTERS: dict = {}                                    # device -> int32 [1], router()'s arrival counter
-
-
-def router(h, wr, k: int, norm: bool, packed=None, pack_offset: int = 0, publish=None):
-    """router_topk(h @ wr^T) for one token in one launch (the logits GEMV spread over programs, the last to
-    finish does the top-k): h [1, H] (float32 or bf16), wr [E, H] (float32 or bf16, contiguous). Same
-    returns and options as router_topk."""
-    E, H = wr.shape
-    wts = torch.empty(1, k, dtype=torch.float32, device=h.device)
-    ids = torch.empty(1, k, dtype=torch.int32, device=h.device)
-    logits = torch.empty(1, E, dtype=torch.float32, device=h.device)
-    counter = _COUNTERS.get(h.device)
-    if counter is None:
-        counter = _COUNTERS[h.device] = torch.zeros(1, dtype=torch.int32, device=h.device)
-    if publish is not None and packed is None:
-        raise ValueError("router(publish=) needs the packed buffer")
-    dst, flag, step = publish if publish is not None else (wts, ids, ids)
-    rb = 8
-    with on_device(h):
-        _router_kernel[(triton.cdiv(E, rb),)](h, wr, H, E, logits, counter, wts, ids,
-                                              packed if packed is not None else wts, pack_offset, dst, flag, step,
-                                              RB=rb, BH=min(512, _pow2(H)), K=k, KP=_pow2(k), BE=_pow2(E),
-                                              NORM=norm, PACK=packed is not None, PUB=publish is not None,
-                                              BN=1024, EMU=_INTERPRET, num_warps=4)
-    return wts, ids
-
-
-def router_topk(logits, k: int, norm: bool, packed=None, pack_offset: int = 0):
+def router_topk(logits, k: int, norm: bool, packed=None, pack_offset: int = 0, publish=None):
     """Softmax + top-k (+ renormalisation) of logits [T, E]: (weights float32 [T, k], ids int32 [T, k]).
-    With `packed`, also writes weights and ids (as floats) at packed[:, pack_offset:]."""
+    With `packed`, also writes weights and ids (as floats) at packed[:, pack_offset:].
+    publish=(dst, flag, step) (T = 1, with packed): then the whole packed row also goes to dst (pinned host
+    memory) and flag[0] (pinned int32) becomes step[0] (device int32) once the host can see it: the
+    router's launch hands the row to the CPU (cpu.handoff_call polls the flag)."""
     T, E = logits.shape
     wts = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int32, device=logits.device)
+    if publish is not None and (packed is None or T != 1):
+        raise ValueError("router_topk(publish=) takes one row and its packed buffer")
+    dst, flag, step = publish if publish is not None else (wts, ids, ids)
     with on_device(logits):
         _router_topk_kernel[(T,)](logits, wts, ids, packed if packed is not None else wts, E,
-                                  packed.stride(0) if packed is not None else 0, pack_offset,
-                                  K=k, KP=_pow2(k), BE=_pow2(E), NORM=norm, PACK=packed is not None)
+                                  packed.stride(0) if packed is not None else 0, pack_offset, dst, flag, step,
+                                  K=k, KP=_pow2(k), BE=_pow2(E), NORM=norm, PACK=packed is not None,
+                                  PUB=publish is not None, BN=1024, EMU=_INTERPRET, num_warps=4)
     return wts, ids
 
 

@@ -244,16 +244,19 @@ class StaticDecoder:
         x2 = ds.resid if cpu else torch.empty_like(x)
         exps = None if cpu or "dense" in lay else lay["exps"]
         xq = gd.x8_buffers(x.shape[0], H, x.device) if exps and exps[0].split else None   # the MoE's int8 x
+        router = lay.get("router")
+        h2 = torch.empty_like(x, dtype=router.dtype) if router is not None and router.dtype != x.dtype else None
         ob = gd.gemv8(oq, lay["o8"], lay["q8type"][1], o.shape[1], hb.new_empty(1, H)) if oq is not None \
             else o @ lay["wo"].t()
         _, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=ob, x_out=x2,
-                               h_out=ds.packed[:, :H] if cpu else None, q8_out=xq)
+                               h_out=ds.packed[:, :H] if cpu else None, q8_out=xq, h2_out=h2)
         if "dense" in lay:
             g, u, d = lay["dense"]
             hc = h.to(self.cdt)
             return x2, ((F.silu(hc @ g.t()) * (hc @ u.t())) @ d.t()).float(), False
-        wts, ids = gd.router(h, lay["router"], k, cfg.norm_topk_prob, packed=ds.packed if cpu else None,
-                             pack_offset=H, publish=publish if cpu else None)      # GEMV + top-k, one launch
+        logits = (h2 if h2 is not None else h) @ router.t()                # top-k reads bf16 logits as they are
+        wts, ids = gd.router_topk(logits, k, cfg.norm_topk_prob, packed=ds.packed if cpu else None, pack_offset=H,
+                                  publish=publish if cpu else None)
         if cpu:
             return x2, None, True
         g, u, d = exps
@@ -358,7 +361,7 @@ class StaticDecoder:
 
     def _step_polled(self, st):
         """The segments of one step on one GPU with every hand-off polled in pinned memory: the GPU publishes
-        a CPU-expert layer's [h | weights | ids] and a flag (gd.router(publish=)), the C kernel spins on the flag, runs
+        a CPU-expert layer's [h | weights | ids] and a flag (gd.router_topk(publish=)), the C kernel spins on the flag, runs
         the experts, and sets a flag of its own, which the next segment's first kernel spins on
         (gd.add_rms_norm(wait=)). Segment s + 1 is enqueued before the CPU works on segment s, so no Python, launch
         or synchronization sits between the two devices; both flags carry the step's number."""
