@@ -86,6 +86,9 @@ for s in "$@"; do
     cpuonly) echo "### CUDA_VISIBLE_DEVICES= (no GPU)"
              CUDA_VISIBLE_DEVICES= python3 -m hybridmoe.cli bench -m $M -ngl 0 -p 512 -n 64 -r 2 --roofline 2>&1 | grep -E "pp512|tg64"
              CUDA_VISIBLE_DEVICES= python3 -m hybridmoe.cli run -m $M -n 8 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -12 ;;
+    cpuattn) python3 benchmarks/bench_attention_cpu.py 2>&1 | tail -6
+             for A in fp32 bf16 fp32 bf16; do echo "### CUDA_VISIBLE_DEVICES= HYBRIDMOE_CPU_ATTN=$A"
+               CUDA_VISIBLE_DEVICES= HYBRIDMOE_CPU_ATTN=$A python3 -m hybridmoe.cli bench -m $M -ngl 0 -p 512 -n 0 -r 2 -d 0,1536 --roofline 2>&1 | grep -E "pp512"; done ;;
     ngl0pp) B -ngl 0 -p 512 -n 0 -r 2 --roofline
             hm run -m $M -ngl 0 -n 4 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -14 ;;
     oldnew) # A/B against an older tree: bench_old/src (untracked: git archive OLD src | tar -x -C bench_old)

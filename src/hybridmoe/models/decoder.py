@@ -6,6 +6,8 @@ Every op that has weights goes through the scheduler, which decides where it run
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -257,6 +259,11 @@ def build_decoder(cfg: ModelConfig, weights: dict[str, QTensor], sched: Schedule
     return Decoder(cfg, weights, sched)
 
 
+# long prompt chunks' attention on the CPU: float32, or bf16 (HYBRIDMOE_CPU_ATTN=bf16, an experiment:
+# benchmarks/bench_attention_cpu.py)
+_CPU_ATTN_DTYPE = torch.bfloat16 if os.environ.get("HYBRIDMOE_CPU_ATTN") == "bf16" else torch.float32
+
+
 def attend(q, keys, values, pos0: int, scale: float | None = None) -> torch.Tensor:
     """q [T, n_head, D]; keys/values [n_kv, P, D] (P = pos0 + T). Causal GQA attention, [T, n_head*D].
 
@@ -278,12 +285,13 @@ def attend(q, keys, values, pos0: int, scale: float | None = None) -> torch.Tens
         # long prompt chunks: float32 SDPA (its fused CPU kernel, no [T, P] scores in memory) on K/V expanded
         # to the query heads; the expansion is a copy of P keys, worth it once T is large (measured on the
         # 2-vCPU VM, Qwen3-30B-A3B heads: T=512 P=512 24 vs 46 ms, T=256 P=4096 139 vs 174, T=128 P=4096 93 vs 89)
-        kf = keys.float().repeat_interleave(g, 0)[None]
-        vf = values.float().repeat_interleave(g, 0)[None]
+        dt = _CPU_ATTN_DTYPE
+        kf = keys.to(dt).repeat_interleave(g, 0)[None]
+        vf = values.to(dt).repeat_interleave(g, 0)[None]
         mask = None if P == T else causal_lower_right(T, P)
-        o = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], kf, vf, attn_mask=mask, is_causal=P == T,
+        o = F.scaled_dot_product_attention(q.to(dt).transpose(0, 1)[None], kf, vf, attn_mask=mask, is_causal=P == T,
                                            scale=scale)[0]
-        return o.transpose(0, 1).reshape(T, -1)
+        return o.transpose(0, 1).reshape(T, -1).float()
     qg = q.float().view(T, nkv, g, D).permute(1, 2, 0, 3).reshape(nkv, g * T, D)   # [n_kv, g*T, D]
     scores = torch.bmm(qg, keys.float().transpose(1, 2)).mul_(scale or D ** -0.5)  # [n_kv, g*T, P]
     if T > 1:
