@@ -12,6 +12,13 @@ from hf_oracle import convert, hf_logits, load_dequantized_into_hf, make_hf_mode
 IDS = [1, 17, 300, 42, 7, 7, 99, 511, 256, 3, 120, 64, 5, 480, 33, 2, 200, 201, 202, 10]
 
 
+@pytest.fixture
+def f32_attention(monkeypatch):
+    """Prompt attention in float32 even where the CPU has AMX (where it runs in bf16 by default)."""
+    import hybridmoe.models.decoder as dec
+    monkeypatch.setattr(dec, "_CPU_ATTN_DTYPE", torch.float32)
+
+
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     out = {}
@@ -22,7 +29,7 @@ def hf_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["qwen3moe", "qwen3", "llama", "deepseek2", "deepseek2-yarn"])
-def test_f32_matches_transformers(hf_models, kind, tmp_path):
+def test_f32_matches_transformers(hf_models, kind, tmp_path, f32_attention):
     model, d = hf_models[kind]
     path = convert(d, str(tmp_path / "m-f32.gguf"), GGMLType.F32)
     ours = hybridmoe.load(path, ctx_size=64).logits(IDS)
@@ -81,7 +88,7 @@ def test_generate_is_deterministic_with_seed():
 
 @pytest.mark.parametrize("ctk,ctv,tol", [("f32", "f32", 1e-3), ("bf16", "bf16", 5e-2), ("q8_0", "q8_0", 8e-2),
                                          ("q8_0", "f16", 8e-2)])
-def test_kv_cache_types(ctk, ctv, tol, hf_models, tmp_path):
+def test_kv_cache_types(ctk, ctv, tol, hf_models, tmp_path, f32_attention):
     """-ctk/-ctv: the cache's precision only; decode through each type stays near the f16 cache."""
     path = convert(hf_models["qwen3moe"][1], str(tmp_path / "m.gguf"), GGMLType.Q8_0)    # head size 32
 
@@ -136,11 +143,15 @@ def test_mla_cache_is_compressed_and_takes_q8_0():
     assert rel_l2(q8, ref) <= 2e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,P", [(1, 9), (3, 10), (20, 20), (200, 300), (256, 256)])
-def test_cpu_attention_paths_match_float64(T, P):
-    """attend() on the CPU (a batched bmm for short chunks, fused SDPA for long ones and fresh prompts) against
-    causal GQA attention in float64, with cached positions before the chunk."""
+def test_cpu_attention_paths_match_float64(T, P, dtype, monkeypatch):
+    """attend() on the CPU (a batched bmm for short chunks, fused SDPA for long ones and fresh prompts, in
+    float32 or, as on CPUs with AMX, bf16) against causal GQA attention in float64, with cached positions
+    before the chunk."""
+    import hybridmoe.models.decoder as dec
     from hybridmoe.models.decoder import attend
+    monkeypatch.setattr(dec, "_CPU_ATTN_DTYPE", dtype)
     g = torch.Generator().manual_seed(T + P)
     nh, nkv, D = 8, 2, 32
     q = torch.randn(T, nh, D, generator=g)
@@ -150,4 +161,5 @@ def test_cpu_attention_paths_match_float64(T, P):
     s = s.masked_fill(torch.arange(P)[None, None, :] > torch.arange(pos0, P)[None, :, None], float("-inf"))
     ref = torch.einsum("htp,hpd->thd", torch.softmax(s, -1), values.double().repeat_interleave(nh // nkv, 0))
     out = attend(q, keys, values, pos0)
-    assert rel_l2(out, ref.reshape(T, -1)) < 1e-6
+    sdpa = T >= 192 or (T > 1 and P == T)
+    assert rel_l2(out, ref.reshape(T, -1)) < (1e-2 if sdpa and dtype == torch.bfloat16 else 1e-6)

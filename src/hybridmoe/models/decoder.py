@@ -259,9 +259,19 @@ def build_decoder(cfg: ModelConfig, weights: dict[str, QTensor], sched: Schedule
     return Decoder(cfg, weights, sched)
 
 
-# long prompt chunks' attention on the CPU: float32, or bf16 (HYBRIDMOE_CPU_ATTN=bf16, an experiment:
-# benchmarks/bench_attention_cpu.py)
-_CPU_ATTN_DTYPE = torch.bfloat16 if os.environ.get("HYBRIDMOE_CPU_ATTN") == "bf16" else torch.float32
+def _cpu_attn_dtype() -> torch.dtype:
+    """Prompt attention on the CPU: bf16 SDPA where the CPU multiplies bf16 in AMX tiles (3.8-4.6x float32's
+    speed at Qwen3-30B-A3B's heads on the H200 VM's Sapphire Rapids, relative error 3.7e-3:
+    benchmarks/bench_attention_cpu.py), else float32 (1.0-1.35x on the AVX512-BF16 dev VM: not worth the
+    error). HYBRIDMOE_CPU_ATTN=fp32|bf16 forces one."""
+    env = os.environ.get("HYBRIDMOE_CPU_ATTN", "auto")
+    if env in ("fp32", "bf16"):
+        return torch.bfloat16 if env == "bf16" else torch.float32
+    from ..kernels.cpu import _FLAGS
+    return torch.bfloat16 if "amx_bf16" in _FLAGS else torch.float32
+
+
+_CPU_ATTN_DTYPE = _cpu_attn_dtype()
 
 
 def attend(q, keys, values, pos0: int, scale: float | None = None) -> torch.Tensor:
@@ -282,15 +292,17 @@ def attend(q, keys, values, pos0: int, scale: float | None = None) -> torch.Tens
     nkv = keys.shape[0]
     g = nh // nkv
     if T >= 192 or (T > 1 and P == T):
-        # long prompt chunks: float32 SDPA (its fused CPU kernel, no [T, P] scores in memory) on K/V expanded
-        # to the query heads; the expansion is a copy of P keys, worth it once T is large (measured on the
-        # 2-vCPU VM, Qwen3-30B-A3B heads: T=512 P=512 24 vs 46 ms, T=256 P=4096 139 vs 174, T=128 P=4096 93 vs 89)
+        # long prompt chunks: SDPA's fused CPU kernel (no [T, P] scores in memory). float32 on K/V expanded to
+        # the query heads: the expansion is a copy of P keys, worth it once T is large (measured on the 2-vCPU
+        # VM, Qwen3-30B-A3B heads: T=512 P=512 24 vs 46 ms, T=256 P=4096 139 vs 174, T=128 P=4096 93 vs 89).
+        # bf16 (_cpu_attn_dtype) with enable_gqa: 1.6-2.7x faster again than expanded bf16 on AMX
         dt = _CPU_ATTN_DTYPE
-        kf = keys.to(dt).repeat_interleave(g, 0)[None]
-        vf = values.to(dt).repeat_interleave(g, 0)[None]
         mask = None if P == T else causal_lower_right(T, P)
+        kf, vf, gqa = keys.to(dt)[None], values.to(dt)[None], True
+        if dt == torch.float32:
+            kf, vf, gqa = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1), False
         o = F.scaled_dot_product_attention(q.to(dt).transpose(0, 1)[None], kf, vf, attn_mask=mask, is_causal=P == T,
-                                           scale=scale)[0]
+                                           scale=scale, enable_gqa=gqa)[0]
         return o.transpose(0, 1).reshape(T, -1).float()
     qg = q.float().view(T, nkv, g, D).permute(1, 2, 0, 3).reshape(nkv, g * T, D)   # [n_kv, g*T, D]
     scores = torch.bmm(qg, keys.float().transpose(1, 2)).mul_(scale or D ** -0.5)  # [n_kv, g*T, P]
