@@ -1627,7 +1627,7 @@ typedef struct {
 #define GV_CHUNK 32      /* rows a thread claims at a time (a multiple of 4) */
 #endif
 #define ATT_MAXCH 64     /* position runs per KV head at most */
-#define DEC_MAXD 1024    /* head size bound (thread-local rows) */
+#define DEC_MAXD 256     /* head size bound (thread-local rows) */
 
 typedef struct { const uint8_t *w; int64_t n, rb; float *out; int ti, q8; } gv_part;
 
@@ -1763,7 +1763,28 @@ static inline void kv_store(int kvt, void *base, int64_t off, int64_t D, const f
     for (int64_t d = 0; d < D; d++) s[d] = kvt == T_BF16 ? f32_to_bf16(src[d]) : f32_to_fp16(src[d]);
 }
 
-/* one query token (q [nh, D], roped) against positions [0, P) of layer L's cache -> o [nh, D] */
+#define ATT_SB 32        /* positions converted to float32 and scored together */
+
+/* acc[0..D) += sum_i e[i] * v[i * D ..] (one accumulator register per 16 lanes, over the n rows) */
+static inline void axpy_rows(float *acc, const float *e, const float *v, int64_t n, int64_t D) {
+#if HM_AVX512
+    if (D % 16 == 0) {
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512 a = _mm512_loadu_ps(acc + d);
+            for (int64_t i = 0; i < n; i++) a = _mm512_fmadd_ps(_mm512_set1_ps(e[i]), _mm512_loadu_ps(v + i * D + d), a);
+            _mm512_storeu_ps(acc + d, a);
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < D; d++) acc[d] += e[i] * v[i * D + d];
+}
+
+/* one query token (q [nh, D], roped) against positions [0, P) of layer L's cache -> o [nh, D]. Tasks
+ * (KV head, run of positions) keep per query head of the group [max, sum, acc[D]]; each block of ATT_SB
+ * positions is converted to float32 once for the group, scored for one head at a time, and added in with
+ * one rescale per block (an online softmax by blocks). */
 static void attend1(const hm_dmodel *m, const hm_dlayer *L, const float *q, int64_t P, float *part, float *o,
                     int nth) {
     const int64_t D = m->D, nkv = m->nkv, G = m->nh / m->nkv, S = m->slots, W = D + 2;
@@ -1775,7 +1796,7 @@ static void attend1(const hm_dmodel *m, const hm_dlayer *L, const float *q, int6
     const float scale = m->scale;
 #pragma omp parallel num_threads(nth)
     {
-        float kf[DEC_MAXD], vf[DEC_MAXD];
+        float kf[ATT_SB * DEC_MAXD], vf[ATT_SB * DEC_MAXD], sc[ATT_SB];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < nkv * nch; t++) {
             const int64_t g = t / nch, c = t % nch, p0 = c * CH, p1 = p0 + CH < P ? p0 + CH : P;
@@ -1784,21 +1805,33 @@ static void attend1(const hm_dmodel *m, const hm_dlayer *L, const float *q, int6
                 pt[j * W] = -INFINITY;
                 memset(pt + j * W + 1, 0, (size_t)(D + 1) * 4);
             }
-            for (int64_t p = p0; p < p1; p++) {
-                kv_load(kvt, L->kc, (g * S + p) * D, D, kf);
-                kv_load(kvt, L->vc, (g * S + p) * D, D, vf);
+            for (int64_t b = p0; b < p1; b += ATT_SB) {
+                const int64_t n = p1 - b < ATT_SB ? p1 - b : ATT_SB;
+                for (int64_t i = 0; i < n; i++) {
+                    kv_load(kvt, L->kc, (g * S + b + i) * D, D, kf + i * D);
+                    kv_load(kvt, L->vc, (g * S + b + i) * D, D, vf + i * D);
+                }
                 for (int64_t j = 0; j < G; j++) {
-                    float *a = pt + j * W, *acc = a + 2;
-                    const float s = dotf(q + (g * G + j) * D, kf, D) * scale;
-                    if (s > a[0]) {                     /* a new max: rescale what was summed */
-                        const float f = expf(a[0] - s);
-                        a[1] *= f;
-                        for (int64_t d = 0; d < D; d++) acc[d] *= f;
-                        a[0] = s;
+                    float *a = pt + j * W;
+                    const float *qj = q + (g * G + j) * D;
+                    float mb = -INFINITY;
+                    for (int64_t i = 0; i < n; i++) {
+                        sc[i] = dotf(qj, kf + i * D, D) * scale;
+                        mb = sc[i] > mb ? sc[i] : mb;
                     }
-                    const float e = expf(s - a[0]);
-                    a[1] += e;
-                    for (int64_t d = 0; d < D; d++) acc[d] += e * vf[d];
+                    if (mb > a[0]) {                    /* a new max: rescale what was summed */
+                        const float f = expf(a[0] - mb);
+                        a[1] *= f;
+                        for (int64_t d = 0; d < D; d++) a[2 + d] *= f;
+                        a[0] = mb;
+                    }
+                    float sum = 0;
+                    for (int64_t i = 0; i < n; i++) {
+                        sc[i] = exp_vec(sc[i] - a[0]);
+                        sum += sc[i];
+                    }
+                    a[1] += sum;
+                    axpy_rows(a + 2, sc, vf, n, D);
                 }
             }
         }

@@ -75,7 +75,7 @@ class CpuDecoder:
         if any(n != kv.n_ctx for n in kv.slots) or any(d.kind != "cpu" for d in kv.devs):
             raise NotApplicable("a sliding-window or GPU KV cache")
         D, H = cfg.head_dim, cfg.n_embd
-        if D > 1024 or D % 2 or cfg.n_expert_used > 64:
+        if D > 256 or D % 2 or cfg.n_expert_used > 64:
             raise NotApplicable(f"head size {D} / {cfg.n_expert_used} experts a token")
         lib = _lib()
         self.model, self.cfg, self.kv, self.sched = model, cfg, kv, sched
