@@ -89,6 +89,10 @@ for s in "$@"; do
     cpuattn) python3 benchmarks/bench_attention_cpu.py 2>&1 | tail -6
              for A in fp32 bf16 fp32 bf16; do echo "### CUDA_VISIBLE_DEVICES= HYBRIDMOE_CPU_ATTN=$A"
                CUDA_VISIBLE_DEVICES= HYBRIDMOE_CPU_ATTN=$A python3 -m hybridmoe.cli bench -m $M -ngl 0 -p 512 -n 0 -r 2 -d 0,1536 --roofline 2>&1 | grep -E "pp512"; done ;;
+    cpudepth) for V in old new old new; do
+                P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"
+                echo "### $V: CUDA_VISIBLE_DEVICES= -ngl 0 -p 0 -n 64 -d 0,1536"
+                CUDA_VISIBLE_DEVICES= PYTHONPATH="$P:/tmp/hm-site" python3 -m hybridmoe.cli bench -m $M -ngl 0 -p 0 -n 64 -r 2 -d 0,1536 --roofline 2>&1 | grep tg64; done ;;
     ngl0pp) B -ngl 0 -p 512 -n 0 -r 2 --roofline
             hm run -m $M -ngl 0 -n 4 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -14 ;;
     oldnew) # A/B against an older tree: bench_old/src (untracked: git archive OLD src | tar -x -C bench_old)
