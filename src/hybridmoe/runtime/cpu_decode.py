@@ -80,7 +80,6 @@ class CpuDecoder:
         lib = _lib()
         self.model, self.cfg, self.kv, self.sched = model, cfg, kv, sched
         self.keep = []                                # every tensor the structs point into
-        self.used = []                                # the QTensors the step reads
 
         def mat(w, cols):
             if w is None:
@@ -109,8 +108,8 @@ class CpuDecoder:
             S.q_norm, S.k_norm = vec(L.attn_q_norm, D), vec(L.attn_k_norm, D)
             S.q, S.k, S.v = mat(L.attn_q, H), mat(L.attn_k, H), mat(L.attn_v, H)
             S.o = mat(L.attn_output, cfg.n_head * D)
-            if (S.q.rows, S.k.rows, S.v.rows) != (cfg.n_head * D, cfg.n_head_kv * D, cfg.n_head_kv * D):
-                raise NotApplicable(f"layer {i}: q/k/v rows {S.q.rows}/{S.k.rows}/{S.v.rows}")
+            if (S.q.rows, S.k.rows, S.v.rows, S.o.rows) != (cfg.n_head * D, cfg.n_head_kv * D, cfg.n_head_kv * D, H):
+                raise NotApplicable(f"layer {i}: q/k/v/output rows {S.q.rows}/{S.k.rows}/{S.v.rows}/{S.o.rows}")
             S.kc, S.vc = kv.k[i].data_ptr(), kv.v[i].data_ptr()
             if L.ffn_gate_inp is not None:
                 S.router = mat(L.ffn_gate_inp, H)
@@ -119,7 +118,7 @@ class CpuDecoder:
                 n_ff_exp = L.ffn_gate_exps.shape[1]
                 if not cpu._experts_ok(L.ffn_gate_exps.raw, L.ffn_up_exps.raw, L.ffn_down_exps.raw,
                                        S.gate_exps.type, S.down_exps.type, H) or \
-                        L.ffn_gate_exps.shape[0] != S.router.rows:
+                        not L.ffn_gate_exps.shape[0] == S.router.rows == cfg.n_expert:
                     raise NotApplicable(f"layer {i}: expert tensors the kernel can't take")
                 shared = (L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp) if L.ffn_gate_shexp is not None else None
             else:
@@ -127,6 +126,8 @@ class CpuDecoder:
             if shared is not None:
                 g, u, d = shared
                 S.gate, S.up, S.down = mat(g, H), mat(u, H), mat(d, g.shape[0])
+                if S.up.rows != S.gate.rows or S.down.rows != H:
+                    raise NotApplicable(f"layer {i}: FFN shapes {g.shape} {u.shape} {d.shape}")
                 n_ff = max(n_ff, g.shape[0])
         m = self.m = _Model()
         m.n_layer, m.H, m.nh, m.nkv, m.D, m.slots = cfg.n_layer, H, cfg.n_head, cfg.n_head_kv, D, kv.n_ctx
@@ -149,7 +150,9 @@ class CpuDecoder:
         self.expert_bytes = sum(cfg.n_expert_used * (L.ffn_gate_exps.nbytes + L.ffn_up_exps.nbytes +
                                                      L.ffn_down_exps.nbytes) // L.ffn_gate_exps.shape[0] for L in ek)
         self.n_moe = len(ek)
-        self.gemvs = sum(3 + (L.ffn_gate_inp is not None) + 2 * (L.ffn_gate_inp is None or L.ffn_gate_shexp is not None)
+        # matrix-vector calls a token, counted as the eager path counts them: q/k/v (one), output, router,
+        # the FFN's three, the head
+        self.gemvs = sum(2 + (L.ffn_gate_inp is not None) + 3 * (L.ffn_gate_inp is None or L.ffn_gate_shexp is not None)
                          for L in dec.layers) + 1
 
     def _check(self, w, cols):
@@ -160,7 +163,6 @@ class CpuDecoder:
         if cols is not None and (w.shape[-1] != cols or cols % 32 or cols % block_size(w.qtype)
                                  or w.raw.dtype != torch.uint8 or not w.raw.is_contiguous()):
             raise NotApplicable(f"{w.name}: shape {tuple(w.shape)}, {cols} columns expected")
-        self.used.append(w)
 
     def _cos_sin(self, pos: int):
         start, tabs = self.rope
@@ -185,7 +187,8 @@ class CpuDecoder:
         self.m.nthreads = self.sched.n_threads or torch.get_num_threads()     # bench -t changes it between runs
         rc = self.lib.hm_decode_step(self.mp, token, pos, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t)
         if rc:
-            raise RuntimeError(f"the CPU decode step failed (kernel error {rc})")
+            why = {-1: "a token, position or shape out of range", -2: "no memory for the expert kernel's workspace"}
+            raise RuntimeError(f"the CPU decode step failed: {why.get(rc, f'kernel error {rc}')}")
         st.forwards += 1
         st.tokens += 1
         st.cpu_expert_bytes += self.expert_bytes

@@ -236,7 +236,9 @@ class StaticDecoder:
         else:
             qkv = hb @ lay["wqkv"].t()
         kc, vc = self.kv.k[i], self.kv.v[i]
-        oq = gd.x8_buffers(1, cfg.n_head * cfg.head_dim, x.device) if "o8" in lay else None
+        # the output projection's int8 activations: from the attention merge (whole 32-blocks a head) or quant_x8
+        merge8 = "o8" in lay and cfg.head_dim % 32 == 0
+        oq = gd.x8_buffers(1, cfg.n_head * cfg.head_dim, x.device) if merge8 else None
         o = gd.attention(None, kc, vc, ds.pos, cfg.head_dim ** -0.5, out_dtype=self.cdt,   # q/k norm + RoPE +
                          rope=(qkv, lay["q_norm"], lay["k_norm"], ds.cos, ds.sin, cfg.n_head, eps,  # KV write
                                cfg.rope_neox), q8_out=oq)                                         # fused in
@@ -246,8 +248,10 @@ class StaticDecoder:
         xq = gd.x8_buffers(x.shape[0], H, x.device) if exps and exps[0].split else None   # the MoE's int8 x
         router = lay.get("router")
         h2 = torch.empty_like(x, dtype=router.dtype) if router is not None and router.dtype != x.dtype else None
-        ob = gd.gemv8(oq, lay["o8"], lay["q8type"][1], o.shape[1], hb.new_empty(1, H)) if oq is not None \
-            else o @ lay["wo"].t()
+        if "o8" in lay:
+            ob = gd.gemv8(oq if merge8 else gd.quant_x8(o), lay["o8"], lay["q8type"][1], o.shape[1], hb.new_empty(1, H))
+        else:
+            ob = o @ lay["wo"].t()
         _, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=ob, x_out=x2,
                                h_out=ds.packed[:, :H] if cpu else None, q8_out=xq, h2_out=h2)
         if "dense" in lay:
