@@ -27,7 +27,8 @@ def main():
     nh, nkv, D = 32, 4, 128
     g = torch.Generator().manual_seed(0)
     print(f"threads {a.threads}, cpu capability {torch.backends.cpu.get_cpu_capability()}")
-    print("| T | P | fp32 (K/V expanded) ms | bf16 (expanded) ms | bf16 enable_gqa ms | fp32 / bf16 | bf16 rel. error |")
+    print("| T | P | fp32 (K/V expanded) ms | bf16 (expanded) ms | bf16 enable_gqa ms | fp32 / bf16 "
+          "| bf16 rel. error |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for T, P in ((512, 512), (512, 1024), (512, 2048), (1024, 4096)):
         q = torch.randn(1, nh, T, D, generator=g)

@@ -942,6 +942,12 @@ static void stage2_range(const moe_ctx *c, int64_t h0, int64_t h1, int64_t n0, i
 
 static inline int64_t claim(int64_t *ctr) { return __atomic_fetch_add(ctr, 1, __ATOMIC_RELAXED); }
 
+/* [lo, hi) of chunk c of C items out of N (empty, at N, for a chunk past the end: none left to claim) */
+static inline void chunk_range(int64_t c, int64_t C, int64_t N, int64_t *lo, int64_t *hi) {
+    *lo = c * C < N ? c * C : N;
+    *hi = (c + 1) * C < N ? (c + 1) * C : N;
+}
+
 static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
                        int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                        const uint8_t *down, int dtype, float *out, int nthreads, const moe_act *A) {
@@ -998,9 +1004,10 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
         /* ---- stage 1: chunks of units */
         int64_t cur = claim(&ctr1), nxt = claim(&ctr1);
         for (int cold = 1; cur < nc1; cold = 0, cur = nxt, nxt = claim(&ctr1)) {
-            const int64_t g1 = (cur + 1) * S1_CHUNK < U ? (cur + 1) * S1_CHUNK : U;
-            const int64_t n0 = nxt < nc1 ? nxt * S1_CHUNK : 0, n1 = nxt < nc1 ? ((nxt + 1) * S1_CHUNK < U ? (nxt + 1) * S1_CHUNK : U) : 0;
-            stage1_range(&c, cur * S1_CHUNK, g1, n0, n1, cold);
+            int64_t g0, g1, n0, n1;
+            chunk_range(cur, S1_CHUNK, U, &g0, &g1);
+            chunk_range(nxt, S1_CHUNK, U, &n0, &n1);
+            stage1_range(&c, g0, g1, n0, n1, cold);
         }
         HM_STAMP(tid, 1);
 #pragma omp barrier
@@ -1008,9 +1015,10 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
         /* ---- stage 2: chunks of output rows */
         cur = claim(&ctr2), nxt = claim(&ctr2);
         for (int cold = 1; cur < nc2; cold = 0, cur = nxt, nxt = claim(&ctr2)) {
-            const int64_t h1 = (cur + 1) * S2_CHUNK < H ? (cur + 1) * S2_CHUNK : H;
-            const int64_t n0 = nxt < nc2 ? nxt * S2_CHUNK : 0, n1 = nxt < nc2 ? ((nxt + 1) * S2_CHUNK < H ? (nxt + 1) * S2_CHUNK : H) : 0;
-            stage2_range(&c, cur * S2_CHUNK, h1, n0, n1, cold);
+            int64_t h0, h1, n0, n1;
+            chunk_range(cur, S2_CHUNK, H, &h0, &h1);
+            chunk_range(nxt, S2_CHUNK, H, &n0, &n1);
+            stage2_range(&c, h0, h1, n0, n1, cold);
         }
         HM_STAMP(tid, 3);
     }
@@ -1533,8 +1541,8 @@ int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const f
 
 /* Decode hand-off with a GPU through pinned host memory, no CUDA call on either side: wait until the GPU
  * has written one token's [x (H) | router weights (k) | expert ids as floats (k)] to `packed` and then
- * `step` to *ready (graphs.py: gpu_decode.publish), run its experts into out, then set *done = step (the
- * GPU's next segment waits for that: gpu_decode.await_host). Returns 0; -1 for an id that is not an
+ * `step` to *ready (graphs.py: gpu_decode.router_topk(publish=)), run its experts into out, then set
+ * *done = step (the GPU's next segment waits for that: gpu_decode.add_rms_norm(wait=)). Returns 0; -1 for an id that is not an
  * expert or bad arguments; -3 when *ready did not reach step within timeout_s. *done is set in every
  * case, so a GPU waiting on it never hangs (the caller raises on an error). */
 int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t H,
@@ -1684,10 +1692,10 @@ static void gemv_run(const gv_part *p, int np, int64_t K, const float *x, const 
     {
         int64_t cur = claim(&ctr), nxt = claim(&ctr);
         for (int cold = 1; cur < nc; cold = 0, cur = nxt, nxt = claim(&ctr)) {
-            const int64_t g1 = (cur + 1) * GV_CHUNK < N ? (cur + 1) * GV_CHUNK : N;
-            const int64_t n0 = nxt < nc ? nxt * GV_CHUNK : 0;
-            const int64_t n1 = nxt < nc ? (n0 + GV_CHUNK < N ? n0 + GV_CHUNK : N) : 0;
-            gv_range(p, start, np, K, x, xq, cur * GV_CHUNK, g1, n0, n1, cold);
+            int64_t g0, g1, n0, n1;
+            chunk_range(cur, GV_CHUNK, N, &g0, &g1);
+            chunk_range(nxt, GV_CHUNK, N, &n0, &n1);
+            gv_range(p, start, np, K, x, xq, g0, g1, n0, n1, cold);
         }
     }
 }

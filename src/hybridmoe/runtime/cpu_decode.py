@@ -16,7 +16,6 @@ import torch
 
 from ..kernels import cpu
 from ..quant.types import GGMLType, block_size
-from .kvcache import CACHE_DTYPES
 from .ops import rope_tables
 
 c_i64, c_i32, c_f32, c_vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p

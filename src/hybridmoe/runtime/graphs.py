@@ -271,7 +271,6 @@ class StaticDecoder:
 
     def _segment_fast(self, s: int):
         seg, hk = self.segments[s], self.hk
-        ds = self.ds[seg.dev.name]
         x, addend = self._inputs(s)
         wait = None
         if hk is not None and s - 1 in hk.slot:         # the first kernel waits for the CPU experts' output
@@ -365,10 +364,10 @@ class StaticDecoder:
 
     def _step_polled(self, st):
         """The segments of one step on one GPU with every hand-off polled in pinned memory: the GPU publishes
-        a CPU-expert layer's [h | weights | ids] and a flag (gd.router_topk(publish=)), the C kernel spins on the flag, runs
-        the experts, and sets a flag of its own, which the next segment's first kernel spins on
-        (gd.add_rms_norm(wait=)). Segment s + 1 is enqueued before the CPU works on segment s, so no Python, launch
-        or synchronization sits between the two devices; both flags carry the step's number."""
+        a CPU-expert layer's [h | weights | ids] and a flag (gd.router_topk(publish=)), the C kernel spins on
+        the flag, runs the experts, and sets a flag of its own, which the next segment's first kernel spins on
+        (gd.add_rms_norm(wait=)). Segment s + 1 is enqueued before the CPU works on segment s, so no Python,
+        launch or synchronization sits between the two devices; both flags carry the step's number."""
         hk = self.hk
         hk.n = hk.n % (1 << 30) + 1
         hk.step.fill_(hk.n)
