@@ -29,6 +29,8 @@ for s in "$@"; do
               echo "### HYBRIDMOE_KERNEL_CFLAGS='$F'"
               HYBRIDMOE_KERNEL_CFLAGS="$F" python3 benchmarks/bench_kernels.py --types Q4_0 --batches 1,8d --layers 8 2>&1 | tail -3; done ;;
     segkernels) python3 benchmarks/profile_decode.py segkernels 2>&1 | cut -c1-180 ;;
+    flaky) for i in 1 2 3; do python3 -m pytest -q tests/test_placement_runtime.py -k "polled_handoff" -p no:cacheprovider --tb=line 2>&1 | tail -3; done
+           CUDA_LAUNCH_BLOCKING=1 python3 -m pytest -q -x tests/test_placement_runtime.py -p no:cacheprovider --tb=short 2>&1 | tail -40 ;;
     htests) timeout 400 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py tests/test_cpu_kernels.py \
                 -k "handoff or real_gpu or cuda_graph or gemv8 or split_row or router or static" -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
     dense) python3 benchmarks/bench_moe_decode.py --dense Q8_0 2>&1 | tail -8 ;;
@@ -93,6 +95,11 @@ for s in "$@"; do
                 P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"
                 echo "### $V: CUDA_VISIBLE_DEVICES= -ngl 0 -p 0 -n 64 -d 0,1536"
                 CUDA_VISIBLE_DEVICES= PYTHONPATH="$P:/tmp/hm-site" python3 -m hybridmoe.cli bench -m $M -ngl 0 -p 0 -n 64 -r 2 -d 0,1536 --roofline 2>&1 | grep tg64; done ;;
+    ppgraph) for V in old new old new; do   # against bench_old/src (see oldnew)
+               P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V: -ngl 99 pp512"
+               PYTHONPATH="$P:/tmp/hm-site" python3 -m hybridmoe.cli bench -m $M -ngl 99 -p 512 -n 0 -r 5 --roofline 2>&1 | grep pp512; done
+             B -ngl 99 -p 4096 -n 0 -ub 4096 -b 4096 -r 2 --roofline | grep pp4096
+             hm run -m $M -ngl 99 -n 4 -p "$(printf 'word %.0s' {1..1200})" --temp 0 --profile 2>&1 | tail -12 ;;
     ngl0pp) B -ngl 0 -p 512 -n 0 -r 2 --roofline
             hm run -m $M -ngl 0 -n 4 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -14 ;;
     oldnew) # A/B against an older tree: bench_old/src (untracked: git archive OLD src | tar -x -C bench_old)

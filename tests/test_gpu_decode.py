@@ -140,6 +140,30 @@ def test_decode_attention(nh, nkv, n_ctx, pos, dt):
     assert rel_l2(out, ref) < (2e-3 if dt == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("nh,nkv,T,pos0,dt", [(8, 2, 40, 0, torch.float16), (4, 4, 7, 300, torch.float32),
+                                               (16, 1, 100, 1030, torch.float16), (8, 2, 130, 65, torch.bfloat16)])
+def test_prefill_attention(nh, nkv, T, pos0, dt):
+    """A chunk of T queries at positions pos0.. (from a device tensor) over the cache: each sees the keys up to
+    its own position, never the garbage the cache holds past the chunk."""
+    if dt == torch.bfloat16 and DEV == "cpu":
+        pytest.skip("Triton's interpreter gets bf16 tl.dot wrong (fine on GPUs)")
+    D, n_ctx = 64, pos0 + T + 50
+    g = _gen(T + pos0)
+    q = torch.randn(nh, T, D, generator=g, device=DEV).to(dt)
+    kc = torch.randn(nkv, n_ctx, D, generator=g, device=DEV).to(dt)
+    vc = torch.randn(nkv, n_ctx, D, generator=g, device=DEV).to(dt)
+    kc[:, pos0 + T:] = 1e4                                    # past the chunk: must not be read
+    out = gd.attention_prefill(q, kc, vc, torch.tensor([pos0], device=DEV), D ** -0.5, out_dtype=torch.float32)
+    rep = nh // nkv
+    k, v = (c[:, :pos0 + T].float().repeat_interleave(rep, 0) for c in (kc, vc))
+    s = torch.einsum("htd,hpd->htp", q.float(), k) * D ** -0.5
+    future = torch.arange(pos0 + T, device=DEV)[None, :] > torch.arange(pos0, pos0 + T, device=DEV)[:, None]
+    s = s.masked_fill(future, float("-inf"))
+    ref = torch.einsum("htp,hpd->thd", torch.softmax(s, -1), v).reshape(T, nh * D)
+    assert out.shape == (T, nh * D)
+    assert rel_l2(out, ref) < (2e-3 if dt == torch.float32 else 1e-2)
+
+
 def test_attention_writes_its_output_in_int8_terms():
     """attention(q8_out=) = quant_x8 of its output (computed from the float32 values, not the bf16 ones)."""
     nh, nkv, D, n_ctx, pos = 8, 2, 64, 300, 270

@@ -185,6 +185,54 @@ def test_static_decode_over_two_gpus_matches_eager(ts, ot, monkeypatch):
         assert rel_l2(outs[0], outs[1]) <= 1e-5
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-dense"])
+def test_captured_prompt_step_matches_eager(preset, monkeypatch):
+    """Every weight on one GPU: a prompt's ubatches run as one captured graph per ubatch size (real GPU), or
+    the same kernels eagerly in Triton's interpreter (fake GPU). Three full 10-token ubatches at positions 0, 10,
+    20 (the graph's position comes from a device tensor), a shorter last one, all logits or the last, then
+    decoding from the cache it wrote: all as the eager path."""
+    from hybridmoe.kernels import gpu_decode as gd
+    from hybridmoe.runtime.prefill import StaticPrefill
+    real = torch.cuda.is_available()
+    if not real:
+        if not (gd.available() and os.environ.get("TRITON_INTERPRET") == "1"):
+            pytest.skip("needs a GPU, or triton with TRITON_INTERPRET=1")
+        monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    outs = []
+    for graphs in (True, False):
+        m = hybridmoe.load(f"synth:{preset}", ctx_size=64, graphs=graphs, n_gpu_layers=99, ubatch_size=10)
+        kv = m.new_cache(64)
+        # (10 tokens: the eager path's CPU products on a fake GPU stay float32 below 12, as the kernels here)
+        got = [m.forward(torch.tensor(IDS[i:i + 10]), i, kv, all_logits=i < 10) for i in (0, 10, 20)]
+        got.append(m.forward(torch.tensor(IDS[30:34]), 30, kv, all_logits=False))
+        got.append(torch.cat([m.forward(torch.tensor([t]), 34 + j, kv) for j, t in enumerate(IDS[:5])]))
+        outs.append(torch.cat(got))
+        if graphs:
+            sp = m._static_prefill(kv)
+            assert isinstance(sp, StaticPrefill) and sp.worked
+            assert m.stats.forwards == 9 and m.stats.tokens == 39
+            if real:                             # full ubatches: captured right after their first, eager, run
+                assert sp.graphs[(10, False)] is not None and sp.graphs[(10, True)] is not None
+                assert sp.graphs[(4, False)] is None                 # a shorter one: at its second
+    if real:
+        assert rel_l2(outs[0], outs[1]) <= 1e-2 and top1_agreement(outs[0], outs[1]) >= 0.9
+    else:
+        assert rel_l2(outs[0], outs[1]) <= 1e-4
+
+
+def test_captured_prompt_step_not_for_split_placements(monkeypatch):
+    """Experts in RAM, or layers on the CPU: the eager path (uploads, the CPU kernels) runs prompts."""
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for opts in (PLACEMENTS["ngl99-exps-cpu"], PLACEMENTS["ngl1"], dict(n_gpu_layers=99, graphs=False)):
+        m = hybridmoe.load("synth:tiny", ctx_size=64, **opts)
+        assert m._static_prefill(m.new_cache(64)) is None
+    from hybridmoe.kernels import gpu_decode as gd
+    if gd.available():                                        # (and all on the GPU: it is there)
+        m = hybridmoe.load("synth:tiny", ctx_size=64, n_gpu_layers=99)
+        assert m._static_prefill(m.new_cache(64)) is not None
+
+
 def test_profile_times_the_static_decode_step(monkeypatch, capsys):
     """--profile keeps the static step (what decode really runs) and splits its time: segments, CPU experts,
     and the rest (hand-offs, Python) per token."""

@@ -97,7 +97,7 @@ class Model:
         self.decoder = build_decoder(self.cfg, self.weights, self.sched)
         from .tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path)
-        self._static = {}
+        self._static, self._prefill = {}, {}
         self.load_seconds = time.perf_counter() - t0
 
     def _check_tensors(self):
@@ -162,11 +162,23 @@ class Model:
                     from .errors import warn_fallback
                     warn_fallback("the static decode step", e, "decoding with the eager path")
                     self._static = {id(kv): (kv, None)}
-        if not self.runtime.profile:
-            return self.decoder.forward(tokens, pos0, kv, all_logits).to("cpu")
         t0 = time.perf_counter()
-        out = self.decoder.forward(tokens, pos0, kv, all_logits).to("cpu")
-        self.stats.wall[tokens.shape[0] == 1] += time.perf_counter() - t0
+        sp = self._static_prefill(kv) if T > 1 else None
+        if sp is not None:
+            try:
+                out = sp.forward(tokens, pos0, all_logits)
+                sp.worked = True
+            except Exception as e:                      # noqa: BLE001 - first ubatch only, then eager for good
+                if sp.worked:
+                    raise
+                from .errors import warn_fallback
+                warn_fallback("the captured prompt step", e, "processing prompts with the eager path")
+                self._prefill = {id(kv): (kv, None)}
+                sp = None
+        if sp is None:
+            out = self.decoder.forward(tokens, pos0, kv, all_logits).to("cpu")
+        if self.runtime.profile:
+            self.stats.wall[T == 1] += time.perf_counter() - t0
         return out
 
     def _static_decoder(self, kv):
@@ -186,6 +198,20 @@ class Model:
                     sd = StaticDecoder(self, kv)
             self._static = {id(kv): (kv, sd)}                 # one cache at a time keeps its graphs
             return sd
+        return cached[1]
+
+    def _static_prefill(self, kv):
+        """The captured prompt step for this cache (every weight on one GPU), or None (eager then)."""
+        if not self.runtime.graphs or not self.decoder.static_decode:
+            return None
+        cached = self._prefill.get(id(kv))
+        if cached is None or cached[0] is not kv:
+            from .runtime.prefill import NotApplicable, StaticPrefill
+            sp = None
+            with contextlib.suppress(NotApplicable):
+                sp = StaticPrefill(self, kv)
+            self._prefill = {id(kv): (kv, sp)}
+            return sp
         return cached[1]
 
     def sync(self):

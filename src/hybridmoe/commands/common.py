@@ -22,7 +22,8 @@ def add_runtime_args(p: argparse.ArgumentParser):
                    help="fused up/gate expert op (default 1; a bare -fmoe, as ik_llama.cpp takes it, means 1)")
     p.add_argument("--profile", action="store_true", help="print time per op and device, copies, uploads "
                    "(runs the eager path, so decode is slower while profiling)")
-    p.add_argument("--no-graphs", action="store_true", help="decode eagerly, without the static step / CUDA graphs")
+    p.add_argument("--no-graphs", action="store_true", help="run decode (and prompts with every weight on one GPU) eagerly, "
+                   "without the static steps and CUDA graphs")
 
 
 def runtime_kwargs(args) -> dict:

@@ -10,6 +10,8 @@ read. Here a layer is about ten kernels:
                  prompt's tokens too: the eager prefill uses it)
   attention      flash-decoding: splits of the cache up to the current position only, then one merge
                  (which also writes the output in int8 terms for the output projection's dp4a GEMV)
+  attention_prefill  a prompt chunk's causal flash attention at the position in a device tensor (the
+                 captured prefill, runtime/prefill.py)
   router_topk    softmax, top-k, renormalisation (ids as int32, and as floats for the CPU hand-off); when
                  the experts are on the CPU it also writes the packed row and a flag into pinned host memory
                  (the next segment's add_rms_norm(wait=) polls the CPU's flag, reads its output from there)
@@ -192,6 +194,42 @@ if triton is not None:
             tl.store(o_part + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
             tl.store(m_part + row, m_i, mask=gm)
             tl.store(l_part + row, l_i, mask=gm)
+
+    @triton.jit
+    def _attn_prefill_kernel(q, kc, vc, pos, out, T, scale, skh, skn, svh, svn, so,
+                             G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """Causal attention of BM query rows of head qh (positions p0 + t, p0 read from pos) over the cache up to
+        each row's position: flash attention with the online softmax, K/V read in blocks of BN keys."""
+        mb = tl.program_id(0)
+        qh = tl.program_id(1)
+        h = qh // G
+        p0 = tl.load(pos).to(tl.int32)
+        t = mb * BM + tl.arange(0, BM)
+        tm = t < T
+        d = tl.arange(0, D)
+        qv = tl.load(q + (qh * T + t.to(tl.int64))[:, None] * D + d[None, :], mask=tm[:, None], other=0)
+        qv = (qv * scale).to(q.dtype.element_ty)
+        qpos = p0 + t
+        hi = p0 + tl.minimum(mb * BM + BM, T)          # keys 0..hi-1: the block's last row sees them all
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        for start in range(0, hi, BN):
+            n = start + tl.arange(0, BN)
+            nm = n < hi
+            kt = tl.load(kc + h * skh + n.to(tl.int64)[:, None] * skn + d[None, :], mask=nm[:, None], other=0)
+            sc = tl.dot(qv, tl.trans(kt.to(qv.dtype)))                         # [BM, BN]
+            sc = tl.where((n[None, :] <= qpos[:, None]) & nm[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            vt = tl.load(vc + h * svh + n.to(tl.int64)[:, None] * svn + d[None, :], mask=nm[:, None], other=0)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(qv.dtype), vt.to(qv.dtype))
+            m_i = m_new
+        o = acc / l_i[:, None]
+        tl.store(out + t.to(tl.int64)[:, None] * so + qh * D + d[None, :],
+                 o.to(out.dtype.element_ty), mask=tm[:, None])
 
     @triton.jit
     def _attn_merge_kernel(o_part, m_part, l_part, pos, out, chunk, n_split, q1, q2, xs, xc, K,
@@ -623,6 +661,21 @@ def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None, q8_out
         _attn_merge_kernel[(nh,)](o_part, m_part, l_part, pos, out, chunk, n_split,
                                   *(q8_out if q8_out is not None else (out,) * 4), nh * D,
                                   G=G, D=D, SB=16, Q8=q8_out is not None)
+    return out
+
+
+def attention_prefill(q, kc, vc, pos, scale, out_dtype=torch.bfloat16):
+    """Causal attention of a prompt's chunk: q [nh, T, D] (qk_rope_cache's output) at positions pos.. (pos: a
+    1-element device tensor, so one CUDA graph serves a chunk of T tokens at any position) over kc/vc
+    [nkv, n_ctx, D], where the chunk's keys and values are already written. Returns [T, nh * D]."""
+    nh, T, D = q.shape
+    nkv = kc.shape[0]
+    out = torch.empty(T, nh * D, dtype=out_dtype, device=q.device)
+    bm = 16 if _INTERPRET else 64
+    with on_device(q):
+        _attn_prefill_kernel[(triton.cdiv(T, bm), nh)](q, kc, vc, pos, out, T, scale, kc.stride(0), kc.stride(1),
+                                                       vc.stride(0), vc.stride(1), out.stride(0),
+                                                       G=nh // nkv, D=D, BM=bm, BN=bm, num_warps=4)
     return out
 
 

@@ -14,6 +14,8 @@ torch version on fake GPUs, and the fused one in Triton's interpreter.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
 from types import SimpleNamespace
@@ -26,6 +28,20 @@ from ..kernels import gpu_decode as gd
 from ..quant.types import GGMLType
 from . import experts as X
 from .ops import apply_rope, rms_norm, rope_tables
+
+
+@contextlib.contextmanager
+def capturing(graph, device, stream, pool=None):
+    """torch.cuda.graph on `stream` of `device`, with Python's cyclic garbage collection paused: a collection
+    during the capture may run a finalizer that calls CUDA (an earlier model's pinned arena unregistering
+    itself, runtime/hostmem.py), which a capture forbids, and the capture fails."""
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.device(device), torch.cuda.graph(graph, pool=pool, stream=stream):
+            yield
+    finally:
+        gc.enable()
 
 
 class NotApplicable(Exception):
@@ -331,8 +347,7 @@ class StaticDecoder:
         for s, seg in enumerate(self.segments):
             g = torch.cuda.CUDAGraph()
             # a capture stream on the segment's GPU (torch's default one lives on the first GPU used)
-            with torch.cuda.device(seg.dev.torch_device), \
-                    torch.cuda.graph(g, pool=pools[seg.dev.name], stream=side[seg.dev.name]):
+            with capturing(g, seg.dev.torch_device, side[seg.dev.name], pools[seg.dev.name]):
                 self._segment(s)
             self.graphs.append(g)
 

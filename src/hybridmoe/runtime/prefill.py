@@ -1,0 +1,183 @@
+"""A prompt's ubatch as one CUDA graph when every weight is on one GPU (`-ngl 99`, experts included).
+
+With the whole model on a GPU, prompt processing is bound by the host: the GPU works ~37 ms on a 512-token
+ubatch of the Qwen3-30B-A3B shape, while Python enqueues the ~25 launches of each of 48 layers in 55-111 ms
+(docs/benchmarks.md). Here a ubatch is the fused kernels of the static decode step, sized for T rows
+(add_rms_norm, qkv GEMM, qk_rope_cache, attention_prefill, output GEMM, add_rms_norm, router GEMM,
+router_topk, the grouped MoE kernels), all reading the position from a device tensor. So a graph captured
+for T tokens serves every ubatch of T tokens at any position: a prompt's full ubatches and a benchmark's
+repetitions replay it, and only a prompt's last, shorter ubatch runs without one.
+
+The first ubatch of a size runs these kernels eagerly (it compiles them). A full ubatch (-ub tokens) is
+captured right after, since full ubatches recur: every prompt longer than one is made of them; another
+size is captured at its second ubatch. At most MAX_GRAPHS sizes keep a graph (each holds its own
+activation memory); the oldest goes first.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import warn_fallback
+from ..kernels import gpu_decode as gd
+from ..quant.types import GGMLType
+from . import experts as X
+from .graphs import capturing
+from .ops import rope_tables
+
+
+class NotApplicable(Exception):
+    """The placement or architecture has no captured prefill; the eager path runs."""
+
+
+MAX_GRAPHS = 2
+
+
+class StaticPrefill:
+    def __init__(self, model, kv):
+        dec, cfg, sched = model.decoder, model.cfg, model.sched
+        self.model, self.cfg, self.kv, self.sched = model, cfg, kv, sched
+        if not gd.available():
+            raise NotApplicable("triton is not installed")
+        if any(L.mla for L in dec.layers) or cfg.expert_gating != "softmax" or cfg.n_expert_shared:
+            raise NotApplicable("MLA, sigmoid routing or shared experts")
+        dev = dec.output.device
+        if dev.kind != "cuda":
+            raise NotApplicable("the output is not on a GPU")
+        D = cfg.head_dim
+        if D < 16 or D & (D - 1):
+            raise NotApplicable(f"head size {D} (the attention kernel takes powers of two)")
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        if dev.fake and not interp:
+            raise NotApplicable("fake GPUs run the kernels only in Triton's interpreter")
+        here = lambda *ws: all(w is None or w.device.name == dev.name for w in ws)   # noqa: E731
+        if not here(dec.output_norm):
+            raise NotApplicable("output norm and output on different devices")
+        self.dev, self.capture = dev, not dev.fake
+        self.cdt = torch.bfloat16 if not dev.fake else torch.float32
+        cached = lambda w: w.cached(torch.float32 if w.qtype == GGMLType.F32 else self.cdt)   # noqa: E731
+        self.layers = []
+        for i, L in enumerate(dec.layers):
+            if L.attn_qkv is None or getattr(L, "attn_qkv_b", None) is not None:
+                raise NotApplicable(f"layer {i}: q, k and v are not one fused matrix without biases")
+            if kv.device(i).name != dev.name or not kv.plain(i):
+                raise NotApplicable(f"layer {i}: KV cache not a plain 16-bit cache on {dev.name}")
+            if not here(L.attn_norm, L.attn_qkv, L.attn_output, L.attn_q_norm, L.attn_k_norm, L.ffn_norm):
+                raise NotApplicable(f"layer {i}: attention off {dev.name}")
+            lay = dict(attn_norm=sched.small(L.attn_norm, dev), ffn_norm=sched.small(L.ffn_norm, dev),
+                       q_norm=sched.small(L.attn_q_norm, dev) if L.attn_q_norm is not None else None,
+                       k_norm=sched.small(L.attn_k_norm, dev) if L.attn_k_norm is not None else None,
+                       wqkv=L.attn_qkv, wo=L.attn_output)
+            if L.ffn_gate_inp is None:
+                if not here(L.ffn_gate, L.ffn_up, L.ffn_down):
+                    raise NotApplicable(f"layer {i}: FFN off {dev.name}")
+                lay["dense"] = (L.ffn_gate, L.ffn_up, L.ffn_down)
+            else:
+                exps = (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
+                if not here(L.ffn_gate_inp, *exps) or L.exp_probs_b is not None:
+                    raise NotApplicable(f"layer {i}: router or experts off {dev.name}")
+                lay.update(router=L.ffn_gate_inp, exps=exps)
+            self.layers.append(lay)
+        # weights as the eager path multiplies them (dequantized once, kept): made at the first forward
+        self._cached = cached
+        self.out_norm = sched.small(dec.output_norm, dev)
+        cos, sin = rope_tables(torch.arange(kv.n_ctx), D, cfg.rope_base, cfg.rope_neox)
+        self.cos, self.sin = cos[:, 0].to(dev.torch_device), sin[:, 0].to(dev.torch_device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev.torch_device)
+        self.graphs = OrderedDict()      # (T, all_logits) -> (graph, input rows, logits); None: seen once
+        self.worked = False
+
+    # -- one ubatch, as kernels ----------------------------------------------------------------------------
+    def _forward(self, x, all_logits: bool):
+        """x [T, H] float32 on the GPU (the embeddings) -> logits [T or 1, n_vocab] float32."""
+        cfg, kv, cdt, w = self.cfg, self.kv, self.cdt, self._cached
+        eps, nh, nkv, D, k = cfg.rms_eps, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_expert_used
+        addend = None                    # the previous layer's FFN output, added by the next norm
+        for i, lay in enumerate(self.layers):
+            xs, h = gd.add_rms_norm(x, lay["attn_norm"], eps, b=addend,
+                                    x_out=torch.empty_like(x) if addend is not None else None, h_dtype=cdt)
+            x = xs if addend is not None else x
+            qkv = h @ w(lay["wqkv"]).t()
+            kc, vc = kv.k[i], kv.v[i]
+            q = gd.qk_rope_cache(qkv, lay["q_norm"], lay["k_norm"], self.cos, self.sin, self.pos, kc, vc, nh, nkv,
+                                 D, eps, cfg.rope_neox, q_dtype=kc.dtype if cdt != torch.float32 else cdt)
+            o = gd.attention_prefill(q, kc, vc, self.pos, D ** -0.5, out_dtype=cdt)
+            x, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=o @ w(lay["wo"]).t(), x_out=torch.empty_like(x))
+            if "dense" in lay:
+                g, u, d = (w(t) for t in lay["dense"])
+                hc = h.to(cdt)
+                addend = ((F.silu(hc @ g.t()) * (hc @ u.t())) @ d.t()).float()
+                continue
+            r = w(lay["router"])
+            wts, ids = gd.router_topk(h.to(r.dtype) @ r.t(), k, cfg.norm_topk_prob)
+            if cfg.expert_weights_scale != 1.0:
+                wts = wts * cfg.expert_weights_scale
+            g, u, d = lay["exps"]
+            addend = X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d, self.sched.n_threads)
+        if not all_logits:
+            x, addend = x[-1:], addend[-1:]
+        _, h = gd.add_rms_norm(x, self.out_norm, eps, b=addend, h_dtype=cdt)
+        return (h @ w(self.model.decoder.output).t()).float()
+
+    # -- running ---------------------------------------------------------------------------------------
+    def _graph(self, key):
+        """The graph for this ubatch size, captured now at its second ubatch, or None (the kernels run eagerly:
+        the first ubatch of a size compiles them)."""
+        if not self.capture or key not in self.graphs:
+            return None
+        if self.graphs[key] is None:
+            self._capture(key)
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+        return self.graphs.get(key)
+
+    def _capture(self, key):
+        while sum(e is not None for e in self.graphs.values()) >= MAX_GRAPHS:
+            del self.graphs[next(k for k, e in self.graphs.items() if e is not None)]   # and its memory pool
+        x_in = torch.empty(key[0], self.cfg.n_embd, device=self.dev.torch_device)
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(self.dev.torch_device)
+        side.wait_stream(torch.cuda.current_stream(self.dev.torch_device))
+        try:
+            with capturing(g, self.dev.torch_device, side):
+                logits = self._forward(x_in, key[1])
+        except RuntimeError as e:                          # a driver or op that can't be captured
+            torch.cuda.synchronize(self.dev.torch_device)
+            self.capture, self.graphs = False, OrderedDict()
+            warn_fallback("CUDA graph capture of the prompt", e, "prompt processing without graphs")
+            return
+        self.graphs[key] = (g, x_in, logits)
+
+    def forward(self, tokens: torch.Tensor, pos0: int, all_logits: bool) -> torch.Tensor:
+        """One ubatch of tokens at positions pos0..: logits [T or 1, n_vocab] on the CPU."""
+        T = tokens.shape[0]
+        self.kv.check_fits(pos0, T)
+        st, dev = self.sched.stats, self.dev
+        emb = self.model.decoder.token_embd
+        x = emb.dequant(torch.float32, index=tokens.to(emb.raw.device)).to(dev.torch_device, non_blocking=True)
+        self.pos.fill_(pos0)
+        st.forwards += 1
+        st.tokens += T
+        if emb.device.name != dev.name:
+            st.copy(emb.device.name, dev.name, x.numel() * 4)
+        real = not dev.fake
+        sync = (lambda: torch.cuda.synchronize(dev.torch_device)) if real and st.profile else None
+        key = (T, all_logits)
+        entry = self._graph(key)
+        with st.op("prefill graph" if entry else "prefill step", dev, sync):
+            if entry is None:
+                logits = self._forward(x, all_logits)
+                if self.capture and key not in self.graphs:
+                    self.graphs[key] = None                  # seen once
+                    if T == self.kv.ubatch:                  # full ubatches recur (every longer prompt is made
+                        self._capture(key)                   # of them): capture now, for the next one
+            else:
+                g, x_in, logits = entry
+                x_in.copy_(x)
+                g.replay()
+            out = logits.to("cpu")
+        st.copy(dev.name, "CPU", out.numel() * 4)
+        return out
