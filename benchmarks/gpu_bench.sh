@@ -100,6 +100,9 @@ for s in "$@"; do
                PYTHONPATH="$P:/tmp/hm-site" python3 -m hybridmoe.cli bench -m $M -ngl 99 -p 512 -n 0 -r 5 --roofline 2>&1 | grep pp512; done
              B -ngl 99 -p 4096 -n 0 -ub 4096 -b 4096 -r 2 --roofline | grep pp4096
              hm run -m $M -ngl 99 -n 4 -p "$(printf 'word %.0s' {1..1200})" --temp 0 --profile 2>&1 | tail -12 ;;
+    requests) for V in old new; do   # three generations in one process, against bench_old/src (see oldnew)
+                P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V"
+                PYTHONPATH="$P:/tmp/hm-site" python3 benchmarks/two_requests.py "-ngl 99" "-ngl 99 -ot exps=CPU" 2>&1 | grep request; done ;;
     ngl0pp) B -ngl 0 -p 512 -n 0 -r 2 --roofline
             hm run -m $M -ngl 0 -n 4 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -14 ;;
     oldnew) # A/B against an older tree: bench_old/src (untracked: git archive OLD src | tar -x -C bench_old)

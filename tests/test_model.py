@@ -86,6 +86,22 @@ def test_generate_is_deterministic_with_seed():
     assert a == b and len(a) > 0 and len(g) > 0
 
 
+def test_generations_reuse_the_context_cache():
+    """One generation after another runs on the model's one cache (its static steps keep their graphs), and a
+    long earlier prompt left in it changes nothing; generations held open at once get caches of their own."""
+    m = hybridmoe.load("synth:tiny", ctx_size=128)
+    short = "".join(m.generate("Hello", max_tokens=8, temperature=0))
+    kv = m._free_cache
+    assert kv is not None
+    "".join(m.generate("a much longer prompt, filling more of the cache than the short one " * 2, max_tokens=20,
+                       temperature=0))
+    assert m._free_cache is kv
+    assert "".join(m.generate("Hello", max_tokens=8, temperature=0)) == short
+    a, b = m.generate("Hello", max_tokens=8, temperature=0), m.generate("Hello", max_tokens=8, temperature=0)
+    pieces = list(zip(a, b))                                  # interleaved, step by step
+    assert "".join(p for p, _ in pieces) == "".join(q for _, q in pieces) == short
+
+
 @pytest.mark.parametrize("ctk,ctv,tol", [("f32", "f32", 1e-3), ("bf16", "bf16", 5e-2), ("q8_0", "q8_0", 8e-2),
                                          ("q8_0", "f16", 8e-2)])
 def test_kv_cache_types(ctk, ctv, tol, hf_models, tmp_path, f32_attention):

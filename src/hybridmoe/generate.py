@@ -72,22 +72,25 @@ def prefill(model, kv, tokens: list[int], pos0: int = 0) -> torch.Tensor:
 def generate_ids(model, prompt_ids: list[int], n_predict: int, sampler: Sampler, timings: Timings,
                  stop_ids=frozenset()):
     """Yield generated token ids; fills `timings` as llama.cpp counts them."""
-    kv = model.new_cache()
-    t0 = time.perf_counter()
-    logits = prefill(model, kv, prompt_ids)
-    model.sync()
-    timings.t_prompt = time.perf_counter() - t0
-    timings.n_prompt = len(prompt_ids)
-    pos = len(prompt_ids)
-    t0 = time.perf_counter()
-    for i in range(n_predict):
-        tok = sampler(logits)
-        if tok in stop_ids:
-            break
-        yield tok
-        if i == n_predict - 1 or pos >= kv.n_ctx:
-            break
-        logits = model.forward(torch.tensor([tok]), pos, kv, all_logits=False)[-1]
-        pos += 1
-        timings.n_eval += 1
-        timings.t_eval = time.perf_counter() - t0
+    kv = model.take_cache()
+    try:
+        t0 = time.perf_counter()
+        logits = prefill(model, kv, prompt_ids)
+        model.sync()
+        timings.t_prompt = time.perf_counter() - t0
+        timings.n_prompt = len(prompt_ids)
+        pos = len(prompt_ids)
+        t0 = time.perf_counter()
+        for i in range(n_predict):
+            tok = sampler(logits)
+            if tok in stop_ids:
+                break
+            yield tok
+            if i == n_predict - 1 or pos >= kv.n_ctx:
+                break
+            logits = model.forward(torch.tensor([tok]), pos, kv, all_logits=False)[-1]
+            pos += 1
+            timings.n_eval += 1
+            timings.t_eval = time.perf_counter() - t0
+    finally:
+        model.return_cache(kv)

@@ -98,6 +98,7 @@ class Model:
         from .tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path)
         self._static, self._prefill = {}, {}
+        self._free_cache = None
         self.load_seconds = time.perf_counter() - t0
 
     def _check_tensors(self):
@@ -139,6 +140,17 @@ class Model:
                        self.options.cache_type_k, self.options.cache_type_v,
                        windows=[cfg.window(i) for i in range(cfg.n_layer)],
                        ubatch=min(self.options.ubatch_size, self.options.batch_size))
+
+    def take_cache(self) -> KVCache:
+        """A cache of the context size for one generation: the model's own unless another generation holds
+        it (then a new one). Reused from one request to the next, as llama.cpp allocates its context once,
+        so the static decode and prompt steps keep their CUDA graphs (they are per cache). Nothing needs
+        clearing: a forward reads only the positions this generation wrote."""
+        kv, self._free_cache = self._free_cache, None
+        return kv if kv is not None else self.new_cache()
+
+    def return_cache(self, kv: KVCache):
+        self._free_cache = kv
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
