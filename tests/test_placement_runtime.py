@@ -158,17 +158,23 @@ def test_static_decode_step_matches_eager(name, monkeypatch):
     assert rel_l2(outs[0], outs[1]) <= 1e-5
 
 
+def _gpus_or_interpreter(n: int, monkeypatch) -> bool:
+    """True with n real GPUs; else n fake ones, for the fused kernels in Triton's interpreter (False), or a skip."""
+    from hybridmoe.kernels import gpu_decode as gd
+    if torch.cuda.device_count() >= n:
+        return True
+    if not (gd.available() and os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip(f"needs {n} GPU(s), or triton with TRITON_INTERPRET=1")
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", f"{n}x1GiB")
+    return False
+
+
 @pytest.mark.parametrize("ts,ot", [([1, 3], []), ([1, 3], [r"blk\.0\.ffn_.*_exps=CPU"]), ([1, 1], ["exps=CPU"])])
 def test_static_decode_over_two_gpus_matches_eager(ts, ot, monkeypatch):
     """Segments per GPU, the residual handed GPU to GPU between graphs: on two real GPUs (x2 machine), or on
     two fake ones with the fused kernels in Triton's interpreter (TRITON_INTERPRET=1)."""
-    from hybridmoe.kernels import gpu_decode as gd
     from hybridmoe.runtime.graphs import StaticDecoder
-    real = torch.cuda.device_count() >= 2
-    if not real:
-        if not (gd.available() and os.environ.get("TRITON_INTERPRET") == "1"):
-            pytest.skip("needs two GPUs, or triton with TRITON_INTERPRET=1")
-        monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "2x1GiB")
+    real = _gpus_or_interpreter(2, monkeypatch)
     outs = []
     for graphs in (True, False):
         m = hybridmoe.load("synth:tiny", ctx_size=64, graphs=graphs, n_gpu_layers=99, tensor_split=ts,
@@ -191,13 +197,8 @@ def test_captured_prompt_step_matches_eager(preset, monkeypatch):
     the same kernels eagerly in Triton's interpreter (fake GPU). Three full 10-token ubatches at positions 0, 10,
     20 (the graph's position comes from a device tensor), a shorter last one, all logits or the last, then
     decoding from the cache it wrote: all as the eager path."""
-    from hybridmoe.kernels import gpu_decode as gd
     from hybridmoe.runtime.prefill import StaticPrefill
-    real = torch.cuda.is_available()
-    if not real:
-        if not (gd.available() and os.environ.get("TRITON_INTERPRET") == "1"):
-            pytest.skip("needs a GPU, or triton with TRITON_INTERPRET=1")
-        monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    real = _gpus_or_interpreter(1, monkeypatch)
     outs = []
     for graphs in (True, False):
         m = hybridmoe.load(f"synth:{preset}", ctx_size=64, graphs=graphs, n_gpu_layers=99, ubatch_size=10)

@@ -21,7 +21,7 @@ def add_runtime_args(p: argparse.ArgumentParser):
     p.add_argument("-fmoe", "--fused-moe", type=int, nargs="?", const=1, default=1, choices=[0, 1],
                    help="fused up/gate expert op (default 1; a bare -fmoe, as ik_llama.cpp takes it, means 1)")
     p.add_argument("--profile", action="store_true", help="print time per op and device, copies, uploads "
-                   "(runs the eager path, so decode is slower while profiling)")
+                   "(a captured decode or prompt step is timed as a whole; --no-graphs times every op)")
     p.add_argument("--no-graphs", action="store_true", help="run decode (and prompts with every weight on one GPU) eagerly, "
                    "without the static steps and CUDA graphs")
 

@@ -1,12 +1,12 @@
 """A prompt's ubatch as one CUDA graph when every weight is on one GPU (`-ngl 99`, experts included).
 
-With the whole model on a GPU, prompt processing is bound by the host: the GPU works ~37 ms on a 512-token
-ubatch of the Qwen3-30B-A3B shape, while Python enqueues the ~25 launches of each of 48 layers in 55-111 ms
+With the whole model on a GPU, prompt processing was bound by the host: the GPU worked ~37 ms on a 512-token
+ubatch of the Qwen3-30B-A3B shape, while Python enqueued the ~25 launches of each of 48 layers in 55-111 ms
 (docs/benchmarks.md). Here a ubatch is the fused kernels of the static decode step, sized for T rows
 (add_rms_norm, qkv GEMM, qk_rope_cache, attention_prefill, output GEMM, add_rms_norm, router GEMM,
 router_topk, the grouped MoE kernels), all reading the position from a device tensor. So a graph captured
 for T tokens serves every ubatch of T tokens at any position: a prompt's full ubatches and a benchmark's
-repetitions replay it, and only a prompt's last, shorter ubatch runs without one.
+repetitions replay it.
 
 The first ubatch of a size runs these kernels eagerly (it compiles them). A full ubatch (-ub tokens) is
 captured right after, since full ubatches recur: every prompt longer than one is made of them; another
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import warn_fallback
-from ..kernels import gpu_decode as gd
+from ..kernels import gpu_decode as gd, gpu_moe as gm
 from ..quant.types import GGMLType
 from . import experts as X
 from .graphs import capturing
@@ -79,6 +79,10 @@ class StaticPrefill:
                 exps = (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
                 if not here(L.ffn_gate_inp, *exps) or L.exp_probs_b is not None:
                     raise NotApplicable(f"layer {i}: router or experts off {dev.name}")
+                # other types take dequantize + grouped GEMMs, whose expert counts wait for the GPU
+                if not gm.supports(*(w.qtype for w in exps)):
+                    raise NotApplicable(f"layer {i}: experts of {exps[0].qtype.name} / {exps[2].qtype.name} "
+                                        "have no fused prefill kernel")
                 lay.update(router=L.ffn_gate_inp, exps=exps)
             self.layers.append(lay)
         # weights as the eager path multiplies them (dequantized once, kept): made at the first forward
