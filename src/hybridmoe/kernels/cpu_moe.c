@@ -948,6 +948,21 @@ static inline void chunk_range(int64_t c, int64_t C, int64_t N, int64_t *lo, int
     *hi = (c + 1) * C < N ? (c + 1) * C : N;
 }
 
+/* One thread's share of a stage: claim chunks of C items out of N from *ctr until none are left, and run
+ * each as range(c, lo, hi, next lo, next hi, cold): the thread's next chunk is claimed before this one
+ * runs, so the range can prefetch its rows; cold marks the thread's first chunk. */
+typedef void (*stage_fn)(const moe_ctx *, int64_t, int64_t, int64_t, int64_t, int);
+static inline void run_chunks(stage_fn range, const moe_ctx *c, int64_t *ctr, int64_t C, int64_t N) {
+    const int64_t nc = (N + C - 1) / C;
+    int64_t cur = claim(ctr), nxt = claim(ctr);
+    for (int cold = 1; cur < nc; cold = 0, cur = nxt, nxt = claim(ctr)) {
+        int64_t lo, hi, n0, n1;
+        chunk_range(cur, C, N, &lo, &hi);
+        chunk_range(nxt, C, N, &n0, &n1);
+        range(c, lo, hi, n0, n1, cold);
+    }
+}
+
 static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
                        int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                        const uint8_t *down, int dtype, float *out, int nthreads, const moe_act *A) {
@@ -982,7 +997,7 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
                        .q8g = q8g, .q8d = q8d, .na = na};
     /* stage-1 chunks: S1_CHUNK units (when h is quantized, F % 64 == 0, so chunks are 64-row aligned in
      * every expert); stage-2 chunks: S2_CHUNK rows of H */
-    const int64_t U = (int64_t)na * c.units, nc1 = (U + S1_CHUNK - 1) / S1_CHUNK, nc2 = (H + S2_CHUNK - 1) / S2_CHUNK;
+    const int64_t U = (int64_t)na * c.units;
     int64_t ctr1 = 0, ctr2 = 0;
 
     int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
@@ -1001,25 +1016,11 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
             }
 #pragma omp barrier
         }
-        /* ---- stage 1: chunks of units */
-        int64_t cur = claim(&ctr1), nxt = claim(&ctr1);
-        for (int cold = 1; cur < nc1; cold = 0, cur = nxt, nxt = claim(&ctr1)) {
-            int64_t g0, g1, n0, n1;
-            chunk_range(cur, S1_CHUNK, U, &g0, &g1);
-            chunk_range(nxt, S1_CHUNK, U, &n0, &n1);
-            stage1_range(&c, g0, g1, n0, n1, cold);
-        }
+        run_chunks(stage1_range, &c, &ctr1, S1_CHUNK, U);      /* ---- stage 1: chunks of units */
         HM_STAMP(tid, 1);
 #pragma omp barrier
         HM_STAMP(tid, 2);
-        /* ---- stage 2: chunks of output rows */
-        cur = claim(&ctr2), nxt = claim(&ctr2);
-        for (int cold = 1; cur < nc2; cold = 0, cur = nxt, nxt = claim(&ctr2)) {
-            int64_t h0, h1, n0, n1;
-            chunk_range(cur, S2_CHUNK, H, &h0, &h1);
-            chunk_range(nxt, S2_CHUNK, H, &n0, &n1);
-            stage2_range(&c, h0, h1, n0, n1, cold);
-        }
+        run_chunks(stage2_range, &c, &ctr2, S2_CHUNK, H);      /* ---- stage 2: chunks of output rows */
         HM_STAMP(tid, 3);
     }
     return 0;
