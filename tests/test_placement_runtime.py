@@ -255,6 +255,7 @@ def test_profile_times_the_static_decode_step(monkeypatch, capsys):
 def test_static_step_failing_at_first_falls_back_to_eager(monkeypatch, capsys):
     """A static step that cannot run here (say, a GPU Triton cannot compile for) must not stop decoding."""
     monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)    # both prompts eager (no interpreted prompt step)
     from hybridmoe.runtime.graphs import StaticDecoder
     ref = hybridmoe.load("synth:tiny", ctx_size=64, graphs=False, n_gpu_layers=99)
     kv = ref.new_cache(64)
