@@ -97,7 +97,7 @@ class Model:
         self.decoder = build_decoder(self.cfg, self.weights, self.sched)
         from .tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path)
-        self._static, self._prefill = {}, {}
+        self._steps = {}                                      # "decode" / "prompt" -> (cache, its static step)
         self._free_cache = None
         self.load_seconds = time.perf_counter() - t0
 
@@ -158,73 +158,60 @@ class Model:
         if T > kv.ubatch and any(kv.windows):          # a sliding-window ring holds one ubatch of new tokens
             outs = [self.forward(tokens[i:i + kv.ubatch], pos0 + i, kv, all_logits) for i in range(0, T, kv.ubatch)]
             return torch.cat(outs) if all_logits else outs[-1]
-        if T == 1:
-            static = self._static_decoder(kv)
-            if static is not None:
-                try:
-                    t0 = time.perf_counter()
-                    out = static.step(int(tokens[0]), pos0)
-                    static.worked = True
-                    if self.runtime.profile:
-                        self.stats.wall[1] += time.perf_counter() - t0
-                    return out
-                except Exception as e:                  # noqa: BLE001 - first step only, then eager for good
-                    if static.worked:
-                        raise
-                    from .errors import warn_fallback
-                    warn_fallback("the static decode step", e, "decoding with the eager path")
-                    self._static = {id(kv): (kv, None)}
         t0 = time.perf_counter()
-        sp = self._static_prefill(kv) if T > 1 else None
-        if sp is not None:
-            try:
-                out = sp.forward(tokens, pos0, all_logits)
-                sp.worked = True
-            except Exception as e:                      # noqa: BLE001 - first ubatch only, then eager for good
-                if sp.worked:
-                    raise
-                from .errors import warn_fallback
-                warn_fallback("the captured prompt step", e, "processing prompts with the eager path")
-                self._prefill = {id(kv): (kv, None)}
-                sp = None
-        if sp is None:
+        out = None
+        if T == 1:
+            out = self._run_step("decode", kv, lambda step: step.step(int(tokens[0]), pos0))
+        elif T > 1:
+            out = self._run_step("prompt", kv, lambda step: step.forward(tokens, pos0, all_logits))
+        if out is None:
             out = self.decoder.forward(tokens, pos0, kv, all_logits).to("cpu")
         if self.runtime.profile:
             self.stats.wall[T == 1] += time.perf_counter() - t0
         return out
 
-    def _static_decoder(self, kv):
-        """The static decode path for this cache, or None where the placement has none (eager then)."""
+    def _run_step(self, which: str, kv, run):
+        """run(step) on this cache's static decode or prompt step; None where there is none, or where it failed
+        at its first use (a warning, and the eager path for this cache from then on)."""
+        step = self._step_for(which, kv)
+        if step is None:
+            return None
+        try:
+            out = run(step)
+        except Exception as e:                          # noqa: BLE001 - first use only, then eager for good
+            if step.worked:
+                raise
+            from .errors import warn_fallback
+            warn_fallback(f"the static {which} step", e, "running it with the eager path")
+            self._steps[which] = (kv, None)
+            return None
+        step.worked = True
+        return out
+
+    def _step_for(self, which: str, kv):
+        """The static "decode" or "prompt" step of this cache, built at its first use (one cache at a time keeps
+        its graphs), or None where the placement or architecture has none: the eager path runs then."""
         if not self.runtime.graphs or not self.decoder.static_decode:
             return None                                       # gpt-oss: biases, sinks, swiglu_oai: eager
-        cached = self._static.get(id(kv))
-        if cached is None or cached[0] is not kv:
-            sd = None
-            if all(d.kind == "cpu" for d in kv.devs):
-                from .runtime.cpu_decode import CpuDecoder, NotApplicable
-                with contextlib.suppress(NotApplicable):
-                    sd = CpuDecoder(self, kv)
+        held = self._steps.get(which)
+        if held is None or held[0] is not kv:
+            if which == "prompt":
+                from .runtime.prefill import NotApplicable, StaticPrefill as Step
+            elif all(d.kind == "cpu" for d in kv.devs):
+                from .runtime.cpu_decode import CpuDecoder as Step, NotApplicable
             else:
-                from .runtime.graphs import NotApplicable, StaticDecoder
-                with contextlib.suppress(NotApplicable):
-                    sd = StaticDecoder(self, kv)
-            self._static = {id(kv): (kv, sd)}                 # one cache at a time keeps its graphs
-            return sd
-        return cached[1]
+                from .runtime.graphs import NotApplicable, StaticDecoder as Step
+            step = None
+            with contextlib.suppress(NotApplicable):
+                step = Step(self, kv)
+            held = self._steps[which] = (kv, step)
+        return held[1]
+
+    def _static_decoder(self, kv):
+        return self._step_for("decode", kv)
 
     def _static_prefill(self, kv):
-        """The captured prompt step for this cache (every weight on one GPU), or None (eager then)."""
-        if not self.runtime.graphs or not self.decoder.static_decode:
-            return None
-        cached = self._prefill.get(id(kv))
-        if cached is None or cached[0] is not kv:
-            from .runtime.prefill import NotApplicable, StaticPrefill
-            sp = None
-            with contextlib.suppress(NotApplicable):
-                sp = StaticPrefill(self, kv)
-            self._prefill = {id(kv): (kv, sp)}
-            return sp
-        return cached[1]
+        return self._step_for("prompt", kv)
 
     def sync(self):
         if torch.cuda.is_available():
