@@ -27,7 +27,7 @@ from ..errors import warn_fallback
 from ..kernels import gpu_decode as gd
 from ..quant.types import GGMLType
 from . import experts as X
-from .ops import apply_rope, rms_norm, rope_tables
+from .ops import apply_rope, context_rope_tables, rms_norm
 
 
 @contextlib.contextmanager
@@ -122,13 +122,13 @@ class StaticDecoder:
         self.w_out = dec.output.raw if self.out8 else dec.output.cached(self.cdt)
         # per GPU: the position, rope tables for every position of the cache, and the hand-off buffers
         H, k = cfg.n_embd, cfg.n_expert_used
-        cos, sin = rope_tables(torch.arange(kv.n_ctx), cfg.head_dim, cfg.rope_base, cfg.rope_neox)
         self.ds = {}
         for name, d in devs.items():
             td = d.torch_device
             z = lambda *shape, td=td: torch.zeros(*shape, device=td)                             # noqa: E731
+            cos, sin = context_rope_tables(kv.n_ctx, cfg.head_dim, cfg.rope_base, cfg.rope_neox, td)
             self.ds[name] = SimpleNamespace(
-                pos=torch.zeros(1, dtype=torch.long, device=td), cos=cos[:, 0].to(td), sin=sin[:, 0].to(td),
+                pos=torch.zeros(1, dtype=torch.long, device=td), cos=cos, sin=sin,
                 kpos=torch.arange(kv.n_ctx, device=td),
                 resid=z(1, H), moe_in=z(1, H), packed=z(1, H + 2 * k), xin=z(1, H), xmove=z(1, H))
         first = self.ds[self.ldev[0].name]

@@ -2,6 +2,7 @@
 dispatch overhead (~10 us each on the GPU machine's CPU) and, on a GPU, one kernel."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -21,6 +22,14 @@ def rope_tables(positions: torch.Tensor, head_dim: int, base: float, neox: bool,
     ang = positions.to(torch.float64)[:, None] * inv[None, :]                 # [T, D/2]
     ang = torch.cat((ang, ang), -1) if neox else ang.repeat_interleave(2, -1)
     return ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+
+
+@functools.lru_cache(maxsize=4)
+def context_rope_tables(n_ctx: int, head_dim: int, base: float, neox: bool, device: torch.device):
+    """cos, sin [n_ctx, D] of every position of a context, on `device`: what the static decode and prompt
+    steps index with the position they read from device memory (built once for both; the last four kept)."""
+    cos, sin = rope_tables(torch.arange(n_ctx), head_dim, base, neox)
+    return cos[:, 0].to(device), sin[:, 0].to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:

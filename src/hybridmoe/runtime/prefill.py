@@ -26,7 +26,7 @@ from ..kernels import gpu_decode as gd, gpu_moe as gm
 from ..quant.types import GGMLType
 from . import experts as X
 from .graphs import capturing
-from .ops import rope_tables
+from .ops import context_rope_tables
 
 
 class NotApplicable(Exception):
@@ -88,8 +88,7 @@ class StaticPrefill:
         # weights as the eager path multiplies them (dequantized once, kept): made at the first forward
         self._cached = cached
         self.out_norm = sched.small(dec.output_norm, dev)
-        cos, sin = rope_tables(torch.arange(kv.n_ctx), D, cfg.rope_base, cfg.rope_neox)
-        self.cos, self.sin = cos[:, 0].to(dev.torch_device), sin[:, 0].to(dev.torch_device)
+        self.cos, self.sin = context_rope_tables(kv.n_ctx, D, cfg.rope_base, cfg.rope_neox, dev.torch_device)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev.torch_device)
         self.graphs = OrderedDict()      # (T, all_logits) -> (graph, input rows, logits); None: seen once
         self.worked = False
