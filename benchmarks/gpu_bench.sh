@@ -103,6 +103,12 @@ for s in "$@"; do
     requests) for V in old new; do   # three generations in one process, against bench_old/src (see oldnew)
                 P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V"
                 PYTHONPATH="$P:/tmp/hm-site" python3 benchmarks/two_requests.py "-ngl 99" "-ngl 99 -ot exps=CPU" 2>&1 | grep request; done ;;
+    tileab) for V in old new old new; do   # the T=512 tile kernel against bench_old/src (see oldnew)
+              P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V"
+              PYTHONPATH="$P:/tmp/hm-site" python3 benchmarks/bench_kernels.py --types Q4_0,Q8_0,Q4_K --batches 512 --layers 8 2>&1 | grep -E "^read|\| 512 \|"; done ;;
+    cpupp) for V in old new old new; do    # prompt processing with no GPU, against bench_old/src
+             P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V: CUDA_VISIBLE_DEVICES= -ngl 0 pp512"
+             CUDA_VISIBLE_DEVICES= PYTHONPATH="$P:/tmp/hm-site" python3 -m hybridmoe.cli bench -m $M -ngl 0 -p 512 -n 0 -r 2 --roofline 2>&1 | grep pp512; done ;;
     ngl0pp) B -ngl 0 -p 512 -n 0 -r 2 --roofline
             hm run -m $M -ngl 0 -n 4 -p "$(printf 'word %.0s' {1..600})" --temp 0 --profile 2>&1 | tail -14 ;;
     oldnew) # A/B against an older tree: bench_old/src (untracked: git archive OLD src | tar -x -C bench_old)

@@ -237,6 +237,30 @@ def test_tile_kernel_every_mode(q, dq):
         cpu.moe_ffn(x, bad, w, gate, up, down, q, dq, impl="tile")
 
 
+@pytest.mark.parametrize("q,E,H,F,k", [(G.Q8_0, 6, 96, 352, 3), (G.Q8_0, 2, 2112, 2080, 1), (G.Q4_K, 2, 2304, 256, 1)],
+                         ids=["small", "long-rows", "long-rows-Q4_K"])
+def test_tile_kernel_uneven_units(q, E, H, F, k):
+    """The tile kernel's work at shapes that do not divide evenly: F of 22 sixteen-row steps (units of 8, 8
+    and 6), H of 3 x 32 rows; rows longer than one pass of the products (2048), so a pass adds to the
+    last one's sums. Every mode this CPU has, against float64."""
+    gate, up, down = experts(q, E, H, F)
+    g = torch.Generator().manual_seed(5)
+    T = 40
+    x = torch.randn(T, H, generator=g)
+    ids, w = routing(T, E, k, g)
+    ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, q, torch.float64)
+    best = cpu.tile_mode()
+    order = ["amx", "avx512-bf16", "c"]
+    try:
+        for mode in order[order.index(best):]:
+            cpu.tile_mode(mode)
+            out = torch.full((T, H), float("nan"))
+            cpu.moe_ffn(x, ids, w, gate, up, down, q, q, n_threads=3, out=out, impl="tile")
+            assert rel_l2(out, ref) < BAND["gemm"], mode
+    finally:
+        cpu.tile_mode(best)
+
+
 @pytest.mark.parametrize("q", [G.MXFP4, G.Q4_0, G.Q8_0], ids=lambda v: v.name)
 @pytest.mark.parametrize("T,impl", [(1, "kernel"), (7, "kernel"), (40, "tile")])
 def test_gpt_oss_experts(q, T, impl):

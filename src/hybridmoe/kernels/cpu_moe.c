@@ -1105,21 +1105,45 @@ static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf1
     if (!g_generic) {
         float *df = (float *)dst;
         uint16_t *db = (uint16_t *)dst;
-        const int sup = (wi == I_Q4_K || wi == I_Q5_K || wi == I_Q6_K) ? 8 : 1;
-        for (int64_t g = 0; g < K / 32; g += sup) {
-            const uint8_t *b;
-            kscale ks;
-#define DEQ_CASE(TI) case TI: b = unit_block(TI, row, g); if (IS_K(TI)) prep_k(TI, b, &ks); \
-                for (int u = 0; u < sup; u++) { __m512 w0, w1; unpack32(TI, b, u, &ks, &w0, &w1); \
+        if (wi == I_Q4_K && to_bf16) {   /* two units share each 32 bytes of nibbles: extend them once */
+            const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            for (int64_t g = 0; g < K / 256; g++) {
+                const uint8_t *b = row + g * TINFO[I_Q4_K].ts;
+                kscale ks;
+                prep_k(I_Q4_K, b, &ks);
+                for (int p = 0; p < 4; p++) {
+                    const __m512i qa = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 + 32 * p)));
+                    const __m512i qb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 32 * p)));
+                    const __m512 t0 = _mm512_fmsub_ps(iota, _mm512_set1_ps(ks.s[2 * p]), _mm512_set1_ps(ks.m[2 * p]));
+                    const __m512 t1 = _mm512_fmsub_ps(iota, _mm512_set1_ps(ks.s[2 * p + 1]), _mm512_set1_ps(ks.m[2 * p + 1]));
+                    uint16_t *d = db + g * 256 + 64 * p;
+                    store_bf16x32(d, _mm512_permutexvar_ps(qa, t0), _mm512_permutexvar_ps(qb, t0));
+                    store_bf16x32(d + 32, _mm512_permutexvar_ps(_mm512_srli_epi32(qa, 4), t1),
+                                  _mm512_permutexvar_ps(_mm512_srli_epi32(qb, 4), t1));
+                }
+            }
+            return;
+        }
+        /* one loop per type (a switch per block inside one loop ran at half the speed) */
+#define DEQ_CASE(TI) case TI: \
+            for (int64_t g = 0; g < K / 32; g += IS_K(TI) ? 8 : 1) { \
+                const uint8_t *b = unit_block(TI, row, g); \
+                kscale ks; \
+                if (IS_K(TI)) prep_k(TI, b, &ks); \
+                for (int u = 0; u < (IS_K(TI) ? 8 : 1); u++) { \
+                    __m512 w0, w1; \
+                    unpack32(TI, b, u, &ks, &w0, &w1); \
                     const int64_t e0 = (g + u) * 32; \
                     if (to_bf16) store_bf16x32(db + e0, w0, w1); \
-                    else { _mm512_storeu_ps(df + e0, w0); _mm512_storeu_ps(df + e0 + 16, w1); } } break;
-            switch (wi) {
-                DEQ_CASE(I_F32) DEQ_CASE(I_F16) DEQ_CASE(I_BF16) DEQ_CASE(I_Q4_0) DEQ_CASE(I_Q8_0)
-                DEQ_CASE(I_Q4_K) DEQ_CASE(I_Q5_K) DEQ_CASE(I_Q6_K) DEQ_CASE(I_IQ4_NL) DEQ_CASE(I_MXFP4)
-            }
-#undef DEQ_CASE
+                    else { _mm512_storeu_ps(df + e0, w0); _mm512_storeu_ps(df + e0 + 16, w1); } \
+                } \
+            } \
+            break;
+        switch (wi) {
+            DEQ_CASE(I_F32) DEQ_CASE(I_F16) DEQ_CASE(I_BF16) DEQ_CASE(I_Q4_0) DEQ_CASE(I_Q8_0)
+            DEQ_CASE(I_Q4_K) DEQ_CASE(I_Q5_K) DEQ_CASE(I_Q6_K) DEQ_CASE(I_IQ4_NL) DEQ_CASE(I_MXFP4)
         }
+#undef DEQ_CASE
         return;
     }
 #endif
@@ -1262,18 +1286,51 @@ static int tile_best(void) {
     return HM_DPBF16 ? TILE_BF16 : TILE_C;
 }
 
-/* C[j][0] = A0 . B_j, C[j][1] = A1 . B_j for token blocks j < nb: A0, A1 16 bf16 rows of K
+/* C[j][0] (+)= A0 . B_j, C[j][1] (+)= A1 . B_j for token blocks j < nb: A0, A1 16 bf16 rows of K
  * (lda elements apart), B_j = B + j * bstride (uint32 pairs [K/2][16]), C [nb][2][16][16] fp32
- * with C[..][m][n] = sum_k A[m][k] x_n[k]. */
+ * with C[..][m][n] = sum_k A[m][k] x_n[k]; acc: add to C, else overwrite it. Each issues `lines`
+ * lines of pq spread over its work. */
+/* What a thread's next tile step reads from beyond its own cache, prefetched into L2 a few lines at a time
+ * from inside the current step's dequantization and tile products: the next step's weight rows (gate
+ * and up rows, or down rows: from RAM) and, where the next step is another expert's, its token or h
+ * blocks (written by other cores). Without it the products waited on both: the weight stream stopped
+ * while they ran, and they ran at a quarter of the rate the same AMX loop reaches on cached operands. */
+typedef struct { const uint8_t *p[3]; int64_t n[3], i; int r; } pfq;
+
+static inline pfq pfq_of(const uint8_t *a, int64_t na, const uint8_t *b, int64_t nb, const uint8_t *c, int64_t nc) {
+    pfq q = {{a, b, c}, {a ? na : 0, b ? nb : 0, c ? nc : 0}, 0, 0};
+    for (int r = 0; r < 3; r++)
+        if (q.p[r]) {   /* from the first line's start: every line of the range is touched */
+            const int64_t lead = (int64_t)((uintptr_t)q.p[r] & 63);
+            q.p[r] -= lead;
+            q.n[r] += lead;
+        }
+    return q;
+}
+static inline int64_t pfq_left(const pfq *q) {
+    int64_t n = -q->i;
+    for (int r = q->r; r < 3; r++) n += q->n[r];
+    return (n + 63) / 64;
+}
+static inline void pfq_run(pfq *q, int64_t lines) {
+    while (lines > 0 && q->r < 3) {
+        if (q->i >= q->n[q->r]) { q->r++; q->i = 0; continue; }
+        __builtin_prefetch(q->p[q->r] + q->i, 0, 2);
+        q->i += 64;
+        lines--;
+    }
+}
+
 static void tile_c(const uint16_t *A0, const uint16_t *A1, int64_t lda, const uint32_t *B,
-                   int64_t bstride, int nb, int64_t K, float *C) {
+                   int64_t bstride, int nb, int64_t K, float *C, int acc, pfq *pq, int64_t lines) {
+    pfq_run(pq, lines);
     for (int j = 0; j < nb; j++)
         for (int a = 0; a < 2; a++) {
             const uint16_t *A = a ? A1 : A0;
             float *c = C + ((int64_t)j * 2 + a) * 256;
             for (int m = 0; m < 16; m++)
                 for (int n = 0; n < 16; n++) {
-                    float s = 0;
+                    float s = acc ? c[m * 16 + n] : 0.0f;
                     for (int64_t q = 0; q < K / 2; q++) {
                         const uint32_t b = B[j * bstride + q * 16 + n];
                         s += bf16_to_f32(A[m * lda + 2 * q]) * bf16_to_f32((uint16_t)b) +
@@ -1288,7 +1345,8 @@ static void tile_c(const uint16_t *A0, const uint16_t *A1, int64_t lda, const ui
 /* 8 weight rows x 2 token blocks per pass: 16 accumulators, one broadcast weight pair feeds two
  * vdpbf16ps; a lone last block takes 16 rows x 1 */
 static void tile_bf16(const uint16_t *A0, const uint16_t *A1, int64_t lda, const uint32_t *B,
-                      int64_t bstride, int nb, int64_t K, float *C) {
+                      int64_t bstride, int nb, int64_t K, float *C, int acc, pfq *pq, int64_t lines) {
+    const int64_t per = (lines + 4 * ((nb + 1) / 2) - 1) / (4 * ((nb + 1) / 2));   /* lines a pass */
     for (int j = 0; j < nb; j += 2) {
         const uint32_t *B0 = B + j * bstride, *B1 = B0 + bstride;
         for (int a = 0; a < 2; a++) {
@@ -1296,8 +1354,12 @@ static void tile_bf16(const uint16_t *A0, const uint16_t *A1, int64_t lda, const
             float *c = C + ((int64_t)j * 2 + a) * 256;
             if (j + 1 < nb) {
                 for (int m0 = 0; m0 < 16; m0 += 8) {
+                    pfq_run(pq, per);
                     __m512 s0[8], s1[8];
-                    for (int m = 0; m < 8; m++) s0[m] = s1[m] = _mm512_setzero_ps();
+                    for (int m = 0; m < 8; m++) {
+                        s0[m] = acc ? _mm512_loadu_ps(c + (m0 + m) * 16) : _mm512_setzero_ps();
+                        s1[m] = acc ? _mm512_loadu_ps(c + 512 + (m0 + m) * 16) : _mm512_setzero_ps();
+                    }
                     for (int64_t q = 0; q < K / 2; q++) {
                         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B0 + q * 16);
                         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(B1 + q * 16);
@@ -1313,8 +1375,9 @@ static void tile_bf16(const uint16_t *A0, const uint16_t *A1, int64_t lda, const
                     }
                 }
             } else {
+                pfq_run(pq, 2 * per);
                 __m512 s0[16];
-                for (int m = 0; m < 16; m++) s0[m] = _mm512_setzero_ps();
+                for (int m = 0; m < 16; m++) s0[m] = acc ? _mm512_loadu_ps(c + m * 16) : _mm512_setzero_ps();
                 for (int64_t q = 0; q < K / 2; q++) {
                     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(B0 + q * 16);
                     for (int m = 0; m < 16; m++)
@@ -1344,12 +1407,18 @@ static void amx_config(void) {
 
 /* tiles: 0-3 accumulators (block j x A0, A1; block j+1 x A0, A1), 4-5 A0/A1, 6-7 B_j/B_j+1 */
 static void tile_amx(const uint16_t *A0, const uint16_t *A1, int64_t lda, const uint32_t *B,
-                     int64_t bstride, int nb, int64_t K, float *C) {
-    const int64_t sa = lda * 2;
+                     int64_t bstride, int nb, int64_t K, float *C, int acc, pfq *pq, int64_t lines) {
+    const int64_t sa = lda * 2, steps = K / 32 * ((nb + 1) / 2);
+    const int64_t per = (lines + steps - 1) / steps;   /* prefetched lines per k step */
     int j = 0;
     for (; j + 2 <= nb; j += 2) {
         const uint32_t *B0 = B + j * bstride, *B1 = B0 + bstride;
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        float *c = C + (int64_t)j * 512;
+        if (acc) {
+            _tile_loadd(0, c, 64); _tile_loadd(1, c + 256, 64); _tile_loadd(2, c + 512, 64); _tile_loadd(3, c + 768, 64);
+        } else {
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        }
         for (int64_t kc = 0; kc < K / 32; kc++) {
             _tile_loadd(4, A0 + kc * 32, sa);
             _tile_loadd(5, A1 + kc * 32, sa);
@@ -1359,8 +1428,8 @@ static void tile_amx(const uint16_t *A0, const uint16_t *A1, int64_t lda, const 
             _tile_dpbf16ps(1, 5, 6);
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
+            pfq_run(pq, per);
         }
-        float *c = C + (int64_t)j * 512;
         _tile_stored(0, c, 64);
         _tile_stored(1, c + 256, 64);
         _tile_stored(2, c + 512, 64);
@@ -1368,48 +1437,113 @@ static void tile_amx(const uint16_t *A0, const uint16_t *A1, int64_t lda, const 
     }
     if (j < nb) {
         const uint32_t *B0 = B + j * bstride;
-        _tile_zero(0); _tile_zero(1);
+        float *c = C + (int64_t)j * 512;
+        if (acc) { _tile_loadd(0, c, 64); _tile_loadd(1, c + 256, 64); }
+        else { _tile_zero(0); _tile_zero(1); }
         for (int64_t kc = 0; kc < K / 32; kc++) {
             _tile_loadd(4, A0 + kc * 32, sa);
             _tile_loadd(5, A1 + kc * 32, sa);
             _tile_loadd(6, B0 + kc * 256, 64);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 5, 6);
+            pfq_run(pq, per);
         }
-        float *c = C + (int64_t)j * 512;
         _tile_stored(0, c, 64);
         _tile_stored(1, c + 256, 64);
     }
 }
 #endif
 
-static inline void tile_product(int mode, const uint16_t *A0, const uint16_t *A1, int64_t lda,
-                                const uint32_t *B, int64_t bstride, int nb, int64_t K, float *C) {
+static inline void tile_product(int mode, const uint16_t *A0, const uint16_t *A1, int64_t lda, const uint32_t *B,
+                                int64_t bstride, int nb, int64_t K, float *C, int acc, pfq *pq, int64_t lines) {
 #if HM_AMX
-    if (mode == TILE_AMX) { tile_amx(A0, A1, lda, B, bstride, nb, K, C); return; }
+    if (mode == TILE_AMX) { tile_amx(A0, A1, lda, B, bstride, nb, K, C, acc, pq, lines); return; }
 #endif
 #if HM_DPBF16
-    if (mode == TILE_BF16) { tile_bf16(A0, A1, lda, B, bstride, nb, K, C); return; }
+    if (mode == TILE_BF16) { tile_bf16(A0, A1, lda, B, bstride, nb, K, C, acc, pq, lines); return; }
 #endif
     (void)mode;
-    tile_c(A0, A1, lda, B, bstride, nb, K, C);
+    tile_c(A0, A1, lda, B, bstride, nb, K, C, acc, pq, lines);
 }
 
-static inline void prefetch_l2(const uint8_t *p, int64_t n) {
-    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 2);
+#ifndef TILE_KC
+#define TILE_KC 2048   /* K elements a pass: a multiple of every block size (K-quants: 256) */
+#endif
+#define TILE_LDA (TILE_KC + 32)   /* elements between the bf16 rows of a pass: rows 4 KiB apart would share
+                                   * one L1 set, and a tile load reads 16 of them */
+
+/* One tile step: C[j] = [16 rows of w0; 16 rows of w1] . B_j for the nb token blocks, the rows (rb bytes
+ * each) quantized, K long. In passes of up to TILE_KC (so the scratch stays 130 KB for any K): each pass
+ * dequantizes its slice of the 32 rows into Ac and accumulates its products. Passes of 256 and 512
+ * (operands in L1) measured no faster on Sapphire Rapids at the Qwen3-30B-A3B shape than whole rows.
+ * Issues all of pq, in even parts over the passes, half in the dequantization and half in the products. */
+static void tile_step(int mode, int ti, const uint8_t *w0, const uint8_t *w1, int64_t rb, int64_t K,
+                      const uint32_t *B, int64_t bstride, int nb, uint16_t *Ac, float *C, pfq *pq) {
+    const int64_t passes = (K + TILE_KC - 1) / TILE_KC, lines = (pfq_left(pq) + passes - 1) / passes;
+    for (int64_t k0 = 0; k0 < K; k0 += TILE_KC) {
+        const int64_t kc = K - k0 < TILE_KC ? K - k0 : TILE_KC, bo = row_bytes(ti, k0);
+        for (int m = 0; m < 32; m++) {
+            pfq_run(pq, (lines + 63) / 64);
+            deq_row(ti, (m < 16 ? w0 + m * rb : w1 + (m - 16) * rb) + bo, kc, Ac + m * TILE_LDA, 1);
+        }
+        tile_product(mode, Ac, Ac + 16 * TILE_LDA, TILE_LDA, B + k0 / 2 * 16, bstride, nb, kc, C, k0 > 0, pq,
+                     lines / 2);
+    }
+    pfq_run(pq, pfq_left(pq));
 }
 
-/* rows [r0, r0 + n) of a quantized matrix -> bf16 rows of K at dst, ld elements apart (K + 32:
- * rows 4 KiB apart would share one L1 set, and a tile load reads 16 of them) */
-static inline void deq_rows_bf16(int ti, const uint8_t *w, int64_t rb, int64_t r0, int n, int64_t K,
-                                 uint16_t *dst, int64_t ld, const uint8_t *pf) {
-    /* pf: the next rows this thread will read (n rows of rb bytes), prefetched into L2 a row at a time */
-    for (int m = 0; m < n; m++) {
-        if (pf) prefetch_l2(pf + m * rb, rb);
-        deq_row(ti, w + (r0 + m) * rb, K, dst + m * ld, 1);
+/* a row of K floats -> K/2 bf16 pairs (x[2q], x[2q+1]) */
+static inline void bf16_pairs(uint32_t *dst, const float *x, int64_t K) {
+    int64_t i = 0;
+#if HM_AVX512 && defined(__AVX512BF16__)
+    for (; i + 32 <= K; i += 32)
+        _mm512_storeu_si512(dst + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
+#endif
+    for (; i < K; i += 2) dst[i / 2] = (uint32_t)bf16_rne(x[i]) | (uint32_t)bf16_rne(x[i + 1]) << 16;
+}
+
+/* token block dst ([Q][16] bf16 pairs: the B operand) from rows tok[0..cn) of xp (Q pairs each); tokens
+ * cn..15 are zero. In 16 x 16 pieces: one line of each of 16 rows in, 16 whole lines out. */
+static void pack_tokens(uint32_t *dst, const uint32_t *xp, const int32_t *tok, int cn, int64_t Q) {
+    uint32_t tmp[16][16] __attribute__((aligned(64)));
+    for (int n = cn; n < 16; n++) memset(tmp[n], 0, sizeof tmp[n]);
+    for (int64_t q0 = 0; q0 < Q; q0 += 16) {
+        for (int n = 0; n < cn; n++) memcpy(tmp[n], xp + (int64_t)tok[n] * Q + q0, sizeof tmp[n]);
+        for (int q = 0; q < 16; q++)
+            for (int n = 0; n < 16; n++) dst[(q0 + q) * 16 + n] = tmp[n][q];
     }
 }
 
+/* out[tok] += w * (C rows + bias) for the (up to 16) tokens of one block: C [2][16 rows][16 tokens] */
+static inline void add_block_rows(float *out, int64_t H, int64_t r0, const float *c, const int32_t *tok,
+                                  const float *w, int cn, const float *bias) {
+    for (int n = 0; n < cn; n++) {
+        float *o = out + (int64_t)tok[n] * H + r0;
+#if HM_AVX512
+        const __m512i col = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208,
+                                              224, 240);
+        __m512 y0 = _mm512_i32gather_ps(col, c + n, 4), y1 = _mm512_i32gather_ps(col, c + 256 + n, 4);
+        if (bias) {
+            y0 = _mm512_add_ps(y0, _mm512_loadu_ps(bias));
+            y1 = _mm512_add_ps(y1, _mm512_loadu_ps(bias + 16));
+        }
+        const __m512 wv = _mm512_set1_ps(w[n]);
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(wv, y0, _mm512_loadu_ps(o)));
+        _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(wv, y1, _mm512_loadu_ps(o + 16)));
+#else
+        for (int m = 0; m < 32; m++)
+            o[m] += w[n] * (c[(m >> 4) * 256 + (m & 15) * 16 + n] + (bias ? bias[m] : 0.0f));
+#endif
+    }
+}
+
+#ifndef TILE_S1_STEPS
+#define TILE_S1_STEPS 8   /* 16-row steps of F a stage-1 unit covers: its token blocks are fetched once */
+#endif
+#ifndef TILE_S2_ROWS
+#define TILE_S2_ROWS 32   /* rows of H a stage-2 unit covers (a multiple of 32): with 64, the last units
+                             * left threads idle for 1.9-2.4 ms of a 16-18 ms call (T=512, 16 threads) */
+#endif
 static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
                         int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                         const uint8_t *down, int dtype, float *out, int nthreads, const moe_act *A) {
@@ -1422,10 +1556,9 @@ static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids
     if (T == 0) return 0;
     /* token blocks: at most P / 16 + one partial block per active expert; an expert has at most P pairs */
     const int64_t nb_cap = P / 16 + (E < P ? E : P), nbmax_cap = (P + 15) / 16;
-    const int64_t ld = (H > F ? H : F) + 32;                       /* A rows, elements apart */
-    const size_t scratch = ((size_t)32 * ld * 2 + (size_t)nbmax_cap * 2048 + 63) & ~(size_t)63;
+    const size_t scratch = ((size_t)32 * TILE_LDA * 2 + (size_t)nbmax_cap * 2048 + 63) & ~(size_t)63;
     const size_t need = 64 * 4 + (size_t)E * 4 * 2 + (size_t)(E + 1) * 8 * 3 + (size_t)P * 8 +
-                        (size_t)nb_cap * 16 * (H + F) * 2 + (size_t)nth * scratch;
+                        (size_t)nb_cap * 16 * (H + F) * 2 + (size_t)T * H * 2 + 64 + (size_t)nth * scratch;
     char *ws = workspace(need);
     if (!ws) return -2;
     int32_t *slot = (int32_t *)ws;                                  /* [E] expert -> active index */
@@ -1437,93 +1570,113 @@ static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids
     float *pw = (float *)(ptok + P);                                /* [P] its router weight */
     uint32_t *xb = (uint32_t *)(((uintptr_t)(pw + P) + 63) & ~(uintptr_t)63);   /* [NB][H/2][16] */
     uint32_t *hb = xb + nb_cap * 16 * (H / 2);                      /* [NB][F/2][16] */
-    char *scr = (char *)(hb + nb_cap * 16 * (F / 2));               /* [nth][scratch] */
+    uint32_t *xp = hb + nb_cap * 16 * (F / 2);                      /* [T][H/2]: x as bf16 pairs */
+    char *scr = (char *)(((uintptr_t)(xp + T * (H / 2)) + 63) & ~(uintptr_t)63);   /* [nth][scratch] */
     const int na = route_pairs(ids, wts, P, k, E, slot, act, off, pos, ptok, pw);
     int64_t NB = 0;
     boff[0] = 0;
     for (int a = 0; a < na; a++) boff[a + 1] = NB += (off[a + 1] - off[a] + 15) / 16;
-    const int64_t fu = F / 16, fgn = (fu + 3) / 4, xs = 16 * (H / 2), hs = 16 * (F / 2);
+    const int64_t fu = F / 16, fgn = (fu + TILE_S1_STEPS - 1) / TILE_S1_STEPS, xs = 16 * (H / 2), hs = 16 * (F / 2);
+    const int64_t NU = (int64_t)na * fgn, NV = (H + TILE_S2_ROWS - 1) / TILE_S2_ROWS;
+    int64_t ctr1 = 0, ctr2 = 0;   /* units claimed so far, stage 1 and stage 2 */
 
 #pragma omp parallel num_threads(nth)
     {
         const int tid = omp_get_thread_num();
-        uint16_t *Aw = (uint16_t *)(scr + (size_t)tid * scratch);   /* 32 bf16 rows */
-        float *C = (float *)(Aw + 32 * ld);                         /* [nbmax][2][16][16] */
+        uint16_t *Aw = (uint16_t *)(scr + (size_t)tid * scratch);   /* 32 bf16 rows of a pass */
+        float *C = (float *)(Aw + 32 * TILE_LDA);                   /* [nbmax][2][16][16] */
 #if HM_AMX
         if (mode == TILE_AMX) amx_config();
 #endif
-        /* ---- stage 0: token blocks as bf16 pairs */
+        /* ---- stage 0: x to bf16 pairs once, then the token blocks (each token is in k of them) */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) bf16_pairs(xp + t * (H / 2), x + t * H, H);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < NB; b++) {
             int a = 0;
             while (boff[a + 1] <= b) a++;
             const int64_t i0 = off[a] + (b - boff[a]) * 16, cn = off[a + 1] - i0;
-            uint32_t *dst = xb + b * xs;
-            for (int n = 0; n < 16; n++) {
-                if (n < cn) {
-                    const float *xr = x + (int64_t)ptok[i0 + n] * H;
-                    for (int64_t q = 0; q < H / 2; q++)
-                        dst[q * 16 + n] = (uint32_t)bf16_rne(xr[2 * q]) | (uint32_t)bf16_rne(xr[2 * q + 1]) << 16;
-                } else {
-                    for (int64_t q = 0; q < H / 2; q++) dst[q * 16 + n] = 0;
-                }
-            }
+            pack_tokens(xb + b * xs, xp, ptok + i0, cn < 16 ? (int)cn : 16, H / 2);
         }
-        /* ---- stage 1: (expert, 64 rows of F), 16 at a time: the expert's token blocks stay in this
-         * core's cache across the unit (with 16-row units each core re-read them from L3) */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < (int64_t)na * fgn; u++) {
-            const int a = (int)(u / fgn);
-            const int64_t e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
-            const int64_t fb1 = ((u % fgn) + 1) * 4 < fu ? ((u % fgn) + 1) * 4 : fu;
-            for (int64_t fb = (u % fgn) * 4; fb < fb1; fb++) {
-                const int64_t f0 = fb * 16;
-                const int nx = fb + 1 < fb1;                      /* the unit's next 16 rows, into L2 */
-                deq_rows_bf16(gi, gate + e * F * rbg, rbg, f0, 16, H, Aw, ld,
-                              nx ? gate + (e * F + f0 + 16) * rbg : NULL);
-                deq_rows_bf16(gi, up + e * F * rbg, rbg, f0, 16, H, Aw + 16 * ld, ld,
-                              nx ? up + (e * F + f0 + 16) * rbg : NULL);
-                tile_product(mode, Aw, Aw + 16 * ld, ld, xb + boff[a] * xs, xs, (int)nb, H, C);
-                for (int64_t j = 0; j < nb; j++) {
-                    uint16_t *hd = (uint16_t *)(hb + (boff[a] + j) * hs);
-                    const float *cg = C + j * 512, *cu = cg + 256;
-                    for (int m = 0; m < 16; m++) {
-                        const int64_t f = f0 + m;
-                        uint16_t *hrow = hd + (f / 2) * 32 + (f & 1);
-                        float hv[16];
-                        if (!A->kind) {
-                            for (int n = 0; n < 16; n++) {        /* branch-free: vectorizes */
-                                const float g = cg[m * 16 + n];
-                                hv[n] = g / (1.0f + exp_vec(-g)) * cu[m * 16 + n];
+        /* ---- stage 1: units (expert, 16 TILE_S1_STEPS rows of F), 16 rows a step: the expert's token
+         * blocks stay in this core's cache across the unit. Units are claimed one ahead, so each step
+         * prefetches the next one's rows, into the next unit too, and a slice of the next unit's blocks. */
+        {
+            int64_t u = claim(&ctr1), un = claim(&ctr1);
+            if (u < NU) {
+                const int64_t e = act[u / fgn], f0 = (u % fgn) * 16 * TILE_S1_STEPS;
+                pfq q = pfq_of(gate + (e * F + f0) * rbg, 16 * rbg, up + (e * F + f0) * rbg, 16 * rbg, NULL, 0);
+                pfq_run(&q, pfq_left(&q));                               /* the thread's first step */
+            }
+            for (; u < NU; u = un, un = claim(&ctr1)) {
+                const int a = (int)(u / fgn), an = un < NU ? (int)(un / fgn) : -1;
+                const int64_t e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
+                const int64_t fb0 = (u % fgn) * TILE_S1_STEPS;
+                const int64_t fb1 = fb0 + TILE_S1_STEPS < fu ? fb0 + TILE_S1_STEPS : fu;
+                /* the next unit's token blocks, if another expert's: a slice per step */
+                const uint8_t *bn = an >= 0 && an != a ? (const uint8_t *)(xb + boff[an] * xs) : NULL;
+                const int64_t bbytes = bn ? (boff[an + 1] - boff[an]) * xs * 4 : 0, bslice = bbytes / (fb1 - fb0) + 64;
+                for (int64_t fb = fb0; fb < fb1; fb++) {
+                    const int64_t f0 = fb * 16;
+                    const int64_t ne = fb + 1 < fb1 ? e : an >= 0 ? act[an] : -1;
+                    const int64_t nf = fb + 1 < fb1 ? f0 + 16 : (un % fgn) * 16 * TILE_S1_STEPS;
+                    const int64_t bo = (fb - fb0) * bslice < bbytes ? (fb - fb0) * bslice : bbytes;
+                    pfq q = ne < 0 ? pfq_of(NULL, 0, NULL, 0, NULL, 0) :
+                            pfq_of(gate + (ne * F + nf) * rbg, 16 * rbg, up + (ne * F + nf) * rbg, 16 * rbg,
+                                   bn ? bn + bo : NULL, bbytes - bo < bslice ? bbytes - bo : bslice);
+                    tile_step(mode, gi, gate + (e * F + f0) * rbg, up + (e * F + f0) * rbg, rbg, H,
+                              xb + boff[a] * xs, xs, (int)nb, Aw, C, &q);
+                    for (int64_t j = 0; j < nb; j++) {
+                        uint16_t *hd = (uint16_t *)(hb + (boff[a] + j) * hs);
+                        const float *cg = C + j * 512, *cu = cg + 256;
+                        for (int m = 0; m < 16; m++) {
+                            const int64_t f = f0 + m;
+                            uint16_t *hrow = hd + (f / 2) * 32 + (f & 1);
+                            float hv[16];
+                            if (!A->kind) {
+                                for (int n = 0; n < 16; n++) {        /* branch-free: vectorizes */
+                                    const float g = cg[m * 16 + n];
+                                    hv[n] = g / (1.0f + exp_vec(-g)) * cu[m * 16 + n];
+                                }
+                            } else {
+                                for (int n = 0; n < 16; n++) hv[n] = act_h(A, cg[m * 16 + n], cu[m * 16 + n], e, F, f);
                             }
-                        } else {
-                            for (int n = 0; n < 16; n++) hv[n] = act_h(A, cg[m * 16 + n], cu[m * 16 + n], e, F, f);
+                            for (int n = 0; n < 16; n++) hrow[2 * n] = j * 16 + n < cn ? bf16_rne(hv[n]) : 0;
                         }
-                        for (int n = 0; n < 16; n++) hrow[2 * n] = j * 16 + n < cn ? bf16_rne(hv[n]) : 0;
                     }
                 }
             }
         }
-        /* ---- stage 2: 64 rows of H (32 at a time), all experts: an expert's h blocks serve both halves */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t v = 0; v < (H + 63) / 64; v++) {
-            const int64_t h0 = v * 64, hn = H - h0 < 64 ? H - h0 : 64;
-            for (int64_t t = 0; t < T; t++) memset(out + t * H + h0, 0, (size_t)hn * 4);
-            for (int a = 0; a < na; a++) {
-                const int64_t e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
-                for (int64_t r0 = h0; r0 < h0 + hn; r0 += 32) {
-                    const uint8_t *nx = r0 + 32 < h0 + hn ? down + (e * H + r0 + 32) * rbd :
-                                        a + 1 < na ? down + ((int64_t)act[a + 1] * H + h0) * rbd : NULL;
-                    deq_rows_bf16(di, down + e * H * rbd, rbd, r0, 32, F, Aw, ld, nx);
-                    tile_product(mode, Aw, Aw + 16 * ld, ld, hb + boff[a] * hs, hs, (int)nb, F, C);
-                    for (int64_t j = 0; j < nb; j++)
-                        for (int n = 0; n < 16 && j * 16 + n < cn; n++) {
-                            const int64_t p = off[a] + j * 16 + n;
-                            float *o = out + (int64_t)ptok[p] * H + r0;
-                            const float w = pw[p], *c = C + j * 512 + n;
-                            for (int m = 0; m < 32; m++)
-                                o[m] += w * (c[(m >> 4) * 256 + (m & 15) * 16] + down_bias(A, e, H, r0 + m));
+#pragma omp barrier
+        /* ---- stage 2: units of 64 rows of H, 32 a step, all experts (an expert's h blocks serve both
+         * halves); claimed one ahead like stage 1 */
+        {
+            int64_t v = claim(&ctr2), vn = claim(&ctr2);
+            if (v < NV && na > 0) {
+                pfq q = pfq_of(down + ((int64_t)act[0] * H + v * TILE_S2_ROWS) * rbd, 32 * rbd, NULL, 0, NULL, 0);
+                pfq_run(&q, pfq_left(&q));
+            }
+            for (; v < NV; v = vn, vn = claim(&ctr2)) {
+                const int64_t h0 = v * TILE_S2_ROWS, hn = H - h0 < TILE_S2_ROWS ? H - h0 : TILE_S2_ROWS;
+                for (int64_t t = 0; t < T; t++) memset(out + t * H + h0, 0, (size_t)hn * 4);
+                for (int a = 0; a < na; a++) {
+                    const int64_t e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
+                    for (int64_t r0 = h0; r0 < h0 + hn; r0 += 32) {
+                        /* the next step: these rows' next 32, else the next expert's (its h blocks too) */
+                        const int an = r0 + 32 < h0 + hn ? -1 : a + 1 < na ? a + 1 : vn < NV ? 0 : -1;
+                        const uint8_t *nx = r0 + 32 < h0 + hn ? down + (e * H + r0 + 32) * rbd :
+                                            an < 0 ? NULL :
+                                            down + ((int64_t)act[an] * H + (an ? h0 : vn * TILE_S2_ROWS)) * rbd;
+                        pfq q = pfq_of(nx, 32 * rbd, an < 0 ? NULL : (const uint8_t *)(hb + boff[an] * hs),
+                                       an < 0 ? 0 : (boff[an + 1] - boff[an]) * hs * 4, NULL, 0);
+                        tile_step(mode, di, down + (e * H + r0) * rbd, down + (e * H + r0 + 16) * rbd, rbd, F,
+                                  hb + boff[a] * hs, hs, (int)nb, Aw, C, &q);
+                        for (int64_t j = 0; j < nb; j++) {
+                            const int64_t p0 = off[a] + j * 16;
+                            add_block_rows(out, H, r0, C + j * 512, ptok + p0, pw + p0,
+                                           cn - j * 16 < 16 ? (int)(cn - j * 16) : 16, A->bd ? A->bd + e * H + r0 : NULL);
                         }
+                    }
                 }
             }
         }
