@@ -1253,12 +1253,13 @@ int hm_combine_bf16(const uint16_t *y, const int64_t *slot, const float *w, int6
  * every weight byte read once, as 16 x 16 x 32 bf16 tile products with fp32 accumulation:
  *   stage 0: pairs sorted by expert; each expert's tokens in blocks of 16, packed as bf16 pairs:
  *            the B operand of a tile product, [K/2][16 tokens] of (x[2q], x[2q+1]).
- *   stage 1: units (expert, 64 rows of F), 16 rows at a time: 16 gate and 16 up rows dequantized
- *            to bf16 rows (the A operands, cache-resident), multiplied with every token block of
- *            the expert; h = act(g, u), packed the same way for stage 2.
- *   stage 2: units of 64 output rows of H, 32 at a time: for every active expert, its down rows
- *            dequantized, multiplied with its h blocks, out[t] += w * y in ascending expert
+ *   stage 1: units (expert, TILE_S1_STEPS x 16 rows of F), 16 rows a step: 16 gate and 16 up rows
+ *            dequantized to bf16 rows (the A operands, cache-resident), multiplied with every token
+ *            block of the expert; h = act(g, u), packed the same way for stage 2.
+ *   stage 2: units of TILE_S2_ROWS output rows of H, 32 a step: for every active expert, its down
+ *            rows dequantized, multiplied with its h blocks, out[t] += w * y in ascending expert
  *            order: one writer per output element, deterministic for any thread count.
+ *   Units are claimed from counters one ahead; each step prefetches the next one's data (pfq).
  * Tile products: AMX (TDPBF16PS) where the CPU has it and Linux grants the tile state, else
  * AVX512-BF16 (vdpbf16ps, one broadcast weight pair x 16 tokens), else portable C.
  */
@@ -1286,15 +1287,11 @@ static int tile_best(void) {
     return HM_DPBF16 ? TILE_BF16 : TILE_C;
 }
 
-/* C[j][0] (+)= A0 . B_j, C[j][1] (+)= A1 . B_j for token blocks j < nb: A0, A1 16 bf16 rows of K
- * (lda elements apart), B_j = B + j * bstride (uint32 pairs [K/2][16]), C [nb][2][16][16] fp32
- * with C[..][m][n] = sum_k A[m][k] x_n[k]; acc: add to C, else overwrite it. Each issues `lines`
- * lines of pq spread over its work. */
 /* What a thread's next tile step reads from beyond its own cache, prefetched into L2 a few lines at a time
  * from inside the current step's dequantization and tile products: the next step's weight rows (gate
  * and up rows, or down rows: from RAM) and, where the next step is another expert's, its token or h
- * blocks (written by other cores). Without it the products waited on both: the weight stream stopped
- * while they ran, and they ran at a quarter of the rate the same AMX loop reaches on cached operands. */
+ * blocks (written by other cores). Before, rows were prefetched only while others were dequantized, so
+ * the weight stream stopped while the products ran (docs/cpu-kernels.md). */
 typedef struct { const uint8_t *p[3]; int64_t n[3], i; int r; } pfq;
 
 static inline pfq pfq_of(const uint8_t *a, int64_t na, const uint8_t *b, int64_t nb, const uint8_t *c, int64_t nc) {
@@ -1321,6 +1318,10 @@ static inline void pfq_run(pfq *q, int64_t lines) {
     }
 }
 
+/* C[j][0] (+)= A0 . B_j, C[j][1] (+)= A1 . B_j for token blocks j < nb: A0, A1 16 bf16 rows of K
+ * (lda elements apart), B_j = B + j * bstride (uint32 pairs [K/2][16]), C [nb][2][16][16] fp32
+ * with C[..][m][n] = sum_k A[m][k] x_n[k]; acc: add to C, else overwrite it. Each issues `lines`
+ * lines of pq spread over its work. */
 static void tile_c(const uint16_t *A0, const uint16_t *A1, int64_t lda, const uint32_t *B,
                    int64_t bstride, int nb, int64_t K, float *C, int acc, pfq *pq, int64_t lines) {
     pfq_run(pq, lines);
