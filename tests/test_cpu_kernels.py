@@ -196,9 +196,24 @@ def test_mixed_types_repeats_and_skips():
             cpu.moe_ffn(x, bad, w, gate, up, down, G.Q4_K, G.Q6_K, impl=impl)
 
 
+@pytest.fixture
+def tile_modes():
+    """Iterates over the tile-product implementations this CPU has (AMX, AVX512-BF16, portable C), setting
+    each in turn; the best one is set again after the test, failed or not."""
+    best = cpu.tile_mode()
+    order = ["amx", "avx512-bf16", "c"]
+
+    def each():
+        for mode in order[order.index(best):]:
+            assert cpu.tile_mode(mode) == mode
+            yield mode
+    yield each
+    cpu.tile_mode(best)
+
+
 @pytest.mark.parametrize("q,dq", [(G.Q4_0, G.Q4_0), (G.Q8_0, G.Q8_0), (G.Q4_K, G.Q6_K), (G.Q5_K, G.Q5_K),
                                   (G.BF16, G.F16), (G.MXFP4, G.IQ4_NL)], ids=lambda v: v.name)
-def test_tile_kernel_every_mode(q, dq):
+def test_tile_kernel_every_mode(q, dq, tile_modes):
     """The grouped tile kernel with every tile-product implementation this CPU has (AMX on Sapphire
     Rapids, AVX512-BF16, portable C), against float64: an expert shared by every token (3 token blocks,
     the last one partial), repeated ids, skipped slots, a token with no experts, gate and down types
@@ -215,22 +230,16 @@ def test_tile_kernel_every_mode(q, dq):
     ids[2, 3] = -1
     ids[7] = -1
     ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, dq, torch.float64)
-    best = cpu.tile_mode()
-    order = ["amx", "avx512-bf16", "c"]
-    try:
-        for mode in order[order.index(best):]:
-            assert cpu.tile_mode(mode) == mode
-            outs = []
-            for nth in (1, 3):
-                out = torch.full((T, H), float("nan"))
-                cpu.moe_ffn(x, ids, w, gate, up, down, q, dq, n_threads=nth, out=out, impl="tile")
-                outs.append(out)
-            assert torch.isfinite(outs[0]).all(), mode
-            assert float(outs[0][7].abs().max()) == 0.0
-            assert rel_l2(outs[0], ref) < BAND["gemm"], mode
-            assert torch.equal(outs[0], outs[1]), mode
-    finally:
-        cpu.tile_mode(best)
+    for mode in tile_modes():
+        outs = []
+        for nth in (1, 3):
+            out = torch.full((T, H), float("nan"))
+            cpu.moe_ffn(x, ids, w, gate, up, down, q, dq, n_threads=nth, out=out, impl="tile")
+            outs.append(out)
+        assert torch.isfinite(outs[0]).all(), mode
+        assert float(outs[0][7].abs().max()) == 0.0
+        assert rel_l2(outs[0], ref) < BAND["gemm"], mode
+        assert torch.equal(outs[0], outs[1]), mode
     bad = ids.clone()
     bad[0, 0] = E
     with pytest.raises(ValueError):
@@ -239,7 +248,7 @@ def test_tile_kernel_every_mode(q, dq):
 
 @pytest.mark.parametrize("q,E,H,F,k", [(G.Q8_0, 6, 96, 352, 3), (G.Q8_0, 2, 2112, 2080, 1), (G.Q4_K, 2, 2304, 256, 1)],
                          ids=["small", "long-rows", "long-rows-Q4_K"])
-def test_tile_kernel_uneven_units(q, E, H, F, k):
+def test_tile_kernel_uneven_units(q, E, H, F, k, tile_modes):
     """The tile kernel's work at shapes that do not divide evenly: F of 22 sixteen-row steps (units of 8, 8
     and 6), H of 3 x 32 rows; rows longer than one pass of the products (2048), so a pass adds to the
     last one's sums. Every mode this CPU has, against float64."""
@@ -249,21 +258,15 @@ def test_tile_kernel_uneven_units(q, E, H, F, k):
     x = torch.randn(T, H, generator=g)
     ids, w = routing(T, E, k, g)
     ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, q, torch.float64)
-    best = cpu.tile_mode()
-    order = ["amx", "avx512-bf16", "c"]
-    try:
-        for mode in order[order.index(best):]:
-            cpu.tile_mode(mode)
-            out = torch.full((T, H), float("nan"))
-            cpu.moe_ffn(x, ids, w, gate, up, down, q, q, n_threads=3, out=out, impl="tile")
-            assert rel_l2(out, ref) < BAND["gemm"], mode
-    finally:
-        cpu.tile_mode(best)
+    for mode in tile_modes():
+        out = torch.full((T, H), float("nan"))
+        cpu.moe_ffn(x, ids, w, gate, up, down, q, q, n_threads=3, out=out, impl="tile")
+        assert rel_l2(out, ref) < BAND["gemm"], mode
 
 
 @pytest.mark.parametrize("q", [G.MXFP4, G.Q4_0, G.Q8_0], ids=lambda v: v.name)
 @pytest.mark.parametrize("T,impl", [(1, "kernel"), (7, "kernel"), (40, "tile")])
-def test_gpt_oss_experts(q, T, impl):
+def test_gpt_oss_experts(q, T, impl, tile_modes):
     """gpt-oss's experts (biases, clamped SwiGLU) in the C kernels against float64; inputs large enough that
     the clamps at 7 act on a good share of gate and up values."""
     E, H, F = shapes(q, T)
@@ -276,17 +279,11 @@ def test_gpt_oss_experts(q, T, impl):
     ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, q, torch.float64, oai=oai)
     gd = x.double() @ dequantize(gate[int(ids[0, 0])], q, H, torch.float64).T
     assert 0.05 < float((gd.abs() > 7).double().mean()) < 0.95          # the clamps matter here
-    best = cpu.tile_mode()
-    modes = ["amx", "avx512-bf16", "c"]
-    try:
-        for mode in (modes[modes.index(best):] if impl == "tile" else [best]):
-            cpu.tile_mode(mode)
-            out = torch.full((T, H), float("nan"))
-            cpu.moe_ffn(x, ids, w, gate, up, down, q, q, out=out, impl=impl, oai=oai)
-            assert torch.isfinite(out).all()
-            assert rel_l2(out, ref) < (BAND["gemm"] if impl == "tile" else BAND["int"]), mode
-    finally:
-        cpu.tile_mode(best)
+    for mode in (tile_modes() if impl == "tile" else [cpu.tile_mode()]):
+        out = torch.full((T, H), float("nan"))
+        cpu.moe_ffn(x, ids, w, gate, up, down, q, q, out=out, impl=impl, oai=oai)
+        assert torch.isfinite(out).all()
+        assert rel_l2(out, ref) < (BAND["gemm"] if impl == "tile" else BAND["int"]), mode
 
 
 def test_deterministic_across_thread_counts():
