@@ -28,9 +28,9 @@ def _decode(name, graphs, n_prompt=5, n_steps=40, ctx=128, **opts):
 @pytest.mark.parametrize("cache", ["f16", "bf16", "f32"])
 def test_cpu_decode_step_matches_eager(name, cache):
     got, m, kv = _decode(name, True, cache_type_k=cache, cache_type_v=cache)
-    assert isinstance(m._static_decoder(kv), CpuDecoder)
+    assert isinstance(m._step_for("decode", kv), CpuDecoder)
     ref, m_ref, kv_ref = _decode(name, False, cache_type_k=cache, cache_type_v=cache)
-    assert m_ref._static_decoder(kv_ref) is None
+    assert m_ref._step_for("decode", kv_ref) is None
     assert rel_l2(got, ref) <= 1e-5
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     n = 5 + 40
@@ -59,12 +59,12 @@ def test_cpu_decode_step_portable_kernels():
 
 def test_cpu_decode_step_not_taken_where_it_does_not_apply(monkeypatch):
     m = hybridmoe.load("synth:tiny-wide", ctx_size=64, cache_type_k="q8_0", cache_type_v="q8_0")
-    assert m._static_decoder(m.new_cache()) is None                    # q8_0 cache: eager
+    assert m._step_for("decode", m.new_cache()) is None                    # q8_0 cache: eager
     m = hybridmoe.load("synth:tiny-deepseek2", ctx_size=64)
-    assert m._static_decoder(m.new_cache()) is None                    # MLA: eager
+    assert m._step_for("decode", m.new_cache()) is None                    # MLA: eager
     monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
     m = hybridmoe.load("synth:tiny", ctx_size=64, n_gpu_layers=99, override_tensor=["exps=CPU"])
-    assert not isinstance(m._static_decoder(m.new_cache()), CpuDecoder)
+    assert not isinstance(m._step_for("decode", m.new_cache()), CpuDecoder)
 
 
 def test_cpu_decode_step_profile(capsys):
@@ -81,6 +81,6 @@ def test_cpu_decode_step_rejects_a_token_outside_the_vocabulary():
     m = hybridmoe.load("synth:tiny", ctx_size=64)
     kv = m.new_cache()
     m.forward(torch.tensor([5]), 0, kv)
-    sd = m._static_decoder(kv)
+    sd = m._step_for("decode", kv)
     with pytest.raises(ValueError, match="not in the vocabulary"):
         sd.step(m.cfg.n_vocab + 3, 1)

@@ -51,7 +51,7 @@ def test_cached_decode_equals_full_forward(gpt_oss, src):
     m = hybridmoe.load(path, ctx_size=64, ubatch_size=4)
     full = m.logits(IDS)
     kv = m.new_cache(64)
-    assert m._static_decoder(kv) is None                                              # eager decode
+    assert m._step_for("decode", kv) is None                                              # eager decode
     m.forward(torch.tensor(IDS[:5]), 0, kv)
     steps = torch.stack([m.forward(torch.tensor([t]), 5 + i, kv)[0] for i, t in enumerate(IDS[5:])])
     assert rel_l2(steps, full[5:]) <= 1e-5
@@ -78,7 +78,7 @@ def test_placements_match_all_cpu(gpt_oss, monkeypatch, opts, expert_dev):
         assert ops[("mul_mat_id", "CPU")][0] == m.cfg.n_layer and ops[("mul_mat_id", "CUDA0")][0] == 2 * m.cfg.n_layer
     assert ops[("attention", "CUDA0")][0] == m.cfg.n_layer
     kv = m.new_cache(64)
-    assert m._static_decoder(kv) is None                          # every layer on the GPU: still eager
+    assert m._step_for("decode", kv) is None                          # every layer on the GPU: still eager
     full = m.logits(IDS)
     m.forward(torch.tensor(IDS[:6]), 0, kv)
     steps = torch.cat([m.forward(torch.tensor([t]), 6 + i, kv) for i, t in enumerate(IDS[6:])])

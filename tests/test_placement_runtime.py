@@ -152,8 +152,8 @@ def test_static_decode_step_matches_eager(name, monkeypatch):
         outs.append(torch.cat([m.forward(torch.tensor([t]), 7 + i, kv) for i, t in enumerate(IDS[7:20])]))
         if graphs:
             from hybridmoe.runtime.graphs import StaticDecoder
-            assert isinstance(m._static_decoder(kv), StaticDecoder)
-            n_cpu = sum(1 for seg in m._static_decoder(kv).segments if seg.kind == "cpu")
+            assert isinstance(m._step_for("decode", kv), StaticDecoder)
+            n_cpu = sum(1 for seg in m._step_for("decode", kv).segments if seg.kind == "cpu")
             assert n_cpu == (m.cfg.n_layer if "exps-cpu" in name else 0)
     assert rel_l2(outs[0], outs[1]) <= 1e-5
 
@@ -183,7 +183,7 @@ def test_static_decode_over_two_gpus_matches_eager(ts, ot, monkeypatch):
         m.forward(torch.tensor(IDS[:7]), 0, kv)
         outs.append(torch.cat([m.forward(torch.tensor([t]), 7 + i, kv) for i, t in enumerate(IDS[7:20])]))
         if graphs:
-            sd = m._static_decoder(kv)
+            sd = m._step_for("decode", kv)
             assert isinstance(sd, StaticDecoder) and len({seg.dev.name for seg in sd.segments}) == 2
     if real:
         assert rel_l2(outs[0], outs[1]) <= 1e-2 and top1_agreement(outs[0], outs[1]) >= 0.9
@@ -209,7 +209,7 @@ def test_captured_prompt_step_matches_eager(preset, monkeypatch):
         got.append(torch.cat([m.forward(torch.tensor([t]), 34 + j, kv) for j, t in enumerate(IDS[:5])]))
         outs.append(torch.cat(got))
         if graphs:
-            sp = m._static_prefill(kv)
+            sp = m._step_for("prompt", kv)
             assert isinstance(sp, StaticPrefill) and sp.worked
             assert m.stats.forwards == 9 and m.stats.tokens == 39
             if real:                             # full ubatches: captured right after their first, eager, run
@@ -227,11 +227,11 @@ def test_captured_prompt_step_not_for_split_placements(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     for opts in (PLACEMENTS["ngl99-exps-cpu"], PLACEMENTS["ngl1"], dict(n_gpu_layers=99, graphs=False)):
         m = hybridmoe.load("synth:tiny", ctx_size=64, **opts)
-        assert m._static_prefill(m.new_cache(64)) is None
+        assert m._step_for("prompt", m.new_cache(64)) is None
     from hybridmoe.kernels import gpu_decode as gd
     if gd.available():                                        # (and all on the GPU: it is there)
         m = hybridmoe.load("synth:tiny", ctx_size=64, n_gpu_layers=99)
-        assert m._static_prefill(m.new_cache(64)) is not None
+        assert m._step_for("prompt", m.new_cache(64)) is not None
 
 
 def test_profile_times_the_static_decode_step(monkeypatch, capsys):
@@ -271,7 +271,7 @@ def test_static_step_failing_at_first_falls_back_to_eager(monkeypatch, capsys):
     got = m.forward(torch.tensor([IDS[7]]), 7, kv)
     assert torch.equal(got, want)
     assert "static decode step failed (RuntimeError: no kernel image" in capsys.readouterr().err
-    assert m._static_decoder(kv) is None                      # eager from then on, for this cache
+    assert m._step_for("decode", kv) is None                      # eager from then on, for this cache
 
 
 @pytest.mark.gpu
@@ -306,7 +306,7 @@ def test_split_row_kernels_match_all_cpu(name):
         return m, kv, prompt, decode
     _, _, p_ref, d_ref = run({})
     m, kv, p, d = run(PLACEMENTS[name])
-    sd = m._static_decoder(kv)
+    sd = m._step_for("decode", kv)
     assert sd.out8 and all("qkv8" in lay and "o8" in lay for lay in sd.layers)
     assert m.decoder.layers[0].attn_qkv.split and (m.decoder.layers[0].ffn_up_exps.split == (name == "ngl99"))
     for got, ref in ((p, p_ref), (d, d_ref)):
@@ -332,7 +332,7 @@ def test_polled_handoff_matches_the_synchronous_one(opts, monkeypatch):
         kv = m.new_cache(64)
         m.forward(torch.tensor(IDS[:7]), 0, kv)
         outs.append(torch.cat([m.forward(torch.tensor([t]), 7 + i, kv) for i, t in enumerate(IDS[7:20])]))
-        sd = m._static_decoder(kv)
+        sd = m._step_for("decode", kv)
         assert (sd.hk is not None) == (mode == "poll")
         if mode == "poll":                                    # the last CPU layer of the last step
             hk, ds, H = sd.hk, sd.ds["CUDA0"], m.cfg.n_embd
@@ -351,7 +351,7 @@ def test_polled_handoff_matches_the_synchronous_one(opts, monkeypatch):
     kv = m.new_cache(64)
     m.forward(torch.tensor(IDS[:7]), 0, kv)
     m.forward(torch.tensor([IDS[7]]), 7, kv)                 # a first step (a failing one falls back to eager)
-    sd = m._static_decoder(kv)
+    sd = m._step_for("decode", kv)
 
     def boom(step):
         raise RuntimeError("boom")

@@ -207,12 +207,6 @@ class Model:
             held = self._steps[which] = (kv, step)
         return held[1]
 
-    def _static_decoder(self, kv):
-        return self._step_for("decode", kv)
-
-    def _static_prefill(self, kv):
-        return self._step_for("prompt", kv)
-
     def sync(self):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
