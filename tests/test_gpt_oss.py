@@ -147,7 +147,7 @@ def test_convert_refuses_what_gguf_cannot_carry(gpt_oss):
 def test_host_experts_offloaded_for_a_batch(gpt_oss, monkeypatch):
     """-op all,1: a batch of 32+ tokens uploads the host experts (and their biases) to the GPU and computes there."""
     path, ids = gpt_oss[1], (IDS * 2)[:40]
-    ref = hybridmoe.load(path, ctx_size=64).logits(ids)
+    ref = hybridmoe.load(path, ctx_size=64, offload_policy="all,0").logits(ids)   # all-CPU, also beside a real GPU
     monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
     m = hybridmoe.load(path, ctx_size=64, n_gpu_layers=99, override_tensor=["exps=CPU"], offload_policy="all,1")
     m.stats.reset()
