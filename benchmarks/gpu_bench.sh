@@ -103,6 +103,10 @@ for s in "$@"; do
     requests) for V in old new; do   # three generations in one process, against bench_old/src (see oldnew)
                 P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V"
                 PYTHONPATH="$P:/tmp/hm-site" python3 benchmarks/two_requests.py "-ngl 99" "-ngl 99 -ot exps=CPU" 2>&1 | grep request; done ;;
+    handoffold) for V in old new old new; do   # the polled hand-off's per-layer profile against bench_old/src
+                  P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V"
+                  PYTHONPATH="$P:/tmp/hm-site" python3 benchmarks/profile_decode.py handoff 2>&1 | tail -6; done ;;
+    core) python3 benchmarks/bench_core.py --threads 1,4,16 2>&1 | tail -20 ;;
     tileab) for V in old new old new; do   # the T=512 tile kernel against bench_old/src (see oldnew)
               P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V"
               PYTHONPATH="$P:/tmp/hm-site" python3 benchmarks/bench_kernels.py --types Q4_0,Q8_0,Q4_K --batches 512 --layers 8 2>&1 | grep -E "^read|\| 512 \|"; done ;;

@@ -299,6 +299,24 @@ def test_deterministic_across_thread_counts():
     assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.parametrize("q", [G.Q4_0, G.Q4_K], ids=lambda v: v.name)
+def test_single_token_same_for_any_schedule(q):
+    """T=1, the integer path: stage 1 quantizes each 64-row block of h when the chunk that covers it ends,
+    and stage 2 reads the quantized h. Any thread count gives the same bits; a block left unquantized
+    would keep the previous call's values, so a call on other inputs runs in between."""
+    E, H, F = 8, 256, 768
+    gate, up, down = experts(q, E, H, F)
+    g = torch.Generator().manual_seed(5)
+    x, x_other = torch.randn(1, H, generator=g), torch.randn(1, H, generator=g)
+    ids, w = routing(1, E, 8, g)
+    a = cpu.moe_ffn(x, ids, w, gate, up, down, q, q, n_threads=1)
+    for nth in (2, 3, 5, 16):
+        cpu.moe_ffn(x_other, ids, w, gate, up, down, q, q, n_threads=nth)
+        assert torch.equal(cpu.moe_ffn(x, ids, w, gate, up, down, q, q, n_threads=nth), a), nth
+    ref = cpu.moe_ffn(x, ids, w, gate, up, down, q, q, impl="torch")
+    assert rel_l2(a, ref) < band(q, "kernel")
+
+
 def test_coexists_with_torch_threads():
     """Interleave torch's OpenMP ops with kernel calls, from the main thread and a worker."""
     q = G.Q8_0
