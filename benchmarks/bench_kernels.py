@@ -7,7 +7,7 @@ call; for T=512 the achieved FLOP/s against torch's bf16 matmul rate. Many layer
 tensors are allocated and rotated so the weights come from RAM, not cache.
 
     python benchmarks/bench_kernels.py [--threads N] [--layers L] [--types Q4_0,Q8_0] [--quick]
-        [--batches 1,8d,32,512] [--repeat N] [--fp32 | --int8 Q4_0,Q4_K] [--impl kernel|tile|gemm] [--crossover]
+        [--batches 1,8d,32,512] [--repeat N] [--fp32 | --int8 Q4_0,Q4_K] [--simd avx2|generic] [--impl kernel|tile|gemm] [--crossover]
         [--alloc torch,file,pinned,4k,huge,huge-pinned]
 
 --alloc repeats the table for each kind of memory the expert bytes can live in: torch's allocator (the
@@ -170,6 +170,8 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=1,
                     help="bracketed attempts per row; the best ratio is kept (for shared, noisy machines)")
     ap.add_argument("--impl", default=None, help="force kernel/tile/gemm/torch for all batches")
+    ap.add_argument("--simd", default=None, choices=["avx2", "generic"],
+                    help="run a lower vector path (what CPUs without AVX-512 run)")
     ap.add_argument("--fp32", action="store_true", help="fp32 activations only (integer path off)")
     ap.add_argument("--int8", default=None, help="types on the integer path, e.g. Q4_0,Q4_K,Q5_K")
     ap.add_argument("--crossover", action="store_true",
@@ -178,6 +180,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     nth = a.threads
+    if a.simd:
+        cpu.set_simd(a.simd)
     if a.fp32:
         cpu.set_int8(False)
     elif a.int8:

@@ -46,14 +46,17 @@ def test_cpu_decode_step_at_long_context():
     assert rel_l2(got, ref) <= 1e-5
 
 
-def test_cpu_decode_step_portable_kernels():
-    """Without AVX-512 (the portable C paths of every kernel the step calls), the same logits."""
-    prev = cpu.set_generic(True)
+@pytest.mark.parametrize("path", ["avx2", "generic"])
+def test_cpu_decode_step_lower_simd_paths(path):
+    """Without AVX-512 (the AVX2 or portable C paths of every kernel the step calls), the same logits."""
+    prev = cpu.set_simd(path)
     try:
+        if cpu.simd() != path:
+            pytest.skip(f"this build has no {path} path")
         got, _, _ = _decode("synth:tiny-wide", True, n_steps=12)
         ref, _, _ = _decode("synth:tiny-wide", False, n_steps=12)
     finally:
-        cpu.set_generic(prev)
+        cpu.set_simd(prev)
     assert rel_l2(got, ref) <= 1e-5
 
 

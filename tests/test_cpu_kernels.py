@@ -112,24 +112,31 @@ def test_qmatmul_matches_float64(q, T):
         assert rel_l2(out, ref) < band(q, impl), impl
 
 
+@pytest.mark.parametrize("path", ["avx2", "generic"])
 @pytest.mark.parametrize("q", TYPES, ids=lambda v: v.name)
-def test_portable_path(q):
-    """The scalar/auto-vectorized path compiled for CPUs without AVX-512 (forced here)."""
+def test_lower_simd_paths(q, path):
+    """The kernels CPUs without AVX-512 run: AVX2 intrinsics, or the portable C path (forced here)."""
     E, H, F = shapes(q, 7)
     gate, up, down = experts(q, E, H, F)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(7, H, generator=g)
     ids, w = routing(7, E, 4, g)
     ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, q, torch.float64)
-    prev = cpu.set_generic(True)
+    prev = cpu.set_simd(path)
     try:
+        if cpu.simd() != path:
+            pytest.skip(f"this build has no {path} path")
         out = cpu.moe_ffn(x, ids, w, gate, up, down, q, q, impl="kernel")
+        one = cpu.moe_ffn(x[:1], ids[:1], w[:1], gate, up, down, q, q, impl="kernel")
         qm = cpu.qmatmul(x, gate[0], q, H, impl="kernel")
         deq = cpu.dequant(gate[0], q, H, torch.float32)
+        deq16 = cpu.dequant(gate[0], q, H, torch.bfloat16)
     finally:
-        cpu.set_generic(prev)
+        cpu.set_simd(prev)
     assert rel_l2(out, ref) < BAND["fp32"]
+    assert rel_l2(one, ref[:1]) < BAND["fp32"]
     assert rel_l2(qm, x.double() @ dequantize(gate[0], q, H, torch.float64).T) < BAND["fp32"]
+    assert torch.equal(deq16, dequantize(gate[0], q, H).to(torch.bfloat16))
     assert torch.equal(deq, dequantize(gate[0], q, H))   # same float ops as ggml: bit-exact
 
 

@@ -122,7 +122,7 @@ def _load():
         lib.hm_moe_ffn.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32, i64, i64, vp, i32, vp, i32]
         lib.hm_qmatmul.argtypes = [vp, i64, i64, vp, i32, i64, vp, i32]
         lib.hm_dequant.argtypes = [vp, vp, i32, i64, i64, vp, i64, i32, i32]
-        lib.hm_set_generic.argtypes = [i32]
+        lib.hm_set_simd.argtypes = [i32]
         lib.hm_set_int8.argtypes = [vp, i32]
         lib.hm_silu_mul_bf16.argtypes = [vp, i64, i64, vp, i32]
         lib.hm_combine_bf16.argtypes = [vp, vp, vp, i64, i64, i64, vp, i32]
@@ -134,7 +134,7 @@ def _load():
                                        i32, i32]
         lib.hm_simd.restype = ctypes.c_char_p
         for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode,
-                  lib.hm_qmatmul, lib.hm_dequant, lib.hm_set_generic, lib.hm_set_int8):
+                  lib.hm_qmatmul, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8):
             f.restype = i32
         _moe, _qmm, _deq = lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant
         _lib = lib
@@ -147,10 +147,24 @@ def available() -> bool:
 
 
 def simd() -> str:
-    """'avx512-vnni' (with the integer path), 'avx512', 'generic' (portable C), or 'torch'
-    when the kernel is unavailable."""
+    """The vector kernels in use: 'avx512-vnni' (with the integer path), 'avx512', 'avx2', 'generic'
+    (portable C), or 'torch' when the kernel is unavailable."""
     lib = _load()
     return lib.hm_simd().decode() if lib else "torch"
+
+
+_SIMD_LEVELS = {"generic": 0, "avx2": 1, "avx512": 2, "avx512-vnni": 2}
+
+
+def set_simd(name: str | None) -> str:
+    """Use a lower vector path than this CPU's best ('avx2' or 'generic'; None: the best), for tests and
+    benchmarks of what CPUs without AVX-512 run. A path the build lacks gives the best it has. Returns
+    the previous path's name, to pass back."""
+    prev = simd()
+    lib = _load()
+    if lib:
+        lib.hm_set_simd(_SIMD_LEVELS[name] if name else -1)
+    return prev
 
 
 _TILE_NAMES = {1: "c", 2: "avx512-bf16", 3: "amx"}
@@ -170,12 +184,6 @@ def tile_mode(mode: str | None = None) -> str:
 
 def _large_impl() -> str:
     return "tile" if tile_mode() in ("amx", "avx512-bf16") else "gemm"
-
-
-def set_generic(on: bool) -> bool:
-    """Force the portable C path (for tests); returns the previous setting."""
-    lib = _load()
-    return bool(lib.hm_set_generic(int(on))) if lib else False
 
 
 _int8_setting = True

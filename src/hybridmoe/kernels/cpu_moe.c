@@ -10,10 +10,11 @@
  * vpdpbusd on nibbles and two-term int8 activations (~15 bits), see "integer path" below.
  * Why these and not int16 / plain int8 activations: docs/cpu-kernels.md.
  *
- * Paths: AVX-512 (F/BW/VL, F16C; VNNI + GFNI for the integer path) intrinsics when the
- * compiler targets them; otherwise a portable path (scalar dequantize of 256 elements into an
- * L1 buffer, then dot loops the compiler vectorizes for AVX2/NEON). hm_set_generic(1) forces
- * the portable path at run time (tests use it).
+ * Paths: AVX-512 (F/BW/VL; VNNI + GFNI for the integer path) intrinsics when the compiler
+ * targets them; AVX2 (+ FMA, F16C) intrinsics for the streaming kernels and the dequantizer on
+ * CPUs without AVX-512 (fp32 path only); otherwise a portable path (scalar dequantize of 256
+ * elements into an L1 buffer, then dot loops the compiler vectorizes, e.g. for NEON).
+ * hm_set_simd(level) selects a lower path at run time (tests use it).
  *
  * Threads: OpenMP, `num_threads(n)` per call (never omp_set_num_threads, which would change
  * torch's thread count: both share torch's libgomp when torch is loaded first).
@@ -25,9 +26,14 @@
 #include <time.h>
 #include <omp.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#define HM_AVX512 1
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HM_AVX2 1
 #include <immintrin.h>
+#else
+#define HM_AVX2 0
+#endif
+#if HM_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HM_AVX512 1
 #else
 #define HM_AVX512 0
 #endif
@@ -233,7 +239,16 @@ static void kern_generic(int ti, int R, int NT, const uint8_t *const *w, const u
         }
 }
 
-#if HM_AVX512
+#define IS_K(ti) ((ti) == I_Q4_K || (ti) == I_Q5_K || (ti) == I_Q6_K)
+
+/* the block holding 32-element unit `unit` of a row */
+HM_INLINE const uint8_t *unit_block(const int ti, const uint8_t *row, int64_t unit) {
+    if (ti == I_F32 || ti == I_F16 || ti == I_BF16) return row + unit * 32 * TINFO[ti].ts;
+    if (IS_K(ti)) return row + (unit >> 3) * TINFO[ti].ts;
+    return row + unit * TINFO[ti].ts;
+}
+
+#if HM_AVX2
 
 /* fp16 -> fp32 lookup (256 KiB): a block scale becomes one scalar load that the multiply
  * broadcasts from memory, instead of insert + convert + broadcast shuffles per block */
@@ -261,12 +276,203 @@ HM_INLINE void prep_k(const int ti, const uint8_t *b, kscale *ks) {
         _mm256_storeu_ps(ks->s, _mm256_mul_ps(fs, _mm256_broadcast_ss(&F16(b))));
         _mm256_storeu_ps(ks->m, _mm256_mul_ps(fm, _mm256_broadcast_ss(&F16(b + 2))));
     } else { /* Q6_K */
-        const __m512 s = _mm512_mul_ps(_mm512_set1_ps(F16(b + 208)),
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
-        _mm512_storeu_ps(ks->s, s);
-        _mm512_storeu_ps(ks->m, _mm512_mul_ps(s, _mm512_set1_ps(32.0f)));
+        for (int h = 0; h < 2; h++) {
+            const __m256 s = _mm256_mul_ps(_mm256_broadcast_ss(&F16(b + 208)), _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)))));
+            _mm256_storeu_ps(ks->s + 8 * h, s);
+            _mm256_storeu_ps(ks->m + 8 * h, _mm256_mul_ps(s, _mm256_set1_ps(32.0f)));
+        }
     }
 }
+
+/* AVX2 kernels (CPUs without AVX-512: most desktop Intel, AMD before Zen 4). The same row x token
+ * scheme as the AVX-512 kernels below, 8 lanes a vector: a 32-element unit becomes four fp32
+ * vectors. 4-bit values go through a 16-entry int8 table (vpshufb), so the weight's value, then its
+ * scale, are the same float operations as ggml's reference dequantizers. */
+
+/* int8 values of each 4-bit code (MXFP4: twice the FP4 value; its scale is halved) */
+static const int8_t KV8_Q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+static const int8_t KV8_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t KV8_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* 32 bytes -> 4 x 8 floats, as signed or unsigned integers */
+HM_INLINE void bytes_to_ps(__m256i v, int sgn, __m256 *w) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    const __m128i p[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_cvtepi32_ps(sgn ? _mm256_cvtepi8_epi32(p[i]) : _mm256_cvtepu8_epi32(p[i]));
+}
+
+/* 32 elements (unit u of the block or super-block at b) -> four fp32 vectors */
+HM_INLINE void unpack32_avx2(const int ti, const uint8_t *b, const int u, const kscale *ks, __m256 *w) {
+    const __m256i m0f = _mm256_set1_epi8(0x0F);
+    switch (ti) {
+    case I_F32:
+        for (int i = 0; i < 4; i++) w[i] = _mm256_loadu_ps((const float *)b + 32 * u + 8 * i);
+        return;
+    case I_F16:
+        for (int i = 0; i < 4; i++) w[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 64 * u + 16 * i)));
+        return;
+    case I_BF16:
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 64 * u + 16 * i))), 16));
+        return;
+    case I_Q4_0: case I_IQ4_NL: case I_MXFP4: {
+        const int8_t *kv = ti == I_Q4_0 ? KV8_Q4_0 : ti == I_IQ4_NL ? KV8_IQ4NL : KV8_MXFP4;
+        const float d = ti == I_MXFP4 ? e8m0_half(b[0]) : F16(b);
+        const __m128i tab = _mm_loadu_si128((const __m128i *)kv);
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + (ti == I_MXFP4 ? 1 : 2)));
+        const __m128i lo = _mm_and_si128(qs, _mm256_castsi256_si128(m0f));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm256_castsi256_si128(m0f));
+        bytes_to_ps(_mm256_set_m128i(_mm_shuffle_epi8(tab, hi), _mm_shuffle_epi8(tab, lo)), 1, w);
+        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(w[i], _mm256_set1_ps(d));
+        return;
+    }
+    case I_Q8_0:
+        bytes_to_ps(_mm256_loadu_si256((const __m256i *)(b + 2)), 1, w);
+        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(_mm256_set1_ps(F16(b)), w[i]);
+        return;
+    case I_Q4_K: case I_Q5_K: {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(b + (ti == I_Q5_K ? 48 : 16) + 32 * (u >> 1)));
+        if (u & 1) q = _mm256_srli_epi16(q, 4);
+        q = _mm256_and_si256(q, m0f);
+        if (ti == I_Q5_K) {   /* 5th bit: bit u of qh[l] -> bit 4 (16-bit shifts: the mask drops what crosses bytes) */
+            __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
+            h = u < 4 ? _mm256_slli_epi16(h, 4 - u) : u > 4 ? _mm256_srli_epi16(h, u - 4) : h;
+            q = _mm256_or_si256(q, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+        }
+        bytes_to_ps(q, 0, w);
+        for (int i = 0; i < 4; i++) w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[u]), _mm256_set1_ps(ks->m[u]));
+        return;
+    }
+    case I_Q6_K: {
+        /* unit u: half n = u/4; v = u%4 picks ql offset (v&1)*32, nibble v>>1, qh bits 2v -> bits 4..5 */
+        const int n = u >> 2, v = u & 3, sh = 4 - 2 * v;
+        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32 * (v & 1)));
+        __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+        if (v >> 1) q = _mm256_srli_epi16(q, 4);
+        h = sh > 0 ? _mm256_slli_epi16(h, sh) : sh < 0 ? _mm256_srli_epi16(h, -sh) : h;
+        q = _mm256_or_si256(_mm256_and_si256(q, m0f), _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+        bytes_to_ps(q, 0, w);
+        /* s * (q - 32) with one rounding, as ggml's d * sc * (q - 32); 16-element sub-blocks */
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[2 * u + i / 2]), _mm256_set1_ps(ks->m[2 * u + i / 2]));
+        return;
+    }
+    }
+}
+
+HM_INLINE void kern_avx2(const int ti, const int R, const int NT, const uint8_t *const *w,
+                         const uint8_t *const *pf, int64_t K, const float *const *x, float *res) {
+    enum { NA = 2 };
+    const int na = R * NT > 4 ? 1 : NA;   /* accumulators per (row, token): 16 vector registers */
+    __m256 acc[4][4][NA];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+    const int sup = IS_K(ti) ? 8 : 1;
+    const int step = (ti == I_F32 || ti == I_F16 || ti == I_BF16) ? 32 * TINFO[ti].ts : TINFO[ti].ts;
+    const int PR = R > 1 ? R / 2 : 1;
+    const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
+    const int64_t rb = K / (32 * sup) * step;
+    kscale ks[4];
+    for (int64_t o = 0, e0 = 0; o < rb; o += step, e0 += 32 * sup) {
+#pragma GCC unroll 8
+        for (int b = 0; b < PR * step; b += 64) {
+            __builtin_prefetch(pf0 + PR * o + b, 0, HM_PF_LOC);
+            __builtin_prefetch(pf1 + PR * o + b, 0, HM_PF_LOC);
+        }
+        if (IS_K(ti))
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+#pragma GCC unroll 8
+        for (int u = 0; u < sup; u++) {
+            __m256 wv[4][4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) unpack32_avx2(ti, w[r] + o, u, &ks[r], wv[r]);
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++)
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    const __m256 xv = _mm256_loadu_ps(x[t] + e0 + 32 * u + 8 * i);
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++)
+                        acc[r][t][i % na] = _mm256_fmadd_ps(wv[r][i], xv, acc[r][t][i % na]);
+                }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const __m256 a = na > 1 ? _mm256_add_ps(acc[r][t][0], acc[r][t][1]) : acc[r][t][0];
+            __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            res[r * NT + t] = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+        }
+}
+
+#define K2DEF(TI, R, NT) \
+    static void k2_##TI##_##R##_##NT(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, \
+                                     const float *const *x, float *res) { \
+        kern_avx2(TI, R, NT, w, pf, K, x, res); }
+#define K2DEF_TYPE(TI) \
+    K2DEF(TI, 4, 1) K2DEF(TI, 4, 2) K2DEF(TI, 2, 1) K2DEF(TI, 2, 2) K2DEF(TI, 2, 3) K2DEF(TI, 2, 4) \
+    K2DEF(TI, 1, 1) K2DEF(TI, 1, 2) K2DEF(TI, 1, 3) K2DEF(TI, 1, 4)
+K2DEF_TYPE(I_F32) K2DEF_TYPE(I_F16) K2DEF_TYPE(I_BF16) K2DEF_TYPE(I_Q4_0) K2DEF_TYPE(I_Q8_0)
+K2DEF_TYPE(I_Q4_K) K2DEF_TYPE(I_Q5_K) K2DEF_TYPE(I_Q6_K) K2DEF_TYPE(I_IQ4_NL) K2DEF_TYPE(I_MXFP4)
+
+#define K2ROW(TI) { {0}, \
+    {0, k2_##TI##_1_1, k2_##TI##_1_2, k2_##TI##_1_3, k2_##TI##_1_4}, \
+    {0, k2_##TI##_2_1, k2_##TI##_2_2, k2_##TI##_2_3, k2_##TI##_2_4}, {0}, \
+    {0, k2_##TI##_4_1, k2_##TI##_4_2, 0, 0} }
+static const kern_fn KTAB2[N_TYPES][5][5] = {
+    [I_F32] = K2ROW(I_F32), [I_F16] = K2ROW(I_F16), [I_BF16] = K2ROW(I_BF16), [I_Q4_0] = K2ROW(I_Q4_0),
+    [I_Q8_0] = K2ROW(I_Q8_0), [I_Q4_K] = K2ROW(I_Q4_K), [I_Q5_K] = K2ROW(I_Q5_K), [I_Q6_K] = K2ROW(I_Q6_K),
+    [I_IQ4_NL] = K2ROW(I_IQ4_NL), [I_MXFP4] = K2ROW(I_MXFP4),
+};
+
+/* 8 floats -> 8 bf16, round to nearest even, NaN kept quiet (as torch's .to(bfloat16)) */
+static inline __m128i bf16_pack8(__m256 v) {
+    const __m256i b = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                 _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(b, _mm256_set1_epi32(0x400000)),
+                           _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    r = _mm256_srli_epi32(r, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* one row of K elements -> fp32 or bf16 */
+static void deq_row_avx2(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf16) {
+#define DEQ2_CASE(TI) case TI: \
+    for (int64_t g = 0; g < K / 32; g += IS_K(TI) ? 8 : 1) { \
+        const uint8_t *b = unit_block(TI, row, g); \
+        kscale ks; \
+        if (IS_K(TI)) prep_k(TI, b, &ks); \
+        for (int u = 0; u < (IS_K(TI) ? 8 : 1); u++) { \
+            __m256 wv[4]; \
+            unpack32_avx2(TI, b, u, &ks, wv); \
+            const int64_t e0 = (g + u) * 32; \
+            for (int i = 0; i < 4; i++) { \
+                if (to_bf16) _mm_storeu_si128((__m128i *)((uint16_t *)dst + e0 + 8 * i), bf16_pack8(wv[i])); \
+                else _mm256_storeu_ps((float *)dst + e0 + 8 * i, wv[i]); \
+            } \
+        } \
+    } \
+    break;
+    switch (wi) {
+        DEQ2_CASE(I_F32) DEQ2_CASE(I_F16) DEQ2_CASE(I_BF16) DEQ2_CASE(I_Q4_0) DEQ2_CASE(I_Q8_0)
+        DEQ2_CASE(I_Q4_K) DEQ2_CASE(I_Q5_K) DEQ2_CASE(I_Q6_K) DEQ2_CASE(I_IQ4_NL) DEQ2_CASE(I_MXFP4)
+    }
+#undef DEQ2_CASE
+}
+#endif /* HM_AVX2 */
+
+#if HM_AVX512
 
 /* 32 elements (unit u of the block or super-block at b) -> two fp32 vectors */
 HM_INLINE void unpack32(const int ti, const uint8_t *b, const int u, const kscale *ks,
@@ -352,15 +558,6 @@ HM_INLINE void unpack32(const int ti, const uint8_t *b, const int u, const kscal
     }
 }
 
-#define IS_K(ti) ((ti) == I_Q4_K || (ti) == I_Q5_K || (ti) == I_Q6_K)
-
-/* the block holding 32-element unit `unit` of a row */
-HM_INLINE const uint8_t *unit_block(const int ti, const uint8_t *row, int64_t unit) {
-    if (ti == I_F32 || ti == I_F16 || ti == I_BF16) return row + unit * 32 * TINFO[ti].ts;
-    if (IS_K(ti)) return row + (unit >> 3) * TINFO[ti].ts;
-    return row + unit * TINFO[ti].ts;
-}
-
 HM_INLINE void kern_avx(const int ti, const int R, const int NT, const uint8_t *const *w,
                         const uint8_t *const *pf, int64_t K, const float *const *x, float *res) {
     __m512 acc[4][4][2];
@@ -436,13 +633,19 @@ static const kern_fn KTAB[N_TYPES][5][5] = {
 };
 #endif /* HM_AVX512 */
 
-static int g_generic = !HM_AVX512;
+/* the vector kernels in use: 2 AVX-512, 1 AVX2, 0 portable C (hm_set_simd lowers it for tests) */
+#define SIMD_BEST (HM_AVX512 ? 2 : HM_AVX2 ? 1 : 0)
+static int g_simd = SIMD_BEST;
+#define AVX512_ON (HM_AVX512 && g_simd == 2)
 
 /* res[R][NT] = rows w[0..R) . x[0..NT); R in {1,2,4}, NT in 1..4 (R == 4 only with NT <= 2) */
 static inline void dot_rows(int ti, int R, int NT, const uint8_t *const *w, const uint8_t *const *pf,
                             int64_t K, const float *const *x, float *res) {
 #if HM_AVX512
-    if (!g_generic) { KTAB[ti][R][NT](w, pf, K, x, res); return; }
+    if (g_simd == 2) { KTAB[ti][R][NT](w, pf, K, x, res); return; }
+#endif
+#if HM_AVX2
+    if (g_simd == 1) { KTAB2[ti][R][NT](w, pf, K, x, res); return; }
 #endif
     kern_generic(ti, R, NT, w, pf, K, x, res);
 }
@@ -972,8 +1175,8 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
     if (T == 0) return 0;
     const int64_t rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
     /* integer path for experts that see one token: x (and h) quantized once */
-    const int q8g = (g_int8 >> gi & 1) && !g_generic && q8_type(gi, H);
-    const int q8d = (g_int8 >> di & 1) && !g_generic && q8_type(di, F);
+    const int q8g = (g_int8 >> gi & 1) && AVX512_ON && q8_type(gi, H);
+    const int q8d = (g_int8 >> di & 1) && AVX512_ON && q8_type(di, F);
     const size_t xqb = q8g ? (xq8_bytes(H) + 63) & ~(size_t)63 : 0, hqb = q8d ? (xq8_bytes(F) + 63) & ~(size_t)63 : 0;
 
     size_t need = (size_t)E * 4 * 2 + (size_t)(E + 1) * 8 * 2 + (size_t)P * 8 + 64 * 4 + (size_t)P * F * 4 +
@@ -1033,7 +1236,7 @@ int hm_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int wtype
     if (wi < 0 || K % 32 || K % TINFO[wi].qk || T < 0 || N < 0) return -1;
     const int64_t rb = row_bytes(wi, K);
     xq8 xq, *xqp = NULL;
-    if (T == 1 && (g_int8 >> wi & 1) && !g_generic && q8_type(wi, K)) {
+    if (T == 1 && (g_int8 >> wi & 1) && AVX512_ON && q8_type(wi, K)) {
         char *mem = workspace(xq8_bytes(K) + 64);
         if (!mem) return -2;
         xq8_init(&xq, mem, K);
@@ -1101,8 +1304,11 @@ static inline void store_bf16x32(uint16_t *p, __m512 lo, __m512 hi) {
  * rows [nrows, row_bytes(K)] -> dst [nrows, K] as bf16 (to_bf16 = 1) or fp32; dst rows are
  * ldd elements apart. Used by the large-batch path (dequantize, then a bf16 GEMM). */
 static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf16) {
+#if HM_AVX2
+    if (g_simd == 1) { deq_row_avx2(wi, row, K, dst, to_bf16); return; }
+#endif
 #if HM_AVX512
-    if (!g_generic) {
+    if (g_simd == 2) {
         float *df = (float *)dst;
         uint16_t *db = (uint16_t *)dst;
         if (wi == I_Q4_K && to_bf16) {   /* two units share each 32 bytes of nibbles: extend them once */
@@ -1796,7 +2002,7 @@ typedef struct { const uint8_t *w; int64_t n, rb; float *out; int ti, q8; } gv_p
 
 static gv_part gv_mk(const hm_mat *m, int64_t K, float *out) {
     const int ti = type_index(m->type);
-    const gv_part p = {m->w, m->rows, row_bytes(ti, K), out, ti, (g_int8 >> ti & 1) && !g_generic && q8_type(ti, K)};
+    const gv_part p = {m->w, m->rows, row_bytes(ti, K), out, ti, (g_int8 >> ti & 1) && AVX512_ON && q8_type(ti, K)};
     return p;
 }
 
@@ -2160,11 +2366,15 @@ int hm_set_int8(const int *ids, int n) {
     return ok;
 }
 
-/* 1: force the portable path (tests); returns the previous setting */
-int hm_set_generic(int on) {
-    int prev = g_generic;
-    g_generic = on || !HM_AVX512;
+/* the vector kernels to use: 2 AVX-512, 1 AVX2, 0 portable C; -1 (or more than this CPU has): the best
+ * this build has. Tests lower it to check the AVX2 and portable paths on an AVX-512 machine. Returns the
+ * previous level. */
+int hm_set_simd(int level) {
+    const int prev = g_simd;
+    g_simd = level < 0 || level > SIMD_BEST ? SIMD_BEST : level;
     return prev;
 }
 
-const char *hm_simd(void) { return HM_VNNI ? "avx512-vnni" : HM_AVX512 ? "avx512" : "generic"; }
+const char *hm_simd(void) {
+    return g_simd == 2 ? (HM_VNNI ? "avx512-vnni" : "avx512") : g_simd == 1 ? "avx2" : "generic";
+}
