@@ -4,6 +4,7 @@ import torch
 
 import hybridmoe
 from hybridmoe.formats.gguf_write import write_split
+from hybridmoe.generate import Timings, prefill
 from hybridmoe.quant.types import GGMLType
 
 from conftest import rel_l2
@@ -81,7 +82,7 @@ def test_split_gguf_loads_like_whole(tmp_path):
 def test_generate_is_deterministic_with_seed():
     m = hybridmoe.load("synth:tiny", ctx_size=128)
     a = "".join(m.generate("Hello", max_tokens=12, seed=3))
-    b = "".join(m.generate("Hello", max_tokens=12, seed=3))
+    b = "".join(m.generate("Hello", max_tokens=12, seed=3, cache_prompt=False))   # from an empty cache too
     g = "".join(m.generate("Hello", max_tokens=12, temperature=0))
     assert a == b and len(a) > 0 and len(g) > 0
 
@@ -100,6 +101,57 @@ def test_generations_reuse_the_context_cache():
     a, b = m.generate("Hello", max_tokens=8, temperature=0), m.generate("Hello", max_tokens=8, temperature=0)
     pieces = list(zip(a, b))                                  # interleaved, step by step
     assert "".join(p for p, _ in pieces) == "".join(q for _, q in pieces) == short
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-deepseek2", "tiny-dense", "tiny-gpt-oss"])
+def test_prompt_cache_runs_only_the_new_tokens(preset):
+    """A prompt that shares a prefix with what the cache holds runs from where they part (llama-server's prompt
+    cache); its logits are the full prompt's, to the precision batches of other sizes agree to."""
+    m = hybridmoe.load(f"synth:{preset}", ctx_size=128)
+    a, b = IDS + [9, 8], IDS[:12] + [400, 401, 402]
+    kv = m.take_cache()
+    prefill(m, kv, a)
+    assert kv.tokens == a and kv.reusable_prefix(a) == len(a) - 1      # the last token always runs again
+    n = kv.reusable_prefix(b)
+    assert n == 12
+    got = prefill(m, kv, b[n:], n)
+    assert kv.tokens == b
+    assert rel_l2(got, m.logits(b)[-1]) <= 1e-2
+    m.return_cache(kv)                                                   # the model's cache again
+    t = Timings()
+    "".join(m.generate(b + [7, 7], 4, temperature=0, timings=t))
+    assert t.n_cached == len(b) and t.n_prompt == 2
+
+
+def test_prompt_cache_with_a_sliding_window_ring():
+    """gpt-oss's sliding-window layers keep a ring of window - 1 + ubatch positions (8 - 1 + 8 here): a prefix is
+    reused only while the keys the next tokens look back on are still in the ring."""
+    m = hybridmoe.load("synth:tiny-gpt-oss", ctx_size=128, ubatch_size=8, batch_size=8)
+    a = (IDS * 2)[:40]
+    for keep, reused in [(38, 38), (25, 0)]:     # positions 18..24 were overwritten by 33..39
+        b = a[:keep] + [500, 501, 502, 503, 504]
+        kv = m.new_cache()
+        prefill(m, kv, a)
+        n = kv.reusable_prefix(b)
+        assert n == reused
+        got = prefill(m, kv, b[n:], n)
+        assert rel_l2(got, m.logits(b)[-1]) <= 1e-5                     # gpt-oss runs eagerly in f32
+
+
+def test_cache_forgets_what_a_failed_or_gapped_forward_touched(monkeypatch):
+    m = hybridmoe.load("synth:tiny", ctx_size=64)
+    kv = m.new_cache()
+    prefill(m, kv, IDS)
+
+    def fail(*a, **kw):
+        raise RuntimeError("device lost")
+    with monkeypatch.context() as mp:
+        mp.setattr(m, "_forward", fail)
+        with pytest.raises(RuntimeError):
+            m.forward(torch.tensor([1, 2, 3]), 10, kv)
+    assert kv.tokens == IDS[:10]
+    m.forward(torch.tensor([4]), 30, kv)                                 # positions 10..29 unknown
+    assert kv.tokens == [] and kv.reusable_prefix(IDS) == 0
 
 
 @pytest.mark.parametrize("ctk,ctv,tol", [("f32", "f32", 1e-3), ("bf16", "bf16", 5e-2), ("q8_0", "q8_0", 8e-2),

@@ -1,6 +1,9 @@
 """`hybridmoe serve`: the OpenAI-compatible server, run by uvicorn on a real socket and driven by the real
 `openai` client (and raw httpx for the bad requests). synth:tiny has random weights, so the text is gibberish,
-but it is deterministic: every check compares against `model.generate` or against another request."""
+but it is deterministic: every check compares against `model.generate` or against another request. Those
+exact comparisons run without the prompt cache (`cache_prompt: false`): as llama-server documents, a prompt's
+tokens run alone (after a cached prefix) round differently from the same tokens in a batch; the prompt cache
+has tests of its own."""
 from __future__ import annotations
 
 import asyncio
@@ -93,7 +96,11 @@ def chat_ids(model, messages) -> list[int]:
     return tok.encode(tok.apply_chat_template(messages))
 
 
-def chat(client, content=USER, **kw):
+NO_CACHE = {"cache_prompt": False}
+
+
+def chat(client, content=USER, cache_prompt=False, **kw):
+    kw["extra_body"] = {"cache_prompt": cache_prompt, **kw.get("extra_body", {})}
     return client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": content}], **kw)
 
 
@@ -118,7 +125,7 @@ def test_health_models_props(srv, client, http):
 
 def test_chat_greedy_equals_model_generate(client, ref):
     r = chat(client, temperature=0, max_tokens=24)
-    want = "".join(ref.generate(USER, 24, temperature=0, chat=True))
+    want = "".join(ref.generate(USER, 24, temperature=0, chat=True, cache_prompt=False))
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == want
     assert r.object == "chat.completion" and r.model == ALIAS and r.id.startswith("chatcmpl-")
@@ -147,7 +154,8 @@ def test_chat_stream_equals_non_stream(client):
 
 
 def test_sse_wire_format(http):
-    body = {"messages": [{"role": "user", "content": USER}], "max_tokens": 4, "stream": True, "seed": 3}
+    body = {"messages": [{"role": "user", "content": USER}], "max_tokens": 4, "stream": True, "seed": 3,
+            "cache_prompt": True}
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
@@ -164,7 +172,7 @@ def test_seed_determinism_and_sampling_equals_model_generate(client, ref):
     c = chat(client, temperature=1.0, seed=8, max_tokens=24).choices[0].message.content
     assert a == b
     assert a != c
-    assert a == "".join(ref.generate(USER, 24, temperature=1.0, seed=7, chat=True))
+    assert a == "".join(ref.generate(USER, 24, temperature=1.0, seed=7, chat=True, cache_prompt=False))
     s, _ = stream_pieces(client, temperature=1.0, seed=7, max_tokens=24)
     assert "".join(s) == a
 
@@ -173,7 +181,7 @@ def test_text_parts_and_developer_role_read_as_plain_messages(client):
     plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     parts = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
              {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
-    a, b = (client.chat.completions.create(model=ALIAS, messages=m, temperature=0, max_tokens=12)
+    a, b = (client.chat.completions.create(model=ALIAS, messages=m, temperature=0, max_tokens=12, extra_body=NO_CACHE)
             for m in (plain, parts))
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.usage.prompt_tokens == b.usage.prompt_tokens
@@ -181,15 +189,48 @@ def test_text_parts_and_developer_role_read_as_plain_messages(client):
 
 def test_completions(client, ref):
     prompt = "Once upon a time"
-    r = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=16, temperature=0)
+    r = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=16, temperature=0, extra_body=NO_CACHE)
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
-    assert r.choices[0].text == "".join(ref.generate(prompt, 16, temperature=0))
+    assert r.choices[0].text == "".join(ref.generate(prompt, 16, temperature=0, cache_prompt=False))
     assert r.usage.prompt_tokens == len(ref.tokenizer.encode(prompt))
-    ids = client.completions.create(model=ALIAS, prompt=ref.tokenizer.encode(prompt), max_tokens=16, temperature=0)
+    ids = client.completions.create(model=ALIAS, prompt=ref.tokenizer.encode(prompt), max_tokens=16, temperature=0,
+                                    extra_body=NO_CACHE)
     assert ids.choices[0].text == r.choices[0].text
-    chunks = list(client.completions.create(model=ALIAS, prompt=prompt, max_tokens=16, temperature=0, stream=True))
+    chunks = list(client.completions.create(model=ALIAS, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                            extra_body=NO_CACHE))
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def common_prefix(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_prompt_cache_reuses_the_shared_prefix(srv, client, ref):
+    """A conversation's next turn runs only the tokens after what the previous request left in the cache;
+    the counts say so (llama-server's `cache_n` and `prompt_n`)."""
+    first = [{"role": "user", "content": "Name three rivers."}]
+    r1 = client.chat.completions.create(model=ALIAS, messages=first, temperature=0, max_tokens=12)
+    ids1 = chat_ids(ref, first)
+    held = list(srv.model._free_cache.tokens)               # what the server's cache holds now
+    assert held[:len(ids1)] == ids1 and len(held) == len(ids1) + r1.usage.completion_tokens - 1
+    turn = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                    {"role": "user", "content": "And three mountains?"}]
+    ids2 = chat_ids(ref, turn)
+    r2 = client.chat.completions.create(model=ALIAS, messages=turn, temperature=0, max_tokens=12)
+    t = r2.model_extra["timings"]
+    assert t["cache_n"] == common_prefix(held, ids2) >= len(ids1) - 1
+    assert t["prompt_n"] == len(ids2) - t["cache_n"] and r2.usage.prompt_tokens == len(ids2)
+    # the same request again: only the last prompt token runs (its logits are needed)
+    again = client.chat.completions.create(model=ALIAS, messages=turn, temperature=0, max_tokens=12)
+    t = again.model_extra["timings"]
+    assert (t["cache_n"], t["prompt_n"]) == (len(ids2) - 1, 1)
+    # off: the whole prompt runs, and the text is model.generate's from an empty cache
+    off = client.chat.completions.create(model=ALIAS, messages=turn, temperature=0, max_tokens=12,
+                                         extra_body=NO_CACHE)
+    t = off.model_extra["timings"]
+    assert (t["cache_n"], t["prompt_n"]) == (0, len(ids2))
+    assert off.choices[0].message.content == "".join(ref.generate(ids2, 12, temperature=0, cache_prompt=False))
 
 
 def test_max_tokens_gives_length_and_counts(client, http):
@@ -247,11 +288,11 @@ def test_stop_sequences_split_across_tokens(client):
     assert r.choices[0].message.content == text and r.choices[0].finish_reason == "length"
     # completions too
     c = client.completions.create(model=ALIAS, prompt="Once upon a time", temperature=0, max_tokens=30,
-                                  extra_body={"ignore_eos": True})
+                                  extra_body={"ignore_eos": True, **NO_CACHE})
     full = c.choices[0].text
     stop = full[10:14]
     c = client.completions.create(model=ALIAS, prompt="Once upon a time", temperature=0, max_tokens=30,
-                                  stop=stop, extra_body={"ignore_eos": True})
+                                  stop=stop, extra_body={"ignore_eos": True, **NO_CACHE})
     assert c.choices[0].text == full[:full.find(stop)] and c.choices[0].finish_reason == "stop"
 
 
@@ -371,6 +412,7 @@ BAD = [
     ("chat", {"messages": MSG, "stop": 5}, 400, "'stop' must be a string or an array"),
     ("chat", {"messages": MSG, "seed": "x"}, 400, "'seed' must be an integer"),
     ("chat", {"messages": MSG, "stream": "yes"}, 400, "'stream' must be a boolean"),
+    ("chat", {"messages": MSG, "cache_prompt": 1}, 400, "'cache_prompt' must be a boolean"),
     ("chat", {"messages": MSG, "frequency_penalty": 0.5}, 400, "'frequency_penalty' is not supported"),
     ("chat", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool calling"),
     ("text", {}, 400, "'prompt' is required"),

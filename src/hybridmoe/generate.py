@@ -44,7 +44,8 @@ class Sampler:
 
 @dataclass
 class Timings:
-    n_prompt: int = 0
+    n_prompt: int = 0            # prompt tokens run (not those taken from the cache)
+    n_cached: int = 0            # prompt tokens whose keys and values the cache already held
     t_prompt: float = 0.0
     n_eval: int = 0
     t_eval: float = 0.0
@@ -70,15 +71,19 @@ def prefill(model, kv, tokens: list[int], pos0: int = 0) -> torch.Tensor:
 
 
 def generate_ids(model, prompt_ids: list[int], n_predict: int, sampler: Sampler, timings: Timings,
-                 stop_ids=frozenset()):
-    """Yield generated token ids; fills `timings` as llama.cpp counts them."""
+                 stop_ids=frozenset(), cache_prompt: bool = True):
+    """Yield generated token ids; fills `timings` as llama.cpp counts them. With `cache_prompt` the prompt
+    runs from the end of the longest prefix it shares with what the model's cache holds (the previous
+    generation's prompt and output), as llama-server's prompt cache does."""
     kv = model.take_cache()
     try:
         t0 = time.perf_counter()
-        logits = prefill(model, kv, prompt_ids)
+        n_cached = kv.reusable_prefix(prompt_ids) if cache_prompt else 0
+        logits = prefill(model, kv, prompt_ids[n_cached:], n_cached)
         model.sync()
         timings.t_prompt = time.perf_counter() - t0
-        timings.n_prompt = len(prompt_ids)
+        timings.n_prompt = len(prompt_ids) - n_cached
+        timings.n_cached = n_cached
         pos = len(prompt_ids)
         t0 = time.perf_counter()
         for i in range(n_predict):

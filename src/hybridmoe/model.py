@@ -154,9 +154,17 @@ class Model:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True) -> torch.Tensor:
+        """Logits of `tokens` [T] at positions pos0.. given what `kv` holds before pos0 ([T or 1, n_vocab] on
+        the CPU); writes their keys and values and records them in kv.tokens."""
+        kv.begin_write(pos0, tokens.shape[0])
+        out = self._forward(tokens, pos0, kv, all_logits)
+        kv.end_write(pos0, tokens.tolist())
+        return out
+
+    def _forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool) -> torch.Tensor:
         T = tokens.shape[0]
         if T > kv.ubatch and any(kv.windows):          # a sliding-window ring holds one ubatch of new tokens
-            outs = [self.forward(tokens[i:i + kv.ubatch], pos0 + i, kv, all_logits) for i in range(0, T, kv.ubatch)]
+            outs = [self._forward(tokens[i:i + kv.ubatch], pos0 + i, kv, all_logits) for i in range(0, T, kv.ubatch)]
             return torch.cat(outs) if all_logits else outs[-1]
         t0 = time.perf_counter()
         out = None
@@ -222,8 +230,9 @@ class Model:
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8, seed: int = -1,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, chat: bool = False,
-                 timings: Timings | None = None):
-        """Yield text pieces as they are generated."""
+                 timings: Timings | None = None, cache_prompt: bool = True):
+        """Yield text pieces as they are generated. With `cache_prompt`, a prompt that starts as the previous
+        generation's prompt and output did runs only from where they part (the KV cache is kept)."""
         tok = self.tokenizer
         if isinstance(prompt, str):
             text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
@@ -237,7 +246,8 @@ class Model:
         sampler = Sampler(SamplerSettings(temperature, top_k, top_p, min_p, seed))
         timings = timings if timings is not None else Timings()
         stream = tok.stream()
-        for t in generate_ids(self, ids, max_tokens, sampler, timings, stop_ids=tok.eos_ids):
+        for t in generate_ids(self, ids, max_tokens, sampler, timings, stop_ids=tok.eos_ids,
+                              cache_prompt=cache_prompt):
             piece = stream.add(t)
             if piece:
                 yield piece

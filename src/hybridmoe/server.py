@@ -141,7 +141,8 @@ class Job:
             detok = tok.stream()
             stops = StopMatcher(self.params.stops)
             hit = False
-            gen = generate_ids(model, self.ids, self.max_tokens, sampler, timings)
+            gen = generate_ids(model, self.ids, self.max_tokens, sampler, timings,
+                               cache_prompt=self.params.cache_prompt)
             try:
                 for t in gen:
                     if self.cancel.is_set():
@@ -177,7 +178,7 @@ class Job:
             "usage": {"prompt_tokens": len(self.ids), "completion_tokens": n_g,
                       "total_tokens": len(self.ids) + n_g},
             "timings": {
-                "cache_n": 0,
+                "cache_n": timings.n_cached,
                 "prompt_n": n_p, "prompt_ms": prompt_ms,
                 "prompt_per_token_ms": prompt_ms / n_p if n_p else 0.0,
                 "prompt_per_second": 1e3 * n_p / prompt_ms if prompt_ms > 0 else 0.0,

@@ -180,6 +180,8 @@ class GenParams:
         self.sampling = SamplerSettings(temperature, top_k, top_p, min_p, seed)
         self.stops = _parse_stop(body.get("stop"))
         self.ignore_eos = _opt_bool(body, "ignore_eos")
+        # llama-server's prompt cache: start after the prefix shared with the previous generation
+        self.cache_prompt = _opt_bool(body, "cache_prompt", True)
         # what we cannot do is refused, not silently ignored
         for key in ("presence_penalty", "frequency_penalty"):
             if _opt_num(body, key, 0.0) != 0.0:

@@ -2,7 +2,10 @@
 
 A layer caches every position of the context (slots = n_ctx), or, with a sliding window (gpt-oss's
 alternating layers), a ring of window - 1 + ubatch slots: position p lives in slot p % slots, and the keys
-a batch's queries can see are still there when the batch holds at most `ubatch` tokens."""
+a batch's queries can see are still there when the batch holds at most `ubatch` tokens.
+
+The cache also records which token each position holds (`tokens`), so that a new prompt can start after the
+longest prefix it shares with what the cache holds (llama-server's prompt cache): see `reusable_prefix`."""
 from __future__ import annotations
 
 import torch
@@ -33,7 +36,8 @@ class KVCache:
         if not dv:
             self.type_v = "f16"                                             # an empty buffer; -ctv has no object
         self.v = [self._alloc(self.type_v, n_head_kv, n, dv, d) for n, d in zip(self.slots, devices)]
-        self.n_past = 0
+        self.tokens: list[int] = []     # the token whose keys and values each position 0.. holds
+        self.hi = 0                      # 1 + the highest position written since position 0 was
 
     @staticmethod
     def _alloc(kind, h, n, d, dev):
@@ -51,6 +55,36 @@ class KVCache:
         """Keys and values of this layer are 16-bit floats of one dtype at slots = positions (no ring, no
         q8_0): kernels may write and read them in place."""
         return self.type_k == self.type_v and self.type_k in ("f16", "bf16") and self.slots[layer] == self.n_ctx
+
+    def begin_write(self, pos0: int, n: int):
+        """A forward is about to write n positions from pos0 on: what the cache held there is gone (also if
+        the forward fails halfway)."""
+        if pos0 <= len(self.tokens):
+            del self.tokens[pos0:]
+        else:                            # a gap: written by a caller that skipped positions; trust nothing
+            self.tokens.clear()
+        self.hi = max(0 if pos0 == 0 else self.hi, pos0 + n)
+
+    def end_write(self, pos0: int, tokens: list[int]):
+        """That forward wrote `tokens` at pos0..."""
+        if pos0 == len(self.tokens):
+            self.tokens.extend(tokens)
+
+    def reusable_prefix(self, ids: list[int]) -> int:
+        """How many leading tokens of `ids` need not run again: the prefix this cache already holds, less at
+        least the last token (its logits are wanted). With a sliding-window ring, a prefix is kept only if
+        the keys the next query looks back on were not overwritten since; else 0."""
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        n = min(n, len(ids) - 1)
+        for w, slots in zip(self.windows, self.slots):
+            # position p of a ring holds p until position p + slots is written
+            if n > 0 and slots < self.n_ctx and max(0, n - w + 1) + slots < self.hi:
+                return 0
+        return max(n, 0)
 
     def check_fits(self, pos0: int, n: int):
         if pos0 + n > self.n_ctx:
