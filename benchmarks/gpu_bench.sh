@@ -58,6 +58,8 @@ for s in "$@"; do
              python3 benchmarks/bench_kernels.py --types Q4_0,Q8_0,Q4_K --batches 1,32,128,512 --layers 8 --crossover 2>&1 | tail -18 ;;
     prep) hm calibrate 2>&1 | tail -8; ( time hm synth qwen3-30b-a3b ) 2>&1 | tail -4 ;;
     hybrid) B -ngl 99 -ot exps=CPU -p 512 -n 128 -r 3 --roofline ;;
+    pcache) python3 benchmarks/prompt_cache.py --turns 4 --first 4000 --msg 200 -n 32 -- "-ngl 99 -ot exps=CPU" "-ngl 99" 2>&1 | grep -v -i warn ;;
+    ctests) python3 -m pytest -q tests/test_cpu_kernels.py tests/test_model.py tests/test_server.py -p no:cacheprovider --tb=short 2>&1 | tail -5 ;;
     gpu) B -ngl 99 -p 512 -n 128 -r 3 --roofline ;;
     ncmoe) B -ngl 99 --n-cpu-moe 24 -p 512 -n 128 -r 3 --roofline ;;
     pp4096) B -ngl 99 -ot exps=CPU -p 4096 -n 0 -ub 4096 -b 4096 -r 2 -ooae auto,0 --roofline ;;

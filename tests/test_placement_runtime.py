@@ -122,6 +122,34 @@ def test_real_gpu_placements_match_all_cpu(name, reference):
     assert rel_l2(p40, reference[0]) <= 1e-2
 
 
+def _prompt_cache_logits(opts):
+    """A prompt that shares 33 tokens with what the cache holds: (its logits run from there, from scratch)."""
+    from hybridmoe.generate import prefill
+    m = hybridmoe.load("synth:tiny", ctx_size=128, ubatch_size=16, **opts)
+    kv = m.take_cache()
+    prefill(m, kv, IDS)                                        # 40 tokens in ubatches of 16
+    b = IDS[:33] + [7, 8, 9]
+    n = kv.reusable_prefix(b)
+    assert n == 33
+    return prefill(m, kv, b[n:], n), m.logits(b)[-1]
+
+
+@pytest.mark.parametrize("name", ["ngl99", "ngl99-exps-cpu", "layers-ts"])
+def test_prompt_cache_on_fake_gpus(name, fake_gpus):
+    got, ref = _prompt_cache_logits(PLACEMENTS[name])
+    assert rel_l2(got, ref) <= 1e-2                             # 3 tokens after the cache vs a 36-token batch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ngl99", "ngl99-exps-cpu", "forced-offload"])
+def test_prompt_cache_on_a_real_gpu(name):
+    """The static prompt and decode steps (CUDA graphs) start at the cached position."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    got, ref = _prompt_cache_logits(PLACEMENTS[name])
+    assert rel_l2(got, ref) <= 2e-2 and top1_agreement(got[None], ref[None]) == 1.0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["experts-split", "layers-ts", "layers-ts-exps-cpu"])
 def test_two_real_gpus_match_all_cpu(name, reference):
