@@ -11,7 +11,7 @@ repetitions replay it.
 The first ubatch of a size runs these kernels eagerly (it compiles them). A full ubatch (-ub tokens) is
 captured right after, since full ubatches recur: every prompt longer than one is made of them; another
 size is captured at its second ubatch. At most MAX_GRAPHS sizes keep a graph (each holds its own
-activation memory); the oldest goes first.
+activation memory); the least recently used goes first, a full ubatch's last (see `evictee`).
 """
 from __future__ import annotations
 
@@ -34,6 +34,14 @@ class NotApplicable(Exception):
 
 
 MAX_GRAPHS = 2
+
+
+def evictee(graphs: OrderedDict, ubatch: int):
+    """The graph to drop for a new one: the least recently used of another size than a full ubatch, since full
+    ubatches recur in every long prompt while a server's other sizes (a prompt's last ubatch, the new tokens
+    after a cached prefix) come and go; a full ubatch's graph only if all are."""
+    held = [k for k, e in graphs.items() if e is not None]            # least recently used first
+    return next((k for k in held if k[0] != ubatch), held[0])
 
 
 class StaticPrefill:
@@ -139,7 +147,7 @@ class StaticPrefill:
 
     def _capture(self, key):
         while sum(e is not None for e in self.graphs.values()) >= MAX_GRAPHS:
-            del self.graphs[next(k for k, e in self.graphs.items() if e is not None)]   # and its memory pool
+            del self.graphs[evictee(self.graphs, self.kv.ubatch)]                      # and its memory pool
         x_in = torch.empty(key[0], self.cfg.n_embd, device=self.dev.torch_device)
         g = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(self.dev.torch_device)
