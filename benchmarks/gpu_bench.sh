@@ -60,6 +60,8 @@ for s in "$@"; do
     hybrid) B -ngl 99 -ot exps=CPU -p 512 -n 128 -r 3 --roofline ;;
     pcache) python3 benchmarks/prompt_cache.py --turns 4 --first 4000 --msg 200 -n 32 -- "-ngl 99 -ot exps=CPU" "-ngl 99" 2>&1 | grep -v -i warn ;;
     shapes) python3 benchmarks/shape_costs.py -- "-ngl 99 -ot exps=CPU" "-ngl 99" 2>&1 | grep -v -i warn ;;
+    ptests) python3 -m pytest -q tests/test_placement_runtime.py -k "captured or prompt_cache or prompt_graphs or real_gpu" \
+                -p no:cacheprovider --tb=short 2>&1 | tail -4 ;;
     ctests) python3 -m pytest -q tests/test_cpu_kernels.py tests/test_model.py tests/test_server.py -p no:cacheprovider --tb=short 2>&1 | tail -5 ;;
     gpu) B -ngl 99 -p 512 -n 128 -r 3 --roofline ;;
     ncmoe) B -ngl 99 --n-cpu-moe 24 -p 512 -n 128 -r 3 --roofline ;;
