@@ -1,4 +1,8 @@
 """Our forward pass against transformers on tiny random models; KV-cached decode; split files; synth."""
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -152,6 +156,23 @@ def test_cache_forgets_what_a_failed_or_gapped_forward_touched(monkeypatch):
     assert kv.tokens == IDS[:10]
     m.forward(torch.tensor([4]), 30, kv)                                 # positions 10..29 unknown
     assert kv.tokens == [] and kv.reusable_prefix(IDS) == 0
+
+
+def test_run_conversation_mode_runs_only_each_turns_new_tokens():
+    """`hybridmoe run -cnv` (llama-cli's conversation mode) on a real pipe: a turn per input line, the earlier
+    turns from the cache; an empty line is skipped and /exit ends."""
+    args = [sys.executable, "-m", "hybridmoe.cli", "run", "-m", "synth:tiny", "-cnv", "--temp", "0", "-n", "6",
+            "-sys", "Be brief."]
+    r = subprocess.run(args, input="Hello there\n\nTell me more\n/exit\nnot read\n", capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    turns = [(int(a), int(b)) for a, b in re.findall(r"\[prompt: (\d+) new tokens, (\d+) from the cache", r.stderr)]
+    m = hybridmoe.load("synth:tiny")
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    ids = m.tokenizer.encode(m.tokenizer.apply_chat_template(first))
+    assert len(turns) == 2 and turns[0] == (len(ids), 0)
+    assert turns[1][1] >= len(ids) - 1 and turns[1][0] > 0
+    assert r.stdout.startswith("".join(m.generate(ids, 6, temperature=0)))
 
 
 @pytest.mark.parametrize("ctk,ctv,tol", [("f32", "f32", 1e-3), ("bf16", "bf16", 5e-2), ("q8_0", "q8_0", 8e-2),

@@ -243,6 +243,8 @@ class Model:
             raise HybridMoeError("the prompt is empty after tokenization; give a non-empty prompt")
         if len(ids) >= self.options.ctx_size:
             raise HybridMoeError(f"the prompt has {len(ids)} tokens but the context is {self.options.ctx_size}; raise -c")
+        if max_tokens < 0:                                    # llama.cpp's -n -1: until the end or a full context
+            max_tokens = self.options.ctx_size - len(ids)
         sampler = Sampler(SamplerSettings(temperature, top_k, top_p, min_p, seed))
         timings = timings if timings is not None else Timings()
         stream = tok.stream()

@@ -185,14 +185,13 @@ COMPAT_FLAGS = {
     "--mlock": (0, "not implemented: pages of the mapping may be evicted under memory pressure"),
     "-rtr": (0, "the CPU kernels read GGUF blocks as they are, with no repacking"),
     "--run-time-repack": (0, "the CPU kernels read GGUF blocks as they are, with no repacking"),
-    "-mla": (1, "MLA applies to DeepSeek models, which hybridmoe plans but does not run yet"),
+    "-mla": (1, "DeepSeek attention always runs as MLA, with the compressed KV cache"),
     "-amb": (1, "attention runs without a separate attention buffer limit"),
     "--numa": (1, "threads are not pinned to NUMA nodes"),
     "-np": (1, "the server runs one generation at a time"),
     "--parallel": (1, "the server runs one generation at a time"),
     "-tb": (1, "prompt processing uses -t threads too"),
     "--threads-batch": (1, "prompt processing uses -t threads too"),
-    "-cnv": (0, "use `hybridmoe run --chat` or `hybridmoe serve`"),
     "--jinja": (0, "chat templates always run (sandboxed jinja2)"),
 }
 

@@ -1,4 +1,4 @@
-"""`hybridmoe run`: generate text from a prompt and print llama.cpp-style timings."""
+"""`hybridmoe run`: generate text from a prompt and print llama.cpp-style timings; `-cnv` chats turn by turn."""
 from __future__ import annotations
 
 import sys
@@ -8,15 +8,22 @@ from .common import add_model_args, add_runtime_args, runtime_kwargs
 
 def setup_arg_parser(p):
     add_model_args(p)
-    p.add_argument("-p", "--prompt", default="Once upon a time", help="prompt text")
+    p.add_argument("-p", "--prompt", default=None,
+                   help="prompt text (default: 'Once upon a time'; with -cnv, the first user message)")
     p.add_argument("-f", "--file", help="read the prompt from this file")
-    p.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
+    p.add_argument("-n", "--n-predict", type=int, default=None,
+                   help="tokens to generate (default 64; with -cnv, per turn, default -1: until the model ends "
+                        "its turn or the context is full)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed (-1: random)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("-cnv", "--conversation", action="store_true",
+                   help="chat turn by turn: read user messages from standard input (/exit or end of input "
+                        "ends); each turn runs only its new tokens, the earlier ones stay in the KV cache")
+    p.add_argument("-sys", "--system-prompt", default=None, help="with -cnv, the system message")
     add_runtime_args(p)
 
 
@@ -34,10 +41,15 @@ def main(args) -> int:
     model = hybridmoe.load(args.model, **runtime_kwargs(args))
     print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
           f"in {model.load_seconds:.2f} s", file=sys.stderr)
+    if args.conversation:
+        converse(model, args, prompt, sys.stdin, sys.stdout, sys.stderr)
+        return 0
+    prompt = "Once upon a time" if prompt is None else prompt
     timings = Timings()
     if not args.chat:
         sys.stdout.write(prompt)
-    for piece in model.generate(prompt, args.n_predict, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
+    n = 64 if args.n_predict is None else args.n_predict
+    for piece in model.generate(prompt, n, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
                                 chat=args.chat, timings=timings):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -51,3 +63,50 @@ def main(args) -> int:
             print("  (run `hybridmoe calibrate` once to compare the CPU experts with this machine's read bandwidth)",
                   file=sys.stderr)
     return 0
+
+
+def converse(model, args, first: str | None, inp, out, err):
+    """llama-cli's conversation mode: each turn sends the whole conversation through the chat template; the
+    prompt cache runs only what is new since the last turn. One line of speeds per turn on stderr."""
+    from ..generate import Timings
+    tok, n_ctx = model.tokenizer, model.options.ctx_size
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    n_predict = -1 if args.n_predict is None else args.n_predict
+    tty = inp.isatty()
+    while True:
+        if first is not None:
+            line, first = first, None
+        else:
+            if tty:
+                out.write("\n> ")
+                out.flush()
+            try:
+                line = inp.readline()
+            except KeyboardInterrupt:
+                break
+            if not line or line.strip() in ("/exit", "/quit"):
+                break
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+        messages.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(messages))
+        if len(ids) >= n_ctx:
+            print(f"the conversation has {len(ids)} tokens and the context is {n_ctx}: it is full; "
+                  f"start again with a larger -c", file=err)
+            break
+        t, reply = Timings(), []
+        try:
+            for piece in model.generate(ids, n_predict, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
+                                        timings=t):
+                out.write(piece)
+                out.flush()
+                reply.append(piece)
+        except KeyboardInterrupt:                       # Ctrl-C ends the reply, not the conversation
+            out.write(" [interrupted]")
+        out.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        pp = t.n_prompt / t.t_prompt if t.t_prompt > 0 else 0.0
+        tg = t.n_eval / t.t_eval if t.t_eval > 0 else 0.0
+        print(f"[prompt: {t.n_prompt} new tokens, {t.n_cached} from the cache, {pp:.1f} t/s; "
+              f"reply: {t.n_eval + 1 if reply else 0} tokens, {tg:.1f} t/s]", file=err, flush=True)
