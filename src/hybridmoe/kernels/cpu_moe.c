@@ -248,6 +248,29 @@ HM_INLINE const uint8_t *unit_block(const int ti, const uint8_t *row, int64_t un
     return row + unit * TINFO[ti].ts;
 }
 
+/* A kernel FN(ti, R, NT, ...) instantiated for every type and (R rows, NT tokens) shape dot_rows asks for,
+ * and the table NAME[type][R][NT] of the instances (prefix P). */
+#define KSHAPE(P, FN, TI, R, NT) \
+    static void P##_##TI##_##R##_##NT(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, \
+                                      const float *const *x, float *res) { FN(TI, R, NT, w, pf, K, x, res); }
+#define KSHAPES(P, FN, TI) \
+    KSHAPE(P, FN, TI, 4, 1) KSHAPE(P, FN, TI, 4, 2) KSHAPE(P, FN, TI, 2, 1) KSHAPE(P, FN, TI, 2, 2) \
+    KSHAPE(P, FN, TI, 2, 3) KSHAPE(P, FN, TI, 2, 4) KSHAPE(P, FN, TI, 1, 1) KSHAPE(P, FN, TI, 1, 2) \
+    KSHAPE(P, FN, TI, 1, 3) KSHAPE(P, FN, TI, 1, 4)
+#define KTROW(P, TI) { {0}, \
+    {0, P##_##TI##_1_1, P##_##TI##_1_2, P##_##TI##_1_3, P##_##TI##_1_4}, \
+    {0, P##_##TI##_2_1, P##_##TI##_2_2, P##_##TI##_2_3, P##_##TI##_2_4}, {0}, \
+    {0, P##_##TI##_4_1, P##_##TI##_4_2, 0, 0} }
+#define KTABLE(NAME, P, FN) \
+    KSHAPES(P, FN, I_F32) KSHAPES(P, FN, I_F16) KSHAPES(P, FN, I_BF16) KSHAPES(P, FN, I_Q4_0) \
+    KSHAPES(P, FN, I_Q8_0) KSHAPES(P, FN, I_Q4_K) KSHAPES(P, FN, I_Q5_K) KSHAPES(P, FN, I_Q6_K) \
+    KSHAPES(P, FN, I_IQ4_NL) KSHAPES(P, FN, I_MXFP4) \
+    static const kern_fn NAME[N_TYPES][5][5] = { \
+        [I_F32] = KTROW(P, I_F32), [I_F16] = KTROW(P, I_F16), [I_BF16] = KTROW(P, I_BF16), \
+        [I_Q4_0] = KTROW(P, I_Q4_0), [I_Q8_0] = KTROW(P, I_Q8_0), [I_Q4_K] = KTROW(P, I_Q4_K), \
+        [I_Q5_K] = KTROW(P, I_Q5_K), [I_Q6_K] = KTROW(P, I_Q6_K), [I_IQ4_NL] = KTROW(P, I_IQ4_NL), \
+        [I_MXFP4] = KTROW(P, I_MXFP4), };
+
 #if HM_AVX2
 
 /* fp16 -> fp32 lookup (256 KiB): a block scale becomes one scalar load that the multiply
@@ -415,25 +438,7 @@ HM_INLINE void kern_avx2(const int ti, const int R, const int NT, const uint8_t 
         }
 }
 
-#define K2DEF(TI, R, NT) \
-    static void k2_##TI##_##R##_##NT(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, \
-                                     const float *const *x, float *res) { \
-        kern_avx2(TI, R, NT, w, pf, K, x, res); }
-#define K2DEF_TYPE(TI) \
-    K2DEF(TI, 4, 1) K2DEF(TI, 4, 2) K2DEF(TI, 2, 1) K2DEF(TI, 2, 2) K2DEF(TI, 2, 3) K2DEF(TI, 2, 4) \
-    K2DEF(TI, 1, 1) K2DEF(TI, 1, 2) K2DEF(TI, 1, 3) K2DEF(TI, 1, 4)
-K2DEF_TYPE(I_F32) K2DEF_TYPE(I_F16) K2DEF_TYPE(I_BF16) K2DEF_TYPE(I_Q4_0) K2DEF_TYPE(I_Q8_0)
-K2DEF_TYPE(I_Q4_K) K2DEF_TYPE(I_Q5_K) K2DEF_TYPE(I_Q6_K) K2DEF_TYPE(I_IQ4_NL) K2DEF_TYPE(I_MXFP4)
-
-#define K2ROW(TI) { {0}, \
-    {0, k2_##TI##_1_1, k2_##TI##_1_2, k2_##TI##_1_3, k2_##TI##_1_4}, \
-    {0, k2_##TI##_2_1, k2_##TI##_2_2, k2_##TI##_2_3, k2_##TI##_2_4}, {0}, \
-    {0, k2_##TI##_4_1, k2_##TI##_4_2, 0, 0} }
-static const kern_fn KTAB2[N_TYPES][5][5] = {
-    [I_F32] = K2ROW(I_F32), [I_F16] = K2ROW(I_F16), [I_BF16] = K2ROW(I_BF16), [I_Q4_0] = K2ROW(I_Q4_0),
-    [I_Q8_0] = K2ROW(I_Q8_0), [I_Q4_K] = K2ROW(I_Q4_K), [I_Q5_K] = K2ROW(I_Q5_K), [I_Q6_K] = K2ROW(I_Q6_K),
-    [I_IQ4_NL] = K2ROW(I_IQ4_NL), [I_MXFP4] = K2ROW(I_MXFP4),
-};
+KTABLE(KTAB2, k2, kern_avx2)
 
 /* 8 floats -> 8 bf16, round to nearest even, NaN kept quiet (as torch's .to(bfloat16)) */
 static inline __m128i bf16_pack8(__m256 v) {
@@ -612,25 +617,7 @@ HM_INLINE void kern_avx(const int ti, const int R, const int NT, const uint8_t *
             res[r * NT + t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
 }
 
-#define KDEF(TI, R, NT) \
-    static void k_##TI##_##R##_##NT(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, \
-                                    const float *const *x, float *res) { \
-        kern_avx(TI, R, NT, w, pf, K, x, res); }
-#define KDEF_TYPE(TI) \
-    KDEF(TI, 4, 1) KDEF(TI, 4, 2) KDEF(TI, 2, 1) KDEF(TI, 2, 2) KDEF(TI, 2, 3) KDEF(TI, 2, 4) \
-    KDEF(TI, 1, 1) KDEF(TI, 1, 2) KDEF(TI, 1, 3) KDEF(TI, 1, 4)
-KDEF_TYPE(I_F32) KDEF_TYPE(I_F16) KDEF_TYPE(I_BF16) KDEF_TYPE(I_Q4_0) KDEF_TYPE(I_Q8_0)
-KDEF_TYPE(I_Q4_K) KDEF_TYPE(I_Q5_K) KDEF_TYPE(I_Q6_K) KDEF_TYPE(I_IQ4_NL) KDEF_TYPE(I_MXFP4)
-
-#define KROW(TI) { {0}, \
-    {0, k_##TI##_1_1, k_##TI##_1_2, k_##TI##_1_3, k_##TI##_1_4}, \
-    {0, k_##TI##_2_1, k_##TI##_2_2, k_##TI##_2_3, k_##TI##_2_4}, {0}, \
-    {0, k_##TI##_4_1, k_##TI##_4_2, 0, 0} }
-static const kern_fn KTAB[N_TYPES][5][5] = {
-    [I_F32] = KROW(I_F32), [I_F16] = KROW(I_F16), [I_BF16] = KROW(I_BF16), [I_Q4_0] = KROW(I_Q4_0),
-    [I_Q8_0] = KROW(I_Q8_0), [I_Q4_K] = KROW(I_Q4_K), [I_Q5_K] = KROW(I_Q5_K), [I_Q6_K] = KROW(I_Q6_K),
-    [I_IQ4_NL] = KROW(I_IQ4_NL), [I_MXFP4] = KROW(I_MXFP4),
-};
+KTABLE(KTAB, k, kern_avx)
 #endif /* HM_AVX512 */
 
 /* the vector kernels in use: 2 AVX-512, 1 AVX2, 0 portable C (hm_set_simd lowers it for tests) */
