@@ -233,6 +233,24 @@ def test_prompt_cache_reuses_the_shared_prefix(srv, client, ref):
     assert off.choices[0].message.content == "".join(ref.generate(ids2, 12, temperature=0, cache_prompt=False))
 
 
+def test_token_endpoints(http, ref):
+    """llama-server's /tokenize, /detokenize and /apply-template, which frontends use to count tokens."""
+    tok, text = ref.tokenizer, "Hello there, dragon! ünïcödé"
+    r = http.post("/tokenize", json={"content": text})
+    assert r.status_code == 200 and r.json() == {"tokens": tok.encode(text, add_special=False)}
+    assert http.post("/tokenize", json={"content": text, "add_special": True}).json()["tokens"] == tok.encode(text)
+    pieces = http.post("/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == tok.encode(text, add_special=False)
+    raw = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+    assert raw.decode() == text
+    ids = tok.encode(text, add_special=False)
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"content": text}
+    assert http.post("/detokenize", json={}).json() == {"content": ""}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": USER}]
+    r = http.post("/apply-template", json={"messages": msgs})
+    assert r.status_code == 200 and r.json() == {"prompt": tok.apply_chat_template(msgs)}
+
+
 def test_max_tokens_gives_length_and_counts(client, http):
     r = chat(client, max_tokens=7, seed=1, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
@@ -422,7 +440,14 @@ BAD = [
     ("text", {"prompt": ""}, 400, "the prompt is empty"),
     ("text", {"prompt": "hi", "max_tokens": 0}, 400, "'max_tokens' must be at least 1"),
     ("text", {"prompt": "hi", "echo": True}, 400, "'echo' is not supported"),
+    ("tokenize", {}, 400, "'content' must be a string"),
+    ("tokenize", {"content": "hi", "with_pieces": 1}, 400, "'with_pieces' must be a boolean"),
+    ("detokenize", {"tokens": [1, 99999]}, 400, "token id 99999, outside the vocabulary"),
+    ("detokenize", {"tokens": "hi"}, 400, "'tokens' must be an array of token ids"),
+    ("apply-template", {"messages": []}, 400, "'messages' is empty"),
 ]
+PATHS = {"chat": "/v1/chat/completions", "text": "/v1/completions", "tokenize": "/tokenize",
+         "detokenize": "/detokenize", "apply-template": "/apply-template"}
 
 
 def check_error(r, status, words):
@@ -436,7 +461,7 @@ def check_error(r, status, words):
 
 @pytest.mark.parametrize("kind,body,status,words", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_requests(http, kind, body, status, words):
-    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    path = PATHS[kind]
     if isinstance(body, bytes):
         r = http.post(path, content=body, headers={"content-type": "application/json"})
     else:

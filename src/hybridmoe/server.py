@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import __version__
 from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
-from .server_requests import (ApiError, GenParams, _bad, _error_response, _read_json, _template_kwargs,
+from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
                               _type_name, DEFAULT_SAMPLING, parse_messages)
 
 log = logging.getLogger("hybridmoe.server")
@@ -387,7 +387,8 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
     async def _http_error(request, exc: StarletteHTTPException):
         if exc.status_code == 404:
             msg = f"no endpoint {request.method} {request.url.path}; endpoints: GET /health, GET /v1/models, " \
-                  f"POST /v1/chat/completions, POST /v1/completions"
+                  f"GET /props, POST /v1/chat/completions, POST /v1/completions, POST /tokenize, " \
+                  f"POST /detokenize, POST /apply-template"
             return _error_response(404, msg, "not_found", type_="not_found_error")
         if exc.status_code == 405:
             return _error_response(405, f"{request.method} is not allowed on {request.url.path}",
@@ -441,6 +442,54 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
     def render_chat(messages, kwargs) -> list[int]:
         return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
 
+    def token_ids(v, key: str) -> list[int]:
+        if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            raise _bad(f"'{key}' must be an array of token ids, got {_type_name(v)}", key, "invalid_type")
+        bad = [t for t in v if not 0 <= t < tok.n_vocab]
+        if bad:
+            raise _bad(f"'{key}' has token id {bad[0]}, outside the vocabulary (0..{tok.n_vocab - 1})", key)
+        return list(v)
+
+    # llama-server's token endpoints (frontends count tokens with them)
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        state.check_auth(request)
+        body = await _read_json(request, state.max_body_bytes)
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise _bad(f"'content' must be a string, got {_type_name(content)}", "content",
+                       "missing_required_parameter" if content is None else "invalid_type")
+        add_special, parse_special = _opt_bool(body, "add_special"), _opt_bool(body, "parse_special", True)
+        ids = await asyncio.to_thread(tok.encode, content, add_special, parse_special)
+        if not _opt_bool(body, "with_pieces"):
+            return {"tokens": ids}
+        pieces = []
+        for t in ids:
+            b = tok.piece_bytes(t)
+            try:
+                pieces.append({"id": t, "piece": b.decode("utf-8")})
+            except UnicodeDecodeError:                # part of a character: its bytes, as llama-server does
+                pieces.append({"id": t, "piece": list(b)})
+        return {"tokens": pieces}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        state.check_auth(request)
+        body = await _read_json(request, state.max_body_bytes)
+        ids = token_ids(body.get("tokens", []), "tokens")
+        return {"content": await asyncio.to_thread(tok.decode, ids)}
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request):
+        state.check_auth(request)
+        body = await _read_json(request, state.max_body_bytes)
+        messages = parse_messages(body.get("messages"))
+        kwargs = _template_kwargs(body)
+
+        def render():
+            return tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        return {"prompt": await encode(render)}
+
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -467,11 +516,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
             ids = await encode(tok.encode, prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < tok.n_vocab]
-            if bad:
-                raise _bad(f"'prompt' has token id {bad[0]}, outside the vocabulary (0..{tok.n_vocab - 1})",
-                           "prompt")
-            ids = list(prompt)
+            ids = token_ids(prompt, "prompt")
         elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             raise _bad(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request",
                        "prompt")

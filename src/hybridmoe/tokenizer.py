@@ -353,7 +353,7 @@ class Tokenizer:
         return self._hf_literal
 
     # -------------------------------------------------------------- decode
-    def _piece(self, token_id: int) -> bytes:
+    def piece_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (control tokens: their text)."""
         p = self._pieces[token_id]
         if p is not None:
@@ -417,7 +417,7 @@ class StreamDetokenizer:
         control = self._tok.is_control(token_id)
         if control and self._skip:
             return ""
-        b = self._tok._piece(token_id)
+        b = self._tok.piece_bytes(token_id)
         if self._strip and not control:
             self._strip = False
             if b[:1] == b" ":
