@@ -158,6 +158,15 @@ def test_cache_forgets_what_a_failed_or_gapped_forward_touched(monkeypatch):
     assert kv.tokens == [] and kv.reusable_prefix(IDS) == 0
 
 
+def test_warmup_leaves_an_empty_cache_and_fresh_statistics():
+    m = hybridmoe.load("synth:tiny", ctx_size=64)
+    assert m.warmup() > 0
+    assert m._free_cache is not None and m._free_cache.tokens == [] and m.stats.forwards == 0
+    t = Timings()
+    "".join(m.generate(IDS, 4, temperature=0, timings=t))
+    assert (t.n_cached, t.n_prompt) == (0, len(IDS)) and m.stats.forwards == 4
+
+
 def test_run_conversation_mode_runs_only_each_turns_new_tokens():
     """`hybridmoe run -cnv` (llama-cli's conversation mode) on a real pipe: a turn per input line, the earlier
     turns from the cache; an empty line is skipped and /exit ends."""

@@ -215,6 +215,24 @@ class Model:
             held = self._steps[which] = (kv, step)
         return held[1]
 
+    def warmup(self) -> float:
+        """llama.cpp's warm-up: a two-token prompt and one decode step, so that the kernels (the C build, Triton's
+        compiles) and the decode step's graphs are ready before the first real prompt and its timings. The cache
+        is left empty and the statistics reset. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        tok = self.tokenizer
+        first = tok.bos_id if tok.bos_id is not None else 0
+        kv = self.take_cache()
+        try:
+            self.forward(torch.tensor([first, first]), 0, kv, all_logits=False)
+            self.forward(torch.tensor([first]), 2, kv, all_logits=False)
+            self.sync()
+        finally:
+            kv.tokens.clear()
+            self.return_cache(kv)
+        self.stats.reset()
+        return time.perf_counter() - t0
+
     def sync(self):
         if torch.cuda.is_available():
             torch.cuda.synchronize()

@@ -26,6 +26,18 @@ def add_runtime_args(p: argparse.ArgumentParser):
                    "without the static steps and CUDA graphs")
 
 
+def add_warmup_arg(p: argparse.ArgumentParser):
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the warm-up run at load (a two-token prompt and one decode step, which compiles "
+                        "kernels and captures graphs before the first prompt, as llama.cpp does)")
+
+
+def warmup(model, args):
+    if not args.no_warmup:
+        import sys
+        print(f"warmed up in {model.warmup():.2f} s (--no-warmup to skip)", file=sys.stderr)
+
+
 def runtime_kwargs(args) -> dict:
     """The load() options these arguments stand for."""
     from ..placement import options_from_args

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_model_args, add_runtime_args, runtime_kwargs
+from .common import add_model_args, add_runtime_args, add_warmup_arg, runtime_kwargs, warmup
 
 
 def setup_arg_parser(p):
@@ -25,6 +25,7 @@ def setup_arg_parser(p):
                         "ends); each turn runs only its new tokens, the earlier ones stay in the KV cache")
     p.add_argument("-sys", "--system-prompt", default=None, help="with -cnv, the system message")
     add_runtime_args(p)
+    add_warmup_arg(p)
 
 
 def main(args) -> int:
@@ -41,6 +42,7 @@ def main(args) -> int:
     model = hybridmoe.load(args.model, **runtime_kwargs(args))
     print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
           f"in {model.load_seconds:.2f} s", file=sys.stderr)
+    warmup(model, args)
     if args.conversation:
         converse(model, args, prompt, sys.stdin, sys.stdout, sys.stderr)
         return 0

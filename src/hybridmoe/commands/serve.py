@@ -5,7 +5,7 @@ import os
 import socket
 import sys
 
-from .common import add_model_args, add_runtime_args, runtime_kwargs
+from .common import add_model_args, add_runtime_args, add_warmup_arg, runtime_kwargs, warmup
 
 
 def setup_arg_parser(p):
@@ -22,6 +22,7 @@ def setup_arg_parser(p):
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; 'warning' hides the request log (default: %(default)s)")
     add_runtime_args(p)
+    add_warmup_arg(p)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -69,6 +70,7 @@ def main(args) -> int:
         model = hybridmoe.load(args.model, **runtime_kwargs(args))
         print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
               f"in {model.load_seconds:.2f} s", file=sys.stderr)
+        warmup(model, args)
         app = create_app(model, args.alias, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20))
         state = app.state.hybridmoe
         url = url_of(sock)
