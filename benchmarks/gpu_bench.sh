@@ -62,6 +62,9 @@ for s in "$@"; do
     shapes) python3 benchmarks/shape_costs.py -- "-ngl 99 -ot exps=CPU" "-ngl 99" 2>&1 | grep -v -i warn ;;
     ptests) python3 -m pytest -q tests/test_placement_runtime.py -k "captured or prompt_cache or prompt_graphs or real_gpu" \
                 -p no:cacheprovider --tb=short 2>&1 | tail -4 ;;
+    cnv) for P in "-ngl 99 -ot exps=CPU" "-ngl 99"; do echo "### hybridmoe run $P -cnv: a 2000-word message, then two short ones"
+           { printf 'word %.0s' {1..2000}; printf '\nTell me more.\nAnd then?\n'; } | hm run -m $M $P -cnv --temp 0 -n 32 -c 4096 2>&1 \
+             | grep -E "warmed|^\[prompt"; done ;;
     ctests) python3 -m pytest -q tests/test_cpu_kernels.py tests/test_model.py tests/test_server.py -p no:cacheprovider --tb=short 2>&1 | tail -5 ;;
     gpu) B -ngl 99 -p 512 -n 128 -r 3 --roofline ;;
     ncmoe) B -ngl 99 --n-cpu-moe 24 -p 512 -n 128 -r 3 --roofline ;;
