@@ -9,14 +9,15 @@ for T tokens serves every ubatch of T tokens at any position: a prompt's full ub
 repetitions replay it.
 
 The first ubatch of a size runs these kernels eagerly (it compiles them). A full ubatch (-ub tokens) is
-captured right after, since full ubatches recur: every prompt longer than one is made of them; another
-size is captured at its second ubatch. At most MAX_GRAPHS sizes keep a graph (each holds its own
-activation memory); the least recently used goes first, a full ubatch's last (see `evictee`).
+captured right after, since full ubatches recur: every prompt longer than one is made of them. Other sizes
+(a prompt's last ubatch, the new tokens after a cached prefix) always run eagerly: they come in every size,
+a capture costs 200-250 ms against 35-80 ms for running one eagerly (docs/benchmarks.md, session 19), and
+eager and replayed ubatches measured alike there (34 ms for 333 tokens eagerly, 37 ms for a 512-token
+replay).
 """
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +32,6 @@ from .ops import context_rope_tables
 
 class NotApplicable(Exception):
     """The placement or architecture has no captured prefill; the eager path runs."""
-
-
-MAX_GRAPHS = 2
-
-
-def evictee(graphs: OrderedDict, ubatch: int):
-    """The graph to drop for a new one: the least recently used of another size than a full ubatch, since full
-    ubatches recur in every long prompt while a server's other sizes (a prompt's last ubatch, the new tokens
-    after a cached prefix) come and go; a full ubatch's graph only if all are."""
-    held = [k for k, e in graphs.items() if e is not None]            # least recently used first
-    return next((k for k in held if k[0] != ubatch), held[0])
 
 
 class StaticPrefill:
@@ -98,7 +88,7 @@ class StaticPrefill:
         self.out_norm = sched.small(dec.output_norm, dev)
         self.cos, self.sin = context_rope_tables(kv.n_ctx, D, cfg.rope_base, cfg.rope_neox, dev.torch_device)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev.torch_device)
-        self.graphs = OrderedDict()      # (T, all_logits) -> (graph, input rows, logits); None: seen once
+        self.graphs = {}                 # (ubatch, all_logits) -> (graph, input rows, logits)
         self.worked = False
 
     # -- one ubatch, as kernels ----------------------------------------------------------------------------
@@ -134,20 +124,7 @@ class StaticPrefill:
         return (h @ w(self.model.decoder.output).t()).float()
 
     # -- running ---------------------------------------------------------------------------------------
-    def _graph(self, key):
-        """The graph for this ubatch size, captured now at its second ubatch, or None (the kernels run eagerly:
-        the first ubatch of a size compiles them)."""
-        if not self.capture or key not in self.graphs:
-            return None
-        if self.graphs[key] is None:
-            self._capture(key)
-        if key in self.graphs:
-            self.graphs.move_to_end(key)
-        return self.graphs.get(key)
-
     def _capture(self, key):
-        while sum(e is not None for e in self.graphs.values()) >= MAX_GRAPHS:
-            del self.graphs[evictee(self.graphs, self.kv.ubatch)]                      # and its memory pool
         x_in = torch.empty(key[0], self.cfg.n_embd, device=self.dev.torch_device)
         g = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(self.dev.torch_device)
@@ -157,7 +134,7 @@ class StaticPrefill:
                 logits = self._forward(x_in, key[1])
         except RuntimeError as e:                          # a driver or op that can't be captured
             torch.cuda.synchronize(self.dev.torch_device)
-            self.capture, self.graphs = False, OrderedDict()
+            self.capture, self.graphs = False, {}
             warn_fallback("CUDA graph capture of the prompt", e, "prompt processing without graphs")
             return
         self.graphs[key] = (g, x_in, logits)
@@ -176,15 +153,13 @@ class StaticPrefill:
             st.copy(emb.device.name, dev.name, x.numel() * 4)
         real = not dev.fake
         sync = (lambda: torch.cuda.synchronize(dev.torch_device)) if real and st.profile else None
-        key = (T, all_logits)
-        entry = self._graph(key)
+        key = (T, all_logits)                                # (ubatch, False) and (ubatch, True) at most
+        entry = self.graphs.get(key) if self.capture else None
         with st.op("prefill graph" if entry else "prefill step", dev, sync):
             if entry is None:
                 logits = self._forward(x, all_logits)
-                if self.capture and key not in self.graphs:
-                    self.graphs[key] = None                  # seen once
-                    if T == self.kv.ubatch:                  # full ubatches recur (every longer prompt is made
-                        self._capture(key)                   # of them): capture now, for the next one
+                if self.capture and T == self.kv.ubatch:     # full ubatches recur: capture now, for the next one
+                    self._capture(key)
             else:
                 g, x_in, logits = entry
                 x_in.copy_(x)
