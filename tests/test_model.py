@@ -181,7 +181,10 @@ def test_run_conversation_mode_runs_only_each_turns_new_tokens():
     ids = m.tokenizer.encode(m.tokenizer.apply_chat_template(first))
     assert len(turns) == 2 and turns[0] == (len(ids), 0)
     assert turns[1][1] >= len(ids) - 1 and turns[1][0] > 0
-    assert r.stdout.startswith("".join(m.generate(ids, 6, temperature=0)))
+    t = Timings()
+    assert r.stdout.startswith("".join(m.generate(ids, 6, temperature=0, timings=t)))
+    replies = [int(n) for n in re.findall(r"reply: (\d+) tokens", r.stderr)]
+    assert replies[0] == t.n_generated and 1 <= replies[1] <= 6
 
 
 @pytest.mark.parametrize("ctk,ctv,tol", [("f32", "f32", 1e-3), ("bf16", "bf16", 5e-2), ("q8_0", "q8_0", 8e-2),

@@ -47,8 +47,9 @@ class Timings:
     n_prompt: int = 0            # prompt tokens run (not those taken from the cache)
     n_cached: int = 0            # prompt tokens whose keys and values the cache already held
     t_prompt: float = 0.0
-    n_eval: int = 0
+    n_eval: int = 0              # decode steps run (llama.cpp's "eval" count: the last token sampled is not run)
     t_eval: float = 0.0
+    n_generated: int = 0         # tokens sampled and yielded
     extra: dict = field(default_factory=dict)
 
     def format(self) -> str:
@@ -90,6 +91,7 @@ def generate_ids(model, prompt_ids: list[int], n_predict: int, sampler: Sampler,
             tok = sampler(logits)
             if tok in stop_ids:
                 break
+            timings.n_generated += 1
             yield tok
             if i == n_predict - 1 or pos >= kv.n_ctx:
                 break

@@ -111,4 +111,4 @@ def converse(model, args, first: str | None, inp, out, err):
         pp = t.n_prompt / t.t_prompt if t.t_prompt > 0 else 0.0
         tg = t.n_eval / t.t_eval if t.t_eval > 0 else 0.0
         print(f"[prompt: {t.n_prompt} new tokens, {t.n_cached} from the cache, {pp:.1f} t/s; "
-              f"reply: {t.n_eval + 1 if reply else 0} tokens, {tg:.1f} t/s]", file=err, flush=True)
+              f"reply: {t.n_generated} tokens, {tg:.1f} t/s]", file=err, flush=True)
