@@ -266,6 +266,108 @@ def test_max_tokens_gives_length_and_counts(client, http):
     assert j["usage"] == {"prompt_tokens": N_CTX - 10, "completion_tokens": 10, "total_tokens": N_CTX}
 
 
+# ---------------------------------------------------------------------------------------------- tools
+
+# A Hermes / Qwen-style template with tools (synth:tiny's own ChatML template has none)
+HERMES_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a function with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for tc in message.tool_calls %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
+    "{%- if tc.function.arguments is string %}{{- tc.function.arguments }}{%- else %}"
+    "{{- tc.function.arguments | tojson }}{%- endif %}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif message.role != 'system' or not loop.first %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture
+def hermes(srv, monkeypatch):
+    monkeypatch.setattr(srv.model.tokenizer, "chat_template", HERMES_TEMPLATE)
+
+
+def script_reply(monkeypatch, text):
+    """The model writes `text` (its tokens, through the real detokenizer and the server's pipeline): a model
+    with random weights never writes a tool call of its own."""
+    import hybridmoe.server as server
+
+    def scripted(model, ids, n, sampler, timings, **kw):
+        yield from model.tokenizer.encode(text, add_special=False)[:n]
+    monkeypatch.setattr(server, "generate_ids", scripted)
+
+
+def test_tool_call_splitter_holds_back_from_the_first_tag():
+    from hybridmoe.tools import ToolCallSplitter, parse_tool_calls
+    sp = ToolCallSplitter()
+    sent = [sp.feed(p) for p in ["Hi <to", "ol_c", 'all>{"name": "f", "argu', 'ments": {"a": 1}}</tool_call>', " bye"]]
+    assert sent == ["Hi ", "", "", "", ""]
+    text, calls = sp.finish()
+    assert text == "bye" and [c["function"] for c in calls] == [{"name": "f", "arguments": '{"a": 1}'}]
+    two = parse_tool_calls('<tool_call>{"name": "a", "arguments": "{}"}</tool_call>\n<tool_call>{"name": "b"}')
+    assert [c["function"] for c in two[1]] == [{"name": "a", "arguments": "{}"}, {"name": "b", "arguments": "{}"}]
+    assert parse_tool_calls("<tool_call>{not json</tool_call>") is None
+    sp = ToolCallSplitter()
+    assert sp.feed("a <tool_c") == "a " and sp.finish() == ("<tool_c", [])    # a prefix that never completes
+
+
+def test_tools_are_rendered_and_a_real_generation_runs(client, http, ref, hermes):
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = http.post("/apply-template", json={"messages": msgs, "tools": [WEATHER]}).json()["prompt"]
+    assert json.dumps(WEATHER, ensure_ascii=False) in prompt
+    r = client.chat.completions.create(model=ALIAS, messages=msgs, tools=[WEATHER], temperature=0, max_tokens=8)
+    assert r.usage.prompt_tokens == len(ref.tokenizer.encode(prompt))
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+    none = http.post("/apply-template", json={"messages": msgs, "tools": [WEATHER], "tool_choice": "none"}).json()
+    assert "<tools>" not in none["prompt"]
+
+
+def test_tool_calls_come_back_as_openai_tool_calls(client, http, hermes, monkeypatch):
+    script_reply(monkeypatch, "Let me look." + CALL)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat.completions.create(model=ALIAS, messages=msgs, tools=[WEATHER])
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Let me look."
+    (tc,) = c.message.tool_calls
+    assert tc.type == "function" and tc.id.startswith("call_") and tc.function.name == "get_weather"
+    assert json.loads(tc.function.arguments) == {"city": "Paris"}
+    chunks = list(client.chat.completions.create(model=ALIAS, messages=msgs, tools=[WEATHER], stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join(d.content or "" for d in deltas) == "Let me look."
+    calls = [t for d in deltas for t in (d.tool_calls or [])]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == \
+        [(0, "get_weather", {"city": "Paris"})]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
+        ["tool_calls"]
+    # the next turn sends the call and its result back; the template renders both
+    turn = msgs + [c.message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": tc.id, "content": '{"sky": "clear"}'}]
+    prompt = http.post("/apply-template", json={"messages": turn, "tools": [WEATHER]}).json()["prompt"]
+    assert '"arguments": {"city": "Paris"}}' in prompt and "<tool_response>\n{\"sky\": \"clear\"}" in prompt
+
+
+def test_a_tool_call_that_does_not_parse_stays_text(client, hermes, monkeypatch):
+    text = "Hmm <tool_call>{not json</tool_call> ok"
+    script_reply(monkeypatch, text)
+    r = client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "x"}], tools=[WEATHER])
+    assert r.choices[0].message.content == text and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason != "tool_calls"
+
+
 # ---------------------------------------------------------------------------------------------- stop
 
 def test_stop_matcher_holds_back_partial_matches():
@@ -432,7 +534,13 @@ BAD = [
     ("chat", {"messages": MSG, "stream": "yes"}, 400, "'stream' must be a boolean"),
     ("chat", {"messages": MSG, "cache_prompt": 1}, 400, "'cache_prompt' must be a boolean"),
     ("chat", {"messages": MSG, "frequency_penalty": 0.5}, 400, "'frequency_penalty' is not supported"),
-    ("chat", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool calling"),
+    ("chat", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "chat template does not render tools"),
+    ("chat", {"messages": MSG, "tools": {"type": "function"}}, 400, "'tools' must be an array"),
+    ("chat", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0] must be"),
+    ("chat", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     400, "'tool_choice' may be"),
+    ("chat", {"messages": MSG, "functions": [{"name": "f"}]}, 400, "'functions' (OpenAI's old form)"),
     ("text", {}, 400, "'prompt' is required"),
     ("text", {"prompt": 5}, 400, "'prompt' must be a string"),
     ("text", {"prompt": [1, 99999]}, 400, "token id 99999, outside the vocabulary"),

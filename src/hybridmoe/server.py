@@ -41,7 +41,8 @@ from . import __version__
 from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
-                              _type_name, DEFAULT_SAMPLING, parse_messages)
+                              _type_name, _unsupported, DEFAULT_SAMPLING, parse_messages, parse_tools)
+from .tools import ToolCallSplitter, template_takes_tools
 
 log = logging.getLogger("hybridmoe.server")
 
@@ -109,6 +110,7 @@ class Job:
         self.cancel = threading.Event()
         self.ids, self.max_tokens, self.params = ids, max_tokens, params
         self.n_generated = 0
+        self.tool_calls: list[dict] = []
         self.finish_reason: str | None = None
         self.cancelled = False
         self.done = threading.Event()
@@ -140,6 +142,12 @@ class Job:
                 sampler = _NoEos(sampler, eos)
             detok = tok.stream()
             stops = StopMatcher(self.params.stops)
+            calls = ToolCallSplitter() if self.params.tools else None
+
+            def send(text):
+                text = calls.feed(text) if calls else text
+                if text:
+                    self._emit(("text", text))
             hit = False
             gen = generate_ids(model, self.ids, self.max_tokens, sampler, timings,
                                cache_prompt=self.params.cache_prompt)
@@ -152,8 +160,7 @@ class Job:
                         break
                     self.n_generated += 1
                     text, hit = stops.feed(detok.add(t))
-                    if text:
-                        self._emit(("text", text))
+                    send(text)
                     if hit:
                         finish = "stop"
                         break
@@ -165,8 +172,13 @@ class Job:
                     finish = "stop"
                 else:
                     text += stops.flush()
+                send(text)
+            if calls and not self.cancel.is_set():
+                text, self.tool_calls = calls.finish()
                 if text:
                     self._emit(("text", text))
+                if self.tool_calls:
+                    finish = "tool_calls"
         self.cancelled = self.cancel.is_set()
         self.finish_reason = None if self.cancelled else finish
         total_ms = (time.perf_counter() - t_start) * 1e3
@@ -175,6 +187,7 @@ class Job:
         n_p, n_g = timings.n_prompt, self.n_generated
         self._emit(("end", {
             "finish_reason": self.finish_reason,
+            "tool_calls": self.tool_calls,
             "usage": {"prompt_tokens": len(self.ids), "completion_tokens": n_g,
                       "total_tokens": len(self.ids) + n_g},
             "timings": {
@@ -309,6 +322,8 @@ class ServerState:
         out = self._base(kind, rid, False)
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            if info["tool_calls"]:
+                choice["message"].update(content=text.strip() or None, tool_calls=info["tool_calls"])
         else:
             choice = {"index": 0, "text": text}
         choice.update(finish_reason=info["finish_reason"], logprobs=None)
@@ -346,6 +361,9 @@ class ServerState:
                         yield event({"error": {"message": "the generation was cancelled: the server is shutting "
                                                "down", "type": "server_error", "code": "cancelled", "param": None}})
                         return
+                    if info["tool_calls"]:
+                        yield event(chunk({"tool_calls": [dict(index=i, **c)
+                                                          for i, c in enumerate(info["tool_calls"])]}))
                     last = chunk({} if kind == "chat" else "", info["finish_reason"])
                     last["timings"] = info["timings"]
                     yield event(last)
@@ -479,12 +497,21 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         ids = token_ids(body.get("tokens", []), "tokens")
         return {"content": await asyncio.to_thread(tok.decode, ids)}
 
+    def template_kwargs(body, tools) -> dict:
+        kwargs = _template_kwargs(body)
+        if tools:
+            why = template_takes_tools(tok.chat_template)
+            if why:
+                raise _unsupported(f"'tools': {why}", "tools")
+            kwargs["tools"] = tools
+        return kwargs
+
     @app.post("/apply-template")
     async def apply_template(request: Request):
         state.check_auth(request)
         body = await _read_json(request, state.max_body_bytes)
         messages = parse_messages(body.get("messages"))
-        kwargs = _template_kwargs(body)
+        kwargs = template_kwargs(body, parse_tools(body))
 
         def render():
             return tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
@@ -497,7 +524,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         body = await _read_json(request, state.max_body_bytes)
         messages = parse_messages(body.get("messages"))
         params = GenParams(body, chat=True)
-        ids = await encode(render_chat, messages, _template_kwargs(body))
+        ids = await encode(render_chat, messages, template_kwargs(body, params.tools))
         return await state.respond(request, "chat", ids, params)
 
     @app.post("/v1/completions")

@@ -191,10 +191,12 @@ class GenParams:
         if body.get("logprobs") or body.get("top_logprobs"):
             key = "logprobs" if body.get("logprobs") else "top_logprobs"
             raise _unsupported(f"'{key}' is not supported by this server", key)
+        self.tools = None
         if chat:
-            if body.get("tools") or body.get("functions"):
-                key = "tools" if body.get("tools") else "functions"
-                raise _unsupported(f"'{key}': tool calling is not supported by this server", key)
+            self.tools = parse_tools(body)
+            if body.get("functions"):
+                raise _unsupported("'functions' (OpenAI's old form) is not supported by this server; send 'tools'",
+                                   "functions")
             rf = body.get("response_format")
             if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
                 raise _unsupported("'response_format' other than {\"type\": \"text\"} is not supported by this "
@@ -206,6 +208,29 @@ class GenParams:
                 raise _unsupported("'suffix' (insertion) is not supported by this server", "suffix")
             if _opt_int(body, "best_of", 1) != 1:
                 raise _unsupported("'best_of' must be 1 on this server", "best_of")
+
+
+def parse_tools(body) -> list[dict] | None:
+    """The request's function tools, or None (none given, or tool_choice "none")."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad(f"'tools' must be an array, got {_type_name(tools)}", "tools", "invalid_type")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise _bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                       f"\"parameters\": ...}}}}", "tools", "invalid_type")
+    choice = body.get("tool_choice")
+    if choice == "none":
+        return None
+    if choice not in (None, "auto"):
+        raise _unsupported("'tool_choice' may be \"auto\" or \"none\" on this server (forcing a call needs "
+                           "constrained decoding, which it does not do)", "tool_choice")
+    _opt_bool(body, "parallel_tool_calls", True)
+    return tools or None
 
 
 def _parse_content(content, where: str):
