@@ -368,6 +368,53 @@ def test_a_tool_call_that_does_not_parse_stays_text(client, hermes, monkeypatch)
     assert r.choices[0].finish_reason != "tool_calls"
 
 
+def test_reasoning_splitter():
+    from hybridmoe.tools import ReasoningSplitter
+
+    def run(pieces, opened=False):
+        sp = ReasoningSplitter(opened)
+        out = [x for p in pieces for x in sp.feed(p)] + sp.finish()
+        return tuple("".join(t for k, t in out if k == kind) for kind in ("reasoning", "text"))
+    assert run(["<thi", "nk>\nI should", " greet.\n</th", "ink>\n\nHel", "lo!"]) == ("I should greet.\n", "Hello!")
+    assert run(["Hello <think> x"]) == ("", "Hello <think> x")                 # not at the start: text
+    assert run(["I think.\n</think>\n\nDone"], opened=True) == ("I think.\n", "Done")
+    assert run(["  <think>never closed"]) == ("never closed", "")
+    assert run(["<", "b>hi"]) == ("", "<b>hi")
+
+
+def test_thoughts_come_back_as_reasoning_content(client, monkeypatch):
+    script_reply(monkeypatch, "<think>\nThe user greets me.\n</think>\n\nHello!")
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model=ALIAS, messages=msgs)
+    m = r.choices[0].message
+    assert m.content == "Hello!" and m.model_extra["reasoning_content"] == "The user greets me.\n"
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(model=ALIAS, messages=msgs, stream=True)
+              if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Hello!"
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "The user greets me.\n"
+    r = client.chat.completions.create(model=ALIAS, messages=msgs, extra_body={"reasoning_format": "none"})
+    assert r.choices[0].message.content == "<think>\nThe user greets me.\n</think>\n\nHello!"
+    assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
+
+
+def test_thoughts_then_a_tool_call(client, hermes, monkeypatch):
+    script_reply(monkeypatch, "<think>Paris: call it.</think>\n" + CALL)
+    r = client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "Paris?"}], tools=[WEATHER])
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content is None
+    assert m.model_extra["reasoning_content"] == "Paris: call it." and m.tool_calls[0].function.name == "get_weather"
+
+
+def test_a_template_that_opens_the_thought(srv, client, monkeypatch):
+    """DeepSeek-R1's and others' templates end the prompt with <think>: the reply starts inside it."""
+    from hybridmoe.chat import CHATML_TEMPLATE
+    monkeypatch.setattr(srv.model.tokenizer, "chat_template", CHATML_TEMPLATE.replace(
+        "'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'"))
+    script_reply(monkeypatch, "A plan.</think>The answer.")
+    m = client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "?"}]).choices[0].message
+    assert m.content == "The answer." and m.model_extra["reasoning_content"] == "A plan."
+
+
 # ---------------------------------------------------------------------------------------------- stop
 
 def test_stop_matcher_holds_back_partial_matches():
@@ -541,6 +588,7 @@ BAD = [
     ("chat", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
      400, "'tool_choice' may be"),
     ("chat", {"messages": MSG, "functions": [{"name": "f"}]}, 400, "'functions' (OpenAI's old form)"),
+    ("chat", {"messages": MSG, "reasoning_format": "raw"}, 400, "'reasoning_format' must be"),
     ("text", {}, 400, "'prompt' is required"),
     ("text", {"prompt": 5}, 400, "'prompt' must be a string"),
     ("text", {"prompt": [1, 99999]}, 400, "token id 99999, outside the vocabulary"),

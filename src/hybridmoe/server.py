@@ -42,7 +42,7 @@ from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
                               _type_name, _unsupported, DEFAULT_SAMPLING, parse_messages, parse_tools)
-from .tools import ToolCallSplitter, template_takes_tools
+from .tools import THINK_OPEN, ReasoningSplitter, ToolCallSplitter, template_takes_tools
 
 log = logging.getLogger("hybridmoe.server")
 
@@ -143,11 +143,18 @@ class Job:
             detok = tok.stream()
             stops = StopMatcher(self.params.stops)
             calls = ToolCallSplitter() if self.params.tools else None
+            fmt = self.params.reasoning_format
+            thoughts = ReasoningSplitter(self.params.think_opened) if fmt not in (None, "none") else None
+
+            def route(parts):
+                for kind, piece in parts:
+                    if kind == "text" and calls:
+                        piece = calls.feed(piece)
+                    if piece:
+                        self._emit((kind, piece))
 
             def send(text):
-                text = calls.feed(text) if calls else text
-                if text:
-                    self._emit(("text", text))
+                route(thoughts.feed(text) if thoughts else [("text", text)])
             hit = False
             gen = generate_ids(model, self.ids, self.max_tokens, sampler, timings,
                                cache_prompt=self.params.cache_prompt)
@@ -173,6 +180,8 @@ class Job:
                 else:
                     text += stops.flush()
                 send(text)
+            if thoughts:
+                route(thoughts.finish())
             if calls and not self.cancel.is_set():
                 text, self.tool_calls = calls.finish()
                 if text:
@@ -205,8 +214,10 @@ class Job:
 class ServerState:
     """The model, its one worker thread and what the endpoints share."""
 
-    def __init__(self, model, alias: str | None, api_key: str | None, max_body_bytes: int, max_queue: int):
+    def __init__(self, model, alias: str | None, api_key: str | None, max_body_bytes: int, max_queue: int,
+                 reasoning_format: str = "auto"):
         self.model = model
+        self.reasoning_format = reasoning_format
         self.name = alias or os.path.basename(model.path)
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -290,7 +301,7 @@ class ServerState:
                 "system_fingerprint": f"hybridmoe-{__version__}"}
 
     async def _collect(self, request: Request, job: Job, kind: str, rid: str):
-        parts = []
+        parts, thoughts = [], []
         get = asyncio.ensure_future(job.queue.get())
         next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
@@ -304,8 +315,8 @@ class ServerState:
                 if not done:
                     continue
                 item = get.result()
-                if item[0] == "text":
-                    parts.append(item[1])
+                if item[0] in ("text", "reasoning"):
+                    (parts if item[0] == "text" else thoughts).append(item[1])
                     get = asyncio.ensure_future(job.queue.get())
                     continue
                 if item[0] == "error":
@@ -322,6 +333,8 @@ class ServerState:
         out = self._base(kind, rid, False)
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            if thoughts:
+                choice["message"]["reasoning_content"] = "".join(thoughts)
             if info["tool_calls"]:
                 choice["message"].update(content=text.strip() or None, tool_calls=info["tool_calls"])
         else:
@@ -351,6 +364,8 @@ class ServerState:
                 item = await job.queue.get()
                 if item[0] == "text":
                     yield event(chunk({"content": item[1]} if kind == "chat" else item[1]))
+                elif item[0] == "reasoning":
+                    yield event(chunk({"reasoning_content": item[1]}))
                 elif item[0] == "error":
                     yield event({"error": {"message": item[1], "type": "server_error",
                                            "code": "generation_failed", "param": None}})
@@ -380,12 +395,13 @@ class ServerState:
 # ---------------------------------------------------------------------------- the app
 
 def create_app(model, alias: str | None = None, *, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE,
+               reasoning_format: str = "auto") -> FastAPI:
     """The FastAPI app serving `model` (a loaded hybridmoe.Model)."""
     if not model.options.ctx_size:
         # -c 0 means the training context; the decoder's caches read options.ctx_size directly
         model.options.ctx_size = model.cfg.n_ctx_train
-    state = ServerState(model, alias, api_key, max_body_bytes, max_queue)
+    state = ServerState(model, alias, api_key, max_body_bytes, max_queue, reasoning_format)
     tok = model.tokenizer
 
     @contextlib.asynccontextmanager
@@ -457,8 +473,10 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         except HybridMoeError as e:
             raise ApiError(400, str(e), "chat_template_error", "messages") from None
 
-    def render_chat(messages, kwargs) -> list[int]:
-        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+    def render_chat(messages, kwargs) -> tuple[list[int], bool]:
+        """The prompt's tokens, and whether it ends inside a <think> block the template opened."""
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        return tok.encode(text), text.rstrip().endswith(THINK_OPEN)
 
     def token_ids(v, key: str) -> list[int]:
         if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
@@ -524,7 +542,8 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         body = await _read_json(request, state.max_body_bytes)
         messages = parse_messages(body.get("messages"))
         params = GenParams(body, chat=True)
-        ids = await encode(render_chat, messages, template_kwargs(body, params.tools))
+        ids, params.think_opened = await encode(render_chat, messages, template_kwargs(body, params.tools))
+        params.reasoning_format = params.reasoning_format or state.reasoning_format
         return await state.respond(request, "chat", ids, params)
 
     @app.post("/v1/completions")

@@ -192,6 +192,13 @@ class GenParams:
             key = "logprobs" if body.get("logprobs") else "top_logprobs"
             raise _unsupported(f"'{key}' is not supported by this server", key)
         self.tools = None
+        # llama-server's reasoning formats: "deepseek" (= "auto") splits <think>...</think> off as
+        # reasoning_content; "none" leaves it in the content. None: the server's --reasoning-format.
+        self.reasoning_format = body.get("reasoning_format")
+        if self.reasoning_format not in (None, "auto", "deepseek", "none"):
+            raise _bad(f"'reasoning_format' must be \"auto\", \"deepseek\" or \"none\", got "
+                       f"{self.reasoning_format!r}", "reasoning_format")
+        self.think_opened = False       # the prompt ends inside a <think> block (set by the chat endpoint)
         if chat:
             self.tools = parse_tools(body)
             if body.get("functions"):

@@ -78,3 +78,65 @@ class ToolCallSplitter:
         if parsed is None:
             return held, []
         return parsed
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """How many characters at the end of `text` may be the start of `tag`."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
+
+
+class ReasoningSplitter:
+    """llama-server's reasoning format "deepseek": a reply that starts with `<think>` (or whose prompt opened
+    one) has its thoughts split off as `reasoning_content`; what follows `</think>` is the content. The
+    whitespace right after either tag is dropped."""
+
+    def __init__(self, opened: bool):
+        self.state = "inside" if opened else "start"
+        self.pending = ""
+        self.strip = opened
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """("reasoning" | "text", piece) pairs that are safe to send now."""
+        out = []
+        self.pending += text
+        while self.pending:
+            if self.state == "start":                    # before anything but whitespace
+                s = self.pending.lstrip()
+                if THINK_OPEN.startswith(s):              # maybe the tag, not complete yet
+                    return out
+                if s.startswith(THINK_OPEN):
+                    self.pending, self.state, self.strip = s[len(THINK_OPEN):], "inside", True
+                else:
+                    self.state = "after"
+                continue
+            if self.strip:
+                self.pending = self.pending.lstrip()
+                if not self.pending:
+                    return out
+                self.strip = False
+            if self.state == "after":
+                out.append(("text", self.pending))
+                self.pending = ""
+                return out
+            i = self.pending.find(THINK_CLOSE)
+            if i >= 0:
+                if i:
+                    out.append(("reasoning", self.pending[:i]))
+                self.pending, self.state, self.strip = self.pending[i + len(THINK_CLOSE):], "after", True
+                continue
+            n = len(self.pending) - _held_prefix(self.pending, THINK_CLOSE)
+            if n:
+                out.append(("reasoning", self.pending[:n]))
+            self.pending = self.pending[n:]
+            return out
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        """What is still held at the end (an unfinished thought stays reasoning)."""
+        held, self.pending = self.pending, ""
+        if not held or (self.strip and not held.strip()):
+            return []
+        return [("reasoning" if self.state == "inside" else "text", held)]

@@ -19,6 +19,9 @@ def setup_arg_parser(p):
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $HYBRIDMOE_API_KEY, else no key)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, in MiB (default: 8)")
+    p.add_argument("--reasoning-format", default="auto", choices=["auto", "deepseek", "none"],
+                   help="llama-server's: auto and deepseek return a reply's <think>...</think> as "
+                        "reasoning_content, none leaves it in the content (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; 'warning' hides the request log (default: %(default)s)")
     add_runtime_args(p)
@@ -71,7 +74,8 @@ def main(args) -> int:
         print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
               f"in {model.load_seconds:.2f} s", file=sys.stderr)
         warmup(model, args)
-        app = create_app(model, args.alias, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20))
+        app = create_app(model, args.alias, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
+                         reasoning_format=args.reasoning_format)
         state = app.state.hybridmoe
         url = url_of(sock)
         print(f"model {state.name!r}, context {state.n_ctx} tokens; server is listening on {url}  "
