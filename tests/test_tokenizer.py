@@ -74,6 +74,18 @@ def test_builtin_vocab_exact_size_and_specials(n_vocab):
     assert tok.encode("hello", add_special=True) == tok.encode("hello", add_special=False)
 
 
+def test_harmony_vocab_ends_at_return_and_call_not_end():
+    """gpt-oss: <|end|> closes the thoughts' message and the reply goes on; <|return|> and <|call|> end it,
+    whatever eot id the file names (llama.cpp's rule too)."""
+    hf = builtin_tokenizer(512)
+    hf.add_special_tokens(["<|return|>", "<|call|>", "<|end|>"])
+    md = hf_tokenizer_to_metadata(hf, pre="qwen2", eos_token="<|return|>", add_bos_token=False)
+    ids = {t: hf.token_to_id(t) for t in ("<|return|>", "<|call|>", "<|end|>")}
+    md["tokenizer.ggml.eot_token_id"] = ids["<|end|>"]
+    tok = Tokenizer.from_metadata(md, "harmony.gguf")
+    assert {ids["<|return|>"], ids["<|call|>"]} <= tok.eos_ids and ids["<|end|>"] not in tok.eos_ids
+
+
 def test_builtin_vocab_fast_and_deterministic():
     vocab_mod._trained_json.cache_clear()
     t = time.perf_counter()

@@ -242,10 +242,17 @@ class Tokenizer:
         self.chat_template = chat_template
         self._pieces: list[bytes | None] = [None] * len(tokens)
         eos = {i for i in (eos_id, eot_id, eom_id) if i is not None}
-        for text in ("<|im_end|>", "<|endoftext|>"):
+        control = {}
+        for text in ("<|im_end|>", "<|endoftext|>", "<|return|>", "<|call|>", "<|end|>"):
             i = self._hf.token_to_id(text)
             if i is not None and i < len(types) and types[i] == CONTROL:
-                eos.add(i)
+                control[text] = i
+        eos |= {control[t] for t in ("<|im_end|>", "<|endoftext|>") if t in control}
+        if "<|return|>" in control and "<|call|>" in control:
+            # gpt-oss's harmony format (llama.cpp does the same): a reply ends at <|return|> or at a tool
+            # <|call|>; <|end|> only closes one message (the thoughts) and the reply goes on after it
+            eos |= {control["<|return|>"], control["<|call|>"]}
+            eos.discard(control.get("<|end|>"))
         self._eos_ids = frozenset(eos)
 
     @classmethod
