@@ -415,6 +415,50 @@ def test_a_template_that_opens_the_thought(srv, client, monkeypatch):
     assert m.content == "The answer." and m.model_extra["reasoning_content"] == "A plan."
 
 
+HARMONY_TEMPLATE = (   # gpt-oss's layout, cut down
+    "{%- if tools %}<|start|>developer<|message|># Tools\\n{{ tools | tojson }}<|end|>{%- endif %}"
+    "{%- for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
+    "<|message|>{{ m.content }}<|end|>{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
+THOUGHT = "<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant"
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_harmony_splitter(step):
+    from hybridmoe.tools import HarmonySplitter
+
+    def run(text, tools=True):
+        sp = HarmonySplitter(tools)
+        out = [x for i in range(0, len(text), step) for x in sp.feed(text[i:i + step])] + sp.finish()
+        return (*("".join(t for k, t in out if k == kind) for kind in ("reasoning", "text")),
+                [c["function"] for c in sp.calls])
+    assert run(THOUGHT + "<|channel|>final<|message|>Sunny.") == ("The user wants the weather.", "Sunny.", [])
+    call = THOUGHT + '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}'
+    assert run(call) == ("The user wants the weather.", "", [{"name": "get_weather", "arguments": '{"city":"Paris"}'}])
+    assert run(call, tools=False)[1] == '{"city":"Paris"}'                    # no tools asked: text
+    assert run("plain <|end|> text") == ("", "plain <|end|> text", [])         # not harmony: all text
+
+
+def test_harmony_replies(srv, client, monkeypatch):
+    """gpt-oss: the analysis channel is reasoning_content, final is content, commentary to functions.NAME a call."""
+    monkeypatch.setattr(srv.model.tokenizer, "chat_template", HARMONY_TEMPLATE)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    script_reply(monkeypatch, THOUGHT + "<|channel|>final<|message|>Sunny.")
+    m = client.chat.completions.create(model=ALIAS, messages=msgs).choices[0].message
+    assert m.content == "Sunny." and m.model_extra["reasoning_content"] == "The user wants the weather."
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(model=ALIAS, messages=msgs, stream=True)
+              if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Sunny."
+    raw = client.chat.completions.create(model=ALIAS, messages=msgs, extra_body={"reasoning_format": "none"})
+    assert raw.choices[0].message.content == THOUGHT + "<|channel|>final<|message|>Sunny."
+    script_reply(monkeypatch, THOUGHT + '<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                              '<|message|>{"city": "Paris"}')
+    r = client.chat.completions.create(model=ALIAS, messages=msgs, tools=[WEATHER])
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert c.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(c.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+
+
 # ---------------------------------------------------------------------------------------------- stop
 
 def test_stop_matcher_holds_back_partial_matches():

@@ -42,7 +42,7 @@ from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
                               _type_name, _unsupported, DEFAULT_SAMPLING, parse_messages, parse_tools)
-from .tools import THINK_OPEN, ReasoningSplitter, ToolCallSplitter, template_takes_tools
+from .tools import THINK_OPEN, HarmonySplitter, ReasoningSplitter, ToolCallSplitter, is_harmony, template_takes_tools
 
 log = logging.getLogger("hybridmoe.server")
 
@@ -142,9 +142,14 @@ class Job:
                 sampler = _NoEos(sampler, eos)
             detok = tok.stream()
             stops = StopMatcher(self.params.stops)
-            calls = ToolCallSplitter() if self.params.tools else None
-            fmt = self.params.reasoning_format
-            thoughts = ReasoningSplitter(self.params.think_opened) if fmt not in (None, "none") else None
+            calls = thoughts = harmony = None
+            if self.params.harmony:                      # gpt-oss: channels carry thoughts, answer and calls
+                harmony = HarmonySplitter(bool(self.params.tools))
+            else:
+                calls = ToolCallSplitter() if self.params.tools else None
+                if self.params.reasoning_format not in (None, "none"):
+                    thoughts = ReasoningSplitter(self.params.think_opened)
+            splitter = harmony or thoughts
 
             def route(parts):
                 for kind, piece in parts:
@@ -154,7 +159,7 @@ class Job:
                         self._emit((kind, piece))
 
             def send(text):
-                route(thoughts.feed(text) if thoughts else [("text", text)])
+                route(splitter.feed(text) if splitter else [("text", text)])
             hit = False
             gen = generate_ids(model, self.ids, self.max_tokens, sampler, timings,
                                cache_prompt=self.params.cache_prompt)
@@ -180,12 +185,15 @@ class Job:
                 else:
                     text += stops.flush()
                 send(text)
-            if thoughts:
-                route(thoughts.finish())
-            if calls and not self.cancel.is_set():
-                text, self.tool_calls = calls.finish()
-                if text:
-                    self._emit(("text", text))
+            if splitter:
+                route(splitter.finish())
+            if not self.cancel.is_set():
+                if calls:
+                    text, self.tool_calls = calls.finish()
+                    if text:
+                        self._emit(("text", text))
+                elif harmony:
+                    self.tool_calls = harmony.calls
                 if self.tool_calls:
                     finish = "tool_calls"
         self.cancelled = self.cancel.is_set()
@@ -544,6 +552,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         params = GenParams(body, chat=True)
         ids, params.think_opened = await encode(render_chat, messages, template_kwargs(body, params.tools))
         params.reasoning_format = params.reasoning_format or state.reasoning_format
+        params.harmony = is_harmony(tok.chat_template) and params.reasoning_format != "none"
         return await state.respond(request, "chat", ids, params)
 
     @app.post("/v1/completions")

@@ -199,6 +199,7 @@ class GenParams:
             raise _bad(f"'reasoning_format' must be \"auto\", \"deepseek\" or \"none\", got "
                        f"{self.reasoning_format!r}", "reasoning_format")
         self.think_opened = False       # the prompt ends inside a <think> block (set by the chat endpoint)
+        self.harmony = False            # the reply is in gpt-oss's harmony format (set by the chat endpoint)
         if chat:
             self.tools = parse_tools(body)
             if body.get("functions"):

@@ -1,6 +1,8 @@
-"""Tool calls in the Hermes / Qwen format: the chat template lists the tools, the model answers with
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, which the server returns as OpenAI
-`tool_calls` (llama-server does the same for these models).
+"""What a chat reply holds besides its answer, split off as llama-server does: thoughts (`<think>` blocks,
+`ReasoningSplitter`), tool calls in the Hermes / Qwen format (the chat template lists the tools, the model
+answers with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, `ToolCallSplitter`), and
+gpt-oss's harmony channels, which carry both (`HarmonySplitter`). The server returns them as OpenAI's
+`reasoning_content` and `tool_calls`.
 
 `ToolCallSplitter` sits after the stop-sequence matcher: text before the first `<tool_call>` streams as it
 comes; from there on it is held back and parsed when the generation ends. A block that is not valid JSON with
@@ -16,13 +18,18 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
 
 
+def is_harmony(template: str | None) -> bool:
+    """gpt-oss's chat template: replies come in harmony's channels."""
+    return bool(template) and "<|channel|>" in template
+
+
 def template_takes_tools(template: str | None) -> str | None:
-    """None when this chat template renders tools and asks for the format parsed here; else why not."""
+    """None when this chat template renders tools and asks for a format parsed here; else why not."""
     if not template or "tools" not in template:
         return "this model's chat template does not render tools"
-    if OPEN not in template:
+    if OPEN not in template and not is_harmony(template):
         return (f"this model's chat template asks for a tool-call format other than {OPEN}...{CLOSE} "
-                f"(the Hermes / Qwen format, the one hybridmoe parses)")
+                f"(Hermes / Qwen) or gpt-oss's harmony channels, the ones hybridmoe parses")
     return None
 
 
@@ -140,3 +147,94 @@ class ReasoningSplitter:
         if not held or (self.strip and not held.strip()):
             return []
         return [("reasoning" if self.state == "inside" else "text", held)]
+
+
+class HarmonySplitter:
+    """gpt-oss's harmony replies: messages `<|channel|>CH[ to=functions.NAME][ <|constrain|>json]<|message|>BODY`
+    closed by `<|end|>` (the next starts with `<|start|>assistant`), the last one by the end of generation
+    (`<|return|>`, or `<|call|>` after a tool call). The analysis channel is reasoning, final (and commentary
+    addressed to nobody) is content, commentary to `functions.NAME` is a tool call when tools were given. A
+    reply that does not start as a harmony message is all content."""
+
+    _CLOSE = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+
+    def __init__(self, tools: bool):
+        self.tools = tools
+        self.state = "first"             # first: the reply's first characters; header; body; plain
+        self.header = self.pending = ""
+        self.kind = "text"               # where the current body goes: "reasoning", "text" or "call"
+        self.call = None                 # [name, arguments] of the call being read
+        self.calls: list[dict] = []
+
+    def _open(self):
+        ch = re.search(r"<\|channel\|>\s*(\w+)", self.header)
+        to = re.search(r"\bto=([^\s<]+)", self.header)
+        channel = ch.group(1) if ch else "final"
+        if self.tools and to and to.group(1).startswith("functions."):
+            self.kind, self.call = "call", [to.group(1)[len("functions."):], ""]
+        else:
+            self.kind = "reasoning" if channel == "analysis" else "text"
+        self.header, self.state = "", "body"
+
+    def _close(self):
+        if self.call is not None:
+            self.calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                               "function": {"name": self.call[0], "arguments": self.call[1].strip()}})
+            self.call = None
+        self.state = "header"
+
+    def _emit(self, out, piece):
+        if not piece:
+            return
+        if self.kind == "call":
+            self.call[1] += piece
+        else:
+            out.append((self.kind, piece))
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        out = []
+        self.pending += text
+        while self.pending:
+            if self.state == "first":
+                if any(t.startswith(self.pending) for t in ("<|channel|>", "<|start|>", " to=")):
+                    return out                                   # too short to tell yet
+                harmony = self.pending.startswith(("<|channel|>", "<|start|>", " to="))
+                self.state = "header" if harmony else "plain"
+            elif self.state == "plain":
+                out.append(("text", self.pending))
+                self.pending = ""
+            elif self.state == "header":
+                self.header += self.pending
+                i = self.header.find("<|message|>")
+                if i < 0:
+                    self.pending = ""
+                    return out
+                self.header, self.pending = self.header[:i], self.header[i + len("<|message|>"):]
+                self._open()
+            else:                                                # body
+                hits = [(i, t) for t in self._CLOSE if (i := self.pending.find(t)) >= 0]
+                if hits:
+                    i, tag = min(hits)
+                    self._emit(out, self.pending[:i])
+                    self.pending = self.pending[i + (0 if tag == "<|start|>" else len(tag)):]
+                    self._close()
+                    continue
+                keep = max(_held_prefix(self.pending, t) for t in self._CLOSE)
+                self._emit(out, self.pending[:len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep:]
+                return out
+        return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        out = []
+        if self.state in ("first", "plain"):
+            held, self.pending = self.pending, ""
+            return [("text", held)] if held else []
+        if self.state == "body":
+            self._emit(out, self.pending)
+            self.pending = ""
+            self._close()
+        elif self.header.strip() or self.pending:                 # a header with no message: keep its text
+            out.append(("text", self.header + self.pending))
+            self.header = self.pending = ""
+        return out
