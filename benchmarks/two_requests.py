@@ -19,7 +19,8 @@ for spec in sys.argv[1:] or ["-ngl 99"]:
     for r in range(3):
         t = Timings()
         t0 = time.perf_counter()
-        "".join(m.generate(PROMPT, max_tokens=32, temperature=0, timings=t, cache_prompt=False))   # the whole prompt each time
+        # cache_prompt=False: every request runs its whole prompt
+        "".join(m.generate(PROMPT, max_tokens=32, temperature=0, timings=t, cache_prompt=False))
         print(f"{spec}: request {r + 1}: {time.perf_counter() - t0:.2f} s, prompt {t.n_prompt} tokens at "
               f"{t.n_prompt / t.t_prompt:.0f} t/s, decode {t.n_eval / max(t.t_eval, 1e-9):.1f} t/s", flush=True)
     del m

@@ -47,9 +47,10 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]] | None:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
         calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": obj["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+                      "function": {"name": obj["name"], "arguments": args}})
     rest.append(text[end:])
     return ("".join(rest).strip(), calls) if calls else None
 
