@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -249,6 +250,34 @@ def test_token_endpoints(http, ref):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": USER}]
     r = http.post("/apply-template", json={"messages": msgs})
     assert r.status_code == 200 and r.json() == {"prompt": tok.apply_chat_template(msgs)}
+
+
+def test_logprobs(client, ref):
+    """The model's log-probabilities of each generated token and its top alternatives (before the sampling
+    settings), as OpenAI returns them; the same in a stream; the legacy form on completions."""
+    r = chat(client, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == r.usage.completion_tokens
+    for e in lps:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert [a.logprob for a in e.top_logprobs] == sorted((a.logprob for a in e.top_logprobs), reverse=True)
+        assert e.token == e.top_logprobs[0].token and e.logprob == e.top_logprobs[0].logprob   # greedy
+        assert bytes(e.bytes).decode("utf-8", errors="replace") == e.token
+    assert "".join(bytes(b for e in lps for b in e.bytes).decode(errors="replace")) == r.choices[0].message.content
+    ids = chat_ids(ref, [{"role": "user", "content": USER}])
+    want = torch.log_softmax(ref.logits(ids)[-1], -1)                  # the first token, from a fresh batch
+    assert abs(lps[0].logprob - float(want.max())) < 0.05
+    streamed = [e for c in chat(client, temperature=0, max_tokens=8, logprobs=True, top_logprobs=3, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in lps]
+    c = client.completions.create(model=ALIAS, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2,
+                                  extra_body=NO_CACHE)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens
+    joined = "".join(lp.tokens)                   # a token that ends inside a character shows as U+FFFD
+    assert (joined == c.choices[0].text or "\ufffd" in joined) and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert chat(client, max_tokens=2).choices[0].logprobs is None
 
 
 def test_max_tokens_gives_length_and_counts(client, http):
@@ -626,6 +655,10 @@ BAD = [
     ("chat", {"messages": MSG, "stream": "yes"}, 400, "'stream' must be a boolean"),
     ("chat", {"messages": MSG, "cache_prompt": 1}, 400, "'cache_prompt' must be a boolean"),
     ("chat", {"messages": MSG, "frequency_penalty": 0.5}, 400, "'frequency_penalty' is not supported"),
+    ("chat", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs' must be at most 20"),
+    ("chat", {"messages": MSG, "top_logprobs": 2}, 400, "'top_logprobs' needs 'logprobs': true"),
+    ("chat", {"messages": MSG, "logprobs": 1}, 400, "'logprobs' must be a boolean"),
+    ("text", {"prompt": "hi", "logprobs": 6}, 400, "'logprobs' must be at most 5"),
     ("chat", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "chat template does not render tools"),
     ("chat", {"messages": MSG, "tools": {"type": "function"}}, 400, "'tools' must be an array"),

@@ -72,10 +72,11 @@ def prefill(model, kv, tokens: list[int], pos0: int = 0) -> torch.Tensor:
 
 
 def generate_ids(model, prompt_ids: list[int], n_predict: int, sampler: Sampler, timings: Timings,
-                 stop_ids=frozenset(), cache_prompt: bool = True):
+                 stop_ids=frozenset(), cache_prompt: bool = True, on_logits=None):
     """Yield generated token ids; fills `timings` as llama.cpp counts them. With `cache_prompt` the prompt
     runs from the end of the longest prefix it shares with what the model's cache holds (the previous
-    generation's prompt and output), as llama-server's prompt cache does."""
+    generation's prompt and output), as llama-server's prompt cache does. `on_logits(logits, token)` sees the
+    logits each yielded token was sampled from."""
     kv = model.take_cache()
     try:
         t0 = time.perf_counter()
@@ -92,6 +93,8 @@ def generate_ids(model, prompt_ids: list[int], n_predict: int, sampler: Sampler,
             if tok in stop_ids:
                 break
             timings.n_generated += 1
+            if on_logits is not None:
+                on_logits(logits, tok)
             yield tok
             if i == n_predict - 1 or pos >= kv.n_ctx:
                 break

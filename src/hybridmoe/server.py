@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -161,8 +162,16 @@ class Job:
             def send(text):
                 route(splitter.feed(text) if splitter else [("text", text)])
             hit = False
+            n_top = self.params.logprobs
+
+            def on_logits(logits, token):             # the model's own distribution, before sampling settings
+                lp = torch.log_softmax(logits.float(), -1)
+                top = torch.topk(lp, n_top) if n_top else None
+                self._emit(("logprobs", (token, float(lp[token]),
+                                         [(int(i), float(v)) for v, i in zip(*top)] if top else [])))
             gen = generate_ids(model, self.ids, self.max_tokens, sampler, timings,
-                               cache_prompt=self.params.cache_prompt)
+                               cache_prompt=self.params.cache_prompt,
+                               on_logits=on_logits if n_top is not None else None)
             try:
                 for t in gen:
                     if self.cancel.is_set():
@@ -308,8 +317,27 @@ class ServerState:
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.name,
                 "system_fingerprint": f"hybridmoe-{__version__}"}
 
+    def _token(self, t: int) -> tuple[str, list[int]]:
+        b = self.model.tokenizer.piece_bytes(t)
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    def _logprobs(self, kind: str, entries: list) -> dict:
+        """OpenAI's logprobs object for (token, logprob, [(alternative, logprob)]) entries: chat's, or the
+        completions' legacy one."""
+        if kind == "chat":
+            def one(t, lp):
+                s, b = self._token(t)
+                return {"token": s, "logprob": lp, "bytes": b}
+            return {"content": [dict(one(t, lp), top_logprobs=[one(a, alp) for a, alp in top])
+                                for t, lp, top in entries]}
+        tokens = [self._token(t)[0] for t, _, _ in entries]
+        offsets = [0, *itertools.accumulate(len(s) for s in tokens)][:len(tokens)]   # within the completion
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{self._token(a)[0]: alp for a, alp in top} for _, _, top in entries],
+                "text_offset": offsets}
+
     async def _collect(self, request: Request, job: Job, kind: str, rid: str):
-        parts, thoughts = [], []
+        parts, thoughts, logprobs = [], [], []
         get = asyncio.ensure_future(job.queue.get())
         next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
@@ -323,8 +351,8 @@ class ServerState:
                 if not done:
                     continue
                 item = get.result()
-                if item[0] in ("text", "reasoning"):
-                    (parts if item[0] == "text" else thoughts).append(item[1])
+                if item[0] in ("text", "reasoning", "logprobs"):
+                    {"text": parts, "reasoning": thoughts, "logprobs": logprobs}[item[0]].append(item[1])
                     get = asyncio.ensure_future(job.queue.get())
                     continue
                 if item[0] == "error":
@@ -347,7 +375,8 @@ class ServerState:
                 choice["message"].update(content=text.strip() or None, tool_calls=info["tool_calls"])
         else:
             choice = {"index": 0, "text": text}
-        choice.update(finish_reason=info["finish_reason"], logprobs=None)
+        choice.update(finish_reason=info["finish_reason"],
+                      logprobs=self._logprobs(kind, logprobs) if job.params.logprobs is not None else None)
         out.update(choices=[choice], usage=info["usage"], timings=info["timings"])
         return JSONResponse(out)
 
@@ -374,6 +403,10 @@ class ServerState:
                     yield event(chunk({"content": item[1]} if kind == "chat" else item[1]))
                 elif item[0] == "reasoning":
                     yield event(chunk({"reasoning_content": item[1]}))
+                elif item[0] == "logprobs":
+                    c = chunk({} if kind == "chat" else "")
+                    c["choices"][0]["logprobs"] = self._logprobs(kind, [item[1]])
+                    yield event(c)
                 elif item[0] == "error":
                     yield event({"error": {"message": item[1], "type": "server_error",
                                            "code": "generation_failed", "param": None}})

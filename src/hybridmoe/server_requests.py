@@ -188,9 +188,16 @@ class GenParams:
                 raise _unsupported(f"'{key}' is not supported by this server (only 0)", key)
         if body.get("logit_bias"):
             raise _unsupported("'logit_bias' is not supported by this server", "logit_bias")
-        if body.get("logprobs") or body.get("top_logprobs"):
-            key = "logprobs" if body.get("logprobs") else "top_logprobs"
-            raise _unsupported(f"'{key}' is not supported by this server", key)
+        # logprobs: None, or how many alternatives each generated token lists (chat: logprobs + top_logprobs
+        # 0-20; completions: logprobs 0-5, OpenAI's legacy form)
+        self.logprobs = None
+        if chat:
+            if _opt_bool(body, "logprobs"):
+                self.logprobs = _opt_int(body, "top_logprobs", 0, lo=0, hi=20)
+            elif body.get("top_logprobs") is not None:
+                raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        elif body.get("logprobs") is not None:
+            self.logprobs = _opt_int(body, "logprobs", lo=0, hi=5)
         self.tools = None
         # llama-server's reasoning formats: "deepseek" (= "auto") splits <think>...</think> off as
         # reasoning_content; "none" leaves it in the content. None: the server's --reasoning-format.
