@@ -280,6 +280,39 @@ def test_logprobs(client, ref):
     assert chat(client, max_tokens=2).choices[0].logprobs is None
 
 
+def test_logit_bias_and_penalties(client, ref):
+    """OpenAI's logit_bias and llama.cpp's penalties: a +100 bias makes greedy decoding pick that token every
+    time; llama-server's [id, false] form bans one; a frequency penalty ends a run of repeats (the exact
+    arithmetic: test_sampler_penalties_as_llama_cpp)."""
+    tok = ref.tokenizer
+    x = tok.encode("x", add_special=False)[0]
+    r = chat(client, temperature=0, max_tokens=6, logit_bias={str(x): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == "x" * 6
+    free = chat(client, temperature=0, max_tokens=12, extra_body={"ignore_eos": True}, logprobs=True)
+    first = free.choices[0].logprobs.content[0]
+    first_id = tok.encode(first.token, add_special=False)
+    banned = chat(client, temperature=0, max_tokens=1, extra_body={"ignore_eos": True,
+                                                                   "logit_bias": [[first_id[0], False]]})
+    assert banned.choices[0].message.content != first.token
+    # a penalty of 2 per repeat against a bias of 5: x can win a few times, never six times running
+    pen = chat(client, temperature=0, max_tokens=6, logit_bias={str(x): 5}, frequency_penalty=2.0,
+               extra_body={"ignore_eos": True, "repeat_last_n": 6}, logprobs=True)
+    assert pen.usage.completion_tokens == 6 and pen.choices[0].message.content.count("x") < 6
+
+
+def test_sampler_penalties_as_llama_cpp():
+    from hybridmoe.generate import Sampler, SamplerSettings
+    logits = torch.tensor([2.0, -1.0, 1.0, 0.5])
+    s = Sampler(SamplerSettings(temperature=0, repeat_penalty=2.0, presence_penalty=0.25, frequency_penalty=0.5,
+                                repeat_last_n=3, logit_bias={3: 10.0}))
+    s.start([9, 0, 1, 0])                                         # the last 3: 0, 1, 0
+    got = s.adjust(logits)
+    assert torch.allclose(got, torch.tensor([2.0 / 2 - 2 * 0.5 - 0.25, -1.0 * 2 - 0.5 - 0.25, 1.0, 10.5]))
+    s.accept(2)                                                   # window now 1, 0, 2
+    assert float(s.adjust(logits)[2]) == 1.0 / 2 - 0.5 - 0.25
+    assert s(logits) == 3
+
+
 def test_max_tokens_gives_length_and_counts(client, http):
     r = chat(client, max_tokens=7, seed=1, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
@@ -654,7 +687,12 @@ BAD = [
     ("chat", {"messages": MSG, "seed": "x"}, 400, "'seed' must be an integer"),
     ("chat", {"messages": MSG, "stream": "yes"}, 400, "'stream' must be a boolean"),
     ("chat", {"messages": MSG, "cache_prompt": 1}, 400, "'cache_prompt' must be a boolean"),
-    ("chat", {"messages": MSG, "frequency_penalty": 0.5}, 400, "'frequency_penalty' is not supported"),
+    ("chat", {"messages": MSG, "frequency_penalty": 2.5}, 400, "'frequency_penalty' must be at most 2"),
+    ("chat", {"messages": MSG, "repeat_penalty": 0}, 400, "'repeat_penalty' must be above 0"),
+    ("chat", {"messages": MSG, "logit_bias": {"x": 1}}, 400, "'logit_bias' has 'x', which is not a token id"),
+    ("chat", {"messages": MSG, "logit_bias": {"5": 101}}, 400, "must be a number from -100 to 100"),
+    ("chat", {"messages": MSG, "logit_bias": {"99999": 1}}, 400, "token id 99999, outside the vocabulary"),
+    ("chat", {"messages": MSG, "logit_bias": [[5]]}, 400, "takes [token id, bias] pairs"),
     ("chat", {"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs' must be at most 20"),
     ("chat", {"messages": MSG, "top_logprobs": 2}, 400, "'top_logprobs' needs 'logprobs': true"),
     ("chat", {"messages": MSG, "logprobs": 1}, 400, "'logprobs' must be a boolean"),

@@ -1,6 +1,7 @@
 """Prefill in ubatches, then one token per step; sampling; llama.cpp-style timings."""
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,12 @@ class SamplerSettings:
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int = -1
+    # llama.cpp's penalties over the last repeat_last_n tokens (prompt and reply; -1: all, 0: none)
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int = 64
+    logit_bias: dict = field(default_factory=dict)      # token id -> added to its logit (-inf: never)
 
 
 class Sampler:
@@ -21,10 +28,39 @@ class Sampler:
         self.s = s
         self.gen = torch.Generator()
         self.gen.manual_seed(s.seed if s.seed >= 0 else int(time.time_ns() % (2**31)))
+        self.penalize = s.repeat_last_n != 0 and (s.repeat_penalty != 1 or s.presence_penalty or s.frequency_penalty)
+        self.recent = collections.deque(maxlen=None if s.repeat_last_n < 0 else s.repeat_last_n)
+        self.bias = (torch.tensor(list(s.logit_bias), dtype=torch.long),
+                     torch.tensor(list(s.logit_bias.values()), dtype=torch.float32)) if s.logit_bias else None
+
+    def start(self, prompt_ids):
+        """The context so far (the penalties look back into the prompt, as llama.cpp's)."""
+        if self.penalize:
+            self.recent.extend(prompt_ids[-self.recent.maxlen:] if self.recent.maxlen else prompt_ids)
+
+    def accept(self, token: int):
+        if self.penalize:
+            self.recent.append(token)
+
+    def adjust(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits after the repeat / presence / frequency penalties and the logit bias."""
+        s = self.s
+        if not (self.penalize and self.recent) and self.bias is None:
+            return logits
+        logits = logits.float().clone()
+        if self.penalize and self.recent:
+            ids, counts = torch.unique(torch.tensor(list(self.recent), dtype=torch.long), return_counts=True)
+            v = logits[ids]
+            v = torch.where(v > 0, v / s.repeat_penalty, v * s.repeat_penalty)
+            logits[ids] = v - counts * s.frequency_penalty - s.presence_penalty
+        if self.bias is not None:
+            logits[self.bias[0]] += self.bias[1]
+        return logits
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [n_vocab] float32 -> token id (greedy at temperature <= 0, as llama.cpp)."""
         s = self.s
+        logits = self.adjust(logits)
         if s.temperature <= 0:
             return int(torch.argmax(logits))
         logits = logits.float() / s.temperature
@@ -81,6 +117,7 @@ def generate_ids(model, prompt_ids: list[int], n_predict: int, sampler: Sampler,
     try:
         t0 = time.perf_counter()
         n_cached = kv.reusable_prefix(prompt_ids) if cache_prompt else 0
+        sampler.start(prompt_ids)
         logits = prefill(model, kv, prompt_ids[n_cached:], n_cached)
         model.sync()
         timings.t_prompt = time.perf_counter() - t0
@@ -93,6 +130,7 @@ def generate_ids(model, prompt_ids: list[int], n_predict: int, sampler: Sampler,
             if tok in stop_ids:
                 break
             timings.n_generated += 1
+            sampler.accept(tok)
             if on_logits is not None:
                 on_logits(logits, tok)
             yield tok

@@ -248,9 +248,10 @@ class Model:
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8, seed: int = -1,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, chat: bool = False,
-                 timings: Timings | None = None, cache_prompt: bool = True):
+                 timings: Timings | None = None, cache_prompt: bool = True, **penalties):
         """Yield text pieces as they are generated. With `cache_prompt`, a prompt that starts as the previous
-        generation's prompt and output did runs only from where they part (the KV cache is kept)."""
+        generation's prompt and output did runs only from where they part (the KV cache is kept). `penalties`:
+        SamplerSettings' repeat_penalty, presence_penalty, frequency_penalty, repeat_last_n, logit_bias."""
         tok = self.tokenizer
         if isinstance(prompt, str):
             text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
@@ -263,7 +264,7 @@ class Model:
             raise HybridMoeError(f"the prompt has {len(ids)} tokens but the context is {self.options.ctx_size}; raise -c")
         if max_tokens < 0:                                    # llama.cpp's -n -1: until the end or a full context
             max_tokens = self.options.ctx_size - len(ids)
-        sampler = Sampler(SamplerSettings(temperature, top_k, top_p, min_p, seed))
+        sampler = Sampler(SamplerSettings(temperature, top_k, top_p, min_p, seed, **penalties))
         timings = timings if timings is not None else Timings()
         stream = tok.stream()
         for t in generate_ids(self, ids, max_tokens, sampler, timings, stop_ids=tok.eos_ids,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hmac
 import itertools
 import json
@@ -90,17 +91,6 @@ class StopMatcher:
         return out
 
 
-class _NoEos:
-    """llama-server's ignore_eos: end-of-generation tokens can never be sampled."""
-
-    def __init__(self, sampler, eos_ids):
-        self.sampler = sampler
-        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
-
-    def __call__(self, logits):
-        return self.sampler(logits.float().index_fill(0, self.eos, float("-inf")))
-
-
 class Job:
     """One generation. `run` executes on the worker thread and sends ('text', str), then
     ('end', info) or ('error', message), to `queue` on the event loop."""
@@ -138,9 +128,11 @@ class Job:
         if not self.cancel.is_set():
             tok = model.tokenizer
             eos = tok.eos_ids
-            sampler = Sampler(self.params.sampling)
-            if self.params.ignore_eos and eos:
-                sampler = _NoEos(sampler, eos)
+            settings = self.params.sampling
+            if self.params.ignore_eos and eos:         # end-of-generation tokens can never be sampled
+                settings = dataclasses.replace(settings, logit_bias={**settings.logit_bias,
+                                                                     **{e: float("-inf") for e in eos}})
+            sampler = Sampler(settings)
             detok = tok.stream()
             stops = StopMatcher(self.params.stops)
             calls = thoughts = harmony = None
@@ -297,6 +289,10 @@ class ServerState:
 
     async def respond(self, request: Request, kind: str, ids: list[int], params: GenParams):
         max_tokens = self.check_prompt(ids, params, "messages" if kind == "chat" else "prompt")
+        n_vocab = self.model.tokenizer.n_vocab
+        bad = [t for t in params.sampling.logit_bias if not 0 <= t < n_vocab]
+        if bad:
+            raise _bad(f"'logit_bias' has token id {bad[0]}, outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
         if len(self.active) >= self.max_queue:
             raise ApiError(503, f"the server is busy: {len(self.active)} requests are running or waiting; "
                            f"retry later", "server_busy", type_="server_error")

@@ -177,17 +177,20 @@ class GenParams:
         top_k = _opt_int(body, "top_k", DEFAULT_SAMPLING["top_k"], lo=0)
         min_p = _opt_num(body, "min_p", DEFAULT_SAMPLING["min_p"], lo=0, hi=1)
         seed = _opt_int(body, "seed", -1, lo=-(2**63), hi=2**63 - 1)
-        self.sampling = SamplerSettings(temperature, top_k, top_p, min_p, seed)
+        self.sampling = SamplerSettings(
+            temperature, top_k, top_p, min_p, seed,
+            repeat_penalty=_opt_num(body, "repeat_penalty", 1.0, lo=0),
+            presence_penalty=_opt_num(body, "presence_penalty", 0.0, lo=-2, hi=2),
+            frequency_penalty=_opt_num(body, "frequency_penalty", 0.0, lo=-2, hi=2),
+            repeat_last_n=_opt_int(body, "repeat_last_n", 64, lo=-1),
+            logit_bias=_parse_logit_bias(body.get("logit_bias")))
+        if self.sampling.repeat_penalty == 0:
+            raise _bad("'repeat_penalty' must be above 0 (1 is off)", "repeat_penalty")
         self.stops = _parse_stop(body.get("stop"))
         self.ignore_eos = _opt_bool(body, "ignore_eos")
         # llama-server's prompt cache: start after the prefix shared with the previous generation
         self.cache_prompt = _opt_bool(body, "cache_prompt", True)
         # what we cannot do is refused, not silently ignored
-        for key in ("presence_penalty", "frequency_penalty"):
-            if _opt_num(body, key, 0.0) != 0.0:
-                raise _unsupported(f"'{key}' is not supported by this server (only 0)", key)
-        if body.get("logit_bias"):
-            raise _unsupported("'logit_bias' is not supported by this server", "logit_bias")
         # logprobs: None, or how many alternatives each generated token lists (chat: logprobs + top_logprobs
         # 0-20; completions: logprobs 0-5, OpenAI's legacy form)
         self.logprobs = None
@@ -223,6 +226,34 @@ class GenParams:
                 raise _unsupported("'suffix' (insertion) is not supported by this server", "suffix")
             if _opt_int(body, "best_of", 1) != 1:
                 raise _unsupported("'best_of' must be 1 on this server", "best_of")
+
+
+def _parse_logit_bias(v) -> dict:
+    """OpenAI's {"token id": bias} (bias -100..100), or llama-server's [[id, bias | false], ...] (false: never)."""
+    if v is None:
+        return {}
+    pairs = v.items() if isinstance(v, dict) else v if isinstance(v, list) else None
+    if pairs is None:
+        raise _bad(f"'logit_bias' must be an object of token id -> bias, got {_type_name(v)}", "logit_bias",
+                   "invalid_type")
+    out = {}
+    for p in pairs:
+        if not (isinstance(p, (tuple, list)) and len(p) == 2):
+            raise _bad("'logit_bias' as an array takes [token id, bias] pairs", "logit_bias")
+        k, b = p
+        try:
+            tid = int(k) if not isinstance(k, bool) else None
+        except (TypeError, ValueError):
+            tid = None
+        if tid is None or (isinstance(k, float)):
+            raise _bad(f"'logit_bias' has {k!r}, which is not a token id", "logit_bias")
+        if b is False:
+            out[tid] = float("-inf")
+        elif isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100:
+            out[tid] = float(b)
+        else:
+            raise _bad(f"'logit_bias' for token {tid} must be a number from -100 to 100, got {b!r}", "logit_bias")
+    return out
 
 
 def parse_tools(body) -> list[dict] | None:

@@ -18,6 +18,10 @@ def setup_arg_parser(p):
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="llama.cpp's (1.0: off)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look back on (-1: all)")
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed (-1: random)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("-cnv", "--conversation", action="store_true",
@@ -52,7 +56,7 @@ def main(args) -> int:
         sys.stdout.write(prompt)
     n = 64 if args.n_predict is None else args.n_predict
     for piece in model.generate(prompt, n, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
-                                chat=args.chat, timings=timings):
+                                chat=args.chat, timings=timings, **penalties(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -65,6 +69,11 @@ def main(args) -> int:
             print("  (run `hybridmoe calibrate` once to compare the CPU experts with this machine's read bandwidth)",
                   file=sys.stderr)
     return 0
+
+
+def penalties(args) -> dict:
+    return dict(repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
 def converse(model, args, first: str | None, inp, out, err):
@@ -100,7 +109,7 @@ def converse(model, args, first: str | None, inp, out, err):
         t, reply = Timings(), []
         try:
             for piece in model.generate(ids, n_predict, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
-                                        timings=t):
+                                        timings=t, **penalties(args)):
                 out.write(piece)
                 out.flush()
                 reply.append(piece)
