@@ -51,7 +51,7 @@ def test_cpu_decode_step_lower_simd_paths(path):
     """Without AVX-512 (the AVX2 or portable C paths of every kernel the step calls), the same logits."""
     prev = cpu.set_simd(path)
     try:
-        if cpu.simd() != path:
+        if cpu.simd().split("-")[0] != path:
             pytest.skip(f"this build has no {path} path")
         got, _, _ = _decode("synth:tiny-wide", True, n_steps=12)
         ref, _, _ = _decode("synth:tiny-wide", False, n_steps=12)

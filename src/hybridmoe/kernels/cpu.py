@@ -124,6 +124,7 @@ def _load():
         lib.hm_dequant.argtypes = [vp, vp, i32, i64, i64, vp, i64, i32, i32]
         lib.hm_set_simd.argtypes = [i32]
         lib.hm_set_int8.argtypes = [vp, i32]
+        lib.hm_int8_type.argtypes = [i32]
         lib.hm_silu_mul_bf16.argtypes = [vp, i64, i64, vp, i32]
         lib.hm_combine_bf16.argtypes = [vp, vp, vp, i64, i64, i64, vp, i32]
         lib.hm_moe_tile.argtypes = lib.hm_moe_ffn.argtypes
@@ -134,7 +135,7 @@ def _load():
                                        i32, i32]
         lib.hm_simd.restype = ctypes.c_char_p
         for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode,
-                  lib.hm_qmatmul, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8):
+                  lib.hm_qmatmul, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8, lib.hm_int8_type):
             f.restype = i32
         _moe, _qmm, _deq = lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant
         _lib = lib
@@ -147,13 +148,13 @@ def available() -> bool:
 
 
 def simd() -> str:
-    """The vector kernels in use: 'avx512-vnni' (with the integer path), 'avx512', 'avx2', 'generic'
-    (portable C), or 'torch' when the kernel is unavailable."""
+    """The vector kernels in use: 'avx512-vnni' or 'avx2-vnni' (with the integer path), 'avx512', 'avx2',
+    'generic' (portable C), or 'torch' when the kernel is unavailable."""
     lib = _load()
     return lib.hm_simd().decode() if lib else "torch"
 
 
-_SIMD_LEVELS = {"generic": 0, "avx2": 1, "avx512": 2, "avx512-vnni": 2}
+_SIMD_LEVELS = {"generic": 0, "avx2": 1, "avx2-vnni": 1, "avx512": 2, "avx512-vnni": 2}
 
 
 def set_simd(name: str | None) -> str:
@@ -205,6 +206,13 @@ def set_int8(types=True):
             lib.hm_set_int8(arr, len(ids))
     _int8_setting = types
     return prev
+
+
+def int8_path(qtype) -> bool:
+    """Whether rows of `qtype` used by a single token run on the integer path now (by this CPU, the vector
+    path in use and set_int8): their results carry its ~3e-5 rounding."""
+    lib = _load()
+    return bool(lib and lib.hm_int8_type(int(qtype)))
 
 
 def trace(on: bool = True) -> None:

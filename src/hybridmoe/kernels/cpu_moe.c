@@ -623,7 +623,6 @@ KTABLE(KTAB, k, kern_avx)
 /* the vector kernels in use: 2 AVX-512, 1 AVX2, 0 portable C (hm_set_simd lowers it for tests) */
 #define SIMD_BEST (HM_AVX512 ? 2 : HM_AVX2 ? 1 : 0)
 static int g_simd = SIMD_BEST;
-#define AVX512_ON (HM_AVX512 && g_simd == 2)
 
 /* res[R][NT] = rows w[0..R) . x[0..NT); R in {1,2,4}, NT in 1..4 (R == 4 only with NT <= 2) */
 static inline void dot_rows(int ti, int R, int NT, const uint8_t *const *w, const uint8_t *const *pf,
@@ -652,6 +651,16 @@ static inline void dot_rows(int ti, int R, int NT, const uint8_t *const *w, cons
 #else
 #define HM_VNNI 0
 #endif
+/* the same on 256 bits, for CPUs with AVX-VNNI and GFNI but no AVX-512 (Intel client cores since
+ * Alder Lake): Q4_0 and Q4_K */
+#if HM_AVX2 && defined(__AVXVNNI__) && defined(__GFNI__)
+#define HM_AVXVNNI 1
+#else
+#define HM_AVXVNNI 0
+#endif
+/* the integer path in use: AVX-512 VNNI on the AVX-512 path, AVX-VNNI on the AVX2 one */
+#define INT8_512 (HM_VNNI && g_simd == 2)
+#define INT8_256 (HM_AVXVNNI && g_simd == 1)
 
 /* activations of one row, quantized: see quant_x8 */
 typedef struct {
@@ -676,32 +685,82 @@ static void xq8_init(xq8 *q, void *mem, int64_t K) {
 /* quantize blocks [b0, b1) of 32 elements of x (b0, b1 even) */
 static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
 #if HM_VNNI
-    for (int64_t b = b0; b < b1; b++) {
-        const float *xb = x + 32 * b;
-        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float d = amax / 127, id = amax > 0 ? 127 / amax : 0;
-        __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
-        for (int h = 0; h < 2; h++) {
-            const __m512 v = _mm512_mul_ps(h ? v1 : v0, _mm512_set1_ps(id));
-            const __m512 r1 = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            __m512 r2 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, r1), _mm512_set1_ps(256)),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            r2 = _mm512_min_ps(_mm512_max_ps(r2, _mm512_set1_ps(-127)), _mm512_set1_ps(127));
-            const __m512i i1 = _mm512_cvtps_epi32(r1), i2 = _mm512_cvtps_epi32(r2);
-            _mm_storeu_si128((__m128i *)(q->q1 + 32 * b + 16 * h), _mm512_cvtepi32_epi8(i1));
-            _mm_storeu_si128((__m128i *)(q->q2 + 32 * b + 16 * h), _mm512_cvtepi32_epi8(i2));
-            s1 = _mm512_add_epi32(s1, i1);
-            s2 = _mm512_add_epi32(s2, i2);
+    if (INT8_512) {
+        for (int64_t b = b0; b < b1; b++) {
+            const float *xb = x + 32 * b;
+            const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            const float d = amax / 127, id = amax > 0 ? 127 / amax : 0;
+            __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                const __m512 v = _mm512_mul_ps(h ? v1 : v0, _mm512_set1_ps(id));
+                const __m512 r1 = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                __m512 r2 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, r1), _mm512_set1_ps(256)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                r2 = _mm512_min_ps(_mm512_max_ps(r2, _mm512_set1_ps(-127)), _mm512_set1_ps(127));
+                const __m512i i1 = _mm512_cvtps_epi32(r1), i2 = _mm512_cvtps_epi32(r2);
+                _mm_storeu_si128((__m128i *)(q->q1 + 32 * b + 16 * h), _mm512_cvtepi32_epi8(i1));
+                _mm_storeu_si128((__m128i *)(q->q2 + 32 * b + 16 * h), _mm512_cvtepi32_epi8(i2));
+                s1 = _mm512_add_epi32(s1, i1);
+                s2 = _mm512_add_epi32(s2, i2);
+            }
+            const int t1 = _mm512_reduce_add_epi32(s1), t2 = _mm512_reduce_add_epi32(s2);
+            const int64_t p = b / 2, l = (b & 1) * 8;
+            _mm256_storeu_ps(q->xs + 16 * p + l, _mm256_set1_ps(d / 256));
+            _mm256_storeu_si256((__m256i *)(q->c1 + 16 * p + l), _mm256_setr_epi32(-8 * t1, 0, 0, 0, 0, 0, 0, 0));
+            _mm256_storeu_si256((__m256i *)(q->c2 + 16 * p + l), _mm256_setr_epi32(-8 * t2, 0, 0, 0, 0, 0, 0, 0));
+            q->sxf[b] = d / 256 * (float)(256 * t1 + t2);
         }
-        const int t1 = _mm512_reduce_add_epi32(s1), t2 = _mm512_reduce_add_epi32(s2);
-        const int64_t p = b / 2, l = (b & 1) * 8;
-        _mm256_storeu_ps(q->xs + 16 * p + l, _mm256_set1_ps(d / 256));
-        _mm256_storeu_si256((__m256i *)(q->c1 + 16 * p + l), _mm256_setr_epi32(-8 * t1, 0, 0, 0, 0, 0, 0, 0));
-        _mm256_storeu_si256((__m256i *)(q->c2 + 16 * p + l), _mm256_setr_epi32(-8 * t2, 0, 0, 0, 0, 0, 0, 0));
-        q->sxf[b] = d / 256 * (float)(256 * t1 + t2);
+        return;
     }
-    return;
+#endif
+#if HM_AVXVNNI
+    if (INT8_256) {
+        for (int64_t b = b0; b < b1; b++) {
+            const float *xb = x + 32 * b;
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            const float d = amax / 127, id = amax > 0 ? 127 / amax : 0;
+            __m256i i1[4], i2[4], s1 = _mm256_setzero_si256(), s2 = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const __m256 vi = _mm256_mul_ps(v[i], _mm256_set1_ps(id));
+                const __m256 r1 = _mm256_round_ps(vi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                __m256 r2 = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(vi, r1), _mm256_set1_ps(256)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                r2 = _mm256_min_ps(_mm256_max_ps(r2, _mm256_set1_ps(-127)), _mm256_set1_ps(127));
+                i1[i] = _mm256_cvtps_epi32(r1);
+                i2[i] = _mm256_cvtps_epi32(r2);
+                s1 = _mm256_add_epi32(s1, i1[i]);
+                s2 = _mm256_add_epi32(s2, i2[i]);
+            }
+            const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            const __m256i q1 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
+                _mm256_packs_epi32(i1[0], i1[1]), _mm256_packs_epi32(i1[2], i1[3])), order);
+            const __m256i q2 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
+                _mm256_packs_epi32(i2[0], i2[1]), _mm256_packs_epi32(i2[2], i2[3])), order);
+            _mm256_storeu_si256((__m256i *)(q->q1 + 32 * b), q1);
+            _mm256_storeu_si256((__m256i *)(q->q2 + 32 * b), q2);
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s1), _mm256_extracti128_si256(s1, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+            const int t1 = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+            t = _mm_add_epi32(_mm256_castsi256_si128(s2), _mm256_extracti128_si256(s2, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+            const int t2 = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+            const int64_t p = b / 2, l = (b & 1) * 8;
+            _mm256_storeu_ps(q->xs + 16 * p + l, _mm256_set1_ps(d / 256));
+            _mm256_storeu_si256((__m256i *)(q->c1 + 16 * p + l), _mm256_setr_epi32(-8 * t1, 0, 0, 0, 0, 0, 0, 0));
+            _mm256_storeu_si256((__m256i *)(q->c2 + 16 * p + l), _mm256_setr_epi32(-8 * t2, 0, 0, 0, 0, 0, 0, 0));
+            q->sxf[b] = d / 256 * (float)(256 * t1 + t2);
+        }
+        return;
+    }
 #endif
     for (int64_t b = b0; b < b1; b++) {
         const float *xb = x + 32 * b;
@@ -728,16 +787,20 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
     }
 }
 
-static int q8_type(int ti, int64_t K) {
-    return HM_VNNI && K % 64 == 0 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q5_K);
-}
-
-#if HM_VNNI
 /* gf2p8affineqb matrices (one per qword): byte 7-i of a qword selects the input bits that
  * form output bit i. LO keeps bits 0-3, HI moves bits 4-7 down, BIT(k) moves bit k to bit 4. */
 #define GF_LO 0x0102040800000000ull
 #define GF_HI 0x1020408000000000ull
 #define GF_BIT(k) ((uint64_t)(1u << (k)) << 24)
+
+typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res);
+
+static int q8_type(int ti, int64_t K) {
+    return K % 64 == 0 && ((INT8_512 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q5_K)) ||
+                           (INT8_256 && (ti == I_Q4_0 || ti == I_Q4_K)));
+}
+
+#if HM_VNNI
 
 HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const uint8_t *const *pf,
                        int64_t K, const xq8 *xq, float *res) {
@@ -820,7 +883,6 @@ HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const
     }
 }
 
-typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res);
 #define KQDEF(TI, R) \
     static void kq_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res) { \
         kern_q8(TI, R, w, pf, K, xq, res); }
@@ -833,6 +895,96 @@ static const kq_fn KQTAB[N_TYPES][5] = {
 };
 #endif /* HM_VNNI */
 
+#if HM_AVXVNNI
+/* kern_q8 on 256 bits (AVX-VNNI, GFNI): one 32-weight block (Q4_0) or K sub-block per vector */
+HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, const uint8_t *const *pf,
+                           int64_t K, const xq8 *xq, float *res) {
+    __m256 acc[4], accm[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    const int ts = TINFO[ti].ts;
+    const int step = ti == I_Q4_0 ? 2 * ts : ts;         /* bytes per iteration: 64 or 256 weights */
+    const int PR = R > 1 ? R / 2 : 1;
+    const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
+    const int64_t rb = K / 32 * (ti == I_Q4_0 ? ts : ts / 8);
+    const __m256i mq40 = _mm256_set_epi64x((long long)GF_HI, (long long)GF_HI, (long long)GF_LO, (long long)GF_LO);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t o = 0, e = 0; o < rb; o += step, e += ti == I_Q4_0 ? 64 : 256) {
+#pragma GCC unroll 8
+        for (int b = 0; b < PR * step; b += 64) {
+            __builtin_prefetch(pf0 + PR * o + b, 0, HM_PF_LOC);
+            __builtin_prefetch(pf1 + PR * o + b, 0, HM_PF_LOC);
+        }
+        if (ti == I_Q4_0) {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {                 /* the two blocks of this step */
+                const int64_t p = e / 64;
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq->q1 + e + 32 * h));
+                const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq->q2 + e + 32 * h));
+                const __m256i c1 = _mm256_loadu_si256((const __m256i *)(xq->c1 + 16 * p + 8 * h));
+                const __m256i c2 = _mm256_loadu_si256((const __m256i *)(xq->c2 + 16 * p + 8 * h));
+                const __m256 xs = _mm256_loadu_ps(xq->xs + 16 * p + 8 * h);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *bl = w[r] + o + h * ts;
+                    /* [qs, qs] -> [low nibbles: weights 0-15, high nibbles: 16-31] */
+                    __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(bl + 2)));
+                    q = _mm256_gf2p8affine_epi64_epi8(q, mq40, 0);
+                    __m256i a = _mm256_dpbusd_avx_epi32(c1, q, x1);       /* c1, c2: the -8 offset */
+                    a = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(a, 8), q, x2);
+                    a = _mm256_add_epi32(a, c2);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_set1_ps(F16(bl)), xs),
+                                             acc[r]);
+                }
+            }
+        } else {                                          /* Q4_K: 8 sub-blocks of 32 */
+            const __m256 sx = _mm256_loadu_ps(xq->sxf + e / 32);
+            kscale ks[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                prep_k(ti, w[r] + o, &ks[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m), sx, accm[r]);   /* the mins */
+            }
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {            /* sub-block 2c (low nibbles), 2c + 1 (high) */
+                    const int64_t j = e + 64 * c + 32 * h, p = j / 64;
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq->q1 + j));
+                    const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq->q2 + j));
+                    const __m256 xs = _mm256_loadu_ps(xq->xs + 16 * p + 8 * h);
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(w[r] + o + 16 + 32 * c));
+                        const __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                        __m256i a = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x1);
+                        a = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(a, 8), q, x2);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a),
+                                                 _mm256_mul_ps(_mm256_broadcast_ss(&ks[r].s[2 * c + h]), xs), acc[r]);
+                    }
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        __m256 v = _mm256_sub_ps(acc[r], accm[r]);
+        __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        v4 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+        res[r] = _mm_cvtss_f32(_mm_add_ss(v4, _mm_movehdup_ps(v4)));
+    }
+}
+
+#define KQ2DEF(TI, R) \
+    static void kq2_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, \
+                               float *res) { kern_q8_256(TI, R, w, pf, K, xq, res); }
+KQ2DEF(I_Q4_0, 1) KQ2DEF(I_Q4_0, 2) KQ2DEF(I_Q4_0, 4) KQ2DEF(I_Q4_K, 1) KQ2DEF(I_Q4_K, 2) KQ2DEF(I_Q4_K, 4)
+static const kq_fn KQTAB2[N_TYPES][5] = {
+    [I_Q4_0] = {0, kq2_I_Q4_0_1, kq2_I_Q4_0_2, 0, kq2_I_Q4_0_4},
+    [I_Q4_K] = {0, kq2_I_Q4_K_1, kq2_I_Q4_K_2, 0, kq2_I_Q4_K_4},
+};
+#endif /* HM_AVXVNNI */
+
 /* Types (bit per type index) whose single-token rows take the integer path. Measured on
  * Sapphire Rapids (16 threads, share of read bandwidth): Q4_K 58-64% -> 82-83%, Q5_K 50-57% ->
  * 79-98%, Q4_0 70-74% -> 79-84% (there the fp32 decode is bound by the one shuffle port). */
@@ -843,7 +995,10 @@ static unsigned g_int8 = INT8_DEFAULT;
 static inline void dot_rows1(int ti, int R, const uint8_t *const *w, const uint8_t *const *pf, int64_t K,
                              const float *x, const xq8 *xq, float *res) {
 #if HM_VNNI
-    if (xq) { KQTAB[ti][R](w, pf, K, xq, res); return; }
+    if (xq && g_simd == 2) { KQTAB[ti][R](w, pf, K, xq, res); return; }
+#endif
+#if HM_AVXVNNI
+    if (xq && g_simd == 1) { KQTAB2[ti][R](w, pf, K, xq, res); return; }
 #endif
     (void)xq;
     dot_rows(ti, R, 1, w, pf, K, &x, res);
@@ -1162,8 +1317,8 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
     if (T == 0) return 0;
     const int64_t rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
     /* integer path for experts that see one token: x (and h) quantized once */
-    const int q8g = (g_int8 >> gi & 1) && AVX512_ON && q8_type(gi, H);
-    const int q8d = (g_int8 >> di & 1) && AVX512_ON && q8_type(di, F);
+    const int q8g = (g_int8 >> gi & 1) && q8_type(gi, H);
+    const int q8d = (g_int8 >> di & 1) && q8_type(di, F);
     const size_t xqb = q8g ? (xq8_bytes(H) + 63) & ~(size_t)63 : 0, hqb = q8d ? (xq8_bytes(F) + 63) & ~(size_t)63 : 0;
 
     size_t need = (size_t)E * 4 * 2 + (size_t)(E + 1) * 8 * 2 + (size_t)P * 8 + 64 * 4 + (size_t)P * F * 4 +
@@ -1223,7 +1378,7 @@ int hm_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int wtype
     if (wi < 0 || K % 32 || K % TINFO[wi].qk || T < 0 || N < 0) return -1;
     const int64_t rb = row_bytes(wi, K);
     xq8 xq, *xqp = NULL;
-    if (T == 1 && (g_int8 >> wi & 1) && AVX512_ON && q8_type(wi, K)) {
+    if (T == 1 && (g_int8 >> wi & 1) && q8_type(wi, K)) {
         char *mem = workspace(xq8_bytes(K) + 64);
         if (!mem) return -2;
         xq8_init(&xq, mem, K);
@@ -1989,7 +2144,7 @@ typedef struct { const uint8_t *w; int64_t n, rb; float *out; int ti, q8; } gv_p
 
 static gv_part gv_mk(const hm_mat *m, int64_t K, float *out) {
     const int ti = type_index(m->type);
-    const gv_part p = {m->w, m->rows, row_bytes(ti, K), out, ti, (g_int8 >> ti & 1) && AVX512_ON && q8_type(ti, K)};
+    const gv_part p = {m->w, m->rows, row_bytes(ti, K), out, ti, (g_int8 >> ti & 1) && q8_type(ti, K)};
     return p;
 }
 
@@ -2339,6 +2494,12 @@ int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *
 
 int hm_type_supported(int id) { return type_index(id) >= 0; }
 
+/* whether single-token rows of this ggml type take the integer path now (this CPU, path and setting) */
+int hm_int8_type(int id) {
+    const int ti = type_index(id);
+    return ti >= 0 && (g_int8 >> ti & 1) && q8_type(ti, 64);
+}
+
 /* ggml type ids whose single-token rows use the integer path: ids[0..n) (n = 0: fp32
  * activations everywhere; n < 0: the default set). Returns how many types were accepted. */
 int hm_set_int8(const int *ids, int n) {
@@ -2363,5 +2524,6 @@ int hm_set_simd(int level) {
 }
 
 const char *hm_simd(void) {
-    return g_simd == 2 ? (HM_VNNI ? "avx512-vnni" : "avx512") : g_simd == 1 ? "avx2" : "generic";
+    return g_simd == 2 ? (HM_VNNI ? "avx512-vnni" : "avx512") : g_simd == 1 ? (HM_AVXVNNI ? "avx2-vnni" : "avx2")
+                                                                          : "generic";
 }
