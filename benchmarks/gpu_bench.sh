@@ -65,6 +65,9 @@ for s in "$@"; do
     cnv) for P in "-ngl 99 -ot exps=CPU" "-ngl 99"; do echo "### hybridmoe run $P -cnv: a 2000-word message, then two short ones"
            { printf 'word %.0s' {1..2000}; printf '\nTell me more.\nAnd then?\n'; } | hm run -m $M $P -cnv --temp 0 -n 32 -c 4096 2>&1 \
              | grep -E "warmed|^\[prompt"; done ;;
+    q6k) python3 -m pytest -q tests/test_cpu_kernels.py -p no:cacheprovider --tb=short 2>&1 | tail -2
+         for A in "" "--int8 Q4_0,Q4_K,Q5_K,Q6_K" "" "--int8 Q4_0,Q4_K,Q5_K,Q6_K"; do echo "### $A"
+           python3 benchmarks/bench_kernels.py --types Q6_K --batches 1,8d --layers 8 $A 2>&1 | grep -E "\| Q6_K"; done ;;
     ctests) python3 -m pytest -q tests/test_cpu_kernels.py tests/test_model.py tests/test_server.py -p no:cacheprovider --tb=short 2>&1 | tail -5 ;;
     gpu) B -ngl 99 -p 512 -n 128 -r 3 --roofline ;;
     ncmoe) B -ngl 99 --n-cpu-moe 24 -p 512 -n 128 -r 3 --roofline ;;

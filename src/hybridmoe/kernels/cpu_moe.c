@@ -668,9 +668,12 @@ typedef struct {
     float *xs;            /* [K/64][16]: d/256 of block 2p in lanes 0-7, of block 2p+1 in 8-15 */
     int32_t *c1, *c2;     /* [K/64][16]: -8 * sum(q1), -8 * sum(q2) of each block in lanes 0 / 8 */
     float *sxf;           /* [K/32]: sum of the quantized x of each block */
+    float *sx16;          /* [K/16]: the same per 16 elements (Q6_K's sub-blocks) */
 } xq8;
 
-static size_t xq8_bytes(int64_t K) { return (size_t)K * 2 + (size_t)(K / 64) * 64 * 3 + (size_t)(K / 32) * 4 + 64 * 5; }
+static size_t xq8_bytes(int64_t K) {
+    return (size_t)K * 2 + (size_t)(K / 64) * 64 * 3 + (size_t)(K / 32) * 4 + (size_t)(K / 16) * 4 + 64 * 6;
+}
 
 static void xq8_init(xq8 *q, void *mem, int64_t K) {
     uintptr_t p = ((uintptr_t)mem + 63) & ~(uintptr_t)63;
@@ -679,7 +682,8 @@ static void xq8_init(xq8 *q, void *mem, int64_t K) {
     q->xs = (float *)p; p += (size_t)(K / 64) * 64;
     q->c1 = (int32_t *)p; p += (size_t)(K / 64) * 64;
     q->c2 = (int32_t *)p; p += (size_t)(K / 64) * 64;
-    q->sxf = (float *)p;
+    q->sxf = (float *)p; p += (size_t)(K / 32) * 4;
+    q->sx16 = (float *)p;
 }
 
 /* quantize blocks [b0, b1) of 32 elements of x (b0, b1 even) */
@@ -692,6 +696,7 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
             const float d = amax / 127, id = amax > 0 ? 127 / amax : 0;
             __m512i s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+            int h1[2], h2[2];
             for (int h = 0; h < 2; h++) {
                 const __m512 v = _mm512_mul_ps(h ? v1 : v0, _mm512_set1_ps(id));
                 const __m512 r1 = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -703,7 +708,10 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
                 _mm_storeu_si128((__m128i *)(q->q2 + 32 * b + 16 * h), _mm512_cvtepi32_epi8(i2));
                 s1 = _mm512_add_epi32(s1, i1);
                 s2 = _mm512_add_epi32(s2, i2);
+                h1[h] = _mm512_reduce_add_epi32(i1);
+                h2[h] = _mm512_reduce_add_epi32(i2);
             }
+            for (int h = 0; h < 2; h++) q->sx16[2 * b + h] = d / 256 * (float)(256 * h1[h] + h2[h]);
             const int t1 = _mm512_reduce_add_epi32(s1), t2 = _mm512_reduce_add_epi32(s2);
             const int64_t p = b / 2, l = (b & 1) * 8;
             _mm256_storeu_ps(q->xs + 16 * p + l, _mm256_set1_ps(d / 256));
@@ -758,6 +766,14 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
             _mm256_storeu_si256((__m256i *)(q->c1 + 16 * p + l), _mm256_setr_epi32(-8 * t1, 0, 0, 0, 0, 0, 0, 0));
             _mm256_storeu_si256((__m256i *)(q->c2 + 16 * p + l), _mm256_setr_epi32(-8 * t2, 0, 0, 0, 0, 0, 0, 0));
             q->sxf[b] = d / 256 * (float)(256 * t1 + t2);
+            for (int h = 0; h < 2; h++) {              /* per 16 elements: i1[2h], i1[2h + 1] */
+                int32_t u1[8], u2[8];
+                _mm256_storeu_si256((__m256i *)u1, _mm256_add_epi32(i1[2 * h], i1[2 * h + 1]));
+                _mm256_storeu_si256((__m256i *)u2, _mm256_add_epi32(i2[2 * h], i2[2 * h + 1]));
+                int g1 = 0, g2 = 0;
+                for (int j = 0; j < 8; j++) { g1 += u1[j]; g2 += u2[j]; }
+                q->sx16[2 * b + h] = d / 256 * (float)(256 * g1 + g2);
+            }
         }
         return;
     }
@@ -767,7 +783,7 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
         float amax = 0;
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
         const float d = amax / 127, id = amax > 0 ? 127 / amax : 0;
-        int s1 = 0, s2 = 0;
+        int s1 = 0, s2 = 0, g1[2] = {0, 0}, g2[2] = {0, 0};
         for (int i = 0; i < 32; i++) {
             const float v = xb[i] * id, r1 = rintf(v);
             float r2 = rintf((v - r1) * 256);
@@ -776,7 +792,10 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
             q->q2[32 * b + i] = (int8_t)r2;
             s1 += (int)r1;
             s2 += (int)r2;
+            g1[i / 16] += (int)r1;
+            g2[i / 16] += (int)r2;
         }
+        for (int h = 0; h < 2; h++) q->sx16[2 * b + h] = d / 256 * (float)(256 * g1[h] + g2[h]);
         const int64_t p = b / 2, l = (b & 1) * 8;
         for (int i = 0; i < 8; i++) {
             q->xs[16 * p + l + i] = d / 256;
@@ -792,11 +811,12 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
 #define GF_LO 0x0102040800000000ull
 #define GF_HI 0x1020408000000000ull
 #define GF_BIT(k) ((uint64_t)(1u << (k)) << 24)
+#define GF_2BITS(k) (GF_BIT(k) | (uint64_t)(1u << ((k) + 1)) << 16)   /* bits k, k+1 -> bits 4, 5 */
 
 typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res);
 
 static int q8_type(int ti, int64_t K) {
-    return K % 64 == 0 && ((INT8_512 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q5_K)) ||
+    return K % 64 == 0 && ((INT8_512 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K)) ||
                            (INT8_256 && (ti == I_Q4_0 || ti == I_Q4_K)));
 }
 
@@ -812,7 +832,7 @@ HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const
     const int step = ti == I_Q4_0 ? 2 * ts : ts;         /* bytes per iteration: 64 or 256 weights */
     const int PR = R > 1 ? R / 2 : 1;
     const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
-    const int64_t rb = K / 32 * (ti == I_Q4_0 ? ts : ts / 8);
+    const int64_t rb = ti == I_Q4_0 ? K / 32 * ts : K / 256 * ts;
     const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
     const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
     for (int64_t o = 0, e = 0; o < rb; o += step, e += ti == I_Q4_0 ? 64 : 256) {
@@ -838,6 +858,47 @@ HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const
                 a = _mm512_add_epi32(a, c2);
                 const __m512 dw = _mm512_mask_broadcastss_ps(_mm512_set1_ps(F16(b0)), 0xFF00, _mm_load_ss(&F16(b1)));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dw, xs), acc[r]);
+            }
+        } else if (ti == I_Q6_K) {
+            /* 6-bit q = ql nibble | 2 bits of qh << 4, weight = d sc[j] (q - 32) per 16: the -32 runs in float
+             * against the per-16 sums of x (ks.m = 32 d sc[j]) */
+            const __m512 sxa = _mm512_loadu_ps(xq->sx16 + e / 16);
+            kscale ks[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                prep_k(ti, w[r] + o, &ks[r]);
+                const __m512 m16 = _mm512_loadu_ps(ks[r].m);
+                const __m512 t = _mm512_mul_ps(m16, sxa);
+                accm[r] = _mm256_add_ps(accm[r], _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1)));
+            }
+            const __m512i m4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 2
+            for (int n = 0; n < 2; n++) {                 /* halves of 128 weights: ql 64 bytes, qh 32 */
+#pragma GCC unroll 2
+                for (int c = 0; c < 2; c++) {             /* weights 0-63 (low nibbles), 64-127 (high) */
+                    const int64_t j = e + 128 * n + 64 * c;
+                    const __m512i x1 = _mm512_load_si512(xq->q1 + j), x2 = _mm512_load_si512(xq->q2 + j);
+                    const __m512 xs = _mm512_load_ps(xq->xs + 16 * (j / 64));
+                    /* qh bits (0,1 | 2,3) for c = 0, (4,5 | 6,7) for c = 1: lower | upper 256 bits */
+                    const __m512i mh = _mm512_set_epi64(GF_2BITS(4 * c + 2), GF_2BITS(4 * c + 2), GF_2BITS(4 * c + 2),
+                        GF_2BITS(4 * c + 2), GF_2BITS(4 * c), GF_2BITS(4 * c), GF_2BITS(4 * c), GF_2BITS(4 * c));
+                    /* scales: lanes 0-3 sc[8n+4c], 4-7 +1, 8-11 +2, 12-15 +3 */
+                    const int sb = 8 * n + 4 * c;
+                    const __m512i si = _mm512_set_epi32(sb + 3, sb + 3, sb + 3, sb + 3, sb + 2, sb + 2, sb + 2, sb + 2,
+                                                        sb + 1, sb + 1, sb + 1, sb + 1, sb, sb, sb, sb);
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const uint8_t *b = w[r] + o;
+                        __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * n));
+                        ql = _mm512_and_si512(c ? _mm512_srli_epi16(ql, 4) : ql, m4);
+                        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n)));
+                        const __m512i q = _mm512_or_si512(ql, _mm512_gf2p8affine_epi64_epi8(qh, mh, 0));
+                        __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x1);
+                        a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), q, x2);
+                        const __m512 ws = _mm512_permutexvar_ps(si, _mm512_loadu_ps(ks[r].s));
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(ws, xs), acc[r]);
+                    }
+                }
             }
         } else {
             const __m256 sx = _mm256_loadu_ps(xq->sxf + e / 32);
@@ -887,11 +948,12 @@ HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const
     static void kq_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res) { \
         kern_q8(TI, R, w, pf, K, xq, res); }
 KQDEF(I_Q4_0, 1) KQDEF(I_Q4_0, 2) KQDEF(I_Q4_0, 4) KQDEF(I_Q4_K, 1) KQDEF(I_Q4_K, 2) KQDEF(I_Q4_K, 4)
-KQDEF(I_Q5_K, 1) KQDEF(I_Q5_K, 2) KQDEF(I_Q5_K, 4)
+KQDEF(I_Q5_K, 1) KQDEF(I_Q5_K, 2) KQDEF(I_Q5_K, 4) KQDEF(I_Q6_K, 1) KQDEF(I_Q6_K, 2) KQDEF(I_Q6_K, 4)
 static const kq_fn KQTAB[N_TYPES][5] = {
     [I_Q4_0] = {0, kq_I_Q4_0_1, kq_I_Q4_0_2, 0, kq_I_Q4_0_4},
     [I_Q4_K] = {0, kq_I_Q4_K_1, kq_I_Q4_K_2, 0, kq_I_Q4_K_4},
     [I_Q5_K] = {0, kq_I_Q5_K_1, kq_I_Q5_K_2, 0, kq_I_Q5_K_4},
+    [I_Q6_K] = {0, kq_I_Q6_K_1, kq_I_Q6_K_2, 0, kq_I_Q6_K_4},
 };
 #endif /* HM_VNNI */
 
