@@ -652,7 +652,7 @@ static inline void dot_rows(int ti, int R, int NT, const uint8_t *const *w, cons
 #define HM_VNNI 0
 #endif
 /* the same on 256 bits, for CPUs with AVX-VNNI and GFNI but no AVX-512 (Intel client cores since
- * Alder Lake): Q4_0 and Q4_K */
+ * Alder Lake): Q4_0, Q4_K and Q6_K */
 #if HM_AVX2 && defined(__AVXVNNI__) && defined(__GFNI__)
 #define HM_AVXVNNI 1
 #else
@@ -817,7 +817,7 @@ typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t
 
 static int q8_type(int ti, int64_t K) {
     return K % 64 == 0 && ((INT8_512 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K)) ||
-                           (INT8_256 && (ti == I_Q4_0 || ti == I_Q4_K)));
+                           (INT8_256 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q6_K)));
 }
 
 #if HM_VNNI
@@ -958,7 +958,8 @@ static const kq_fn KQTAB[N_TYPES][5] = {
 #endif /* HM_VNNI */
 
 #if HM_AVXVNNI
-/* kern_q8 on 256 bits (AVX-VNNI, GFNI): one 32-weight block (Q4_0) or K sub-block per vector */
+/* kern_q8 on 256 bits (AVX-VNNI, GFNI): one 32-weight block (Q4_0) or 32 weights of a K super-block per
+ * vector */
 HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, const uint8_t *const *pf,
                            int64_t K, const xq8 *xq, float *res) {
     __m256 acc[4], accm[4];
@@ -968,7 +969,7 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
     const int step = ti == I_Q4_0 ? 2 * ts : ts;         /* bytes per iteration: 64 or 256 weights */
     const int PR = R > 1 ? R / 2 : 1;
     const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
-    const int64_t rb = K / 32 * (ti == I_Q4_0 ? ts : ts / 8);
+    const int64_t rb = ti == I_Q4_0 ? K / 32 * ts : K / 256 * ts;
     const __m256i mq40 = _mm256_set_epi64x((long long)GF_HI, (long long)GF_HI, (long long)GF_LO, (long long)GF_LO);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t o = 0, e = 0; o < rb; o += step, e += ti == I_Q4_0 ? 64 : 256) {
@@ -997,6 +998,40 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
                     a = _mm256_add_epi32(a, c2);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_set1_ps(F16(bl)), xs),
                                              acc[r]);
+                }
+            }
+        } else if (ti == I_Q6_K) {                        /* as kern_q8's Q6_K, 32 weights a vector */
+            kscale ks[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                prep_k(ti, w[r] + o, &ks[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m), _mm256_loadu_ps(xq->sx16 + e / 16), accm[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m + 8), _mm256_loadu_ps(xq->sx16 + e / 16 + 8),
+                                          accm[r]);
+            }
+#pragma GCC unroll 2
+            for (int n = 0; n < 2; n++) {                 /* halves of 128 weights: ql 64 bytes, qh 32 */
+#pragma GCC unroll 4
+                for (int g = 0; g < 4; g++) {             /* ql[0..31] lo, ql[32..63] lo, ql[0..31] hi, ql[32..63] hi */
+                    const int64_t j = e + 128 * n + 32 * g;
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq->q1 + j));
+                    const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq->q2 + j));
+                    const __m256 xs = _mm256_loadu_ps(xq->xs + 16 * (j / 64) + 8 * ((j / 32) & 1));
+                    const __m256i mh = _mm256_set1_epi64x((long long)GF_2BITS(2 * g));
+                    const __m256i si = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1,
+                                                         2 * g + 1);
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const uint8_t *b = w[r] + o;
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32 * (g & 1)));
+                        const __m256i nib = _mm256_and_si256(g < 2 ? raw : _mm256_srli_epi16(raw, 4), m4);
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+                        const __m256i q = _mm256_or_si256(nib, _mm256_gf2p8affine_epi64_epi8(qh, mh, 0));
+                        __m256i a = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x1);
+                        a = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(a, 8), q, x2);
+                        const __m256 ws = _mm256_permutevar8x32_ps(_mm256_loadu_ps(ks[r].s + 8 * n), si);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(ws, xs), acc[r]);
+                    }
                 }
             }
         } else {                                          /* Q4_K: 8 sub-blocks of 32 */
@@ -1041,9 +1076,11 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
     static void kq2_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, \
                                float *res) { kern_q8_256(TI, R, w, pf, K, xq, res); }
 KQ2DEF(I_Q4_0, 1) KQ2DEF(I_Q4_0, 2) KQ2DEF(I_Q4_0, 4) KQ2DEF(I_Q4_K, 1) KQ2DEF(I_Q4_K, 2) KQ2DEF(I_Q4_K, 4)
+KQ2DEF(I_Q6_K, 1) KQ2DEF(I_Q6_K, 2) KQ2DEF(I_Q6_K, 4)
 static const kq_fn KQTAB2[N_TYPES][5] = {
     [I_Q4_0] = {0, kq2_I_Q4_0_1, kq2_I_Q4_0_2, 0, kq2_I_Q4_0_4},
     [I_Q4_K] = {0, kq2_I_Q4_K_1, kq2_I_Q4_K_2, 0, kq2_I_Q4_K_4},
+    [I_Q6_K] = {0, kq2_I_Q6_K_1, kq2_I_Q6_K_2, 0, kq2_I_Q6_K_4},
 };
 #endif /* HM_AVXVNNI */
 
