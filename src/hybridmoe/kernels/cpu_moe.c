@@ -652,7 +652,7 @@ static inline void dot_rows(int ti, int R, int NT, const uint8_t *const *w, cons
 #define HM_VNNI 0
 #endif
 /* the same on 256 bits, for CPUs with AVX-VNNI and GFNI but no AVX-512 (Intel client cores since
- * Alder Lake): Q4_0, Q4_K and Q6_K */
+ * Alder Lake): Q4_0, Q4_K, Q5_K and Q6_K */
 #if HM_AVX2 && defined(__AVXVNNI__) && defined(__GFNI__)
 #define HM_AVXVNNI 1
 #else
@@ -817,7 +817,7 @@ typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t
 
 static int q8_type(int ti, int64_t K) {
     return K % 64 == 0 && ((INT8_512 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K)) ||
-                           (INT8_256 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q6_K)));
+                           (INT8_256 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K)));
 }
 
 #if HM_VNNI
@@ -1034,7 +1034,7 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
                     }
                 }
             }
-        } else {                                          /* Q4_K: 8 sub-blocks of 32 */
+        } else {                                          /* Q4_K, Q5_K: 8 sub-blocks of 32 */
             const __m256 sx = _mm256_loadu_ps(xq->sxf + e / 32);
             kscale ks[4];
 #pragma GCC unroll 4
@@ -1052,8 +1052,13 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
                     const __m256 xs = _mm256_loadu_ps(xq->xs + 16 * p + 8 * h);
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++) {
-                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(w[r] + o + 16 + 32 * c));
-                        const __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                        const uint8_t *b = w[r] + o;
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (ti == I_Q5_K ? 48 : 16) + 32 * c));
+                        __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                        if (ti == I_Q5_K)   /* 5th bit: bit 2c + h of qh[l] -> bit 4 */
+                            q = _mm256_or_si256(q, _mm256_gf2p8affine_epi64_epi8(
+                                _mm256_loadu_si256((const __m256i *)(b + 16)),
+                                _mm256_set1_epi64x((long long)GF_BIT(2 * c + h)), 0));
                         __m256i a = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x1);
                         a = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(a, 8), q, x2);
                         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a),
@@ -1076,10 +1081,11 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
     static void kq2_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, \
                                float *res) { kern_q8_256(TI, R, w, pf, K, xq, res); }
 KQ2DEF(I_Q4_0, 1) KQ2DEF(I_Q4_0, 2) KQ2DEF(I_Q4_0, 4) KQ2DEF(I_Q4_K, 1) KQ2DEF(I_Q4_K, 2) KQ2DEF(I_Q4_K, 4)
-KQ2DEF(I_Q6_K, 1) KQ2DEF(I_Q6_K, 2) KQ2DEF(I_Q6_K, 4)
+KQ2DEF(I_Q5_K, 1) KQ2DEF(I_Q5_K, 2) KQ2DEF(I_Q5_K, 4) KQ2DEF(I_Q6_K, 1) KQ2DEF(I_Q6_K, 2) KQ2DEF(I_Q6_K, 4)
 static const kq_fn KQTAB2[N_TYPES][5] = {
     [I_Q4_0] = {0, kq2_I_Q4_0_1, kq2_I_Q4_0_2, 0, kq2_I_Q4_0_4},
     [I_Q4_K] = {0, kq2_I_Q4_K_1, kq2_I_Q4_K_2, 0, kq2_I_Q4_K_4},
+    [I_Q5_K] = {0, kq2_I_Q5_K_1, kq2_I_Q5_K_2, 0, kq2_I_Q5_K_4},
     [I_Q6_K] = {0, kq2_I_Q6_K_1, kq2_I_Q6_K_2, 0, kq2_I_Q6_K_4},
 };
 #endif /* HM_AVXVNNI */
