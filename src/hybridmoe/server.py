@@ -44,7 +44,7 @@ from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
                               _type_name, _unsupported, DEFAULT_SAMPLING, parse_messages, parse_tools)
-from .tools import THINK_OPEN, HarmonySplitter, ReasoningSplitter, ToolCallSplitter, is_harmony, template_takes_tools
+from .tools import THINK_OPEN, ReplySplitter, is_harmony, template_takes_tools
 
 log = logging.getLogger("hybridmoe.server")
 
@@ -125,36 +125,25 @@ class Job:
         t_start = time.perf_counter()
         timings = Timings()
         finish = "length"
+        p = self.params
         if not self.cancel.is_set():
             tok = model.tokenizer
             eos = tok.eos_ids
-            settings = self.params.sampling
-            if self.params.ignore_eos and eos:         # end-of-generation tokens can never be sampled
+            settings = p.sampling
+            if p.ignore_eos and eos:         # end-of-generation tokens can never be sampled
                 settings = dataclasses.replace(settings, logit_bias={**settings.logit_bias,
                                                                      **{e: float("-inf") for e in eos}})
             sampler = Sampler(settings)
             detok = tok.stream()
-            stops = StopMatcher(self.params.stops)
-            calls = thoughts = harmony = None
-            if self.params.harmony:                      # gpt-oss: channels carry thoughts, answer and calls
-                harmony = HarmonySplitter(bool(self.params.tools))
-            else:
-                calls = ToolCallSplitter() if self.params.tools else None
-                if self.params.reasoning_format not in (None, "none"):
-                    thoughts = ReasoningSplitter(self.params.think_opened)
-            splitter = harmony or thoughts
-
-            def route(parts):
-                for kind, piece in parts:
-                    if kind == "text" and calls:
-                        piece = calls.feed(piece)
-                    if piece:
-                        self._emit((kind, piece))
+            stops = StopMatcher(p.stops)
+            split = ReplySplitter(tools=bool(p.tools), reasoning=p.reasoning_format not in (None, "none"),
+                                  think_opened=p.think_opened, harmony=p.harmony)
 
             def send(text):
-                route(splitter.feed(text) if splitter else [("text", text)])
+                for part in split.feed(text):
+                    self._emit(part)
             hit = False
-            n_top = self.params.logprobs
+            n_top = p.logprobs
 
             def on_logits(logits, token):             # the model's own distribution, before sampling settings
                 lp = torch.log_softmax(logits.float(), -1)
@@ -162,13 +151,13 @@ class Job:
                 self._emit(("logprobs", (token, float(lp[token]),
                                          [(int(i), float(v)) for v, i in zip(*top)] if top else [])))
             gen = generate_ids(model, self.ids, self.max_tokens, sampler, timings,
-                               cache_prompt=self.params.cache_prompt,
+                               cache_prompt=p.cache_prompt,
                                on_logits=on_logits if n_top is not None else None)
             try:
                 for t in gen:
                     if self.cancel.is_set():
                         break
-                    if t in eos and not self.params.ignore_eos:
+                    if t in eos and not p.ignore_eos:
                         finish = "stop"
                         break
                     self.n_generated += 1
@@ -186,15 +175,10 @@ class Job:
                 else:
                     text += stops.flush()
                 send(text)
-            if splitter:
-                route(splitter.finish())
             if not self.cancel.is_set():
-                if calls:
-                    text, self.tool_calls = calls.finish()
-                    if text:
-                        self._emit(("text", text))
-                elif harmony:
-                    self.tool_calls = harmony.calls
+                for part in split.finish():
+                    self._emit(part)
+                self.tool_calls = split.tool_calls
                 if self.tool_calls:
                     finish = "tool_calls"
         self.cancelled = self.cancel.is_set()

@@ -1,8 +1,8 @@
 """What a chat reply holds besides its answer, split off as llama-server does: thoughts (`<think>` blocks,
 `ReasoningSplitter`), tool calls in the Hermes / Qwen format (the chat template lists the tools, the model
 answers with `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, `ToolCallSplitter`), and
-gpt-oss's harmony channels, which carry both (`HarmonySplitter`). The server returns them as OpenAI's
-`reasoning_content` and `tool_calls`.
+gpt-oss's harmony channels, which carry both (`HarmonySplitter`); `ReplySplitter` puts them together for a
+request. The server returns them as OpenAI's `reasoning_content` and `tool_calls`.
 
 `ToolCallSplitter` sits after the stop-sequence matcher: text before the first `<tool_call>` streams as it
 comes; from there on it is held back and parsed when the generation ends. A block that is not valid JSON with
@@ -238,4 +238,39 @@ class HarmonySplitter:
         elif self.header.strip() or self.pending:                 # a header with no message: keep its text
             out.append(("text", self.header + self.pending))
             self.header = self.pending = ""
+        return out
+
+
+class ReplySplitter:
+    """A chat reply's text as it streams, split into ("text" | "reasoning", piece) parts to send now and, at the
+    end, tool calls: gpt-oss's harmony channels, or <think> blocks (`reasoning`) and <tool_call> blocks
+    (`tools`) in the text after them."""
+
+    def __init__(self, *, tools: bool, reasoning: bool, think_opened: bool, harmony: bool):
+        self.harmony = HarmonySplitter(tools) if harmony else None
+        self.calls = ToolCallSplitter() if tools and not harmony else None
+        self.first = self.harmony or (ReasoningSplitter(think_opened) if reasoning else None)
+        self.tool_calls: list[dict] = []
+
+    def _route(self, parts) -> list[tuple[str, str]]:
+        out = []
+        for kind, piece in parts:
+            if kind == "text" and self.calls:
+                piece = self.calls.feed(piece)
+            if piece:
+                out.append((kind, piece))
+        return out
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        return self._route(self.first.feed(text) if self.first else [("text", text)])
+
+    def finish(self) -> list[tuple[str, str]]:
+        """The parts still held; sets tool_calls."""
+        out = self._route(self.first.finish()) if self.first else []
+        if self.calls:
+            text, self.tool_calls = self.calls.finish()
+            if text:
+                out.append(("text", text))
+        elif self.harmony:
+            self.tool_calls = self.harmony.calls
         return out
