@@ -141,7 +141,7 @@ def test_lower_simd_paths(q, path):
     assert torch.equal(deq, dequantize(gate[0], q, H))   # same float ops as ggml: bit-exact
 
 
-@pytest.mark.parametrize("q", [G.Q4_0, G.Q4_K, G.Q5_K, G.Q6_K], ids=lambda v: v.name)
+@pytest.mark.parametrize("q", [G.Q4_0, G.Q4_K, G.Q5_K, G.Q6_K, G.IQ4_NL, G.MXFP4], ids=lambda v: v.name)
 def test_activation_precision_setting(q):
     """set_int8: False keeps fp32 activations (fp32 band); [q] puts q's single-token rows on the
     integer path (its band, and a visibly different rounding)."""

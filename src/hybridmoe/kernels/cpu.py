@@ -191,8 +191,8 @@ _int8_setting = True
 
 
 def set_int8(types=True):
-    """Which types run single-token rows on the integer (VNNI) path: True = the default (all
-    eligible: Q4_0, Q4_K, Q5_K, Q6_K, with AVX-512 VNNI or AVX-VNNI), False = none
+    """Which types run single-token rows on the integer (VNNI) path: True = the measured default of the
+    path in use (AVX-512 VNNI: Q4_0, Q4_K, Q5_K, Q6_K, MXFP4; AVX-VNNI: those and IQ4_NL), False = none
     (fp32 activations everywhere), or an iterable of types. Returns the previous setting, to pass back."""
     global _int8_setting
     lib = _load()

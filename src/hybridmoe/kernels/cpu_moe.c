@@ -815,9 +815,25 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
 
 typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res);
 
+/* The 32-weight block types on the integer path: 16 bytes of nibbles after a scale, each nibble an entry of a
+ * table of small integers (Q4_0: q - 8). vpdpbusd wants the weights unsigned, so the tables are offset by
+ * 8 << B32_SHIFT and the offset is taken off with the blocks' -8 sum(q) << B32_SHIFT (c1, c2). */
+#define IS_B32(ti) ((ti) == I_Q4_0 || (ti) == I_IQ4_NL || (ti) == I_MXFP4)
+#define B32_SHIFT(ti) ((ti) == I_IQ4_NL ? 4 : (ti) == I_MXFP4 ? 1 : 0)          /* offsets 128, 16, 8 */
+#define B32_QS(ti) ((ti) == I_MXFP4 ? 1 : 2)                                   /* where the nibbles start */
+static const uint8_t KU8_IQ4NL[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+static const uint8_t KU8_MXFP4[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
+#if HM_AVX2
+static float g_e8m0[256];                 /* MXFP4's block scales */
+__attribute__((constructor)) static void init_e8m0_table(void) {
+    for (int i = 0; i < 256; i++) g_e8m0[i] = e8m0_half((uint8_t)i);
+}
+/* a block's scale, as a float in memory (broadcast loads) */
+#define B32_D(ti, b) ((ti) == I_MXFP4 ? &g_e8m0[(b)[0]] : &F16(b))
+#endif
+
 static int q8_type(int ti, int64_t K) {
-    return K % 64 == 0 && ((INT8_512 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K)) ||
-                           (INT8_256 && (ti == I_Q4_0 || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K)));
+    return K % 64 == 0 && (INT8_512 || INT8_256) && (IS_B32(ti) || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K);
 }
 
 #if HM_VNNI
@@ -829,34 +845,39 @@ HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); }
     const int ts = TINFO[ti].ts;
-    const int step = ti == I_Q4_0 ? 2 * ts : ts;         /* bytes per iteration: 64 or 256 weights */
+    const int step = IS_B32(ti) ? 2 * ts : ts;           /* bytes per iteration: 64 or 256 weights */
     const int PR = R > 1 ? R / 2 : 1;
     const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
-    const int64_t rb = ti == I_Q4_0 ? K / 32 * ts : K / 256 * ts;
+    const int64_t rb = IS_B32(ti) ? K / 32 * ts : K / 256 * ts;
     const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
     const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
-    for (int64_t o = 0, e = 0; o < rb; o += step, e += ti == I_Q4_0 ? 64 : 256) {
+    for (int64_t o = 0, e = 0; o < rb; o += step, e += IS_B32(ti) ? 64 : 256) {
 #pragma GCC unroll 8
         for (int b = 0; b < PR * step; b += 64) {
             __builtin_prefetch(pf0 + PR * o + b, 0, HM_PF_LOC);
             __builtin_prefetch(pf1 + PR * o + b, 0, HM_PF_LOC);
         }
-        if (ti == I_Q4_0) {
+        if (IS_B32(ti)) {
             const int64_t p = e / 64;
             const __m512i x1 = _mm512_load_si512(xq->q1 + e), x2 = _mm512_load_si512(xq->q2 + e);
-            const __m512i c1 = _mm512_load_si512(xq->c1 + 16 * p), c2 = _mm512_load_si512(xq->c2 + 16 * p);
+            const __m512i c1 = _mm512_slli_epi32(_mm512_load_si512(xq->c1 + 16 * p), B32_SHIFT(ti));
+            const __m512i c2 = _mm512_slli_epi32(_mm512_load_si512(xq->c2 + 16 * p), B32_SHIFT(ti));
             const __m512 xs = _mm512_load_ps(xq->xs + 16 * p);
+            const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(
+                ti == I_IQ4_NL ? KU8_IQ4NL : KU8_MXFP4)));
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const uint8_t *b0 = w[r] + o, *b1 = b0 + ts;
                 /* 128-bit lanes [qs0, qs0, qs1, qs1] -> nibbles [lo0, hi0, lo1, hi1] = 64 weights */
-                __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b0 + 2)));
-                q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b1 + 2)));
+                __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b0 + B32_QS(ti))));
+                q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b1 + B32_QS(ti))));
                 q = _mm512_gf2p8affine_epi64_epi8(q, mq40, 0);
-                __m512i a = _mm512_dpbusd_epi32(c1, q, x1);       /* c1, c2: the -8 offset */
+                if (ti != I_Q4_0) q = _mm512_shuffle_epi8(tab, q);      /* nibble -> table value + offset */
+                __m512i a = _mm512_dpbusd_epi32(c1, q, x1);       /* c1, c2: the offset */
                 a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), q, x2);
                 a = _mm512_add_epi32(a, c2);
-                const __m512 dw = _mm512_mask_broadcastss_ps(_mm512_set1_ps(F16(b0)), 0xFF00, _mm_load_ss(&F16(b1)));
+                const __m512 dw = _mm512_mask_broadcastss_ps(_mm512_set1_ps(*B32_D(ti, b0)), 0xFF00,
+                                                             _mm_load_ss(B32_D(ti, b1)));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dw, xs), acc[r]);
             }
         } else if (ti == I_Q6_K) {
@@ -949,11 +970,14 @@ HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const
         kern_q8(TI, R, w, pf, K, xq, res); }
 KQDEF(I_Q4_0, 1) KQDEF(I_Q4_0, 2) KQDEF(I_Q4_0, 4) KQDEF(I_Q4_K, 1) KQDEF(I_Q4_K, 2) KQDEF(I_Q4_K, 4)
 KQDEF(I_Q5_K, 1) KQDEF(I_Q5_K, 2) KQDEF(I_Q5_K, 4) KQDEF(I_Q6_K, 1) KQDEF(I_Q6_K, 2) KQDEF(I_Q6_K, 4)
+KQDEF(I_IQ4_NL, 1) KQDEF(I_IQ4_NL, 2) KQDEF(I_IQ4_NL, 4) KQDEF(I_MXFP4, 1) KQDEF(I_MXFP4, 2) KQDEF(I_MXFP4, 4)
 static const kq_fn KQTAB[N_TYPES][5] = {
     [I_Q4_0] = {0, kq_I_Q4_0_1, kq_I_Q4_0_2, 0, kq_I_Q4_0_4},
     [I_Q4_K] = {0, kq_I_Q4_K_1, kq_I_Q4_K_2, 0, kq_I_Q4_K_4},
     [I_Q5_K] = {0, kq_I_Q5_K_1, kq_I_Q5_K_2, 0, kq_I_Q5_K_4},
     [I_Q6_K] = {0, kq_I_Q6_K_1, kq_I_Q6_K_2, 0, kq_I_Q6_K_4},
+    [I_IQ4_NL] = {0, kq_I_IQ4_NL_1, kq_I_IQ4_NL_2, 0, kq_I_IQ4_NL_4},
+    [I_MXFP4] = {0, kq_I_MXFP4_1, kq_I_MXFP4_2, 0, kq_I_MXFP4_4},
 };
 #endif /* HM_VNNI */
 
@@ -966,37 +990,42 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     const int ts = TINFO[ti].ts;
-    const int step = ti == I_Q4_0 ? 2 * ts : ts;         /* bytes per iteration: 64 or 256 weights */
+    const int step = IS_B32(ti) ? 2 * ts : ts;           /* bytes per iteration: 64 or 256 weights */
     const int PR = R > 1 ? R / 2 : 1;
     const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
-    const int64_t rb = ti == I_Q4_0 ? K / 32 * ts : K / 256 * ts;
+    const int64_t rb = IS_B32(ti) ? K / 32 * ts : K / 256 * ts;
     const __m256i mq40 = _mm256_set_epi64x((long long)GF_HI, (long long)GF_HI, (long long)GF_LO, (long long)GF_LO);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int64_t o = 0, e = 0; o < rb; o += step, e += ti == I_Q4_0 ? 64 : 256) {
+    for (int64_t o = 0, e = 0; o < rb; o += step, e += IS_B32(ti) ? 64 : 256) {
 #pragma GCC unroll 8
         for (int b = 0; b < PR * step; b += 64) {
             __builtin_prefetch(pf0 + PR * o + b, 0, HM_PF_LOC);
             __builtin_prefetch(pf1 + PR * o + b, 0, HM_PF_LOC);
         }
-        if (ti == I_Q4_0) {
+        if (IS_B32(ti)) {
+            const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(
+                ti == I_IQ4_NL ? KU8_IQ4NL : KU8_MXFP4)));
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {                 /* the two blocks of this step */
                 const int64_t p = e / 64;
                 const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq->q1 + e + 32 * h));
                 const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq->q2 + e + 32 * h));
-                const __m256i c1 = _mm256_loadu_si256((const __m256i *)(xq->c1 + 16 * p + 8 * h));
-                const __m256i c2 = _mm256_loadu_si256((const __m256i *)(xq->c2 + 16 * p + 8 * h));
+                const __m256i c1 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xq->c1 + 16 * p + 8 * h)),
+                                                     B32_SHIFT(ti));
+                const __m256i c2 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xq->c2 + 16 * p + 8 * h)),
+                                                     B32_SHIFT(ti));
                 const __m256 xs = _mm256_loadu_ps(xq->xs + 16 * p + 8 * h);
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     const uint8_t *bl = w[r] + o + h * ts;
                     /* [qs, qs] -> [low nibbles: weights 0-15, high nibbles: 16-31] */
-                    __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(bl + 2)));
+                    __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(bl + B32_QS(ti))));
                     q = _mm256_gf2p8affine_epi64_epi8(q, mq40, 0);
-                    __m256i a = _mm256_dpbusd_avx_epi32(c1, q, x1);       /* c1, c2: the -8 offset */
+                    if (ti != I_Q4_0) q = _mm256_shuffle_epi8(tab, q);  /* nibble -> table value + offset */
+                    __m256i a = _mm256_dpbusd_avx_epi32(c1, q, x1);       /* c1, c2: the offset */
                     a = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(a, 8), q, x2);
                     a = _mm256_add_epi32(a, c2);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_set1_ps(F16(bl)), xs),
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_broadcast_ss(B32_D(ti, bl)), xs),
                                              acc[r]);
                 }
             }
@@ -1082,11 +1111,14 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
                                float *res) { kern_q8_256(TI, R, w, pf, K, xq, res); }
 KQ2DEF(I_Q4_0, 1) KQ2DEF(I_Q4_0, 2) KQ2DEF(I_Q4_0, 4) KQ2DEF(I_Q4_K, 1) KQ2DEF(I_Q4_K, 2) KQ2DEF(I_Q4_K, 4)
 KQ2DEF(I_Q5_K, 1) KQ2DEF(I_Q5_K, 2) KQ2DEF(I_Q5_K, 4) KQ2DEF(I_Q6_K, 1) KQ2DEF(I_Q6_K, 2) KQ2DEF(I_Q6_K, 4)
+KQ2DEF(I_IQ4_NL, 1) KQ2DEF(I_IQ4_NL, 2) KQ2DEF(I_IQ4_NL, 4) KQ2DEF(I_MXFP4, 1) KQ2DEF(I_MXFP4, 2) KQ2DEF(I_MXFP4, 4)
 static const kq_fn KQTAB2[N_TYPES][5] = {
     [I_Q4_0] = {0, kq2_I_Q4_0_1, kq2_I_Q4_0_2, 0, kq2_I_Q4_0_4},
     [I_Q4_K] = {0, kq2_I_Q4_K_1, kq2_I_Q4_K_2, 0, kq2_I_Q4_K_4},
     [I_Q5_K] = {0, kq2_I_Q5_K_1, kq2_I_Q5_K_2, 0, kq2_I_Q5_K_4},
     [I_Q6_K] = {0, kq2_I_Q6_K_1, kq2_I_Q6_K_2, 0, kq2_I_Q6_K_4},
+    [I_IQ4_NL] = {0, kq2_I_IQ4_NL_1, kq2_I_IQ4_NL_2, 0, kq2_I_IQ4_NL_4},
+    [I_MXFP4] = {0, kq2_I_MXFP4_1, kq2_I_MXFP4_2, 0, kq2_I_MXFP4_4},
 };
 #endif /* HM_AVXVNNI */
 
@@ -1094,8 +1126,14 @@ static const kq_fn KQTAB2[N_TYPES][5] = {
  * one for them: q8_type). Measured on Sapphire Rapids (16 threads, share of read bandwidth): Q4_K 58-64% ->
  * 82-83%, Q5_K 50-57% -> 79-98%, Q4_0 70-74% -> 79-84% (there the fp32 decode is bound by the one shuffle
  * port); Q6_K 0.452 / 0.458 -> 0.403 / 0.384 ms a T=1 call (2026-11-25). */
-#define INT8_DEFAULT ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_Q5_K) | (1u << I_Q6_K))
-static unsigned g_int8 = INT8_DEFAULT;
+#define INT8_DEFAULT_512 ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_Q5_K) | (1u << I_Q6_K) | (1u << I_MXFP4))
+/* AVX-VNNI (dev VM, 1 thread, T=1, GB/s fp32 -> integer): Q4_0 7.2 -> 12.4, Q4_K 7.3 -> 11.2, Q5_K 8.4 -> 11.6,
+ * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
+ * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
+#define INT8_DEFAULT_256 (INT8_DEFAULT_512 | (1u << I_IQ4_NL))
+static unsigned g_int8;                   /* the types set_int8 chose, unless g_int8_default */
+static int g_int8_default = 1;            /* the measured defaults of the path in use */
+#define INT8_MASK (g_int8_default ? (g_simd == 2 ? INT8_DEFAULT_512 : INT8_DEFAULT_256) : g_int8)
 
 /* rows w[0..R) . one token: the integer path when xq is given, else fp32 */
 static inline void dot_rows1(int ti, int R, const uint8_t *const *w, const uint8_t *const *pf, int64_t K,
@@ -1423,8 +1461,8 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
     if (T == 0) return 0;
     const int64_t rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
     /* integer path for experts that see one token: x (and h) quantized once */
-    const int q8g = (g_int8 >> gi & 1) && q8_type(gi, H);
-    const int q8d = (g_int8 >> di & 1) && q8_type(di, F);
+    const int q8g = (INT8_MASK >> gi & 1) && q8_type(gi, H);
+    const int q8d = (INT8_MASK >> di & 1) && q8_type(di, F);
     const size_t xqb = q8g ? (xq8_bytes(H) + 63) & ~(size_t)63 : 0, hqb = q8d ? (xq8_bytes(F) + 63) & ~(size_t)63 : 0;
 
     size_t need = (size_t)E * 4 * 2 + (size_t)(E + 1) * 8 * 2 + (size_t)P * 8 + 64 * 4 + (size_t)P * F * 4 +
@@ -1484,7 +1522,7 @@ int hm_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int wtype
     if (wi < 0 || K % 32 || K % TINFO[wi].qk || T < 0 || N < 0) return -1;
     const int64_t rb = row_bytes(wi, K);
     xq8 xq, *xqp = NULL;
-    if (T == 1 && (g_int8 >> wi & 1) && q8_type(wi, K)) {
+    if (T == 1 && (INT8_MASK >> wi & 1) && q8_type(wi, K)) {
         char *mem = workspace(xq8_bytes(K) + 64);
         if (!mem) return -2;
         xq8_init(&xq, mem, K);
@@ -2250,7 +2288,7 @@ typedef struct { const uint8_t *w; int64_t n, rb; float *out; int ti, q8; } gv_p
 
 static gv_part gv_mk(const hm_mat *m, int64_t K, float *out) {
     const int ti = type_index(m->type);
-    const gv_part p = {m->w, m->rows, row_bytes(ti, K), out, ti, (g_int8 >> ti & 1) && q8_type(ti, K)};
+    const gv_part p = {m->w, m->rows, row_bytes(ti, K), out, ti, (INT8_MASK >> ti & 1) && q8_type(ti, K)};
     return p;
 }
 
@@ -2603,13 +2641,13 @@ int hm_type_supported(int id) { return type_index(id) >= 0; }
 /* whether single-token rows of this ggml type take the integer path now (this CPU, path and setting) */
 int hm_int8_type(int id) {
     const int ti = type_index(id);
-    return ti >= 0 && (g_int8 >> ti & 1) && q8_type(ti, 64);
+    return ti >= 0 && (INT8_MASK >> ti & 1) && q8_type(ti, 64);
 }
 
 /* ggml type ids whose single-token rows use the integer path: ids[0..n) (n = 0: fp32
  * activations everywhere; n < 0: the default set). Returns how many types were accepted. */
 int hm_set_int8(const int *ids, int n) {
-    if (n < 0) { g_int8 = INT8_DEFAULT; return __builtin_popcount(INT8_DEFAULT); }
+    if (n < 0) { g_int8_default = 1; return __builtin_popcount(INT8_MASK); }
     unsigned m = 0;
     int ok = 0;
     for (int i = 0; i < n; i++) {
@@ -2617,6 +2655,7 @@ int hm_set_int8(const int *ids, int n) {
         if (ti >= 0 && q8_type(ti, 64)) { m |= 1u << ti; ok++; }
     }
     g_int8 = m;
+    g_int8_default = 0;
     return ok;
 }
 
