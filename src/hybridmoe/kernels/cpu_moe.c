@@ -814,6 +814,18 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
 #define GF_2BITS(k) (GF_BIT(k) | (uint64_t)(1u << ((k) + 1)) << 16)   /* bits k, k+1 -> bits 4, 5 */
 
 typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res);
+/* an integer-path kernel FN(ti, R, ...) for every type and R of 1, 2, 4 rows, and the table NAME[type][R] */
+#define KQSHAPE(P, FN, TI, R) \
+    static void P##_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, \
+                               float *res) { FN(TI, R, w, pf, K, xq, res); }
+#define KQSHAPES(P, FN, TI) KQSHAPE(P, FN, TI, 1) KQSHAPE(P, FN, TI, 2) KQSHAPE(P, FN, TI, 4)
+#define KQROW(P, TI) {0, P##_##TI##_1, P##_##TI##_2, 0, P##_##TI##_4}
+#define KQTABLE(NAME, P, FN) \
+    KQSHAPES(P, FN, I_Q4_0) KQSHAPES(P, FN, I_Q4_K) KQSHAPES(P, FN, I_Q5_K) KQSHAPES(P, FN, I_Q6_K) \
+    KQSHAPES(P, FN, I_IQ4_NL) KQSHAPES(P, FN, I_MXFP4) \
+    static const kq_fn NAME[N_TYPES][5] = { \
+        [I_Q4_0] = KQROW(P, I_Q4_0), [I_Q4_K] = KQROW(P, I_Q4_K), [I_Q5_K] = KQROW(P, I_Q5_K), \
+        [I_Q6_K] = KQROW(P, I_Q6_K), [I_IQ4_NL] = KQROW(P, I_IQ4_NL), [I_MXFP4] = KQROW(P, I_MXFP4), };
 
 /* The 32-weight block types on the integer path: 16 bytes of nibbles after a scale, each nibble an entry of a
  * table of small integers (Q4_0: q - 8). vpdpbusd wants the weights unsigned, so the tables are offset by
@@ -965,20 +977,7 @@ HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const
     }
 }
 
-#define KQDEF(TI, R) \
-    static void kq_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res) { \
-        kern_q8(TI, R, w, pf, K, xq, res); }
-KQDEF(I_Q4_0, 1) KQDEF(I_Q4_0, 2) KQDEF(I_Q4_0, 4) KQDEF(I_Q4_K, 1) KQDEF(I_Q4_K, 2) KQDEF(I_Q4_K, 4)
-KQDEF(I_Q5_K, 1) KQDEF(I_Q5_K, 2) KQDEF(I_Q5_K, 4) KQDEF(I_Q6_K, 1) KQDEF(I_Q6_K, 2) KQDEF(I_Q6_K, 4)
-KQDEF(I_IQ4_NL, 1) KQDEF(I_IQ4_NL, 2) KQDEF(I_IQ4_NL, 4) KQDEF(I_MXFP4, 1) KQDEF(I_MXFP4, 2) KQDEF(I_MXFP4, 4)
-static const kq_fn KQTAB[N_TYPES][5] = {
-    [I_Q4_0] = {0, kq_I_Q4_0_1, kq_I_Q4_0_2, 0, kq_I_Q4_0_4},
-    [I_Q4_K] = {0, kq_I_Q4_K_1, kq_I_Q4_K_2, 0, kq_I_Q4_K_4},
-    [I_Q5_K] = {0, kq_I_Q5_K_1, kq_I_Q5_K_2, 0, kq_I_Q5_K_4},
-    [I_Q6_K] = {0, kq_I_Q6_K_1, kq_I_Q6_K_2, 0, kq_I_Q6_K_4},
-    [I_IQ4_NL] = {0, kq_I_IQ4_NL_1, kq_I_IQ4_NL_2, 0, kq_I_IQ4_NL_4},
-    [I_MXFP4] = {0, kq_I_MXFP4_1, kq_I_MXFP4_2, 0, kq_I_MXFP4_4},
-};
+KQTABLE(KQTAB, kq, kern_q8)
 #endif /* HM_VNNI */
 
 #if HM_AVXVNNI
@@ -1106,20 +1105,7 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
     }
 }
 
-#define KQ2DEF(TI, R) \
-    static void kq2_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, \
-                               float *res) { kern_q8_256(TI, R, w, pf, K, xq, res); }
-KQ2DEF(I_Q4_0, 1) KQ2DEF(I_Q4_0, 2) KQ2DEF(I_Q4_0, 4) KQ2DEF(I_Q4_K, 1) KQ2DEF(I_Q4_K, 2) KQ2DEF(I_Q4_K, 4)
-KQ2DEF(I_Q5_K, 1) KQ2DEF(I_Q5_K, 2) KQ2DEF(I_Q5_K, 4) KQ2DEF(I_Q6_K, 1) KQ2DEF(I_Q6_K, 2) KQ2DEF(I_Q6_K, 4)
-KQ2DEF(I_IQ4_NL, 1) KQ2DEF(I_IQ4_NL, 2) KQ2DEF(I_IQ4_NL, 4) KQ2DEF(I_MXFP4, 1) KQ2DEF(I_MXFP4, 2) KQ2DEF(I_MXFP4, 4)
-static const kq_fn KQTAB2[N_TYPES][5] = {
-    [I_Q4_0] = {0, kq2_I_Q4_0_1, kq2_I_Q4_0_2, 0, kq2_I_Q4_0_4},
-    [I_Q4_K] = {0, kq2_I_Q4_K_1, kq2_I_Q4_K_2, 0, kq2_I_Q4_K_4},
-    [I_Q5_K] = {0, kq2_I_Q5_K_1, kq2_I_Q5_K_2, 0, kq2_I_Q5_K_4},
-    [I_Q6_K] = {0, kq2_I_Q6_K_1, kq2_I_Q6_K_2, 0, kq2_I_Q6_K_4},
-    [I_IQ4_NL] = {0, kq2_I_IQ4_NL_1, kq2_I_IQ4_NL_2, 0, kq2_I_IQ4_NL_4},
-    [I_MXFP4] = {0, kq2_I_MXFP4_1, kq2_I_MXFP4_2, 0, kq2_I_MXFP4_4},
-};
+KQTABLE(KQTAB2, kq2, kern_q8_256)
 #endif /* HM_AVXVNNI */
 
 /* Types (bit per type index) whose single-token rows take the integer path (where this CPU and path have
