@@ -44,7 +44,7 @@ from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
                               _type_name, _unsupported, DEFAULT_SAMPLING, parse_messages, parse_tools)
-from .tools import THINK_OPEN, ReplySplitter, is_harmony, template_takes_tools
+from .tools import THINK_OPEN, ReplySplitter, held_prefix, is_harmony, template_takes_tools
 
 log = logging.getLogger("hybridmoe.server")
 
@@ -54,6 +54,12 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its cl
 
 
 # ---------------------------------------------------------------------------- generation
+
+def check_in_vocab(ids, n_vocab: int, key: str):
+    bad = [t for t in ids if not 0 <= t < n_vocab]
+    if bad:
+        raise _bad(f"'{key}' has token id {bad[0]}, outside the vocabulary (0..{n_vocab - 1})", key)
+
 
 class StopMatcher:
     """Cuts the text at the first stop sequence; holds back a tail that may be the start of one, so a
@@ -76,13 +82,7 @@ class StopMatcher:
         if cut >= 0:
             out, self.pending = self.pending[:cut], ""
             return out, True
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), keep, -1):
-                if self.pending.endswith(s[:k]):
-                    keep = k
-                    break
-        n = len(self.pending) - keep
+        n = len(self.pending) - max(held_prefix(self.pending, s) for s in self.stops)
         out, self.pending = self.pending[:n], self.pending[n:]
         return out, False
 
@@ -273,10 +273,7 @@ class ServerState:
 
     async def respond(self, request: Request, kind: str, ids: list[int], params: GenParams):
         max_tokens = self.check_prompt(ids, params, "messages" if kind == "chat" else "prompt")
-        n_vocab = self.model.tokenizer.n_vocab
-        bad = [t for t in params.sampling.logit_bias if not 0 <= t < n_vocab]
-        if bad:
-            raise _bad(f"'logit_bias' has token id {bad[0]}, outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
+        check_in_vocab(params.sampling.logit_bias, self.model.tokenizer.n_vocab, "logit_bias")
         if len(self.active) >= self.max_queue:
             raise ApiError(503, f"the server is busy: {len(self.active)} requests are running or waiting; "
                            f"retry later", "server_busy", type_="server_error")
@@ -502,9 +499,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
     def token_ids(v, key: str) -> list[int]:
         if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             raise _bad(f"'{key}' must be an array of token ids, got {_type_name(v)}", key, "invalid_type")
-        bad = [t for t in v if not 0 <= t < tok.n_vocab]
-        if bad:
-            raise _bad(f"'{key}' has token id {bad[0]}, outside the vocabulary (0..{tok.n_vocab - 1})", key)
+        check_in_vocab(v, tok.n_vocab, key)
         return list(v)
 
     # llama-server's token endpoints (frontends count tokens with them)

@@ -23,6 +23,11 @@ def is_harmony(template: str | None) -> bool:
     return bool(template) and "<|channel|>" in template
 
 
+def held_prefix(text: str, tag: str) -> int:
+    """How many characters at the end of `text` may be the start of `tag` (and must wait for more text)."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
+
+
 def template_takes_tools(template: str | None) -> str | None:
     """None when this chat template renders tools and asks for a format parsed here; else why not."""
     if not template or "tools" not in template:
@@ -70,9 +75,7 @@ class ToolCallSplitter:
         if i >= 0:
             out, self.held, self.pending = self.pending[:i], self.pending[i:], ""
             return out
-        keep = next((k for k in range(min(len(OPEN) - 1, len(self.pending)), 0, -1)
-                     if self.pending.endswith(OPEN[:k])), 0)
-        n = len(self.pending) - keep
+        n = len(self.pending) - held_prefix(self.pending, OPEN)
         out, self.pending = self.pending[:n], self.pending[n:]
         return out
 
@@ -89,11 +92,6 @@ class ToolCallSplitter:
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def _held_prefix(text: str, tag: str) -> int:
-    """How many characters at the end of `text` may be the start of `tag`."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
 
 class ReasoningSplitter:
@@ -135,7 +133,7 @@ class ReasoningSplitter:
                     out.append(("reasoning", self.pending[:i]))
                 self.pending, self.state, self.strip = self.pending[i + len(THINK_CLOSE):], "after", True
                 continue
-            n = len(self.pending) - _held_prefix(self.pending, THINK_CLOSE)
+            n = len(self.pending) - held_prefix(self.pending, THINK_CLOSE)
             if n:
                 out.append(("reasoning", self.pending[:n]))
             self.pending = self.pending[n:]
@@ -220,7 +218,7 @@ class HarmonySplitter:
                     self.pending = self.pending[i + (0 if tag == "<|start|>" else len(tag)):]
                     self._close()
                     continue
-                keep = max(_held_prefix(self.pending, t) for t in self._CLOSE)
+                keep = max(held_prefix(self.pending, t) for t in self._CLOSE)
                 self._emit(out, self.pending[:len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep:]
                 return out
