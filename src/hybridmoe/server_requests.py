@@ -191,17 +191,6 @@ class GenParams:
         # llama-server's prompt cache: start after the prefix shared with the previous generation
         self.cache_prompt = _opt_bool(body, "cache_prompt", True)
         # what we cannot do is refused, not silently ignored
-        # logprobs: None, or how many alternatives each generated token lists (chat: logprobs + top_logprobs
-        # 0-20; completions: logprobs 0-5, OpenAI's legacy form)
-        self.logprobs = None
-        if chat:
-            if _opt_bool(body, "logprobs"):
-                self.logprobs = _opt_int(body, "top_logprobs", 0, lo=0, hi=20)
-            elif body.get("top_logprobs") is not None:
-                raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        elif body.get("logprobs") is not None:
-            self.logprobs = _opt_int(body, "logprobs", lo=0, hi=5)
-        self.tools = None
         # llama-server's reasoning formats: "deepseek" (= "auto") splits <think>...</think> off as
         # reasoning_content; "none" leaves it in the content. None: the server's --reasoning-format.
         self.reasoning_format = body.get("reasoning_format")
@@ -210,7 +199,14 @@ class GenParams:
                        f"{self.reasoning_format!r}", "reasoning_format")
         self.think_opened = False       # the prompt ends inside a <think> block (set by the chat endpoint)
         self.harmony = False            # the reply is in gpt-oss's harmony format (set by the chat endpoint)
+        # logprobs: None, or how many alternatives each generated token lists (chat: logprobs + top_logprobs
+        # 0-20; completions: logprobs 0-5, OpenAI's legacy form)
+        self.logprobs, self.tools = None, None
         if chat:
+            if _opt_bool(body, "logprobs"):
+                self.logprobs = _opt_int(body, "top_logprobs", 0, lo=0, hi=20)
+            elif body.get("top_logprobs") is not None:
+                raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
             self.tools = parse_tools(body)
             if body.get("functions"):
                 raise _unsupported("'functions' (OpenAI's old form) is not supported by this server; send 'tools'",
@@ -220,6 +216,8 @@ class GenParams:
                 raise _unsupported("'response_format' other than {\"type\": \"text\"} is not supported by this "
                                    "server", "response_format")
         else:
+            if body.get("logprobs") is not None:
+                self.logprobs = _opt_int(body, "logprobs", lo=0, hi=5)
             if _opt_bool(body, "echo"):
                 raise _unsupported("'echo' is not supported by this server", "echo")
             if body.get("suffix"):
