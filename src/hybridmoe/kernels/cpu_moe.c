@@ -248,6 +248,22 @@ HM_INLINE const uint8_t *unit_block(const int ti, const uint8_t *row, int64_t un
     return row + unit * TINFO[ti].ts;
 }
 
+/* the two prefetch regions of a kernel's R rows (dot_rows' pf, or its own first row), PR rows each */
+typedef struct { const uint8_t *a, *b; int pr; } pfreg;
+
+HM_INLINE pfreg pf_regions(const int R, const uint8_t *const *w, const uint8_t *const *pf) {
+    return (pfreg){pf && pf[0] ? pf[0] : w[0], pf && pf[1] ? pf[1] : w[0], R > 1 ? R / 2 : 1};
+}
+
+/* prefetch what the rows read in the loop step of `step` bytes at row offset o */
+HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
+#pragma GCC unroll 8
+    for (int b = 0; b < p.pr * step; b += 64) {
+        __builtin_prefetch(p.a + p.pr * o + b, 0, HM_PF_LOC);
+        __builtin_prefetch(p.b + p.pr * o + b, 0, HM_PF_LOC);
+    }
+}
+
 /* A kernel FN(ti, R, NT, ...) instantiated for every type and (R rows, NT tokens) shape dot_rows asks for,
  * and the table NAME[type][R][NT] of the instances (prefix P). */
 #define KSHAPE(P, FN, TI, R, NT) \
@@ -398,16 +414,11 @@ HM_INLINE void kern_avx2(const int ti, const int R, const int NT, const uint8_t 
         for (int t = 0; t < NT; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
     const int sup = IS_K(ti) ? 8 : 1;
     const int step = (ti == I_F32 || ti == I_F16 || ti == I_BF16) ? 32 * TINFO[ti].ts : TINFO[ti].ts;
-    const int PR = R > 1 ? R / 2 : 1;
-    const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
+    const pfreg pr = pf_regions(R, w, pf);
     const int64_t rb = K / (32 * sup) * step;
     kscale ks[4];
     for (int64_t o = 0, e0 = 0; o < rb; o += step, e0 += 32 * sup) {
-#pragma GCC unroll 8
-        for (int b = 0; b < PR * step; b += 64) {
-            __builtin_prefetch(pf0 + PR * o + b, 0, HM_PF_LOC);
-            __builtin_prefetch(pf1 + PR * o + b, 0, HM_PF_LOC);
-        }
+        prefetch_step(pr, o, step);
         if (IS_K(ti))
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
@@ -574,16 +585,11 @@ HM_INLINE void kern_avx(const int ti, const int R, const int NT, const uint8_t *
     /* bytes per step of the loop below (a block, a K super-block, or 32 floats); all rows
      * advance by the same offset o */
     const int step = (ti == I_F32 || ti == I_F16 || ti == I_BF16) ? 32 * TINFO[ti].ts : TINFO[ti].ts;
-    const int PR = R > 1 ? R / 2 : 1;   /* rows per prefetch region */
-    const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
+    const pfreg pr = pf_regions(R, w, pf);
     const int64_t rb = K / (32 * sup) * step;
     kscale ks[4];
     for (int64_t o = 0, e0 = 0; o < rb; o += step, e0 += 32 * sup) {
-#pragma GCC unroll 8
-        for (int b = 0; b < PR * step; b += 64) {
-            __builtin_prefetch(pf0 + PR * o + b, 0, HM_PF_LOC);
-            __builtin_prefetch(pf1 + PR * o + b, 0, HM_PF_LOC);
-        }
+        prefetch_step(pr, o, step);
         if (IS_K(ti)) {
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
@@ -858,17 +864,12 @@ HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const
     for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); }
     const int ts = TINFO[ti].ts;
     const int step = IS_B32(ti) ? 2 * ts : ts;           /* bytes per iteration: 64 or 256 weights */
-    const int PR = R > 1 ? R / 2 : 1;
-    const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
+    const pfreg pr = pf_regions(R, w, pf);
     const int64_t rb = IS_B32(ti) ? K / 32 * ts : K / 256 * ts;
     const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
     const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
     for (int64_t o = 0, e = 0; o < rb; o += step, e += IS_B32(ti) ? 64 : 256) {
-#pragma GCC unroll 8
-        for (int b = 0; b < PR * step; b += 64) {
-            __builtin_prefetch(pf0 + PR * o + b, 0, HM_PF_LOC);
-            __builtin_prefetch(pf1 + PR * o + b, 0, HM_PF_LOC);
-        }
+        prefetch_step(pr, o, step);
         if (IS_B32(ti)) {
             const int64_t p = e / 64;
             const __m512i x1 = _mm512_load_si512(xq->q1 + e), x2 = _mm512_load_si512(xq->q2 + e);
@@ -990,17 +991,12 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     const int ts = TINFO[ti].ts;
     const int step = IS_B32(ti) ? 2 * ts : ts;           /* bytes per iteration: 64 or 256 weights */
-    const int PR = R > 1 ? R / 2 : 1;
-    const uint8_t *pf0 = pf && pf[0] ? pf[0] : w[0], *pf1 = pf && pf[1] ? pf[1] : w[0];
+    const pfreg pr = pf_regions(R, w, pf);
     const int64_t rb = IS_B32(ti) ? K / 32 * ts : K / 256 * ts;
     const __m256i mq40 = _mm256_set_epi64x((long long)GF_HI, (long long)GF_HI, (long long)GF_LO, (long long)GF_LO);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t o = 0, e = 0; o < rb; o += step, e += IS_B32(ti) ? 64 : 256) {
-#pragma GCC unroll 8
-        for (int b = 0; b < PR * step; b += 64) {
-            __builtin_prefetch(pf0 + PR * o + b, 0, HM_PF_LOC);
-            __builtin_prefetch(pf1 + PR * o + b, 0, HM_PF_LOC);
-        }
+        prefetch_step(pr, o, step);
         if (IS_B32(ti)) {
             const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(
                 ti == I_IQ4_NL ? KU8_IQ4NL : KU8_MXFP4)));
