@@ -58,6 +58,9 @@ enum {
 
 /* dense type index used by the kernel tables */
 enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I_MXFP4, N_TYPES };
+/* M(type index) for every type: one case of a per-type switch each */
+#define EACH_TYPE(M) M(I_F32) M(I_F16) M(I_BF16) M(I_Q4_0) M(I_Q8_0) M(I_Q4_K) M(I_Q5_K) M(I_Q6_K) M(I_IQ4_NL) \
+    M(I_MXFP4)
 
 typedef struct {
     int id;   /* ggml id */
@@ -480,10 +483,7 @@ static void deq_row_avx2(int wi, const uint8_t *row, int64_t K, void *dst, int t
         } \
     } \
     break;
-    switch (wi) {
-        DEQ2_CASE(I_F32) DEQ2_CASE(I_F16) DEQ2_CASE(I_BF16) DEQ2_CASE(I_Q4_0) DEQ2_CASE(I_Q8_0)
-        DEQ2_CASE(I_Q4_K) DEQ2_CASE(I_Q5_K) DEQ2_CASE(I_Q6_K) DEQ2_CASE(I_IQ4_NL) DEQ2_CASE(I_MXFP4)
-    }
+    switch (wi) { EACH_TYPE(DEQ2_CASE) }
 #undef DEQ2_CASE
 }
 #endif /* HM_AVX2 */
@@ -1613,10 +1613,7 @@ static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf1
                 } \
             } \
             break;
-        switch (wi) {
-            DEQ_CASE(I_F32) DEQ_CASE(I_F16) DEQ_CASE(I_BF16) DEQ_CASE(I_Q4_0) DEQ_CASE(I_Q8_0)
-            DEQ_CASE(I_Q4_K) DEQ_CASE(I_Q5_K) DEQ_CASE(I_Q6_K) DEQ_CASE(I_IQ4_NL) DEQ_CASE(I_MXFP4)
-        }
+        switch (wi) { EACH_TYPE(DEQ_CASE) }
 #undef DEQ_CASE
         return;
     }
