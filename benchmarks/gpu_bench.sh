@@ -118,6 +118,13 @@ for s in "$@"; do
                   P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V"
                   PYTHONPATH="$P:/tmp/hm-site" python3 benchmarks/profile_decode.py handoff 2>&1 | tail -6; done ;;
     core) python3 benchmarks/bench_core.py --threads 1,4,16 2>&1 | tail -20 ;;
+    int8tg) for F in "" -DHM_INT8_ONE "" -DHM_INT8_ONE; do
+              for PL in "-ngl 99 -ot exps=CPU" "-ngl 99 --n-cpu-moe 24"; do
+                echo "### HYBRIDMOE_KERNEL_CFLAGS=$F $PL"
+                HYBRIDMOE_KERNEL_CFLAGS="$F" hm bench -m $M $PL -p 0 -n 128 -r 3 --roofline 2>&1 | grep tg128; done; done ;;
+    int8one) for F in "" -DHM_INT8_ONE "" -DHM_INT8_ONE; do   # x in one int8 term (ggml's q8_0) against two
+               echo "### HYBRIDMOE_KERNEL_CFLAGS=$F"
+               HYBRIDMOE_KERNEL_CFLAGS="$F" python3 benchmarks/bench_core.py --types Q4_0 --threads 1,8,16 2>&1 | tail -6; done ;;
     tileab) for V in old new old new; do   # the T=512 tile kernel against bench_old/src (see oldnew)
               P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V"
               PYTHONPATH="$P:/tmp/hm-site" python3 benchmarks/bench_kernels.py --types Q4_0,Q8_0,Q4_K --batches 512 --layers 8 2>&1 | grep -E "^read|\| 512 \|"; done ;;
@@ -130,7 +137,7 @@ for s in "$@"; do
             for V in old new old new; do
               P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"
               for PL in "-ngl 99" "-ngl 99 --n-cpu-moe 24" "-ngl 99 -ot exps=CPU"; do
-                [ -n "$OLDNEW" ] && [[ "$PL" != *"$OLDNEW"* ]] && continue
+                [ -n "$OLDNEW" ] && ! [[ "$PL" =~ $OLDNEW ]] && continue   # OLDNEW: a regex of placements
                 echo "### $V: $PL"
                 PYTHONPATH="$P:/tmp/hm-site" python3 -m hybridmoe.cli bench -m $M $PL -p 0 -n 128 -r 3 --roofline 2>&1 | grep tg128
               done; done ;;

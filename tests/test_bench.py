@@ -142,7 +142,14 @@ def test_bad_values_are_reported(capsys):
 
 # ------------------------------------------------------------------------------------------ roofline
 
-def test_roofline_fields(capsys, quick_rates, monkeypatch):
+@pytest.fixture
+def small_probe(monkeypatch):
+    """bench --roofline measures the RAM again around each test with weights in host RAM; here on 64 MiB
+    (the real probe reads up to 4 GiB, seconds a test on the CI machine)."""
+    monkeypatch.setattr(cal, "ram_read_now", lambda reps=3: cal.measure_ram_read_bw(64 << 20, 1))
+
+
+def test_roofline_fields(capsys, quick_rates, monkeypatch, small_probe):
     recs = bench_json(capsys, "-p", "16", "-n", "2", "-pg", "8,2", "-r", "1", "-ngl", "0", "--roofline")
     for r in recs:
         assert set(ROOFLINE_FIELDS) <= set(r)
@@ -158,10 +165,28 @@ def test_roofline_fields(capsys, quick_rates, monkeypatch):
     uploaded = {r["n_ubatch"]: r["uploaded_bytes"] for r in recs}
     assert "CPU" in detail[64] and "CPU" not in detail[128] and "CUDA0" in detail[128]
     assert uploaded[64] == 0 and uploaded[128] >= 0     # 2 layers fit the uploader's 2 slots: reused, not resent
-    rc, out, err = bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--roofline")
+    rc, out, err = bench(capsys, "-p", "8", "-n", "0", "-r", "1", "-ngl", "0", "--roofline")
     assert rc == 0, err
     head = [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
-    assert head[-1] == "roofline" and re.search(r"\d+\.\d\d \(\d+%\) \|$", out.splitlines()[2])
+    assert head[-2:] == ["roofline", "RAM GB/s"]
+    assert re.search(r"\d+\.\d\d \(\d+%\) \| +\d+\.\d \|$", out.splitlines()[2])
+
+
+def test_roofline_reads_the_ram_around_each_test(capsys, quick_rates, monkeypatch):
+    """The RAM limit of a placement with host weights is the read bandwidth measured just before and after
+    the test (their mean), not the cached calibration's; a placement with none keeps the cache's."""
+    def probes(*values):
+        it = iter(values)
+        monkeypatch.setattr(cal, "ram_read_now", lambda reps=3: next(it))
+    probes(10e9, 30e9, 40e9, 40e9)
+    slow, fast = bench_json(capsys, "-p", "0", "-n", "2", "-r", "1", "-ngl", "0", "-fa", "0,1", "--roofline")
+    assert slow["roofline_ram_read"] == 20e9 and fast["roofline_ram_read"] == 40e9
+    assert slow["roofline_ram_probed"] and fast["roofline_ram_probed"]
+    assert fast["roofline_ts"] == pytest.approx(2 * slow["roofline_ts"], rel=1e-6)   # decode: bytes / bandwidth
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1")
+    probes()                                            # no probe may run
+    rec, = bench_json(capsys, "-p", "0", "-n", "2", "-r", "1", "-ngl", "99", "--roofline")
+    assert not rec["roofline_ram_probed"] and rec["roofline_ram_read"] == quick_rates.ram_read_bw
 
 
 def _qwen30_records():

@@ -10,6 +10,7 @@ flag order. Defaults follow llama-bench (-p 512, -n 128, -r 5, -ngl 99 where a G
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -234,6 +235,14 @@ def timed(model, once, n_gen: int) -> tuple[int, int]:
     return time.perf_counter_ns() - t0, model.stats.uploads["bytes"] - up0
 
 
+def reads_host_ram(model) -> bool:
+    """Does a decode step read a share (1% or more) of its weight bytes from host RAM? (The token embedding's
+    row alone does not count.)"""
+    from ..roofline import model_work
+    per_dev = model_work(model.file.tensors, model.placement.device_of, model.cfg).decode_bytes
+    return per_dev.get("CPU", 0.0) >= 0.01 * sum(per_dev.values())
+
+
 def run_tests(model, configs: list[dict], n_prompt: int, n_gen: int, n_depth: int, reps: int, seed: int,
               default_threads: int, tick, interleave: bool) -> list[tuple[list[int], float]]:
     """Per config (runtime options on this loaded model): nanoseconds of each timed repetition (after an
@@ -291,7 +300,7 @@ def main(args) -> int:
 
     import hybridmoe
     from ..roofline import model_bound
-    from ..runtime.calibrate import load_or_calibrate
+    from ..runtime.calibrate import load_or_calibrate, ram_read_now
     models = args.model or ["synth:tiny"]
     tests = list_tests(args)
     depths = _ints(args.n_depth, [0])
@@ -317,6 +326,9 @@ def main(args) -> int:
                         print(f"warning: {w}", file=sys.stderr)
                     # llama-bench's order: config by config (or, --interleave, all of them per test)
                     batches = [group] if args.interleave else [[p] for p in group]
+                    # --roofline with weights in host RAM: the RAM's read bandwidth is measured again around
+                    # each test (the VMs' bandwidth drifts by a third within minutes), not taken from the cache
+                    probe = args.roofline and reads_host_ram(model)
                     for configs in batches:
                         runs = []
                         for d in depths:
@@ -324,10 +336,12 @@ def main(args) -> int:
                                 threads = apply_runtime(model, configs[0], default_threads)
                                 bar.describe(f"{name_of_test(n_p, n_g, d)} (ub {model.options.ubatch_size}, "
                                              f"{threads} threads)")
+                                ram0 = ram_read_now() if probe else 0.0
                                 got = run_tests(model, configs, n_p, n_g, d, reps, 1234 + i, default_threads,
                                                 bar.advance, args.interleave)
-                                runs += [(c, d, n_p, n_g, smp, up) for c, (smp, up) in enumerate(got)]
-                        for c, d, n_p, n_g, samples, up in sorted(runs, key=lambda r: r[0]):
+                                ram = (ram0 + ram_read_now()) / 2 if probe else 0.0
+                                runs += [(c, d, n_p, n_g, smp, up, ram) for c, (smp, up) in enumerate(got)]
+                        for c, d, n_p, n_g, samples, up, ram in sorted(runs, key=lambda r: r[0]):
                             p = configs[c]
                             threads = apply_runtime(model, p, default_threads)
                             rates = None
@@ -335,8 +349,12 @@ def main(args) -> int:
                                 if threads not in rates_by_threads:
                                     rates_by_threads[threads] = load_or_calibrate(threads=threads, isolated=True)
                                 rates = rates_by_threads[threads]
+                                if ram:
+                                    rates = dataclasses.replace(rates, ram_read_bw=ram)
                             bound = model_bound(model, rates, n_p, n_g, d, up) if rates else None
                             results.append(result_record(model, info, p, threads, n_p, n_g, d, samples, up, bound))
+                            if rates:
+                                results[-1].update(roofline_ram_read=rates.ram_read_bw, roofline_ram_probed=bool(ram))
                     del model
                     gc.collect()
                     if torch.cuda.is_available():
@@ -358,7 +376,8 @@ JSON_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "backends
                "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts")
 EXTRA_FIELDS = ("test", "cpu_moe", "no_op_offload", "offload_policy", "offload_only_active_experts", "fused_moe",
                 "uploaded_bytes")                    # bytes uploaded to GPUs per repetition
-ROOFLINE_FIELDS = ("roofline_ts", "roofline_frac", "roofline_limit", "roofline_detail")
+ROOFLINE_FIELDS = ("roofline_ts", "roofline_frac", "roofline_limit", "roofline_detail", "roofline_ram_read",
+                   "roofline_ram_probed")
 
 
 def _build() -> tuple[str, int]:
@@ -434,6 +453,8 @@ def markdown(results: list[dict], values: dict, opts=OPTS, roofline: bool = Fals
     cols += [("test", 15, lambda r: r["test"]), ("t/s", 20, lambda r: f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}")]
     if roofline:
         cols.append(("roofline", 16, lambda r: f"{r['roofline_ts']:.2f} ({r['roofline_frac']:.0%})"))
+        if any(r.get("roofline_ram_probed") for r in results):
+            cols.append(("RAM GB/s", 8, lambda r: f"{r['roofline_ram_read'] / 1e9:.1f}"))
     rows = [[fn(r) for _, _, fn in cols] for r in results]
     widths = []
     for j, (name, w, _) in enumerate(cols):

@@ -886,9 +886,14 @@ HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const
                 q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b1 + B32_QS(ti))));
                 q = _mm512_gf2p8affine_epi64_epi8(q, mq40, 0);
                 if (ti != I_Q4_0) q = _mm512_shuffle_epi8(tab, q);      /* nibble -> table value + offset */
+#ifdef HM_INT8_ONE   /* experiment: x as one int8 term (ggml's q8_0); the sum comes out 256x too small */
+                __m512i a = _mm512_dpbusd_epi32(c1, q, x1);
+                (void)x2; (void)c2;
+#else
                 __m512i a = _mm512_dpbusd_epi32(c1, q, x1);       /* c1, c2: the offset */
                 a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), q, x2);
                 a = _mm512_add_epi32(a, c2);
+#endif
                 const __m512 dw = _mm512_mask_broadcastss_ps(_mm512_set1_ps(*B32_D(ti, b0)), 0xFF00,
                                                              _mm_load_ss(B32_D(ti, b1)));
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dw, xs), acc[r]);
@@ -975,6 +980,9 @@ HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const
     for (int r = 0; r < R; r++) {
         const __m128 m4 = _mm_add_ps(_mm256_castps256_ps128(accm[r]), _mm256_extractf128_ps(accm[r], 1));
         res[r] = _mm512_reduce_add_ps(acc[r]) - (m4[0] + m4[1] + m4[2] + m4[3]);
+#ifdef HM_INT8_ONE
+        if (IS_B32(ti)) res[r] *= 256;
+#endif
     }
 }
 

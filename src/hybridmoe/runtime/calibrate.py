@@ -155,6 +155,13 @@ def measure_ram_read_bw(nbytes: int, reps: int = 5) -> float:
     return n / dt
 
 
+def ram_read_now(reps: int = 3) -> float:
+    """The RAM's read bandwidth now (bytes/s), as calibrate measures it, on a probe of at most a quarter
+    of the memory available (a loaded model holds the rest): bench --roofline brackets each test with it."""
+    total, avail = _host_ram()
+    return measure_ram_read_bw(max(min(4 * GiB, total // 8, avail // 4), 64 * MiB), reps)
+
+
 def measure_cpu_bf16_flops(m: int = 512, k: int = 2048, n: int = 8192, reps: int = 5) -> float:
     g = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=g).to(torch.bfloat16)
