@@ -330,6 +330,48 @@ def test_max_tokens_gives_length_and_counts(client, http):
 
 # ---------------------------------------------------------------------------------------------- tools
 
+# ---------------------------------------------------------------------- structured output (response_format)
+
+SHAPE = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "n"],
+         "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]},
+                        "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+
+
+def check_shape(text: str):
+    v = json.loads(text)
+    assert set(v) == {"ok", "color", "n"} and isinstance(v["ok"], bool) and v["color"] in ("red", "green")
+    assert isinstance(v["n"], int) and 0 <= v["n"] <= 9
+
+
+def test_response_format_json_schema(client):
+    """The random model would write gibberish; under OpenAI's json_schema it writes an object the schema
+    accepts, ended by the model's end-of-generation token, greedy, sampled and streamed alike, and through
+    llama-server's `json_schema` on completions."""
+    rf = {"type": "json_schema", "json_schema": {"name": "shape", "schema": SHAPE, "strict": True}}
+    r = chat(client, response_format=rf, temperature=0, max_tokens=300)
+    assert r.choices[0].finish_reason == "stop"
+    check_shape(r.choices[0].message.content)
+    pieces, _ = stream_pieces(client, response_format=rf, temperature=0, max_tokens=300)
+    assert "".join(pieces) == r.choices[0].message.content
+    for seed in (1, 2):
+        r = chat(client, response_format=rf, temperature=1.0, seed=seed, max_tokens=300)
+        assert r.choices[0].finish_reason == "stop"
+        check_shape(r.choices[0].message.content)
+    c = client.completions.create(model=ALIAS, prompt="Shape:", max_tokens=300, temperature=0,
+                                  extra_body={"json_schema": SHAPE, "cache_prompt": False})
+    assert c.choices[0].finish_reason == "stop"
+    check_shape(c.choices[0].text)
+
+
+def test_response_format_json_object(client):
+    from hybridmoe.constrain import JsonMachine
+    r = chat(client, response_format={"type": "json_object"}, temperature=0, max_tokens=40)
+    text = r.choices[0].message.content
+    m = JsonMachine({"type": "object"})
+    assert text.lstrip().startswith("{") and m.feed(text.encode())      # cut by max_tokens, but on track
+    assert (r.choices[0].finish_reason == "stop") == m.can_end()
+
+
 # A Hermes / Qwen-style template with tools (synth:tiny's own ChatML template has none)
 HERMES_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
@@ -397,6 +439,29 @@ def test_tools_are_rendered_and_a_real_generation_runs(client, http, ref, hermes
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
     none = http.post("/apply-template", json={"messages": msgs, "tools": [WEATHER], "tool_choice": "none"}).json()
     assert "<tools>" not in none["prompt"]
+
+
+def test_tool_choice_forces_a_call(client, hermes):
+    """tool_choice "required" or a named function: the random model's reply is constrained to one
+    <tool_call> block whose arguments the function's parameters accept; it comes back as tool_calls."""
+    city = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}}}}}
+    now = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    for choice, names, kw in (("required", {"get_weather", "now"}, {"temperature": 0}),
+                              ("required", {"get_weather", "now"}, {"temperature": 1.0, "seed": 4}),
+                              ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"},
+                               {"temperature": 0})):
+        r = client.chat.completions.create(model=ALIAS, messages=msgs, tools=[city, now], tool_choice=choice,
+                                           max_tokens=300, extra_body={"cache_prompt": False}, **kw)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+        fn = c.message.tool_calls[0].function
+        args = json.loads(fn.arguments)
+        assert fn.name in names
+        assert args == {} if fn.name == "now" else (set(args) == {"city"} and 1 <= len(args["city"]) <= 12)
 
 
 def test_tool_calls_come_back_as_openai_tool_calls(client, http, hermes, monkeypatch):
@@ -701,10 +766,25 @@ BAD = [
      "chat template does not render tools"),
     ("chat", {"messages": MSG, "tools": {"type": "function"}}, 400, "'tools' must be an array"),
     ("chat", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools[0] must be"),
-    ("chat", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-     400, "'tool_choice' may be"),
+    ("chat", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "maybe"},
+     400, "'tool_choice' must be"),
+    ("chat", {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "'g', which is not one of"),
+    ("chat", {"messages": MSG, "tool_choice": "required"}, 400, "the request has no tools"),
+    ("chat", {"messages": MSG, "tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "not": {}}}}]}, 400, "forces a call, but the parameters of 'f'"),
     ("chat", {"messages": MSG, "functions": [{"name": "f"}]}, 400, "'functions' (OpenAI's old form)"),
     ("chat", {"messages": MSG, "reasoning_format": "raw"}, 400, "'reasoning_format' must be"),
+    ("chat", {"messages": MSG, "response_format": {"type": "xml"}}, 400, "'response_format' must be"),
+    ("chat", {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": "x"}}, 400,
+     "'response_format.json_schema' must be an object"),
+    ("chat", {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "a+"}}}}, 400, "uses 'pattern', which this server"),
+    ("chat", {"messages": MSG, "response_format": {"type": "json_object"}, "json_schema": {}}, 400,
+     "not both"),
+    ("text", {"prompt": "hi", "json_schema": {"anyOf": [{"type": "object"}, {"type": "object"}]}}, 400,
+     "alternatives 0 and 1 both begin with '{'"),
+    ("text", {"prompt": "hi", "grammar": "root ::= \"a\""}, 400, "'grammar' (GBNF) is not supported"),
     ("text", {}, 400, "'prompt' is required"),
     ("text", {"prompt": 5}, 400, "'prompt' must be a string"),
     ("text", {"prompt": [1, 99999]}, 400, "token id 99999, outside the vocabulary"),

@@ -24,8 +24,13 @@ class SamplerSettings:
 
 
 class Sampler:
-    def __init__(self, s: SamplerSettings):
+    """Penalties, bias, temperature, top-k, top-p and min-p, as llama.cpp's chain. `constraint` (a
+    constrain.TokenConstraint): a drawn token it refuses is dropped and the draw repeated among the rest;
+    when it refuses them all, the most likely token of the whole vocabulary it allows is taken."""
+
+    def __init__(self, s: SamplerSettings, constraint=None):
         self.s = s
+        self.constraint = constraint
         self.gen = torch.Generator()
         self.gen.manual_seed(s.seed if s.seed >= 0 else int(time.time_ns() % (2**31)))
         self.penalize = s.repeat_last_n != 0 and (s.repeat_penalty != 1 or s.presence_penalty or s.frequency_penalty)
@@ -41,6 +46,8 @@ class Sampler:
     def accept(self, token: int):
         if self.penalize:
             self.recent.append(token)
+        if self.constraint is not None:
+            self.constraint.accept(token)
 
     def adjust(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits after the repeat / presence / frequency penalties and the logit bias."""
@@ -61,8 +68,10 @@ class Sampler:
         """logits [n_vocab] float32 -> token id (greedy at temperature <= 0, as llama.cpp)."""
         s = self.s
         logits = self.adjust(logits)
+        c = self.constraint
         if s.temperature <= 0:
-            return int(torch.argmax(logits))
+            tok = int(torch.argmax(logits))
+            return tok if c is None or c.allows(tok) else self._best_allowed(logits)
         logits = logits.float() / s.temperature
         if s.top_k > 0:
             v, idx = torch.topk(logits, min(s.top_k, logits.numel()))
@@ -75,7 +84,24 @@ class Sampler:
         if s.min_p > 0:
             keep &= p >= s.min_p * p[0]
         p = torch.where(keep, p, torch.zeros_like(p))
-        return int(idx[torch.multinomial(p / p.sum(), 1, generator=self.gen)])
+        while True:
+            j = int(torch.multinomial(p / p.sum(), 1, generator=self.gen))
+            if c is None or c.allows(int(idx[j])):
+                return int(idx[j])
+            p[j] = 0
+            if not p.sum() > 0:
+                return self._best_allowed(logits)
+
+    def _best_allowed(self, logits: torch.Tensor) -> int:
+        """The constraint's choice when the sampled candidates all failed: the most likely token it allows
+        (tried in order of the logits, in chunks); an end-of-generation token if it allows none."""
+        c = self.constraint
+        order = torch.argsort(logits.float(), descending=True)
+        for i in range(0, order.numel(), 256):
+            for t in order[i:i + 256].tolist():
+                if logits[t] > float("-inf") and c.allows(t):
+                    return t
+        return min(c.eog) if c.eog else int(order[0])
 
 
 @dataclass

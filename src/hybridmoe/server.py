@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
 from .errors import HybridMoeError
+from .constrain import HARMONY_FINAL, THINK_END, JsonMachine, TokenConstraint
 from .generate import Sampler, Timings, generate_ids
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
                               _type_name, _unsupported, DEFAULT_SAMPLING, parse_messages, parse_tools)
@@ -133,7 +134,11 @@ class Job:
             if p.ignore_eos and eos:         # end-of-generation tokens can never be sampled
                 settings = dataclasses.replace(settings, logit_bias={**settings.logit_bias,
                                                                      **{e: float("-inf") for e in eos}})
-            sampler = Sampler(settings)
+            constraint = None
+            if p.schema is not None:                # from the first token, or once the thinking is over
+                trigger = THINK_END if p.think_opened else HARMONY_FINAL if p.harmony else None
+                constraint = TokenConstraint(JsonMachine(p.schema, *p.wrap), tok, eos, trigger)
+            sampler = Sampler(settings, constraint)
             detok = tok.stream()
             stops = StopMatcher(p.stops)
             split = ReplySplitter(tools=bool(p.tools), reasoning=p.reasoning_format not in (None, "none"),
@@ -561,6 +566,9 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         ids, params.think_opened = await encode(render_chat, messages, template_kwargs(body, params.tools))
         params.reasoning_format = params.reasoning_format or state.reasoning_format
         params.harmony = is_harmony(tok.chat_template) and params.reasoning_format != "none"
+        if params.forced and is_harmony(tok.chat_template):
+            raise _unsupported("'tool_choice' that forces a call is not supported with gpt-oss's harmony format "
+                               "yet; send \"auto\"", "tool_choice")
         return await state.respond(request, "chat", ids, params)
 
     @app.post("/v1/completions")

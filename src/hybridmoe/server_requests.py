@@ -11,7 +11,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
+from .constrain import SchemaError, check_schema, tool_call_schema
 from .generate import SamplerSettings
+from .tools import CLOSE, OPEN
 
 MAX_STOPS = 16            # stop sequences per request
 MAX_STOP_CHARS = 512      # characters per stop sequence
@@ -202,19 +204,28 @@ class GenParams:
         # logprobs: None, or how many alternatives each generated token lists (chat: logprobs + top_logprobs
         # 0-20; completions: logprobs 0-5, OpenAI's legacy form)
         self.logprobs, self.tools = None, None
+        self.schema = parse_response_format(body)     # the reply must be JSON this schema accepts (None: free)
+        self.wrap = (b"", b"")                        # ... between these two texts
+        self.forced = None                            # the functions tool_choice forces a call to
         if chat:
             if _opt_bool(body, "logprobs"):
                 self.logprobs = _opt_int(body, "top_logprobs", 0, lo=0, hi=20)
             elif body.get("top_logprobs") is not None:
                 raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
             self.tools = parse_tools(body)
+            self.forced = forced_tools(body, self.tools)
+            if self.forced:                     # the reply is one call: constrained like a response format
+                if self.schema is not None:
+                    raise _bad("a JSON 'response_format' and a 'tool_choice' that forces a call cannot both hold",
+                               "tool_choice")
+                self.schema, self.wrap = tool_call_schema(self.tools, self.forced), (OPEN.encode(), CLOSE.encode())
+                try:
+                    check_schema(self.schema)
+                except SchemaError as e:
+                    raise _bad(f"'tool_choice' forces a call, but {e}", "tools") from None
             if body.get("functions"):
                 raise _unsupported("'functions' (OpenAI's old form) is not supported by this server; send 'tools'",
                                    "functions")
-            rf = body.get("response_format")
-            if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
-                raise _unsupported("'response_format' other than {\"type\": \"text\"} is not supported by this "
-                                   "server", "response_format")
         else:
             if body.get("logprobs") is not None:
                 self.logprobs = _opt_int(body, "logprobs", lo=0, hi=5)
@@ -254,6 +265,40 @@ def _parse_logit_bias(v) -> dict:
     return out
 
 
+def parse_response_format(body):
+    """The JSON schema the reply must follow, or None: OpenAI's `response_format` ({"type": "json_object"}
+    or {"type": "json_schema", "json_schema": {"name": ..., "schema": ...}}; llama-server's
+    {"type": "json_object", "schema": ...} too), or llama-server's top-level `json_schema`."""
+    if body.get("grammar"):
+        raise _unsupported("'grammar' (GBNF) is not supported by this server; send 'response_format' with a JSON "
+                           "schema, or 'json_schema'", "grammar")
+    rf, schema = body.get("response_format"), None
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if not isinstance(rf, dict) or kind not in (None, "text", "json_object", "json_schema"):
+            raise _bad("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": ...}}",
+                       "response_format")
+        if kind == "json_object":
+            schema = rf.get("schema", {"type": "object"})
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise _bad("'response_format.json_schema' must be an object: {\"name\": ..., \"schema\": ...}",
+                           "response_format", "invalid_type")
+            schema = js.get("schema", rf.get("schema", {"type": "object"}))
+    if body.get("json_schema") is not None:
+        if schema is not None:
+            raise _bad("send 'json_schema' or a JSON 'response_format', not both", "json_schema")
+        schema = body["json_schema"]
+    if schema is not None:
+        try:
+            check_schema(schema)
+        except SchemaError as e:
+            raise _bad(f"the response format's schema: {e}", "response_format") from None
+    return schema
+
+
 def parse_tools(body) -> list[dict] | None:
     """The request's function tools, or None (none given, or tool_choice "none")."""
     tools = body.get("tools")
@@ -267,14 +312,30 @@ def parse_tools(body) -> list[dict] | None:
                 or not isinstance(fn.get("name"), str):
             raise _bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                        f"\"parameters\": ...}}}}", "tools", "invalid_type")
-    choice = body.get("tool_choice")
-    if choice == "none":
+    if body.get("tool_choice") == "none":
         return None
-    if choice not in (None, "auto"):
-        raise _unsupported("'tool_choice' may be \"auto\" or \"none\" on this server (forcing a call needs "
-                           "constrained decoding, which it does not do)", "tool_choice")
     _opt_bool(body, "parallel_tool_calls", True)
     return tools or None
+
+
+def forced_tools(body, tools) -> list[str] | None:
+    """The functions `tool_choice` makes the reply call ("required": one of the tools; a named function), or
+    None ("auto", "none" or absent: the model decides)."""
+    choice = body.get("tool_choice")
+    if choice in (None, "auto", "none"):
+        return None
+    names = [t["function"]["name"] for t in tools or []]
+    if choice == "required":
+        if not names:
+            raise _bad("'tool_choice' is \"required\" but the request has no tools", "tool_choice")
+        return names
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                   "\"function\": {\"name\": ...}}", "tool_choice")
+    if fn["name"] not in names:
+        raise _bad(f"'tool_choice' names {fn['name']!r}, which is not one of the request's tools", "tool_choice")
+    return [fn["name"]]
 
 
 def _parse_content(content, where: str):

@@ -1,0 +1,663 @@
+"""Constrained decoding: replies that must be JSON, or JSON that a schema accepts (the server's
+`response_format` and llama-server's `json_schema`), enforced token by token as the sampler picks them.
+
+`JsonMachine` parses UTF-8 bytes incrementally with a stack of small frames whose state copies cheaply:
+`feed(b)` says whether the bytes can continue the text so far toward a value the schema accepts, and
+`can_end()` whether the text is such a value already. `TokenConstraint` puts it between the sampler and the
+vocabulary: a token is allowed if a copy of the machine takes its bytes, an end-of-generation token only
+once the value is complete. The sampler (generate.Sampler) samples as usual and redraws on a refused
+token, so a model that follows the format pays a few checks a token, not a pass over the vocabulary.
+
+The schema subset (what `check_schema` lets through, else a `SchemaError` that names the keyword):
+type (one or a list), properties, required, additionalProperties, items, prefixItems, minItems, maxItems,
+enum, const, anyOf / oneOf (alternatives must begin with different characters: an object and a string,
+not two objects), allOf (merged), $ref into the document (#/$defs/..., #/definitions/...), minLength,
+maxLength, minimum, maximum, exclusiveMinimum, exclusiveMaximum. Annotations (title, description,
+default, examples, format, ...) are accepted and not enforced.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+WS = frozenset(b" \t\n\r")
+MAX_INDENT = 20       # whitespace between tokens is llama.cpp's: one space, or a newline and at most 20 spaces or
+                      # tabs (a model stuck on whitespace has to go on)
+MAX_NUMBER = 40       # bytes of one number
+DIGITS = frozenset(b"0123456789")
+KIND_START = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789",
+              "integer": b"-0123456789", "boolean": b"tf", "null": b"n"}
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
+                         "readOnly", "writeOnly", "deprecated", "$defs", "definitions", "contentMediaType",
+                         "contentEncoding"})
+ENFORCED = frozenset({"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+                      "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "minLength", "maxLength",
+                      "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+# hybridmoe's own, for tool calls (tool_call_schema): properties in their order; the schema of "arguments"
+# chosen by the value of "name"
+ORDERED, BY_NAME = "x-hybridmoe-ordered", "x-hybridmoe-arguments-by-name"
+REFEED = 2            # a frame's step result: it ended without taking the byte, which goes to its parent
+
+
+class SchemaError(ValueError):
+    """A schema this module cannot enforce, or one that is not a valid JSON schema."""
+
+
+# ---------------------------------------------------------------------------------------------- schemas
+
+class _Schemas:
+    """Lookups in one schema document: $ref, allOf, the kinds a subschema allows."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def resolve(self, s):
+        for _ in range(64):
+            if not (isinstance(s, dict) and "$ref" in s):
+                break
+            s = self._ref(s["$ref"])
+        else:
+            raise SchemaError("'$ref' goes round in a loop")
+        if isinstance(s, dict) and "allOf" in s:
+            s = self._merge(s)
+        return s
+
+    def _ref(self, ref):
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise SchemaError(f"'$ref' {ref!r}: only references into the schema itself ('#/$defs/name') are supported")
+        node = self.root
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise SchemaError(f"'$ref' {ref!r} points at nothing in the schema")
+        return node
+
+    def _merge(self, s):
+        parts = s["allOf"]
+        if not isinstance(parts, list) or not parts:
+            raise SchemaError("'allOf' must be a non-empty array of schemas")
+        out = {k: v for k, v in s.items() if k != "allOf"}
+        for p in parts:
+            p = self.resolve(p)
+            if p is True:
+                continue
+            if not isinstance(p, dict):
+                raise SchemaError("'allOf' holds false or a value that is not a schema")
+            for k, v in p.items():
+                if k == "properties":
+                    out["properties"] = {**out.get("properties", {}), **v}
+                elif k == "required":
+                    out["required"] = list(dict.fromkeys(list(out.get("required", [])) + list(v)))
+                elif k in out and out[k] != v and k not in ANNOTATIONS:
+                    raise SchemaError(f"'allOf' parts disagree on {k!r}; merge them into one schema")
+                else:
+                    out[k] = v
+        return out
+
+    def kinds(self, s) -> set[str]:
+        """The JSON kinds a (resolved) subschema can start."""
+        if s is True or s == {}:
+            return set(KIND_START)
+        if s is False:
+            return set()
+        if "const" in s or "enum" in s:
+            vals = [s["const"]] if "const" in s else s["enum"]
+            return {_kind_of(v) for v in vals}
+        alts = s.get("anyOf", s.get("oneOf"))
+        if alts is not None:
+            return set().union(*(self.kinds(self.resolve(a)) for a in alts))
+        t = s.get("type")
+        if t is not None:
+            return set(t) if isinstance(t, list) else {t}
+        if {"properties", "required", "additionalProperties"} & set(s):
+            return {"object"}
+        if {"items", "prefixItems", "minItems", "maxItems"} & set(s):
+            return {"array"}
+        if {"minLength", "maxLength"} & set(s):
+            return {"string"}
+        if {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(s):
+            return {"number"}
+        return set(KIND_START)
+
+
+def _kind_of(v) -> str:
+    return ("null" if v is None else "boolean" if isinstance(v, bool) else "number" if isinstance(v, (int, float))
+            else "string" if isinstance(v, str) else "array" if isinstance(v, list) else "object")
+
+
+def _literals(values) -> tuple[bytes, ...]:
+    """The texts a value of an enum / const may be written as: compact, and with json.dumps' spaces."""
+    out = []
+    for v in values:
+        for sep in ((",", ":"), (", ", ": ")):
+            out.append(json.dumps(v, ensure_ascii=False, separators=sep).encode())
+    return tuple(dict.fromkeys(out))
+
+
+def check_schema(schema) -> None:
+    """Raise SchemaError unless every part of `schema` is in the supported subset (module docstring)."""
+    S = _Schemas(schema)
+    seen: set[int] = set()
+
+    def walk(s, where):
+        s = S.resolve(s)
+        if isinstance(s, bool):
+            return
+        if not isinstance(s, dict):
+            raise SchemaError(f"{where} is {type(s).__name__}, not a schema (an object or true/false)")
+        if id(s) in seen:
+            return
+        seen.add(id(s))
+        bad = sorted(k for k in s if k not in ENFORCED and k not in ANNOTATIONS and k not in (ORDERED, BY_NAME))
+        if bad:
+            raise SchemaError(f"{where} uses {', '.join(repr(b) for b in bad)}, which this server cannot enforce; "
+                              f"supported: {', '.join(sorted(ENFORCED))}")
+        t = s.get("type")
+        for name in (t if isinstance(t, list) else [t] if t is not None else []):
+            if name not in KIND_START:
+                raise SchemaError(f"{where}: unknown type {name!r}")
+        if "enum" in s and not (isinstance(s["enum"], list) and s["enum"]):
+            raise SchemaError(f"{where}: 'enum' must be a non-empty array")
+        for k in ("properties", "$defs", "definitions"):
+            v = s.get(k, {})
+            if not isinstance(v, dict):
+                raise SchemaError(f"{where}.{k} must be an object")
+        for name, sub in s.get("properties", {}).items():
+            walk(sub, f"{where}.properties.{name}")
+        req = s.get("required", [])
+        if not (isinstance(req, list) and all(isinstance(r, str) for r in req)):
+            raise SchemaError(f"{where}.required must be an array of property names")
+        ap = s.get("additionalProperties", True)
+        if ap is False and not set(req) <= set(s.get("properties", {})):
+            raise SchemaError(f"{where} requires properties it does not allow (additionalProperties is false)")
+        if not isinstance(ap, bool):
+            walk(ap, f"{where}.additionalProperties")
+        for name, sub in s.get(BY_NAME, {}).items():
+            walk(sub, f"the parameters of {name!r}")
+        if "items" in s and not isinstance(s["items"], bool):
+            walk(s["items"], f"{where}.items")
+        for i, sub in enumerate(s.get("prefixItems", [])):
+            walk(sub, f"{where}.prefixItems[{i}]")
+        for k in ("minItems", "maxItems", "minLength", "maxLength"):
+            if k in s and not (isinstance(s[k], int) and not isinstance(s[k], bool) and s[k] >= 0):
+                raise SchemaError(f"{where}.{k} must be a non-negative integer")
+        for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            if k in s and not (isinstance(s[k], (int, float)) and not isinstance(s[k], bool)):
+                raise SchemaError(f"{where}.{k} must be a number")
+        for key in ("anyOf", "oneOf"):
+            if key not in s:
+                continue
+            alts = s[key]
+            if not isinstance(alts, list) or not alts:
+                raise SchemaError(f"{where}.{key} must be a non-empty array of schemas")
+            starts: dict[int, int] = {}
+            for i, a in enumerate(alts):
+                walk(a, f"{where}.{key}[{i}]")
+                for kind in S.kinds(S.resolve(a)):
+                    for c in KIND_START[kind]:
+                        if starts.setdefault(c, i) != i:
+                            raise SchemaError(f"{where}.{key}: alternatives {starts[c]} and {i} both begin with "
+                                              f"{chr(c)!r}; this server needs alternatives it can tell apart by "
+                                              f"their first character (e.g. an object or a string)")
+    walk(schema, "schema")
+
+
+# ----------------------------------------------------------------------------------------------- frames
+
+def _ws(state: int, c: int) -> int:
+    """Whitespace between tokens: the run's state after byte c (0: none yet, 1: one space, 2 + k: a newline
+    and k spaces or tabs), or -1 if c may not go on the run."""
+    if state == 0:
+        return 1 if c == 0x20 else 2 if c == 0x0A else -1
+    return state + 1 if state >= 2 and c in (0x20, 0x09) and state - 2 < MAX_INDENT else -1
+
+# Each frame takes bytes through step(c, m) -> True (taken), False (refused) or REFEED; a frame that
+# completes calls m.pop(value). Frame state is plain immutable values, so a shallow copy is a full copy.
+
+class _Frame:
+    __slots__ = ()
+
+    def clone(self):
+        c = object.__new__(type(self))
+        for k in self.__slots__:
+            setattr(c, k, getattr(self, k))
+        return c
+
+    def can_finish(self) -> bool:       # could end right here, with no more bytes (numbers, literals)
+        return False
+
+    def child_done(self, value, m):
+        pass
+
+
+class _Value(_Frame):
+    """Any value of `schema`, after optional whitespace; becomes the frame of the kind its first byte opens."""
+    __slots__ = ("schema", "ws")
+
+    def __init__(self, schema):
+        self.schema, self.ws = schema, 0
+
+    def step(self, c, m):
+        if c in WS:
+            self.ws = _ws(self.ws, c)
+            return self.ws >= 0
+        f = m.open(self.schema, c)
+        if f is None:
+            return False
+        m.stack[-1] = f
+        return REFEED
+
+
+class _Root(_Frame):
+    """Under the value: after it, whitespace, the suffix (if any), whitespace."""
+    __slots__ = ("done", "ws", "suffix", "got")
+
+    def __init__(self, suffix=b""):
+        self.done, self.ws, self.suffix, self.got = False, 0, suffix, 0
+
+    def finished(self) -> bool:
+        return self.done and self.got == len(self.suffix)
+
+    def child_done(self, value, m):
+        self.done = True
+
+    def step(self, c, m):               # only reached after the value
+        if self.got < len(self.suffix) and c == self.suffix[self.got]:
+            self.got += 1
+            self.ws = 0
+            return True
+        if c not in WS or 0 < self.got < len(self.suffix):
+            return False
+        self.ws = _ws(self.ws, c)
+        return self.ws >= 0
+
+
+class _Object(_Frame):
+    # state 0: '{' next; 1: a key or '}'; 2: a key (after ','); 3: ':'; 4: ',' or '}' (after a value)
+    __slots__ = ("s", "state", "seen", "key", "ws", "name")
+
+    def __init__(self, s):
+        self.s, self.state, self.seen, self.key, self.ws, self.name = s, 0, frozenset(), None, 0, None
+
+    def _props(self):
+        return self.s.get("properties", {}) if isinstance(self.s, dict) else {}
+
+    def _closed(self):
+        return isinstance(self.s, dict) and self.s.get("additionalProperties", True) is False
+
+    def step(self, c, m):
+        if self.state == 0:
+            self.state = 1
+            return c == 0x7B
+        if c in WS:
+            self.ws = _ws(self.ws, c)
+            return self.ws >= 0
+        self.ws = 0
+        if self.state in (1, 2) and c == 0x22:
+            names = [k.encode() for k in self._props() if k.encode() not in self.seen]
+            if self.s.get(ORDERED):
+                names = names[:1]
+            if self._closed() and not names:
+                return False
+            m.stack.append(_String(allowed=tuple(names) if self._closed() else None, exclude=self.seen, keep=True))
+            return REFEED
+        if self.state == 3:
+            if c != 0x3A:
+                return False
+            self.state = 4
+            m.stack.append(_Value(self._value_schema(self.key)))
+            return True
+        if c == 0x7D and self.state in (1, 4):
+            req = self.s.get("required", []) if isinstance(self.s, dict) else []
+            if any(r.encode() not in self.seen for r in req):
+                return False
+            m.pop(None)
+            return True
+        if c == 0x2C and self.state == 4:
+            if self._closed() and all(k.encode() in self.seen for k in self._props()):
+                return False
+            self.state = 2
+            return True
+        return False
+
+    def _value_schema(self, key: bytes):
+        props = self._props()
+        name = key.decode("utf-8", "surrogatepass")
+        if name == "arguments" and BY_NAME in self.s and self.name is not None:
+            return self.s[BY_NAME][json.loads(self.name)]
+        if name in props:
+            return props[name]
+        ap = self.s.get("additionalProperties", True) if isinstance(self.s, dict) else True
+        return ap
+
+    def child_done(self, value, m):
+        if self.state in (1, 2):        # the key
+            self.key, self.seen, self.state = value, self.seen | {value}, 3
+        elif self.key == b"name":       # its value's text (a literal of an enum)
+            self.name = value
+
+
+class _Array(_Frame):
+    # state 0: '[' next; 1: a value or ']'; 2: a value (after ','); 4: ',' or ']'
+    __slots__ = ("s", "state", "n", "ws")
+
+    def __init__(self, s):
+        self.s, self.state, self.n, self.ws = s, 0, 0, 0
+
+    def _get(self, k, default):
+        return self.s.get(k, default) if isinstance(self.s, dict) else default
+
+    def _max(self):
+        hi = self._get("maxItems", None)
+        if self._get("items", True) is False:
+            n = len(self._get("prefixItems", []))
+            hi = n if hi is None else min(hi, n)
+        return hi
+
+    def step(self, c, m):
+        if self.state == 0:
+            self.state = 1
+            return c == 0x5B
+        if c in WS:
+            self.ws = _ws(self.ws, c)
+            return self.ws >= 0
+        self.ws = 0
+        if self.state in (1, 4) and c == 0x5D:
+            if self.n < self._get("minItems", 0):
+                return False
+            m.pop(None)
+            return True
+        if self.state == 4:
+            if c != 0x2C or (self._max() is not None and self.n >= self._max()):
+                return False
+            self.state = 2
+            return True
+        if self._max() is not None and self.n >= self._max():
+            return False
+        prefix = self._get("prefixItems", [])
+        item = prefix[self.n] if self.n < len(prefix) else self._get("items", True)
+        self.n += 1
+        self.state = 4
+        m.stack.append(_Value(item))
+        return REFEED
+
+
+_ESC = {ord('"'): b'"', ord("\\"): b"\\", ord("/"): b"/", ord("b"): b"\b", ord("f"): b"\f", ord("n"): b"\n",
+        ord("r"): b"\r", ord("t"): b"\t"}
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+class _String(_Frame):
+    """A JSON string; its decoded bytes are kept when they must be one of `allowed` or none of `exclude`."""
+    # state 0: '"' next; 1: content; 2: after '\'; 3: in \uXXXX
+    __slots__ = ("allowed", "exclude", "lo", "hi", "state", "buf", "hexd", "n", "keep", "cont")
+
+    def __init__(self, allowed=None, exclude=frozenset(), lo=0, hi=None, keep=False):
+        self.allowed, self.exclude, self.lo, self.hi = allowed, exclude, lo, hi
+        self.state, self.buf, self.hexd, self.n, self.cont = 0, b"", b"", 0, 0
+        self.keep = keep or allowed is not None or bool(exclude)
+
+    def _full(self) -> bool:            # maxLength reached: only the closing quote may come
+        return self.hi is not None and self.n >= self.hi
+
+    def _escape_fits(self) -> bool:     # can a backslash escape continue a string that must be one of a few?
+        k = len(self.buf)
+        return self.allowed is None or any(len(a) > k and a.startswith(self.buf) and a[k] in b'"\\/\b\f\n\r\t'
+                                           for a in self.allowed)
+
+    def _add(self, b: bytes, chars: int) -> bool:
+        self.n += chars
+        if self.hi is not None and self.n > self.hi:
+            return False
+        if self.keep:
+            self.buf += b
+            if self.allowed is not None and not any(a.startswith(self.buf) for a in self.allowed):
+                return False
+        return True
+
+    def step(self, c, m):
+        st = self.state
+        if st == 0:
+            self.state = 1
+            return c == 0x22
+        if st == 1:
+            if self.cont:               # inside a UTF-8 sequence: continuation bytes only
+                self.cont -= 1
+                return 0x80 <= c < 0xC0 and self._add(bytes((c,)), 0)
+            if c == 0x22:
+                if self.n < self.lo or (self.keep and (self.buf in self.exclude or
+                                                       (self.allowed is not None and self.buf not in self.allowed))):
+                    return False
+                m.pop(self.buf)
+                return True
+            if c < 0x20 or self._full() or 0x80 <= c < 0xC2 or c > 0xF4:
+                return False
+            if c == 0x5C:
+                self.state = 2
+                return self._escape_fits()
+            self.cont = 0 if c < 0x80 else 1 if c < 0xE0 else 2 if c < 0xF0 else 3
+            return self._add(bytes((c,)), 1)
+        if st == 2:
+            if c == 0x75:               # not in a string that must be one of a few (property names)
+                self.state, self.hexd = 3, b""
+                return self.allowed is None
+            self.state = 1
+            if c not in _ESC:
+                return False
+            return self._add(_ESC[c], 1)
+        if c not in _HEX:
+            return False
+        self.hexd += bytes((c,))
+        if len(self.hexd) < 4:
+            return True
+        self.state = 1
+        return self._add(chr(int(self.hexd, 16)).encode("utf-8", "surrogatepass"), 1)
+
+
+# number DFA: state -> {byte class: next}; terminal states end a number
+_NUM = {0: {"-": 1, "0": 2, "d": 3}, 1: {"0": 2, "d": 3}, 2: {".": 4, "e": 6}, 3: {"d": 3, "0": 3, ".": 4, "e": 6},
+        4: {"d": 5, "0": 5}, 5: {"d": 5, "0": 5, "e": 6}, 6: {"-": 7, "+": 7, "d": 8, "0": 8}, 7: {"d": 8, "0": 8},
+        8: {"d": 8, "0": 8}}
+_NUM_END = frozenset({2, 3, 5, 8})
+
+
+def _num_class(c: int) -> str:
+    return ("0" if c == 0x30 else "d" if c in DIGITS else "-" if c == 0x2D else "+" if c == 0x2B
+            else "." if c == 0x2E else "e" if c in (0x65, 0x45) else "")
+
+
+class _Number(_Frame):
+    """A JSON number (integer: no fraction or exponent). With bounds there is no exponent either, so the
+    digits only move the value away from 0 and a number that has left the range is refused right there."""
+    __slots__ = ("bounds", "integer", "state", "buf")
+
+    def __init__(self, s, integer):
+        s = s if isinstance(s, dict) else {}
+        inf = float("inf")
+        self.bounds = (s.get("minimum", -inf), s.get("exclusiveMinimum", -inf), s.get("maximum", inf),
+                       s.get("exclusiveMaximum", inf))
+        self.integer, self.state, self.buf = integer, 0, b""
+
+    def can_finish(self):
+        return self.state in _NUM_END and self._in_range(float(self.buf))
+
+    def _in_range(self, v: float) -> bool:
+        lo, lo_x, hi, hi_x = self.bounds
+        return lo <= v <= hi and (lo_x == -float("inf") or v > lo_x) and (hi_x == float("inf") or v < hi_x)
+
+    def _reachable(self, v: float) -> bool:
+        lo, lo_x, hi, hi_x = self.bounds
+        return not ((v > 0 and (v > hi or v >= hi_x)) or (v < 0 and (v < lo or v <= lo_x)))
+
+    def step(self, c, m):
+        cls = _num_class(c)
+        nxt = _NUM[self.state].get(cls)
+        bounded = self.bounds != (-float("inf"), -float("inf"), float("inf"), float("inf"))
+        if (nxt is not None and len(self.buf) < MAX_NUMBER and not (cls == "." and self.integer)
+                and not (cls == "e" and (self.integer or bounded))):
+            buf = self.buf + bytes((c,))
+            if nxt in (3, 5) and not self._reachable(float(buf)):
+                return False
+            self.state, self.buf = nxt, buf
+            return True
+        if self.can_finish():
+            m.pop(self.buf)
+            return REFEED
+        return False
+
+
+class _Literal(_Frame):
+    """One of a few fixed texts (true, false, null, an enum's values)."""
+    __slots__ = ("options", "buf")
+
+    def __init__(self, options):
+        self.options, self.buf = options, b""
+
+    def can_finish(self):
+        return self.buf in self.options
+
+    def step(self, c, m):
+        nb = self.buf + bytes((c,))
+        if any(o.startswith(nb) for o in self.options):
+            self.buf = nb
+            if nb in self.options and not any(len(o) > len(nb) and o.startswith(nb) for o in self.options):
+                m.pop(nb)
+            return True
+        if self.buf in self.options:
+            m.pop(self.buf)
+            return REFEED
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- machine
+
+class JsonMachine:
+    """Incremental check of UTF-8 bytes against a JSON schema (True: any JSON value)."""
+
+    def __init__(self, schema=True, prefix: bytes = b"", suffix: bytes = b""):
+        """prefix, suffix: fixed text before the value (nothing between) and after it (whitespace between)."""
+        check_schema(schema)
+        self.schemas = _Schemas(schema)
+        self.stack: list[_Frame] = [_Root(suffix), _Value(schema)] + ([_Literal((prefix,))] if prefix else [])
+
+    def clone(self) -> "JsonMachine":
+        m = object.__new__(JsonMachine)
+        m.schemas, m.stack = self.schemas, [f.clone() for f in self.stack]
+        return m
+
+    def feed(self, data: bytes) -> bool:
+        """Take `data`; False if it cannot continue the text toward an accepted value (the machine is then
+        spent: check on a clone first)."""
+        for c in data:
+            while True:
+                r = self.stack[-1].step(c, self)
+                if r is REFEED:
+                    continue
+                if not r:
+                    return False
+                break
+        return True
+
+    def accepts(self, data: bytes) -> bool:
+        return self.clone().feed(data)
+
+    def can_end(self) -> bool:
+        """Is the text so far a complete value the schema accepts?"""
+        m = self.clone()
+        while len(m.stack) > 1:
+            top = m.stack[-1]
+            if not top.can_finish():
+                return False
+            m.pop(top.buf)
+        return m.stack[0].finished()
+
+    def pop(self, value):
+        self.stack.pop()
+        self.stack[-1].child_done(value, self)
+
+    def open(self, schema, c: int):
+        """The frame for a value of `schema` that starts with byte c, or None."""
+        s = self.schemas.resolve(schema)
+        if s is False:
+            return None
+        if isinstance(s, dict) and ("const" in s or "enum" in s):
+            opts = tuple(o for o in _literals([s["const"]] if "const" in s else s["enum"]) if o[:1] == bytes((c,)))
+            return _Literal(opts) if opts else None
+        if isinstance(s, dict) and ("anyOf" in s or "oneOf" in s):
+            for a in s.get("anyOf", s.get("oneOf")):
+                if any(c in KIND_START[k] for k in self.schemas.kinds(self.schemas.resolve(a))):
+                    return self.open(a, c)
+            return None
+        kinds = self.schemas.kinds(s)
+        d = s if isinstance(s, dict) else {}
+        if c == 0x7B and "object" in kinds:
+            return _Object(d)
+        if c == 0x5B and "array" in kinds:
+            return _Array(d)
+        if c == 0x22 and "string" in kinds:
+            return _String(lo=d.get("minLength", 0), hi=d.get("maxLength"))
+        if c in KIND_START["number"] and kinds & {"number", "integer"}:
+            return _Number(d, integer="number" not in kinds)
+        if c in b"tf" and "boolean" in kinds:
+            return _Literal((b"true", b"false"))
+        if c == 0x6E and "null" in kinds:
+            return _Literal((b"null",))
+        return None
+
+
+def tool_call_schema(tools: list[dict], names: list[str]) -> dict:
+    """The schema of one Hermes / Qwen tool call, {"name": ..., "arguments": ...}, to one of `names` (the
+    request's tools: OpenAI's {"type": "function", "function": {"name": ..., "parameters": ...}})."""
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+              for t in tools if t["function"]["name"] in names}
+    return {"type": "object", ORDERED: True, "additionalProperties": False, "required": ["name", "arguments"],
+            "properties": {"name": {"enum": list(params)}, "arguments": {"type": "object"}}, BY_NAME: params}
+
+
+# ------------------------------------------------------------------------------------------ with tokens
+
+THINK_END = re.compile(rb"</think>")
+HARMONY_FINAL = re.compile(rb"<\|channel\|>final[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>")
+
+
+class TokenConstraint:
+    """A JsonMachine over a tokenizer's vocabulary (generate.Sampler asks `allows` and calls `accept`).
+
+    trigger: a bytes regex after whose first match the constraint starts (THINK_END when the prompt opened
+    a thinking block, HARMONY_FINAL for gpt-oss's final channel); until then every token is allowed."""
+
+    def __init__(self, machine: JsonMachine, tokenizer, eog_ids, trigger: re.Pattern | None = None):
+        self.m, self.tok, self.eog = machine, tokenizer, frozenset(eog_ids)
+        self.trigger, self.active, self.before = trigger, trigger is None, b""
+        self._pieces: dict[int, bytes | None] = {}
+
+    def _piece(self, t: int) -> bytes | None:
+        p = self._pieces.get(t, False)
+        if p is False:
+            p = self._pieces[t] = None if self.tok.is_control(t) else self.tok.piece_bytes(t)
+        return p
+
+    def allows(self, t: int) -> bool:
+        if not self.active:
+            return True
+        if t in self.eog:
+            return self.m.can_end()
+        p = self._piece(t)
+        return bool(p) and self.m.accepts(p)
+
+    def accept(self, t: int):
+        if self.active:
+            if t not in self.eog:
+                self.m.feed(self._piece(t) or b"")
+            return
+        self.before += self.tok.piece_bytes(t)
+        hit = self.trigger.search(self.before)
+        if hit:
+            self.active = True
+            self.m.feed(self.before[hit.end():])
+        else:
+            self.before = self.before[-256:]

@@ -1,0 +1,196 @@
+"""Constrained decoding (constrain.py): the incremental JSON / JSON-schema machine against the json module and
+hand-checked cases, and the sampler under a schema with synth:tiny's real vocabulary."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import hybridmoe
+from hybridmoe.constrain import THINK_END, JsonMachine, SchemaError, TokenConstraint, check_schema
+from hybridmoe.generate import Sampler, SamplerSettings
+
+
+def verdict(schema, text: str | bytes) -> str:
+    """'ok' (a complete value), 'prefix' (can still become one) or 'refused'."""
+    m = JsonMachine(schema)
+    data = text.encode() if isinstance(text, str) else text
+    for i in range(len(data)):
+        if not m.feed(data[i:i + 1]):
+            return "refused"
+    return "ok" if m.can_end() else "prefix"
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", 3, None]}, "maxItems": 2},
+                         "ratio": {"type": ["number", "null"], "exclusiveMaximum": 1}}}
+
+
+@pytest.mark.parametrize("schema, text, want", [
+    (True, '{"a": [1, -2.5e+3, "x\\u00e9\\n", true, false, null], "b": {}}', "ok"),
+    (True, '{\n  "a": 1,\n  "b": [\n    2\n  ]\n}\n', "ok"),                    # json.dumps(indent=2), newline
+    (True, "12", "ok"), (True, "-0.5E-7", "ok"), (True, '"\u00e9t\u00e9"', "ok"), (True, "[]", "ok"),
+    (True, '{"a": ', "prefix"), (True, "tr", "prefix"), (True, '"abc', "prefix"),
+    (True, "01", "refused"), (True, "1.", "prefix"), (True, "{,}", "refused"), (True, "[1,]", "refused"),
+    (True, '{"a" 1}', "refused"), (True, "nul1", "refused"), (True, '"a\x01"', "refused"),
+    (True, '{"a": 1, "a": 2}', "refused"),                                        # a key twice
+    (True, "{}  ", "refused"), (True, "{}\t", "refused"),                         # llama.cpp's whitespace
+    (True, "{}\n" + " " * 20, "ok"), (True, "{}\n" + " " * 21, "refused"),
+    (PERSON, '{"name": "Ann", "age": 41}', "ok"),
+    (PERSON, '{"age": 41, "name": "Ann", "tags": ["b", 3], "ratio": null}', "ok"),
+    (PERSON, '{"age": 41, "name": "Ann", "ratio": 0.5}', "ok"),
+    (PERSON, '{"name": "Ann"}', "refused"),                                       # age is required
+    (PERSON, '{"name": "Ann", "age": 41, "x": 1}', "refused"),                    # no other keys
+    (PERSON, '{"nam', "prefix"), (PERSON, '{"nick', "refused"),
+    (PERSON, '{"name": "", "age": 1}', "refused"),                                # minLength
+    (PERSON, '{"name": "Annabelle", "age": 1}', "refused"),                       # maxLength
+    (PERSON, '{"name": "A", "age": 151}', "refused"), (PERSON, '{"name": "A", "age": 1000', "refused"),
+    (PERSON, '{"name": "A", "age": -1', "refused"), (PERSON, '{"name": "A", "age": 1.5}', "refused"),
+    (PERSON, '{"name": "A", "age": 1, "tags": ["c"]}', "refused"),
+    (PERSON, '{"name": "A", "age": 1, "tags": ["a", "b", "a"]}', "refused"),    # maxItems
+    (PERSON, '{"name": "A", "age": 1, "ratio": 1}', "refused"),                  # exclusiveMaximum
+    (PERSON, '{"name": "A", "age": 1, "ratio": "x"}', "refused"),
+    (PERSON, "[1]", "refused"),
+    ({"$defs": {"p": PERSON}, "type": "array", "items": {"$ref": "#/$defs/p"}, "minItems": 1},
+     '[{"name": "B", "age": 2}]', "ok"),
+    ({"type": "array", "minItems": 1}, "[]", "refused"),
+    ({"anyOf": [{"type": "string", "maxLength": 2}, {"type": "integer"}]}, '"ab"', "ok"),
+    ({"anyOf": [{"type": "string", "maxLength": 2}, {"type": "integer"}]}, '"abc"', "refused"),
+    ({"anyOf": [{"type": "string", "maxLength": 2}, {"type": "integer"}]}, "7", "ok"),
+    ({"allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"const": "x"}}, "required": ["b"]}], "additionalProperties": False},
+     '{"b": "x", "a": 3}', "ok"),
+    ({"prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False}, '[1, "a"]', "ok"),
+    ({"prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False}, '[1, "a", 2]', "refused"),
+    ({"enum": [1, 12, "x"]}, "1", "ok"), ({"enum": [1, 12, "x"]}, "12", "ok"), ({"enum": [1, 12]}, "13", "refused"),
+    ({"const": {"k": [1, 2]}}, '{"k": [1, 2]}', "ok"), ({"const": {"k": [1, 2]}}, '{"k":[1,2]}', "ok"),
+    ({"type": "object", "additionalProperties": {"type": "boolean"}}, '{"x": true, "y": false}', "ok"),
+    ({"type": "object", "additionalProperties": {"type": "boolean"}}, '{"x": 1}', "refused"),
+    ({"type": "string", "format": "date-time", "description": "annotations are taken, not enforced"}, '"x"', "ok"),
+])
+def test_documents(schema, text, want):
+    assert verdict(schema, text) == want
+
+
+def test_a_dead_end_is_refused_where_it_starts():
+    # property names must be one of a few: no escapes that could not spell one; maxLength: only the quote
+    assert verdict(PERSON, '{"n\\u') == "refused" and verdict(PERSON, '{"n\\') == "refused"
+    assert verdict({"type": "string", "maxLength": 2}, '"ab\\') == "refused"
+    assert verdict({"type": "string"}, b'"\xc3') == "prefix" and verdict({"type": "string"}, b'"\xc3"') == "refused"
+    assert verdict({"type": "string"}, b'"\xff') == "refused"                    # not UTF-8
+
+
+def _random_json(rng: random.Random, depth=0):
+    kind = rng.randrange(7 if depth < 3 else 5)
+    if kind == 0:
+        return rng.choice([None, True, False])
+    if kind == 1:
+        return rng.randint(-10**6, 10**6)
+    if kind == 2:
+        return rng.choice([0.5, -1e-7, 3.25e12, 1.0])
+    if kind in (3, 4):
+        return "".join(rng.choice('ab "\\/\n\té€😀x') for _ in range(rng.randrange(6)))
+    if kind == 5:
+        return [_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {f"k{i}{rng.choice('xyé')}": _random_json(rng, depth + 1) for i in range(rng.randrange(4))}
+
+
+def _strict_loads(text: str) -> bool:
+    def no_dups(pairs):
+        keys = [k for k, _ in pairs]
+        if len(keys) != len(set(keys)):
+            raise ValueError("duplicate key")
+        return dict(pairs)
+
+    def no_constants(name):
+        raise ValueError(name)
+    try:
+        json.loads(text, object_pairs_hook=no_dups, parse_constant=no_constants)
+        return True
+    except ValueError:
+        return False
+
+
+def test_any_json_agrees_with_the_json_module():
+    """Schema true against json.loads (strict: no duplicate keys, no NaN): every json.dumps form of random
+    values is taken, and single-character edits of them (not whitespace, which follows llama.cpp's rule) are
+    complete exactly when json.loads accepts them."""
+    rng = random.Random(0)
+    for _ in range(300):
+        v = _random_json(rng)
+        for text in (json.dumps(v), json.dumps(v, ensure_ascii=False, separators=(",", ":")),
+                     json.dumps(v, ensure_ascii=False, indent=2)):
+            assert verdict(True, text) == "ok", text
+            for _ in range(4):
+                i = rng.randrange(len(text) + 1)
+                edit = text[:i] + rng.choice('{}[],:"\\0123456789.-+eEtrufalsn') + text[i + rng.randrange(2):]
+                assert (verdict(True, edit) == "ok") == _strict_loads(edit), edit
+
+
+@pytest.mark.parametrize("schema, msg", [
+    ({"type": "string", "pattern": "^a+$"}, "'pattern'"),
+    ({"anyOf": [{"type": "object"}, {"properties": {"a": {}}}]}, "both begin with '{'"),
+    ({"$ref": "#/$defs/missing"}, "points at nothing"),
+    ({"$ref": "https://example.com/s.json"}, "only references into the schema"),
+    ({"type": "strin"}, "unknown type 'strin'"),
+    ({"required": ["a"], "additionalProperties": False}, "requires properties it does not allow"),
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "loop"),
+    ({"type": "array", "maxItems": -1}, "non-negative integer"),
+    ([1], "not a schema"),
+])
+def test_schemas_it_cannot_enforce_are_refused(schema, msg):
+    with pytest.raises(SchemaError, match=msg):
+        check_schema(schema)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return hybridmoe.load("synth:tiny").tokenizer
+
+
+def _constrained(tok, schema, logits_fn, settings, trigger=None, n=400):
+    c = TokenConstraint(JsonMachine(schema), tok, tok.eos_ids, trigger)
+    s = Sampler(settings, c)
+    ids = []
+    for _ in range(n):
+        t = s(logits_fn())
+        if t in tok.eos_ids:
+            return ids, True
+        s.accept(t)
+        ids.append(t)
+    return ids, False
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8, 1.5])
+def test_sampling_under_a_schema_writes_matching_json(tok, temperature):
+    """Random logits (the model wants anything) over synth:tiny's real byte-level vocabulary: whatever is
+    sampled, the reply ends with an end-of-generation token and is JSON the schema accepts."""
+    g = torch.Generator().manual_seed(int(temperature * 10))
+    for seed in range(3):
+        ids, ended = _constrained(tok, PERSON, lambda: torch.randn(tok.n_vocab, generator=g) * 3,
+                                  SamplerSettings(temperature=temperature, seed=seed))
+        text = tok.decode(ids)
+        assert ended and verdict(PERSON, text) == "ok", text
+        v = json.loads(text)
+        assert set(v) <= set(PERSON["properties"]) and 0 <= v["age"] <= 150 and 1 <= len(v["name"]) <= 8
+
+
+def test_free_until_the_trigger(tok):
+    """With a trigger (the end of a thinking block) tokens before it are free; the constraint starts after."""
+    script = tok.encode("<think>hmm, {not json</think>", add_special=False)
+    it = iter(script)
+
+    def logits():                                       # the script first, then the model wants anything
+        t = next(it, None)
+        v = torch.randn(tok.n_vocab) * 3
+        if t is not None:
+            v[t] = 100.0
+        return v
+    ids, ended = _constrained(tok, PERSON, logits, SamplerSettings(temperature=0), trigger=THINK_END)
+    text = tok.decode(ids)
+    assert ids[:len(script)] == script and ended
+    assert verdict(PERSON, text[text.index("</think>") + len("</think>"):]) == "ok"
