@@ -1,4 +1,5 @@
 """Our forward pass against transformers on tiny random models; KV-cached decode; split files; synth."""
+import json
 import re
 import subprocess
 import sys
@@ -185,6 +186,26 @@ def test_run_conversation_mode_runs_only_each_turns_new_tokens():
     assert r.stdout.startswith("".join(m.generate(ids, 6, temperature=0, timings=t)))
     replies = [int(n) for n in re.findall(r"reply: (\d+) tokens", r.stderr)]
     assert replies[0] == t.n_generated and 1 <= replies[1] <= 6
+
+
+def test_run_json_schema(tmp_path):
+    """`hybridmoe run -j SCHEMA` (llama-cli's --json-schema): the random model writes JSON the schema accepts
+    and ends; a schema it cannot enforce, or text that is not JSON, is a one-line error."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+              "properties": {"a": {"enum": [1, 2]}, "b": {"type": "array", "items": {"type": "boolean"},
+                                                          "maxItems": 3}}}
+    base = [sys.executable, "-m", "hybridmoe.cli", "run", "-m", "synth:tiny", "--no-warmup", "-p", "JSON:", "-n", "300"]
+    for extra in (["--temp", "0", "-j", json.dumps(schema)], ["--temp", "1", "-s", "3", "-j", json.dumps(schema)]):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        v = json.loads(r.stdout[len("JSON:"):])
+        assert v["a"] in (1, 2) and len(v["b"]) <= 3 and all(isinstance(x, bool) for x in v["b"])
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"type": "string", "pattern": "x"}))
+    for extra, words in ((["--json-schema-file", str(f)], "'pattern', which hybridmoe cannot enforce"),
+                         (["-j", "{x"], "--json-schema is not JSON")):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and words in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("ctk,ctv,tol", [("f32", "f32", 1e-3), ("bf16", "bf16", 5e-2), ("q8_0", "q8_0", 8e-2),

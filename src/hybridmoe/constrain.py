@@ -154,7 +154,7 @@ def check_schema(schema) -> None:
         seen.add(id(s))
         bad = sorted(k for k in s if k not in ENFORCED and k not in ANNOTATIONS and k not in (ORDERED, BY_NAME))
         if bad:
-            raise SchemaError(f"{where} uses {', '.join(repr(b) for b in bad)}, which this server cannot enforce; "
+            raise SchemaError(f"{where} uses {', '.join(repr(b) for b in bad)}, which hybridmoe cannot enforce; "
                               f"supported: {', '.join(sorted(ENFORCED))}")
         t = s.get("type")
         for name in (t if isinstance(t, list) else [t] if t is not None else []):

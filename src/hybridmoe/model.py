@@ -248,11 +248,15 @@ class Model:
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8, seed: int = -1,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, chat: bool = False,
-                 timings: Timings | None = None, cache_prompt: bool = True, **penalties):
+                 timings: Timings | None = None, cache_prompt: bool = True, json_schema=None, **penalties):
         """Yield text pieces as they are generated. With `cache_prompt`, a prompt that starts as the previous
-        generation's prompt and output did runs only from where they part (the KV cache is kept). `penalties`:
-        SamplerSettings' repeat_penalty, presence_penalty, frequency_penalty, repeat_last_n, logit_bias."""
+        generation's prompt and output did runs only from where they part (the KV cache is kept). `json_schema`
+        (a schema, or True for any JSON): the reply is JSON it accepts (constrain.py; after the thoughts when
+        the prompt opened a <think> block). `penalties`: SamplerSettings' repeat_penalty, presence_penalty,
+        frequency_penalty, repeat_last_n, logit_bias."""
+        from .constrain import THINK_END, JsonMachine, TokenConstraint
         tok = self.tokenizer
+        text = None
         if isinstance(prompt, str):
             text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
             ids = tok.encode(text)
@@ -264,7 +268,13 @@ class Model:
             raise HybridMoeError(f"the prompt has {len(ids)} tokens but the context is {self.options.ctx_size}; raise -c")
         if max_tokens < 0:                                    # llama.cpp's -n -1: until the end or a full context
             max_tokens = self.options.ctx_size - len(ids)
-        sampler = Sampler(SamplerSettings(temperature, top_k, top_p, min_p, seed, **penalties))
+        constraint = None
+        if json_schema is not None:
+            if text is None:
+                text = tok.decode(ids)
+            trigger = THINK_END if text.rstrip().endswith("<think>") else None
+            constraint = TokenConstraint(JsonMachine(json_schema), tok, tok.eos_ids, trigger)
+        sampler = Sampler(SamplerSettings(temperature, top_k, top_p, min_p, seed, **penalties), constraint)
         timings = timings if timings is not None else Timings()
         stream = tok.stream()
         for t in generate_ids(self, ids, max_tokens, sampler, timings, stop_ids=tok.eos_ids,

@@ -28,6 +28,10 @@ def setup_arg_parser(p):
                    help="chat turn by turn: read user messages from standard input (/exit or end of input "
                         "ends); each turn runs only its new tokens, the earlier ones stay in the KV cache")
     p.add_argument("-sys", "--system-prompt", default=None, help="with -cnv, the system message")
+    p.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
+                   help="the reply is JSON this schema accepts (a JSON schema as text; '{}': any JSON), as "
+                        "llama-cli's; --json-schema-file reads it from a file")
+    p.add_argument("--json-schema-file", default=None, metavar="FILE")
     add_runtime_args(p)
     add_warmup_arg(p)
 
@@ -43,6 +47,7 @@ def main(args) -> int:
                 prompt = f.read()
         except OSError as e:
             raise HybridMoeError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+    schema = json_schema(args)
     model = hybridmoe.load(args.model, **runtime_kwargs(args))
     print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
           f"in {model.load_seconds:.2f} s", file=sys.stderr)
@@ -56,7 +61,7 @@ def main(args) -> int:
         sys.stdout.write(prompt)
     n = 64 if args.n_predict is None else args.n_predict
     for piece in model.generate(prompt, n, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
-                                chat=args.chat, timings=timings, **penalties(args)):
+                                chat=args.chat, timings=timings, json_schema=schema, **penalties(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -69,6 +74,31 @@ def main(args) -> int:
             print("  (run `hybridmoe calibrate` once to compare the CPU experts with this machine's read bandwidth)",
                   file=sys.stderr)
     return 0
+
+
+def json_schema(args):
+    """-j / --json-schema-file: the schema (checked), or None."""
+    import json
+
+    from ..constrain import SchemaError, check_schema
+    from ..errors import HybridMoeError
+    text, where = args.json_schema, "--json-schema"
+    if args.json_schema_file:
+        try:
+            with open(args.json_schema_file, encoding="utf-8") as f:
+                text, where = f.read(), args.json_schema_file
+        except OSError as e:
+            raise HybridMoeError(f"cannot read {args.json_schema_file}: {e.strerror}") from None
+    if text is None:
+        return None
+    try:
+        schema = json.loads(text)
+        check_schema(schema)
+    except ValueError as e:                           # bad JSON, or a SchemaError
+        what = "is not JSON" if not isinstance(e, SchemaError) else "cannot be enforced"
+        raise HybridMoeError(f"{where} {what}: {e}") from None
+    args.schema = schema
+    return schema
 
 
 def penalties(args) -> dict:
@@ -109,7 +139,7 @@ def converse(model, args, first: str | None, inp, out, err):
         t, reply = Timings(), []
         try:
             for piece in model.generate(ids, n_predict, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
-                                        timings=t, **penalties(args)):
+                                        timings=t, json_schema=getattr(args, "schema", None), **penalties(args)):
                 out.write(piece)
                 out.flush()
                 reply.append(piece)
