@@ -276,27 +276,42 @@ class _Root(_Frame):
         return self.ws >= 0
 
 
-class _Object(_Frame):
+class _Container(_Frame):
+    """Objects and arrays (s: their schema, a dict): the opening bracket first, whitespace between tokens."""
+    __slots__ = ()
+    OPEN = 0
+
+    def _lead(self, c):
+        """True or False when c is the opening bracket or whitespace; None when it is a token of the body."""
+        if self.state == 0:
+            self.state = 1
+            return c == self.OPEN
+        if c in WS:
+            self.ws = _ws(self.ws, c)
+            return self.ws >= 0
+        self.ws = 0
+        return None
+
+
+class _Object(_Container):
     # state 0: '{' next; 1: a key or '}'; 2: a key (after ','); 3: ':'; 4: ',' or '}' (after a value)
     __slots__ = ("s", "state", "seen", "key", "ws", "name")
 
     def __init__(self, s):
         self.s, self.state, self.seen, self.key, self.ws, self.name = s, 0, frozenset(), None, 0, None
 
+    OPEN = 0x7B
+
     def _props(self):
-        return self.s.get("properties", {}) if isinstance(self.s, dict) else {}
+        return self.s.get("properties", {})
 
     def _closed(self):
-        return isinstance(self.s, dict) and self.s.get("additionalProperties", True) is False
+        return self.s.get("additionalProperties", True) is False
 
     def step(self, c, m):
-        if self.state == 0:
-            self.state = 1
-            return c == 0x7B
-        if c in WS:
-            self.ws = _ws(self.ws, c)
-            return self.ws >= 0
-        self.ws = 0
+        r = self._lead(c)
+        if r is not None:
+            return r
         if self.state in (1, 2) and c == 0x22:
             names = [k.encode() for k in self._props() if k.encode() not in self.seen]
             if self.s.get(ORDERED):
@@ -312,8 +327,7 @@ class _Object(_Frame):
             m.stack.append(_Value(self._value_schema(self.key)))
             return True
         if c == 0x7D and self.state in (1, 4):
-            req = self.s.get("required", []) if isinstance(self.s, dict) else []
-            if any(r.encode() not in self.seen for r in req):
+            if any(r.encode() not in self.seen for r in self.s.get("required", [])):
                 return False
             m.pop(None)
             return True
@@ -331,8 +345,7 @@ class _Object(_Frame):
             return self.s[BY_NAME][json.loads(self.name)]
         if name in props:
             return props[name]
-        ap = self.s.get("additionalProperties", True) if isinstance(self.s, dict) else True
-        return ap
+        return self.s.get("additionalProperties", True)
 
     def child_done(self, value, m):
         if self.state in (1, 2):        # the key
@@ -341,15 +354,17 @@ class _Object(_Frame):
             self.name = value
 
 
-class _Array(_Frame):
+class _Array(_Container):
     # state 0: '[' next; 1: a value or ']'; 2: a value (after ','); 4: ',' or ']'
     __slots__ = ("s", "state", "n", "ws")
 
     def __init__(self, s):
         self.s, self.state, self.n, self.ws = s, 0, 0, 0
 
+    OPEN = 0x5B
+
     def _get(self, k, default):
-        return self.s.get(k, default) if isinstance(self.s, dict) else default
+        return self.s.get(k, default)
 
     def _max(self):
         hi = self._get("maxItems", None)
@@ -359,13 +374,9 @@ class _Array(_Frame):
         return hi
 
     def step(self, c, m):
-        if self.state == 0:
-            self.state = 1
-            return c == 0x5B
-        if c in WS:
-            self.ws = _ws(self.ws, c)
-            return self.ws >= 0
-        self.ws = 0
+        r = self._lead(c)
+        if r is not None:
+            return r
         if self.state in (1, 4) and c == 0x5D:
             if self.n < self._get("minItems", 0):
                 return False
