@@ -68,6 +68,8 @@ for s in "$@"; do
     q6k) python3 -m pytest -q tests/test_cpu_kernels.py -p no:cacheprovider --tb=short 2>&1 | tail -2
          for A in "" "--int8 Q4_0,Q4_K,Q5_K,Q6_K" "" "--int8 Q4_0,Q4_K,Q5_K,Q6_K"; do echo "### $A"
            python3 benchmarks/bench_kernels.py --types Q6_K --batches 1,8d --layers 8 $A 2>&1 | grep -E "\| Q6_K"; done ;;
+    stests) python3 -m pytest -q tests/test_constrain.py tests/test_server.py tests/test_bench.py -p no:cacheprovider \
+              --tb=short 2>&1 | tail -5 ;;
     ctests) python3 -m pytest -q tests/test_cpu_kernels.py tests/test_model.py tests/test_server.py -p no:cacheprovider --tb=short 2>&1 | tail -5 ;;
     gpu) B -ngl 99 -p 512 -n 128 -r 3 --roofline ;;
     ncmoe) B -ngl 99 --n-cpu-moe 24 -p 512 -n 128 -r 3 --roofline ;;
