@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import re
 
+import torch
+
 WS = frozenset(b" \t\n\r")
 MAX_INDENT = 20       # whitespace between tokens is llama.cpp's: one space, or a newline and at most 20 spaces or
                       # tabs (a model stuck on whitespace has to go on)
@@ -645,12 +647,42 @@ class TokenConstraint:
         self.m, self.tok, self.eog = machine, tokenizer, frozenset(eog_ids)
         self.trigger, self.active, self.before = trigger, trigger is None, b""
         self._pieces: dict[int, bytes | None] = {}
+        self._first = None
 
     def _piece(self, t: int) -> bytes | None:
         p = self._pieces.get(t, False)
         if p is False:
             p = self._pieces[t] = None if self.tok.is_control(t) else self.tok.piece_bytes(t)
         return p
+
+    def _first_bytes(self) -> torch.Tensor:
+        """Each token's first byte (256: none, or a control token), for best()'s prefilter."""
+        if self._first is None:
+            first = [256] * self.tok.n_vocab
+            for t in range(self.tok.n_vocab):
+                p = self._piece(t)
+                if p:
+                    first[t] = p[0]
+            self._first = torch.tensor(first, dtype=torch.long)
+        return self._first
+
+    def best(self, logits: torch.Tensor) -> int:
+        """The most likely token allowed (when the sampled candidates all failed): only tokens whose first
+        byte the machine takes are checked, in the order of their logits; an end-of-generation token when
+        the machine allows none (then the reply ends, as it must)."""
+        if not self.active:
+            return int(torch.argmax(logits))
+        ok = torch.zeros(257, dtype=torch.bool)
+        ok[[b for b in range(256) if self.m.accepts(bytes((b,)))]] = True
+        cand = ok[self._first_bytes()] & (logits > float("-inf"))
+        eog = [t for t in self.eog if t < logits.numel()]
+        if eog and self.m.can_end():
+            cand[eog] = True
+        ids = cand.nonzero().flatten()
+        for t in ids[torch.argsort(logits[ids].float(), descending=True)].tolist():
+            if self.allows(t):
+                return t
+        return min(self.eog) if self.eog else int(torch.argmax(logits))
 
     def allows(self, t: int) -> bool:
         if not self.active:

@@ -71,7 +71,7 @@ class Sampler:
         c = self.constraint
         if s.temperature <= 0:
             tok = int(torch.argmax(logits))
-            return tok if c is None or c.allows(tok) else self._best_allowed(logits)
+            return tok if c is None or c.allows(tok) else c.best(logits)
         logits = logits.float() / s.temperature
         if s.top_k > 0:
             v, idx = torch.topk(logits, min(s.top_k, logits.numel()))
@@ -90,18 +90,7 @@ class Sampler:
                 return int(idx[j])
             p[j] = 0
             if not p.sum() > 0:
-                return self._best_allowed(logits)
-
-    def _best_allowed(self, logits: torch.Tensor) -> int:
-        """The constraint's choice when the sampled candidates all failed: the most likely token it allows
-        (tried in order of the logits, in chunks); an end-of-generation token if it allows none."""
-        c = self.constraint
-        order = torch.argsort(logits.float(), descending=True)
-        for i in range(0, order.numel(), 256):
-            for t in order[i:i + 256].tolist():
-                if logits[t] > float("-inf") and c.allows(t):
-                    return t
-        return min(c.eog) if c.eog else int(order[0])
+                return c.best(logits)
 
 
 @dataclass
