@@ -2,6 +2,7 @@
 hand-checked cases, and the sampler under a schema with synth:tiny's real vocabulary."""
 from __future__ import annotations
 
+import functools
 import json
 import random
 
@@ -76,6 +77,11 @@ def test_documents(schema, text, want):
     assert verdict(schema, text) == want
 
 
+def test_nesting_is_capped():
+    m = JsonMachine(True)
+    assert m.feed(b"[" * 64) and not m.accepts(b"[") and not m.accepts(b"{") and m.accepts(b"1")
+
+
 def test_a_dead_end_is_refused_where_it_starts():
     # property names must be one of a few: no escapes that could not spell one; maxLength: only the quote
     assert verdict(PERSON, '{"n\\u') == "refused" and verdict(PERSON, '{"n\\') == "refused"
@@ -141,6 +147,8 @@ def test_any_json_agrees_with_the_json_module():
     ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "loop"),
     ({"type": "array", "maxItems": -1}, "non-negative integer"),
     ([1], "not a schema"),
+    (functools.reduce(lambda d, _: {"items": d}, range(100), True), "nested more than 64 levels"),
+    (functools.reduce(lambda d, _: {"allOf": [d]}, range(3000), True), "nested too deeply"),
 ])
 def test_schemas_it_cannot_enforce_are_refused(schema, msg):
     with pytest.raises(SchemaError, match=msg):

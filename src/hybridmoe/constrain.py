@@ -6,7 +6,7 @@
 `can_end()` whether the text is such a value already. `TokenConstraint` puts it between the sampler and the
 vocabulary: a token is allowed if a copy of the machine takes its bytes, an end-of-generation token only
 once the value is complete. The sampler (generate.Sampler) samples as usual and redraws on a refused
-token, so a model that follows the format pays a few checks a token, not a pass over the vocabulary.
+token, so a model that keeps to the format pays one check a token, not a pass over the vocabulary.
 
 The schema subset (what `check_schema` lets through, else a `SchemaError` that names the keyword):
 type (one or a list), properties, required, additionalProperties, items, prefixItems, minItems, maxItems,
@@ -26,6 +26,7 @@ WS = frozenset(b" \t\n\r")
 MAX_INDENT = 20       # whitespace between tokens is llama.cpp's: one space, or a newline and at most 20 spaces or
                       # tabs (a model stuck on whitespace has to go on)
 MAX_NUMBER = 40       # bytes of one number
+MAX_DEPTH = 64        # objects and arrays open at once (each check copies the stack)
 DIGITS = frozenset(b"0123456789")
 KIND_START = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789",
               "integer": b"-0123456789", "boolean": b"tf", "null": b"n"}
@@ -145,7 +146,9 @@ def check_schema(schema) -> None:
     S = _Schemas(schema)
     seen: set[int] = set()
 
-    def walk(s, where):
+    def walk(s, where, depth=0):
+        if depth > MAX_DEPTH:
+            raise SchemaError(f"the schema is nested more than {MAX_DEPTH} levels deep")
         s = S.resolve(s)
         if isinstance(s, bool):
             return
@@ -169,7 +172,7 @@ def check_schema(schema) -> None:
             if not isinstance(v, dict):
                 raise SchemaError(f"{where}.{k} must be an object")
         for name, sub in s.get("properties", {}).items():
-            walk(sub, f"{where}.properties.{name}")
+            walk(sub, f"{where}.properties.{name}", depth + 1)
         req = s.get("required", [])
         if not (isinstance(req, list) and all(isinstance(r, str) for r in req)):
             raise SchemaError(f"{where}.required must be an array of property names")
@@ -177,13 +180,13 @@ def check_schema(schema) -> None:
         if ap is False and not set(req) <= set(s.get("properties", {})):
             raise SchemaError(f"{where} requires properties it does not allow (additionalProperties is false)")
         if not isinstance(ap, bool):
-            walk(ap, f"{where}.additionalProperties")
+            walk(ap, f"{where}.additionalProperties", depth + 1)
         for name, sub in s.get(BY_NAME, {}).items():
-            walk(sub, f"the parameters of {name!r}")
+            walk(sub, f"the parameters of {name!r}", depth + 1)
         if "items" in s and not isinstance(s["items"], bool):
-            walk(s["items"], f"{where}.items")
+            walk(s["items"], f"{where}.items", depth + 1)
         for i, sub in enumerate(s.get("prefixItems", [])):
-            walk(sub, f"{where}.prefixItems[{i}]")
+            walk(sub, f"{where}.prefixItems[{i}]", depth + 1)
         for k in ("minItems", "maxItems", "minLength", "maxLength"):
             if k in s and not (isinstance(s[k], int) and not isinstance(s[k], bool) and s[k] >= 0):
                 raise SchemaError(f"{where}.{k} must be a non-negative integer")
@@ -198,14 +201,17 @@ def check_schema(schema) -> None:
                 raise SchemaError(f"{where}.{key} must be a non-empty array of schemas")
             starts: dict[int, int] = {}
             for i, a in enumerate(alts):
-                walk(a, f"{where}.{key}[{i}]")
+                walk(a, f"{where}.{key}[{i}]", depth + 1)
                 for kind in S.kinds(S.resolve(a)):
                     for c in KIND_START[kind]:
                         if starts.setdefault(c, i) != i:
                             raise SchemaError(f"{where}.{key}: alternatives {starts[c]} and {i} both begin with "
                                               f"{chr(c)!r}; this server needs alternatives it can tell apart by "
                                               f"their first character (e.g. an object or a string)")
-    walk(schema, "schema")
+    try:
+        walk(schema, "schema")
+    except RecursionError:              # allOf / $ref chains resolve recursively
+        raise SchemaError("the schema is nested too deeply") from None
 
 
 # ----------------------------------------------------------------------------------------------- frames
@@ -248,7 +254,7 @@ class _Value(_Frame):
             self.ws = _ws(self.ws, c)
             return self.ws >= 0
         f = m.open(self.schema, c)
-        if f is None:
+        if f is None or (isinstance(f, _Container) and len(m.stack) > MAX_DEPTH + 1):    # root + levels + this
             return False
         m.stack[-1] = f
         return REFEED
@@ -568,7 +574,7 @@ class JsonMachine:
         for c in data:
             while True:
                 r = self.stack[-1].step(c, self)
-                if r is REFEED:
+                if r == REFEED:
                     continue
                 if not r:
                     return False

@@ -40,8 +40,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
-from .errors import HybridMoeError
 from .constrain import HARMONY_FINAL, THINK_END, JsonMachine, TokenConstraint
+from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
                               _type_name, _unsupported, DEFAULT_SAMPLING, parse_messages, parse_tools)
