@@ -7,6 +7,7 @@ has tests of its own."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import socket
@@ -201,6 +202,35 @@ def test_completions(client, ref):
                                             extra_body=NO_CACHE))
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_native_completion(http, ref):
+    """llama-server's own POST /completion: its result object, its stream ({"content", "stop": false}
+    events, then the result with "stop": true, no [DONE]), stop_type / stopping_word and n_probs."""
+    prompt = "Once upon a time"
+    body = {"prompt": prompt, "n_predict": 16, "temperature": 0, "cache_prompt": False}
+    want = "".join(ref.generate(prompt, 16, temperature=0, cache_prompt=False))
+    r = http.post("/completion", json=body).json()
+    assert r["content"] == want and r["stop"] is True and r["stop_type"] == "limit" and r["stopping_word"] == ""
+    assert r["tokens_predicted"] == 16 and r["tokens_evaluated"] == len(ref.tokenizer.encode(prompt))
+    assert r["timings"]["predicted_n"] == 16 and r["generation_settings"]["n_predict"] == 16
+    assert r["prompt"] == prompt and r["has_new_line"] == ("\n" in want) and "completion_probabilities" not in r
+    with http.stream("POST", "/completion", json={**body, "stream": True}) as s:
+        events = [json.loads(line[len("data: "):]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == want
+    assert events[-1]["stop"] and events[-1]["tokens_predicted"] == 16 and not any(e["stop"] for e in events[:-1])
+    word = want[4:7]
+    r = http.post("/completion", json={**body, "stop": [word, "\u0000never"]}).json()
+    assert (r["stop_type"], r["stopping_word"], r["content"]) == ("word", word, want[:want.index(word)])
+    r = http.post("/completion", json={**body, "n_predict": 3, "n_probs": 2}).json()
+    probs = r["completion_probabilities"]
+    assert len(probs) == 3 and all(len(p["top_logprobs"]) == 2 and p["logprob"] <= 0 for p in probs)
+    assert "".join(p["token"] for p in probs) == r["content"] and probs[0]["id"] == ref.tokenizer.encode(
+        want, add_special=False)[0]
+    r = http.post("/completion", json={"prompt": "Shape:", "json_schema": SHAPE, "temperature": 0, "n_predict": 300,
+                                       "cache_prompt": False}).json()
+    assert r["stop_type"] == "eos"
+    check_shape(r["content"])
 
 
 def common_prefix(a, b) -> int:
@@ -785,6 +815,10 @@ BAD = [
     ("text", {"prompt": "hi", "json_schema": {"anyOf": [{"type": "object"}, {"type": "object"}]}}, 400,
      "alternatives 0 and 1 both begin with '{'"),
     ("text", {"prompt": "hi", "grammar": "root ::= \"a\""}, 400, "'grammar' (GBNF) is not supported"),
+    ("native", {"prompt": "hi", "json_schema": functools.reduce(lambda d, _: {"items": d}, range(100), True)}, 400,
+     "nested more than 64 levels"),
+    ("native", {"prompt": "hi", "n_probs": 21}, 400, "'n_probs' must be at most 20"),
+    ("native", {}, 400, "'prompt' is required"),
     ("text", {}, 400, "'prompt' is required"),
     ("text", {"prompt": 5}, 400, "'prompt' must be a string"),
     ("text", {"prompt": [1, 99999]}, 400, "token id 99999, outside the vocabulary"),
@@ -798,7 +832,7 @@ BAD = [
     ("detokenize", {"tokens": "hi"}, 400, "'tokens' must be an array of token ids"),
     ("apply-template", {"messages": []}, 400, "'messages' is empty"),
 ]
-PATHS = {"chat": "/v1/chat/completions", "text": "/v1/completions", "tokenize": "/tokenize",
+PATHS = {"chat": "/v1/chat/completions", "text": "/v1/completions", "native": "/completion", "tokenize": "/tokenize",
          "detokenize": "/detokenize", "apply-template": "/apply-template"}
 
 

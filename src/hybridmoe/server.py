@@ -69,6 +69,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.word = ""              # the stop sequence that was hit
 
     def feed(self, text: str) -> tuple[str, bool]:
         """(text that is safe to send, whether a stop sequence was hit)."""
@@ -81,6 +82,7 @@ class StopMatcher:
             if i >= 0 and (cut < 0 or i < cut):
                 cut = i
         if cut >= 0:
+            self.word = min((s for s in self.stops if self.pending.find(s) == cut), key=len)
             out, self.pending = self.pending[:cut], ""
             return out, True
         n = len(self.pending) - max(held_prefix(self.pending, s) for s in self.stops)
@@ -126,6 +128,7 @@ class Job:
         t_start = time.perf_counter()
         timings = Timings()
         finish = "length"
+        stop_word = ""
         p = self.params
         if not self.cancel.is_set():
             tok = model.tokenizer
@@ -180,6 +183,7 @@ class Job:
                 else:
                     text += stops.flush()
                 send(text)
+            stop_word = stops.word
             if not self.cancel.is_set():
                 for part in split.finish():
                     self._emit(part)
@@ -194,6 +198,7 @@ class Job:
         n_p, n_g = timings.n_prompt, self.n_generated
         self._emit(("end", {
             "finish_reason": self.finish_reason,
+            "stop_word": stop_word,
             "tool_calls": self.tool_calls,
             "usage": {"prompt_tokens": len(self.ids), "completion_tokens": n_g,
                       "total_tokens": len(self.ids) + n_g},
@@ -277,6 +282,7 @@ class ServerState:
         return min(params.max_tokens, left) if params.max_tokens else left
 
     async def respond(self, request: Request, kind: str, ids: list[int], params: GenParams):
+        """kind: "chat" (OpenAI chat), "text" (OpenAI completions) or "native" (llama-server's /completion)."""
         max_tokens = self.check_prompt(ids, params, "messages" if kind == "chat" else "prompt")
         check_in_vocab(params.sampling.logit_bias, self.model.tokenizer.n_vocab, "logit_bias")
         if len(self.active) >= self.max_queue:
@@ -286,7 +292,7 @@ class ServerState:
         self.submit(job)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         if params.stream:
-            events = self._sse(job, kind, rid, params)
+            events = self._sse_native(job) if kind == "native" else self._sse(job, kind, rid, params)
             # the generator's `finally` cancels the job; this covers a response dropped before it started
             weakref.finalize(events, job.cancel.set)
             return StreamingResponse(events, media_type="text/event-stream",
@@ -306,12 +312,13 @@ class ServerState:
     def _logprobs(self, kind: str, entries: list) -> dict:
         """OpenAI's logprobs object for (token, logprob, [(alternative, logprob)]) entries: chat's, or the
         completions' legacy one."""
-        if kind == "chat":
+        if kind in ("chat", "native"):
             def one(t, lp):
                 s, b = self._token(t)
-                return {"token": s, "logprob": lp, "bytes": b}
-            return {"content": [dict(one(t, lp), top_logprobs=[one(a, alp) for a, alp in top])
-                                for t, lp, top in entries]}
+                return {"id": t, "token": s, "logprob": lp, "bytes": b} if kind == "native" else \
+                    {"token": s, "logprob": lp, "bytes": b}
+            out = [dict(one(t, lp), top_logprobs=[one(a, alp) for a, alp in top]) for t, lp, top in entries]
+            return out if kind == "native" else {"content": out}
         tokens = [self._token(t)[0] for t, _, _ in entries]
         offsets = [0, *itertools.accumulate(len(s) for s in tokens)][:len(tokens)]   # within the completion
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
@@ -348,6 +355,8 @@ class ServerState:
             get.cancel()
             job.cancel.set()                 # no-op once the job has ended
         text = "".join(parts)
+        if kind == "native":
+            return JSONResponse(self._native(job, text, info, logprobs))
         out = self._base(kind, rid, False)
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
@@ -361,6 +370,49 @@ class ServerState:
                       logprobs=self._logprobs(kind, logprobs) if job.params.logprobs is not None else None)
         out.update(choices=[choice], usage=info["usage"], timings=info["timings"])
         return JSONResponse(out)
+
+    def _native(self, job: Job, text: str, info: dict, logprobs: list) -> dict:
+        """llama-server's /completion result (the last event of its stream, with the content streamed)."""
+        p, u = job.params, info["usage"]
+        s = p.sampling
+        out = {"index": 0, "content": text, "id_slot": 0, "stop": True, "model": self.name,
+               "tokens_predicted": u["completion_tokens"], "tokens_evaluated": u["prompt_tokens"],
+               "generation_settings": {
+                   "n_predict": p.max_tokens or -1, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                   "min_p": s.min_p, "seed": s.seed, "repeat_penalty": s.repeat_penalty,
+                   "repeat_last_n": s.repeat_last_n, "presence_penalty": s.presence_penalty,
+                   "frequency_penalty": s.frequency_penalty, "stop": p.stops, "ignore_eos": p.ignore_eos,
+                   "stream": p.stream, "n_probs": p.logprobs or 0, "cache_prompt": p.cache_prompt},
+               "prompt": self.model.tokenizer.decode(job.ids), "has_new_line": "\n" in text, "truncated": False,
+               "stop_type": "limit" if info["finish_reason"] == "length" else "word" if info["stop_word"] else "eos",
+               "stopping_word": info["stop_word"], "tokens_cached": u["total_tokens"], "timings": info["timings"]}
+        if p.logprobs:
+            out["completion_probabilities"] = self._logprobs("native", logprobs)
+        return out
+
+    async def _sse_native(self, job: Job):
+        """llama-server's /completion stream: {"content": piece, "stop": false} events, then the result with
+        "stop": true (and no [DONE])."""
+        def event(obj) -> str:
+            return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+        try:
+            while True:
+                item = await job.queue.get()
+                if item[0] in ("text", "logprobs"):
+                    e = {"index": 0, "content": item[1] if item[0] == "text" else "", "id_slot": 0, "stop": False}
+                    if item[0] == "logprobs":
+                        e["completion_probabilities"] = self._logprobs("native", [item[1]])
+                    yield event(e)
+                elif item[0] == "end" and item[1]["finish_reason"] is not None:
+                    yield event(self._native(job, "", item[1], []))
+                    return
+                elif item[0] != "reasoning":
+                    msg = item[1] if item[0] == "error" else "the generation was cancelled: the server is shutting down"
+                    yield event({"error": {"message": msg, "type": "server_error", "code": "generation_failed"
+                                           if item[0] == "error" else "cancelled", "param": None}})
+                    return
+        finally:
+            job.cancel.set()
 
     async def _sse(self, job: Job, kind: str, rid: str, params: GenParams):
         def event(obj) -> str:
@@ -444,7 +496,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
     async def _http_error(request, exc: StarletteHTTPException):
         if exc.status_code == 404:
             msg = f"no endpoint {request.method} {request.url.path}; endpoints: GET /health, GET /v1/models, " \
-                  f"GET /props, POST /v1/chat/completions, POST /v1/completions, POST /tokenize, " \
+                  f"GET /props, POST /v1/chat/completions, POST /v1/completions, POST /completion, POST /tokenize, " \
                   f"POST /detokenize, POST /apply-template"
             return _error_response(404, msg, "not_found", type_="not_found_error")
         if exc.status_code == 405:
@@ -576,8 +628,20 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
     async def completions(request: Request):
         state.check_auth(request)
         body = await _read_json(request, state.max_body_bytes)
-        prompt = body.get("prompt")
         params = GenParams(body, chat=False)
+        return await state.respond(request, "text", await prompt_tokens(body), params)
+
+    @app.post("/completion")
+    async def completion(request: Request):
+        """llama-server's own completion endpoint (its result and stream format, n_probs)."""
+        state.check_auth(request)
+        body = await _read_json(request, state.max_body_bytes)
+        params = GenParams(body, chat=False, native=True)
+        return await state.respond(request, "native", await prompt_tokens(body), params)
+
+    async def prompt_tokens(body) -> list[int]:
+        """A completion request's prompt: a string or token ids (a batch of one of either)."""
+        prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]                      # one prompt in a batch of one
         if prompt is None:
@@ -594,6 +658,6 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         else:
             raise _bad(f"'prompt' must be a string or a non-empty array of token ids, got {_type_name(prompt)}",
                        "prompt", "invalid_type")
-        return await state.respond(request, "text", ids, params)
+        return ids
 
     return app

@@ -149,7 +149,8 @@ def _parse_stop(v) -> list[str]:
 class GenParams:
     """What a request asks of one generation (common to chat and completions)."""
 
-    def __init__(self, body: dict, chat: bool):
+    def __init__(self, body: dict, chat: bool, native: bool = False):
+        """native: llama-server's own /completion (n_probs instead of OpenAI's logprobs)."""
         self.stream = _opt_bool(body, "stream")
         so = body.get("stream_options")
         if so is not None and not isinstance(so, dict):
@@ -226,6 +227,9 @@ class GenParams:
             if body.get("functions"):
                 raise _unsupported("'functions' (OpenAI's old form) is not supported by this server; send 'tools'",
                                    "functions")
+        elif native:
+            n_probs = _opt_int(body, "n_probs", 0, lo=0, hi=20)
+            self.logprobs = n_probs or None
         else:
             if body.get("logprobs") is not None:
                 self.logprobs = _opt_int(body, "logprobs", lo=0, hi=5)
