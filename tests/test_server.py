@@ -52,7 +52,7 @@ def listening_socket() -> socket.socket:
 @pytest.fixture(scope="module")
 def srv():
     model = hybridmoe.load("synth:tiny", ctx_size=N_CTX)
-    app = create_app(model, alias=ALIAS)
+    app = create_app(model, alias=ALIAS, metrics=True)
     sock = listening_socket()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -906,6 +906,27 @@ def test_body_too_large_without_content_length(ref):
     app.state.hybridmoe.close()
 
 
+def test_metrics(srv, http):
+    """--metrics: llama-server's Prometheus counters, summed over finished generations."""
+    def read():
+        text = http.get("/metrics").text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^llamacpp:(\w+) (\S+)$", text, re.M)}
+    before = read()
+    r = http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0,
+                                           "cache_prompt": False}).json()
+    deadline = time.monotonic() + 10                   # the counters move when the worker thread is done
+    while read()["requests_total"] == before["requests_total"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    after = read()
+    assert after["requests_total"] == before["requests_total"] + 1
+    assert after["tokens_predicted_total"] - before["tokens_predicted_total"] == r["usage"]["completion_tokens"]
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == r["timings"]["prompt_n"]
+    assert after["kv_cache_tokens"] == r["usage"]["total_tokens"] and 0 < after["kv_cache_usage_ratio"] < 1
+    assert after["prompt_seconds_total"] > before["prompt_seconds_total"] and after["requests_processing"] == 0
+    text = http.get("/metrics").text
+    assert "# TYPE llamacpp:prompt_tokens_total counter" in text and text.endswith("\n")
+
+
 def test_not_found_and_wrong_method(http):
     check_error(http.get("/v1/nothing"), 404, "no endpoint GET /v1/nothing")
     check_error(http.get("/v1/models/other-model"), 404, "'other-model' is not served here")
@@ -957,6 +978,7 @@ def test_serve_command(srv):
             check_error(c.get("/v1/models"), 401, "API key")
             r = c.get("/v1/models", headers={"Authorization": "Bearer sekret"})
             assert r.json()["data"][0]["id"] == "cli-tiny" and r.json()["data"][0]["meta"]["n_ctx"] == 128
+            check_error(c.get("/metrics", headers={"Authorization": "Bearer sekret"}), 501, "--metrics")
         with openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0, timeout=30) as oc:
             assert oc.completions.create(model="cli-tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
     finally:

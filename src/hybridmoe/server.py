@@ -36,7 +36,7 @@ import weakref
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
@@ -105,6 +105,7 @@ class Job:
         self.ids, self.max_tokens, self.params = ids, max_tokens, params
         self.n_generated = 0
         self.tool_calls: list[dict] = []
+        self.info: dict | None = None         # what the "end" item carries
         self.finish_reason: str | None = None
         self.cancelled = False
         self.done = threading.Event()
@@ -196,7 +197,7 @@ class Job:
         prompt_ms = timings.t_prompt * 1e3
         predicted_ms = max(total_ms - prompt_ms, 0.0) if self.n_generated else 0.0
         n_p, n_g = timings.n_prompt, self.n_generated
-        self._emit(("end", {
+        self.info = {
             "finish_reason": self.finish_reason,
             "stop_word": stop_word,
             "tool_calls": self.tool_calls,
@@ -211,15 +212,20 @@ class Job:
                 "predicted_per_token_ms": predicted_ms / n_g if n_g else 0.0,
                 "predicted_per_second": 1e3 * n_g / predicted_ms if predicted_ms > 0 else 0.0,
             },
-        }))
+        }
+        self._emit(("end", self.info))
 
 
 class ServerState:
     """The model, its one worker thread and what the endpoints share."""
 
     def __init__(self, model, alias: str | None, api_key: str | None, max_body_bytes: int, max_queue: int,
-                 reasoning_format: str = "auto"):
+                 reasoning_format: str = "auto", metrics: bool = False):
         self.model = model
+        self.metrics = metrics
+        # llama-server's /metrics counters, summed over finished generations
+        self.totals = dict(prompt_tokens=0, prompt_seconds=0.0, predicted_tokens=0, predicted_seconds=0.0,
+                           decodes=0, requests=0, kv_tokens=0)
         self.reasoning_format = reasoning_format
         self.name = alias or os.path.basename(model.path)
         self.api_key = api_key
@@ -244,7 +250,46 @@ class ServerState:
             self.last_job = job
             self.jobs_started += 1
             fut = self._executor.submit(job.run, self.model)
-        fut.add_done_callback(lambda _: self.active.discard(job))
+        fut.add_done_callback(lambda _: self._finished(job))
+
+    def _finished(self, job: Job):
+        with self._lock:
+            self.active.discard(job)
+            if job.info is None:
+                return
+            t, u = job.info["timings"], job.info["usage"]
+            add = dict(prompt_tokens=t["prompt_n"], prompt_seconds=t["prompt_ms"] / 1e3, requests=1,
+                       predicted_tokens=t["predicted_n"], predicted_seconds=t["predicted_ms"] / 1e3,
+                       decodes=t["predicted_n"])
+            for k, v in add.items():
+                self.totals[k] += v
+            self.totals["kv_tokens"] = u["total_tokens"]      # what the cache holds now
+
+    def prometheus(self) -> str:
+        """llama-server's /metrics (its metric names, so its dashboards work), Prometheus text format."""
+        with self._lock:
+            c, busy = dict(self.totals), len(self.active)
+        rows = [
+            ("prompt_tokens_total", "counter", "Number of prompt tokens processed.", c["prompt_tokens"]),
+            ("prompt_seconds_total", "counter", "Prompt process time", c["prompt_seconds"]),
+            ("tokens_predicted_total", "counter", "Number of generation tokens processed.", c["predicted_tokens"]),
+            ("tokens_predicted_seconds_total", "counter", "Predict process time", c["predicted_seconds"]),
+            ("n_decode_total", "counter", "Decode steps (one per generated token).", c["decodes"]),
+            ("requests_total", "counter", "Generations finished.", c["requests"]),
+            ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
+             c["prompt_tokens"] / c["prompt_seconds"] if c["prompt_seconds"] else 0.0),
+            ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
+             c["predicted_tokens"] / c["predicted_seconds"] if c["predicted_seconds"] else 0.0),
+            ("kv_cache_tokens", "gauge", "KV-cache tokens.", c["kv_tokens"]),
+            ("kv_cache_usage_ratio", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+             c["kv_tokens"] / self.n_ctx),
+            ("requests_processing", "gauge", "Number of requests processing.", min(busy, 1)),
+            ("requests_deferred", "gauge", "Number of requests deferred.", max(busy - 1, 0)),
+        ]
+        out = []
+        for name, kind, help_, v in rows:
+            out += [f"# HELP llamacpp:{name} {help_}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {v}"]
+        return "\n".join(out) + "\n"
 
     def close(self):
         with self._lock:
@@ -471,12 +516,12 @@ class ServerState:
 
 def create_app(model, alias: str | None = None, *, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE,
-               reasoning_format: str = "auto") -> FastAPI:
-    """The FastAPI app serving `model` (a loaded hybridmoe.Model)."""
+               reasoning_format: str = "auto", metrics: bool = False) -> FastAPI:
+    """The FastAPI app serving `model` (a loaded hybridmoe.Model). metrics: serve GET /metrics."""
     if not model.options.ctx_size:
         # -c 0 means the training context; the decoder's caches read options.ctx_size directly
         model.options.ctx_size = model.cfg.n_ctx_train
-    state = ServerState(model, alias, api_key, max_body_bytes, max_queue, reasoning_format)
+    state = ServerState(model, alias, api_key, max_body_bytes, max_queue, reasoning_format, metrics)
     tok = model.tokenizer
 
     @contextlib.asynccontextmanager
@@ -560,6 +605,14 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         return list(v)
 
     # llama-server's token endpoints (frontends count tokens with them)
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request):
+        state.check_auth(request)
+        if not state.metrics:
+            raise ApiError(501, "this server does not serve metrics; restart it with --metrics", "not_supported",
+                           type_="not_supported_error")
+        return PlainTextResponse(state.prometheus(), media_type="text/plain; version=0.0.4")
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         state.check_auth(request)

@@ -18,6 +18,8 @@ def setup_arg_parser(p):
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $HYBRIDMOE_API_KEY, else no key)")
+    p.add_argument("--metrics", action="store_true",
+                   help="serve GET /metrics (Prometheus text, llama-server's metric names)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, in MiB (default: 8)")
     p.add_argument("--reasoning-format", default="auto", choices=["auto", "deepseek", "none"],
                    help="llama-server's: auto and deepseek return a reply's <think>...</think> as "
@@ -75,7 +77,7 @@ def main(args) -> int:
               f"in {model.load_seconds:.2f} s", file=sys.stderr)
         warmup(model, args)
         app = create_app(model, args.alias, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
-                         reasoning_format=args.reasoning_format)
+                         reasoning_format=args.reasoning_format, metrics=args.metrics)
         state = app.state.hybridmoe
         url = url_of(sock)
         print(f"model {state.name!r}, context {state.n_ctx} tokens; server is listening on {url}  "
