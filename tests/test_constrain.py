@@ -147,12 +147,54 @@ def test_any_json_agrees_with_the_json_module():
     ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "loop"),
     ({"type": "array", "maxItems": -1}, "non-negative integer"),
     ([1], "not a schema"),
+    ({"allOf": [{"properties": 5}]}, "'properties' must be an object"),
+    ({"type": []}, "'type' is an empty list"), ({"type": [["x"]]}, "unknown type"),
     (functools.reduce(lambda d, _: {"items": d}, range(100), True), "nested more than 64 levels"),
     (functools.reduce(lambda d, _: {"allOf": [d]}, range(3000), True), "nested too deeply"),
 ])
 def test_schemas_it_cannot_enforce_are_refused(schema, msg):
     with pytest.raises(SchemaError, match=msg):
         check_schema(schema)
+
+
+def _random_schema(rng: random.Random, depth=0):
+    """Schema-like values, well-formed or not (untrusted input)."""
+    if depth > 3 or rng.random() < 0.2:
+        return rng.choice([True, False, {}, 1, "x", None, [], {"type": rng.choice(["string", "integer", "nope"])}])
+    keys = ["type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+            "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "minLength", "maxLength", "minimum",
+            "maximum", "exclusiveMinimum", "exclusiveMaximum", "$defs", "title", "pattern"]
+    out = {}
+    for k in rng.sample(keys, rng.randrange(1, 4)):
+        out[k] = rng.choice([
+            lambda: _random_schema(rng, depth + 1), lambda: _random_json(rng, 2),
+            lambda: [_random_schema(rng, depth + 1) for _ in range(rng.randrange(3))],
+            lambda: {f"p{i}": _random_schema(rng, depth + 1) for i in range(rng.randrange(3))},
+            lambda: rng.choice(["object", "array", "string", "number", ["null", "integer"], "#/$defs/a", "#"]),
+            lambda: rng.randrange(-2, 4)])()
+    return out
+
+
+def test_any_schema_is_enforced_or_refused_cleanly():
+    """Random schema-like input never raises anything but SchemaError, and a machine built from a schema
+    that passed takes random JSON texts without raising."""
+    rng = random.Random(1)
+    taken = 0
+    for _ in range(1500):
+        schema = _random_schema(rng)
+        try:
+            m = JsonMachine(schema)
+        except SchemaError:
+            continue
+        taken += 1
+        for _ in range(3):
+            text = json.dumps(_random_json(rng), ensure_ascii=False).encode()
+            c = m.clone()
+            for i in range(len(text)):
+                if not c.feed(text[i:i + 1]):
+                    break
+            c.can_end()
+    assert taken > 100
 
 
 @pytest.fixture(scope="module")

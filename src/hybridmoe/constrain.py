@@ -84,17 +84,19 @@ class _Schemas:
         if not isinstance(parts, list) or not parts:
             raise SchemaError("'allOf' must be a non-empty array of schemas")
         out = {k: v for k, v in s.items() if k != "allOf"}
+        _check_object_keys(out)
         for p in parts:
             p = self.resolve(p)
             if p is True:
                 continue
             if not isinstance(p, dict):
                 raise SchemaError("'allOf' holds false or a value that is not a schema")
+            _check_object_keys(p)
             for k, v in p.items():
                 if k == "properties":
                     out["properties"] = {**out.get("properties", {}), **v}
                 elif k == "required":
-                    out["required"] = list(dict.fromkeys(list(out.get("required", [])) + list(v)))
+                    out["required"] = list(dict.fromkeys(out.get("required", []) + v))
                 elif k in out and out[k] != v and k not in ANNOTATIONS:
                     raise SchemaError(f"'allOf' parts disagree on {k!r}; merge them into one schema")
                 else:
@@ -125,6 +127,14 @@ class _Schemas:
         if {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(s):
             return {"number"}
         return set(KIND_START)
+
+
+def _check_object_keys(s: dict):
+    if not isinstance(s.get("properties", {}), dict):
+        raise SchemaError("'properties' must be an object of property schemas")
+    req = s.get("required", [])
+    if not (isinstance(req, list) and all(isinstance(r, str) for r in req)):
+        raise SchemaError("'required' must be an array of property names")
 
 
 def _kind_of(v) -> str:
@@ -162,8 +172,10 @@ def check_schema(schema) -> None:
             raise SchemaError(f"{where} uses {', '.join(repr(b) for b in bad)}, which hybridmoe cannot enforce; "
                               f"supported: {', '.join(sorted(ENFORCED))}")
         t = s.get("type")
+        if t == []:
+            raise SchemaError(f"{where}: 'type' is an empty list")
         for name in (t if isinstance(t, list) else [t] if t is not None else []):
-            if name not in KIND_START:
+            if not isinstance(name, str) or name not in KIND_START:
                 raise SchemaError(f"{where}: unknown type {name!r}")
         if "enum" in s and not (isinstance(s["enum"], list) and s["enum"]):
             raise SchemaError(f"{where}: 'enum' must be a non-empty array")
@@ -185,6 +197,8 @@ def check_schema(schema) -> None:
             walk(sub, f"the parameters of {name!r}", depth + 1)
         if "items" in s and not isinstance(s["items"], bool):
             walk(s["items"], f"{where}.items", depth + 1)
+        if not isinstance(s.get("prefixItems", []), list):
+            raise SchemaError(f"{where}.prefixItems must be an array of schemas")
         for i, sub in enumerate(s.get("prefixItems", [])):
             walk(sub, f"{where}.prefixItems[{i}]", depth + 1)
         for k in ("minItems", "maxItems", "minLength", "maxLength"):
