@@ -52,7 +52,11 @@ def listening_socket() -> socket.socket:
 @pytest.fixture(scope="module")
 def srv():
     model = hybridmoe.load("synth:tiny", ctx_size=N_CTX)
-    app = create_app(model, alias=ALIAS, metrics=True)
+    yield from serving(create_app(model, alias=ALIAS, metrics=True), model)
+
+
+def serving(app, model):
+    """Run `app` with uvicorn on a real socket until the generator is closed."""
     sock = listening_socket()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -925,6 +929,43 @@ def test_metrics(srv, http):
     assert after["prompt_seconds_total"] > before["prompt_seconds_total"] and after["requests_processing"] == 0
     text = http.get("/metrics").text
     assert "# TYPE llamacpp:prompt_tokens_total counter" in text and text.endswith("\n")
+
+
+FIM_IDS = {"pre": 1016, "suf": 1017, "mid": 1018, "sep": 1019, "rep": 1020}
+
+
+@pytest.fixture(scope="module")
+def fim_srv():
+    """synth:tiny with fill-in-the-middle ids in its tokenizer metadata (as a code model's GGUF has them)."""
+    from hybridmoe.tokenizer import Tokenizer
+    model = hybridmoe.load("synth:tiny", ctx_size=256)
+    md = dict(model.file.metadata, **{f"tokenizer.ggml.fim_{r}_token_id": i for r, i in FIM_IDS.items()})
+    model.tokenizer = Tokenizer.from_metadata(md, "fim.gguf")
+    yield from serving(create_app(model), model)
+
+
+def test_infill(srv, http, fim_srv, ref):
+    """llama-server's /infill: [rep] repo [sep] file text ... [sep] "filename" [pre] prefix [suf] suffix [mid]
+    prompt; greedy output as model.generate gives for those ids; a model without FIM tokens gets a 501."""
+    tok = fim_srv.model.tokenizer
+
+    def enc(s):
+        return tok.encode(s, add_special=False, parse_special=False)
+    body = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n", "prompt": "ret",
+            "input_extra": [{"filename": "util.py", "text": "X = 1"}], "n_predict": 8, "temperature": 0,
+            "cache_prompt": False}
+    want_ids = ([1020, *enc("myproject\n"), 1019, *enc("util.py"), *enc("\n"), *enc("X = 1"), 1019,
+                 *enc("filename\n"), 1016, *enc(body["input_prefix"]), 1017, *enc(body["input_suffix"]), 1018,
+                 *enc("ret")])
+    with httpx.Client(base_url=fim_srv.url, timeout=60) as c:
+        r = c.post("/infill", json=body).json()
+        assert r["tokens_evaluated"] == len(want_ids) and r["stop"] is True
+        assert r["content"] == "".join(fim_srv.model.generate(want_ids, 8, temperature=0, cache_prompt=False))
+        long = c.post("/infill", json={**body, "input_prefix": "word " * 400, "input_suffix": "x " * 400,
+                                       "input_extra": [], "prompt": ""}).json()
+        assert long["tokens_evaluated"] <= 256 - 8                  # cut to leave room for the reply
+        check_error(c.post("/infill", json={**body, "input_extra": [{"name": "a"}]}), 400, "'input_extra' must be")
+    check_error(http.post("/infill", json=body), 501, "no fill-in-the-middle tokens")
 
 
 def test_not_found_and_wrong_method(http):

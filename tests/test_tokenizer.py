@@ -86,6 +86,21 @@ def test_harmony_vocab_ends_at_return_and_call_not_end():
     assert {ids["<|return|>"], ids["<|call|>"]} <= tok.eos_ids and ids["<|end|>"] not in tok.eos_ids
 
 
+def test_fill_in_the_middle_tokens():
+    """FIM ids from the file's tokenizer.ggml.fim_*_token_id, else found by their text (Qwen-Coder's
+    <|fim_prefix|>..., as llama.cpp does); none for a vocabulary without them."""
+    hf = builtin_tokenizer(512)
+    hf.add_special_tokens(["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>", "<|repo_name|>"])
+    md = hf_tokenizer_to_metadata(hf, pre="qwen2", eos_token="<|endoftext|>", add_bos_token=False)
+    ids = {r: hf.token_to_id(t) for r, t in (("pre", "<|fim_prefix|>"), ("suf", "<|fim_suffix|>"),
+                                             ("mid", "<|fim_middle|>"), ("sep", "<|file_sep|>"),
+                                             ("rep", "<|repo_name|>"))}
+    assert Tokenizer.from_metadata(md).fim == ids
+    md["tokenizer.ggml.fim_mid_token_id"] = 7
+    assert Tokenizer.from_metadata(md).fim == dict(ids, mid=7)
+    assert Tokenizer.from_metadata(builtin_vocab_metadata(512)).fim == {}
+
+
 def test_builtin_vocab_fast_and_deterministic():
     vocab_mod._trained_json.cache_clear()
     t = time.perf_counter()

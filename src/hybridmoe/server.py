@@ -44,7 +44,8 @@ from .constrain import HARMONY_FINAL, THINK_END, JsonMachine, TokenConstraint
 from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
-                              _type_name, _unsupported, DEFAULT_SAMPLING, parse_messages, parse_tools)
+                              _type_name, _unsupported, DEFAULT_SAMPLING, infill_tokens, parse_messages,
+                              parse_tools)
 from .tools import THINK_OPEN, ReplySplitter, held_prefix, is_harmony, template_takes_tools
 
 log = logging.getLogger("hybridmoe.server")
@@ -541,8 +542,8 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
     async def _http_error(request, exc: StarletteHTTPException):
         if exc.status_code == 404:
             msg = f"no endpoint {request.method} {request.url.path}; endpoints: GET /health, GET /v1/models, " \
-                  f"GET /props, POST /v1/chat/completions, POST /v1/completions, POST /completion, POST /tokenize, " \
-                  f"POST /detokenize, POST /apply-template"
+                  f"GET /props, POST /v1/chat/completions, POST /v1/completions, POST /completion, POST /infill, " \
+                  f"POST /tokenize, POST /detokenize, POST /apply-template, GET /metrics"
             return _error_response(404, msg, "not_found", type_="not_found_error")
         if exc.status_code == 405:
             return _error_response(405, f"{request.method} is not allowed on {request.url.path}",
@@ -691,6 +692,20 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         body = await _read_json(request, state.max_body_bytes)
         params = GenParams(body, chat=False, native=True)
         return await state.respond(request, "native", await prompt_tokens(body), params)
+
+    @app.post("/infill")
+    async def infill(request: Request):
+        """llama-server's fill-in-the-middle for code models: input_prefix, input_suffix, input_extra."""
+        state.check_auth(request)
+        body = await _read_json(request, state.max_body_bytes)
+        missing = [r for r in ("pre", "suf", "mid") if r not in tok.fim]
+        if missing:
+            raise ApiError(501, "this model has no fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, "
+                           "<|fim_middle|> or the file's tokenizer.ggml.fim_*_token_id): /infill needs a code model "
+                           "trained for it", "not_supported", type_="not_supported_error")
+        params = GenParams(body, chat=False, native=True)
+        ids = await encode(infill_tokens, body, tok, state.n_ctx, params.max_tokens)
+        return await state.respond(request, "native", ids, params)
 
     async def prompt_tokens(body) -> list[int]:
         """A completion request's prompt: a string or token ids (a batch of one of either)."""

@@ -269,6 +269,43 @@ def _parse_logit_bias(v) -> dict:
     return out
 
 
+def infill_tokens(body: dict, tok, n_ctx: int, max_tokens: int | None) -> list[int]:
+    """llama-server's /infill prompt: the extra files (a repository name and [file separator, name, text]
+    each, when the model has those tokens), then prefix, suffix and middle in llama.cpp's PSM order:
+    [pre] input_prefix [suf] input_suffix [mid] prompt. Too long for the context (less room for the reply):
+    the suffix keeps its start (at most a quarter), the prefix its end, the extra files their end."""
+    def text(key):
+        v = body.get(key, "")
+        if not isinstance(v, str):
+            raise _bad(f"'{key}' must be a string, got {_type_name(v)}", key, "invalid_type")
+        return v
+    extra = body.get("input_extra", [])
+    if not isinstance(extra, list) or not all(isinstance(c, dict) and isinstance(c.get("text"), str)
+                                              and isinstance(c.get("filename", ""), str) for c in extra):
+        raise _bad("'input_extra' must be an array of {\"filename\": str, \"text\": str}", "input_extra",
+                   "invalid_type")
+    fim = tok.fim
+
+    def enc(s: str) -> list[int]:
+        return tok.encode(s, add_special=False, parse_special=False) if s else []
+    ext = [fim["rep"], *enc("myproject\n")] if extra and "rep" in fim else []
+    for c in extra:
+        head = [fim["sep"], *enc(c.get("filename") or "tmp")] + enc("\n") if "sep" in fim else []
+        ext += head + enc(c["text"] + ("" if "sep" in fim else "\n\n"))
+    if extra and "sep" in fim:
+        ext += [fim["sep"], *enc("filename\n")]
+    pre, suf, mid = enc(text("input_prefix")), enc(text("input_suffix")), enc(text("prompt"))
+    bos = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    room = n_ctx - min(max_tokens or 256, n_ctx // 4) - 3 - len(mid) - len(bos)
+    if room < 0:
+        raise _bad(f"'prompt' has {len(mid)} tokens, too many for the context of {n_ctx}", "prompt")
+    n_suf = min(len(suf), room // 4)
+    n_pre = min(len(pre), room - n_suf)
+    n_ext = min(len(ext), room - n_suf - n_pre)
+    return (bos + ext[len(ext) - n_ext:] + [fim["pre"]] + pre[len(pre) - n_pre:] + [fim["suf"]] + suf[:n_suf]
+            + [fim["mid"]] + mid)
+
+
 def parse_response_format(body):
     """The JSON schema the reply must follow, or None: OpenAI's `response_format` ({"type": "json_object"}
     or {"type": "json_schema", "json_schema": {"name": ..., "schema": ...}}; llama-server's

@@ -224,11 +224,21 @@ def _build_spm(md, path, tokens, types, vocab):
 
 # ---------------------------------------------------------------- public API
 
+# llama.cpp's fill-in-the-middle roles and the texts it recognizes them by when the file names no ids
+FIM_TEXTS = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "▁<PRE>", "<｜fim▁begin｜>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>", "▁<SUF>", "<｜fim▁hole｜>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>", "▁<MID>", "<｜fim▁end｜>"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>"),
+    "sep": ("<|file_sep|>", "<file_sep>", "<|file_separator|>", "<FILE_SEP>"),
+}
+
+
 class Tokenizer:
     """Text <-> token ids for one model, from its GGUF tokenizer metadata."""
 
     def __init__(self, *, kind, tokens, types, hf, bos_id, eos_id, eot_id, eom_id,
-                 add_bos, add_eos, strip_first_space, chat_template):
+                 add_bos, add_eos, strip_first_space, chat_template, fim=None):
         self.kind = kind
         self._tokens = tokens
         self._types = types
@@ -254,6 +264,14 @@ class Tokenizer:
             eos |= {control["<|return|>"], control["<|call|>"]}
             eos.discard(control.get("<|end|>"))
         self._eos_ids = frozenset(eos)
+        # fill-in-the-middle tokens (pre, suf, mid, rep, sep): the file's ids, else found by their text
+        self.fim = dict(fim or {})
+        for role, texts in FIM_TEXTS.items():
+            for t in texts if role not in self.fim else ():
+                i = self._hf.token_to_id(t)
+                if i is not None and i < len(types) and types[i] in (CONTROL, USER_DEFINED):
+                    self.fim[role] = i
+                    break
 
     @classmethod
     def from_metadata(cls, md: dict, path: str = "model") -> "Tokenizer":
@@ -303,6 +321,8 @@ class Tokenizer:
             add_eos=_opt_bool(md, "tokenizer.ggml.add_eos_token", path, False),
             strip_first_space=strip_first_space,
             chat_template=_opt_str(md, "tokenizer.chat_template", path),
+            fim={role: i for role in FIM_TEXTS
+                 if (i := _opt_id(md, f"tokenizer.ggml.fim_{role}_token_id", path, n)) is not None},
         )
 
     # -------------------------------------------------------------- properties
