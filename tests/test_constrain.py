@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -71,7 +72,20 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
     ({"const": {"k": [1, 2]}}, '{"k": [1, 2]}', "ok"), ({"const": {"k": [1, 2]}}, '{"k":[1,2]}', "ok"),
     ({"type": "object", "additionalProperties": {"type": "boolean"}}, '{"x": true, "y": false}', "ok"),
     ({"type": "object", "additionalProperties": {"type": "boolean"}}, '{"x": 1}', "refused"),
-    ({"type": "string", "format": "date-time", "description": "annotations are taken, not enforced"}, '"x"', "ok"),
+    ({"type": "string", "format": "email", "description": "annotations are taken, not enforced"}, '"x"', "ok"),
+    ({"type": "string", "pattern": "^[A-Z]{3}-[0-9]+$"}, '"ABC-12"', "ok"),
+    ({"type": "string", "pattern": "^[A-Z]{3}-[0-9]+$"}, '"AB1', "refused"),
+    ({"type": "string", "pattern": "^[A-Z]{3}-[0-9]+$"}, '"ABC-"', "refused"),          # not yet a match
+    ({"type": "string", "pattern": "^a$"}, '"a\\n"', "refused"),       # ECMA's $: the end, not before a "\n"
+    ({"type": "string", "pattern": "^[$]+$"}, '"$$"', "ok"),
+    ({"type": "string", "pattern": "abc"}, '"xxabcx"', "ok"), ({"type": "string", "pattern": "abc"}, '"xx"', "refused"),
+    ({"type": "string", "pattern": "^caf\u00e9$"}, '"caf\u00e9"', "ok"),                 # é escaped, checked decoded
+    ({"type": "string", "format": "date"}, '"2024-02-29"', "ok"),
+    ({"type": "string", "format": "date"}, '"2024-13', "refused"),
+    ({"type": "string", "format": "date-time"}, '"2024-02-29T12:30:00.5+02:00"', "ok"),
+    ({"type": "string", "format": "date-time"}, '"2024-02-29T12:30:00"', "refused"),     # RFC 3339 needs a zone
+    ({"type": "string", "format": "uuid"}, '"123e4567-e89b-12d3-a456-426614174000"', "ok"),
+    ({"type": "string", "format": "uuid"}, '"123e4567-e89b-12d3"', "refused"),
 ])
 def test_documents(schema, text, want):
     assert verdict(schema, text) == want
@@ -138,7 +152,9 @@ def test_any_json_agrees_with_the_json_module():
 
 
 @pytest.mark.parametrize("schema, msg", [
-    ({"type": "string", "pattern": "^a+$"}, "'pattern'"),
+    ({"type": "string", "not": {"const": "a"}}, "'not'"),
+    ({"type": "string", "pattern": "[a-"}, "is not a regular expression"),
+    ({"type": "string", "pattern": 5}, "pattern must be a string"),
     ({"anyOf": [{"type": "object"}, {"properties": {"a": {}}}]}, "both begin with '{'"),
     ({"$ref": "#/$defs/missing"}, "points at nothing"),
     ({"$ref": "https://example.com/s.json"}, "only references into the schema"),
@@ -215,18 +231,28 @@ def _constrained(tok, schema, logits_fn, settings, trigger=None, n=400):
     return ids, False
 
 
+TICKET = {"type": "object", "additionalProperties": False, "required": ["code", "day", "id"],
+          "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                         "day": {"type": "string", "format": "date"}, "id": {"type": "string", "format": "uuid"}}}
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8, 1.5])
 def test_sampling_under_a_schema_writes_matching_json(tok, temperature):
     """Random logits (the model wants anything) over synth:tiny's real byte-level vocabulary: whatever is
     sampled, the reply ends with an end-of-generation token and is JSON the schema accepts."""
     g = torch.Generator().manual_seed(int(temperature * 10))
     for seed in range(3):
-        ids, ended = _constrained(tok, PERSON, lambda: torch.randn(tok.n_vocab, generator=g) * 3,
-                                  SamplerSettings(temperature=temperature, seed=seed))
-        text = tok.decode(ids)
-        assert ended and verdict(PERSON, text) == "ok", text
-        v = json.loads(text)
-        assert set(v) <= set(PERSON["properties"]) and 0 <= v["age"] <= 150 and 1 <= len(v["name"]) <= 8
+        for schema in (PERSON, TICKET):
+            ids, ended = _constrained(tok, schema, lambda: torch.randn(tok.n_vocab, generator=g) * 3,
+                                      SamplerSettings(temperature=temperature, seed=seed))
+            text = tok.decode(ids)
+            assert ended and verdict(schema, text) == "ok", text
+            v = json.loads(text)
+            if schema is PERSON:
+                assert set(v) <= set(PERSON["properties"]) and 0 <= v["age"] <= 150 and 1 <= len(v["name"]) <= 8
+            else:
+                assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", v["code"]) and re.fullmatch(r"\d{4}-\d\d-\d\d", v["day"])
+                assert len(v["id"]) == 36
 
 
 def test_free_until_the_trigger(tok):

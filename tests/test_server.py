@@ -813,7 +813,7 @@ BAD = [
     ("chat", {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": "x"}}, 400,
      "'response_format.json_schema' must be an object"),
     ("chat", {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "string", "pattern": "a+"}}}}, 400, "uses 'pattern', which hybridmoe cannot"),
+        "name": "x", "schema": {"type": "string", "not": {}}}}}, 400, "uses 'not', which hybridmoe cannot"),
     ("chat", {"messages": MSG, "response_format": {"type": "json_object"}, "json_schema": {}}, 400,
      "not both"),
     ("text", {"prompt": "hi", "json_schema": {"anyOf": [{"type": "object"}, {"type": "object"}]}}, 400,

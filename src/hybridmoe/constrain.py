@@ -12,11 +12,13 @@ The schema subset (what `check_schema` lets through, else a `SchemaError` that n
 type (one or a list), properties, required, additionalProperties, items, prefixItems, minItems, maxItems,
 enum, const, anyOf / oneOf (alternatives must begin with different characters: an object and a string,
 not two objects), allOf (merged), $ref into the document (#/$defs/..., #/definitions/...), minLength,
-maxLength, minimum, maximum, exclusiveMinimum, exclusiveMaximum. Annotations (title, description,
-default, examples, format, ...) are accepted and not enforced.
+maxLength, pattern (with the `regex` module's partial matching), minimum, maximum, exclusiveMinimum,
+exclusiveMaximum, and the formats date, time, date-time and uuid. Annotations (title, description, default,
+examples, other formats, ...) are accepted and not enforced.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -27,6 +29,7 @@ MAX_INDENT = 20       # whitespace between tokens is llama.cpp's: one space, or 
                       # tabs (a model stuck on whitespace has to go on)
 MAX_NUMBER = 40       # bytes of one number
 MAX_DEPTH = 64        # objects and arrays open at once (each check copies the stack)
+REGEX_TIMEOUT_S = 0.05  # one pattern check at most
 DIGITS = frozenset(b"0123456789")
 KIND_START = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789",
               "integer": b"-0123456789", "boolean": b"tf", "null": b"n"}
@@ -35,7 +38,13 @@ ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format"
                          "contentEncoding"})
 ENFORCED = frozenset({"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
                       "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "minLength", "maxLength",
-                      "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+                      "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern"})
+# the string formats enforced (as llama.cpp's JSON grammars do); others are annotations
+_DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{1,9})?"
+_ZONE = r"(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+FORMATS = {"date": f"^{_DATE}$", "time": f"^{_TIME}{_ZONE}?$", "date-time": f"^{_DATE}T{_TIME}{_ZONE}$",
+           "uuid": "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"}
 # hybridmoe's own, for tool calls (tool_call_schema): properties in their order; the schema of "arguments"
 # chosen by the value of "name"
 ORDERED, BY_NAME = "x-hybridmoe-ordered", "x-hybridmoe-arguments-by-name"
@@ -129,6 +138,35 @@ class _Schemas:
         return set(KIND_START)
 
 
+@functools.lru_cache(maxsize=256)
+def _regex(pattern: str):
+    """A string schema's pattern, compiled with the `regex` module, whose partial matches tell whether a
+    prefix can still become a match (Python's syntax, which agrees with ECMA-262's for common patterns)."""
+    import regex
+    out, i, cls = [], 0, False                 # ECMA-262's $ ends the string only; Python's also before a "\n"
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        cls = (cls and ch != "]") or ch == "["
+        out.append("\\Z" if ch == "$" and not cls else ch)
+        i += 1
+    try:
+        return regex.compile("".join(out))
+    except (regex.error, TypeError, ValueError, OverflowError, RecursionError) as e:
+        raise SchemaError(f"'pattern' {pattern!r} is not a regular expression: {e}") from None
+
+
+def _patterns(s: dict) -> tuple:
+    """The compiled patterns a string of schema s must match: its pattern, and its format if enforced."""
+    pats = [s["pattern"]] if isinstance(s.get("pattern"), str) else []
+    if s.get("format") in FORMATS:
+        pats.append(FORMATS[s["format"]])
+    return tuple(_regex(p) for p in pats)
+
+
 def _check_object_keys(s: dict):
     if not isinstance(s.get("properties", {}), dict):
         raise SchemaError("'properties' must be an object of property schemas")
@@ -201,6 +239,9 @@ def check_schema(schema) -> None:
             raise SchemaError(f"{where}.prefixItems must be an array of schemas")
         for i, sub in enumerate(s.get("prefixItems", [])):
             walk(sub, f"{where}.prefixItems[{i}]", depth + 1)
+        if "pattern" in s and not isinstance(s["pattern"], str):
+            raise SchemaError(f"{where}.pattern must be a string")
+        _patterns(s)                                   # compiles them: a bad regular expression is refused here
         for k in ("minItems", "maxItems", "minLength", "maxLength"):
             if k in s and not (isinstance(s[k], int) and not isinstance(s[k], bool) and s[k] >= 0):
                 raise SchemaError(f"{where}.{k} must be a non-negative integer")
@@ -427,20 +468,35 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 class _String(_Frame):
     """A JSON string; its decoded bytes are kept when they must be one of `allowed` or none of `exclude`."""
     # state 0: '"' next; 1: content; 2: after '\'; 3: in \uXXXX
-    __slots__ = ("allowed", "exclude", "lo", "hi", "state", "buf", "hexd", "n", "keep", "cont")
+    __slots__ = ("allowed", "exclude", "lo", "hi", "pats", "state", "buf", "hexd", "n", "keep", "cont")
 
-    def __init__(self, allowed=None, exclude=frozenset(), lo=0, hi=None, keep=False):
-        self.allowed, self.exclude, self.lo, self.hi = allowed, exclude, lo, hi
+    def __init__(self, allowed=None, exclude=frozenset(), lo=0, hi=None, keep=False, pats=()):
+        self.allowed, self.exclude, self.lo, self.hi, self.pats = allowed, exclude, lo, hi, pats
         self.state, self.buf, self.hexd, self.n, self.cont = 0, b"", b"", 0, 0
-        self.keep = keep or allowed is not None or bool(exclude)
+        self.keep = keep or allowed is not None or bool(exclude) or bool(pats)
+
+    def _matches(self, partial: bool, extra: bytes = b"") -> bool:
+        """Does the text so far (and `extra`) match every pattern (partial: can it still, once more follows)?"""
+        text = (self.buf + extra).decode("utf-8", "ignore")   # a character still arriving counts once complete
+        try:                                           # untrusted patterns: a slow one refuses, never hangs
+            return all(p.search(text, partial=partial, timeout=REGEX_TIMEOUT_S) is not None for p in self.pats)
+        except TimeoutError:
+            return False
 
     def _full(self) -> bool:            # maxLength reached: only the closing quote may come
         return self.hi is not None and self.n >= self.hi
 
-    def _escape_fits(self) -> bool:     # can a backslash escape continue a string that must be one of a few?
+    def _escape_fits(self) -> bool:
+        """Can a backslash continue this string? When it must be one of a few values or match a pattern, only
+        if some escaped character keeps it on track (no \\u there: its character comes too late to judge)."""
         k = len(self.buf)
-        return self.allowed is None or any(len(a) > k and a.startswith(self.buf) and a[k] in b'"\\/\b\f\n\r\t'
-                                           for a in self.allowed)
+        for b in _ESC.values():
+            if self.allowed is not None and not any(a[k:k + 1] == b and a.startswith(self.buf) for a in self.allowed):
+                continue
+            if self.pats and not self._matches(partial=True, extra=b):
+                continue
+            return True
+        return False
 
     def _add(self, b: bytes, chars: int) -> bool:
         self.n += chars
@@ -449,6 +505,8 @@ class _String(_Frame):
         if self.keep:
             self.buf += b
             if self.allowed is not None and not any(a.startswith(self.buf) for a in self.allowed):
+                return False
+            if self.pats and not self._matches(partial=True):
                 return False
         return True
 
@@ -463,7 +521,8 @@ class _String(_Frame):
                 return 0x80 <= c < 0xC0 and self._add(bytes((c,)), 0)
             if c == 0x22:
                 if self.n < self.lo or (self.keep and (self.buf in self.exclude or
-                                                       (self.allowed is not None and self.buf not in self.allowed))):
+                                                       (self.allowed is not None and self.buf not in self.allowed)
+                                                       or (self.pats and not self._matches(partial=False)))):
                     return False
                 m.pop(self.buf)
                 return True
@@ -475,9 +534,9 @@ class _String(_Frame):
             self.cont = 0 if c < 0x80 else 1 if c < 0xE0 else 2 if c < 0xF0 else 3
             return self._add(bytes((c,)), 1)
         if st == 2:
-            if c == 0x75:               # not in a string that must be one of a few (property names)
+            if c == 0x75:               # not in a string that must be one of a few or match a pattern
                 self.state, self.hexd = 3, b""
-                return self.allowed is None
+                return self.allowed is None and not self.pats
             self.state = 1
             if c not in _ESC:
                 return False
@@ -596,7 +655,13 @@ class JsonMachine:
         return True
 
     def accepts(self, data: bytes) -> bool:
-        return self.clone().feed(data)
+        """Can `data` (a token's bytes) continue the text? A string with a pattern may not be left inside a
+        UTF-8 character: the pattern cannot judge it until it is complete, and might refuse every ending."""
+        m = self.clone()
+        if not m.feed(data):
+            return False
+        top = m.stack[-1]
+        return not (isinstance(top, _String) and top.pats and top.cont)
 
     def can_end(self) -> bool:
         """Is the text so far a complete value the schema accepts?"""
@@ -632,7 +697,7 @@ class JsonMachine:
         if c == 0x5B and "array" in kinds:
             return _Array(d)
         if c == 0x22 and "string" in kinds:
-            return _String(lo=d.get("minLength", 0), hi=d.get("maxLength"))
+            return _String(lo=d.get("minLength", 0), hi=d.get("maxLength"), pats=_patterns(d))
         if c in KIND_START["number"] and kinds & {"number", "integer"}:
             return _Number(d, integer="number" not in kinds)
         if c in b"tf" and "boolean" in kinds:
