@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU machine has no network and no gguf, pyyaml or tqdm (and maybe no regex) for its Python 3.12: fetch their wheels here into
-# .carry/wheels (ignored by git), then pass carry: [".carry"] to the device tool. device_setup.sh installs them.
+# The GPU machine has no network and no gguf, pyyaml or tqdm (and maybe no regex) for its Python 3.12: fetch
+# their wheels here into .carry/wheels (ignored by git), then pass carry: [".carry"] to the device tool.
+# device_setup.sh installs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .carry/wheels
