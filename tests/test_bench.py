@@ -128,6 +128,24 @@ def test_markdown_table_columns(capsys):
     assert "peak RSS" in err
 
 
+def test_sql_output_and_llama_bench_flags(capsys):
+    """-o sql loads into sqlite3 as llama-bench's does; -oe also prints to stderr; llama-bench's flags that
+    change nothing here (-mmp, --prio, --poll, -C, --cpu-strict) are taken with a note; --delay waits."""
+    import sqlite3
+    rc, out, err = bench(capsys, "-o", "sql", "-oe", "jsonl", "-p", "8", "-n", "2", "-r", "2", "-ngl", "0", "-mmp", "0",
+                         "--prio", "2", "-C", "0x3", "--delay", "0.01")
+    assert rc == 0, err
+    db = sqlite3.connect(":memory:")
+    db.executescript(out)
+    rows = db.execute("SELECT test, n_prompt, n_gen, avg_ts, use_mmap FROM test").fetchall()
+    errs = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert [(t, p, n) for t, p, n, *_ in rows] == [("pp8", 8, 0), ("tg2", 0, 2)]
+    assert [r[3] for r in rows] == pytest.approx([e["avg_ts"] for e in errs]) and rows[0][4] == 1
+    assert "note: -mmp changes nothing here" in err and "note: --prio" in err and "note: -C" in err
+    rc, out, err = bench(capsys, "--delay", "-1")
+    assert rc == 1 and "--delay -1" in err
+
+
 def test_progress_goes_to_stderr_only(capsys):
     recs = bench_json(capsys, "-p", "8", "-n", "2", "-r", "1", "--progress")
     assert len(recs) == 2

@@ -77,6 +77,15 @@ class Opt:
     sep: str = ","
 
 
+# llama-bench flags that change nothing here: accepted (pasted command lines keep working), with a note
+BENCH_COMPAT = (
+    ("-mmp --mmap", "weights are memory-mapped either way; with a GPU, CPU experts are copied into pinned RAM "
+                    "when they fit"),
+    ("--prio", "threads run at the normal priority"),
+    ("--poll", "the CPU kernels' threads always spin while waiting"),
+    ("-C --cpu-mask", "threads are not pinned to CPUs"),
+    ("--cpu-strict", "threads are not pinned to CPUs"),
+)
 KV_TYPES = ("f32", "f16", "bf16", "q8_0")
 OPTS = tuple(Opt(*row) for row in (
     ("b", "-b --batch-size", "n_batch", "n_batch", 7, 2048, _pos, "R"),
@@ -110,7 +119,13 @@ def setup_arg_parser(p):
     p.add_argument("-d", "--n-depth", action="append", default=None, metavar="N[,N..]",
                    help="tokens already in the KV cache (filled first, not timed); default 0")
     p.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test (default 5)")
-    p.add_argument("-o", "--output", choices=["md", "json", "jsonl", "csv"], default="md")
+    p.add_argument("-o", "--output", choices=["md", "json", "jsonl", "csv", "sql"], default="md")
+    p.add_argument("-oe", "--output-err", choices=["md", "json", "jsonl", "csv", "sql", "none"], default="none",
+                   help="also print the results to stderr in this format")
+    p.add_argument("--delay", type=float, default=0.0, metavar="S", help="seconds to wait before each test")
+    for flags, _ in BENCH_COMPAT:
+        p.add_argument(*flags.split(), dest="compat_" + flags.split()[-1].lstrip("-").replace("-", "_"),
+                       default=None, metavar="V", help=argparse.SUPPRESS)
     p.add_argument("--roofline", action="store_true",
                    help="add each test's roofline bound from calibrated rates and the share reached")
     p.add_argument("--interleave", action="store_true",
@@ -301,6 +316,11 @@ def main(args) -> int:
     import hybridmoe
     from ..roofline import model_bound
     from ..runtime.calibrate import load_or_calibrate, ram_read_now
+    for flags, why in BENCH_COMPAT:
+        if getattr(args, "compat_" + flags.split()[-1].lstrip("-").replace("-", "_"), None) is not None:
+            print(f"note: {flags.split()[0]} changes nothing here: {why}", file=sys.stderr)
+    if args.delay < 0:
+        raise HybridMoeError(f"--delay {args.delay}: give a number of seconds, 0 or more")
     models = args.model or ["synth:tiny"]
     tests = list_tests(args)
     depths = _ints(args.n_depth, [0])
@@ -336,6 +356,7 @@ def main(args) -> int:
                                 threads = apply_runtime(model, configs[0], default_threads)
                                 bar.describe(f"{name_of_test(n_p, n_g, d)} (ub {model.options.ubatch_size}, "
                                              f"{threads} threads)")
+                                time.sleep(args.delay)
                                 ram0 = ram_read_now() if probe else 0.0
                                 got = run_tests(model, configs, n_p, n_g, d, reps, 1234 + i, default_threads,
                                                 bar.advance, args.interleave)
@@ -363,6 +384,8 @@ def main(args) -> int:
         torch.set_num_threads(default_threads)
         if results:
             print_results(results, args.output, values, OPTS, roofline=args.roofline)
+            if args.output_err != "none":
+                print_results(results, args.output_err, values, OPTS, roofline=args.roofline, file=sys.stderr)
         memory_report()
     return 0
 
@@ -471,19 +494,40 @@ def markdown(results: list[dict], values: dict, opts=OPTS, roofline: bool = Fals
     return "\n".join(out)
 
 
-def print_results(results: list[dict], fmt: str, values: dict, opts=OPTS, roofline: bool = False):
+def print_results(results: list[dict], fmt: str, values: dict, opts=OPTS, roofline: bool = False, file=None):
+    file = file or sys.stdout
+    fields = JSON_FIELDS + EXTRA_FIELDS + (ROOFLINE_FIELDS if roofline else ())
     if fmt == "md":
-        print(markdown(results, values, opts, roofline))
+        print(markdown(results, values, opts, roofline), file=file)
     elif fmt == "json":
-        print(json.dumps([_ordered(r) for r in results], indent=2))
+        print(json.dumps([_ordered(r) for r in results], indent=2), file=file)
     elif fmt == "jsonl":
         for r in results:
-            print(json.dumps(_ordered(r)))
+            print(json.dumps(_ordered(r)), file=file)
+    elif fmt == "sql":
+        print(sql(results, fields), file=file)
     else:
         import csv
-        fields = JSON_FIELDS + EXTRA_FIELDS + (ROOFLINE_FIELDS if roofline else ())
-        w = csv.writer(sys.stdout, quoting=csv.QUOTE_ALL, lineterminator="\n")
+        w = csv.writer(file, quoting=csv.QUOTE_ALL, lineterminator="\n")
         w.writerow(fields)
         for r in results:
             w.writerow([_cell(r[f]) for f in fields])
-    sys.stdout.flush()
+    file.flush()
+
+
+def sql(results: list[dict], fields) -> str:
+    """llama-bench's -o sql: a CREATE TABLE test for the fields and one INSERT a result (sqlite3's dialect)."""
+    def kind(v):
+        return "INTEGER" if isinstance(v, (bool, int)) else "REAL" if isinstance(v, float) else "TEXT"
+
+    def lit(v):
+        if v is None:
+            return "NULL"
+        if isinstance(v, (bool, int, float)):
+            return str(int(v)) if isinstance(v, bool) else repr(v) if math.isfinite(v) else "NULL"
+        return "'" + _cell(v).replace("'", "''") + "'"
+    r0 = results[0]
+    out = ["CREATE TABLE IF NOT EXISTS test (", ",\n".join(f"  {f} {kind(r0[f])}" for f in fields), ");", ""]
+    for r in results:
+        out.append(f"INSERT INTO test ({', '.join(fields)}) VALUES ({', '.join(lit(r[f]) for f in fields)});")
+    return "\n".join(out)
