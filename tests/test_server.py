@@ -406,6 +406,101 @@ def test_response_format_json_object(client):
     assert (r.choices[0].finish_reason == "stop") == m.can_end()
 
 
+# ---------------------------------------------------------------------- Anthropic's Messages API (/v1/messages)
+
+@pytest.fixture(scope="module")
+def claude(srv):
+    anthropic = pytest.importorskip("anthropic")
+    with anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+GREEDY_A = {"extra_body": {"cache_prompt": False, "temperature": 0}}      # (this SDK has no temperature argument)
+
+
+def test_messages_api_text(claude, client):
+    """The same conversation through /v1/messages and /v1/chat/completions gives the same greedy text;
+    streamed, the text deltas add up to it; stop sequences and max_tokens give Anthropic's stop reasons."""
+    msgs = [{"role": "user", "content": USER}]
+    r = claude.messages.create(model=ALIAS, max_tokens=12, system="Be brief.", messages=msgs, **GREEDY_A)
+    want = client.chat.completions.create(model=ALIAS, max_tokens=12, temperature=0, extra_body=NO_CACHE,
+                                          messages=[{"role": "system", "content": "Be brief."}, *msgs])
+    want = want.choices[0].message.content
+    assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg_")
+    assert [b.type for b in r.content] == ["text"] and r.content[0].text == want
+    assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 12 and r.usage.input_tokens > 0
+    with claude.messages.stream(model=ALIAS, max_tokens=12, system="Be brief.", messages=msgs, **GREEDY_A) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == want and final.content[0].text == want and final.stop_reason == "max_tokens"
+    word = want[3:6]
+    r = claude.messages.create(model=ALIAS, max_tokens=12, system="Be brief.", messages=msgs, stop_sequences=[word],
+                               **GREEDY_A)
+    assert (r.stop_reason, r.stop_sequence, r.content[0].text) == ("stop_sequence", word, want[:want.index(word)])
+
+
+def test_messages_api_tools(srv, claude, hermes):
+    """tools / tool_choice {"type": "tool"} give a tool_use block (input the schema accepts) with stop_reason
+    tool_use, streamed too; a tool_use / tool_result round trip renders as the OpenAI form does."""
+    tool = {"name": "get_weather", "description": "The weather in a city",
+            "input_schema": {"type": "object", "additionalProperties": False, "required": ["city"],
+                             "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10}}}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = claude.messages.create(model=ALIAS, max_tokens=200, messages=msgs, tools=[tool],
+                               tool_choice={"type": "tool", "name": "get_weather"}, **GREEDY_A)
+    use = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use" and len(use) == 1 and use[0].name == "get_weather"
+    assert set(use[0].input) == {"city"} and 1 <= len(use[0].input["city"]) <= 10
+    with claude.messages.stream(model=ALIAS, max_tokens=200, messages=msgs, tools=[tool],
+                                tool_choice={"type": "any"}, **GREEDY_A) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content][-1] == "tool_use"
+    assert final.content[-1].input == use[0].input            # greedy: the same call
+    turn = [*msgs, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                      "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny"}]}]
+    r = claude.messages.create(model=ALIAS, max_tokens=4, messages=turn, tools=[tool], **GREEDY_A)
+    same = [*msgs, {"role": "assistant", "content": None, "tool_calls": [{"id": "toolu_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny"}]
+    tok = srv.model.tokenizer                                 # with the Hermes template
+    tools = [{"type": "function", "function": {"name": tool["name"], "description": tool["description"],
+                                               "parameters": tool["input_schema"]}}]
+    assert r.usage.input_tokens == len(tok.encode(tok.apply_chat_template(same, tools=tools)))
+
+
+def test_messages_api_thinking(claude, monkeypatch):
+    """Thoughts come back as a thinking block before the text, streamed as thinking deltas."""
+    script_reply(monkeypatch, "<think>Let me see.</think>The answer.")
+    r = claude.messages.create(model=ALIAS, max_tokens=50, messages=[{"role": "user", "content": "Q?"}])
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in r.content] == \
+        [("thinking", "Let me see."), ("text", "The answer.")]
+    with claude.messages.stream(model=ALIAS, max_tokens=50, messages=[{"role": "user", "content": "Q?"}]) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert "thinking_delta" in kinds and "text_delta" in kinds and final.content[0].thinking == "Let me see."
+
+
+def test_messages_api_errors(srv, claude):
+    anthropic = pytest.importorskip("anthropic")
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        for body, words in (({"max_tokens": 5, "messages": []}, "'messages' must be a non-empty array"),
+                            ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+                             "'image' block"),
+                            ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]},
+                             "'max_tokens' must be at least 1"),
+                            ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "web_search_20250305",
+                                                                                       "name": "w"}]}, "server tools"),
+                            ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "maybe"}},
+                             "'tool_choice' must be")):
+            r = c.post("/v1/messages", json=body)
+            j = r.json()
+            assert r.status_code == 400 and j["type"] == "error" and j["error"]["type"] == "invalid_request_error"
+            assert words in j["error"]["message"], j
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model=ALIAS, max_tokens=5, messages=[{"role": "system", "content": "x"}])
+
+
 # A Hermes / Qwen-style template with tools (synth:tiny's own ChatML template has none)
 HERMES_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
@@ -1020,6 +1115,11 @@ def test_serve_command(srv):
             r = c.get("/v1/models", headers={"Authorization": "Bearer sekret"})
             assert r.json()["data"][0]["id"] == "cli-tiny" and r.json()["data"][0]["meta"]["n_ctx"] == 128
             check_error(c.get("/metrics", headers={"Authorization": "Bearer sekret"}), 501, "--metrics")
+            r = c.post("/v1/messages", headers={"x-api-key": "sekret"},      # Anthropic's clients' header
+                       json={"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200 and r.json()["usage"]["output_tokens"] >= 1
+            r = c.post("/v1/messages", headers={"x-api-key": "wrong"}, json={"max_tokens": 2, "messages": []})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         with openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0, timeout=30) as oc:
             assert oc.completions.create(model="cli-tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
     finally:

@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
+from . import server_anthropic as anthropic_api
 from .constrain import HARMONY_FINAL, THINK_END, JsonMachine, TokenConstraint
 from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
@@ -303,11 +304,12 @@ class ServerState:
     def check_auth(self, request: Request):
         if self.api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        scheme, _, key = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "invalid or missing API key; send 'Authorization: Bearer KEY'",
-                           "invalid_api_key", type_="authentication_error")
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":                 # Anthropic's clients send the key as x-api-key
+            key = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key; send 'Authorization: Bearer KEY' (or 'x-api-key: "
+                           "KEY')", "invalid_api_key", type_="authentication_error")
 
     def check_prompt(self, ids: list[int], params: GenParams, param: str) -> int:
         """The number of tokens this request may generate."""
@@ -336,9 +338,11 @@ class ServerState:
                            f"retry later", "server_busy", type_="server_error")
         job = Job(asyncio.get_running_loop(), ids, max_tokens, params)
         self.submit(job)
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        rid = {"chat": "chatcmpl-", "anthropic": "msg_"}.get(kind, "cmpl-") + uuid.uuid4().hex
         if params.stream:
-            events = self._sse_native(job) if kind == "native" else self._sse(job, kind, rid, params)
+            events = (self._sse_native(job) if kind == "native" else
+                      anthropic_api.events(job, rid, self.name) if kind == "anthropic" else
+                      self._sse(job, kind, rid, params))
             # the generator's `finally` cancels the job; this covers a response dropped before it started
             weakref.finalize(events, job.cancel.set)
             return StreamingResponse(events, media_type="text/event-stream",
@@ -371,7 +375,8 @@ class ServerState:
                 "top_logprobs": [{self._token(a)[0]: alp for a, alp in top} for _, _, top in entries],
                 "text_offset": offsets}
 
-    async def _collect(self, request: Request, job: Job, kind: str, rid: str):
+    async def _gather(self, request: Request, job: Job) -> tuple[str, str, list, dict]:
+        """A whole generation: (text, thoughts, logprobs entries, end info); ApiError if it did not end."""
         parts, thoughts, logprobs = [], [], []
         get = asyncio.ensure_future(job.queue.get())
         next_check = time.monotonic() + DISCONNECT_POLL_S
@@ -382,7 +387,7 @@ class ServerState:
                     next_check = time.monotonic() + DISCONNECT_POLL_S
                     if await request.is_disconnected():
                         job.cancel.set()             # nobody will read the answer
-                        return _error_response(499, "client disconnected", "client_disconnected")
+                        raise ApiError(499, "client disconnected", "client_disconnected")
                 if not done:
                     continue
                 item = get.result()
@@ -391,23 +396,27 @@ class ServerState:
                     get = asyncio.ensure_future(job.queue.get())
                     continue
                 if item[0] == "error":
-                    return _error_response(500, item[1], "generation_failed", type_="server_error")
+                    raise ApiError(500, item[1], "generation_failed", type_="server_error")
                 info = item[1]
                 if info["finish_reason"] is None:
-                    return _error_response(503, "the generation was cancelled: the server is shutting down",
-                                           "cancelled", type_="server_error")
-                break
+                    raise ApiError(503, "the generation was cancelled: the server is shutting down", "cancelled",
+                                   type_="server_error")
+                return "".join(parts), "".join(thoughts), logprobs, info
         finally:
             get.cancel()
             job.cancel.set()                 # no-op once the job has ended
-        text = "".join(parts)
+
+    async def _collect(self, request: Request, job: Job, kind: str, rid: str):
+        text, thoughts, logprobs, info = await self._gather(request, job)
+        if kind == "anthropic":
+            return JSONResponse(anthropic_api.message(rid, self.name, text, thoughts, info))
         if kind == "native":
             return JSONResponse(self._native(job, text, info, logprobs))
         out = self._base(kind, rid, False)
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
             if thoughts:
-                choice["message"]["reasoning_content"] = "".join(thoughts)
+                choice["message"]["reasoning_content"] = thoughts
             if info["tool_calls"]:
                 choice["message"].update(content=text.strip() or None, tool_calls=info["tool_calls"])
         else:
@@ -543,7 +552,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         if exc.status_code == 404:
             msg = f"no endpoint {request.method} {request.url.path}; endpoints: GET /health, GET /v1/models, " \
                   f"GET /props, POST /v1/chat/completions, POST /v1/completions, POST /completion, POST /infill, " \
-                  f"POST /tokenize, POST /detokenize, POST /apply-template, GET /metrics"
+                  f"POST /v1/messages, POST /tokenize, POST /detokenize, POST /apply-template, GET /metrics"
             return _error_response(404, msg, "not_found", type_="not_found_error")
         if exc.status_code == 405:
             return _error_response(405, f"{request.method} is not allowed on {request.url.path}",
@@ -666,7 +675,20 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
     @app.post("/chat/completions")
     async def chat_completions(request: Request):
         state.check_auth(request)
-        body = await _read_json(request, state.max_body_bytes)
+        return await chat(request, await _read_json(request, state.max_body_bytes), "chat")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        """Anthropic's Messages API, on the chat pipeline (server_anthropic.py)."""
+        try:
+            state.check_auth(request)
+            body = anthropic_api.to_openai(await _read_json(request, state.max_body_bytes))
+            return await chat(request, body, "anthropic")
+        except ApiError as e:
+            return anthropic_api.error_response(e)
+
+    async def chat(request: Request, body: dict, kind: str):
+        """A chat request (OpenAI's form): through the chat template, then generated."""
         messages = parse_messages(body.get("messages"))
         params = GenParams(body, chat=True)
         ids, params.think_opened = await encode(render_chat, messages, template_kwargs(body, params.tools))
@@ -675,7 +697,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         if params.forced and is_harmony(tok.chat_template):
             raise _unsupported("'tool_choice' that forces a call is not supported with gpt-oss's harmony format "
                                "yet; send \"auto\"", "tool_choice")
-        return await state.respond(request, "chat", ids, params)
+        return await state.respond(request, kind, ids, params)
 
     @app.post("/v1/completions")
     @app.post("/completions")
