@@ -679,6 +679,51 @@ HARMONY_TEMPLATE = (   # gpt-oss's layout, cut down
 THOUGHT = "<|channel|>analysis<|message|>The user wants the weather.<|end|><|start|>assistant"
 
 
+@pytest.fixture(scope="module")
+def harmony_srv(tmp_path_factory):
+    """synth:tiny's weights with a harmony vocabulary (gpt-oss's control tokens) and HARMONY_TEMPLATE, written
+    as a GGUF file and served."""
+    from hybridmoe.formats.gguf_write import write_gguf
+    from hybridmoe.vocab import builtin_tokenizer, hf_tokenizer_to_metadata
+    src = hybridmoe.load("synth:tiny").file
+    specials = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+    hf = builtin_tokenizer(len(src.metadata["tokenizer.ggml.tokens"]) - len(specials))
+    hf.add_special_tokens(specials)
+    md = {k: v for k, v in src.metadata.items() if not k.startswith("tokenizer.")}
+    md.update(hf_tokenizer_to_metadata(hf, pre="qwen2", eos_token="<|return|>", add_bos_token=False))
+    md["tokenizer.chat_template"] = HARMONY_TEMPLATE
+    path = str(tmp_path_factory.mktemp("harmony") / "tiny-harmony.gguf")
+    write_gguf(path, md["general.architecture"], md,
+               [(n, i.shape, i.qtype, lambda i=i: src.raw(i).clone()) for n, i in src.tensors.items()])
+    model = hybridmoe.load(path, ctx_size=512)
+    yield from serving(create_app(model), model)
+
+
+def test_harmony_forced_tool_call(harmony_srv):
+    """tool_choice on a gpt-oss (harmony) vocabulary: the reply is constrained to a commentary message to
+    functions.NAME with JSON arguments, spelled with the real control tokens and ended by <|call|>."""
+    tok = harmony_srv.model.tokenizer
+    assert tok.is_control(tok.token_to_id("<|channel|>")) and tok.token_to_id("<|call|>") in tok.eos_ids
+    city = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}}}}}
+    now = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    with openai.OpenAI(base_url=harmony_srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        for choice, names, kw in (("required", {"get_weather", "now"}, {"temperature": 0}),
+                                  ("required", {"get_weather", "now"}, {"temperature": 1.0, "seed": 2}),
+                                  ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}, {})):
+            r = c.chat.completions.create(model="m", messages=msgs, tools=[city, now], tool_choice=choice,
+                                          max_tokens=200, extra_body={"cache_prompt": False}, **kw)
+            ch = r.choices[0]
+            assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+            fn = ch.message.tool_calls[0].function
+            args = json.loads(fn.arguments)
+            assert fn.name in names
+            assert args == {} if fn.name == "now" else (set(args) == {"city"} and 1 <= len(args["city"]) <= 12)
+
+
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_harmony_splitter(step):
     from hybridmoe.tools import HarmonySplitter

@@ -298,11 +298,16 @@ class _Frame:
 
 
 class _Value(_Frame):
-    """Any value of `schema`, after optional whitespace; becomes the frame of the kind its first byte opens."""
-    __slots__ = ("schema", "ws")
+    """Any value of `schema`, after optional whitespace; becomes the frame of the kind its first byte opens.
+    by_prefix: the schema is chosen by the header literal before the value (JsonMachine.choice)."""
+    __slots__ = ("schema", "ws", "by_prefix")
 
-    def __init__(self, schema):
-        self.schema, self.ws = schema, 0
+    def __init__(self, schema, by_prefix=None):
+        self.schema, self.ws, self.by_prefix = schema, 0, by_prefix
+
+    def child_done(self, value, m):
+        if self.by_prefix is not None:
+            self.schema = self.by_prefix[value]
 
     def step(self, c, m):
         if c in WS:
@@ -603,11 +608,12 @@ class _Number(_Frame):
 
 
 class _Literal(_Frame):
-    """One of a few fixed texts (true, false, null, an enum's values)."""
-    __slots__ = ("options", "buf")
+    """One of a few fixed texts (true, false, null, an enum's values; header: text before the value, which
+    control tokens may spell)."""
+    __slots__ = ("options", "buf", "header")
 
-    def __init__(self, options):
-        self.options, self.buf = options, b""
+    def __init__(self, options, header=False):
+        self.options, self.buf, self.header = options, b"", header
 
     def can_finish(self):
         return self.buf in self.options
@@ -635,6 +641,21 @@ class JsonMachine:
         check_schema(schema)
         self.schemas = _Schemas(schema)
         self.stack: list[_Frame] = [_Root(suffix), _Value(schema)] + ([_Literal((prefix,))] if prefix else [])
+
+    @classmethod
+    def choice(cls, options: dict[bytes, object]) -> "JsonMachine":
+        """One of several fixed headers, each followed by a value of its own schema (gpt-oss's tool calls:
+        the header names the function, the arguments follow its parameters)."""
+        for schema in options.values():
+            check_schema(schema)
+        m = object.__new__(cls)
+        m.schemas = _Schemas({})
+        m.stack = [_Root(), _Value(True, by_prefix=dict(options)), _Literal(tuple(options), header=True)]
+        return m
+
+    def in_header(self) -> bool:
+        top = self.stack[-1]
+        return isinstance(top, _Literal) and top.header
 
     def clone(self) -> "JsonMachine":
         m = object.__new__(JsonMachine)
@@ -707,6 +728,12 @@ class JsonMachine:
         return None
 
 
+def harmony_calls(tools: list[dict], names: list[str]) -> dict[bytes, object]:
+    """gpt-oss's tool call headers for `names` (each followed by that function's arguments, then <|call|>)."""
+    return {f"<|channel|>commentary to=functions.{t['function']['name']} <|constrain|>json<|message|>".encode():
+            t["function"].get("parameters") or {"type": "object"} for t in tools if t["function"]["name"] in names}
+
+
 def tool_call_schema(tools: list[dict], names: list[str]) -> dict:
     """The schema of one Hermes / Qwen tool call, {"name": ..., "arguments": ...}, to one of `names` (the
     request's tools: OpenAI's {"type": "function", "function": {"name": ..., "parameters": ...}})."""
@@ -728,20 +755,22 @@ class TokenConstraint:
     trigger: a bytes regex after whose first match the constraint starts (THINK_END when the prompt opened
     a thinking block, HARMONY_FINAL for gpt-oss's final channel); until then every token is allowed."""
 
-    def __init__(self, machine: JsonMachine, tokenizer, eog_ids, trigger: re.Pattern | None = None):
+    def __init__(self, machine: JsonMachine, tokenizer, eog_ids, trigger: re.Pattern | None = None, ends=None):
+        """ends: the end-of-generation tokens that may end this reply (default: all of eog_ids)."""
         self.m, self.tok, self.eog = machine, tokenizer, frozenset(eog_ids)
+        self.ends = self.eog if ends is None else frozenset(ends)
         self.trigger, self.active, self.before = trigger, trigger is None, b""
-        self._pieces: dict[int, bytes | None] = {}
+        self._pieces: dict[int, bytes] = {}
         self._first = None
 
-    def _piece(self, t: int) -> bytes | None:
-        p = self._pieces.get(t, False)
-        if p is False:
-            p = self._pieces[t] = None if self.tok.is_control(t) else self.tok.piece_bytes(t)
+    def _piece(self, t: int) -> bytes:
+        p = self._pieces.get(t)
+        if p is None:
+            p = self._pieces[t] = self.tok.piece_bytes(t)
         return p
 
     def _first_bytes(self) -> torch.Tensor:
-        """Each token's first byte (256: none, or a control token), for best()'s prefilter."""
+        """Each token's first byte (256: none), for best()'s prefilter."""
         if self._first is None:
             first = [256] * self.tok.n_vocab
             for t in range(self.tok.n_vocab):
@@ -760,27 +789,29 @@ class TokenConstraint:
         ok = torch.zeros(257, dtype=torch.bool)
         ok[[b for b in range(256) if self.m.accepts(bytes((b,)))]] = True
         cand = ok[self._first_bytes()] & (logits > float("-inf"))
-        eog = [t for t in self.eog if t < logits.numel()]
+        eog = [t for t in self.ends if t < logits.numel()]
         if eog and self.m.can_end():
             cand[eog] = True
         ids = cand.nonzero().flatten()
         for t in ids[torch.argsort(logits[ids].float(), descending=True)].tolist():
             if self.allows(t):
                 return t
-        return min(self.eog) if self.eog else int(torch.argmax(logits))
+        return min(self.ends or self.eog) if self.eog else int(torch.argmax(logits))
 
     def allows(self, t: int) -> bool:
         if not self.active:
             return True
         if t in self.eog:
-            return self.m.can_end()
+            return t in self.ends and self.m.can_end()
+        if self.tok.is_control(t) and not self.m.in_header():       # control tokens spell headers only
+            return False
         p = self._piece(t)
         return bool(p) and self.m.accepts(p)
 
     def accept(self, t: int):
         if self.active:
             if t not in self.eog:
-                self.m.feed(self._piece(t) or b"")
+                self.m.feed(self._piece(t))
             return
         self.before += self.tok.piece_bytes(t)
         hit = self.trigger.search(self.before)

@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
 from . import server_anthropic as anthropic_api
-from .constrain import HARMONY_FINAL, THINK_END, JsonMachine, TokenConstraint
+from .constrain import HARMONY_FINAL, THINK_END, JsonMachine, TokenConstraint, harmony_calls
 from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
@@ -144,6 +144,9 @@ class Job:
             if p.schema is not None:                # from the first token, or once the thinking is over
                 trigger = THINK_END if p.think_opened else HARMONY_FINAL if p.harmony else None
                 constraint = TokenConstraint(JsonMachine(p.schema, *p.wrap), tok, eos, trigger)
+            elif p.harmony_calls:                   # a forced gpt-oss tool call, ended by <|call|>
+                constraint = TokenConstraint(JsonMachine.choice(p.harmony_calls), tok, eos,
+                                             ends={tok.token_to_id("<|call|>")})
             sampler = Sampler(settings, constraint)
             detok = tok.stream()
             stops = StopMatcher(p.stops)
@@ -694,9 +697,12 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         ids, params.think_opened = await encode(render_chat, messages, template_kwargs(body, params.tools))
         params.reasoning_format = params.reasoning_format or state.reasoning_format
         params.harmony = is_harmony(tok.chat_template) and params.reasoning_format != "none"
-        if params.forced and is_harmony(tok.chat_template):
-            raise _unsupported("'tool_choice' that forces a call is not supported with gpt-oss's harmony format "
-                               "yet; send \"auto\"", "tool_choice")
+        if params.forced and is_harmony(tok.chat_template):    # the call in gpt-oss's header form, then <|call|>
+            call = tok.token_to_id("<|call|>")
+            if call is None or call not in tok.eos_ids:
+                raise _unsupported("'tool_choice' forces a call, but this harmony model's vocabulary has no "
+                                   "<|call|> token to end it; send \"auto\"", "tool_choice")
+            params.schema, params.harmony_calls = None, harmony_calls(params.tools, params.forced)
         return await state.respond(request, kind, ids, params)
 
     @app.post("/v1/completions")

@@ -208,6 +208,7 @@ class GenParams:
         self.schema = parse_response_format(body)     # the reply must be JSON this schema accepts (None: free)
         self.wrap = (b"", b"")                        # ... between these two texts
         self.forced = None                            # the functions tool_choice forces a call to
+        self.harmony_calls = None                     # ... in gpt-oss's form: header -> arguments' schema
         if chat:
             if _opt_bool(body, "logprobs"):
                 self.logprobs = _opt_int(body, "top_logprobs", 0, lo=0, hi=20)
