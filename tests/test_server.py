@@ -573,18 +573,25 @@ def test_tools_are_rendered_and_a_real_generation_runs(client, http, ref, hermes
 def test_tool_choice_forces_a_call(client, hermes):
     """tool_choice "required" or a named function: the random model's reply is constrained to one
     <tool_call> block whose arguments the function's parameters accept; it comes back as tool_calls."""
-    city = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "additionalProperties": False, "required": ["city"],
-        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}}}}}
-    now = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
-                                                                          "additionalProperties": False}}}
+    check_forced_calls(client, seed=4)
+
+
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}}}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                      "additionalProperties": False}}}
+
+
+def check_forced_calls(client, seed):
+    """tool_choice "required" (greedy and sampled) and a named function: one call, arguments in schema."""
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     for choice, names, kw in (("required", {"get_weather", "now"}, {"temperature": 0}),
-                              ("required", {"get_weather", "now"}, {"temperature": 1.0, "seed": 4}),
+                              ("required", {"get_weather", "now"}, {"temperature": 1.0, "seed": seed}),
                               ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"},
                                {"temperature": 0})):
-        r = client.chat.completions.create(model=ALIAS, messages=msgs, tools=[city, now], tool_choice=choice,
-                                           max_tokens=300, extra_body={"cache_prompt": False}, **kw)
+        r = client.chat.completions.create(model=ALIAS, messages=msgs, tools=[CITY, NOW], tool_choice=choice,
+                                           max_tokens=200, extra_body={"cache_prompt": False}, **kw)
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
         fn = c.message.tool_calls[0].function
@@ -704,24 +711,8 @@ def test_harmony_forced_tool_call(harmony_srv):
     functions.NAME with JSON arguments, spelled with the real control tokens and ended by <|call|>."""
     tok = harmony_srv.model.tokenizer
     assert tok.is_control(tok.token_to_id("<|channel|>")) and tok.token_to_id("<|call|>") in tok.eos_ids
-    city = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "additionalProperties": False, "required": ["city"],
-        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}}}}}
-    now = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
-                                                                          "additionalProperties": False}}}
-    msgs = [{"role": "user", "content": "Weather in Paris?"}]
     with openai.OpenAI(base_url=harmony_srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
-        for choice, names, kw in (("required", {"get_weather", "now"}, {"temperature": 0}),
-                                  ("required", {"get_weather", "now"}, {"temperature": 1.0, "seed": 2}),
-                                  ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}, {})):
-            r = c.chat.completions.create(model="m", messages=msgs, tools=[city, now], tool_choice=choice,
-                                          max_tokens=200, extra_body={"cache_prompt": False}, **kw)
-            ch = r.choices[0]
-            assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
-            fn = ch.message.tool_calls[0].function
-            args = json.loads(fn.arguments)
-            assert fn.name in names
-            assert args == {} if fn.name == "now" else (set(args) == {"city"} and 1 <= len(args["city"]) <= 12)
+        check_forced_calls(c, seed=2)
 
 
 @pytest.mark.parametrize("step", [1, 3, 1000])
