@@ -188,9 +188,9 @@ def test_run_conversation_mode_runs_only_each_turns_new_tokens():
     assert replies[0] == t.n_generated and 1 <= replies[1] <= 6
 
 
-def test_run_json_schema(tmp_path):
-    """`hybridmoe run -j SCHEMA` (llama-cli's --json-schema): the random model writes JSON the schema accepts
-    and ends; a schema it cannot enforce, or text that is not JSON, is a one-line error."""
+def test_run_json_schema_and_grammar(tmp_path):
+    """`hybridmoe run -j SCHEMA` / `--grammar GBNF` (llama-cli's): the random model writes what the schema or
+    grammar accepts and ends; a schema or grammar it cannot use is a one-line error."""
     schema = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
               "properties": {"a": {"enum": [1, 2]}, "b": {"type": "array", "items": {"type": "boolean"},
                                                           "maxItems": 3}}}
@@ -200,10 +200,15 @@ def test_run_json_schema(tmp_path):
         assert r.returncode == 0, r.stderr
         v = json.loads(r.stdout[len("JSON:"):])
         assert v["a"] in (1, 2) and len(v["b"]) <= 3 and all(isinstance(x, bool) for x in v["b"])
+    r = subprocess.run(base + ["--temp", "0", "--grammar", 'root ::= "a" [b-d]{2,4} "!"'], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and re.fullmatch(r"a[b-d]{2,4}!", r.stdout[len("JSON:"):].strip()), r.stdout
     f = tmp_path / "s.json"
     f.write_text(json.dumps({"type": "string", "not": {}}))
     for extra, words in ((["--json-schema-file", str(f)], "'not', which hybridmoe cannot enforce"),
-                         (["-j", "{x"], "--json-schema is not JSON")):
+                         (["-j", "{x"], "--json-schema is not JSON"),
+                         (["--grammar", "root ::= x"], "--grammar: grammar line 1, column 10: rule 'x'"),
+                         (["--grammar", "root ::= \"a\"", "-j", "{}"], "a grammar or a JSON schema, not both")):
         r = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
         assert r.returncode != 0 and words in r.stderr and "Traceback" not in r.stderr
 

@@ -397,6 +397,18 @@ def test_response_format_json_schema(client):
     check_shape(c.choices[0].text)
 
 
+def test_grammar(client, http):
+    """llama-server's `grammar` (GBNF): the reply is text the grammar accepts, ended by the model's
+    end-of-generation token; on chat (extra body) and /completion."""
+    g = 'root ::= ("yes" | "no") ", because " [a-z ]{3,15} "."'
+    r = chat(client, temperature=0, max_tokens=100, extra_body={"grammar": g})
+    assert r.choices[0].finish_reason == "stop"
+    assert re.fullmatch(r"(yes|no), because [a-z ]{3,15}\.", r.choices[0].message.content)
+    r = http.post("/completion", json={"prompt": "Answer:", "grammar": g, "temperature": 1.0, "seed": 3,
+                                       "n_predict": 100}).json()
+    assert r["stop_type"] == "eos" and re.fullmatch(r"(yes|no), because [a-z ]{3,15}\.", r["content"])
+
+
 def test_response_format_json_object(client):
     from hybridmoe.constrain import JsonMachine
     r = chat(client, response_format={"type": "json_object"}, temperature=0, max_tokens=40)
@@ -949,7 +961,9 @@ BAD = [
      "not both"),
     ("text", {"prompt": "hi", "json_schema": {"anyOf": [{"type": "object"}, {"type": "object"}]}}, 400,
      "alternatives 0 and 1 both begin with '{'"),
-    ("text", {"prompt": "hi", "grammar": "root ::= \"a\""}, 400, "'grammar' (GBNF) is not supported"),
+    ("text", {"prompt": "hi", "grammar": "root ::= foo"}, 400, "'grammar': grammar line 1, column 10: rule 'foo'"),
+    ("text", {"prompt": "hi", "grammar": "root ::= \"a\"", "json_schema": {}}, 400, "not both"),
+    ("native", {"prompt": "hi", "grammar": 5}, 400, "'grammar' must be GBNF text"),
     ("native", {"prompt": "hi", "json_schema": functools.reduce(lambda d, _: {"items": d}, range(100), True)}, 400,
      "nested more than 64 levels"),
     ("native", {"prompt": "hi", "n_probs": 21}, 400, "'n_probs' must be at most 20"),

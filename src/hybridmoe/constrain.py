@@ -465,6 +465,7 @@ class _Array(_Container):
         return REFEED
 
 
+_UTF8_SECOND = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 _ESC = {ord('"'): b'"', ord("\\"): b"\\", ord("/"): b"/", ord("b"): b"\b", ord("f"): b"\f", ord("n"): b"\n",
         ord("r"): b"\r", ord("t"): b"\t"}
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -473,11 +474,11 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 class _String(_Frame):
     """A JSON string; its decoded bytes are kept when they must be one of `allowed` or none of `exclude`."""
     # state 0: '"' next; 1: content; 2: after '\'; 3: in \uXXXX
-    __slots__ = ("allowed", "exclude", "lo", "hi", "pats", "state", "buf", "hexd", "n", "keep", "cont")
+    __slots__ = ("allowed", "exclude", "lo", "hi", "pats", "state", "buf", "hexd", "n", "keep", "cont", "nxt")
 
     def __init__(self, allowed=None, exclude=frozenset(), lo=0, hi=None, keep=False, pats=()):
         self.allowed, self.exclude, self.lo, self.hi, self.pats = allowed, exclude, lo, hi, pats
-        self.state, self.buf, self.hexd, self.n, self.cont = 0, b"", b"", 0, 0
+        self.state, self.buf, self.hexd, self.n, self.cont, self.nxt = 0, b"", b"", 0, 0, (0x80, 0xBF)
         self.keep = keep or allowed is not None or bool(exclude) or bool(pats)
 
     def _matches(self, partial: bool, extra: bytes = b"") -> bool:
@@ -521,9 +522,10 @@ class _String(_Frame):
             self.state = 1
             return c == 0x22
         if st == 1:
-            if self.cont:               # inside a UTF-8 sequence: continuation bytes only
-                self.cont -= 1
-                return 0x80 <= c < 0xC0 and self._add(bytes((c,)), 0)
+            if self.cont:               # inside a UTF-8 sequence: continuation bytes only (valid UTF-8:
+                lo, hi = self.nxt       # no overlong forms, surrogates or code points past U+10FFFF)
+                self.cont, self.nxt = self.cont - 1, (0x80, 0xBF)
+                return lo <= c <= hi and self._add(bytes((c,)), 0)
             if c == 0x22:
                 if self.n < self.lo or (self.keep and (self.buf in self.exclude or
                                                        (self.allowed is not None and self.buf not in self.allowed)
@@ -537,6 +539,7 @@ class _String(_Frame):
                 self.state = 2
                 return self._escape_fits()
             self.cont = 0 if c < 0x80 else 1 if c < 0xE0 else 2 if c < 0xF0 else 3
+            self.nxt = _UTF8_SECOND.get(c, (0x80, 0xBF))
             return self._add(bytes((c,)), 1)
         if st == 2:
             if c == 0x75:               # not in a string that must be one of a few or match a pattern

@@ -248,13 +248,16 @@ class Model:
 
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8, seed: int = -1,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, chat: bool = False,
-                 timings: Timings | None = None, cache_prompt: bool = True, json_schema=None, **penalties):
+                 timings: Timings | None = None, cache_prompt: bool = True, json_schema=None, grammar=None,
+                 **penalties):
         """Yield text pieces as they are generated. With `cache_prompt`, a prompt that starts as the previous
         generation's prompt and output did runs only from where they part (the KV cache is kept). `json_schema`
         (a schema, or True for any JSON): the reply is JSON it accepts (constrain.py; after the thoughts when
-        the prompt opened a <think> block). `penalties`: SamplerSettings' repeat_penalty, presence_penalty,
-        frequency_penalty, repeat_last_n, logit_bias."""
+        the prompt opened a <think> block); `grammar` (GBNF text or a grammar.Grammar): text it accepts.
+        `penalties`: SamplerSettings' repeat_penalty, presence_penalty, frequency_penalty, repeat_last_n,
+        logit_bias."""
         from .constrain import THINK_END, JsonMachine, TokenConstraint
+        from .grammar import GrammarMachine
         tok = self.tokenizer
         text = None
         if isinstance(prompt, str):
@@ -269,11 +272,12 @@ class Model:
         if max_tokens < 0:                                    # llama.cpp's -n -1: until the end or a full context
             max_tokens = self.options.ctx_size - len(ids)
         constraint = None
-        if json_schema is not None:
+        if json_schema is not None or grammar is not None:
             if text is None:
                 text = tok.decode(ids)
             trigger = THINK_END if text.rstrip().endswith("<think>") else None
-            constraint = TokenConstraint(JsonMachine(json_schema), tok, tok.eos_ids, trigger)
+            machine = JsonMachine(json_schema) if grammar is None else GrammarMachine(grammar)
+            constraint = TokenConstraint(machine, tok, tok.eos_ids, trigger)
         sampler = Sampler(SamplerSettings(temperature, top_k, top_p, min_p, seed, **penalties), constraint)
         timings = timings if timings is not None else Timings()
         stream = tok.stream()

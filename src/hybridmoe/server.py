@@ -44,6 +44,7 @@ from . import server_anthropic as anthropic_api
 from .constrain import HARMONY_FINAL, THINK_END, JsonMachine, TokenConstraint, harmony_calls
 from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
+from .grammar import GrammarMachine
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
                               _type_name, _unsupported, DEFAULT_SAMPLING, infill_tokens, parse_messages,
                               parse_tools)
@@ -144,6 +145,9 @@ class Job:
             if p.schema is not None:                # from the first token, or once the thinking is over
                 trigger = THINK_END if p.think_opened else HARMONY_FINAL if p.harmony else None
                 constraint = TokenConstraint(JsonMachine(p.schema, *p.wrap), tok, eos, trigger)
+            elif p.grammar is not None:
+                trigger = THINK_END if p.think_opened else HARMONY_FINAL if p.harmony else None
+                constraint = TokenConstraint(GrammarMachine(p.grammar), tok, eos, trigger)
             elif p.harmony_calls:                   # a forced gpt-oss tool call, ended by <|call|>
                 constraint = TokenConstraint(JsonMachine.choice(p.harmony_calls), tok, eos,
                                              ends={tok.token_to_id("<|call|>")})

@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect
 
 from .constrain import SchemaError, check_schema, tool_call_schema
 from .generate import SamplerSettings
+from .grammar import Grammar, GrammarError
 from .tools import CLOSE, OPEN
 
 MAX_STOPS = 16            # stop sequences per request
@@ -206,6 +207,7 @@ class GenParams:
         # 0-20; completions: logprobs 0-5, OpenAI's legacy form)
         self.logprobs, self.tools = None, None
         self.schema = parse_response_format(body)     # the reply must be JSON this schema accepts (None: free)
+        self.grammar = parse_grammar(body, self.schema)  # ... or text this GBNF grammar accepts
         self.wrap = (b"", b"")                        # ... between these two texts
         self.forced = None                            # the functions tool_choice forces a call to
         self.harmony_calls = None                     # ... in gpt-oss's form: header -> arguments' schema
@@ -217,9 +219,9 @@ class GenParams:
             self.tools = parse_tools(body)
             self.forced = forced_tools(body, self.tools)
             if self.forced:                     # the reply is one call: constrained like a response format
-                if self.schema is not None:
-                    raise _bad("a JSON 'response_format' and a 'tool_choice' that forces a call cannot both hold",
-                               "tool_choice")
+                if self.schema is not None or self.grammar is not None:
+                    raise _bad("a JSON 'response_format' or a 'grammar' and a 'tool_choice' that forces a call "
+                               "cannot both hold", "tool_choice")
                 self.schema, self.wrap = tool_call_schema(self.tools, self.forced), (OPEN.encode(), CLOSE.encode())
                 try:
                     check_schema(self.schema)
@@ -307,13 +309,25 @@ def infill_tokens(body: dict, tok, n_ctx: int, max_tokens: int | None) -> list[i
             + [fim["mid"]] + mid)
 
 
+def parse_grammar(body, schema):
+    """llama-server's `grammar` (GBNF text), parsed; None when absent."""
+    text = body.get("grammar")
+    if text is None or text == "":
+        return None
+    if not isinstance(text, str):
+        raise _bad(f"'grammar' must be GBNF text (a string), got {_type_name(text)}", "grammar", "invalid_type")
+    if schema is not None:
+        raise _bad("send a 'grammar' or a JSON schema ('json_schema', 'response_format'), not both", "grammar")
+    try:
+        return Grammar(text)
+    except GrammarError as e:
+        raise _bad(f"'grammar': {e}", "grammar") from None
+
+
 def parse_response_format(body):
     """The JSON schema the reply must follow, or None: OpenAI's `response_format` ({"type": "json_object"}
     or {"type": "json_schema", "json_schema": {"name": ..., "schema": ...}}; llama-server's
     {"type": "json_object", "schema": ...} too), or llama-server's top-level `json_schema`."""
-    if body.get("grammar"):
-        raise _unsupported("'grammar' (GBNF) is not supported by this server; send 'response_format' with a JSON "
-                           "schema, or 'json_schema'", "grammar")
     rf, schema = body.get("response_format"), None
     if rf is not None:
         kind = rf.get("type") if isinstance(rf, dict) else None

@@ -32,6 +32,10 @@ def setup_arg_parser(p):
                    help="the reply is JSON this schema accepts (a JSON schema as text; '{}': any JSON), as "
                         "llama-cli's; --json-schema-file reads it from a file")
     p.add_argument("--json-schema-file", default=None, metavar="FILE")
+    p.add_argument("--grammar", default=None, metavar="GBNF",
+                   help="the reply is text this GBNF grammar accepts (llama.cpp's); --grammar-file reads it from a "
+                        "file")
+    p.add_argument("--grammar-file", default=None, metavar="FILE")
     add_runtime_args(p)
     add_warmup_arg(p)
 
@@ -47,7 +51,7 @@ def main(args) -> int:
                 prompt = f.read()
         except OSError as e:
             raise HybridMoeError(f"cannot read prompt file {args.file}: {e.strerror}") from None
-    schema = json_schema(args)
+    schema, gram = json_schema(args), grammar(args)
     model = hybridmoe.load(args.model, **runtime_kwargs(args))
     print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
           f"in {model.load_seconds:.2f} s", file=sys.stderr)
@@ -61,7 +65,8 @@ def main(args) -> int:
         sys.stdout.write(prompt)
     n = 64 if args.n_predict is None else args.n_predict
     for piece in model.generate(prompt, n, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
-                                chat=args.chat, timings=timings, json_schema=schema, **penalties(args)):
+                                chat=args.chat, timings=timings, json_schema=schema, grammar=gram,
+                                **penalties(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -99,6 +104,28 @@ def json_schema(args):
         raise HybridMoeError(f"{where} {what}: {e}") from None
     args.schema = schema
     return schema
+
+
+def grammar(args):
+    """--grammar / --grammar-file: the parsed grammar, or None (refused beside a JSON schema)."""
+    from ..errors import HybridMoeError
+    from ..grammar import Grammar, GrammarError
+    text, where = args.grammar, "--grammar"
+    if args.grammar_file:
+        try:
+            with open(args.grammar_file, encoding="utf-8") as f:
+                text, where = f.read(), args.grammar_file
+        except OSError as e:
+            raise HybridMoeError(f"cannot read {args.grammar_file}: {e.strerror}") from None
+    if text is None:
+        return None
+    if args.json_schema or args.json_schema_file:
+        raise HybridMoeError("give a grammar or a JSON schema, not both")
+    try:
+        args.gram = Grammar(text)
+    except GrammarError as e:
+        raise HybridMoeError(f"{where}: {e}") from None
+    return args.gram
 
 
 def penalties(args) -> dict:
@@ -139,7 +166,8 @@ def converse(model, args, first: str | None, inp, out, err):
         t, reply = Timings(), []
         try:
             for piece in model.generate(ids, n_predict, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
-                                        timings=t, json_schema=getattr(args, "schema", None), **penalties(args)):
+                                        timings=t, json_schema=getattr(args, "schema", None),
+                                        grammar=getattr(args, "gram", None), **penalties(args)):
                 out.write(piece)
                 out.flush()
                 reply.append(piece)

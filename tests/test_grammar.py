@@ -1,0 +1,112 @@
+"""GBNF grammars (grammar.py): parsing, matching against hand cases and Python's re, errors, and sampling
+under a grammar with synth:tiny's real vocabulary."""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+import hybridmoe
+from hybridmoe.constrain import TokenConstraint
+from hybridmoe.generate import Sampler, SamplerSettings
+from hybridmoe.grammar import Grammar, GrammarError, GrammarMachine
+
+
+def verdict(grammar, text: str | bytes) -> str:
+    m = GrammarMachine(grammar)
+    data = text.encode() if isinstance(text, str) else text
+    for i in range(len(data)):
+        if not m.feed(data[i:i + 1]):
+            return "refused"
+    return "ok" if m.can_end() else "prefix"
+
+
+ANSWER = 'root ::= answer "\\n"\nanswer ::= "yes" | "no" | [0-9]+ ("." [0-9]{1,2})?  # a comment\n'
+LIST = 'root ::= item+\nitem ::= "- " [^\\n]+ "\\n"\n'
+ARITH = '''root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= [0-9]+ | "(" expr ")"
+'''
+MISC = r'''root ::= "<" word ">" ws tail?
+word ::= [a-zA-Z_] [a-zA-Z0-9_]{0,3}
+ws   ::= [ \t]*
+tail ::= ( "\x41" | "\u00e9t\u00E9" | . "!" )
+'''
+
+
+@pytest.mark.parametrize("grammar, text, want", [
+    (ANSWER, "yes\n", "ok"), (ANSWER, "no", "prefix"), (ANSWER, "12.5\n", "ok"), (ANSWER, "12.\n", "refused"),
+    (ANSWER, "12.555\n", "refused"), (ANSWER, "maybe", "refused"), (ANSWER, "007\n", "ok"),
+    (LIST, "- a\n- héllo wörld\n", "ok"), (LIST, "- \n", "refused"), (LIST, "", "prefix"), (LIST, "x", "refused"),
+    (ARITH, "1+(2-3)", "ok"), (ARITH, "1+", "prefix"), (ARITH, "(1", "prefix"), (ARITH, "1)", "refused"),
+    (ARITH, "((((1))))-2", "ok"),
+    (MISC, "<ab_1> \tA", "ok"), (MISC, "<ab_1>", "ok"), (MISC, "<abcde>", "refused"), (MISC, "<1", "refused"),
+    (MISC, "<a>été", "ok"), (MISC, "<a>é!", "ok"), (MISC, "<a>😀!", "ok"), (MISC, "<a>😀", "prefix"),
+    (MISC, b"<a>\xe0\x80", "refused"),                                  # not UTF-8 (overlong)
+    ('root ::= [^"\\\\]* "\\""', 'abc"', "ok"), ('root ::= [^"\\\\]* "\\""', 'a\\', "refused"),
+    ('root ::= "a"{2} "b"{0,2} "c"{1,}', "aabbcc", "ok"), ('root ::= "a"{2} "b"{0,2} "c"{1,}', "aabbbc", "refused"),
+    ('root ::= ("ab")*', "abab", "ok"), ('root ::= ("ab")*', "aba", "prefix"), ('root ::= ("ab")*', "", "ok"),
+    ('root ::= "x" (\n  "y" |\n  "z"\n)', "xz", "ok"),                 # alternatives over lines in a group
+])
+def test_matching(grammar, text, want):
+    assert verdict(grammar, text) == want
+
+
+def test_agrees_with_python_re():
+    """Grammars that are also regular expressions: complete exactly when re.fullmatch says so, for random
+    texts over their alphabet (every prefix of a match is a prefix)."""
+    pairs = [('root ::= [a-c]+ ("-" [0-9]{1,3})?', r"[a-c]+(-[0-9]{1,3})?"),
+             ('root ::= ("ab" | "a" "c"*)* "."', r"(ab|ac*)*\."),
+             ('root ::= [^x]? "x" [xy]{2,3}', r"[^x]?x[xy]{2,3}")]
+    rng = random.Random(0)
+    for g, rx in pairs:
+        grammar = Grammar(g)
+        for _ in range(400):
+            text = "".join(rng.choice("abcxy.-0129") for _ in range(rng.randrange(8)))
+            assert (verdict(grammar, text) == "ok") == bool(re.fullmatch(rx, text)), (g, text)
+
+
+@pytest.mark.parametrize("text, msg", [
+    ('root ::= root "a" | "b"', "left-recursive"),
+    ('root ::= foo', "line 1, column 10: rule 'foo' is used but not defined"),
+    ('root = "a"', "expected '::='"),
+    ('root ::= "a', "unterminated string"),
+    ('x ::= "a"', "no 'root' rule"),
+    ('root ::= [b-a]', "goes backwards"),
+    ('root ::= "a"{3,1}', "bad repetition"),
+    ('root ::= "a"\nroot ::= "b"', "line 2, column 1: rule 'root' is defined twice"),
+    ('root ::= * "a"', "repeats nothing"),
+    ('root ::= "\\q"', "bad escape"),
+    ('root ::= "a" @', "expected the end of the rule"),
+    ("   ", "empty"),
+])
+def test_errors(text, msg):
+    with pytest.raises(GrammarError, match=re.escape(msg)):
+        Grammar(text)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return hybridmoe.load("synth:tiny").tokenizer
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sampling_under_a_grammar(tok, temperature):
+    """Random logits over the real vocabulary: the reply ends with an end-of-generation token and the
+    grammar accepts it."""
+    g = Grammar('root ::= ("yes" | "no") ", because " [a-z ]{3,20} "." ("\\n" item){0,2}\nitem ::= "- " [0-9]+')
+    gen = torch.Generator().manual_seed(3)
+    for seed in range(3):
+        c = TokenConstraint(GrammarMachine(g), tok, tok.eos_ids)
+        s = Sampler(SamplerSettings(temperature=temperature, seed=seed), c)
+        ids = []
+        for _ in range(300):
+            t = s(torch.randn(tok.n_vocab, generator=gen) * 3)
+            if t in tok.eos_ids:
+                break
+            s.accept(t)
+            ids.append(t)
+        text = tok.decode(ids)
+        assert re.fullmatch(r"(yes|no), because [a-z ]{3,20}\.(\n- [0-9]+){0,2}", text), text
