@@ -87,6 +87,36 @@ def test_errors(text, msg):
         Grammar(text)
 
 
+def _random_grammar(rng: random.Random) -> str:
+    def item(d):
+        c = rng.choice(['"ab"', '"a"', "[a-c]", "[^x]", ".", "x", "y", '""', '"\\n"', "[é-ê]", "[", '"', "(", "::="]
+                       + ([f"({seq(d + 1)} | {seq(d + 1)})"] if d < 3 else []))
+        return c + rng.choice(["", "", "*", "+", "?", "{2}", "{0,3}", "{1,}", "{", "{9,1}"])
+
+    def seq(d=0):
+        return " ".join(item(d) for _ in range(rng.randrange(1, 4)))
+    return f'root ::= {seq()}\nx ::= {seq()} | "q"\ny ::= "z" {seq()}?\n'
+
+
+def test_any_grammar_runs_or_is_refused_cleanly():
+    """Random grammars, well-formed or not: GrammarError or a machine that takes random bytes without raising."""
+    rng = random.Random(0)
+    parsed = 0
+    for _ in range(600):
+        try:
+            g = Grammar(_random_grammar(rng))
+        except GrammarError:
+            continue
+        parsed += 1
+        m = GrammarMachine(g)
+        for _ in range(rng.randrange(1, 25)):
+            b = bytes([rng.choice(b"abcxyzq\n\xc3\xa9\xaa")])
+            if m.accepts(b):
+                m.feed(b)
+        m.can_end()
+    assert parsed > 100
+
+
 @pytest.fixture(scope="module")
 def tok():
     return hybridmoe.load("synth:tiny").tokenizer

@@ -209,6 +209,8 @@ class _Parser:
 
     def char(self) -> int:
         s = self.s
+        if self.i >= len(s) or s[self.i] == "\n":
+            self.error("unexpected end of line")
         c = s[self.i]
         if c != "\\":
             self.i += 1
