@@ -337,7 +337,8 @@ class ServerState:
         return min(params.max_tokens, left) if params.max_tokens else left
 
     async def respond(self, request: Request, kind: str, ids: list[int], params: GenParams):
-        """kind: "chat" (OpenAI chat), "text" (OpenAI completions) or "native" (llama-server's /completion)."""
+        """kind: "chat" (OpenAI chat), "text" (OpenAI completions), "native" (llama-server's /completion,
+        /infill) or "anthropic" (/v1/messages): the same generation, answered in that API's form."""
         max_tokens = self.check_prompt(ids, params, "messages" if kind == "chat" else "prompt")
         check_in_vocab(params.sampling.logit_bias, self.model.tokenizer.n_vocab, "logit_bias")
         if len(self.active) >= self.max_queue:
