@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import weakref
 
 import torch
 
@@ -748,6 +749,7 @@ def tool_call_schema(tools: list[dict], names: list[str]) -> dict:
 
 # ------------------------------------------------------------------------------------------ with tokens
 
+_FIRST_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()      # tokenizer -> first bytes
 THINK_END = re.compile(rb"</think>")
 HARMONY_FINAL = re.compile(rb"<\|channel\|>final[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>")
 
@@ -763,25 +765,15 @@ class TokenConstraint:
         self.m, self.tok, self.eog = machine, tokenizer, frozenset(eog_ids)
         self.ends = self.eog if ends is None else frozenset(ends)
         self.trigger, self.active, self.before = trigger, trigger is None, b""
-        self._pieces: dict[int, bytes] = {}
-        self._first = None
-
-    def _piece(self, t: int) -> bytes:
-        p = self._pieces.get(t)
-        if p is None:
-            p = self._pieces[t] = self.tok.piece_bytes(t)
-        return p
+        self._piece = tokenizer.piece_bytes                 # (the tokenizer caches them)
 
     def _first_bytes(self) -> torch.Tensor:
-        """Each token's first byte (256: none), for best()'s prefilter."""
-        if self._first is None:
-            first = [256] * self.tok.n_vocab
-            for t in range(self.tok.n_vocab):
-                p = self._piece(t)
-                if p:
-                    first[t] = p[0]
-            self._first = torch.tensor(first, dtype=torch.long)
-        return self._first
+        """Each token's first byte (256: none), for best()'s prefilter; computed once per tokenizer."""
+        first = _FIRST_BYTES.get(self.tok)
+        if first is None:
+            first = _FIRST_BYTES[self.tok] = torch.tensor(
+                [p[0] if (p := self._piece(t)) else 256 for t in range(self.tok.n_vocab)], dtype=torch.long)
+        return first
 
     def best(self, logits: torch.Tensor) -> int:
         """The most likely token allowed (when the sampled candidates all failed): only tokens whose first
