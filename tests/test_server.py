@@ -1113,6 +1113,76 @@ def test_infill(srv, http, fim_srv, ref):
     check_error(http.post("/infill", json=body), 501, "no fill-in-the-middle tokens")
 
 
+def test_slots_save_restore_erase(srv, http, tmp_path, monkeypatch):
+    """llama-server's slot persistence: the cache after one conversation is saved, another conversation
+    replaces it, restore puts it back, and the conversation goes on exactly as if nothing had come between
+    (same text, same tokens taken from the cache); erase empties it; bad names, missing and foreign files
+    are refused."""
+    monkeypatch.setattr(srv.state, "slot_save_path", str(tmp_path))
+
+    def ask(msgs):
+        r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0})
+        return r.json()["choices"][0]["message"]["content"], r.json()["timings"]["cache_n"]
+    a = [{"role": "user", "content": USER + " It lives in a cave by the sea."}]
+    first, _ = ask(a)
+    saved = http.post("/slots/0?action=save", json={"filename": "story.slot"}).json()
+    assert saved["n_saved"] > 20 and (tmp_path / "story.slot").stat().st_size == saved["n_written"]
+    a2 = [*a, {"role": "assistant", "content": first}, {"role": "user", "content": "And then?"}]
+    want, cached = ask(a2)
+    assert cached > 20
+    ask([{"role": "user", "content": "Something else entirely: list three fruits."}])
+    restored = http.post("/slots/0?action=restore", json={"filename": "story.slot"}).json()
+    assert restored["n_restored"] == saved["n_saved"]
+    assert ask(a2) == (want, cached)
+    erased = http.post("/slots/0?action=erase").json()
+    assert erased["n_erased"] > 0 and ask(a2)[1] == 0
+    (tmp_path / "junk.slot").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}" + b"x" * 64)
+    for url, body, status, words in (
+            ("/slots/0?action=restore", {"filename": "nope.slot"}, 404, "no saved slot 'nope.slot'"),
+            ("/slots/0?action=restore", {"filename": "../story.slot"}, 400, "plain file name"),
+            ("/slots/0?action=restore", {"filename": "junk.slot"}, 400, "junk.slot"),
+            ("/slots/0?action=dance", {}, 400, "'action' must be save, restore or erase"),
+            ("/slots/1?action=save", {"filename": "x"}, 400, "this server has one, 0")):
+        check_error(http.post(url, json=body), status, words)
+    monkeypatch.setattr(srv.state, "slot_save_path", None)
+    check_error(http.post("/slots/0?action=save", json={"filename": "x"}), 501, "--slot-save-path")
+
+
+def test_saved_slots_belong_to_their_model_and_layout(tmp_path):
+    """A slot saved with one context size or model is refused by another (before anything is copied)."""
+    from hybridmoe import server_slots
+    from hybridmoe.server_requests import ApiError
+    a, b = hybridmoe.load("synth:tiny", ctx_size=256), hybridmoe.load("synth:tiny", ctx_size=512)
+    "".join(a.generate("Once upon a time", 4, temperature=0))
+    server_slots.save(a, str(tmp_path), {"filename": "a.slot"})
+    with pytest.raises(ApiError, match="another cache layout"):
+        server_slots.restore(b, str(tmp_path), {"filename": "a.slot"})
+    with pytest.raises(ApiError, match="another model"):
+        server_slots.restore(hybridmoe.load("synth:tiny-gpt-oss", ctx_size=256), str(tmp_path), {"filename": "a.slot"})
+    with pytest.raises(ApiError, match="the cache is empty"):
+        server_slots.save(b, str(tmp_path), {"filename": "b.slot"})
+    assert server_slots.restore(a, str(tmp_path), {"filename": "a.slot"})["n_restored"] > 0
+
+
+def test_saved_slot_with_sliding_window_rings(tmp_path):
+    """gpt-oss's sliding-window layers keep rings: their whole ring is saved, and a restored cache goes on
+    as the original did."""
+    from hybridmoe import server_slots
+    from hybridmoe.generate import Timings
+    m = hybridmoe.load("synth:tiny-gpt-oss", ctx_size=1024, ubatch_size=32)
+    assert m.new_cache().slots[0] < 1024                 # layer 0 keeps a ring (window 8: 39 slots)
+    tok = m.tokenizer
+    first = tok.encode("Once upon a time there was a dragon who lived in a cave by the sea. " * 3)
+    "".join(m.generate(first, 6, temperature=0))
+    server_slots.save(m, str(tmp_path), {"filename": "g.slot"})
+    more = first + tok.encode(" Then one day", add_special=False)
+    t1, t2 = Timings(), Timings()
+    want = "".join(m.generate(more, 6, temperature=0, timings=t1))
+    "".join(m.generate(tok.encode("Something else entirely."), 6, temperature=0))
+    server_slots.restore(m, str(tmp_path), {"filename": "g.slot"})
+    assert "".join(m.generate(more, 6, temperature=0, timings=t2)) == want and t2.n_cached == t1.n_cached > 0
+
+
 def test_not_found_and_wrong_method(http):
     check_error(http.get("/v1/nothing"), 404, "no endpoint GET /v1/nothing")
     check_error(http.get("/v1/models/other-model"), 404, "'other-model' is not served here")

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__
 from . import server_anthropic as anthropic_api
+from . import server_slots
 from .constrain import HARMONY_FINAL, THINK_END, JsonMachine, TokenConstraint, harmony_calls
 from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
@@ -229,9 +230,10 @@ class ServerState:
     """The model, its one worker thread and what the endpoints share."""
 
     def __init__(self, model, alias: str | None, api_key: str | None, max_body_bytes: int, max_queue: int,
-                 reasoning_format: str = "auto", metrics: bool = False):
+                 reasoning_format: str = "auto", metrics: bool = False, slot_save_path: str | None = None):
         self.model = model
         self.metrics = metrics
+        self.slot_save_path = slot_save_path
         # llama-server's /metrics counters, summed over finished generations
         self.totals = dict(prompt_tokens=0, prompt_seconds=0.0, predicted_tokens=0, predicted_seconds=0.0,
                            decodes=0, requests=0, kv_tokens=0)
@@ -260,6 +262,15 @@ class ServerState:
             self.jobs_started += 1
             fut = self._executor.submit(job.run, self.model)
         fut.add_done_callback(lambda _: self._finished(job))
+
+    async def exclusive(self, fn, *args):
+        """fn(model, *args) on the generation thread, after the generations already queued (it then has the
+        model's cache to itself); its result."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridmoe-gen")
+            fut = self._executor.submit(fn, self.model, *args)
+        return await asyncio.wrap_future(fut)
 
     def _finished(self, job: Job):
         with self._lock:
@@ -534,12 +545,13 @@ class ServerState:
 
 def create_app(model, alias: str | None = None, *, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE,
-               reasoning_format: str = "auto", metrics: bool = False) -> FastAPI:
-    """The FastAPI app serving `model` (a loaded hybridmoe.Model). metrics: serve GET /metrics."""
+               reasoning_format: str = "auto", metrics: bool = False, slot_save_path: str | None = None) -> FastAPI:
+    """The FastAPI app serving `model` (a loaded hybridmoe.Model). metrics: serve GET /metrics. slot_save_path:
+    the folder for POST /slots/0?action=save|restore."""
     if not model.options.ctx_size:
         # -c 0 means the training context; the decoder's caches read options.ctx_size directly
         model.options.ctx_size = model.cfg.n_ctx_train
-    state = ServerState(model, alias, api_key, max_body_bytes, max_queue, reasoning_format, metrics)
+    state = ServerState(model, alias, api_key, max_body_bytes, max_queue, reasoning_format, metrics, slot_save_path)
     tok = model.tokenizer
 
     @contextlib.asynccontextmanager
@@ -630,6 +642,23 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
             raise ApiError(501, "this server does not serve metrics; restart it with --metrics", "not_supported",
                            type_="not_supported_error")
         return PlainTextResponse(state.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/slots/{slot_id}")
+    async def slots(request: Request, slot_id: str, action: str = ""):
+        """llama-server's slot actions: save the KV cache to a file, restore it, erase it (server_slots.py)."""
+        state.check_auth(request)
+        if slot_id != "0":
+            raise _bad(f"no slot {slot_id!r}: this server has one, 0", "id_slot")
+        if action not in ("save", "restore", "erase"):
+            raise _bad(f"'action' must be save, restore or erase, got {action!r}", "action")
+        if action == "erase":
+            return await state.exclusive(server_slots.erase)
+        if state.slot_save_path is None:
+            raise ApiError(501, "slots cannot be saved or restored: start the server with --slot-save-path DIR",
+                           "not_supported", type_="not_supported_error")
+        body = await _read_json(request, state.max_body_bytes)
+        return await state.exclusive(server_slots.save if action == "save" else server_slots.restore,
+                                     state.slot_save_path, body)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

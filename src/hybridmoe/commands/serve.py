@@ -18,6 +18,8 @@ def setup_arg_parser(p):
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $HYBRIDMOE_API_KEY, else no key)")
+    p.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="folder where POST /slots/0?action=save|restore keep KV caches (llama-server's)")
     p.add_argument("--metrics", action="store_true",
                    help="serve GET /metrics (Prometheus text, llama-server's metric names)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, in MiB (default: 8)")
@@ -60,6 +62,18 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
+def slot_folder(path: str | None) -> str | None:
+    """--slot-save-path: the folder (made if missing), or None."""
+    if path is None:
+        return None
+    from ..errors import HybridMoeError
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise HybridMoeError(f"--slot-save-path {path}: {e.strerror}") from None
+    return os.path.abspath(path)
+
+
 def main(args) -> int:
     import uvicorn
 
@@ -77,7 +91,8 @@ def main(args) -> int:
               f"in {model.load_seconds:.2f} s", file=sys.stderr)
         warmup(model, args)
         app = create_app(model, args.alias, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
-                         reasoning_format=args.reasoning_format, metrics=args.metrics)
+                         reasoning_format=args.reasoning_format, metrics=args.metrics,
+                         slot_save_path=slot_folder(args.slot_save_path))
         state = app.state.hybridmoe
         url = url_of(sock)
         print(f"model {state.name!r}, context {state.n_ctx} tokens; server is listening on {url}  "

@@ -124,3 +124,48 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # ---------------------------------------------------------------- saving and restoring (server slots)
+    def _saved_slots(self, layer: int) -> int:
+        """How many slots of a layer hold what `tokens` says: the positions, or a whole sliding-window ring."""
+        return self.slots[layer] if self.slots[layer] < self.n_ctx else len(self.tokens)
+
+    def layout(self) -> dict:
+        """What a saved state must match to be restored here (besides the model)."""
+        return {"n_ctx": self.n_ctx, "slots": self.slots, "windows": self.windows, "type_k": self.type_k,
+                "type_v": self.type_v, "k": [list(t.shape) for t in self.k], "v": [list(t.shape) for t in self.v]}
+
+    def save_state(self) -> tuple[dict[str, torch.Tensor], list[int], int]:
+        """(tensors k.i / v.i on the CPU, tokens, hi): what the cache holds, for restore_state."""
+        out = {}
+        for i in range(len(self.k)):
+            n = self._saved_slots(i)
+            out[f"k.{i}"] = self.k[i][:, :n].cpu().contiguous()
+            out[f"v.{i}"] = self.v[i][:, :n].cpu().contiguous()
+        return out, list(self.tokens), self.hi
+
+    def restore_state(self, get, tokens: list[int], hi: int):
+        """Put back a saved state; get(name, shape) gives a saved tensor (and may refuse one of another shape
+        before reading it). Every tensor is read and checked before any is copied in, so a bad file leaves
+        the cache's contents as they were (and its token record empty)."""
+        n = len(tokens)
+        if not 0 < n <= self.n_ctx or not n <= hi <= self.n_ctx:
+            raise HybridMoeError(f"the saved state holds {n} tokens (up to position {hi}); this cache holds "
+                                 f"{self.n_ctx}")
+        self.tokens = list(tokens)                       # so _saved_slots counts the saved positions
+        try:
+            loaded = []
+            for i in range(len(self.k)):
+                m = self._saved_slots(i)
+                for name, buf in ((f"k.{i}", self.k[i]), (f"v.{i}", self.v[i])):
+                    t = get(name, (buf.shape[0], m, buf.shape[2]))
+                    if t.dtype != buf.dtype or tuple(t.shape) != (buf.shape[0], m, buf.shape[2]):
+                        raise HybridMoeError(f"the saved state's {name} is {tuple(t.shape)} {t.dtype}, not "
+                                             f"{(buf.shape[0], m, buf.shape[2])} {buf.dtype}")
+                    loaded.append((buf, m, t))
+        except BaseException:
+            self.tokens.clear()
+            raise
+        for buf, m, t in loaded:
+            buf[:, :m].copy_(t)
+        self.hi = hi

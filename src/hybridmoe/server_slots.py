@@ -1,0 +1,99 @@
+"""llama-server's slot persistence (`--slot-save-path`, POST /slots/0?action=save|restore|erase): the KV
+cache of what the server last ran, saved to a safetensors file and put back later, so a long prompt (an
+agent's system prompt, a document) is not prefilled again after a restart or another conversation. The file
+records the tokens the cache holds, the cache's layout and the model; a file that does not match them is
+refused before anything is copied."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+from .errors import HybridMoeError
+from .server_requests import ApiError, _bad
+
+FORMAT = "hybridmoe-kv-1"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+
+
+def _path(folder: str, body) -> tuple[str, str]:
+    name = body.get("filename") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        raise _bad("'filename' must be a plain file name (letters, digits, '.', '_', '-'; no folders)", "filename")
+    return name, os.path.join(folder, name)
+
+
+def _model_id(model) -> dict:
+    return {"file": os.path.basename(model.path), "bytes": model.file.nbytes, "arch": model.cfg.arch,
+            "n_layer": model.cfg.n_layer}
+
+
+def save(model, folder: str, body) -> dict:
+    """Runs on the generation thread: the model's cache (nothing else is using it) to a file."""
+    from safetensors.torch import save_file
+    name, path = _path(folder, body)
+    t0 = time.perf_counter()
+    kv = model.take_cache()
+    try:
+        if not kv.tokens:
+            raise _bad("the cache is empty: run a prompt first", "filename")
+        tensors, tokens, hi = kv.save_state()
+        meta = {"format": FORMAT, "tokens": json.dumps(tokens), "hi": str(hi), "layout": json.dumps(kv.layout()),
+                "model": json.dumps(_model_id(model))}
+    finally:
+        model.return_cache(kv)
+    tmp = path + ".tmp"
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ApiError(500, f"cannot write {name}: {e.strerror}", "slot_save_failed", type_="server_error") from None
+    return {"id_slot": 0, "filename": name, "n_saved": len(tokens), "n_written": os.path.getsize(path),
+            "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
+
+
+def restore(model, folder: str, body) -> dict:
+    """Runs on the generation thread: a saved file back into the model's cache."""
+    from safetensors import SafetensorError, safe_open
+    name, path = _path(folder, body)
+    if not os.path.isfile(path):
+        raise ApiError(404, f"no saved slot {name!r}", "not_found", type_="not_found_error")
+    t0 = time.perf_counter()
+    kv = model.take_cache()
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise _bad(f"{name} is not a slot saved by hybridmoe", "filename")
+            if json.loads(meta.get("model", "{}")) != _model_id(model):
+                raise _bad(f"{name} was saved with another model ({json.loads(meta.get('model', '{}'))})", "filename")
+            if json.loads(meta.get("layout", "{}")) != kv.layout():
+                raise _bad(f"{name} was saved with another cache layout (context size, -ctk/-ctv or placement); "
+                           f"start the server as it was then", "filename")
+            tokens = json.loads(meta["tokens"])
+            if not (isinstance(tokens, list) and all(isinstance(t, int) and 0 <= t < model.tokenizer.n_vocab
+                                                     for t in tokens)):
+                raise _bad(f"{name} holds a bad token record", "filename")
+
+            def get(tensor: str, shape):
+                if tensor not in f.keys() or tuple(f.get_slice(tensor).get_shape()) != tuple(shape):
+                    raise _bad(f"{name}: tensor {tensor} is missing or not {tuple(shape)}", "filename")
+                return f.get_tensor(tensor)
+            kv.restore_state(get, tokens, int(meta["hi"]))
+    except (SafetensorError, ValueError, KeyError, OSError, HybridMoeError) as e:
+        raise _bad(f"{name} is not a restorable saved slot: {e}", "filename") from None
+    finally:
+        model.return_cache(kv)
+    return {"id_slot": 0, "filename": name, "n_restored": len(tokens), "n_read": os.path.getsize(path),
+            "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
+
+
+def erase(model) -> dict:
+    kv = model.take_cache()
+    try:
+        n = len(kv.tokens)
+        kv.tokens.clear()
+    finally:
+        model.return_cache(kv)
+    return {"id_slot": 0, "n_erased": n}
