@@ -52,3 +52,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def byte_verdict(machine, text) -> str:
+    """A constraint machine (constrain.JsonMachine, grammar.GrammarMachine) fed `text` byte by byte: 'ok' (it
+    may end here), 'prefix' (it can still get there) or 'refused'."""
+    data = text.encode() if isinstance(text, str) else text
+    for i in range(len(data)):
+        if not machine.feed(data[i:i + 1]):
+            return "refused"
+    return "ok" if machine.can_end() else "prefix"

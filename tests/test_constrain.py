@@ -11,18 +11,13 @@ import pytest
 import torch
 
 import hybridmoe
+from conftest import byte_verdict
 from hybridmoe.constrain import THINK_END, JsonMachine, SchemaError, TokenConstraint, check_schema
 from hybridmoe.generate import Sampler, SamplerSettings
 
 
 def verdict(schema, text: str | bytes) -> str:
-    """'ok' (a complete value), 'prefix' (can still become one) or 'refused'."""
-    m = JsonMachine(schema)
-    data = text.encode() if isinstance(text, str) else text
-    for i in range(len(data)):
-        if not m.feed(data[i:i + 1]):
-            return "refused"
-    return "ok" if m.can_end() else "prefix"
+    return byte_verdict(JsonMachine(schema), text)
 
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],

@@ -9,18 +9,14 @@ import pytest
 import torch
 
 import hybridmoe
+from conftest import byte_verdict
 from hybridmoe.constrain import TokenConstraint
 from hybridmoe.generate import Sampler, SamplerSettings
 from hybridmoe.grammar import Grammar, GrammarError, GrammarMachine
 
 
 def verdict(grammar, text: str | bytes) -> str:
-    m = GrammarMachine(grammar)
-    data = text.encode() if isinstance(text, str) else text
-    for i in range(len(data)):
-        if not m.feed(data[i:i + 1]):
-            return "refused"
-    return "ok" if m.can_end() else "prefix"
+    return byte_verdict(GrammarMachine(grammar), text)
 
 
 ANSWER = 'root ::= answer "\\n"\nanswer ::= "yes" | "no" | [0-9]+ ("." [0-9]{1,2})?  # a comment\n'

@@ -81,19 +81,25 @@ def main(args) -> int:
     return 0
 
 
+def _text_or_file(text: str | None, path: str | None, flag: str) -> tuple[str | None, str]:
+    """A flag's text, or its -file twin's contents; and what to call it in an error."""
+    from ..errors import HybridMoeError
+    if not path:
+        return text, flag
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), path
+    except OSError as e:
+        raise HybridMoeError(f"cannot read {path}: {e.strerror}") from None
+
+
 def json_schema(args):
     """-j / --json-schema-file: the schema (checked), or None."""
     import json
 
     from ..constrain import SchemaError, check_schema
     from ..errors import HybridMoeError
-    text, where = args.json_schema, "--json-schema"
-    if args.json_schema_file:
-        try:
-            with open(args.json_schema_file, encoding="utf-8") as f:
-                text, where = f.read(), args.json_schema_file
-        except OSError as e:
-            raise HybridMoeError(f"cannot read {args.json_schema_file}: {e.strerror}") from None
+    text, where = _text_or_file(args.json_schema, args.json_schema_file, "--json-schema")
     if text is None:
         return None
     try:
@@ -110,13 +116,7 @@ def grammar(args):
     """--grammar / --grammar-file: the parsed grammar, or None (refused beside a JSON schema)."""
     from ..errors import HybridMoeError
     from ..grammar import Grammar, GrammarError
-    text, where = args.grammar, "--grammar"
-    if args.grammar_file:
-        try:
-            with open(args.grammar_file, encoding="utf-8") as f:
-                text, where = f.read(), args.grammar_file
-        except OSError as e:
-            raise HybridMoeError(f"cannot read {args.grammar_file}: {e.strerror}") from None
+    text, where = _text_or_file(args.grammar, args.grammar_file, "--grammar")
     if text is None:
         return None
     if args.json_schema or args.json_schema_file:
