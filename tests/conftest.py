@@ -62,3 +62,19 @@ def byte_verdict(machine, text) -> str:
         if not machine.feed(data[i:i + 1]):
             return "refused"
     return "ok" if machine.can_end() else "prefix"
+
+
+def random_json(rng, depth=0):
+    """A random JSON value (nested up to 3 levels; strings with escapes and non-ASCII)."""
+    kind = rng.randrange(7 if depth < 3 else 5)
+    if kind == 0:
+        return rng.choice([None, True, False])
+    if kind == 1:
+        return rng.randint(-10**6, 10**6)
+    if kind == 2:
+        return rng.choice([0.5, -1e-7, 3.25e12, 1.0])
+    if kind in (3, 4):
+        return "".join(rng.choice('ab "\\/\n\té€😀x') for _ in range(rng.randrange(6)))
+    if kind == 5:
+        return [random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {f"k{i}{rng.choice('xyé')}": random_json(rng, depth + 1) for i in range(rng.randrange(4))}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hybridmoe
-from conftest import byte_verdict
+from conftest import byte_verdict, random_json
 from hybridmoe.constrain import THINK_END, JsonMachine, SchemaError, TokenConstraint, check_schema
 from hybridmoe.generate import Sampler, SamplerSettings
 
@@ -99,21 +99,6 @@ def test_a_dead_end_is_refused_where_it_starts():
     assert verdict({"type": "string"}, b'"\xff') == "refused"                    # not UTF-8
 
 
-def _random_json(rng: random.Random, depth=0):
-    kind = rng.randrange(7 if depth < 3 else 5)
-    if kind == 0:
-        return rng.choice([None, True, False])
-    if kind == 1:
-        return rng.randint(-10**6, 10**6)
-    if kind == 2:
-        return rng.choice([0.5, -1e-7, 3.25e12, 1.0])
-    if kind in (3, 4):
-        return "".join(rng.choice('ab "\\/\n\té€😀x') for _ in range(rng.randrange(6)))
-    if kind == 5:
-        return [_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
-    return {f"k{i}{rng.choice('xyé')}": _random_json(rng, depth + 1) for i in range(rng.randrange(4))}
-
-
 def _strict_loads(text: str) -> bool:
     def no_dups(pairs):
         keys = [k for k, _ in pairs]
@@ -136,7 +121,7 @@ def test_any_json_agrees_with_the_json_module():
     complete exactly when json.loads accepts them."""
     rng = random.Random(0)
     for _ in range(300):
-        v = _random_json(rng)
+        v = random_json(rng)
         for text in (json.dumps(v), json.dumps(v, ensure_ascii=False, separators=(",", ":")),
                      json.dumps(v, ensure_ascii=False, indent=2)):
             assert verdict(True, text) == "ok", text
@@ -178,7 +163,7 @@ def _random_schema(rng: random.Random, depth=0):
     out = {}
     for k in rng.sample(keys, rng.randrange(1, 4)):
         out[k] = rng.choice([
-            lambda: _random_schema(rng, depth + 1), lambda: _random_json(rng, 2),
+            lambda: _random_schema(rng, depth + 1), lambda: random_json(rng, 2),
             lambda: [_random_schema(rng, depth + 1) for _ in range(rng.randrange(3))],
             lambda: {f"p{i}": _random_schema(rng, depth + 1) for i in range(rng.randrange(3))},
             lambda: rng.choice(["object", "array", "string", "number", ["null", "integer"], "#/$defs/a", "#"]),
@@ -199,7 +184,7 @@ def test_any_schema_is_enforced_or_refused_cleanly():
             continue
         taken += 1
         for _ in range(3):
-            text = json.dumps(_random_json(rng), ensure_ascii=False).encode()
+            text = json.dumps(random_json(rng), ensure_ascii=False).encode()
             c = m.clone()
             for i in range(len(text)):
                 if not c.feed(text[i:i + 1]):

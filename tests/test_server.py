@@ -1183,6 +1183,46 @@ def test_saved_slot_with_sliding_window_rings(tmp_path):
     assert "".join(m.generate(more, 6, temperature=0, timings=t2)) == want and t2.n_cached == t1.n_cached > 0
 
 
+def test_random_requests_get_answers_not_crashes(srv, http, tmp_path, monkeypatch):
+    """Random bodies, well-formed or not, to the generating endpoints: a 200 or a 4xx (or /infill's 501 on
+    a model without FIM tokens) with a JSON error, never a 500."""
+    import random
+
+    from conftest import random_json
+    monkeypatch.setattr(srv.state, "slot_save_path", str(tmp_path))
+    rng = random.Random(7)
+    blocks = [{"type": "text", "text": "hi"}, {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}},
+              {"type": "tool_result", "tool_use_id": "t1", "content": "ok"}, {"type": "image"}, "str", 5,
+              {"type": "tool_result", "tool_use_id": 5}]
+    special = {
+        "messages": lambda: [{"role": rng.choice(["user", "assistant", "system", None, 5]),
+                              "content": rng.choice(["hello", [rng.choice(blocks)], None, 5])}
+                             for _ in range(rng.randrange(4))],
+        "tools": lambda: [{"name": "f", "input_schema": random_json(rng)},
+                          {"type": "function", "function": {"name": "f", "parameters": random_json(rng)}}],
+        "tool_choice": lambda: rng.choice([{"type": "any"}, {"type": "tool", "name": "f"}, "required", "x",
+                                           {"type": "function", "function": {"name": "f"}}]),
+        "grammar": lambda: rng.choice(['root ::= "a"', "root ::= x", "", "root ::= [a-z]{1,3}"]),
+        "filename": lambda: rng.choice(["a.slot", "../x", "", "b.slot", 5]),
+        "response_format": lambda: rng.choice([{"type": "json_object"}, {"type": "json_schema", "json_schema": {
+            "schema": random_json(rng)}}, "x"])}
+    keys = {"/v1/messages": ["messages", "system", "tools", "tool_choice", "stop_sequences", "stream", "thinking"],
+            "/completion": ["prompt", "n_probs", "grammar", "json_schema", "stream", "stop"],
+            "/infill": ["input_prefix", "input_suffix", "input_extra", "prompt"],
+            "/v1/chat/completions": ["messages", "response_format", "tools", "tool_choice", "grammar", "stream"],
+            "/slots/0?action=save": ["filename"], "/slots/0?action=restore": ["filename"]}
+    for _ in range(150):
+        path = rng.choice(list(keys))
+        body = {"max_tokens": 2, "n_predict": 2}
+        for k in rng.sample(keys[path], rng.randrange(len(keys[path]) + 1)):
+            body[k] = special[k]() if k in special and rng.random() < 0.7 else \
+                rng.choice([random_json(rng), None, 1, "x", True, [], {}])
+        r = http.post(path, json=body)
+        assert r.status_code in (200, 400, 404, 413, 501), (path, body, r.text[:300])
+        if r.status_code != 200:
+            assert "Traceback" not in r.text and "error" in r.json(), (path, body, r.text[:300])
+
+
 def test_not_found_and_wrong_method(http):
     check_error(http.get("/v1/nothing"), 404, "no endpoint GET /v1/nothing")
     check_error(http.get("/v1/models/other-model"), 404, "'other-model' is not served here")
