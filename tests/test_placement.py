@@ -595,7 +595,7 @@ def test_plan_and_inspect_on_gguf_files(tmp_path, monkeypatch, capsys):
     assert inspect_cmd.main(args) == 0
     out = capsys.readouterr().out
     exp_bytes = 4 * 32 * 64 * 4
-    assert re.search(rf"blk\.1\.ffn_up_exps\.weight\s+4 x 32 x 64\s+F32\s+32\.0 KiB", out)
+    assert re.search(r"blk\.1\.ffn_up_exps\.weight\s+4 x 32 x 64\s+F32\s+32\.0 KiB", out)
     assert re.search(r"^blk 2\s+2\s+64\.0 KiB\s+64\.0 KiB$", out, re.M)
     assert out.rstrip().endswith(f"total: 4 tensors, 128.0 KiB ({4 * exp_bytes} bytes)")
     args = inspect_cmd.setup_arg_parser().parse_args(["-m", str(path), "--json"])
