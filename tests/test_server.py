@@ -1223,6 +1223,44 @@ def test_random_requests_get_answers_not_crashes(srv, http, tmp_path, monkeypatc
             assert "Traceback" not in r.text and "error" in r.json(), (path, body, r.text[:300])
 
 
+def test_template_flags(tmp_path):
+    """serve's --chat-template(-file), --chat-template-kwargs and --reasoning-budget (common.template_setup):
+    the template is replaced (and checked at start), the variables reach every request, a request's own
+    chat_template_kwargs win; bad values are one-line errors."""
+    import argparse
+
+    from hybridmoe.commands.common import add_template_args, template_setup
+    from hybridmoe.errors import HybridMoeError
+    p = argparse.ArgumentParser()
+    add_template_args(p)
+    model = hybridmoe.load("synth:tiny", ctx_size=256)
+    f = tmp_path / "t.jinja"
+    f.write_text("{% if enable_thinking is defined and not enable_thinking %}[no think]{% endif %}"
+                 "{% if reasoning_effort is defined %}[{{ reasoning_effort }}]{% endif %}{{ messages[-1].content }}")
+    kwargs = template_setup(model, p.parse_args(["--chat-template-file", str(f), "--reasoning-budget", "0",
+                                                 "--chat-template-kwargs", '{"reasoning_effort": "high"}']))
+    assert kwargs == {"reasoning_effort": "high", "enable_thinking": False}
+    gen = serving(create_app(model, template_defaults=kwargs), model)
+    running = next(gen)
+    try:
+        with httpx.Client(base_url=running.url, timeout=30) as c:
+            msgs = [{"role": "user", "content": "hi"}]
+            assert c.post("/apply-template", json={"messages": msgs}).json()["prompt"] == "[no think][high]hi"
+            mine = {"messages": msgs, "chat_template_kwargs": {"reasoning_effort": "low", "enable_thinking": True}}
+            assert c.post("/apply-template", json=mine).json()["prompt"] == "[low]hi"
+    finally:
+        gen.close()
+    assert template_setup(model, p.parse_args(["--chat-template", "chatml"])) == {}
+    assert model.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]).startswith("<|im_start|>user")
+    for argv, words in ((["--chat-template", "{% if %}"], "syntax error"),
+                        (["--chat-template-kwargs", "{x"], "--chat-template-kwargs is not JSON"),
+                        (["--chat-template-kwargs", '{"messages": 1}'], "not messages or add_generation_prompt"),
+                        (["--reasoning-budget", "100"], "only -1 (no limit) and 0"),
+                        (["--chat-template-file", str(tmp_path / "nope")], "cannot read")):
+        with pytest.raises(HybridMoeError, match=re.escape(words)):
+            template_setup(model, p.parse_args(argv))
+
+
 def test_not_found_and_wrong_method(http):
     check_error(http.get("/v1/nothing"), 404, "no endpoint GET /v1/nothing")
     check_error(http.get("/v1/models/other-model"), 404, "'other-model' is not served here")

@@ -249,19 +249,20 @@ class Model:
     def generate(self, prompt: str | list[int], max_tokens: int = 128, temperature: float = 0.8, seed: int = -1,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, chat: bool = False,
                  timings: Timings | None = None, cache_prompt: bool = True, json_schema=None, grammar=None,
-                 **penalties):
+                 template_kwargs: dict | None = None, **penalties):
         """Yield text pieces as they are generated. With `cache_prompt`, a prompt that starts as the previous
         generation's prompt and output did runs only from where they part (the KV cache is kept). `json_schema`
         (a schema, or True for any JSON): the reply is JSON it accepts (constrain.py; after the thoughts when
         the prompt opened a <think> block); `grammar` (GBNF text or a grammar.Grammar): text it accepts.
         `penalties`: SamplerSettings' repeat_penalty, presence_penalty, frequency_penalty, repeat_last_n,
-        logit_bias."""
+        logit_bias. `template_kwargs`: chat template variables (with chat=True)."""
         from .constrain import THINK_END, JsonMachine, TokenConstraint
         from .grammar import GrammarMachine
         tok = self.tokenizer
         text = None
         if isinstance(prompt, str):
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], **(template_kwargs or {})) \
+                if chat else prompt
             ids = tok.encode(text)
         else:
             ids = list(prompt)

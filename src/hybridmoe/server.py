@@ -545,9 +545,11 @@ class ServerState:
 
 def create_app(model, alias: str | None = None, *, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE,
-               reasoning_format: str = "auto", metrics: bool = False, slot_save_path: str | None = None) -> FastAPI:
+               reasoning_format: str = "auto", metrics: bool = False, slot_save_path: str | None = None,
+               template_defaults: dict | None = None) -> FastAPI:
     """The FastAPI app serving `model` (a loaded hybridmoe.Model). metrics: serve GET /metrics. slot_save_path:
-    the folder for POST /slots/0?action=save|restore."""
+    the folder for POST /slots/0?action=save|restore. template_defaults: chat template variables for every
+    request (its own chat_template_kwargs win)."""
     if not model.options.ctx_size:
         # -c 0 means the training context; the decoder's caches read options.ctx_size directly
         model.options.ctx_size = model.cfg.n_ctx_train
@@ -688,8 +690,10 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
         ids = token_ids(body.get("tokens", []), "tokens")
         return {"content": await asyncio.to_thread(tok.decode, ids)}
 
+    defaults = dict(template_defaults or {})
+
     def template_kwargs(body, tools) -> dict:
-        kwargs = _template_kwargs(body)
+        kwargs = {**defaults, **_template_kwargs(body)}
         if tools:
             why = template_takes_tools(tok.chat_template)
             if why:

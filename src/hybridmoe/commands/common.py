@@ -47,3 +47,49 @@ def runtime_kwargs(args) -> dict:
               offload_only_active_experts=args.offload_only_active_experts, fused_moe=bool(args.fused_moe),
               profile=args.profile, graphs=not args.no_graphs)
     return kw
+
+
+def add_template_args(p: argparse.ArgumentParser):
+    g = p.add_argument_group("chat template (llama-server's flags)")
+    g.add_argument("--chat-template", default=None, metavar="JINJA",
+                   help="use this chat template instead of the model's: Jinja text, or 'chatml'")
+    g.add_argument("--chat-template-file", default=None, metavar="FILE", help="the chat template from a file")
+    g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="template variables for every chat, e.g. '{\"reasoning_effort\": \"high\"}' (a request's "
+                        "own chat_template_kwargs win)")
+    g.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="-1: think as the template does; 0: no thinking (enable_thinking false)")
+
+
+def template_setup(model, args) -> dict:
+    """Applies --chat-template(-file) to the model (checked by rendering one message) and returns the default
+    template variables (--chat-template-kwargs, --reasoning-budget)."""
+    import json
+
+    from ..chat import CHATML_TEMPLATE
+    from ..errors import HybridMoeError
+    text = args.chat_template
+    if args.chat_template_file:
+        try:
+            with open(args.chat_template_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise HybridMoeError(f"cannot read {args.chat_template_file}: {e.strerror}") from None
+    if text is not None:
+        model.tokenizer.chat_template = CHATML_TEMPLATE if text.strip().lower() == "chatml" else text
+        model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])   # a bad template fails here
+    kwargs = {}
+    if args.chat_template_kwargs:
+        try:
+            kwargs = json.loads(args.chat_template_kwargs)
+        except ValueError as e:
+            raise HybridMoeError(f"--chat-template-kwargs is not JSON: {e}") from None
+        if not isinstance(kwargs, dict) or {"messages", "add_generation_prompt"} & set(kwargs):
+            raise HybridMoeError("--chat-template-kwargs must be a JSON object of template variables (not "
+                                 "messages or add_generation_prompt)")
+    if args.reasoning_budget not in (-1, 0):
+        raise HybridMoeError(f"--reasoning-budget {args.reasoning_budget}: only -1 (no limit) and 0 (no thinking) "
+                             f"are supported, as in llama-server")
+    if args.reasoning_budget == 0:
+        kwargs.setdefault("enable_thinking", False)
+    return kwargs

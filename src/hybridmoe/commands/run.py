@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_model_args, add_runtime_args, add_warmup_arg, runtime_kwargs, warmup
+from .common import (add_model_args, add_runtime_args, add_template_args, add_warmup_arg, runtime_kwargs,
+                     template_setup, warmup)
 
 
 def setup_arg_parser(p):
@@ -37,6 +38,7 @@ def setup_arg_parser(p):
                         "file")
     p.add_argument("--grammar-file", default=None, metavar="FILE")
     add_runtime_args(p)
+    add_template_args(p)
     add_warmup_arg(p)
 
 
@@ -53,6 +55,7 @@ def main(args) -> int:
             raise HybridMoeError(f"cannot read prompt file {args.file}: {e.strerror}") from None
     schema, gram = json_schema(args), grammar(args)
     model = hybridmoe.load(args.model, **runtime_kwargs(args))
+    args.template_kwargs = template_setup(model, args)
     print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
           f"in {model.load_seconds:.2f} s", file=sys.stderr)
     warmup(model, args)
@@ -66,7 +69,7 @@ def main(args) -> int:
     n = 64 if args.n_predict is None else args.n_predict
     for piece in model.generate(prompt, n, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
                                 chat=args.chat, timings=timings, json_schema=schema, grammar=gram,
-                                **penalties(args)):
+                                template_kwargs=args.template_kwargs, **penalties(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -158,7 +161,7 @@ def converse(model, args, first: str | None, inp, out, err):
             if not line.strip():
                 continue
         messages.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(messages))
+        ids = tok.encode(tok.apply_chat_template(messages, **getattr(args, "template_kwargs", {})))
         if len(ids) >= n_ctx:
             print(f"the conversation has {len(ids)} tokens and the context is {n_ctx}: it is full; "
                   f"start again with a larger -c", file=err)

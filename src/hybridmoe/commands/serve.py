@@ -5,7 +5,8 @@ import os
 import socket
 import sys
 
-from .common import add_model_args, add_runtime_args, add_warmup_arg, runtime_kwargs, warmup
+from .common import (add_model_args, add_runtime_args, add_template_args, add_warmup_arg, runtime_kwargs,
+                     template_setup, warmup)
 
 
 def setup_arg_parser(p):
@@ -29,6 +30,7 @@ def setup_arg_parser(p):
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; 'warning' hides the request log (default: %(default)s)")
     add_runtime_args(p)
+    add_template_args(p)
     add_warmup_arg(p)
 
 
@@ -89,10 +91,11 @@ def main(args) -> int:
         model = hybridmoe.load(args.model, **runtime_kwargs(args))
         print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
               f"in {model.load_seconds:.2f} s", file=sys.stderr)
+        template_kwargs = template_setup(model, args)
         warmup(model, args)
         app = create_app(model, args.alias, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
                          reasoning_format=args.reasoning_format, metrics=args.metrics,
-                         slot_save_path=slot_folder(args.slot_save_path))
+                         slot_save_path=slot_folder(args.slot_save_path), template_defaults=template_kwargs)
         state = app.state.hybridmoe
         url = url_of(sock)
         print(f"model {state.name!r}, context {state.n_ctx} tokens; server is listening on {url}  "
