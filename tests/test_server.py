@@ -1289,14 +1289,17 @@ def serve_argv(*args) -> list[str]:
     return [sys.executable, "-c", SERVE, *args]
 
 
-def test_serve_command(srv):
+def test_serve_command(srv, tmp_path):
     used_port = srv.url.rsplit(":", 1)[1]
+    keys = tmp_path / "keys"
+    keys.write_text("# the team's keys\nsecond-key\n\n")
     r = subprocess.run(serve_argv("-m", "synth:tiny", "--port", used_port), capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 1 and "cannot listen on 127.0.0.1:" + used_port in r.stderr, r.stderr
 
     p = subprocess.Popen(serve_argv("-m", "synth:tiny", "--port", "0", "-c", "128", "--alias", "cli-tiny",
-                                    "--api-key", "sekret", "--log-level", "warning"),
+                                    "--api-key", "sekret", "--api-key-file", str(keys), "-n", "3",
+                                    "--log-level", "warning"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = [None]
@@ -1313,6 +1316,11 @@ def test_serve_command(srv):
             r = c.get("/v1/models", headers={"Authorization": "Bearer sekret"})
             assert r.json()["data"][0]["id"] == "cli-tiny" and r.json()["data"][0]["meta"]["n_ctx"] == 128
             check_error(c.get("/metrics", headers={"Authorization": "Bearer sekret"}), 501, "--metrics")
+            second = {"Authorization": "Bearer second-key"}                   # from --api-key-file
+            assert c.get("/slots", headers=second).json() == [{"id": 0, "id_task": -1, "n_ctx": 128,
+                                                                "speculative": False, "is_processing": False}]
+            r = c.post("/v1/completions", headers=second, json={"prompt": "hi", "temperature": 0})   # -n 3
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
             r = c.post("/v1/messages", headers={"x-api-key": "sekret"},      # Anthropic's clients' header
                        json={"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 200 and r.json()["usage"]["output_tokens"] >= 1

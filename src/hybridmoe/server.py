@@ -229,17 +229,18 @@ class Job:
 class ServerState:
     """The model, its one worker thread and what the endpoints share."""
 
-    def __init__(self, model, alias: str | None, api_key: str | None, max_body_bytes: int, max_queue: int,
+    def __init__(self, model, alias: str | None, api_key: str | list[str] | None, max_body_bytes: int, max_queue: int,
                  reasoning_format: str = "auto", metrics: bool = False, slot_save_path: str | None = None):
         self.model = model
         self.metrics = metrics
         self.slot_save_path = slot_save_path
+        self.n_predict = -1                        # serve -n: the reply's limit when a request sets none
         # llama-server's /metrics counters, summed over finished generations
         self.totals = dict(prompt_tokens=0, prompt_seconds=0.0, predicted_tokens=0, predicted_seconds=0.0,
                            decodes=0, requests=0, kv_tokens=0)
         self.reasoning_format = reasoning_format
         self.name = alias or os.path.basename(model.path)
-        self.api_key = api_key
+        self.api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])   # any one opens
         self.max_body_bytes = max_body_bytes
         self.max_queue = max_queue
         self.created = int(time.time())
@@ -320,12 +321,12 @@ class ServerState:
                 self._executor = None
 
     def check_auth(self, request: Request):
-        if self.api_key is None:
+        if not self.api_keys:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":                 # Anthropic's clients send the key as x-api-key
             key = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+        if not any(hmac.compare_digest(key.strip().encode(), k.encode()) for k in self.api_keys):
             raise ApiError(401, "invalid or missing API key; send 'Authorization: Bearer KEY' (or 'x-api-key: "
                            "KEY')", "invalid_api_key", type_="authentication_error")
 
@@ -345,7 +346,8 @@ class ServerState:
                            f"or restart the server with a larger context, e.g. -c {suggest} "
                            f"(the model was trained with {train})", "context_length_exceeded", param)
         left = n_ctx - n
-        return min(params.max_tokens, left) if params.max_tokens else left
+        limit = params.max_tokens or (self.n_predict if self.n_predict > 0 else None)
+        return min(limit, left) if limit else left
 
     async def respond(self, request: Request, kind: str, ids: list[int], params: GenParams):
         """kind: "chat" (OpenAI chat), "text" (OpenAI completions), "native" (llama-server's /completion,
@@ -543,7 +545,7 @@ class ServerState:
 
 # ---------------------------------------------------------------------------- the app
 
-def create_app(model, alias: str | None = None, *, api_key: str | None = None,
+def create_app(model, alias: str | None = None, *, api_key: str | list[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE,
                reasoning_format: str = "auto", metrics: bool = False, slot_save_path: str | None = None,
                template_defaults: dict | None = None) -> FastAPI:
@@ -644,6 +646,13 @@ def create_app(model, alias: str | None = None, *, api_key: str | None = None,
             raise ApiError(501, "this server does not serve metrics; restart it with --metrics", "not_supported",
                            type_="not_supported_error")
         return PlainTextResponse(state.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/slots")
+    async def slots_state(request: Request):
+        """llama-server's slot list: this server's one slot, its context and whether it is generating."""
+        state.check_auth(request)
+        return [{"id": 0, "id_task": -1, "n_ctx": state.n_ctx, "speculative": False,
+                 "is_processing": bool(state.active)}]
 
     @app.post("/slots/{slot_id}")
     async def slots(request: Request, slot_id: str, action: str = ""):

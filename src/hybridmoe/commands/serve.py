@@ -19,6 +19,11 @@ def setup_arg_parser(p):
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $HYBRIDMOE_API_KEY, else no key)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="API keys, one a line (any one is accepted), as llama-server's")
+    p.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
+                   help="the most tokens a reply may have when the request sets no max_tokens (default -1: until "
+                        "the context is full)")
     p.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="folder where POST /slots/0?action=save|restore keep KV caches (llama-server's)")
     p.add_argument("--metrics", action="store_true",
@@ -64,6 +69,24 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
+def api_keys(args) -> list[str]:
+    """--api-key, the keys of --api-key-file (one a line; blank lines and # comments skipped), else
+    $HYBRIDMOE_API_KEY."""
+    from ..errors import HybridMoeError
+    keys = [args.api_key] if args.api_key else []
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                keys += [k.strip() for k in f if k.strip() and not k.strip().startswith("#")]
+        except OSError as e:
+            raise HybridMoeError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror}") from None
+        if not keys:
+            raise HybridMoeError(f"--api-key-file {args.api_key_file} holds no key")
+    if not keys and os.environ.get("HYBRIDMOE_API_KEY"):
+        keys = [os.environ["HYBRIDMOE_API_KEY"]]
+    return keys
+
+
 def slot_folder(path: str | None) -> str | None:
     """--slot-save-path: the folder (made if missing), or None."""
     if path is None:
@@ -85,7 +108,9 @@ def main(args) -> int:
 
     if args.max_body_mb <= 0:
         raise HybridMoeError(f"--max-body-mb {args.max_body_mb}: give a positive size")
-    api_key = args.api_key or os.environ.get("HYBRIDMOE_API_KEY") or None
+    api_key = api_keys(args)
+    if args.n_predict == 0 or args.n_predict < -1:
+        raise HybridMoeError(f"-n {args.n_predict}: give a positive number of tokens, or -1 for no limit")
     sock = bind(args.host, args.port)
     try:
         model = hybridmoe.load(args.model, **runtime_kwargs(args))
@@ -97,10 +122,11 @@ def main(args) -> int:
                          reasoning_format=args.reasoning_format, metrics=args.metrics,
                          slot_save_path=slot_folder(args.slot_save_path), template_defaults=template_kwargs)
         state = app.state.hybridmoe
+        state.n_predict = args.n_predict
         url = url_of(sock)
         print(f"model {state.name!r}, context {state.n_ctx} tokens; server is listening on {url}  "
               f"(OpenAI base_url: {url}/v1)", flush=True)
-        if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
             print("warning: listening beyond this machine without --api-key: anyone who can reach the port "
                   "can use the model", file=sys.stderr)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
