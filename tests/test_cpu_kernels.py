@@ -97,7 +97,7 @@ def test_moe_ffn_matches_float64(q, T, impl):
 
 @pytest.mark.parametrize("q", TYPES, ids=lambda v: v.name)
 @pytest.mark.parametrize("T", [1, 2, 7, 64])
-def test_qmatmul_matches_float64(q, T):
+def test_qmatmul_matches_float64(q, T, tile_modes):
     K = max(block_size(q), 64) * 2
     N = 37                                   # not a multiple of the 4-row tiles
     g = torch.Generator().manual_seed(100 + T)
@@ -109,6 +109,13 @@ def test_qmatmul_matches_float64(q, T):
         cpu.qmatmul(x, wr, q, K, out=out, impl=impl)
         assert torch.isfinite(out).all()
         assert rel_l2(out, ref) < band(q, impl), impl
+    # the tile products take rows 32 at a time (N % 32 == 0), every tile mode this CPU has
+    wr = random_blocks(q, (96, K), g)
+    ref = x.double() @ dequantize(wr, q, K, torch.float64).T
+    for mode in tile_modes():
+        out = torch.full((T, 96), float("nan"))
+        cpu.qmatmul(x, wr, q, K, out=out, impl="tile")
+        assert torch.isfinite(out).all() and rel_l2(out, ref) < band(q, "tile"), mode
 
 
 @pytest.mark.parametrize("path", ["avx2", "generic"])

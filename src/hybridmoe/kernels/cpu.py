@@ -57,6 +57,10 @@ _FLAGS = _cpu_flags().split()
 GEMM_MIN_T = int(os.environ.get("HYBRIDMOE_CPU_GEMM_MIN_T",
                                 "64" if "amx_bf16" in _FLAGS else "160" if "avx512_bf16" in _FLAGS else "224"))
 QMM_GEMM_MIN_T = int(os.environ.get("HYBRIDMOE_CPU_QMM_MIN_T", "12"))
+# qmatmul from QMM_GEMM_MIN_T tokens to below this runs the tile products (where AMX or AVX512-BF16 runs them);
+# from here on dequantize + torch.mm. Measured on the 2-vCPU dev VM (AMX), K=2048/4096, N=5120/2048, Q8_0
+# and Q4_0: tile 2.6-3.2x faster at 12-64 tokens, 1.1-1.9x at 128-256, 0.75-0.97x at 512 (docs/cpu-kernels.md)
+QMM_TILE_MAX_T = int(os.environ.get("HYBRIDMOE_CPU_QMM_TILE_MAX_T", "256"))
 
 _lock = threading.Lock()
 _lib = None          # the loaded CDLL, or False after a failed build
@@ -121,6 +125,7 @@ def _load():
         vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.hm_moe_ffn.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32, i64, i64, vp, i32, vp, i32]
         lib.hm_qmatmul.argtypes = [vp, i64, i64, vp, i32, i64, vp, i32]
+        lib.hm_tile_mm.argtypes = lib.hm_qmatmul.argtypes
         lib.hm_dequant.argtypes = [vp, vp, i32, i64, i64, vp, i64, i32, i32]
         lib.hm_set_simd.argtypes = [i32]
         lib.hm_set_int8.argtypes = [vp, i32]
@@ -135,7 +140,8 @@ def _load():
                                        i32, i32]
         lib.hm_simd.restype = ctypes.c_char_p
         for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode,
-                  lib.hm_qmatmul, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8, lib.hm_int8_type):
+                  lib.hm_qmatmul, lib.hm_tile_mm, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8,
+                  lib.hm_int8_type):
             f.restype = i32
         _moe, _qmm, _deq = lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant
         _lib = lib
@@ -382,14 +388,17 @@ def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out
 
 def qmatmul(x, w_raw, qtype, n_cols, n_threads=None, out=None, impl=None) -> torch.Tensor:
     """x float32 [T, K] @ W.T, W uint8 GGUF rows [N, row_bytes(qtype, K)] -> float32 [T, N].
-    n_cols is K. impl as in moe_ffn."""
+    n_cols is K. impl as in moe_ffn: "kernel" (the streaming kernel, few tokens), "tile" (the grouped tile
+    products, N % 32 == 0; the default for many tokens where AMX or AVX512-BF16 runs them), "gemm"
+    (dequantize + torch.mm), "torch" (the reference)."""
     lib = _lib if _lib else _load()
     q = int(qtype)
     T, K = x.shape
     if K != n_cols:
         raise ValueError(f"qmatmul: x has {K} columns, the weight rows {n_cols}")
     if impl is None:
-        impl = "kernel" if T < QMM_GEMM_MIN_T else "gemm"
+        impl = ("kernel" if T < QMM_GEMM_MIN_T else
+                _large_impl() if T < QMM_TILE_MAX_T and w_raw.shape[0] % 32 == 0 else "gemm")
     if lib is None or impl == "torch" or q not in KERNEL_TYPES:
         r = reference_qmatmul(x, w_raw, qtype, n_cols, torch.float32)
         return out.copy_(r) if out is not None else r
@@ -404,6 +413,10 @@ def qmatmul(x, w_raw, qtype, n_cols, n_threads=None, out=None, impl=None) -> tor
     nth = n_threads or torch.get_num_threads()
     if impl == "gemm":
         return _qmatmul_gemm(x, w_raw, q, K, nth, out)
+    if impl == "tile" and T and N % 32 == 0:
+        if lib.hm_tile_mm(x.data_ptr(), T, K, w_raw.data_ptr(), q, N, out.data_ptr(), nth):
+            raise ValueError(f"qmatmul: tile kernel rejected K={K} for {GGMLType(q).name}")
+        return out
     if _qmm(x.data_ptr(), T, K, w_raw.data_ptr(), q, N, out.data_ptr(), nth):
         raise ValueError(f"qmatmul: kernel rejected K={K} for {GGMLType(q).name}")
     return out

@@ -2167,6 +2167,65 @@ static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids
     return 0;
 }
 
+/* out[T, N] = x[T, K] @ W[N, K]^T, W as GGUF rows, for many tokens with the grouped tile products (AMX or
+ * AVX512-BF16): 32 rows of W at a time are dequantized into cache and multiplied with every 16-token block,
+ * so the bf16 weights never go through memory (dequantize + torch.mm writes them out and reads them back).
+ * Threads claim 32-row units one ahead, prefetching the next. N % 32 == 0. */
+int hm_tile_mm(const float *x, int64_t T, int64_t K, const uint8_t *w, int wtype, int64_t N, float *out,
+               int nthreads) {
+    const int wi = type_index(wtype);
+    if (wi < 0 || K % 32 || K % TINFO[wi].qk || N % 32 || T < 1) return -1;
+    if (g_tile < 0) g_tile = tile_best();
+    const int mode = g_tile;
+    const int64_t rb = row_bytes(wi, K), NB = (T + 15) / 16, xs = 16 * (K / 2), NU = N / 32;
+    const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+    const size_t scratch = ((size_t)32 * TILE_LDA * 2 + (size_t)NB * 2048 + 63) & ~(size_t)63;
+    char *ws = workspace((size_t)NB * xs * 4 + (size_t)T * (K / 2) * 4 + (size_t)T * 8 + 64 * 3 + (size_t)nth * scratch);
+    if (!ws) return -2;
+    uint32_t *xb = (uint32_t *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);      /* [NB][K/2][16] token blocks */
+    uint32_t *xp = xb + NB * xs;                                               /* [T][K/2] x as bf16 pairs */
+    int32_t *tok = (int32_t *)(xp + T * (K / 2));                              /* [T] 0.. */
+    float *one = (float *)(tok + T);                                           /* [T] 1.0 */
+    char *scr = (char *)(((uintptr_t)(one + T) + 63) & ~(uintptr_t)63);        /* [nth][scratch] */
+    int64_t ctr = 0;
+#pragma omp parallel num_threads(nth)
+    {
+        const int tid = omp_get_thread_num();
+        uint16_t *Aw = (uint16_t *)(scr + (size_t)tid * scratch);
+        float *C = (float *)(Aw + 32 * TILE_LDA);
+#if HM_AMX
+        if (mode == TILE_AMX) amx_config();
+#endif
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            bf16_pairs(xp + t * (K / 2), x + t * K, K);
+            tok[t] = (int32_t)t;
+            one[t] = 1.0f;
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < NB; b++)
+            pack_tokens(xb + b * xs, xp, tok + b * 16, T - b * 16 < 16 ? (int)(T - b * 16) : 16, K / 2);
+        int64_t u = claim(&ctr), un = claim(&ctr);
+        if (u < NU) {
+            pfq q = pfq_of(w + u * 32 * rb, 32 * rb, NULL, 0, NULL, 0);
+            pfq_run(&q, pfq_left(&q));
+        }
+        for (; u < NU; u = un, un = claim(&ctr)) {
+            const int64_t r0 = u * 32;
+            pfq q = pfq_of(un < NU ? w + un * 32 * rb : NULL, un < NU ? 32 * rb : 0, NULL, 0, NULL, 0);
+            tile_step(mode, wi, w + r0 * rb, w + (r0 + 16) * rb, rb, K, xb, xs, (int)NB, Aw, C, &q);
+            for (int64_t t = 0; t < T; t++) memset(out + t * N + r0, 0, 32 * sizeof(float));
+            for (int64_t j = 0; j < NB; j++)
+                add_block_rows(out, N, r0, C + j * 512, tok + j * 16, one + j * 16,
+                               T - j * 16 < 16 ? (int)(T - j * 16) : 16, NULL);
+        }
+#if HM_AMX
+        if (mode == TILE_AMX) _tile_release();
+#endif
+    }
+    return 0;
+}
+
 int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
                int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                const uint8_t *down, int dtype, float *out, int nthreads) {
