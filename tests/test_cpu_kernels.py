@@ -118,6 +118,15 @@ def test_qmatmul_matches_float64(q, T, tile_modes):
         assert torch.isfinite(out).all() and rel_l2(out, ref) < band(q, "tile"), mode
 
 
+@pytest.mark.parametrize("q", [G.Q8_0, G.Q4_K], ids=lambda v: v.name)
+def test_qmatmul_tile_over_several_passes(q):
+    """K beyond one tile pass (TILE_KC = 2048 elements): the passes add up, a short last one included."""
+    g = torch.Generator().manual_seed(3)
+    wr, x = random_blocks(q, (64, 2304), g), torch.randn(40, 2304, generator=g)
+    ref = x.double() @ dequantize(wr, q, 2304, torch.float64).T
+    assert rel_l2(cpu.qmatmul(x, wr, q, 2304, impl="tile"), ref) < band(q, "tile")
+
+
 @pytest.mark.parametrize("path", ["avx2", "generic"])
 @pytest.mark.parametrize("q", TYPES, ids=lambda v: v.name)
 def test_lower_simd_paths(q, path):
