@@ -68,13 +68,7 @@ def template_setup(model, args) -> dict:
 
     from ..chat import CHATML_TEMPLATE
     from ..errors import HybridMoeError
-    text = args.chat_template
-    if args.chat_template_file:
-        try:
-            with open(args.chat_template_file, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise HybridMoeError(f"cannot read {args.chat_template_file}: {e.strerror}") from None
+    text, _ = text_or_file(args.chat_template, args.chat_template_file, "--chat-template")
     if text is not None:
         model.tokenizer.chat_template = CHATML_TEMPLATE if text.strip().lower() == "chatml" else text
         model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])   # a bad template fails here
@@ -93,3 +87,15 @@ def template_setup(model, args) -> dict:
     if args.reasoning_budget == 0:
         kwargs.setdefault("enable_thinking", False)
     return kwargs
+
+
+def text_or_file(text: str | None, path: str | None, flag: str) -> tuple[str | None, str]:
+    """A flag's text, or its file twin's contents (which win); and what to call it in an error."""
+    from ..errors import HybridMoeError
+    if not path:
+        return text, flag
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), path
+    except OSError as e:
+        raise HybridMoeError(f"cannot read {path}: {e.strerror}") from None

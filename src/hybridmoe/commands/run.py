@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from .common import (add_model_args, add_runtime_args, add_template_args, add_warmup_arg, runtime_kwargs,
-                     template_setup, warmup)
+                     template_setup, text_or_file, warmup)
 
 
 def setup_arg_parser(p):
@@ -44,15 +44,8 @@ def setup_arg_parser(p):
 
 def main(args) -> int:
     import hybridmoe
-    from ..errors import HybridMoeError
     from ..generate import Timings
-    prompt = args.prompt
-    if args.file:
-        try:
-            with open(args.file, encoding="utf-8") as f:
-                prompt = f.read()
-        except OSError as e:
-            raise HybridMoeError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+    prompt, _ = text_or_file(args.prompt, args.file, "-p")
     schema, gram = json_schema(args), grammar(args)
     model = hybridmoe.load(args.model, **runtime_kwargs(args))
     args.template_kwargs = template_setup(model, args)
@@ -84,25 +77,13 @@ def main(args) -> int:
     return 0
 
 
-def _text_or_file(text: str | None, path: str | None, flag: str) -> tuple[str | None, str]:
-    """A flag's text, or its -file twin's contents; and what to call it in an error."""
-    from ..errors import HybridMoeError
-    if not path:
-        return text, flag
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read(), path
-    except OSError as e:
-        raise HybridMoeError(f"cannot read {path}: {e.strerror}") from None
-
-
 def json_schema(args):
     """-j / --json-schema-file: the schema (checked), or None."""
     import json
 
     from ..constrain import SchemaError, check_schema
     from ..errors import HybridMoeError
-    text, where = _text_or_file(args.json_schema, args.json_schema_file, "--json-schema")
+    text, where = text_or_file(args.json_schema, args.json_schema_file, "--json-schema")
     if text is None:
         return None
     try:
@@ -119,7 +100,7 @@ def grammar(args):
     """--grammar / --grammar-file: the parsed grammar, or None (refused beside a JSON schema)."""
     from ..errors import HybridMoeError
     from ..grammar import Grammar, GrammarError
-    text, where = _text_or_file(args.grammar, args.grammar_file, "--grammar")
+    text, where = text_or_file(args.grammar, args.grammar_file, "--grammar")
     if text is None:
         return None
     if args.json_schema or args.json_schema_file:
