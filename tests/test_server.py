@@ -593,6 +593,9 @@ CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 12}}}}}
 NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
                                                                       "additionalProperties": False}}}
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {     # Pydantic's style: $defs and $ref
+    "type": "object", "additionalProperties": False, "required": ["when"],
+    "properties": {"when": {"$ref": "#/$defs/Day"}}, "$defs": {"Day": {"type": "string", "format": "date"}}}}}
 
 
 def check_forced_calls(client, seed):
@@ -610,6 +613,11 @@ def check_forced_calls(client, seed):
         args = json.loads(fn.arguments)
         assert fn.name in names
         assert args == {} if fn.name == "now" else (set(args) == {"city"} and 1 <= len(args["city"]) <= 12)
+    r = client.chat.completions.create(model=ALIAS, messages=msgs, tools=[CITY, BOOK], temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "book"}},
+                                       max_tokens=200, extra_body={"cache_prompt": False})
+    args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", args["when"]), args
 
 
 def test_tool_calls_come_back_as_openai_tool_calls(client, http, hermes, monkeypatch):

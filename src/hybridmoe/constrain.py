@@ -232,8 +232,11 @@ def check_schema(schema) -> None:
             raise SchemaError(f"{where} requires properties it does not allow (additionalProperties is false)")
         if not isinstance(ap, bool):
             walk(ap, f"{where}.additionalProperties", depth + 1)
-        for name, sub in s.get(BY_NAME, {}).items():
-            walk(sub, f"the parameters of {name!r}", depth + 1)
+        for name, sub in s.get(BY_NAME, {}).items():        # each its own document
+            try:
+                check_schema(sub)
+            except SchemaError as e:
+                raise SchemaError(f"the parameters of {name!r}: {e}") from None
         if "items" in s and not isinstance(s["items"], bool):
             walk(s["items"], f"{where}.items", depth + 1)
         if not isinstance(s.get("prefixItems", []), list):
@@ -307,8 +310,9 @@ class _Value(_Frame):
         self.schema, self.ws, self.by_prefix = schema, 0, by_prefix
 
     def child_done(self, value, m):
-        if self.by_prefix is not None:
+        if self.by_prefix is not None:                   # the header chose the schema (its own document)
             self.schema = self.by_prefix[value]
+            m.schemas = _Schemas(self.schema)
 
     def step(self, c, m):
         if c in WS:
@@ -393,7 +397,10 @@ class _Object(_Container):
             if c != 0x3A:
                 return False
             self.state = 4
-            m.stack.append(_Value(self._value_schema(self.key)))
+            vs = self._value_schema(self.key)
+            if self.key == b"arguments" and BY_NAME in self.s:    # a function's parameters: their own document
+                m.schemas = _Schemas(vs)                           # ($ref into their $defs)
+            m.stack.append(_Value(vs))
             return True
         if c == 0x7D and self.state in (1, 4):
             if any(r.encode() not in self.seen for r in self.s.get("required", [])):
