@@ -481,6 +481,13 @@ def test_messages_api_tools(srv, claude, hermes):
     assert r.usage.input_tokens == len(tok.encode(tok.apply_chat_template(same, tools=tools)))
 
 
+def test_messages_count_tokens(claude):
+    msgs = [{"role": "user", "content": USER}]
+    n = claude.messages.count_tokens(model=ALIAS, system="Be brief.", messages=msgs).input_tokens
+    r = claude.messages.create(model=ALIAS, max_tokens=1, system="Be brief.", messages=msgs, **GREEDY_A)
+    assert n == r.usage.input_tokens > 0
+
+
 def test_messages_api_thinking(claude, monkeypatch):
     """Thoughts come back as a thinking block before the text, streamed as thinking deltas."""
     script_reply(monkeypatch, "<think>Let me see.</think>The answer.")

@@ -737,6 +737,19 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
         except ApiError as e:
             return anthropic_api.error_response(e)
 
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """Anthropic's token count of a Messages request: its prompt through the chat template, with its tools."""
+        try:
+            state.check_auth(request)
+            body = anthropic_api.to_openai(await _read_json(request, state.max_body_bytes))
+            params = GenParams(body, chat=True)
+            ids, _ = await encode(render_chat, parse_messages(body.get("messages")),
+                                  template_kwargs(body, params.tools))
+            return {"input_tokens": len(ids)}
+        except ApiError as e:
+            return anthropic_api.error_response(e)
+
     async def chat(request: Request, body: dict, kind: str):
         """A chat request (OpenAI's form): through the chat template, then generated."""
         messages = parse_messages(body.get("messages"))
