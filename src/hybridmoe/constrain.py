@@ -10,8 +10,8 @@ token, so a model that keeps to the format pays one check a token, not a pass ov
 
 The schema subset (what `check_schema` lets through, else a `SchemaError` that names the keyword):
 type (one or a list), properties, required, additionalProperties, items, prefixItems, minItems, maxItems,
-enum, const, anyOf / oneOf (alternatives must begin with different characters: an object and a string,
-not two objects), allOf (merged), $ref into the document (#/$defs/..., #/definitions/...), minLength,
+enum, const, anyOf / oneOf (alternatives that begin alike, two objects say, are followed side by side until
+the bytes tell them apart; oneOf is taken as anyOf), allOf (merged), $ref into the document (#/$defs/..., #/definitions/...), minLength,
 maxLength, pattern (with the `regex` module's partial matching), minimum, maximum, exclusiveMinimum,
 exclusiveMaximum, and the formats date, time, date-time and uuid. Annotations (title, description, default,
 examples, other formats, ...) are accepted and not enforced.
@@ -258,15 +258,8 @@ def check_schema(schema) -> None:
             alts = s[key]
             if not isinstance(alts, list) or not alts:
                 raise SchemaError(f"{where}.{key} must be a non-empty array of schemas")
-            starts: dict[int, int] = {}
             for i, a in enumerate(alts):
                 walk(a, f"{where}.{key}[{i}]", depth + 1)
-                for kind in S.kinds(S.resolve(a)):
-                    for c in KIND_START[kind]:
-                        if starts.setdefault(c, i) != i:
-                            raise SchemaError(f"{where}.{key}: alternatives {starts[c]} and {i} both begin with "
-                                              f"{chr(c)!r}; this server needs alternatives it can tell apart by "
-                                              f"their first character (e.g. an object or a string)")
     try:
         walk(schema, "schema")
     except RecursionError:              # allOf / $ref chains resolve recursively
@@ -618,6 +611,37 @@ class _Number(_Frame):
         return False
 
 
+class _Union(_Frame):
+    """A value of anyOf / oneOf alternatives that begin alike (two objects, say): each alternative runs in
+    a machine of its own over the same bytes, those that refuse a byte drop out, and the value ends where
+    the ones still alive end it."""
+    __slots__ = ("subs",)
+
+    def __init__(self, subs):
+        self.subs = subs
+
+    def can_finish(self):
+        return any(sub.can_end() for sub in self.subs)
+
+    def step(self, c, m):
+        taken, ended = [], False
+        for sub in self.subs:
+            s2 = sub.clone()
+            r = s2.feed1(c)
+            if r == 1:
+                taken.append(s2)
+            ended |= r == 2
+        if taken:
+            self.subs = tuple(taken)
+            if all(len(t.stack) == 1 for t in taken):    # the byte closed the value in all of them
+                m.pop(None)
+            return True
+        if ended:                                        # the value ended before this byte
+            m.pop(None)
+            return REFEED
+        return False
+
+
 class _Literal(_Frame):
     """One of a few fixed texts (true, false, null, an enum's values; header: text before the value, which
     control tokens may spell)."""
@@ -664,6 +688,21 @@ class JsonMachine:
         m.stack = [_Root(), _Value(True, by_prefix=dict(options)), _Literal(tuple(options), header=True)]
         return m
 
+    def _sub(self, schema) -> "JsonMachine":
+        """A machine for one value of `schema` in this document (an alternative of a _Union)."""
+        m = object.__new__(JsonMachine)
+        m.schemas, m.stack = self.schemas, [_Root(), _Value(schema)]
+        return m
+
+    def feed1(self, c: int) -> int:
+        """One byte into a _Union's alternative: 1 taken, 0 refused, 2 its value had ended before c."""
+        while True:
+            if len(self.stack) == 1:
+                return 2 if self.stack[0].done else 0
+            r = self.stack[-1].step(c, self)
+            if r != REFEED:
+                return 1 if r else 0
+
     def in_header(self) -> bool:
         top = self.stack[-1]
         return isinstance(top, _Literal) and top.header
@@ -702,7 +741,7 @@ class JsonMachine:
             top = m.stack[-1]
             if not top.can_finish():
                 return False
-            m.pop(top.buf)
+            m.pop(getattr(top, "buf", None))
         return m.stack[0].finished()
 
     def pop(self, value):
@@ -718,10 +757,11 @@ class JsonMachine:
             opts = tuple(o for o in _literals([s["const"]] if "const" in s else s["enum"]) if o[:1] == bytes((c,)))
             return _Literal(opts) if opts else None
         if isinstance(s, dict) and ("anyOf" in s or "oneOf" in s):
-            for a in s.get("anyOf", s.get("oneOf")):
-                if any(c in KIND_START[k] for k in self.schemas.kinds(self.schemas.resolve(a))):
-                    return self.open(a, c)
-            return None
+            alts = [a for a in s.get("anyOf", s.get("oneOf"))
+                    if any(c in KIND_START[k] for k in self.schemas.kinds(self.schemas.resolve(a)))]
+            if len(alts) > 1:                            # alike from their first character: all at once
+                return _Union(tuple(self._sub(a) for a in alts))
+            return self.open(alts[0], c) if alts else None
         kinds = self.schemas.kinds(s)
         d = s if isinstance(s, dict) else {}
         if c == 0x7B and "object" in kinds:
