@@ -178,7 +178,8 @@ def add_placement_args(parser: argparse.ArgumentParser) -> None:
 
 
 # Flags of llama.cpp / ik_llama.cpp command lines (the seeds' users paste whole lines) that change nothing
-# here, with the reason printed once when one is given.
+# here, with the reason printed once when one is given: "names" (a flag and its aliases, the first is the one
+# named in the note) -> (takes a value, why).
 COMPAT_FLAGS = {
     "--no-mmap": (0, "weights stay memory-mapped (read once, so mapping costs nothing extra); with a GPU, CPU "
                   "experts are copied into pinned RAM when they fit"),
@@ -196,27 +197,29 @@ COMPAT_FLAGS = {
 }
 
 
-def _compat_dest(flag: str) -> str:
-    return "compat_" + flag.lstrip("-").replace("-", "_")
+def _compat_dest(names: str) -> str:
+    return "compat_" + names.split()[-1].lstrip("-").replace("-", "_")
 
 
-def add_compat_args(parser: argparse.ArgumentParser) -> None:
+def add_compat_args(parser: argparse.ArgumentParser, table: dict = COMPAT_FLAGS) -> None:
+    """The flags of `table` (names -> (takes a value, why)), accepted and noted, not acted on."""
     g = parser.add_argument_group("accepted for llama.cpp compatibility (no effect here)")
-    for flag, (nargs, why) in COMPAT_FLAGS.items():
-        dest = _compat_dest(flag)
+    for names, (nargs, why) in table.items():
+        dest = _compat_dest(names)
         if nargs:
-            g.add_argument(flag, dest=dest, default=None, metavar="X", help=why)
+            g.add_argument(*names.split(), dest=dest, default=None, metavar="X", help=why)
         else:
-            g.add_argument(flag, dest=dest, action="store_true", help=why)
+            g.add_argument(*names.split(), dest=dest, action="store_true", help=why)
 
 
-def compat_notes(args) -> list[str]:
+def compat_notes(args, table: dict = COMPAT_FLAGS, say: str = "is accepted for compatibility and has no effect"
+                 ) -> list[str]:
     """One line per compatibility flag that was given: what it would do in llama.cpp and why not here."""
     out = []
-    for flag, (_, why) in COMPAT_FLAGS.items():
-        v = getattr(args, _compat_dest(flag), None)
+    for names, (_, why) in table.items():
+        v = getattr(args, _compat_dest(names), None)
         if v not in (None, False):
-            out.append(f"note: {flag} is accepted for compatibility and has no effect: {why}")
+            out.append(f"note: {names.split()[0]} {say}: {why}")
     return out
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import HybridMoeError
+from ..placement_options import add_compat_args, compat_notes
 from .sweep_bench import memory_report, progress_bar, random_tokens
 
 # -------------------------------------------------------------------------------- options
@@ -78,14 +79,14 @@ class Opt:
 
 
 # llama-bench flags that change nothing here: accepted (pasted command lines keep working), with a note
-BENCH_COMPAT = (
-    ("-mmp --mmap", "weights are memory-mapped either way; with a GPU, CPU experts are copied into pinned RAM "
-                    "when they fit"),
-    ("--prio", "threads run at the normal priority"),
-    ("--poll", "the CPU kernels' threads always spin while waiting"),
-    ("-C --cpu-mask", "threads are not pinned to CPUs"),
-    ("--cpu-strict", "threads are not pinned to CPUs"),
-)
+BENCH_COMPAT = {
+    "-mmp --mmap": (1, "weights are memory-mapped either way; with a GPU, CPU experts are copied into pinned RAM "
+                       "when they fit"),
+    "--prio": (1, "threads run at the normal priority"),
+    "--poll": (1, "the CPU kernels' threads always spin while waiting"),
+    "-C --cpu-mask": (1, "threads are not pinned to CPUs"),
+    "--cpu-strict": (1, "threads are not pinned to CPUs"),
+}
 KV_TYPES = ("f32", "f16", "bf16", "q8_0")
 OPTS = tuple(Opt(*row) for row in (
     ("b", "-b --batch-size", "n_batch", "n_batch", 7, 2048, _pos, "R"),
@@ -123,9 +124,7 @@ def setup_arg_parser(p):
     p.add_argument("-oe", "--output-err", choices=["md", "json", "jsonl", "csv", "sql", "none"], default="none",
                    help="also print the results to stderr in this format")
     p.add_argument("--delay", type=float, default=0.0, metavar="S", help="seconds to wait before each test")
-    for flags, _ in BENCH_COMPAT:
-        p.add_argument(*flags.split(), dest="compat_" + flags.split()[-1].lstrip("-").replace("-", "_"),
-                       default=None, metavar="V", help=argparse.SUPPRESS)
+    add_compat_args(p, BENCH_COMPAT)
     p.add_argument("--roofline", action="store_true",
                    help="add each test's roofline bound from calibrated rates and the share reached")
     p.add_argument("--interleave", action="store_true",
@@ -316,9 +315,8 @@ def main(args) -> int:
     import hybridmoe
     from ..roofline import model_bound
     from ..runtime.calibrate import load_or_calibrate, ram_read_now
-    for flags, why in BENCH_COMPAT:
-        if getattr(args, "compat_" + flags.split()[-1].lstrip("-").replace("-", "_"), None) is not None:
-            print(f"note: {flags.split()[0]} changes nothing here: {why}", file=sys.stderr)
+    for note in compat_notes(args, BENCH_COMPAT, say="changes nothing here"):
+        print(note, file=sys.stderr)
     if args.delay < 0:
         raise HybridMoeError(f"--delay {args.delay}: give a number of seconds, 0 or more")
     models = args.model or ["synth:tiny"]
