@@ -42,10 +42,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import __version__
 from . import server_anthropic as anthropic_api
 from . import server_slots
-from .constrain import HARMONY_FINAL, THINK_END, JsonMachine, TokenConstraint, harmony_calls
+from .constrain import harmony_calls
 from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
-from .grammar import GrammarMachine
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
                               _type_name, _unsupported, DEFAULT_SAMPLING, infill_tokens, parse_messages,
                               parse_tools)
@@ -64,6 +63,11 @@ def check_in_vocab(ids, n_vocab: int, key: str):
     bad = [t for t in ids if not 0 <= t < n_vocab]
     if bad:
         raise _bad(f"'{key}' has token id {bad[0]}, outside the vocabulary (0..{n_vocab - 1})", key)
+
+
+def _sse_data(obj) -> str:
+    """One server-sent event of OpenAI's and llama-server's streams."""
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 class StopMatcher:
@@ -142,17 +146,7 @@ class Job:
             if p.ignore_eos and eos:         # end-of-generation tokens can never be sampled
                 settings = dataclasses.replace(settings, logit_bias={**settings.logit_bias,
                                                                      **{e: float("-inf") for e in eos}})
-            constraint = None
-            if p.schema is not None:                # from the first token, or once the thinking is over
-                trigger = THINK_END if p.think_opened else HARMONY_FINAL if p.harmony else None
-                constraint = TokenConstraint(JsonMachine(p.schema, *p.wrap), tok, eos, trigger)
-            elif p.grammar is not None:
-                trigger = THINK_END if p.think_opened else HARMONY_FINAL if p.harmony else None
-                constraint = TokenConstraint(GrammarMachine(p.grammar), tok, eos, trigger)
-            elif p.harmony_calls:                   # a forced gpt-oss tool call, ended by <|call|>
-                constraint = TokenConstraint(JsonMachine.choice(p.harmony_calls), tok, eos,
-                                             ends={tok.token_to_id("<|call|>")})
-            sampler = Sampler(settings, constraint)
+            sampler = Sampler(settings, p.constraint(tok))
             detok = tok.stream()
             stops = StopMatcher(p.stops)
             split = ReplySplitter(tools=bool(p.tools), reasoning=p.reasoning_format not in (None, "none"),
@@ -254,23 +248,25 @@ class ServerState:
     def n_ctx(self) -> int:
         return self.model.options.ctx_size
 
+    def _run_on_generation_thread(self, fn, *args) -> concurrent.futures.Future:
+        """fn(model, *args) on the one generation thread, after what is queued there (call with _lock held)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridmoe-gen")
+        return self._executor.submit(fn, self.model, *args)
+
     def submit(self, job: Job):
         with self._lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridmoe-gen")
             self.active.add(job)
             self.last_job = job
             self.jobs_started += 1
-            fut = self._executor.submit(job.run, self.model)
+            fut = self._run_on_generation_thread(job.run)
         fut.add_done_callback(lambda _: self._finished(job))
 
     async def exclusive(self, fn, *args):
         """fn(model, *args) on the generation thread, after the generations already queued (it then has the
         model's cache to itself); its result."""
         with self._lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridmoe-gen")
-            fut = self._executor.submit(fn, self.model, *args)
+            fut = self._run_on_generation_thread(fn, *args)
         return await asyncio.wrap_future(fut)
 
     def _finished(self, job: Job):
@@ -469,8 +465,6 @@ class ServerState:
     async def _sse_native(self, job: Job):
         """llama-server's /completion stream: {"content": piece, "stop": false} events, then the result with
         "stop": true (and no [DONE])."""
-        def event(obj) -> str:
-            return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
         try:
             while True:
                 item = await job.queue.get()
@@ -478,22 +472,19 @@ class ServerState:
                     e = {"index": 0, "content": item[1] if item[0] == "text" else "", "id_slot": 0, "stop": False}
                     if item[0] == "logprobs":
                         e["completion_probabilities"] = self._logprobs("native", [item[1]])
-                    yield event(e)
+                    yield _sse_data(e)
                 elif item[0] == "end" and item[1]["finish_reason"] is not None:
-                    yield event(self._native(job, "", item[1], []))
+                    yield _sse_data(self._native(job, "", item[1], []))
                     return
                 elif item[0] != "reasoning":
                     msg = item[1] if item[0] == "error" else "the generation was cancelled: the server is shutting down"
-                    yield event({"error": {"message": msg, "type": "server_error", "code": "generation_failed"
+                    yield _sse_data({"error": {"message": msg, "type": "server_error", "code": "generation_failed"
                                            if item[0] == "error" else "cancelled", "param": None}})
                     return
         finally:
             job.cancel.set()
 
     async def _sse(self, job: Job, kind: str, rid: str, params: GenParams):
-        def event(obj) -> str:
-            return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
         def chunk(delta_or_text, finish=None) -> dict:
             c = self._base(kind, rid, True)
             if kind == "chat":
@@ -506,37 +497,37 @@ class ServerState:
 
         try:
             if kind == "chat":
-                yield event(chunk({"role": "assistant", "content": ""}))
+                yield _sse_data(chunk({"role": "assistant", "content": ""}))
             while True:
                 item = await job.queue.get()
                 if item[0] == "text":
-                    yield event(chunk({"content": item[1]} if kind == "chat" else item[1]))
+                    yield _sse_data(chunk({"content": item[1]} if kind == "chat" else item[1]))
                 elif item[0] == "reasoning":
-                    yield event(chunk({"reasoning_content": item[1]}))
+                    yield _sse_data(chunk({"reasoning_content": item[1]}))
                 elif item[0] == "logprobs":
                     c = chunk({} if kind == "chat" else "")
                     c["choices"][0]["logprobs"] = self._logprobs(kind, [item[1]])
-                    yield event(c)
+                    yield _sse_data(c)
                 elif item[0] == "error":
-                    yield event({"error": {"message": item[1], "type": "server_error",
+                    yield _sse_data({"error": {"message": item[1], "type": "server_error",
                                            "code": "generation_failed", "param": None}})
                     return
                 else:
                     info = item[1]
                     if info["finish_reason"] is None:
-                        yield event({"error": {"message": "the generation was cancelled: the server is shutting "
+                        yield _sse_data({"error": {"message": "the generation was cancelled: the server is shutting "
                                                "down", "type": "server_error", "code": "cancelled", "param": None}})
                         return
                     if info["tool_calls"]:
-                        yield event(chunk({"tool_calls": [dict(index=i, **c)
+                        yield _sse_data(chunk({"tool_calls": [dict(index=i, **c)
                                                           for i, c in enumerate(info["tool_calls"])]}))
                     last = chunk({} if kind == "chat" else "", info["finish_reason"])
                     last["timings"] = info["timings"]
-                    yield event(last)
+                    yield _sse_data(last)
                     if params.include_usage:
                         u = self._base(kind, rid, True)
                         u.update(choices=[], usage=info["usage"])
-                        yield event(u)
+                        yield _sse_data(u)
                     yield "data: [DONE]\n\n"
                     return
         finally:

@@ -11,9 +11,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from .constrain import SchemaError, check_schema, tool_call_schema
+from .constrain import (HARMONY_FINAL, THINK_END, JsonMachine, SchemaError, TokenConstraint, check_schema,
+                        tool_call_schema)
 from .generate import SamplerSettings
-from .grammar import Grammar, GrammarError
+from .grammar import Grammar, GrammarError, GrammarMachine
 from .tools import CLOSE, OPEN
 
 MAX_STOPS = 16            # stop sequences per request
@@ -242,6 +243,20 @@ class GenParams:
                 raise _unsupported("'suffix' (insertion) is not supported by this server", "suffix")
             if _opt_int(body, "best_of", 1) != 1:
                 raise _unsupported("'best_of' must be 1 on this server", "best_of")
+
+
+    def constraint(self, tok):
+        """What the reply must keep to, as a constrain.TokenConstraint over `tok`'s vocabulary, or None: a JSON
+        schema or a grammar (from the first token, or once the thoughts the prompt opened, or gpt-oss's final
+        channel, begin), or a forced gpt-oss tool call, which <|call|> ends."""
+        if self.harmony_calls:
+            return TokenConstraint(JsonMachine.choice(self.harmony_calls), tok, tok.eos_ids,
+                                   ends={tok.token_to_id("<|call|>")})
+        if self.schema is None and self.grammar is None:
+            return None
+        machine = JsonMachine(self.schema, *self.wrap) if self.schema is not None else GrammarMachine(self.grammar)
+        trigger = THINK_END if self.think_opened else HARMONY_FINAL if self.harmony else None
+        return TokenConstraint(machine, tok, tok.eos_ids, trigger)
 
 
 def _parse_logit_bias(v) -> dict:
