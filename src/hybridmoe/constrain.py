@@ -25,6 +25,8 @@ import weakref
 
 import torch
 
+from .tools import THINK_CLOSE
+
 WS = frozenset(b" \t\n\r")
 MAX_INDENT = 20       # whitespace between tokens is llama.cpp's: one space, or a newline and at most 20 spaces or
                       # tabs (a model stuck on whitespace has to go on)
@@ -797,7 +799,7 @@ def tool_call_schema(tools: list[dict], names: list[str]) -> dict:
 # ------------------------------------------------------------------------------------------ with tokens
 
 _FIRST_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()      # tokenizer -> first bytes
-THINK_END = re.compile(rb"</think>")
+THINK_END = re.compile(re.escape(THINK_CLOSE.encode()))
 HARMONY_FINAL = re.compile(rb"<\|channel\|>final[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>")
 
 
@@ -855,7 +857,7 @@ class TokenConstraint:
             if t not in self.eog:
                 self.m.feed(self._piece(t))
             return
-        self.before += self.tok.piece_bytes(t)
+        self.before += self._piece(t)
         hit = self.trigger.search(self.before)
         if hit:
             self.active = True

@@ -258,6 +258,7 @@ class Model:
         logit_bias. `template_kwargs`: chat template variables (with chat=True)."""
         from .constrain import THINK_END, JsonMachine, TokenConstraint
         from .grammar import GrammarMachine
+        from .tools import THINK_OPEN
         tok = self.tokenizer
         text = None
         if isinstance(prompt, str):
@@ -276,7 +277,7 @@ class Model:
         if json_schema is not None or grammar is not None:
             if text is None:
                 text = tok.decode(ids)
-            trigger = THINK_END if text.rstrip().endswith("<think>") else None
+            trigger = THINK_END if text.rstrip().endswith(THINK_OPEN) else None
             machine = JsonMachine(json_schema) if grammar is None else GrammarMachine(grammar)
             constraint = TokenConstraint(machine, tok, tok.eos_ids, trigger)
         sampler = Sampler(SamplerSettings(temperature, top_k, top_p, min_p, seed, **penalties), constraint)

@@ -2180,7 +2180,8 @@ int hm_tile_mm(const float *x, int64_t T, int64_t K, const uint8_t *w, int wtype
     const int64_t rb = row_bytes(wi, K), NB = (T + 15) / 16, xs = 16 * (K / 2), NU = N / 32;
     const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
     const size_t scratch = ((size_t)32 * TILE_LDA * 2 + (size_t)NB * 2048 + 63) & ~(size_t)63;
-    char *ws = workspace((size_t)NB * xs * 4 + (size_t)T * (K / 2) * 4 + (size_t)T * 8 + 64 * 3 + (size_t)nth * scratch);
+    char *ws = workspace((size_t)NB * xs * 4 + (size_t)T * (K / 2) * 4 + (size_t)T * 8 + 64 * 3 +
+                         (size_t)nth * scratch);
     if (!ws) return -2;
     uint32_t *xb = (uint32_t *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);      /* [NB][K/2][16] token blocks */
     uint32_t *xp = xb + NB * xs;                                               /* [T][K/2] x as bf16 pairs */
