@@ -48,12 +48,13 @@ def main(args) -> int:
     prompt, _ = text_or_file(args.prompt, args.file, "-p")
     schema, gram = json_schema(args), grammar(args)
     model = hybridmoe.load(args.model, **runtime_kwargs(args))
-    args.template_kwargs = template_setup(model, args)
+    template_kwargs = template_setup(model, args)
+    gen = dict(json_schema=schema, grammar=gram, **penalties(args))      # what each generation is given
     print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
           f"in {model.load_seconds:.2f} s", file=sys.stderr)
     warmup(model, args)
     if args.conversation:
-        converse(model, args, prompt, sys.stdin, sys.stdout, sys.stderr)
+        converse(model, args, prompt, sys.stdin, sys.stdout, sys.stderr, template_kwargs, gen)
         return 0
     prompt = "Once upon a time" if prompt is None else prompt
     timings = Timings()
@@ -61,8 +62,7 @@ def main(args) -> int:
         sys.stdout.write(prompt)
     n = 64 if args.n_predict is None else args.n_predict
     for piece in model.generate(prompt, n, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
-                                chat=args.chat, timings=timings, json_schema=schema, grammar=gram,
-                                template_kwargs=args.template_kwargs, **penalties(args)):
+                                chat=args.chat, timings=timings, template_kwargs=template_kwargs, **gen):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -92,7 +92,6 @@ def json_schema(args):
     except ValueError as e:                           # bad JSON, or a SchemaError
         what = "is not JSON" if not isinstance(e, SchemaError) else "cannot be enforced"
         raise HybridMoeError(f"{where} {what}: {e}") from None
-    args.schema = schema
     return schema
 
 
@@ -106,10 +105,9 @@ def grammar(args):
     if args.json_schema or args.json_schema_file:
         raise HybridMoeError("give a grammar or a JSON schema, not both")
     try:
-        args.gram = Grammar(text)
+        return Grammar(text)
     except GrammarError as e:
         raise HybridMoeError(f"{where}: {e}") from None
-    return args.gram
 
 
 def penalties(args) -> dict:
@@ -117,9 +115,10 @@ def penalties(args) -> dict:
                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
-def converse(model, args, first: str | None, inp, out, err):
-    """llama-cli's conversation mode: each turn sends the whole conversation through the chat template; the
-    prompt cache runs only what is new since the last turn. One line of speeds per turn on stderr."""
+def converse(model, args, first: str | None, inp, out, err, template_kwargs: dict, gen: dict):
+    """llama-cli's conversation mode: each turn sends the whole conversation through the chat template (with
+    template_kwargs); the prompt cache runs only what is new since the last turn. `gen`: Model.generate's
+    options (constraints, penalties). One line of speeds per turn on stderr."""
     from ..generate import Timings
     tok, n_ctx = model.tokenizer, model.options.ctx_size
     messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
@@ -142,7 +141,7 @@ def converse(model, args, first: str | None, inp, out, err):
             if not line.strip():
                 continue
         messages.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(messages, **getattr(args, "template_kwargs", {})))
+        ids = tok.encode(tok.apply_chat_template(messages, **template_kwargs))
         if len(ids) >= n_ctx:
             print(f"the conversation has {len(ids)} tokens and the context is {n_ctx}: it is full; "
                   f"start again with a larger -c", file=err)
@@ -150,8 +149,7 @@ def converse(model, args, first: str | None, inp, out, err):
         t, reply = Timings(), []
         try:
             for piece in model.generate(ids, n_predict, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
-                                        timings=t, json_schema=getattr(args, "schema", None),
-                                        grammar=getattr(args, "gram", None), **penalties(args)):
+                                        timings=t, **gen):
                 out.write(piece)
                 out.flush()
                 reply.append(piece)
