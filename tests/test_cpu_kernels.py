@@ -398,6 +398,27 @@ def test_handoff_waits_for_the_flag_then_runs_the_experts():
     assert call(8) == 0 and torch.equal(b["out"], want) and int(b["done"][0]) == 8
 
 
+def test_handoff_runs_only_the_first_n_cpu_slots():
+    """With the decode share, the CPU runs the experts of the first n_cpu slots and the GPU the rest: the
+    CPU's output is moe_ffn over those slots alone, and an id in a GPU slot is still checked."""
+    w, b, _ = _handoff_layer()
+    H, k = b["out"].numel(), 8
+    x, wts, ids = b["packed"][None, :H], b["packed"][None, H:H + k], b["packed"][None, H + k:].int()
+    for n_cpu in (1, 5, 8):
+        call = cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], n_cpu=n_cpu)
+        b["ready"][0] = n_cpu
+        assert call(n_cpu) == 0
+        want = cpu.moe_ffn(x, ids[:, :n_cpu].contiguous(), wts[:, :n_cpu].contiguous(), *w)[0]
+        assert torch.equal(b["out"], want)
+    call = cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], timeout_s=0.05, n_cpu=5)
+    b["packed"][H + 2 * k - 1] = -1.0                  # the last slot is the GPU's, still an expert id
+    b["ready"][0] = 9
+    assert call(9) == -1 and int(b["done"][0]) == 9
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="no kernel"):
+            cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], n_cpu=bad)
+
+
 def test_handoff_errors_still_release_the_gpu():
     w, b, _ = _handoff_layer()
     call = cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], timeout_s=0.05)

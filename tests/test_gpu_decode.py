@@ -249,6 +249,30 @@ def test_handoff_kernels(monkeypatch):
     assert int(err[0]) == 1
 
 
+def test_stage_experts_and_a_second_addend():
+    """The decode share's two kernels: stage_experts copies the experts named by ids[0, j0:] from host memory
+    (pinned on a GPU, read over the bus) into its slots, byte for byte; add_rms_norm adds the device rows c
+    as well as b."""
+    q, E, H, F = GGMLType.Q4_0, 16, 256, 128
+    g = torch.Generator().manual_seed(7)
+    host = [random_blocks(q, shape, g) for shape in ((E, F, H), (E, F, H), (E, H, F))]
+    if DEV == "cuda":
+        host = [t.pin_memory() for t in host]
+    ids = torch.tensor([[3, 9, 14, 0]], dtype=torch.int32, device=DEV)
+    stage = [torch.full((2, *t.shape[1:]), 7, dtype=torch.uint8, device=DEV) for t in host]
+    gd.stage_experts(ids, 2, [gd.stage_words(t) for t in host], [gd.stage_words(t) for t in stage])
+    for got, t in zip(stage, host):
+        assert torch.equal(got.cpu(), t[[14, 0]])
+    assert gd.stage_words(torch.zeros(4, 3, 6, dtype=torch.uint8)) is None      # 18-byte experts: no wide loads
+    a, b, w = (torch.randn(1, H, generator=_gen(i), device=DEV) for i in range(3))
+    c = torch.randn(3, H, generator=_gen(3), device=DEV)
+    x_out = torch.empty_like(a)
+    _, h = gd.add_rms_norm(a, w, 1e-6, b=b, c=c, x_out=x_out)
+    want = a + b + c.sum(0, keepdim=True)
+    assert torch.allclose(x_out, want, atol=1e-5)
+    assert torch.allclose(h, gd.add_rms_norm(want, w, 1e-6)[1], atol=1e-5)
+
+
 @pytest.mark.parametrize("E,k,norm", [(128, 8, True), (60, 4, False), (8, 2, True)])
 def test_router_topk(E, k, norm):
     g = _gen(E)

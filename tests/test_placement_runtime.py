@@ -354,6 +354,7 @@ def test_polled_handoff_matches_the_synchronous_one(opts, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     from hybridmoe.kernels import cpu
+    monkeypatch.setenv("HYBRIDMOE_DECODE_SHARE", "0")          # the CPU runs all k (the share: below)
     outs = []
     for mode in ("poll", "sync"):
         monkeypatch.setenv("HYBRIDMOE_HANDOFF", mode)
@@ -390,6 +391,37 @@ def test_polled_handoff_matches_the_synchronous_one(opts, monkeypatch):
     t0 = time.perf_counter()
     torch.cuda.synchronize()                                  # nothing left spinning on the GPU
     assert time.perf_counter() - t0 < 5 and int(sd.hk.err[0]) == 0
+
+
+@pytest.mark.gpu
+def test_decode_share_matches_the_cpu_alone(monkeypatch):
+    """The decode share: the GPU runs the last of each CPU layer's k experts from their host bytes, read over
+    the bus, while the CPU runs the others. The logits match the CPU running all k (within the bf16 GPU
+    tolerance); the CPU's output is moe_ffn over its slots exactly, and the GPU's row is its expert's."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from hybridmoe.kernels import cpu
+    outs = []
+    for share in (0, 1):
+        monkeypatch.setenv("HYBRIDMOE_DECODE_SHARE", str(share))
+        m = hybridmoe.load("synth:tiny", ctx_size=64, **PLACEMENTS["ngl99-exps-cpu"])
+        kv = m.new_cache(64)
+        m.forward(torch.tensor(IDS[:7]), 0, kv)
+        outs.append(torch.cat([m.forward(torch.tensor([t]), 7 + i, kv) for i, t in enumerate(IDS[7:20])]))
+        sd = m._step_for("decode", kv)
+        assert sd.hk is not None and sd.hk.share == share
+    hk, H, k = sd.hk, m.cfg.n_embd, m.cfg.n_expert_used
+    j, b = len(hk.calls) - 1, max(hk.slot)
+    g, u, d = sd.layers[sd.segments[b].b - 1]["exps"]
+    x, wts, ids = hk.packed[j:j + 1, :H], hk.packed[j:j + 1, H:H + k], hk.packed[j:j + 1, H + k:].int()
+    mine = cpu.moe_ffn(x, ids[:, :k - 1].contiguous(), wts[:, :k - 1].contiguous(), g.raw, u.raw, d.raw,
+                       g.qtype, d.qtype, n_threads=sd.sched.n_threads)
+    assert torch.equal(hk.out[j], mine[0])
+    gpus = cpu.moe_ffn(x, ids[:, k - 1:].contiguous(), wts[:, k - 1:].contiguous(), g.raw, u.raw, d.raw,
+                       g.qtype, d.qtype, impl="torch")
+    assert rel_l2(hk.gout.cpu(), gpus) <= 1e-4
+    assert rel_l2(outs[1], outs[0]) <= 1e-2
+    assert top1_agreement(outs[1], outs[0]) >= 0.9
 
 
 def test_split_gate_up_costs_one_extra_crossing(monkeypatch):

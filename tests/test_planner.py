@@ -381,3 +381,20 @@ def test_plan_predicted_line_needs_rates(tmp_path, monkeypatch, capsys):
     assert doc["predicted"]["tg_ts"] > 0 and doc["rig"] is None
     rc, out = run_plan(argv + ["--suggest"], capsys)          # fake GPUs with this machine's rates
     assert rc == 0 and "#1 best TG" in out.out
+
+
+def test_decode_share_balances_the_cpu_and_the_bus():
+    """How many of a layer's k CPU experts the GPU takes over the bus in a decode step: more on a faster link
+    or slower RAM, none where the link is far slower, never all k; the H200 VM's rates give 2 of 8 for the
+    Qwen3-30B-A3B expert (2 beat 3 and 0 there: docs/benchmarks.md, session 21)."""
+    from hybridmoe.roofline import decode_share
+    e = 3 * 768 * 1152                                  # gate, up, down of one Q4_0 expert, H 2048, F 768
+
+    def share(ram, h2d, k=8):
+        return decode_share(k, e, Rates(ram_read_bw=ram * 1e9, cpu_bf16_flops=1e12, threads=16,
+                                        h2d_bw={"CUDA0": h2d * 1e9}), "CUDA0")
+    assert share(101.5, 55.3) == 2
+    shares = [share(ram, 55.0) for ram in (200, 100, 60, 30)]
+    assert shares == sorted(shares) and shares[0] < shares[-1] <= 7
+    assert share(100, 1) == 0 and share(1, 1000) == 7 and share(100, 55, k=1) == 0
+    assert decode_share(8, e, None, "CUDA0") == share(80, 40)          # uncalibrated: half the RAM's rate

@@ -113,6 +113,30 @@ def _merge(a: Bound, b: Bound) -> Bound:
     return Bound(a.seconds + b.seconds, a.tokens + b.tokens, max(terms, key=terms.get), terms)
 
 
+# what the two sides of the decode share stream while both run, as shares of their calibrated rates
+# (benchmarks/ram_share.py on nvidia-h200, 2026-11-25: the CPU expert kernel at 82-95 GB/s against a
+# 94-96 GB/s alone / ~100 GB/s probe, the GPU's staging kernel at 45-47 GB/s against a 55 GB/s H2D copy),
+# and the rate of the GPU's GGUF-row MoE kernels on the staged experts (latency-bound: 33.5 us for 8
+# Qwen3-30B-A3B experts, 21.2 MB, on H200: docs/benchmarks.md, session 13)
+SHARE_CPU_EFFICIENCY = 0.88
+SHARE_BUS_EFFICIENCY = 0.84
+SHARE_GPU_KERNEL_BW = 630e9
+
+
+def decode_share(k: int, expert_bytes: int, rates, gpu: str) -> int:
+    """Of a CPU-expert layer's k active experts in a decode step (expert_bytes each), how many its GPU reads
+    over the bus from the pinned host copy and runs itself (the decode share, runtime/graphs.py) while the CPU
+    streams the others from RAM: the count whose slower side is fastest, the CPU at its share of the RAM read
+    rate, the GPU at its share of the pinned H2D rate plus its kernels on the copies (the two paths out of
+    RAM add up: ram_share.py). Never all k; ties go to fewer. Uncalibrated, the link is taken to read at half
+    the RAM's rate, as Rates.h2d does for an unmeasured one (RAM at 80 GB/s then)."""
+    ram = rates.ram_read_bw if rates is not None else 80e9
+    cpu = SHARE_CPU_EFFICIENCY * ram
+    bus = SHARE_BUS_EFFICIENCY * (rates.h2d(gpu) if rates is not None else ram / 2)
+    gpu_s = expert_bytes / bus + expert_bytes / SHARE_GPU_KERNEL_BW
+    return min(range(k), key=lambda g: (max((k - g) * expert_bytes / cpu, g * gpu_s), g))
+
+
 def tg_bound(work: Work, cfg, kv_devices: list[str], rates, n_gen: int, n_depth: int = 0,
              kv_bytes_pos: float | None = None) -> Bound:
     """Decode n_gen tokens after n_depth: every device's bytes / its read bandwidth, summed."""

@@ -136,8 +136,8 @@ def _load():
         lib.hm_moe_oai.argtypes = lib.hm_moe_ffn.argtypes + [vp, vp, vp, ctypes.c_float, ctypes.c_float, i32]
         lib.hm_tile_mode.argtypes = [i32]
         lib.hm_trace.argtypes, lib.hm_trace_get.argtypes = [i32], [vp]
-        lib.hm_moe_handoff.argtypes = [vp, vp, ctypes.c_double, vp, i64, i64, vp, vp, i32, i64, i64, vp, i32, vp,
-                                       i32, i32]
+        lib.hm_moe_handoff.argtypes = [vp, vp, ctypes.c_double, vp, i64, i64, i64, vp, vp, i32, i64, i64, vp, i32,
+                                       vp, i32, i32]
         lib.hm_simd.restype = ctypes.c_char_p
         for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode,
                   lib.hm_qmatmul, lib.hm_tile_mm, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8,
@@ -363,26 +363,28 @@ def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
 
 
 def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out, ready, done,
-                 n_threads=None, timeout_s: float = 30.0):
+                 n_threads=None, timeout_s: float = 30.0, n_cpu: int | None = None):
     """One layer's side of the decode hand-off with a GPU (graphs.py), as a function of the step number.
 
     Calling it with `step` waits until ready[0] == step (the GPU has written one token's [x | router
     weights | expert ids as floats] to `packed`), runs the experts into `out` (as moe_ffn), then sets
     done[0] = step, also after an error, so that the GPU never waits forever. It returns 0, -1 for an id
     that is not an expert, or -3 when the GPU did not come within timeout_s. packed float32 [H + 2k] and
-    out float32 [H] (pinned), ready and done int32 (pinned), all CPU tensors that outlive the function."""
+    out float32 [H] (pinned), ready and done int32 (pinned), all CPU tensors that outlive the function.
+    n_cpu: run only the experts of the first n_cpu of the k slots (the GPU takes the others); default all."""
     lib = _load()
     gq, dq = int(gate_qtype), int(down_qtype)
     E, F = gate_raw.shape[0], gate_raw.shape[1]
     H = out.numel()
     k = (packed.numel() - H) // 2
+    kc = k if n_cpu is None else int(n_cpu)
     if (lib is None or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES
             or not _experts_ok(gate_raw, up_raw, down_raw, gq, dq, H) or packed.numel() != H + 2 * k
-            or not 1 <= k <= 64):
+            or not 1 <= k <= 64 or not 1 <= kc <= k):
         raise ValueError(f"handoff_call: no kernel for gate {tuple(gate_raw.shape)} {GGMLType(gq).name}, "
                          f"down {tuple(down_raw.shape)} {GGMLType(dq).name}, H={H}, k={k}")
     return functools.partial(lib.hm_moe_handoff, ready.data_ptr(), done.data_ptr(), timeout_s, packed.data_ptr(),
-                             H, k, gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq,
+                             H, k, kc, gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq,
                              out.data_ptr(), _threads(n_threads))
 
 

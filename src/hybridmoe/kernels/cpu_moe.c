@@ -2235,12 +2235,13 @@ int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const f
 
 /* Decode hand-off with a GPU through pinned host memory, no CUDA call on either side: wait until the GPU
  * has written one token's [x (H) | router weights (k) | expert ids as floats (k)] to `packed` and then
- * `step` to *ready (graphs.py: gpu_decode.router_topk(publish=)), run its experts into out, then set
- * *done = step (the GPU's next segment waits for that: gpu_decode.add_rms_norm(wait=)). Returns 0; -1 for an id that is not an
- * expert or bad arguments; -3 when *ready did not reach step within timeout_s. *done is set in every
+ * `step` to *ready (graphs.py: gpu_decode.router_topk(publish=)), run the experts of its first kc slots
+ * into out (the GPU runs the other k - kc itself: graphs.py's decode share), then set *done = step (the
+ * GPU's next segment waits for that: gpu_decode.add_rms_norm(wait=)). Returns 0; -1 for an id that is not
+ * an expert or bad arguments; -3 when *ready did not reach step within timeout_s. *done is set in every
  * case, so a GPU waiting on it never hangs (the caller raises on an error). */
 int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t H,
-                   int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                   int64_t k, int64_t kc, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                    const uint8_t *down, int dtype, float *out, int nthreads, int32_t step) {
     int rc = 0;
     double deadline = 0;
@@ -2256,14 +2257,14 @@ int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const 
     }
     int32_t ids[64];
     float wts[64];
-    if (!rc && (k < 1 || k > 64)) rc = -1;
+    if (!rc && (k < 1 || k > 64 || kc < 1 || kc > k)) rc = -1;
     for (int64_t j = 0; !rc && j < k; j++) {
         const float f = packed[H + k + j];
         if (!(f >= 0.0f && f < (float)E)) rc = -1;   /* NaN too */
         ids[j] = rc ? 0 : (int32_t)f;
         wts[j] = packed[H + j];
     }
-    if (!rc) rc = moe_ffn_act(packed, 1, H, ids, wts, k, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
+    if (!rc) rc = moe_ffn_act(packed, 1, H, ids, wts, kc, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
     __atomic_store_n(done, step, __ATOMIC_RELEASE);
     return rc;
 }

@@ -61,7 +61,7 @@ if triton is not None:
     _MOE_CONFIGS = [triton.Config({"BN": bn, "NB": nb}, num_warps=w) for bn, nb, w in _MOE_TILES]
 
     @triton.jit
-    def _add_rms_norm_kernel(a, b, w, x_out, h_out, h2_out, H, h_stride, eps, b_rows, q1, q2, xs, xc,
+    def _add_rms_norm_kernel(a, b, c, w, x_out, h_out, h2_out, H, h_stride, eps, b_rows, c_rows, q1, q2, xs, xc,
                              flag, step, err, max_polls, HAS_B: tl.constexpr, WRITE_X: tl.constexpr,
                              BH: tl.constexpr, Q8: tl.constexpr, H2: tl.constexpr, WAIT: tl.constexpr):
         """Q8: the normed row also in two int8 terms (_quant_blocks) for the split-row MoE kernels. H2: also in
@@ -84,6 +84,8 @@ if triton is not None:
         if HAS_B:                                      # (from host memory, WAIT: read fresh)
             for j in range(b_rows):
                 x += tl.load(b + (t * b_rows + j) * H + i, mask=m, other=0, volatile=WAIT).to(tl.float32)
+        for j in range(c_rows):                        # device rows (the GPU's share of CPU experts)
+            x += tl.load(c + (t * c_rows + j) * H + i, mask=m, other=0).to(tl.float32)
         if WRITE_X:
             tl.store(x_out + t * H + i, x, mask=m)
         r = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
@@ -453,6 +455,28 @@ if triton is not None:
         _quant_blocks(v.to(tl.float32), b, r, K, q1, q2, xs, xc)
 
     @triton.jit
+    def _copy_words(src, dst, i, n):
+        m = i < n
+        tl.store(dst + i, tl.load(src + i, mask=m), mask=m)
+
+    @triton.jit
+    def _stage_experts_kernel(ids, j0, gs, us, ds, gdst, udst, ddst, n_gu, n_d, BLOCK: tl.constexpr):
+        """Program (chunk c, slot j, matrix m): words [c BLOCK, (c + 1) BLOCK) of expert ids[j0 + j]'s gate
+        (m 0), up (1) or down (2) matrix (n_gu, n_gu, n_d int32 words an expert), from host memory read over
+        the bus in wide loads, into slot j of the device tensors."""
+        c = tl.program_id(0)
+        j = tl.program_id(1)
+        m = tl.program_id(2)
+        e = tl.load(ids + j0 + j).to(tl.int64)
+        i = c * BLOCK + tl.arange(0, BLOCK)
+        if m == 0:
+            _copy_words(gs + e * n_gu, gdst + j * n_gu, i, n_gu)
+        elif m == 1:
+            _copy_words(us + e * n_gu, udst + j * n_gu, i, n_gu)
+        else:
+            _copy_words(ds + e * n_d, ddst + j * n_d, i, n_d)
+
+    @triton.jit
     def _dp4a(a, b, c, EMU: tl.constexpr):
         """c + the dot product of a's and b's four signed bytes (the dp4a instruction; EMU: plain integer
         ops, for Triton's interpreter)."""
@@ -584,9 +608,10 @@ def _pow2(n: int) -> int:
 
 
 def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float32, q8_out=None, h2_out=None,
-                 wait=None):
-    """x = a (+ b); returns (x if x_out is given, RMSNorm(x) * w). Rows [T, H]; h_out may be a strided row view.
-    b may hold several rows per row of a ([T * r, H], e.g. the k weighted expert outputs): all are added.
+                 wait=None, c=None):
+    """x = a (+ b) (+ c); returns (x if x_out is given, RMSNorm(x) * w). Rows [T, H]; h_out may be a strided
+    row view. b and c may hold several rows per row of a ([T * r, H], e.g. the k weighted expert outputs): all
+    are added; c is on the GPU (with wait, b is in host memory and c e.g. the GPU's share of its experts).
     q8_out (x8_buffers(T, H)): the normed rows in two int8 terms too, as quant_x8 writes them. h2_out [T, H]:
     the normed rows once more, in its dtype (e.g. bf16 for the router's GEMV, saving a cast launch).
     wait = (flag, step, err): b lives in pinned host memory and is ready once the host sets flag[0] (pinned
@@ -596,11 +621,13 @@ def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float3
     if h_out is None:
         h_out = torch.empty(T, H, dtype=h_dtype, device=a.device)
     b_rows = b.shape[0] // T if b is not None else 0
+    c_rows = c.shape[0] // T if c is not None else 0
     q8 = q8_out if q8_out is not None else (a,) * 4
     flag, step, err = wait if wait is not None else (a, a, a)
     with on_device(a):
-        _add_rms_norm_kernel[(T,)](a, b if b is not None else a, w, x_out if x_out is not None else a, h_out,
-                                   h2_out if h2_out is not None else a, H, h_out.stride(0), eps, b_rows, *q8,
+        _add_rms_norm_kernel[(T,)](a, b if b is not None else a, c if c is not None else a, w,
+                                   x_out if x_out is not None else a, h_out,
+                                   h2_out if h2_out is not None else a, H, h_out.stride(0), eps, b_rows, c_rows, *q8,
                                    flag, step, err, AWAIT_MAX_POLLS, HAS_B=b is not None,
                                    WRITE_X=x_out is not None, BH=_pow2(H), Q8=q8_out is not None,
                                    H2=h2_out is not None, WAIT=wait is not None)
@@ -699,6 +726,30 @@ def router_topk(logits, k: int, norm: bool, packed=None, pack_offset: int = 0, p
     return wts, ids
 
 
+STAGE_BLOCK = 2048       # int32 words a program: 48-50 GB/s over the H200's PCIe 5 (ram_share.py, 2026-11-25)
+
+
+def stage_words(raw: torch.Tensor):
+    """An expert tensor [E, rows, row bytes] as int32 words [E, n] for stage_experts, or None where its
+    experts are not whole 16-byte runs (then the wide loads have nothing to stand on)."""
+    per = raw[0].numel() if raw.dim() == 3 else 0
+    if per == 0 or per % 16 or raw.data_ptr() % 16 or not raw.is_contiguous():
+        return None
+    return raw.view(raw.shape[0], per).view(torch.int32)
+
+
+def stage_experts(ids, j0: int, srcs, dsts):
+    """Copy the experts ids[0, j0:j0 + g] of srcs (gate, up, down as stage_words, in pinned host memory, read
+    by the GPU over the bus) into dsts (the same three, [g, n] on the GPU): one launch, no host work, so a
+    CUDA graph can hold it with ids known only on the GPU."""
+    g = dsts[0].shape[0]
+    n_gu, n_d = dsts[0].shape[1], dsts[2].shape[1]
+    with on_device(dsts[0]):
+        _stage_experts_kernel[(triton.cdiv(max(n_gu, n_d), STAGE_BLOCK), g, 3)](
+            ids, j0, *srcs, *dsts, n_gu, n_d, BLOCK=STAGE_BLOCK, num_warps=4)
+    return dsts
+
+
 _DISABLED: set = set()                                  # types whose MoE kernels failed to build on this GPU
 
 
@@ -792,14 +843,15 @@ def _launch8(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool, tile=
 
 
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True, gate_split: bool = False,
-        down_split: bool = False, tiles8=None, xq=None):
+        down_split: bool = False, tiles8=None, xq=None, out=None):
     """Routed experts for a few tokens straight from GGUF bytes: x [T, H] float32, ids [T, k] (int), wts
     [T, k]; graw/uraw [E, F, row bytes], draw [E, H, row bytes]. Returns float32 [T, H]; with reduce=False
     the k weighted expert outputs per token [T * k, H] (add_rms_norm sums them into the residual).
 
     gate_split / down_split: those rows are Q4_0/Q8_0 in the split layout (quant.ref.split_rows, as
     GPU-resident experts are kept): their kernel takes int8 activations (quant_x8, or xq: x already in
-    them, from add_rms_norm) and dp4a; tiles8 (gate/up and down (BN, NB, warps)) instead of split_tile's."""
+    them, from add_rms_norm) and dp4a; tiles8 (gate/up and down (BN, NB, warps)) instead of split_tile's.
+    out: the [T * k, H] float32 buffer for the expert rows (reduce=False)."""
     T, H = x.shape
     k = ids.shape[1]
     F = graw.shape[1]
@@ -807,7 +859,8 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     ids = ids.to(torch.int32).contiguous()
     wts = wts.float().contiguous()
     h = torch.empty(T * k, F, dtype=torch.float32, device=x.device)
-    out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     strides = (graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1))
     tiles8 = tiles8 or (None, None)
     with on_device(x):

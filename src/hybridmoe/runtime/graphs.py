@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from ..errors import warn_fallback
 from ..kernels import gpu_decode as gd
 from ..quant.types import GGMLType
+from ..roofline import decode_share
 from . import experts as X
+from .hostmem import is_pinned
 from .ops import apply_rope, context_rope_tables, rms_norm
 
 
@@ -170,17 +172,49 @@ class StaticDecoder:
         pin = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, pin_memory=True)  # noqa: E731
         hk = SimpleNamespace(packed=pin(n, H + 2 * k), out=pin(n, H), ready=pin(n, 16, dtype=torch.int32),
                              done=pin(n, 16, dtype=torch.int32), err=pin(1, dtype=torch.int32),   # a flag a line
-                             step=torch.zeros(1, dtype=torch.int32, device=td), n=0, slot={}, calls=[], bytes=0)
+                             step=torch.zeros(1, dtype=torch.int32, device=td), n=0, slot={}, calls=[], bytes=0,
+                             share=self._decode_share(cpu_segs), share_bytes=0)
         for j, s in enumerate(cpu_segs):
             g, u, d = self.layers[self.segments[s].b - 1]["exps"]
             try:
                 hk.calls.append(kern.handoff_call(g.raw, u.raw, d.raw, g.qtype, d.qtype, hk.packed[j], hk.out[j],
-                                                  hk.ready[j], hk.done[j], self.sched.n_threads))
+                                                  hk.ready[j], hk.done[j], self.sched.n_threads,
+                                                  n_cpu=k - hk.share))
             except ValueError:                          # a type or shape the C kernel lacks
                 return None
             hk.slot[s] = j
-            hk.bytes += k * (g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel())
+            per = g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel()
+            hk.bytes += (k - hk.share) * per
+            hk.share_bytes += hk.share * per
+        if hk.share:                                    # the GPU's copies of its experts, reused by every layer
+            g, u, d = self.layers[self.segments[cpu_segs[0]].b - 1]["exps"]
+            hk.stage = [torch.empty(hk.share, *w.raw.shape[1:], dtype=torch.uint8, device=td) for w in (g, u, d)]
+            hk.words = [gd.stage_words(w) for w in hk.stage]
+            hk.lids = torch.arange(hk.share, dtype=torch.int32, device=td)[None]
+            hk.gout = torch.zeros(hk.share, H, device=td)
         return hk
+
+    def _decode_share(self, cpu_segs) -> int:
+        """How many of each CPU-expert layer's k experts the GPU runs itself during a decode step (the decode
+        share, docs/design.md): while the CPU streams the others from RAM, the GPU reads these over the bus
+        (zero-copy from the pinned arena, gd.stage_experts) and runs them, so both paths out of RAM work
+        at once. 0 where the experts are not pinned, a type has no GPU kernel, or HYBRIDMOE_DECODE_SHARE=0;
+        that variable also forces a count. Otherwise the count that balances the two sides at the calibrated
+        rates (roofline.decode_share)."""
+        k = self.cfg.n_expert_used
+        exps = [self.layers[self.segments[s].b - 1]["exps"] for s in cpu_segs]
+        shapes = {tuple(tuple(w.raw.shape[1:]) for w in e) for e in exps}       # one staging buffer for all
+        if k < 2 or len(shapes) != 1 or not all(
+                gd.supports(g.qtype, u.qtype, d.qtype) and (g.qtype, d.qtype) == (exps[0][0].qtype, exps[0][2].qtype)
+                and all(is_pinned(w.raw) and gd.stage_words(w.raw) is not None for w in (g, u, d))
+                for g, u, d in exps):
+            return 0
+        forced = os.environ.get("HYBRIDMOE_DECODE_SHARE")
+        if forced is not None:
+            return max(0, min(int(forced), k - 1))
+        g, u, d = exps[0]
+        return decode_share(k, g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel(), self.sched.rates,
+                            self.dev.name)
 
     def _inputs(self, s: int):
         """(x, rows to add to x first) at the start of segment s, on its GPU."""
@@ -232,19 +266,20 @@ class StaticDecoder:
         return x + X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), None
 
     # -- the step with the fused kernels: ~10 launches a layer ------------------------------------------
-    def _layer_fast(self, i, lay, x, addend, wait=None, publish=None):
+    def _layer_fast(self, i, lay, x, addend, wait=None, publish=None, extra=None):
         """Layer i on x (+ addend: rows to add first, the CPU experts' output or the k weighted GPU expert
-        rows; wait: addend is in pinned memory, ready when the host sets a flag, see add_rms_norm). Returns
-        (x, addend for the next layer, whether the CPU takes the experts from the GPU's packed buffer, with
-        the residual in its resid buffer). publish: (host row, flag, step) where the router hands that
-        buffer to the CPU itself (the polled hand-off)."""
+        rows; wait: addend is in pinned memory, ready when the host sets a flag, see add_rms_norm; extra:
+        rows on the GPU to add as well, its decode share of the CPU layer before). Returns (x, addend for
+        the next layer, whether the CPU takes the experts from the GPU's packed buffer, with the residual in
+        its resid buffer). publish: (host row, flag, step) where the router hands that buffer to the CPU
+        itself (the polled hand-off)."""
         cfg = self.cfg
         eps, H, k = cfg.rms_eps, cfg.n_embd, cfg.n_expert_used
         ds = self.ds[self.ldev[i].name]
         x_sum = torch.empty_like(x) if addend is not None else None
         xq = gd.x8_buffers(x.shape[0], H, x.device) if "qkv8" in lay else None
         xs, hb = gd.add_rms_norm(x, lay["attn_norm"], eps, b=addend, x_out=x_sum, h_dtype=self.cdt, wait=wait,
-                                 q8_out=xq)
+                                 q8_out=xq, c=extra)
         if addend is not None:
             x = xs
         if xq is not None:
@@ -278,6 +313,8 @@ class StaticDecoder:
         wts, ids = gd.router_topk(logits, k, cfg.norm_topk_prob, packed=ds.packed if cpu else None, pack_offset=H,
                                   publish=publish if cpu else None)
         if cpu:
+            if publish is not None and self.hk.share:
+                self._gpu_share(lay, h, wts, ids)
             return x2, None, True
         g, u, d = exps
         if gd.supports(g.qtype, u.qtype, d.qtype):
@@ -285,18 +322,31 @@ class StaticDecoder:
                               gate_split=g.split, down_split=d.split, xq=xq), False
         return x2, X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), False
 
+    def _gpu_share(self, lay, h, wts, ids):
+        """The GPU's decode share of a CPU-expert layer: the last hk.share of the router's k experts (the CPU
+        runs the others) are copied from host memory over the bus and run here, into hk.gout, while the CPU
+        works; the next segment adds them with the CPU's rows."""
+        hk = self.hk
+        g, u, d = lay["exps"]
+        j0 = self.cfg.n_expert_used - hk.share
+        gd.stage_experts(ids, j0, [gd.stage_words(w.raw) for w in (g, u, d)], hk.words)
+        gd.moe(h, hk.lids, wts[:, j0:], *hk.stage, g.qtype, d.qtype, reduce=False, gate_split=g.split,
+               down_split=d.split, out=hk.gout)
+
     def _segment_fast(self, s: int):
         seg, hk = self.segments[s], self.hk
         x, addend = self._inputs(s)
-        wait = None
+        wait = extra = None
         if hk is not None and s - 1 in hk.slot:         # the first kernel waits for the CPU experts' output
             j = hk.slot[s - 1]
             addend, wait = hk.out[j:j + 1], (hk.done[j], hk.step, hk.err)
+            extra = hk.gout if hk.share else None
         # the polled hand-off: the router of the segment's last layer writes [h | weights | ids] for the CPU
         pub = (hk.packed[hk.slot[s]], hk.ready[hk.slot[s]], hk.step) if hk is not None and s in hk.slot else None
         for i in range(seg.a, seg.b):
-            x, addend, to_cpu = self._layer_fast(i, self.layers[i], x, addend, wait, pub if i == seg.b - 1 else None)
-            wait = None
+            x, addend, to_cpu = self._layer_fast(i, self.layers[i], x, addend, wait, pub if i == seg.b - 1 else None,
+                                                 extra)
+            wait = extra = None
             if to_cpu:
                 return
         if seg.kind == "move":                        # the residual (with the last layer's FFN rows) leaves
@@ -309,7 +359,7 @@ class StaticDecoder:
         # addend: the last layer's FFN rows or CPU experts, when no layer follows them
         xq = gd.x8_buffers(1, self.cfg.n_embd, x.device) if self.out8 else None
         _, hb = gd.add_rms_norm(x, self.out_norm, self.cfg.rms_eps, b=addend, h_dtype=self.cdt, wait=wait,
-                                q8_out=xq)
+                                q8_out=xq, c=extra)
         if self.out8:
             gd.gemv8(xq, [self.w_out], self.model.decoder.output.qtype, self.cfg.n_embd, self.logits)
         else:
@@ -402,6 +452,7 @@ class StaticDecoder:
         n = len(hk.calls)
         st.ops[("moe_up_gate", "CPU")][0] += n
         st.cpu_expert_bytes += hk.bytes
+        st.gpu_share_bytes += hk.share_bytes
         st.copy(self.dev.name, "CPU", hk.packed[0].numel() * 4, n)
         st.copy("CPU", self.dev.name, hk.out[0].numel() * 4, n)
 

@@ -17,6 +17,7 @@ import torch
 
 HUGE = 2 << 20
 ALIGN = 4096          # each tensor starts on its own 4 KiB page: rows stay aligned for the kernels
+_REGISTERED: dict[int, int] = {}      # start -> end of every arena registered with CUDA (and still alive)
 
 
 def thp_mode() -> str:
@@ -28,7 +29,20 @@ def thp_mode() -> str:
     return text[text.index("[") + 1:text.index("]")] if "[" in text else "unknown"
 
 
+def is_pinned(t: torch.Tensor) -> bool:
+    """Whether t's bytes are page-locked for the GPU (readable by it over the bus): pinned by torch, or in a
+    registered arena. (Tensor.is_pinned asks about the storage's first byte: an arena's mapping starts
+    before its registered, 2 MiB-aligned part.)"""
+    if t.is_cuda:
+        return False
+    p = t.data_ptr()
+    if any(a <= p and p + t.numel() * t.element_size() <= b for a, b in _REGISTERED.items()):
+        return True
+    return t.is_pinned()
+
+
 def _unregister(ptr: int) -> None:
+    _REGISTERED.pop(ptr, None)
     try:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:   # interpreter shutdown, CUDA already torn down: nothing left to release
@@ -75,6 +89,7 @@ class Arena:
         if int(err) != 0:
             return False
         self.pinned = True
+        _REGISTERED[ptr] = ptr + self.nbytes
         weakref.finalize(self._mm, _unregister, ptr)   # when the last view of the mapping is gone
         return True
 

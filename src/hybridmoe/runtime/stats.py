@@ -21,6 +21,7 @@ class Stats:
         self.tokens = 0
         self.cpu_expert_bytes = 0                         # weight bytes read by CPU expert kernels
         self.cpu_expert_seconds = 0.0
+        self.gpu_share_bytes = 0                          # host expert bytes a GPU read over the bus (decode share)
         self.wall = [0.0, 0.0]                            # profiled forward seconds: [batches, single tokens]
 
     @contextmanager
@@ -64,6 +65,7 @@ class Stats:
             "splits_per_forward": self.crossings / max(self.forwards, 1),
             "cpu_expert_bytes": self.cpu_expert_bytes,
             "cpu_expert_seconds": self.cpu_expert_seconds,
+            "gpu_share_bytes": self.gpu_share_bytes,
         }
 
     def format(self, read_bw: float | None = None) -> str:
