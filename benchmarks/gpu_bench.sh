@@ -29,6 +29,8 @@ for s in "$@"; do
                for P in "-ot exps=CPU" "--n-cpu-moe 24"; do
                  HYBRIDMOE_DECODE_SHARE=$V python3 -m hybridmoe.cli bench -m $M -ngl 99 $P -p 0 -n 128 -r 3 --roofline 2>&1 | grep -E "tg128"
                done; done ;;
+    share24) for V in 0 2 0 2; do echo "### HYBRIDMOE_DECODE_SHARE=$V"
+               HYBRIDMOE_DECODE_SHARE=$V python3 benchmarks/profile_decode.py handoff24 2>&1 | grep -v "^\s*$"; done ;;
     kalone) python3 benchmarks/profile_decode.py kalone 2>&1 ;;
     handoff) python3 benchmarks/profile_decode.py handoff 2>&1 ;;
     handoff24) python3 benchmarks/profile_decode.py handoff24 2>&1 ;;

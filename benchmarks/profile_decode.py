@@ -93,8 +93,9 @@ def _report(name, rows, nb1, nb2):
 
 
 def _stage_bytes(m):
-    """Expert bytes a token reads in a layer's stage 1 (gate, up) and stage 2 (down)."""
-    L0, k = m.decoder.layers[0], m.cfg.n_expert_used
+    """Expert bytes a token reads in a CPU layer's stage 1 (gate, up) and stage 2 (down) (the CPU's part of
+    the k experts, with the decode share: call after a first step)."""
+    L0, k = m.decoder.layers[0], m.cfg.n_expert_used - m.decode_share()[0]
     return (k * (L0.ffn_gate_exps.raw[0].numel() + L0.ffn_up_exps.raw[0].numel()),
             k * L0.ffn_down_exps.raw[0].numel())
 
@@ -104,8 +105,8 @@ def handoff_poll(m, n=20):
     kernel's phases; `gpu` runs from the CPU's last thread finishing one layer to the first thread starting
     the next: the GPU segment between them, both flag latencies and the thread start."""
     from hybridmoe.kernels import cpu
-    nb1, nb2 = _stage_bytes(m)
     steps(m, 4)
+    nb1, nb2 = _stage_bytes(m)
     cpu.trace(True)
     rec = []
     make0 = cpu.handoff_call

@@ -233,6 +233,13 @@ class Model:
         self.stats.reset()
         return time.perf_counter() - t0
 
+    def decode_share(self) -> tuple[int, int]:
+        """(g, k): the decode step's GPU runs g of each CPU-expert layer's k experts itself, read over the bus
+        (runtime/graphs.py); g = 0 where it does not (or no decode step was built yet)."""
+        step = self._steps.get("decode", (None, None))[1]
+        hk = getattr(step, "hk", None)
+        return (hk.share if hk is not None else 0), self.cfg.n_expert_used
+
     def sync(self):
         if torch.cuda.is_available():
             torch.cuda.synchronize()

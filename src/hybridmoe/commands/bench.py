@@ -356,11 +356,13 @@ def main(args) -> int:
                                              f"{threads} threads)")
                                 time.sleep(args.delay)
                                 ram0 = ram_read_now() if probe else 0.0
+                                shared0 = model.stats.gpu_share_bytes
                                 got = run_tests(model, configs, n_p, n_g, d, reps, 1234 + i, default_threads,
                                                 bar.advance, args.interleave)
                                 ram = (ram0 + ram_read_now()) / 2 if probe else 0.0
-                                runs += [(c, d, n_p, n_g, smp, up, ram) for c, (smp, up) in enumerate(got)]
-                        for c, d, n_p, n_g, samples, up, ram in sorted(runs, key=lambda r: r[0]):
+                                shared = model.stats.gpu_share_bytes > shared0
+                                runs += [(c, d, n_p, n_g, smp, up, ram, shared) for c, (smp, up) in enumerate(got)]
+                        for c, d, n_p, n_g, samples, up, ram, shared in sorted(runs, key=lambda r: r[0]):
                             p = configs[c]
                             threads = apply_runtime(model, p, default_threads)
                             rates = None
@@ -374,6 +376,14 @@ def main(args) -> int:
                             results.append(result_record(model, info, p, threads, n_p, n_g, d, samples, up, bound))
                             if rates:
                                 results[-1].update(roofline_ram_read=rates.ram_read_bw, roofline_ram_probed=bool(ram))
+                            if rates and shared and not n_p:
+                                # the decode share read host experts over the bus as well: the bound with
+                                # both paths out of RAM flat out (the column above is RAM's alone)
+                                gpu = model.sched.main_gpu.name
+                                both = model_bound(model, dataclasses.replace(
+                                    rates, ram_read_bw=rates.ram_read_bw + rates.h2d(gpu)), n_p, n_g, d, up)
+                                results[-1].update(roofline_bus_ts=both.ts,
+                                                   roofline_bus_frac=results[-1]["avg_ts"] / both.ts)
                     del model
                     gc.collect()
                     if torch.cuda.is_available():
@@ -398,7 +408,7 @@ JSON_FIELDS = ("build_commit", "build_number", "cpu_info", "gpu_info", "backends
 EXTRA_FIELDS = ("test", "cpu_moe", "no_op_offload", "offload_policy", "offload_only_active_experts", "fused_moe",
                 "uploaded_bytes")                    # bytes uploaded to GPUs per repetition
 ROOFLINE_FIELDS = ("roofline_ts", "roofline_frac", "roofline_limit", "roofline_detail", "roofline_ram_read",
-                   "roofline_ram_probed")
+                   "roofline_ram_probed", "roofline_bus_ts", "roofline_bus_frac")
 
 
 def _build() -> tuple[str, int]:
@@ -476,6 +486,9 @@ def markdown(results: list[dict], values: dict, opts=OPTS, roofline: bool = Fals
         cols.append(("roofline", 16, lambda r: f"{r['roofline_ts']:.2f} ({r['roofline_frac']:.0%})"))
         if any(r.get("roofline_ram_probed") for r in results):
             cols.append(("RAM GB/s", 8, lambda r: f"{r['roofline_ram_read'] / 1e9:.1f}"))
+        if any("roofline_bus_ts" in r for r in results):              # the decode share ran
+            cols.append(("RAM+bus roofline", 16, lambda r: f"{r['roofline_bus_ts']:.2f} ({r['roofline_bus_frac']:.0%})"
+                         if "roofline_bus_ts" in r else ""))
     rows = [[fn(r) for _, _, fn in cols] for r in results]
     widths = []
     for j, (name, w, _) in enumerate(cols):
@@ -509,7 +522,7 @@ def print_results(results: list[dict], fmt: str, values: dict, opts=OPTS, roofli
         w = csv.writer(file, quoting=csv.QUOTE_ALL, lineterminator="\n")
         w.writerow(fields)
         for r in results:
-            w.writerow([_cell(r[f]) for f in fields])
+            w.writerow([_cell(r.get(f, "")) for f in fields])
     file.flush()
 
 
@@ -524,8 +537,9 @@ def sql(results: list[dict], fields) -> str:
         if isinstance(v, (bool, int, float)):
             return str(int(v)) if isinstance(v, bool) else repr(v) if math.isfinite(v) else "NULL"
         return "'" + _cell(v).replace("'", "''") + "'"
-    r0 = results[0]
-    out = ["CREATE TABLE IF NOT EXISTS test (", ",\n".join(f"  {f} {kind(r0[f])}" for f in fields), ");", ""]
+    def first(f):                                  # a field some rows lack (roofline_bus_*): its first value
+        return next((r[f] for r in results if r.get(f) is not None), None)
+    out = ["CREATE TABLE IF NOT EXISTS test (", ",\n".join(f"  {f} {kind(first(f))}" for f in fields), ");", ""]
     for r in results:
-        out.append(f"INSERT INTO test ({', '.join(fields)}) VALUES ({', '.join(lit(r[f]) for f in fields)});")
+        out.append(f"INSERT INTO test ({', '.join(fields)}) VALUES ({', '.join(lit(r.get(f)) for f in fields)});")
     return "\n".join(out)

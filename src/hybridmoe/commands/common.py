@@ -36,6 +36,10 @@ def warmup(model, args):
     if not args.no_warmup:
         import sys
         print(f"warmed up in {model.warmup():.2f} s (--no-warmup to skip)", file=sys.stderr)
+        g, k = model.decode_share()
+        if g:
+            print(f"decode share: the GPU runs {g} of each CPU layer's {k} experts, read over the bus "
+                  f"(HYBRIDMOE_DECODE_SHARE=0: the CPU runs all)", file=sys.stderr)
 
 
 def runtime_kwargs(args) -> dict:
