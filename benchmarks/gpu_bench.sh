@@ -25,7 +25,7 @@ for s in "$@"; do
     ramshare) python3 benchmarks/ram_share.py 2>&1 | grep -v -i warn ;;
     sharetests) python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py tests/test_cpu_kernels.py \
                   -k "stage_experts or handoff or decode_share" -p no:cacheprovider --tb=short 2>&1 | tail -30 ;;
-    shareab) for V in 0 2 3 0 2 3; do echo "### HYBRIDMOE_DECODE_SHARE=$V"
+    shareab) for V in ${SHARES:-0 2 3 0 2 3}; do echo "### HYBRIDMOE_DECODE_SHARE=$V"
                for P in "-ot exps=CPU" "--n-cpu-moe 24"; do
                  HYBRIDMOE_DECODE_SHARE=$V python3 -m hybridmoe.cli bench -m $M -ngl 99 $P -p 0 -n 128 -r 3 --roofline 2>&1 | grep -E "tg128"
                done; done ;;

@@ -394,22 +394,38 @@ def test_polled_handoff_matches_the_synchronous_one(opts, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_decode_share_matches_the_cpu_alone(monkeypatch):
+@pytest.mark.parametrize("mixed", [False, True], ids=["q4_0", "mixed-types"])
+def test_decode_share_matches_the_cpu_alone(mixed, monkeypatch, tmp_path):
     """The decode share: the GPU runs the last of each CPU layer's k experts from their host bytes, read over
     the bus, while the CPU runs the others. The logits match the CPU running all k (within the bf16 GPU
-    tolerance); the CPU's output is moe_ffn over its slots exactly, and the GPU's row is its expert's."""
+    tolerance); the CPU's output is moe_ffn over its slots exactly, and the GPU's row is its expert's. Mixed:
+    layer 1's down experts are Q8_0 (as Q4_K_M files mix types), so the layers stage through two buffers."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+    from hybridmoe.formats.gguf_write import write_gguf
     from hybridmoe.kernels import cpu
+    from hybridmoe.quant.ref import random_blocks
+    from hybridmoe.quant.types import GGMLType
+    from hybridmoe.synth import config_metadata, preset_config, synth_tensors
+    from hybridmoe.vocab import builtin_vocab_metadata
+    path = "synth:tiny"
+    if mixed:
+        cfg, et, ot = preset_config("tiny")
+        md = {"general.name": "mixed", **config_metadata(cfg), **builtin_vocab_metadata(cfg.n_vocab)}
+        path = str(tmp_path / "mixed.gguf")
+        q8 = lambda sh: (lambda: random_blocks(GGMLType.Q8_0, sh, torch.Generator().manual_seed(5)))  # noqa: E731
+        write_gguf(path, cfg.arch, md, [(n, sh, GGMLType.Q8_0, q8(sh)) if n == "blk.1.ffn_down_exps.weight" else
+                                        (n, sh, q, mk) for n, sh, q, mk in synth_tensors(cfg, et, ot, seed=3)])
     outs = []
     for share in (0, 1):
         monkeypatch.setenv("HYBRIDMOE_DECODE_SHARE", str(share))
-        m = hybridmoe.load("synth:tiny", ctx_size=64, **PLACEMENTS["ngl99-exps-cpu"])
+        m = hybridmoe.load(path, ctx_size=64, **PLACEMENTS["ngl99-exps-cpu"])
         kv = m.new_cache(64)
         m.forward(torch.tensor(IDS[:7]), 0, kv)
         outs.append(torch.cat([m.forward(torch.tensor([t]), 7 + i, kv) for i, t in enumerate(IDS[7:20])]))
         sd = m._step_for("decode", kv)
         assert sd.hk is not None and sd.hk.share == share
+    assert len(sd.hk.stage) == (2 if mixed else 1)
     hk, H, k = sd.hk, m.cfg.n_embd, m.cfg.n_expert_used
     j, b = len(hk.calls) - 1, max(hk.slot)
     g, u, d = sd.layers[sd.segments[b].b - 1]["exps"]

@@ -50,6 +50,11 @@ class NotApplicable(Exception):
     """The placement has no static decode path (mixed GPUs, q8_0 cache, ...); the eager path runs."""
 
 
+def _expert_shapes(exps) -> tuple:
+    """(rows, row bytes) of one expert of each of gate, up and down."""
+    return tuple(tuple(w.raw.shape[1:]) for w in exps)
+
+
 class _Seg:
     """Layers a..b-1 on one device; kind: "cpu" (layer b-1's experts go to the CPU), "move" (layer b runs on
     another GPU) or "out" (the output head follows)."""
@@ -186,10 +191,12 @@ class StaticDecoder:
             per = g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel()
             hk.bytes += (k - hk.share) * per
             hk.share_bytes += hk.share * per
-        if hk.share:                                    # the GPU's copies of its experts, reused by every layer
-            g, u, d = self.layers[self.segments[cpu_segs[0]].b - 1]["exps"]
-            hk.stage = [torch.empty(hk.share, *w.raw.shape[1:], dtype=torch.uint8, device=td) for w in (g, u, d)]
-            hk.words = [gd.stage_words(w) for w in hk.stage]
+        if hk.share:             # the GPU's copies of its experts: one buffer per expert shape, used layer by layer
+            hk.stage = {}
+            for s in cpu_segs:
+                key = _expert_shapes(self.layers[self.segments[s].b - 1]["exps"])
+                if key not in hk.stage:
+                    hk.stage[key] = [torch.empty(hk.share, *shape, dtype=torch.uint8, device=td) for shape in key]
             hk.lids = torch.arange(hk.share, dtype=torch.int32, device=td)[None]
             hk.gout = torch.zeros(hk.share, H, device=td)
         return hk
@@ -203,18 +210,14 @@ class StaticDecoder:
         rates (roofline.decode_share)."""
         k = self.cfg.n_expert_used
         exps = [self.layers[self.segments[s].b - 1]["exps"] for s in cpu_segs]
-        shapes = {tuple(tuple(w.raw.shape[1:]) for w in e) for e in exps}       # one staging buffer for all
-        if k < 2 or len(shapes) != 1 or not all(
-                gd.supports(g.qtype, u.qtype, d.qtype) and (g.qtype, d.qtype) == (exps[0][0].qtype, exps[0][2].qtype)
-                and all(is_pinned(w.raw) and gd.stage_words(w.raw) is not None for w in (g, u, d))
-                for g, u, d in exps):
+        if k < 2 or not all(gd.supports(g.qtype, u.qtype, d.qtype) and all(
+                is_pinned(w.raw) and gd.stage_words(w.raw) is not None for w in (g, u, d)) for g, u, d in exps):
             return 0
         forced = os.environ.get("HYBRIDMOE_DECODE_SHARE")
         if forced is not None:
             return max(0, min(int(forced), k - 1))
-        g, u, d = exps[0]
-        return decode_share(k, g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel(), self.sched.rates,
-                            self.dev.name)
+        per = sum(w.raw[0].numel() for e in exps for w in e) / len(exps)       # bytes of one expert, mean
+        return decode_share(k, per, self.sched.rates, self.dev.name)
 
     def _inputs(self, s: int):
         """(x, rows to add to x first) at the start of segment s, on its GPU."""
@@ -329,8 +332,9 @@ class StaticDecoder:
         hk = self.hk
         g, u, d = lay["exps"]
         j0 = self.cfg.n_expert_used - hk.share
-        gd.stage_experts(ids, j0, [gd.stage_words(w.raw) for w in (g, u, d)], hk.words)
-        gd.moe(h, hk.lids, wts[:, j0:], *hk.stage, g.qtype, d.qtype, reduce=False, gate_split=g.split,
+        stage = hk.stage[_expert_shapes(lay["exps"])]
+        gd.stage_experts(ids, j0, [gd.stage_words(w.raw) for w in (g, u, d)], [gd.stage_words(w) for w in stage])
+        gd.moe(h, hk.lids, wts[:, j0:], *stage, g.qtype, d.qtype, reduce=False, gate_split=g.split,
                down_split=d.split, out=hk.gout)
 
     def _segment_fast(self, s: int):
