@@ -398,3 +398,17 @@ def test_decode_share_balances_the_cpu_and_the_bus():
     assert shares == sorted(shares) and shares[0] < shares[-1] <= 7
     assert share(100, 1) == 0 and share(1, 1000) == 7 and share(100, 55, k=1) == 0
     assert decode_share(8, e, None, "CUDA0") == share(80, 40)          # uncalibrated: half the RAM's rate
+
+
+def test_decode_share_override(monkeypatch):
+    """HYBRIDMOE_DECODE_SHARE forces the count (never all k); anything but a count is a clear error."""
+    from hybridmoe.runtime.graphs import forced_share
+    monkeypatch.delenv("HYBRIDMOE_DECODE_SHARE", raising=False)
+    assert forced_share(8) is None
+    for value, want in (("0", 0), ("3", 3), (" 2 ", 2), ("99", 7)):
+        monkeypatch.setenv("HYBRIDMOE_DECODE_SHARE", value)
+        assert forced_share(8) == want
+    for bad in ("two", "-1", "1.5"):
+        monkeypatch.setenv("HYBRIDMOE_DECODE_SHARE", bad)
+        with pytest.raises(HybridMoeError, match="HYBRIDMOE_DECODE_SHARE"):
+            forced_share(8)

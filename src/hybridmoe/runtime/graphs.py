@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from ..errors import warn_fallback
+from ..errors import HybridMoeError, warn_fallback
 from ..kernels import gpu_decode as gd
 from ..quant.types import GGMLType
 from ..roofline import decode_share
@@ -48,6 +48,17 @@ def capturing(graph, device, stream, pool=None):
 
 class NotApplicable(Exception):
     """The placement has no static decode path (mixed GPUs, q8_0 cache, ...); the eager path runs."""
+
+
+def forced_share(k: int) -> int | None:
+    """HYBRIDMOE_DECODE_SHARE's count of a layer's k experts for the GPU (at most k - 1), None where unset."""
+    forced = os.environ.get("HYBRIDMOE_DECODE_SHARE", "").strip()
+    if not forced:
+        return None
+    if not forced.isdigit():
+        raise HybridMoeError(f"HYBRIDMOE_DECODE_SHARE={forced!r}: give how many of each CPU layer's {k} experts "
+                             f"the GPU runs in a decode step (0 turns the share off), or unset it")
+    return min(int(forced), k - 1)
 
 
 def _expert_shapes(exps) -> tuple:
@@ -213,9 +224,9 @@ class StaticDecoder:
         if k < 2 or not all(gd.supports(g.qtype, u.qtype, d.qtype) and all(
                 is_pinned(w.raw) and gd.stage_words(w.raw) is not None for w in (g, u, d)) for g, u, d in exps):
             return 0
-        forced = os.environ.get("HYBRIDMOE_DECODE_SHARE")
+        forced = forced_share(k)
         if forced is not None:
-            return max(0, min(int(forced), k - 1))
+            return forced
         per = sum(w.raw[0].numel() for e in exps for w in e) / len(exps)       # bytes of one expert, mean
         return decode_share(k, per, self.sched.rates, self.dev.name)
 
