@@ -31,6 +31,11 @@ for s in "$@"; do
                done; done ;;
     share24) for V in 0 2 0 2; do echo "### HYBRIDMOE_DECODE_SHARE=$V"
                HYBRIDMOE_DECODE_SHARE=$V python3 benchmarks/profile_decode.py handoff24 2>&1 | grep -v "^\s*$"; done ;;
+    shareq4k) hm synth qwen3-30b-a3b-q4_k 2>&1 | tail -1
+              for V in 0 auto 0 auto; do echo "### synth:qwen3-30b-a3b-q4_k, HYBRIDMOE_DECODE_SHARE=$V"
+                if [ $V = auto ]; then U="-u HYBRIDMOE_DECODE_SHARE"; else U="HYBRIDMOE_DECODE_SHARE=$V"; fi
+                env $U python3 -m hybridmoe.cli bench -m synth:qwen3-30b-a3b-q4_k -ngl 99 -ot exps=CPU -p 0 -n 128 -r 3 \
+                  --roofline 2>&1 | grep -E "tg128"; done ;;
     kalone) python3 benchmarks/profile_decode.py kalone 2>&1 ;;
     handoff) python3 benchmarks/profile_decode.py handoff 2>&1 ;;
     handoff24) python3 benchmarks/profile_decode.py handoff24 2>&1 ;;

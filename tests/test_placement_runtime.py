@@ -394,12 +394,13 @@ def test_polled_handoff_matches_the_synchronous_one(opts, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mixed", [False, True], ids=["q4_0", "mixed-types"])
-def test_decode_share_matches_the_cpu_alone(mixed, monkeypatch, tmp_path):
+@pytest.mark.parametrize("kind", ["q4_0", "mixed-types", "q4_k"])
+def test_decode_share_matches_the_cpu_alone(kind, monkeypatch, tmp_path):
     """The decode share: the GPU runs the last of each CPU layer's k experts from their host bytes, read over
     the bus, while the CPU runs the others. The logits match the CPU running all k (within the bf16 GPU
     tolerance); the CPU's output is moe_ffn over its slots exactly, and the GPU's row is its expert's. Mixed:
-    layer 1's down experts are Q8_0 (as Q4_K_M files mix types), so the layers stage through two buffers."""
+    layer 1's down experts are Q8_0 (as Q4_K_M files mix types), so the layers stage through two buffers;
+    q4_k: Q4_K experts (256-wide rows: synth:tiny-wide's shape)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     from hybridmoe.formats.gguf_write import write_gguf
@@ -408,7 +409,12 @@ def test_decode_share_matches_the_cpu_alone(mixed, monkeypatch, tmp_path):
     from hybridmoe.quant.types import GGMLType
     from hybridmoe.synth import config_metadata, preset_config, synth_tensors
     from hybridmoe.vocab import builtin_vocab_metadata
-    path = "synth:tiny"
+    path, mixed = "synth:tiny", kind == "mixed-types"
+    if kind == "q4_k":
+        cfg, _, ot = preset_config("tiny-wide")
+        md = {"general.name": "q4k", **config_metadata(cfg), **builtin_vocab_metadata(cfg.n_vocab)}
+        path = str(tmp_path / "q4k.gguf")
+        write_gguf(path, cfg.arch, md, synth_tensors(cfg, GGMLType.Q4_K, ot, seed=3))
     if mixed:
         cfg, et, ot = preset_config("tiny")
         md = {"general.name": "mixed", **config_metadata(cfg), **builtin_vocab_metadata(cfg.n_vocab)}
