@@ -446,6 +446,20 @@ def test_decode_share_matches_the_cpu_alone(kind, monkeypatch, tmp_path):
     assert top1_agreement(outs[1], outs[0]) >= 0.9
 
 
+@pytest.mark.gpu
+def test_quick_link_rates_for_an_uncalibrated_share():
+    """Without a cached calibration the decode share measures the two rates it balances, quickly."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from hybridmoe.devices import list_devices
+    from hybridmoe.runtime.calibrate import quick_link_rates
+    gpu = next(d for d in list_devices() if d.kind == "cuda")
+    t0 = time.perf_counter()
+    r = quick_link_rates(gpu)
+    assert time.perf_counter() - t0 < 5
+    assert r.ram_read_bw > 1e9 and r.h2d(gpu.name) > 1e9 and r.quick
+
+
 def test_split_gate_up_costs_one_extra_crossing(monkeypatch):
     """Issue 521: gate on the GPU, up and down on the CPU. The unfused path adds one crossing per layer."""
     monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")

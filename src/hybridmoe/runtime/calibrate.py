@@ -162,6 +162,21 @@ def ram_read_now(reps: int = 3) -> float:
     return measure_ram_read_bw(max(min(4 * GiB, total // 8, avail // 4), 64 * MiB), reps)
 
 
+def quick_link_rates(device) -> Rates:
+    """The RAM's read rate and one GPU's pinned H2D rate only (a 64-512 MiB probe and a 64 MiB copy: a tenth
+    of a second or so), for what must choose without a cached calibration (the decode share's count)."""
+    _, avail = _host_ram()
+    ram = measure_ram_read_bw(max(min(512 * MiB, avail // 4), 64 * MiB), 3)
+    dev = device.torch_device
+    with torch.cuda.device(dev):
+        host = torch.ones(64 * MiB, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(host.numel(), dtype=torch.uint8, device=dev)
+        h2d = host.numel() / _best(lambda: dst.copy_(host, non_blocking=True), 3, lambda: torch.cuda.synchronize(dev))
+        del host, dst
+    return Rates(ram_read_bw=ram, cpu_bf16_flops=0.0, threads=torch.get_num_threads(), h2d_bw={device.name: h2d},
+                 quick=True)
+
+
 def measure_cpu_bf16_flops(m: int = 512, k: int = 2048, n: int = 8192, reps: int = 5) -> float:
     g = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=g).to(torch.bfloat16)

@@ -228,7 +228,15 @@ class StaticDecoder:
         if forced is not None:
             return forced
         per = sum(w.raw[0].numel() for e in exps for w in e) / len(exps)       # bytes of one expert, mean
-        return decode_share(k, per, self.sched.rates, self.dev.name)
+        rates = self.sched.rates
+        if rates is None:                      # no cached calibration: the two rates it needs, measured now
+            try:
+                from .calibrate import quick_link_rates
+                rates = quick_link_rates(self.dev)
+            except Exception as e:             # noqa: BLE001 - a failed probe must not stop decoding
+                warn_fallback("measuring the RAM and PCIe rates for the decode share", e, "the CPU runs all experts")
+                return 0
+        return decode_share(k, per, rates, self.dev.name)
 
     def _inputs(self, s: int):
         """(x, rows to add to x first) at the start of segment s, on its GPU."""
