@@ -412,3 +412,24 @@ def test_decode_share_override(monkeypatch):
         monkeypatch.setenv("HYBRIDMOE_DECODE_SHARE", bad)
         with pytest.raises(HybridMoeError, match="HYBRIDMOE_DECODE_SHARE"):
             forced_share(8)
+
+
+def test_prediction_adds_the_decode_share_where_it_runs():
+    """One GPU with the experts in pinned host memory: the prediction also gives TG with the decode share,
+    the CPU-expert layers' active bytes leaving RAM by both paths (k - g at the RAM's rate, g over PCIe), so
+    by hand from the same rates. None with --no-op-offload (no pinned arena) or experts on several GPUs."""
+    from hybridmoe.roofline import decode_share
+    cfg, tensors = catalog_model("qwen3-30b-a3b")
+    devices, rates = load_rig("h200-rig")
+    p = plan_placement(tensors, cfg, options_from_argv(["-ngl", "99", "-ot", "exps=CPU"]), devices)
+    pred = predict(p, rates)
+    ts, g, k = pred.share
+    e = _active_expert_bytes(tensors, cfg) / cfg.n_expert_used / cfg.n_layer       # one expert of one layer
+    assert g == decode_share(k, e, rates, "CUDA0") and 0 < g < k
+    saved = cfg.n_layer * (k * e / rates.ram_read_bw - max((k - g) * e / rates.ram_read_bw, g * e / rates.h2d("CUDA0")))
+    assert 1 / ts == pytest.approx(1 / pred.tg - saved, rel=1e-6) and ts > pred.tg
+    assert f"with the decode share, {g} of {k} experts over PCIe" in pred.line()
+    off = plan_placement(tensors, cfg, options_from_argv(["-ngl", "99", "-ot", "exps=CPU", "--no-op-offload"]), devices)
+    assert predict(off, rates).share is None
+    gpu_only = plan_placement(tensors, cfg, options_from_argv(["-ngl", "99"]), devices)
+    assert predict(gpu_only, rates).share is None

@@ -54,13 +54,16 @@ class Prediction:
     ubatch: int
     uploaded_layers: list[int]     # layers whose host experts are uploaded to a GPU during prompt processing
     crossings: int                 # device changes per decoded token
+    share: tuple | None = None     # (TG t/s, g, k) with the decode share: the GPU reads g of k experts over PCIe
 
     def request_seconds(self, n_prompt: int, n_gen: int) -> float:
         return n_prompt / self.pp + n_gen / self.tg
 
     def line(self) -> str:
         up = f"; host experts of {len(self.uploaded_layers)} layers uploaded" if self.uploaded_layers else ""
-        return (f"TG {self.tg:.1f} t/s (tg{self.n_gen}, limit {self.tg_bound.limit}), "
+        sh = (f"; {self.share[0]:.1f} with the decode share, {self.share[1]} of {self.share[2]} experts over PCIe"
+              if self.share else "")
+        return (f"TG {self.tg:.1f} t/s (tg{self.n_gen}, limit {self.tg_bound.limit}{sh}), "
                 f"PP {self.pp:.0f} t/s (pp{self.n_prompt} at -ub {self.ubatch}, limit {self.pp_bound.limit}{up})")
 
 
@@ -149,7 +152,37 @@ def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128)
     for start in range(0, n_prompt, ub):
         cross += _path_seconds(p, rates, min(ub, n_prompt - start), ups)[0]
     pp = _with_term(pp, "crossings", cross)
-    return Prediction(tg.ts, pp.ts, tg, pp, n_gen, n_prompt, ub, sorted(ups), n_cross)
+    share = _decode_share(p, rates, tg, n_gen)
+    return Prediction(tg.ts, pp.ts, tg, pp, n_gen, n_prompt, ub, sorted(ups), n_cross, share)
+
+
+def _decode_share(p: Placement, rates, tg: Bound, n_gen: int) -> tuple | None:
+    """(TG t/s, g, k) where the decode step would run the decode share (runtime/graphs.py): one GPU holds
+    everything but host experts, which are pinned (op offload on) and of a type its kernels read; each
+    CPU-expert layer's active bytes then leave RAM by two paths, k - g experts at the RAM's read rate and g
+    over the GPU's link (roofline.decode_share's g), instead of all k at the RAM's rate. None elsewhere."""
+    from .kernels.gpu_decode import QTYPES
+    from .roofline import decode_share
+    cfg, gpus = p.cfg, {d for d in p.device_of.values() if d != "CPU"}
+    k, E = cfg.n_expert_used, cfg.n_expert
+    if not p.opts.op_offload or len(gpus) != 1 or not E or k < 2:
+        return None
+    gpu = next(iter(gpus))
+    saved, g = 0.0, 0
+    for il in range(cfg.n_layer):
+        names = [p.layer_tensor(il, s) for s in EXPERT_SHORTS]
+        infos = [p.tensors.get(n) for n in names if n is not None]
+        if len(infos) != 3 or any(p.device_of[n] != "CPU" for n in names):
+            continue
+        per = [t.nbytes // E for t in infos]
+        if any(t.qtype not in QTYPES or b % 16 for t, b in zip(infos, per)):
+            return None
+        e = sum(per)
+        g = decode_share(k, e, rates, gpu)
+        saved += k * e / rates.ram_read_bw - max((k - g) * e / rates.ram_read_bw, g * e / rates.h2d(gpu))
+    if not g or saved <= 0:
+        return None
+    return n_gen / (tg.seconds - n_gen * saved), g, k
 
 
 # ----------------------------------------------------------------------------------------- suggestions

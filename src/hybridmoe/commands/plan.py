@@ -123,7 +123,8 @@ def _prediction_doc(pred, source: str) -> dict:
     return {"tg_ts": pred.tg, "pp_ts": pred.pp, "n_gen": pred.n_gen, "n_prompt": pred.n_prompt,
             "ubatch": pred.ubatch, "tg_limit": pred.tg_bound.limit, "pp_limit": pred.pp_bound.limit,
             "tg_detail": pred.tg_bound.detail(), "pp_detail": pred.pp_bound.detail(),
-            "uploaded_layers": pred.uploaded_layers, "crossings_per_token": pred.crossings, "rates": source}
+            "uploaded_layers": pred.uploaded_layers, "crossings_per_token": pred.crossings, "rates": source,
+            "tg_share_ts": pred.share[0] if pred.share else None}
 
 
 def _ignored_flags(args) -> list[str]:
