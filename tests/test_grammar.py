@@ -138,3 +138,56 @@ def test_sampling_under_a_grammar(tok, temperature):
             ids.append(t)
         text = tok.decode(ids)
         assert re.fullmatch(r"(yes|no), because [a-z ]{3,20}\.(\n- [0-9]+){0,2}", text), text
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("root ::= <[12x]>", "bad token id <[12x]>"), ("root ::= <think", "unterminated token reference"),
+    ("root ::= <>", "empty token reference"), ("root ::= !", "expected"),
+])
+def test_token_reference_errors(text, msg):
+    with pytest.raises(GrammarError, match=re.escape(msg)):
+        Grammar(text)
+
+
+def test_token_references(tok):
+    """llama.cpp's <[id]>, <text> and their negations: each takes one whole token, resolved in the vocabulary
+    (ids, special tokens by text); a control token passes only where a grammar names it; an id outside the
+    vocabulary or a text that is not one token is refused when bound."""
+    start = tok.token_to_id("<|im_start|>")
+    g = Grammar('root ::= <|im_start|> "a" !<[3]> ("b" | <[%d]>)' % start)
+    assert g.bind(tok).token_refs == {start, 3}
+    m = GrammarMachine(g, tok)
+    assert m.feed_token(start, tok.piece_bytes(start), chars=False) and m.token_tops() == (set(), False)
+    assert m.feed_token(tok.encode("a", add_special=False)[0], b"a")
+    assert m.token_tops() == (set(), True)                           # any token but 3 comes next
+    assert not m.accepts_token(3, tok.piece_bytes(3)) and m.accepts_token(5, tok.piece_bytes(5))
+    assert m.feed_token(start, b"", chars=False)                       # a control token: also "any but 3"
+    assert m.token_tops() == ({start}, False)
+    assert m.accepts_token(start, b"", chars=False) and m.accepts(b"b") and not m.accepts(b"c")
+    assert GrammarMachine('root ::= <[0]> | "!"', tok).feed_token(0, tok.piece_bytes(0))     # both ways: "!"
+    for bad, msg in (("root ::= <[5000]>", "the vocabulary has 1024 tokens"),
+                     ("root ::= <two words>", "not one token")):
+        with pytest.raises(GrammarError, match=msg):
+            Grammar(bad).bind(tok)
+    assert Grammar('root ::= "x"').bind(tok).token_refs == set()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sampling_a_control_token_a_grammar_names(tok, temperature):
+    """The constraint takes a control token where the grammar names it (its text is never spelled), then
+    text, with random logits over the real vocabulary."""
+    start = tok.token_to_id("<|im_start|>")
+    g = Grammar('root ::= <|im_start|> [a-z]{2,8} "." !<|im_start|>')
+    gen = torch.Generator().manual_seed(5)
+    for seed in range(3):
+        c = TokenConstraint(GrammarMachine(g, tok), tok, tok.eos_ids)
+        s = Sampler(SamplerSettings(temperature=temperature, seed=seed), c)
+        ids = []
+        for _ in range(40):
+            t = s(torch.randn(tok.n_vocab, generator=gen) * 3)
+            if t in tok.eos_ids:
+                break
+            s.accept(t)
+            ids.append(t)
+        assert ids[0] == start and start not in ids[1:] and len(ids) >= 4, ids
+        assert re.fullmatch(r"[a-z]{2,8}\.", tok.decode(ids[1:-1])), tok.decode(ids)

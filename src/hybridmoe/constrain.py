@@ -832,7 +832,12 @@ class TokenConstraint:
             return int(torch.argmax(logits))
         ok = torch.zeros(257, dtype=torch.bool)
         ok[[b for b in range(256) if self.m.accepts(bytes((b,)))]] = True
-        cand = ok[self._first_bytes()] & (logits > float("-inf"))
+        cand = ok[self._first_bytes()]
+        ids, negated = self.m.token_tops() if hasattr(self.m, "token_tops") else ((), False)
+        if negated:                                  # a grammar's !<token>: almost any token
+            cand[:] = True
+        cand[[t for t in ids if t < cand.numel()]] = True  # a grammar's <token>: that one, whatever its text
+        cand &= logits > float("-inf")
         eog = [t for t in self.ends if t < logits.numel()]
         if eog and self.m.can_end():
             cand[eog] = True
@@ -847,15 +852,19 @@ class TokenConstraint:
             return True
         if t in self.eog:
             return t in self.ends and self.m.can_end()
-        if self.tok.is_control(t) and not self.m.in_header():       # control tokens spell headers only
-            return False
+        chars = not self.tok.is_control(t) or self.m.in_header()      # control tokens spell headers only...
+        if hasattr(self.m, "accepts_token"):                          # ... or what a grammar names by token
+            return self.m.accepts_token(t, self._piece(t), chars)
         p = self._piece(t)
-        return bool(p) and self.m.accepts(p)
+        return chars and bool(p) and self.m.accepts(p)
 
     def accept(self, t: int):
         if self.active:
             if t not in self.eog:
-                self.m.feed(self._piece(t))
+                if hasattr(self.m, "feed_token"):
+                    self.m.feed_token(t, self._piece(t), not self.tok.is_control(t) or self.m.in_header())
+                else:
+                    self.m.feed(self._piece(t))
             return
         self.before += self._piece(t)
         hit = self.trigger.search(self.before)

@@ -6,7 +6,10 @@
 A grammar is rules of alternatives of sequences: "literals" (escapes \\n \\r \\t \\\\ \\" \\xHH \\uHHHH
 \\UHHHHHHHH), [character classes] and [^negated ones], `.` (any character), rule names, ( groups ), and the
 repetitions * + ? {m} {m,} {m,n}; `#` starts a comment; a rule's alternatives stay on its line unless inside
-parentheses. `root` is where the reply starts.
+parentheses. `root` is where the reply starts. Tokens, as llama.cpp has them: `<[id]>` is the token of that id
+and `<think>` the single token whose text that is (special tokens included), each matching one whole token;
+`!<[id]>` and `!<think>` match any one token but that one. They are resolved against a vocabulary
+(`Grammar.bind`, GrammarMachine(grammar, tokenizer)) and matched by `feed_token`.
 
 `GrammarMachine` matches UTF-8 bytes with the same interface as constrain.JsonMachine (feed, accepts,
 can_end, clone), so TokenConstraint and the sampler use either: its state is the set of parse stacks that
@@ -161,6 +164,24 @@ class _Parser:
                 self.i += 1
                 last = len(seq)
                 seq.append(("r", self.new_rule(alts)))
+            elif c == "<" or (c == "!" and self.s.startswith("<", self.i + 1)):
+                neg = c == "!"
+                self.i += neg
+                j = self.s.find(">", self.i)
+                if j < 0 or "\n" in self.s[self.i:j]:
+                    self.error("unterminated token reference <...>", start)
+                body = self.s[self.i + 1:j]
+                self.i = j + 1
+                if body.startswith("[") and body.endswith("]"):
+                    if not body[1:-1].isdigit():
+                        self.error(f"bad token id <{body}>: write <[123]>", start)
+                    key = int(body[1:-1])
+                elif body:
+                    key = f"<{body}>"                       # a token by its text, brackets included
+                else:
+                    self.error("empty token reference <>", start)
+                last = len(seq)
+                seq.append(("t", key, neg))
             elif c.isalnum() or c in "-_":
                 name = self.name()
                 self.used.setdefault(name, start)
@@ -262,13 +283,15 @@ def _check_left_recursion(rules, root: int):
 
 
 def _matches(elem, cp: int) -> bool:
-    _, ranges, neg = elem
-    return any(lo <= cp <= hi for lo, hi in ranges) != neg
+    kind, ranges, neg = elem
+    return kind == "c" and any(lo <= cp <= hi for lo, hi in ranges) != neg
 
 
 def _may_match(elem, lo: int, hi: int) -> bool:
     """Can the element match some code point in [lo, hi] (a UTF-8 character still arriving)?"""
-    _, ranges, neg = elem
+    kind, ranges, neg = elem
+    if kind != "c":
+        return False
     if neg:
         return not any(a <= lo and hi <= b for a, b in ranges)
     return any(a <= hi and lo <= b for a, b in ranges)
@@ -283,6 +306,33 @@ class Grammar:
         self.rules, self.root = _Parser(text).parse()
         _check_left_recursion(self.rules, self.root)
         self._expanded: dict[tuple, frozenset] = {}
+        self.token_refs = {e[1] for alts in self.rules for alt in alts for e in alt if e[0] == "t"}
+
+    def bind(self, tokenizer) -> "Grammar":
+        """This grammar with its token references resolved to ids of `tokenizer`'s vocabulary (itself where it
+        has none). A text must be one token (a special token's, or one the text encodes to whole); an id
+        must be in the vocabulary; otherwise GrammarError."""
+        if not self.token_refs:
+            return self
+        ids = {}
+        for key in self.token_refs:
+            if isinstance(key, int):
+                if key >= tokenizer.n_vocab:
+                    raise GrammarError(f"token reference <[{key}]>: the vocabulary has {tokenizer.n_vocab} tokens")
+                ids[key] = key
+                continue
+            t = tokenizer.token_to_id(key)
+            if t is None:
+                enc = tokenizer.encode(key, add_special=False, parse_special=True)
+                t = enc[0] if len(enc) == 1 else None
+            if t is None:
+                raise GrammarError(f"token reference {key}: not one token of this model's vocabulary; "
+                                   f"give its id as <[id]> or spell it as a \"string\"")
+            ids[key] = t
+        g = object.__new__(Grammar)
+        g.root, g._expanded, g.token_refs = self.root, {}, set(ids.values())
+        g.rules = [[[("t", ids[e[1]], e[2]) if e[0] == "t" else e for e in alt] for alt in alts] for alts in self.rules]
+        return g
 
     def expand(self, stack: tuple) -> frozenset:
         """The stacks `stack` becomes once rule references and finished alternatives at its top are resolved:
@@ -307,7 +357,7 @@ class Grammar:
                     pr, pa, pi = rest[-1]
                     rest = rest[:-1] + ((pr, pa, pi + 1),)
                 todo.append(rest)
-            elif alt[i][0] == "c":
+            elif alt[i][0] in ("c", "t"):                     # a character or a token: a terminal
                 out.add(st)
             else:
                 q = alt[i][1]
@@ -338,12 +388,42 @@ class Grammar:
     def may_continue(self, stacks: frozenset, lo: int, hi: int) -> bool:
         return any(st and _may_match(self.rules[st[-1][0]][st[-1][1]][st[-1][2]], lo, hi) for st in stacks)
 
+    def _top(self, st: tuple) -> tuple:
+        r, a, i = st[-1]
+        return self.rules[r][a][i]
+
+    def step_token(self, stacks: frozenset, t: int) -> frozenset:
+        """The stacks after token t where a token reference is on top (bound: ids)."""
+        out: set = set()
+        for st in stacks:
+            if st:
+                kind, key, neg = self._top(st)
+                if kind == "t" and (key == t) != neg:
+                    r, a, i = st[-1]
+                    out |= self.expand(st[:-1] + ((r, a, i + 1),))
+        return frozenset(out)
+
+    def token_tops(self, stacks: frozenset) -> tuple[set, bool]:
+        """(ids that token references on top take, whether a negated one, which takes almost any, is there)."""
+        ids, negated = set(), False
+        for st in stacks:
+            if st:
+                kind, key, neg = self._top(st)
+                if kind == "t":
+                    negated |= neg
+                    if not neg:
+                        ids.add(key)
+        return ids, negated
+
 
 class GrammarMachine:
     """A Grammar's matcher over UTF-8 bytes, with constrain.JsonMachine's interface."""
 
-    def __init__(self, grammar: Grammar | str):
+    def __init__(self, grammar: Grammar | str, tokenizer=None):
+        """tokenizer: resolve the grammar's token references against its vocabulary (Grammar.bind)."""
         self.g = grammar if isinstance(grammar, Grammar) else Grammar(grammar)
+        if tokenizer is not None:
+            self.g = self.g.bind(tokenizer)
         self.stacks, self.pending = self.g.start(), b""
 
     def clone(self) -> "GrammarMachine":
@@ -383,6 +463,27 @@ class GrammarMachine:
 
     def accepts(self, data: bytes) -> bool:
         return self.clone().feed(data)
+
+    def feed_token(self, t: int, piece: bytes, chars: bool = True) -> bool:
+        """Token t, whose text is `piece`: taken whole by a token reference on top of a stack, or (chars) as
+        its bytes by the characters on top of the others. Mid-character (a UTF-8 sequence still arriving),
+        only characters go on; where both ways live but the bytes end mid-character, the characters' way
+        is kept (a state is one or the other)."""
+        by_token = self.g.step_token(self.stacks, t) if self.g.token_refs and not self.pending else frozenset()
+        by_chars = self.clone()
+        if not (chars and piece and by_chars.feed(piece)):
+            by_chars.stacks, by_chars.pending = frozenset(), b""
+        if by_chars.pending:
+            self.stacks, self.pending = by_chars.stacks, by_chars.pending
+        else:
+            self.stacks, self.pending = by_chars.stacks | by_token, b""
+        return bool(self.stacks)
+
+    def accepts_token(self, t: int, piece: bytes, chars: bool = True) -> bool:
+        return self.clone().feed_token(t, piece, chars)
+
+    def token_tops(self) -> tuple[set, bool]:
+        return self.g.token_tops(self.stacks) if self.g.token_refs and not self.pending else (set(), False)
 
     def can_end(self) -> bool:
         return not self.pending and () in self.stacks

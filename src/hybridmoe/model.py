@@ -285,7 +285,7 @@ class Model:
             if text is None:
                 text = tok.decode(ids)
             trigger = THINK_END if text.rstrip().endswith(THINK_OPEN) else None
-            machine = JsonMachine(json_schema) if grammar is None else GrammarMachine(grammar)
+            machine = JsonMachine(json_schema) if grammar is None else GrammarMachine(grammar, tok)
             constraint = TokenConstraint(machine, tok, tok.eos_ids, trigger)
         sampler = Sampler(SamplerSettings(temperature, top_k, top_p, min_p, seed, **penalties), constraint)
         timings = timings if timings is not None else Timings()

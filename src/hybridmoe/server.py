@@ -46,8 +46,8 @@ from .constrain import harmony_calls
 from .errors import HybridMoeError
 from .generate import Sampler, Timings, generate_ids
 from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
-                              _type_name, _unsupported, DEFAULT_SAMPLING, infill_tokens, parse_messages,
-                              parse_tools)
+                              _type_name, _unsupported, DEFAULT_SAMPLING, bind_grammar, infill_tokens,
+                              parse_messages, parse_tools)
 from .tools import THINK_OPEN, ReplySplitter, held_prefix, is_harmony, template_takes_tools
 
 log = logging.getLogger("hybridmoe.server")
@@ -350,6 +350,7 @@ class ServerState:
         /infill) or "anthropic" (/v1/messages): the same generation, answered in that API's form."""
         max_tokens = self.check_prompt(ids, params, "messages" if kind == "chat" else "prompt")
         check_in_vocab(params.sampling.logit_bias, self.model.tokenizer.n_vocab, "logit_bias")
+        bind_grammar(params, self.model.tokenizer)
         if len(self.active) >= self.max_queue:
             raise ApiError(503, f"the server is busy: {len(self.active)} requests are running or waiting; "
                            f"retry later", "server_busy", type_="server_error")

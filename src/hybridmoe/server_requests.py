@@ -254,7 +254,7 @@ class GenParams:
                                    ends={tok.token_to_id("<|call|>")})
         if self.schema is None and self.grammar is None:
             return None
-        machine = JsonMachine(self.schema, *self.wrap) if self.schema is not None else GrammarMachine(self.grammar)
+        machine = JsonMachine(self.schema, *self.wrap) if self.schema is not None else GrammarMachine(self.grammar, tok)
         trigger = THINK_END if self.think_opened else HARMONY_FINAL if self.harmony else None
         return TokenConstraint(machine, tok, tok.eos_ids, trigger)
 
@@ -322,6 +322,16 @@ def infill_tokens(body: dict, tok, n_ctx: int, max_tokens: int | None) -> list[i
     n_ext = min(len(ext), room - n_suf - n_pre)
     return (bos + ext[len(ext) - n_ext:] + [fim["pre"]] + pre[len(pre) - n_pre:] + [fim["suf"]] + suf[:n_suf]
             + [fim["mid"]] + mid)
+
+
+def bind_grammar(params: "GenParams", tok):
+    """Resolve the request's grammar's token references (<[id]>, <think>) in `tok`'s vocabulary: a 400 where
+    one is not a token of it."""
+    if params.grammar is not None:
+        try:
+            params.grammar = params.grammar.bind(tok)
+        except GrammarError as e:
+            raise _bad(f"'grammar': {e}", "grammar") from None
 
 
 def parse_grammar(body, schema):

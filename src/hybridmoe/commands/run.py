@@ -49,6 +49,13 @@ def main(args) -> int:
     schema, gram = json_schema(args), grammar(args)
     model = hybridmoe.load(args.model, **runtime_kwargs(args))
     template_kwargs = template_setup(model, args)
+    if gram is not None:
+        from ..errors import HybridMoeError
+        from ..grammar import GrammarError
+        try:
+            gram = gram.bind(model.tokenizer)                             # its <token> references
+        except GrammarError as e:
+            raise HybridMoeError(f"--grammar: {e}") from None
     gen = dict(json_schema=schema, grammar=gram, **penalties(args))      # what each generation is given
     print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
           f"in {model.load_seconds:.2f} s", file=sys.stderr)
