@@ -120,6 +120,20 @@ def tok():
     return hybridmoe.load("synth:tiny").tokenizer
 
 
+def sampled(tok, grammar, temperature, seed, gen, n=300) -> list[int]:
+    """The tokens a sampler draws under the grammar from random logits, until end-of-generation (or n)."""
+    s = Sampler(SamplerSettings(temperature=temperature, seed=seed),
+                TokenConstraint(GrammarMachine(grammar, tok), tok, tok.eos_ids))
+    ids = []
+    for _ in range(n):
+        t = s(torch.randn(tok.n_vocab, generator=gen) * 3)
+        if t in tok.eos_ids:
+            break
+        s.accept(t)
+        ids.append(t)
+    return ids
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_sampling_under_a_grammar(tok, temperature):
     """Random logits over the real vocabulary: the reply ends with an end-of-generation token and the
@@ -127,16 +141,7 @@ def test_sampling_under_a_grammar(tok, temperature):
     g = Grammar('root ::= ("yes" | "no") ", because " [a-z ]{3,20} "." ("\\n" item){0,2}\nitem ::= "- " [0-9]+')
     gen = torch.Generator().manual_seed(3)
     for seed in range(3):
-        c = TokenConstraint(GrammarMachine(g), tok, tok.eos_ids)
-        s = Sampler(SamplerSettings(temperature=temperature, seed=seed), c)
-        ids = []
-        for _ in range(300):
-            t = s(torch.randn(tok.n_vocab, generator=gen) * 3)
-            if t in tok.eos_ids:
-                break
-            s.accept(t)
-            ids.append(t)
-        text = tok.decode(ids)
+        text = tok.decode(sampled(tok, g, temperature, seed, gen))
         assert re.fullmatch(r"(yes|no), because [a-z ]{3,20}\.(\n- [0-9]+){0,2}", text), text
 
 
@@ -180,14 +185,6 @@ def test_sampling_a_control_token_a_grammar_names(tok, temperature):
     g = Grammar('root ::= <|im_start|> [a-z]{2,8} "." !<|im_start|>')
     gen = torch.Generator().manual_seed(5)
     for seed in range(3):
-        c = TokenConstraint(GrammarMachine(g, tok), tok, tok.eos_ids)
-        s = Sampler(SamplerSettings(temperature=temperature, seed=seed), c)
-        ids = []
-        for _ in range(40):
-            t = s(torch.randn(tok.n_vocab, generator=gen) * 3)
-            if t in tok.eos_ids:
-                break
-            s.accept(t)
-            ids.append(t)
+        ids = sampled(tok, g, temperature, seed, gen, n=40)
         assert ids[0] == start and start not in ids[1:] and len(ids) >= 4, ids
         assert re.fullmatch(r"[a-z]{2,8}\.", tok.decode(ids[1:-1])), tok.decode(ids)
