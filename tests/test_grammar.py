@@ -175,6 +175,8 @@ def test_token_references(tok):
         with pytest.raises(GrammarError, match=msg):
             Grammar(bad).bind(tok)
     assert Grammar('root ::= "x"').bind(tok).token_refs == set()
+    with pytest.raises(GrammarError, match="needs the model's vocabulary"):
+        GrammarMachine("root ::= !<think>")                          # unresolved, it would take any token
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -424,6 +424,9 @@ class GrammarMachine:
         self.g = grammar if isinstance(grammar, Grammar) else Grammar(grammar)
         if tokenizer is not None:
             self.g = self.g.bind(tokenizer)
+        texts = sorted(k for k in self.g.token_refs if isinstance(k, str))
+        if texts:
+            raise GrammarError(f"token reference {texts[0]} needs the model's vocabulary to resolve it")
         self.stacks, self.pending = self.g.start(), b""
 
     def clone(self) -> "GrammarMachine":
