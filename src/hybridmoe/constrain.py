@@ -736,6 +736,17 @@ class JsonMachine:
         top = m.stack[-1]
         return not (isinstance(top, _String) and top.pats and top.cont)
 
+    # TokenConstraint's token interface, as GrammarMachine has it (a schema never names a token): a token is
+    # its bytes, and a control token outside a header (chars=False) is never accepted
+    def accepts_token(self, t: int, piece: bytes, chars: bool = True) -> bool:
+        return chars and bool(piece) and self.accepts(piece)
+
+    def feed_token(self, t: int, piece: bytes, chars: bool = True) -> bool:
+        return self.feed(piece)
+
+    def token_tops(self) -> tuple[set, bool]:
+        return set(), False
+
     def can_end(self) -> bool:
         """Is the text so far a complete value the schema accepts?"""
         m = self.clone()
@@ -833,7 +844,7 @@ class TokenConstraint:
         ok = torch.zeros(257, dtype=torch.bool)
         ok[[b for b in range(256) if self.m.accepts(bytes((b,)))]] = True
         cand = ok[self._first_bytes()]
-        ids, negated = self.m.token_tops() if hasattr(self.m, "token_tops") else ((), False)
+        ids, negated = self.m.token_tops()
         if negated:                                  # a grammar's !<token>: almost any token
             cand[:] = True
         cand[[t for t in ids if t < cand.numel()]] = True  # a grammar's <token>: that one, whatever its text
@@ -852,19 +863,13 @@ class TokenConstraint:
             return True
         if t in self.eog:
             return t in self.ends and self.m.can_end()
-        chars = not self.tok.is_control(t) or self.m.in_header()      # control tokens spell headers only...
-        if hasattr(self.m, "accepts_token"):                          # ... or what a grammar names by token
-            return self.m.accepts_token(t, self._piece(t), chars)
-        p = self._piece(t)
-        return chars and bool(p) and self.m.accepts(p)
+        chars = not self.tok.is_control(t) or self.m.in_header()      # control tokens spell headers only,
+        return self.m.accepts_token(t, self._piece(t), chars)          # or what a grammar names by token
 
     def accept(self, t: int):
         if self.active:
             if t not in self.eog:
-                if hasattr(self.m, "feed_token"):
-                    self.m.feed_token(t, self._piece(t), not self.tok.is_control(t) or self.m.in_header())
-                else:
-                    self.m.feed(self._piece(t))
+                self.m.feed_token(t, self._piece(t), not self.tok.is_control(t) or self.m.in_header())
             return
         self.before += self._piece(t)
         hit = self.trigger.search(self.before)

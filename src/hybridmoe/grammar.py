@@ -312,13 +312,14 @@ class Grammar:
         """This grammar with its token references resolved to ids of `tokenizer`'s vocabulary (itself where it
         has none). A text must be one token (a special token's, or one the text encodes to whole); an id
         must be in the vocabulary; otherwise GrammarError."""
-        if not self.token_refs:
+        for key in self.token_refs:
+            if isinstance(key, int) and key >= tokenizer.n_vocab:
+                raise GrammarError(f"token reference <[{key}]>: the vocabulary has {tokenizer.n_vocab} tokens")
+        if all(isinstance(key, int) for key in self.token_refs):      # ids only (or bound already): as it is
             return self
         ids = {}
         for key in self.token_refs:
             if isinstance(key, int):
-                if key >= tokenizer.n_vocab:
-                    raise GrammarError(f"token reference <[{key}]>: the vocabulary has {tokenizer.n_vocab} tokens")
                 ids[key] = key
                 continue
             t = tokenizer.token_to_id(key)
