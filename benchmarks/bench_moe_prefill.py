@@ -20,7 +20,7 @@ from hybridmoe.kernels import gpu_moe
 from hybridmoe.quant.ref import random_blocks, split_rows
 from hybridmoe.quant.types import GGMLType, row_bytes
 from hybridmoe.runtime import experts as X
-from hybridmoe.weights import QTensor
+from hybridmoe.runtime.weights import QTensor
 
 E, K_USED, H, F = 128, 8, 2048, 768
 

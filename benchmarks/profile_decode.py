@@ -152,7 +152,7 @@ def handoff(m, n=20):
     phases from its per-thread stamps (thread start, gate/up, barrier, down, return), and what follows until
     the next replay; then the same kernel called back to back on the same layers (no GPU in between)."""
     from hybridmoe.kernels import cpu
-    from hybridmoe.runtime import graphs as G
+    from hybridmoe.runtime.steps import gpu_decode as G
     nb1, nb2 = _stage_bytes(m)
     k = m.cfg.n_expert_used
     steps(m, 4)
@@ -301,7 +301,7 @@ for what in sys.argv[1:]:
         top_kernels(lambda: m.forward(toks, 0, kv, all_logits=False))
         del m
     if what == "segkernels":                  # the static step's kernels one by one (no graph): GPU time each
-        from hybridmoe.runtime.graphs import StaticDecoder
+        from hybridmoe.runtime.steps.gpu_decode import StaticDecoder
         m = hybridmoe.load(M, n_gpu_layers=99, ctx_size=256)
         print(f"all-GPU decode: graphs {steps(m, 20) * 1e3:.2f} ms/token")
         kv = m.new_cache(256)

@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import torch
 
-from hybridmoe.convert import LAYER_NAMES, TOP_NAMES, convert_hf, llama_permute
+from hybridmoe.models.convert import LAYER_NAMES, TOP_NAMES, convert_hf, llama_permute
 from hybridmoe.formats.gguf import open_gguf
 from hybridmoe.quant.types import GGMLType
 

@@ -18,10 +18,10 @@ from hybridmoe.cli import main as cli
 from hybridmoe.commands.bench import JSON_FIELDS, ROOFLINE_FIELDS
 from hybridmoe.formats.gguf import tensor_info_from_shape
 from hybridmoe.models.tensors import default_qtype, tensor_shapes
-from hybridmoe.roofline import (Work, kv_bytes_per_position, main_qtype, model_work, param_counts, pp_bound,
+from hybridmoe.perf.roofline import (Work, kv_bytes_per_position, main_qtype, model_work, param_counts, pp_bound,
                                 tg_bound, upload_targets)
-from hybridmoe.runtime import calibrate as cal
-from hybridmoe.synth import preset_config
+from hybridmoe.perf import calibrate as cal
+from hybridmoe.models.synth import preset_config
 
 TS_RE = re.compile(r"^\d+\.\d\d ± \d+\.\d\d$")
 
@@ -290,7 +290,7 @@ def test_interleaved_policies_share_one_load(capsys, monkeypatch):
 def test_offload_cost_follows_the_batch_routing():
     """auto's inputs: the experts a batch touches set the CPU's bytes and, when few, the only-active upload;
     a prefetched layer costs no upload; the CPU expert rate is the calibrated one when present."""
-    from hybridmoe.roofline import offload_times
+    from hybridmoe.perf.roofline import offload_times
     r = _rig_rates()
     nbytes, E, k, T = 340e6, 128, 8, 64
     n_params = 3 * 128 * 768 * 2048
@@ -311,7 +311,7 @@ def test_token_generation_never_uploads_host_weights():
     probe read 79 GB/s it priced CPU streaming (at half of that) under PCIe, and -ngl 0 decode uploaded
     1.4 GB a token. From 32 tokens the model decides (and -op forces)."""
     from hybridmoe.devices import Device
-    from hybridmoe.roofline import offload_times
+    from hybridmoe.perf.roofline import offload_times
     from hybridmoe.runtime.scheduler import Scheduler
     slow_ram = cal.Rates(**{**_rig_rates().to_dict(), "ram_read_bw": 79e9})
     head = 151936 * 2048 * 34 // 32                              # the Q8_0 output head's bytes

@@ -12,7 +12,7 @@ import torch
 
 import hybridmoe
 from conftest import byte_verdict, random_json
-from hybridmoe.constrain import THINK_END, JsonMachine, SchemaError, TokenConstraint, check_schema
+from hybridmoe.constrain.json_machine import THINK_END, JsonMachine, SchemaError, TokenConstraint, check_schema
 from hybridmoe.generate import Sampler, SamplerSettings
 
 

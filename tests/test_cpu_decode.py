@@ -6,7 +6,7 @@ import torch
 
 import hybridmoe
 from hybridmoe.kernels import cpu
-from hybridmoe.runtime.cpu_decode import CpuDecoder
+from hybridmoe.runtime.steps.cpu_decode import CpuDecoder
 
 from conftest import rel_l2
 

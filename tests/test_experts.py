@@ -9,7 +9,7 @@ from hybridmoe.quant.types import GGMLType
 def _experts(g, E, Fd, H):
     """Random Q8_0 gate/up/down expert QTensors on the CPU."""
     from hybridmoe.devices import Device
-    from hybridmoe.weights import QTensor
+    from hybridmoe.runtime.weights import QTensor
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch without _grouped_mm")
     dev = Device("CPU", "cpu", 0, 0, 0, torch.device("cpu"))

@@ -12,7 +12,7 @@ from hybridmoe.errors import HybridMoeError, ModelFileError
 from hybridmoe.formats.gguf import open_gguf
 from hybridmoe.formats.gguf_write import write_gguf
 from hybridmoe.quant.types import GGMLType
-from hybridmoe.synth import ensure_synth
+from hybridmoe.models.synth import ensure_synth
 
 
 @pytest.fixture(scope="module")

@@ -112,8 +112,8 @@ def test_mxfp4_experts_match_their_f32_dequantization(tmp_path):
     import gguf
     import numpy as np
 
-    from hybridmoe.synth import config_metadata, preset_config, synth_tensors
-    from hybridmoe.vocab import builtin_vocab_metadata
+    from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
+    from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
     cfg, _, other = preset_config("tiny-gpt-oss")
     md = {"general.name": "mxfp4", **config_metadata(cfg), **builtin_vocab_metadata(cfg.n_vocab)}
     write_gguf(str(tmp_path / "mx.gguf"), "gpt-oss", md, synth_tensors(cfg, GGMLType.MXFP4, other, seed=7))
@@ -135,7 +135,7 @@ def test_mxfp4_experts_match_their_f32_dequantization(tmp_path):
 
 def test_convert_refuses_what_gguf_cannot_carry(gpt_oss):
     """llama.cpp fixes the SwiGLU constants and the layer pattern; a checkpoint that differs is refused."""
-    from hybridmoe.convert import hf_config
+    from hybridmoe.models.convert import hf_config
     hf = gpt_oss[0].config.to_dict()
     assert hf_config(hf).sliding_window == 6
     for change in (dict(swiglu_limit=10.0), dict(layer_types=["full_attention", "sliding_attention"]),

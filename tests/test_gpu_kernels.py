@@ -34,7 +34,7 @@ def test_gpu_expert_paths_match_reference(T, E):
     """Gathered (decode) and grouped (prefill, with empty groups when E is large) paths vs float32."""
     from hybridmoe.devices import Device
     from hybridmoe.runtime import experts as X
-    from hybridmoe.weights import QTensor
+    from hybridmoe.runtime.weights import QTensor
     F, H, k = 64, 128, 4
     g = torch.Generator(device="cuda").manual_seed(T)
     dev = Device("CUDA0", "cuda", 0, 0, 0, torch.device("cuda"))

@@ -10,9 +10,9 @@ import torch
 
 import hybridmoe
 from conftest import byte_verdict
-from hybridmoe.constrain import TokenConstraint
+from hybridmoe.constrain.json_machine import TokenConstraint
 from hybridmoe.generate import Sampler, SamplerSettings
-from hybridmoe.grammar import Grammar, GrammarError, GrammarMachine
+from hybridmoe.constrain.grammar import Grammar, GrammarError, GrammarMachine
 
 
 def verdict(grammar, text: str | bytes) -> str:

@@ -17,7 +17,7 @@ from hybridmoe.devices import FAKE_ENV, get_device, list_devices, parse_fake_gpu
 from hybridmoe.errors import HybridMoeError, PlacementError
 from hybridmoe.models.catalog import PlanConfig, catalog_model, deepseek2_shapes, with_types
 from hybridmoe.models.tensors import tensor_shapes
-from hybridmoe.placement import (KV_TYPE_BYTES, PlacementOptions, add_placement_args, layers_regex,
+from hybridmoe.placement.core import (KV_TYPE_BYTES, PlacementOptions, add_placement_args, layers_regex,
                                  options_from_args, placement_to_json, plan_placement, format_plan)
 from hybridmoe.quant.types import GGMLType
 

@@ -179,7 +179,7 @@ def test_static_decode_step_matches_eager(name, monkeypatch):
         m.forward(torch.tensor(IDS[:7]), 0, kv)
         outs.append(torch.cat([m.forward(torch.tensor([t]), 7 + i, kv) for i, t in enumerate(IDS[7:20])]))
         if graphs:
-            from hybridmoe.runtime.graphs import StaticDecoder
+            from hybridmoe.runtime.steps.gpu_decode import StaticDecoder
             assert isinstance(m._step_for("decode", kv), StaticDecoder)
             n_cpu = sum(1 for seg in m._step_for("decode", kv).segments if seg.kind == "cpu")
             assert n_cpu == (m.cfg.n_layer if "exps-cpu" in name else 0)
@@ -201,7 +201,7 @@ def _gpus_or_interpreter(n: int, monkeypatch) -> bool:
 def test_static_decode_over_two_gpus_matches_eager(ts, ot, monkeypatch):
     """Segments per GPU, the residual handed GPU to GPU between graphs: on two real GPUs (x2 machine), or on
     two fake ones with the fused kernels in Triton's interpreter (TRITON_INTERPRET=1)."""
-    from hybridmoe.runtime.graphs import StaticDecoder
+    from hybridmoe.runtime.steps.gpu_decode import StaticDecoder
     real = _gpus_or_interpreter(2, monkeypatch)
     outs = []
     for graphs in (True, False):
@@ -225,7 +225,7 @@ def test_captured_prompt_step_matches_eager(preset, monkeypatch):
     the same kernels eagerly in Triton's interpreter (fake GPU). Three full 10-token ubatches at positions 0, 10,
     20 (the graph's position comes from a device tensor), a shorter last one, all logits or the last, then
     decoding from the cache it wrote: all as the eager path."""
-    from hybridmoe.runtime.prefill import StaticPrefill
+    from hybridmoe.runtime.steps.gpu_prefill import StaticPrefill
     real = _gpus_or_interpreter(1, monkeypatch)
     outs = []
     for graphs in (True, False):
@@ -285,7 +285,7 @@ def test_static_step_failing_at_first_falls_back_to_eager(monkeypatch, capsys):
     """A static step that cannot run here (say, a GPU Triton cannot compile for) must not stop decoding."""
     monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)    # both prompts eager (no interpreted prompt step)
-    from hybridmoe.runtime.graphs import StaticDecoder
+    from hybridmoe.runtime.steps.gpu_decode import StaticDecoder
     ref = hybridmoe.load("synth:tiny", ctx_size=64, graphs=False, n_gpu_layers=99)
     kv = ref.new_cache(64)
     ref.forward(torch.tensor(IDS[:7]), 0, kv)
@@ -407,8 +407,8 @@ def test_decode_share_matches_the_cpu_alone(kind, monkeypatch, tmp_path):
     from hybridmoe.kernels import cpu
     from hybridmoe.quant.ref import random_blocks
     from hybridmoe.quant.types import GGMLType
-    from hybridmoe.synth import config_metadata, preset_config, synth_tensors
-    from hybridmoe.vocab import builtin_vocab_metadata
+    from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
+    from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
     path, mixed = "synth:tiny", kind == "mixed-types"
     if kind == "q4_k":
         cfg, _, ot = preset_config("tiny-wide")
@@ -452,7 +452,7 @@ def test_quick_link_rates_for_an_uncalibrated_share():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     from hybridmoe.devices import list_devices
-    from hybridmoe.runtime.calibrate import quick_link_rates
+    from hybridmoe.perf.calibrate import quick_link_rates
     gpu = next(d for d in list_devices() if d.kind == "cuda")
     t0 = time.perf_counter()
     r = quick_link_rates(gpu)

@@ -13,10 +13,10 @@ import pytest
 from hybridmoe.commands import plan as plan_cmd
 from hybridmoe.errors import HybridMoeError, PlacementError
 from hybridmoe.models.catalog import catalog_model
-from hybridmoe.placement import PlacementOptions, add_placement_args, options_from_args, plan_placement
-from hybridmoe.planner import OBJECTIVES, options_from_argv, predict, suggest
-from hybridmoe.rigs import load_rig, read_rig, rig_names
-from hybridmoe.runtime.calibrate import Rates, save_rates
+from hybridmoe.placement.core import PlacementOptions, add_placement_args, options_from_args, plan_placement
+from hybridmoe.placement.planner import OBJECTIVES, options_from_argv, predict, suggest
+from hybridmoe.perf.rigs import load_rig, read_rig, rig_names
+from hybridmoe.perf.calibrate import Rates, save_rates
 
 GiB = 1 << 30
 EXPS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -296,7 +296,7 @@ def test_pp_uploads_when_they_pay():
     nbytes, params = sum(t.nbytes for t in layer), sum(t.n_elements for t in layer)
     for ub, gpu, ts in ((512, "CUDA0", "62,0,0,0,0,0,0"), (512, "CUDA6", "0,0,0,0,0,0,62"),
                         (4096, "CUDA0", "62,0,0,0,0,0,0"), (4096, "CUDA6", "0,0,0,0,0,0,62")):
-        from hybridmoe.roofline import CPU_GEMM_EFFICIENCY, CPU_STREAM_EFFICIENCY, touched_fraction
+        from hybridmoe.perf.roofline import CPU_GEMM_EFFICIENCY, CPU_STREAM_EFFICIENCY, touched_fraction
         cpu_s = max(2 * params * cfg.n_expert_used / cfg.n_expert * ub / (CPU_GEMM_EFFICIENCY * rates.cpu_bf16_flops),
                     nbytes * touched_fraction(ub, cfg.n_expert, cfg.n_expert_used)
                     / (CPU_STREAM_EFFICIENCY * rates.ram_read_bw))
@@ -387,7 +387,7 @@ def test_decode_share_balances_the_cpu_and_the_bus():
     """How many of a layer's k CPU experts the GPU takes over the bus in a decode step: more on a faster link
     or slower RAM, none where the link is far slower, never all k; the H200 VM's rates give 2 of 8 for the
     Qwen3-30B-A3B expert (2 beat 3 and 0 there: docs/benchmarks.md, session 21)."""
-    from hybridmoe.roofline import decode_share
+    from hybridmoe.perf.roofline import decode_share
     e = 3 * 768 * 1152                                  # gate, up, down of one Q4_0 expert, H 2048, F 768
 
     def share(ram, h2d, k=8):
@@ -402,7 +402,7 @@ def test_decode_share_balances_the_cpu_and_the_bus():
 
 def test_decode_share_override(monkeypatch):
     """HYBRIDMOE_DECODE_SHARE forces the count (never all k); anything but a count is a clear error."""
-    from hybridmoe.runtime.graphs import forced_share
+    from hybridmoe.runtime.steps.gpu_decode import forced_share
     monkeypatch.delenv("HYBRIDMOE_DECODE_SHARE", raising=False)
     assert forced_share(8) is None
     for value, want in (("0", 0), ("3", 3), (" 2 ", 2), ("99", 7)):
@@ -418,7 +418,7 @@ def test_prediction_adds_the_decode_share_where_it_runs():
     """One GPU with the experts in pinned host memory: the prediction also gives TG with the decode share,
     the CPU-expert layers' active bytes leaving RAM by both paths (k - g at the RAM's rate, g over PCIe), so
     by hand from the same rates. None with --no-op-offload (no pinned arena) or experts on several GPUs."""
-    from hybridmoe.roofline import decode_share
+    from hybridmoe.perf.roofline import decode_share
     cfg, tensors = catalog_model("qwen3-30b-a3b")
     devices, rates = load_rig("h200-rig")
     p = plan_placement(tensors, cfg, options_from_argv(["-ngl", "99", "-ot", "exps=CPU"]), devices)

@@ -153,7 +153,7 @@ def test_split_rows_keep_the_bytes(qtype):
     """The split row layout (GPU-resident experts): quants first as 16-byte-aligned runs, then the scales;
     join_rows restores the GGUF rows, and a QTensor marked split dequantizes to the same values."""
     from hybridmoe.devices import Device
-    from hybridmoe.weights import QTensor
+    from hybridmoe.runtime.weights import QTensor
     g = torch.Generator().manual_seed(int(qtype))
     raw = random_blocks(qtype, (3, 4, 512), g)
     s = split_rows(raw, qtype)

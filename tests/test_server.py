@@ -25,7 +25,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
 import hybridmoe
-from hybridmoe.server import StopMatcher, create_app
+from hybridmoe.serve.app import StopMatcher, create_app
 
 N_CTX = 2048
 ALIAS = "tiny-test"
@@ -410,7 +410,7 @@ def test_grammar(client, http):
 
 
 def test_response_format_json_object(client):
-    from hybridmoe.constrain import JsonMachine
+    from hybridmoe.constrain.json_machine import JsonMachine
     r = chat(client, response_format={"type": "json_object"}, temperature=0, max_tokens=40)
     text = r.choices[0].message.content
     m = JsonMachine({"type": "object"})
@@ -557,7 +557,7 @@ def hermes(srv, monkeypatch):
 def script_reply(monkeypatch, text):
     """The model writes `text` (its tokens, through the real detokenizer and the server's pipeline): a model
     with random weights never writes a tool call of its own."""
-    import hybridmoe.server as server
+    import hybridmoe.serve.app as server
 
     def scripted(model, ids, n, sampler, timings, **kw):
         yield from model.tokenizer.encode(text, add_special=False)[:n]
@@ -565,7 +565,7 @@ def script_reply(monkeypatch, text):
 
 
 def test_tool_call_splitter_holds_back_from_the_first_tag():
-    from hybridmoe.tools import ToolCallSplitter, parse_tool_calls
+    from hybridmoe.text.replies import ToolCallSplitter, parse_tool_calls
     sp = ToolCallSplitter()
     sent = [sp.feed(p) for p in ["Hi <to", "ol_c", 'all>{"name": "f", "argu', 'ments": {"a": 1}}</tool_call>', " bye"]]
     assert sent == ["Hi ", "", "", "", ""]
@@ -660,7 +660,7 @@ def test_a_tool_call_that_does_not_parse_stays_text(client, hermes, monkeypatch)
 
 
 def test_reasoning_splitter():
-    from hybridmoe.tools import ReasoningSplitter
+    from hybridmoe.text.replies import ReasoningSplitter
 
     def run(pieces, opened=False):
         sp = ReasoningSplitter(opened)
@@ -698,7 +698,7 @@ def test_thoughts_then_a_tool_call(client, hermes, monkeypatch):
 
 def test_a_template_that_opens_the_thought(srv, client, monkeypatch):
     """DeepSeek-R1's and others' templates end the prompt with <think>: the reply starts inside it."""
-    from hybridmoe.chat import CHATML_TEMPLATE
+    from hybridmoe.text.chat import CHATML_TEMPLATE
     monkeypatch.setattr(srv.model.tokenizer, "chat_template", CHATML_TEMPLATE.replace(
         "'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'"))
     script_reply(monkeypatch, "A plan.</think>The answer.")
@@ -718,7 +718,7 @@ def harmony_srv(tmp_path_factory):
     """synth:tiny's weights with a harmony vocabulary (gpt-oss's control tokens) and HARMONY_TEMPLATE, written
     as a GGUF file and served."""
     from hybridmoe.formats.gguf_write import write_gguf
-    from hybridmoe.vocab import builtin_tokenizer, hf_tokenizer_to_metadata
+    from hybridmoe.text.builtin_vocab import builtin_tokenizer, hf_tokenizer_to_metadata
     src = hybridmoe.load("synth:tiny").file
     specials = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
     hf = builtin_tokenizer(len(src.metadata["tokenizer.ggml.tokens"]) - len(specials))
@@ -744,7 +744,7 @@ def test_harmony_forced_tool_call(harmony_srv):
 
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_harmony_splitter(step):
-    from hybridmoe.tools import HarmonySplitter
+    from hybridmoe.text.replies import HarmonySplitter
 
     def run(text, tools=True):
         sp = HarmonySplitter(tools)
@@ -1100,7 +1100,7 @@ FIM_IDS = {"pre": 1016, "suf": 1017, "mid": 1018, "sep": 1019, "rep": 1020}
 @pytest.fixture(scope="module")
 def fim_srv():
     """synth:tiny with fill-in-the-middle ids in its tokenizer metadata (as a code model's GGUF has them)."""
-    from hybridmoe.tokenizer import Tokenizer
+    from hybridmoe.text.tokenizer import Tokenizer
     model = hybridmoe.load("synth:tiny", ctx_size=256)
     md = dict(model.file.metadata, **{f"tokenizer.ggml.fim_{r}_token_id": i for r, i in FIM_IDS.items()})
     model.tokenizer = Tokenizer.from_metadata(md, "fim.gguf")
@@ -1168,8 +1168,8 @@ def test_slots_save_restore_erase(srv, http, tmp_path, monkeypatch):
 
 def test_saved_slots_belong_to_their_model_and_layout(tmp_path):
     """A slot saved with one context size or model is refused by another (before anything is copied)."""
-    from hybridmoe import server_slots
-    from hybridmoe.server_requests import ApiError
+    from hybridmoe.serve import slots as server_slots
+    from hybridmoe.serve.requests import ApiError
     a, b = hybridmoe.load("synth:tiny", ctx_size=256), hybridmoe.load("synth:tiny", ctx_size=512)
     "".join(a.generate("Once upon a time", 4, temperature=0))
     server_slots.save(a, str(tmp_path), {"filename": "a.slot"})
@@ -1185,7 +1185,7 @@ def test_saved_slots_belong_to_their_model_and_layout(tmp_path):
 def test_saved_slot_with_sliding_window_rings(tmp_path):
     """gpt-oss's sliding-window layers keep rings: their whole ring is saved, and a restored cache goes on
     as the original did."""
-    from hybridmoe import server_slots
+    from hybridmoe.serve import slots as server_slots
     from hybridmoe.generate import Timings
     m = hybridmoe.load("synth:tiny-gpt-oss", ctx_size=1024, ubatch_size=32)
     assert m.new_cache().slots[0] < 1024                 # layer 0 keeps a ring (window 8: 39 slots)

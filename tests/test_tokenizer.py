@@ -13,11 +13,11 @@ import pytest
 import tokenizers
 from tokenizers import Regex, pre_tokenizers
 
-from hybridmoe import vocab as vocab_mod
-from hybridmoe.chat import CHATML_TEMPLATE, render_chat_template
+from hybridmoe.text import builtin_vocab as vocab_mod
+from hybridmoe.text.chat import CHATML_TEMPLATE, render_chat_template
 from hybridmoe.errors import HybridMoeError, ModelFileError
-from hybridmoe.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, Tokenizer
-from hybridmoe.vocab import builtin_tokenizer, builtin_vocab_metadata, hf_tokenizer_to_metadata
+from hybridmoe.text.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, Tokenizer
+from hybridmoe.text.builtin_vocab import builtin_tokenizer, builtin_vocab_metadata, hf_tokenizer_to_metadata
 
 TRICKY = [
     "",
@@ -108,7 +108,7 @@ def test_builtin_vocab_fast_and_deterministic():
     assert time.perf_counter() - t < 3.0
     digest = _digest(md)
     # Another process (different hash seeds, thread scheduling) must train the same vocab.
-    code = ("import hashlib, json; from hybridmoe.vocab import builtin_vocab_metadata;"
+    code = ("import hashlib, json; from hybridmoe.text.builtin_vocab import builtin_vocab_metadata;"
             "md = builtin_vocab_metadata(151936);"
             "print(hashlib.sha256(json.dumps([md['tokenizer.ggml.tokens'],"
             "md['tokenizer.ggml.merges'], md['tokenizer.ggml.token_type'].tolist()])"

@@ -9,8 +9,8 @@ from .errors import HybridMoeError
 
 COMMANDS = {
     "run": ("hybridmoe.commands.run", "generate text (llama-cli)"),
-    "synth": ("hybridmoe.synth", "write a synthetic model with random weights"),
-    "convert": ("hybridmoe.convert", "convert a HF safetensors model to GGUF"),
+    "synth": ("hybridmoe.models.synth", "write a synthetic model with random weights"),
+    "convert": ("hybridmoe.models.convert", "convert a HF safetensors model to GGUF"),
     "plan": ("hybridmoe.commands.plan", "show where each tensor goes, before loading"),
     "inspect": ("hybridmoe.commands.inspect", "list tensors with shape, type and size"),
     "devices": ("hybridmoe.commands.devices", "list devices (llama.cpp --list-devices)"),

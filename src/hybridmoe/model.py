@@ -14,11 +14,11 @@ from .errors import HybridMoeError
 from .formats.gguf import open_gguf
 from .generate import Sampler, SamplerSettings, Timings, generate_ids
 from .models.decoder import build_decoder
-from .placement import PlacementOptions, plan_placement
+from .placement.core import PlacementOptions, plan_placement
 from .quant.types import SUPPORTED, SUPPORTED_NAMES, GGMLType
 from .runtime.kvcache import KVCache
 from .runtime.scheduler import Scheduler
-from .weights import load_weights
+from .runtime.weights import load_weights
 
 
 @dataclasses.dataclass
@@ -40,7 +40,7 @@ RUNTIME_ALIASES = {"t": "threads", "op": "offload_policy", "ooae": "offload_only
 def resolve_model_path(path: str) -> str:
     """`synth:PRESET` makes (or reuses) a synthetic model file; anything else is a path."""
     if path.startswith("synth:"):
-        from .synth import ensure_synth
+        from .models.synth import ensure_synth
         return ensure_synth(path[len("synth:"):])
     return path
 
@@ -89,13 +89,13 @@ class Model:
             main = self.devices.get(f"CUDA{options.main_gpu}", gpus[0])
         if runtime.threads:
             torch.set_num_threads(runtime.threads)
-        from .runtime.calibrate import load_cached
+        from .perf.calibrate import load_cached
         rates = load_cached(runtime.threads) if gpus and not gpus[0].fake else None
         self.sched = Scheduler(self.devices, self.devices["CPU"], main, n_threads=runtime.threads,
                                profile=runtime.profile, rates=rates)
         self.set_policy(runtime.offload_policy, runtime.offload_only_active_experts, runtime.fused_moe)
         self.decoder = build_decoder(self.cfg, self.weights, self.sched)
-        from .tokenizer import Tokenizer
+        from .text.tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path)
         self._steps = {}                                      # "decode" / "prompt" -> (cache, its static step)
         self._free_cache = None
@@ -204,11 +204,11 @@ class Model:
         held = self._steps.get(which)
         if held is None or held[0] is not kv:
             if which == "prompt":
-                from .runtime.prefill import NotApplicable, StaticPrefill as Step
+                from .runtime.steps.gpu_prefill import NotApplicable, StaticPrefill as Step
             elif all(d.kind == "cpu" for d in kv.devs):
-                from .runtime.cpu_decode import CpuDecoder as Step, NotApplicable
+                from .runtime.steps.cpu_decode import CpuDecoder as Step, NotApplicable
             else:
-                from .runtime.graphs import NotApplicable, StaticDecoder as Step
+                from .runtime.steps.gpu_decode import NotApplicable, StaticDecoder as Step
             step = None
             with contextlib.suppress(NotApplicable):
                 step = Step(self, kv)
@@ -263,9 +263,9 @@ class Model:
         the prompt opened a <think> block); `grammar` (GBNF text or a grammar.Grammar): text it accepts.
         `penalties`: SamplerSettings' repeat_penalty, presence_penalty, frequency_penalty, repeat_last_n,
         logit_bias. `template_kwargs`: chat template variables (with chat=True)."""
-        from .constrain import THINK_END, JsonMachine, TokenConstraint
-        from .grammar import GrammarMachine
-        from .tools import THINK_OPEN
+        from .constrain.json_machine import THINK_END, JsonMachine, TokenConstraint
+        from .constrain.grammar import GrammarMachine
+        from .text.replies import THINK_OPEN
         tok = self.tokenizer
         text = None
         if isinstance(prompt, str):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import HybridMoeError
-from ..placement_options import add_compat_args, compat_notes
+from ..placement.options import add_compat_args, compat_notes
 from .sweep_bench import memory_report, progress_bar, random_tokens
 
 # -------------------------------------------------------------------------------- options
@@ -48,7 +48,7 @@ def _bool(s: str) -> bool:
 
 
 def _ngl(s: str) -> int:
-    from ..placement_options import ALL_LAYERS
+    from ..placement.options import ALL_LAYERS
     return ALL_LAYERS if s.lower() == "all" else _int(s)
 
 
@@ -252,7 +252,7 @@ def timed(model, once, n_gen: int) -> tuple[int, int]:
 def reads_host_ram(model) -> bool:
     """Does a decode step read a share (1% or more) of its weight bytes from host RAM? (The token embedding's
     row alone does not count.)"""
-    from ..roofline import model_work
+    from ..perf.roofline import model_work
     per_dev = model_work(model.file.tensors, model.placement.device_of, model.cfg).decode_bytes
     return per_dev.get("CPU", 0.0) >= 0.01 * sum(per_dev.values())
 
@@ -313,8 +313,8 @@ def main(args) -> int:
     import gc
 
     import hybridmoe
-    from ..roofline import model_bound
-    from ..runtime.calibrate import load_or_calibrate, ram_read_now
+    from ..perf.roofline import model_bound
+    from ..perf.calibrate import load_or_calibrate, ram_read_now
     for note in compat_notes(args, BENCH_COMPAT, say="changes nothing here"):
         print(note, file=sys.stderr)
     if args.delay < 0:
@@ -428,7 +428,7 @@ def _build() -> tuple[str, int]:
 
 def system_info() -> dict:
     from ..devices import list_devices
-    from ..runtime.calibrate import cpu_name
+    from ..perf.calibrate import cpu_name
     commit, number = _build()
     gpus = ", ".join(d.description for d in list_devices() if d.is_gpu)
     return dict(build_commit=commit, build_number=number, cpu_info=cpu_name(), gpu_info=gpus)
@@ -443,7 +443,7 @@ def _size_class(n: float) -> str:
 
 def model_description(model) -> dict:
     """llama-bench's model columns: type ('qwen3moe 30B.A3B Q4_0'), size (bytes), params, backend."""
-    from ..roofline import main_qtype, param_counts
+    from ..perf.roofline import main_qtype, param_counts
     cfg, tensors = model.cfg, model.file.tensors
     total, active = param_counts(tensors, cfg)
     cls = _size_class(total) + (f".A{_size_class(active)}" if cfg.is_moe else "")

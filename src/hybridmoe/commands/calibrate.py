@@ -17,7 +17,7 @@ def setup_arg_parser(p):
 def main(args) -> int:
     import torch
 
-    from ..runtime.calibrate import cache_path, calibrate, load_or_calibrate
+    from ..perf.calibrate import cache_path, calibrate, load_or_calibrate
     old = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)

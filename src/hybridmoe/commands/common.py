@@ -10,7 +10,7 @@ def add_model_args(p: argparse.ArgumentParser, model_default: str | None = "synt
 
 
 def add_runtime_args(p: argparse.ArgumentParser):
-    from ..placement import add_placement_args
+    from ..placement.core import add_placement_args
     add_placement_args(p)
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("-op", "--offload-policy", default=None,
@@ -44,7 +44,7 @@ def warmup(model, args):
 
 def runtime_kwargs(args) -> dict:
     """The load() options these arguments stand for."""
-    from ..placement import options_from_args
+    from ..placement.core import options_from_args
     import dataclasses
     kw = dataclasses.asdict(options_from_args(args))
     kw.update(threads=args.threads, offload_policy=args.offload_policy,
@@ -70,7 +70,7 @@ def template_setup(model, args) -> dict:
     template variables (--chat-template-kwargs, --reasoning-budget)."""
     import json
 
-    from ..chat import CHATML_TEMPLATE
+    from ..text.chat import CHATML_TEMPLATE
     from ..errors import HybridMoeError
     text, _ = text_or_file(args.chat_template, args.chat_template_file, "--chat-template")
     if text is not None:

@@ -16,10 +16,10 @@ from ..devices import list_devices
 from ..errors import HybridMoeError
 from ..formats.gguf import TensorInfo, open_gguf
 from ..models.catalog import catalog_model, catalog_names, config_for_planning
-from ..placement import add_placement_args, format_plan, options_from_args, placement_to_json, plan_placement
-from ..placement_report import fmt_bytes, gib, layers_text
-from ..planner import OBJECTIVES, Suggestion, predict, suggest
-from ..rigs import read_rig, rig_names
+from ..placement.core import add_placement_args, format_plan, options_from_args, placement_to_json, plan_placement
+from ..placement.report import fmt_bytes, gib, layers_text
+from ..placement.planner import OBJECTIVES, Suggestion, predict, suggest
+from ..perf.rigs import read_rig, rig_names
 
 CATALOG_PREFIX = "catalog:"
 
@@ -113,7 +113,7 @@ def _machine(args):
     if args.rig:
         rig = read_rig(args.rig)
         return rig.devices, rig.rates, rig, f"rig {rig.name}"
-    from ..runtime.calibrate import cache_path, load_cached
+    from ..perf.calibrate import cache_path, load_cached
     rates = load_cached()
     return list_devices(), rates, None, (f"this machine's calibration ({cache_path()}, {rates.measured_at})"
                                          if rates else "")

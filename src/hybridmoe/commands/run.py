@@ -51,7 +51,7 @@ def main(args) -> int:
     template_kwargs = template_setup(model, args)
     if gram is not None:
         from ..errors import HybridMoeError
-        from ..grammar import GrammarError
+        from ..constrain.grammar import GrammarError
         try:
             gram = gram.bind(model.tokenizer)                             # its <token> references
         except GrammarError as e:
@@ -75,7 +75,7 @@ def main(args) -> int:
     sys.stdout.write("\n")
     print(timings.format(), file=sys.stderr)
     if args.profile:
-        from ..runtime.calibrate import load_cached
+        from ..perf.calibrate import load_cached
         rates = load_cached(args.threads)
         print(model.stats.format(rates.ram_read_bw if rates else None), file=sys.stderr)
         if rates is None:
@@ -88,7 +88,7 @@ def json_schema(args):
     """-j / --json-schema-file: the schema (checked), or None."""
     import json
 
-    from ..constrain import SchemaError, check_schema
+    from ..constrain.json_machine import SchemaError, check_schema
     from ..errors import HybridMoeError
     text, where = text_or_file(args.json_schema, args.json_schema_file, "--json-schema")
     if text is None:
@@ -105,7 +105,7 @@ def json_schema(args):
 def grammar(args):
     """--grammar / --grammar-file: the parsed grammar, or None (refused beside a JSON schema)."""
     from ..errors import HybridMoeError
-    from ..grammar import Grammar, GrammarError
+    from ..constrain.grammar import Grammar, GrammarError
     text, where = text_or_file(args.grammar, args.grammar_file, "--grammar")
     if text is None:
         return None

@@ -104,7 +104,7 @@ def main(args) -> int:
 
     import hybridmoe
     from ..errors import HybridMoeError
-    from ..server import create_app
+    from ..serve.app import create_app
 
     if args.max_body_mb <= 0:
         raise HybridMoeError(f"--max-body-mb {args.max_body_mb}: give a positive size")

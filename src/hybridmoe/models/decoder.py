@@ -16,7 +16,7 @@ from ..config import ModelConfig
 from ..runtime.kvcache import KVCache
 from ..runtime.ops import apply_rope, rms_norm, rope_tables, yarn_softmax_mscale
 from ..runtime.scheduler import Scheduler
-from ..weights import QTensor
+from ..runtime.weights import QTensor
 
 
 def fuse_rows(name: str, ws) -> QTensor | None:

@@ -20,7 +20,7 @@ from ..quant.types import GGMLType
 from ..runtime.kvcache import KVCache
 from ..runtime.ops import apply_rope, yarn_rope_mscale
 from ..runtime.scheduler import Scheduler
-from ..weights import QTensor
+from ..runtime.weights import QTensor
 from .decoder import Decoder, fuse_rows
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ..kernels.cpu import swiglu_oai  # noqa: F401 - gpt-oss's activation, for the torch paths
 from ..quant.ref import join_rows
 from ..quant.types import GGMLType
-from ..weights import QTensor
+from .weights import QTensor
 
 _kernels = None
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import HybridMoeError
-from ..roofline import OFFLOAD_MIN_BATCH
-from ..weights import QTensor
+from ..perf.roofline import OFFLOAD_MIN_BATCH
+from .weights import QTensor
 from . import experts as X
 from .ops import rms_norm
 from .stats import Stats

@@ -26,14 +26,14 @@ import bisect
 import re
 from dataclasses import dataclass, field
 
-from .config import ModelConfig, kv_slots
-from .devices import Device, get_device, list_devices
-from .errors import PlacementError
-from .formats.gguf import TensorInfo
-from .quant.types import GGMLType
-from .placement_options import (KV_TYPE_BYTES, PlacementOptions, add_placement_args,  # noqa: F401 (re-exported)
+from ..config import ModelConfig, kv_slots
+from ..devices import Device, get_device, list_devices
+from ..errors import PlacementError
+from ..formats.gguf import TensorInfo
+from ..quant.types import GGMLType
+from .options import (KV_TYPE_BYTES, PlacementOptions, add_placement_args,  # noqa: F401 (re-exported)
                                 options_from_args, parse_tensor_split)
-from .placement_report import (format_plan, gib, layer_of, layers_regex, layers_text,  # noqa: F401
+from .report import (format_plan, gib, layer_of, layers_regex, layers_text,  # noqa: F401
                                placement_to_json, tensor_kind)
 
 EXPS_REGEX = r"\.ffn_(up|down|gate)_exps"     # llama.cpp's --cpu-moe / --n-cpu-moe pattern

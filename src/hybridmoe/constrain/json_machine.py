@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from .tools import THINK_CLOSE
+from ..text.replies import THINK_CLOSE
 
 WS = frozenset(b" \t\n\r")
 MAX_INDENT = 20       # whitespace between tokens is llama.cpp's: one space, or a newline and at most 20 spaces or

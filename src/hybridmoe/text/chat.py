@@ -17,7 +17,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .errors import HybridMoeError
+from ..errors import HybridMoeError
 
 # Qwen-style ChatML without tools; used for synthetic models and as the fallback.
 CHATML_TEMPLATE = (

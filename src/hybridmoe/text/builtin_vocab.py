@@ -17,7 +17,7 @@ import tokenizers
 from tokenizers import Regex, decoders, pre_tokenizers, trainers
 
 from .chat import CHATML_TEMPLATE
-from .errors import HybridMoeError, ModelFileError
+from ..errors import HybridMoeError, ModelFileError
 from .tokenizer import (BYTE_TO_UNICODE, CONTROL, GPT2_RE, GPT4O_RE, LLAMA3_RE, NORMAL,
                         QWEN2_RE, UNUSED, USER_DEFINED)
 

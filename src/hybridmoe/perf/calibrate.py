@@ -58,7 +58,7 @@ class Rates:
     def cpu_expert_flops(self, n_tokens: int) -> float:
         """FLOP/s of the CPU expert kernel for a batch: its streaming path (few tokens) or GEMM path, as
         measured; unmeasured: 40% of the bf16 matmul rate."""
-        from ..roofline import CPU_GEMM_EFFICIENCY
+        from .roofline import CPU_GEMM_EFFICIENCY
         if not self.cpu_moe_flops:
             return CPU_GEMM_EFFICIENCY * self.cpu_bf16_flops
         from ..kernels.cpu import GEMM_MIN_T
@@ -77,7 +77,7 @@ class Rates:
                      prefetched: bool = False) -> bool:
         """Is uploading `nbytes` of host weights and computing on a GPU faster than the CPU? (roofline estimate;
         never below OFFLOAD_MIN_BATCH tokens, as the scheduler decides)"""
-        from ..roofline import OFFLOAD_MIN_BATCH, offload_times
+        from .roofline import OFFLOAD_MIN_BATCH, offload_times
         if n_tokens < OFFLOAD_MIN_BATCH:
             return False
         gpus = [gpu] if gpu else list(self.h2d_bw)

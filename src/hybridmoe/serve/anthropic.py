@@ -8,7 +8,7 @@ import json
 
 from fastapi.responses import JSONResponse
 
-from .server_requests import ApiError, _bad, _type_name
+from .requests import ApiError, _bad, _type_name
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}

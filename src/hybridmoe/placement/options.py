@@ -6,7 +6,7 @@ import re
 import sys
 from dataclasses import dataclass, field, fields
 
-from .errors import PlacementError
+from ..errors import PlacementError
 
 SPLIT_MODES = ("layer", "none", "row")
 # bytes per element of each KV cache type (q8_0: 34-byte blocks of 32)

@@ -22,12 +22,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..errors import warn_fallback
-from ..kernels import gpu_decode as gd, gpu_moe as gm
-from ..quant.types import GGMLType
-from . import experts as X
-from .graphs import capturing
-from .ops import context_rope_tables
+from ...errors import warn_fallback
+from ...kernels import gpu_decode as gd, gpu_moe as gm
+from ...quant.types import GGMLType
+from .. import experts as X
+from .gpu_decode import capturing
+from ..ops import context_rope_tables
 
 
 class NotApplicable(Exception):

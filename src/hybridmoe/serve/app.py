@@ -39,18 +39,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import __version__
-from . import server_anthropic as anthropic_api
-from . import server_slots
-from .constrain import harmony_calls
-from .errors import HybridMoeError
-from .generate import Sampler, Timings, generate_ids
-from .server_requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
+from .. import __version__
+from . import anthropic as anthropic_api
+from . import slots as server_slots
+from ..constrain.json_machine import harmony_calls
+from ..errors import HybridMoeError
+from ..generate import Sampler, Timings, generate_ids
+from .requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
                               _type_name, _unsupported, DEFAULT_SAMPLING, bind_grammar, infill_tokens,
                               parse_messages, parse_tools)
-from .tools import THINK_OPEN, ReplySplitter, held_prefix, is_harmony, template_takes_tools
+from ..text.replies import THINK_OPEN, ReplySplitter, held_prefix, is_harmony, template_takes_tools
 
-log = logging.getLogger("hybridmoe.server")
+log = logging.getLogger("hybridmoe.serve.app")
 
 MAX_BODY_BYTES = 8 << 20
 MAX_QUEUE = 64            # requests running or waiting for the model; more get 503

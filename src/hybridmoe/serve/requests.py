@@ -11,11 +11,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from .constrain import (HARMONY_FINAL, THINK_END, JsonMachine, SchemaError, TokenConstraint, check_schema,
+from ..constrain.json_machine import (HARMONY_FINAL, THINK_END, JsonMachine, SchemaError, TokenConstraint, check_schema,
                         tool_call_schema)
-from .generate import SamplerSettings
-from .grammar import Grammar, GrammarError, GrammarMachine
-from .tools import CLOSE, OPEN
+from ..generate import SamplerSettings
+from ..constrain.grammar import Grammar, GrammarError, GrammarMachine
+from ..text.replies import CLOSE, OPEN
 
 MAX_STOPS = 16            # stop sequences per request
 MAX_STOP_CHARS = 512      # characters per stop sequence

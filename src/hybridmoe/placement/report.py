@@ -9,7 +9,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # no runtime import: placement.py imports this module
-    from .placement import Placement
+    from .core import Placement
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 KINDS = ("embeddings", "attention", "norms", "router", "shared experts", "experts", "dense ffn", "other", "output")

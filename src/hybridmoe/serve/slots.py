@@ -10,8 +10,8 @@ import os
 import re
 import time
 
-from .errors import HybridMoeError
-from .server_requests import ApiError, _bad
+from ..errors import HybridMoeError
+from .requests import ApiError, _bad
 
 FORMAT = "hybridmoe-kv-1"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from ..devices import Device
-from ..errors import HybridMoeError
-from ..runtime.calibrate import Rates
+from ...devices import Device
+from ...errors import HybridMoeError
+from ..calibrate import Rates
 
 GiB = 1 << 30
 _CPU_KEYS = ("ram_gib", "ram_read_gbps", "bf16_tflops")

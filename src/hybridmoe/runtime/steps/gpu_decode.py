@@ -23,13 +23,13 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from ..errors import HybridMoeError, warn_fallback
-from ..kernels import gpu_decode as gd
-from ..quant.types import GGMLType
-from ..roofline import decode_share
-from . import experts as X
-from .hostmem import is_pinned
-from .ops import apply_rope, context_rope_tables, rms_norm
+from ...errors import HybridMoeError, warn_fallback
+from ...kernels import gpu_decode as gd
+from ...quant.types import GGMLType
+from ...perf.roofline import decode_share
+from .. import experts as X
+from ..hostmem import is_pinned
+from ..ops import apply_rope, context_rope_tables, rms_norm
 
 
 @contextlib.contextmanager
@@ -231,7 +231,7 @@ class StaticDecoder:
         rates = self.sched.rates
         if rates is None:                      # no cached calibration: the two rates it needs, measured now
             try:
-                from .calibrate import quick_link_rates
+                from ...perf.calibrate import quick_link_rates
                 rates = quick_link_rates(self.dev)
             except Exception as e:             # noqa: BLE001 - a failed probe must not stop decoding
                 warn_fallback("measuring the RAM and PCIe rates for the decode share", e, "the CPU runs all experts")

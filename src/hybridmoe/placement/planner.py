@@ -24,15 +24,15 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
-from .config import ModelConfig
-from .devices import Device
-from .errors import PlacementError
-from .formats.gguf import TensorInfo
-from .placement import (Placement, PlacementOptions, add_placement_args, dense_copy_bytes, kv_token_bytes,
+from ..config import ModelConfig
+from ..devices import Device
+from ..errors import PlacementError
+from ..formats.gguf import TensorInfo
+from .core import (Placement, PlacementOptions, add_placement_args, dense_copy_bytes, kv_token_bytes,
                         options_from_args,
                         plan_placement)
-from .placement_report import layer_of, layers_regex
-from .roofline import Bound, model_work, pp_bound, tg_bound, upload_targets
+from .report import layer_of, layers_regex
+from ..perf.roofline import Bound, model_work, pp_bound, tg_bound, upload_targets
 
 OBJECTIVES = ("tg", "pp", "balanced")
 UB_CHOICES = (512, 1024, 2048, 4096)          # ubatch sizes tried at or above the one asked for
@@ -161,8 +161,8 @@ def _decode_share(p: Placement, rates, tg: Bound, n_gen: int) -> tuple | None:
     everything but host experts, which are pinned (op offload on) and of a type its kernels read; each
     CPU-expert layer's active bytes then leave RAM by two paths, k - g experts at the RAM's read rate and g
     over the GPU's link (roofline.decode_share's g), instead of all k at the RAM's rate. None elsewhere."""
-    from .kernels.gpu_decode import QTYPES
-    from .roofline import decode_share
+    from ..kernels.gpu_decode import QTYPES
+    from ..perf.roofline import decode_share
     cfg, gpus = p.cfg, {d for d in p.device_of.values() if d != "CPU"}
     k, E = cfg.n_expert_used, cfg.n_expert
     if not p.opts.op_offload or len(gpus) != 1 or not E or k < 2:

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .devices import Device
-from .quant.ref import can_split, join_rows, split_rows
-from .quant.types import GGMLType, row_bytes
-from .runtime import hostmem
+from ..devices import Device
+from ..quant.ref import can_split, join_rows, split_rows
+from ..quant.types import GGMLType, row_bytes
+from . import hostmem
 
 FLOAT_DTYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
@@ -49,9 +49,9 @@ class QTensor:
         if self.is_float:
             return raw.view(FLOAT_DTYPES[self.qtype]).to(dtype)
         if raw.is_cuda and dtype == torch.bfloat16:
-            from .kernels.gpu_dequant import dequantize_bf16
+            from ..kernels.gpu_dequant import dequantize_bf16
             return dequantize_bf16(raw, self.qtype, self.shape[-1])
-        from .quant.ref import dequantize
+        from ..quant.ref import dequantize
         return dequantize(raw, self.qtype, self.shape[-1], dtype=dtype)
 
     def cached(self, dtype=torch.float32) -> torch.Tensor:

@@ -10,11 +10,11 @@ import re
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig
-from .errors import ModelFileError
-from .formats.gguf_write import write_gguf
-from .models.tensors import default_qtype, tensor_shapes
-from .quant.types import GGMLType
+from ..config import ModelConfig
+from ..errors import ModelFileError
+from ..formats.gguf_write import write_gguf
+from .tensors import default_qtype, tensor_shapes
+from ..quant.types import GGMLType
 from .synth import config_metadata
 
 HF_ARCH = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "llama": "llama", "deepseek_v3": "deepseek2",
@@ -200,8 +200,8 @@ def read_hf_tensors(hf_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def convert_hf(hf_dir: str, out_path: str, expert_type=GGMLType.F32, other_type=GGMLType.F32):
-    from .quant.ref import quantize
-    from .vocab import builtin_vocab_metadata, hf_tokenizer_to_metadata
+    from ..quant.ref import quantize
+    from ..text.builtin_vocab import builtin_vocab_metadata, hf_tokenizer_to_metadata
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf = json.load(f)
     cfg = hf_config(hf)
@@ -234,7 +234,7 @@ def setup_arg_parser(p: argparse.ArgumentParser):
 
 
 def main(args) -> int:
-    from .errors import HybridMoeError
+    from ..errors import HybridMoeError
     try:
         other = GGMLType[args.type.upper()]
         expert = GGMLType[(args.expert_type or args.type).upper()]

@@ -14,9 +14,9 @@ import ctypes
 
 import torch
 
-from ..kernels import cpu
-from ..quant.types import GGMLType, block_size
-from .ops import rope_tables
+from ...kernels import cpu
+from ...quant.types import GGMLType, block_size
+from ..ops import rope_tables
 
 c_i64, c_i32, c_f32, c_vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 

@@ -23,7 +23,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
-from .errors import HybridMoeError, ModelFileError
+from ..errors import HybridMoeError, ModelFileError
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6

@@ -10,11 +10,11 @@ import tempfile
 
 import torch
 
-from .config import ModelConfig
-from .errors import HybridMoeError
-from .formats.gguf_write import write_gguf
-from .models.tensors import default_qtype, tensor_shapes
-from .quant.types import GGMLType
+from ..config import ModelConfig
+from ..errors import HybridMoeError
+from ..formats.gguf_write import write_gguf
+from .tensors import default_qtype, tensor_shapes
+from ..quant.types import GGMLType
 
 SYNTH_VERSION = 3
 
@@ -113,7 +113,7 @@ def config_metadata(cfg: ModelConfig) -> dict:
 
 
 def synth_tensors(cfg: ModelConfig, expert_type, other_type, seed: int):
-    from .quant.ref import random_blocks
+    from ..quant.ref import random_blocks
     gen = torch.Generator().manual_seed(seed)
     out = []
     for name, shape in tensor_shapes(cfg):
@@ -139,7 +139,7 @@ def synth_tensors(cfg: ModelConfig, expert_type, other_type, seed: int):
 
 
 def write_synth(name: str, path: str):
-    from .vocab import builtin_vocab_metadata
+    from ..text.builtin_vocab import builtin_vocab_metadata
     cfg, et, ot = preset_config(name)
     md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg),
           **builtin_vocab_metadata(cfg.n_vocab)}
