@@ -7,8 +7,8 @@ import gguf
 import numpy as np
 import torch
 
-from hybridmoe.models.convert import LAYER_NAMES, TOP_NAMES, convert_hf, llama_permute
 from hybridmoe.formats.gguf import open_gguf
+from hybridmoe.models.convert import LAYER_NAMES, TOP_NAMES, convert_hf, llama_permute
 from hybridmoe.quant.types import GGMLType
 
 

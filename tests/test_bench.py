@@ -17,11 +17,19 @@ import hybridmoe
 from hybridmoe.cli import main as cli
 from hybridmoe.commands.bench import JSON_FIELDS, ROOFLINE_FIELDS
 from hybridmoe.formats.gguf import tensor_info_from_shape
-from hybridmoe.models.tensors import default_qtype, tensor_shapes
-from hybridmoe.perf.roofline import (Work, kv_bytes_per_position, main_qtype, model_work, param_counts, pp_bound,
-                                tg_bound, upload_targets)
-from hybridmoe.perf import calibrate as cal
 from hybridmoe.models.synth import preset_config
+from hybridmoe.models.tensors import default_qtype, tensor_shapes
+from hybridmoe.perf import calibrate as cal
+from hybridmoe.perf.roofline import (
+    Work,
+    kv_bytes_per_position,
+    main_qtype,
+    model_work,
+    param_counts,
+    pp_bound,
+    tg_bound,
+    upload_targets,
+)
 
 TS_RE = re.compile(r"^\d+\.\d\d ± \d+\.\d\d$")
 
@@ -345,8 +353,9 @@ def test_quick_calibration_is_positive_and_cached(quick_rates, monkeypatch):
 
 
 def test_calibrate_command_prints_rates(capsys, quick_rates):
-    from hybridmoe.commands import calibrate as cmd
     import argparse
+
+    from hybridmoe.commands import calibrate as cmd
     p = argparse.ArgumentParser()
     cmd.setup_arg_parser(p)
     assert cmd.main(p.parse_args(["--cached", "--json"])) == 0

@@ -9,10 +9,12 @@ import re
 
 import pytest
 import torch
+from conftest import byte_verdict, random_json
 
 import hybridmoe
-from conftest import byte_verdict, random_json
-from hybridmoe.constrain.json_machine import THINK_END, JsonMachine, SchemaError, TokenConstraint, check_schema
+from hybridmoe.constrain.json_machine import JsonMachine
+from hybridmoe.constrain.json_schema import SchemaError, check_schema
+from hybridmoe.constrain.tokens import THINK_END, TokenConstraint
 from hybridmoe.generate import Sampler, SamplerSettings
 
 

@@ -1,14 +1,13 @@
-"""The CPU decode step (runtime/cpu_decode.py: one C call a token) against the eager decoder (--no-graphs),
+"""The CPU decode step (runtime/steps/cpu_decode.py: one C call a token) against the eager decoder (--no-graphs),
 which the transformers tests check: same logits, same KV cache, for every cache type, dense and MoE
 blocks, the portable and AVX-512 kernels, and contexts long enough to split attention into many runs."""
 import pytest
 import torch
+from conftest import rel_l2
 
 import hybridmoe
 from hybridmoe.kernels import cpu
 from hybridmoe.runtime.steps.cpu_decode import CpuDecoder
-
-from conftest import rel_l2
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
 

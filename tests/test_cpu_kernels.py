@@ -22,7 +22,8 @@ import torch
 
 from hybridmoe.kernels import cpu
 from hybridmoe.quant.ref import dequantize, random_blocks
-from hybridmoe.quant.types import GGMLType as G, block_size
+from hybridmoe.quant.types import GGMLType as G
+from hybridmoe.quant.types import block_size
 
 TYPES = [G.F32, G.F16, G.BF16, G.Q4_0, G.Q8_0, G.Q4_K, G.Q5_K, G.Q6_K, G.IQ4_NL, G.MXFP4]
 BAND = {"fp32": 2e-5, "int": 2e-4, "gemm": 1.5e-2}
@@ -477,5 +478,5 @@ def test_fallback_without_kernel(env, tmp_path):
     words = r.stdout.split()
     assert words[:2] == ["available", "False"]
     assert float(words[3]) < BAND["fp32"]
-    warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("WARNING")]
+    warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == (1 if "CC" in env else 0), r.stderr

@@ -11,8 +11,8 @@ import hybridmoe
 from hybridmoe.errors import HybridMoeError, ModelFileError
 from hybridmoe.formats.gguf import open_gguf
 from hybridmoe.formats.gguf_write import write_gguf
-from hybridmoe.quant.types import GGMLType
 from hybridmoe.models.synth import ensure_synth
+from hybridmoe.quant.types import GGMLType
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,14 @@
 """gpt-oss: logits against transformers' GptOssForCausalLM, cached decode, placements, bad files."""
 import pytest
 import torch
+from conftest import rel_l2
+from hf_oracle import convert, hf_logits, make_hf_model
 
 import hybridmoe
 from hybridmoe.errors import HybridMoeError, ModelFileError
 from hybridmoe.formats.gguf import open_gguf
 from hybridmoe.formats.gguf_write import write_gguf
 from hybridmoe.quant.types import GGMLType
-
-from conftest import rel_l2
-from hf_oracle import convert, hf_logits, make_hf_model
 
 IDS = [1, 17, 300, 42, 7, 7, 99, 511, 256, 3, 120, 64, 5, 480, 33, 2, 200, 201, 202, 10]
 F32_CACHE = dict(cache_type_k="f32", cache_type_v="f32")

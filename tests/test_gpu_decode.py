@@ -8,12 +8,11 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rel_l2
 
 from hybridmoe.quant.ref import dequantize, random_blocks, split_rows
 from hybridmoe.quant.types import GGMLType
 from hybridmoe.runtime.ops import apply_rope, rope_tables
-
-from conftest import rel_l2
 
 gd = pytest.importorskip("hybridmoe.kernels.gpu_decode")
 if not gd.available():

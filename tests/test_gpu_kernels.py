@@ -1,11 +1,10 @@
 """GPU kernels against their references (run on the GPU machine; skipped without CUDA)."""
 import pytest
 import torch
+from conftest import rel_l2
 
 from hybridmoe.quant.ref import dequantize, random_blocks
 from hybridmoe.quant.types import GGMLType
-
-from conftest import rel_l2
 
 pytestmark = pytest.mark.gpu
 

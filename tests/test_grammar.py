@@ -7,12 +7,12 @@ import re
 
 import pytest
 import torch
+from conftest import byte_verdict
 
 import hybridmoe
-from conftest import byte_verdict
-from hybridmoe.constrain.json_machine import TokenConstraint
-from hybridmoe.generate import Sampler, SamplerSettings
 from hybridmoe.constrain.grammar import Grammar, GrammarError, GrammarMachine
+from hybridmoe.constrain.tokens import TokenConstraint
+from hybridmoe.generate import Sampler, SamplerSettings
 
 
 def verdict(grammar, text: str | bytes) -> str:

@@ -6,14 +6,13 @@ import sys
 
 import pytest
 import torch
+from conftest import rel_l2
+from hf_oracle import convert, hf_logits, load_dequantized_into_hf, make_hf_model
 
 import hybridmoe
 from hybridmoe.formats.gguf_write import write_split
 from hybridmoe.generate import Timings, prefill
 from hybridmoe.quant.types import GGMLType
-
-from conftest import rel_l2
-from hf_oracle import convert, hf_logits, load_dequantized_into_hf, make_hf_model
 
 IDS = [1, 17, 300, 42, 7, 7, 99, 511, 256, 3, 120, 64, 5, 480, 33, 2, 200, 201, 202, 10]
 

@@ -15,10 +15,22 @@ from hybridmoe.commands import inspect as inspect_cmd
 from hybridmoe.commands import plan as plan_cmd
 from hybridmoe.devices import FAKE_ENV, get_device, list_devices, parse_fake_gpus
 from hybridmoe.errors import HybridMoeError, PlacementError
-from hybridmoe.models.catalog import PlanConfig, catalog_model, deepseek2_shapes, with_types
+from hybridmoe.formats.names import layers_regex
+from hybridmoe.models.catalog import (
+    PlanConfig,
+    catalog_model,
+    deepseek2_shapes,
+    with_types,
+)
 from hybridmoe.models.tensors import tensor_shapes
-from hybridmoe.placement.core import (KV_TYPE_BYTES, PlacementOptions, add_placement_args, layers_regex,
-                                 options_from_args, placement_to_json, plan_placement, format_plan)
+from hybridmoe.placement.core import (
+    KV_TYPE_BYTES,
+    PlacementOptions,
+    add_placement_args,
+    options_from_args,
+    plan_placement,
+)
+from hybridmoe.placement.report import format_plan, placement_to_json
 from hybridmoe.quant.types import GGMLType
 
 GiB = 1 << 30

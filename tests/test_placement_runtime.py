@@ -8,10 +8,9 @@ import time
 
 import pytest
 import torch
+from conftest import rel_l2, top1_agreement
 
 import hybridmoe
-
-from conftest import rel_l2, top1_agreement
 
 IDS = [(i * 37 + 11) % 1000 + 3 for i in range(40)]
 
@@ -405,9 +404,9 @@ def test_decode_share_matches_the_cpu_alone(kind, monkeypatch, tmp_path):
         pytest.skip("no CUDA GPU")
     from hybridmoe.formats.gguf_write import write_gguf
     from hybridmoe.kernels import cpu
+    from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
     from hybridmoe.quant.ref import random_blocks
     from hybridmoe.quant.types import GGMLType
-    from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
     from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
     path, mixed = "synth:tiny", kind == "mixed-types"
     if kind == "q4_k":

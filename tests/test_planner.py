@@ -13,10 +13,15 @@ import pytest
 from hybridmoe.commands import plan as plan_cmd
 from hybridmoe.errors import HybridMoeError, PlacementError
 from hybridmoe.models.catalog import catalog_model
-from hybridmoe.placement.core import PlacementOptions, add_placement_args, options_from_args, plan_placement
-from hybridmoe.placement.planner import OBJECTIVES, options_from_argv, predict, suggest
-from hybridmoe.perf.rigs import load_rig, read_rig, rig_names
 from hybridmoe.perf.calibrate import Rates, save_rates
+from hybridmoe.perf.rigs import load_rig, read_rig, rig_names
+from hybridmoe.placement.core import (
+    PlacementOptions,
+    add_placement_args,
+    options_from_args,
+    plan_placement,
+)
+from hybridmoe.placement.planner import OBJECTIVES, options_from_argv, predict, suggest
 
 GiB = 1 << 30
 EXPS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -296,7 +301,11 @@ def test_pp_uploads_when_they_pay():
     nbytes, params = sum(t.nbytes for t in layer), sum(t.n_elements for t in layer)
     for ub, gpu, ts in ((512, "CUDA0", "62,0,0,0,0,0,0"), (512, "CUDA6", "0,0,0,0,0,0,62"),
                         (4096, "CUDA0", "62,0,0,0,0,0,0"), (4096, "CUDA6", "0,0,0,0,0,0,62")):
-        from hybridmoe.perf.roofline import CPU_GEMM_EFFICIENCY, CPU_STREAM_EFFICIENCY, touched_fraction
+        from hybridmoe.perf.roofline import (
+            CPU_GEMM_EFFICIENCY,
+            CPU_STREAM_EFFICIENCY,
+            touched_fraction,
+        )
         cpu_s = max(2 * params * cfg.n_expert_used / cfg.n_expert * ub / (CPU_GEMM_EFFICIENCY * rates.cpu_bf16_flops),
                     nbytes * touched_fraction(ub, cfg.n_expert, cfg.n_expert_used)
                     / (CPU_STREAM_EFFICIENCY * rates.ram_read_bw))

@@ -6,7 +6,15 @@ import pytest
 import torch
 from gguf import quants as gq
 
-from hybridmoe.quant.ref import REF_TYPES, can_split, dequantize, join_rows, quantize, random_blocks, split_rows
+from hybridmoe.quant.ref import (
+    REF_TYPES,
+    can_split,
+    dequantize,
+    join_rows,
+    quantize,
+    random_blocks,
+    split_rows,
+)
 from hybridmoe.quant.types import GGMLType, row_bytes
 
 T = GGMLType

@@ -25,7 +25,8 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
 import hybridmoe
-from hybridmoe.serve.app import StopMatcher, create_app
+from hybridmoe.serve.app import create_app
+from hybridmoe.serve.jobs import StopMatcher
 
 N_CTX = 2048
 ALIAS = "tiny-test"
@@ -557,7 +558,7 @@ def hermes(srv, monkeypatch):
 def script_reply(monkeypatch, text):
     """The model writes `text` (its tokens, through the real detokenizer and the server's pipeline): a model
     with random weights never writes a tool call of its own."""
-    import hybridmoe.serve.app as server
+    import hybridmoe.serve.jobs as server  # Job._run looks generate_ids up there
 
     def scripted(model, ids, n, sampler, timings, **kw):
         yield from model.tokenizer.encode(text, add_special=False)[:n]
@@ -1185,8 +1186,8 @@ def test_saved_slots_belong_to_their_model_and_layout(tmp_path):
 def test_saved_slot_with_sliding_window_rings(tmp_path):
     """gpt-oss's sliding-window layers keep rings: their whole ring is saved, and a restored cache goes on
     as the original did."""
-    from hybridmoe.serve import slots as server_slots
     from hybridmoe.generate import Timings
+    from hybridmoe.serve import slots as server_slots
     m = hybridmoe.load("synth:tiny-gpt-oss", ctx_size=1024, ubatch_size=32)
     assert m.new_cache().slots[0] < 1024                 # layer 0 keeps a ring (window 8: 39 slots)
     tok = m.tokenizer

@@ -25,10 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridmoe", description="Run MoE LLMs on a CPU and GPUs that can't hold them.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (mod, help_) in COMMANDS.items():
-        try:
-            module = importlib.import_module(mod)
-        except ImportError:
-            continue                                  # a command whose module is not there yet
+        module = importlib.import_module(mod)
         sp = sub.add_parser(name, help=help_, description=help_)
         module.setup_arg_parser(sp)
         sp.set_defaults(_module=module)

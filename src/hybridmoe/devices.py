@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import env
 from .errors import HybridMoeError, PlacementError
 
 FAKE_ENV = "HYBRIDMOE_FAKE_GPUS"
@@ -108,7 +109,7 @@ def _cuda_devices() -> list[Device]:
 def list_devices() -> list[Device]:
     """CPU first, then CUDA0.. in torch order (which follows CUDA_VISIBLE_DEVICES), or the fake GPUs."""
     devices = [_cpu_device()]
-    spec = os.environ.get(FAKE_ENV)
+    spec = env.get(FAKE_ENV) or None
     if spec is not None and spec.strip() not in ("", "0"):
         for i, size in enumerate(parse_fake_gpus(spec)):
             devices.append(Device(f"CUDA{i}", "cuda", i, size, size, torch.device("cpu"), True,

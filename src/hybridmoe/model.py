@@ -1,23 +1,23 @@
 """`hybridmoe.load(path, **options)`: file -> config -> placement -> weights -> decoder, in that order."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import time
 
 import torch
 
+from . import env
 from .config import ModelConfig
 from .devices import list_devices
 from .errors import HybridMoeError
 from .formats.gguf import open_gguf
 from .generate import Sampler, SamplerSettings, Timings, generate_ids
-from .models.decoder import build_decoder
+from .models.registry import build_decoder
 from .placement.core import PlacementOptions, plan_placement
 from .quant.types import SUPPORTED, SUPPORTED_NAMES, GGMLType
 from .runtime.kvcache import KVCache
 from .runtime.scheduler import Scheduler
+from .runtime.steps import build_step
 from .runtime.weights import load_weights
 
 
@@ -203,15 +203,7 @@ class Model:
             return None                                       # gpt-oss: biases, sinks, swiglu_oai: eager
         held = self._steps.get(which)
         if held is None or held[0] is not kv:
-            if which == "prompt":
-                from .runtime.steps.gpu_prefill import NotApplicable, StaticPrefill as Step
-            elif all(d.kind == "cpu" for d in kv.devs):
-                from .runtime.steps.cpu_decode import CpuDecoder as Step, NotApplicable
-            else:
-                from .runtime.steps.gpu_decode import NotApplicable, StaticDecoder as Step
-            step = None
-            with contextlib.suppress(NotApplicable):
-                step = Step(self, kv)
+            step = build_step(self, kv, which)
             held = self._steps[which] = (kv, step)
         return held[1]
 
@@ -235,7 +227,7 @@ class Model:
 
     def decode_share(self) -> tuple[int, int]:
         """(g, k): the decode step's GPU runs g of each CPU-expert layer's k experts itself, read over the bus
-        (runtime/graphs.py); g = 0 where it does not (or no decode step was built yet)."""
+        (runtime/steps/gpu_decode.py); g = 0 where it does not (or no decode step was built yet)."""
         step = self._steps.get("decode", (None, None))[1]
         hk = getattr(step, "hk", None)
         return (hk.share if hk is not None else 0), self.cfg.n_expert_used
@@ -259,12 +251,13 @@ class Model:
                  template_kwargs: dict | None = None, **penalties):
         """Yield text pieces as they are generated. With `cache_prompt`, a prompt that starts as the previous
         generation's prompt and output did runs only from where they part (the KV cache is kept). `json_schema`
-        (a schema, or True for any JSON): the reply is JSON it accepts (constrain.py; after the thoughts when
+        (a schema, or True for any JSON): the reply is JSON it accepts (constrain/; after the thoughts when
         the prompt opened a <think> block); `grammar` (GBNF text or a grammar.Grammar): text it accepts.
         `penalties`: SamplerSettings' repeat_penalty, presence_penalty, frequency_penalty, repeat_last_n,
         logit_bias. `template_kwargs`: chat template variables (with chat=True)."""
-        from .constrain.json_machine import THINK_END, JsonMachine, TokenConstraint
         from .constrain.grammar import GrammarMachine
+        from .constrain.json_machine import JsonMachine
+        from .constrain.tokens import THINK_END, TokenConstraint
         from .text.replies import THINK_OPEN
         tok = self.tokenizer
         text = None
@@ -303,6 +296,6 @@ class Model:
 def load(path, **options) -> Model:
     """Load a model. Options are the CLI's long names with underscores (n_gpu_layers, override_tensor, ...)."""
     pl, rt = split_options(options)
-    if os.environ.get("HYBRIDMOE_PROFILE") == "1":
+    if env.get("HYBRIDMOE_PROFILE") == "1":
         rt.profile = True
     return Model(path, pl, rt)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import HybridMoeError
+from ..errors import HybridMoeError, warn
 from ..placement.options import add_compat_args, compat_notes
 from .sweep_bench import memory_report, progress_bar, random_tokens
 
@@ -313,8 +313,9 @@ def main(args) -> int:
     import gc
 
     import hybridmoe
-    from ..perf.roofline import model_bound
+
     from ..perf.calibrate import load_or_calibrate, ram_read_now
+    from ..perf.roofline import model_bound
     for note in compat_notes(args, BENCH_COMPAT, say="changes nothing here"):
         print(note, file=sys.stderr)
     if args.delay < 0:
@@ -341,7 +342,7 @@ def main(args) -> int:
                     bar.describe(f"loading {path}")
                     model = hybridmoe.load(path, **load_kwargs(group, ctx))
                     for w in dict.fromkeys(model.placement.warnings):
-                        print(f"warning: {w}", file=sys.stderr)
+                        warn(w)
                     # llama-bench's order: config by config (or, --interleave, all of them per test)
                     batches = [group] if args.interleave else [[p] for p in group]
                     # --roofline with weights in host RAM: the RAM's read bandwidth is measured again around

@@ -44,8 +44,9 @@ def warmup(model, args):
 
 def runtime_kwargs(args) -> dict:
     """The load() options these arguments stand for."""
-    from ..placement.core import options_from_args
     import dataclasses
+
+    from ..placement.core import options_from_args
     kw = dataclasses.asdict(options_from_args(args))
     kw.update(threads=args.threads, offload_policy=args.offload_policy,
               offload_only_active_experts=args.offload_only_active_experts, fused_moe=bool(args.fused_moe),
@@ -70,8 +71,8 @@ def template_setup(model, args) -> dict:
     template variables (--chat-template-kwargs, --reasoning-budget)."""
     import json
 
-    from ..text.chat import CHATML_TEMPLATE
     from ..errors import HybridMoeError
+    from ..text.chat import CHATML_TEMPLATE
     text, _ = text_or_file(args.chat_template, args.chat_template_file, "--chat-template")
     if text is not None:
         model.tokenizer.chat_template = CHATML_TEMPLATE if text.strip().lower() == "chatml" else text

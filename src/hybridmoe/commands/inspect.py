@@ -9,7 +9,7 @@ import json
 import re
 
 from ..errors import HybridMoeError
-from ..placement.report import KINDS, fmt_bytes, layer_of, tensor_kind
+from ..formats.names import KINDS, fmt_bytes, layer_of, tensor_kind
 from .plan import add_model_arg, load_records
 
 

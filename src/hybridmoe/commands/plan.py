@@ -15,11 +15,12 @@ from ..config import ModelConfig
 from ..devices import list_devices
 from ..errors import HybridMoeError
 from ..formats.gguf import TensorInfo, open_gguf
+from ..formats.names import fmt_bytes, gib, layers_text
 from ..models.catalog import catalog_model, catalog_names, config_for_planning
-from ..placement.core import add_placement_args, format_plan, options_from_args, placement_to_json, plan_placement
-from ..placement.report import fmt_bytes, gib, layers_text
-from ..placement.planner import OBJECTIVES, Suggestion, predict, suggest
 from ..perf.rigs import read_rig, rig_names
+from ..placement.core import add_placement_args, options_from_args, plan_placement
+from ..placement.planner import OBJECTIVES, Suggestion, predict, suggest
+from ..placement.report import format_plan, placement_to_json
 
 CATALOG_PREFIX = "catalog:"
 

@@ -3,8 +3,16 @@ from __future__ import annotations
 
 import sys
 
-from .common import (add_model_args, add_runtime_args, add_template_args, add_warmup_arg, runtime_kwargs,
-                     template_setup, text_or_file, warmup)
+from .common import (
+    add_model_args,
+    add_runtime_args,
+    add_template_args,
+    add_warmup_arg,
+    runtime_kwargs,
+    template_setup,
+    text_or_file,
+    warmup,
+)
 
 
 def setup_arg_parser(p):
@@ -44,14 +52,15 @@ def setup_arg_parser(p):
 
 def main(args) -> int:
     import hybridmoe
+
     from ..generate import Timings
     prompt, _ = text_or_file(args.prompt, args.file, "-p")
     schema, gram = json_schema(args), grammar(args)
     model = hybridmoe.load(args.model, **runtime_kwargs(args))
     template_kwargs = template_setup(model, args)
     if gram is not None:
-        from ..errors import HybridMoeError
         from ..constrain.grammar import GrammarError
+        from ..errors import HybridMoeError
         try:
             gram = gram.bind(model.tokenizer)                             # its <token> references
         except GrammarError as e:
@@ -88,7 +97,7 @@ def json_schema(args):
     """-j / --json-schema-file: the schema (checked), or None."""
     import json
 
-    from ..constrain.json_machine import SchemaError, check_schema
+    from ..constrain.json_schema import SchemaError, check_schema
     from ..errors import HybridMoeError
     text, where = text_or_file(args.json_schema, args.json_schema_file, "--json-schema")
     if text is None:
@@ -104,8 +113,8 @@ def json_schema(args):
 
 def grammar(args):
     """--grammar / --grammar-file: the parsed grammar, or None (refused beside a JSON schema)."""
-    from ..errors import HybridMoeError
     from ..constrain.grammar import Grammar, GrammarError
+    from ..errors import HybridMoeError
     text, where = text_or_file(args.grammar, args.grammar_file, "--grammar")
     if text is None:
         return None

@@ -5,8 +5,17 @@ import os
 import socket
 import sys
 
-from .common import (add_model_args, add_runtime_args, add_template_args, add_warmup_arg, runtime_kwargs,
-                     template_setup, warmup)
+from .. import env
+from ..errors import warn
+from .common import (
+    add_model_args,
+    add_runtime_args,
+    add_template_args,
+    add_warmup_arg,
+    runtime_kwargs,
+    template_setup,
+    warmup,
+)
 
 
 def setup_arg_parser(p):
@@ -82,8 +91,8 @@ def api_keys(args) -> list[str]:
             raise HybridMoeError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror}") from None
         if not keys:
             raise HybridMoeError(f"--api-key-file {args.api_key_file} holds no key")
-    if not keys and os.environ.get("HYBRIDMOE_API_KEY"):
-        keys = [os.environ["HYBRIDMOE_API_KEY"]]
+    if not keys and env.get("HYBRIDMOE_API_KEY"):
+        keys = [env.get("HYBRIDMOE_API_KEY")]
     return keys
 
 
@@ -103,6 +112,7 @@ def main(args) -> int:
     import uvicorn
 
     import hybridmoe
+
     from ..errors import HybridMoeError
     from ..serve.app import create_app
 
@@ -127,8 +137,8 @@ def main(args) -> int:
         print(f"model {state.name!r}, context {state.n_ctx} tokens; server is listening on {url}  "
               f"(OpenAI base_url: {url}/v1)", flush=True)
         if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
-            print("warning: listening beyond this machine without --api-key: anyone who can reach the port "
-                  "can use the model", file=sys.stderr)
+            warn("listening beyond this machine without --api-key: anyone who can reach the port "
+                 "can use the model")
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
         try:
             uvicorn.Server(config).run(sockets=[sock])

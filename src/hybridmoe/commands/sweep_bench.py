@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..errors import warn
 from .common import add_model_args, add_runtime_args, runtime_kwargs
 
 HEADER = ("PP", "TG", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s")
@@ -44,7 +45,13 @@ def progress_bar(enabled: bool, total: int, title: str):
         yield _Bar()
         return
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
     # stdout on the same terminal is printed above the bar; redirected stdout is never touched
     prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=Console(stderr=True), transient=True, redirect_stdout=sys.stdout.isatty(),
@@ -128,11 +135,12 @@ def sweep(model, n_ctx: int, pp: int, tg: int, seed: int = 1234, on_row=None, ba
 
 def main(args) -> int:
     import hybridmoe
+
     from ..errors import HybridMoeError
     kw = runtime_kwargs(args)
     model = hybridmoe.load(args.model, **kw)
     for w in dict.fromkeys(model.placement.warnings):
-        print(f"warning: {w}", file=sys.stderr)
+        warn(w)
     o = model.options
     n_ctx = o.ctx_size or model.cfg.n_ctx_train
     pp = o.ubatch_size

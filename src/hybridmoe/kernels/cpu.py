@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -24,10 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as Fn
 
+from .. import env
+from ..errors import warn
 from ..quant.ref import dequantize
 from ..quant.types import GGMLType, block_size, row_bytes
-
-log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("cpu_moe.c")
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -54,13 +53,13 @@ def _cpu_flags() -> str:
 # ~T=128-192 with AVX512-BF16 (2-core Zen 5 VM); dequantize + torch.mm (CPUs without either) ~T=224;
 # dense qmatmul ~T=8-16. Override with HYBRIDMOE_CPU_GEMM_MIN_T / HYBRIDMOE_CPU_QMM_MIN_T.
 _FLAGS = _cpu_flags().split()
-GEMM_MIN_T = int(os.environ.get("HYBRIDMOE_CPU_GEMM_MIN_T",
-                                "64" if "amx_bf16" in _FLAGS else "160" if "avx512_bf16" in _FLAGS else "224"))
-QMM_GEMM_MIN_T = int(os.environ.get("HYBRIDMOE_CPU_QMM_MIN_T", "12"))
+GEMM_MIN_T = env.get_int("HYBRIDMOE_CPU_GEMM_MIN_T",
+                         64 if "amx_bf16" in _FLAGS else 160 if "avx512_bf16" in _FLAGS else 224)
+QMM_GEMM_MIN_T = env.get_int("HYBRIDMOE_CPU_QMM_MIN_T")
 # qmatmul from QMM_GEMM_MIN_T tokens to below this runs the tile products (where AMX or AVX512-BF16 runs them);
 # from here on dequantize + torch.mm. Measured on the 2-vCPU dev VM (AMX), K=2048/4096, N=5120/2048, Q8_0
 # and Q4_0: tile 2.6-3.2x faster at 12-64 tokens, 1.1-1.9x at 128-256, 0.75-0.97x at 512 (docs/cpu-kernels.md)
-QMM_TILE_MAX_T = int(os.environ.get("HYBRIDMOE_CPU_QMM_TILE_MAX_T", "256"))
+QMM_TILE_MAX_T = env.get_int("HYBRIDMOE_CPU_QMM_TILE_MAX_T")
 
 _lock = threading.Lock()
 _lib = None          # the loaded CDLL, or False after a failed build
@@ -71,13 +70,12 @@ _rb_cache: dict = {}
 # ----------------------------------------------------------------- build and load
 
 def cache_dir() -> Path:
-    root = os.environ.get("HYBRIDMOE_CACHE")
-    return Path(root) / "kernels" if root else Path.home() / ".cache" / "hybridmoe" / "kernels"
+    return env.cache_dir() / "kernels"
 
 
 def _cflags() -> tuple:
     # extra flags (e.g. -DHM_PF_DIST=4096) for experiments; part of the cache key
-    return _CFLAGS + tuple(os.environ.get("HYBRIDMOE_KERNEL_CFLAGS", "").split())
+    return _CFLAGS + tuple(env.get("HYBRIDMOE_KERNEL_CFLAGS").split())
 
 
 def _build() -> Path:
@@ -113,13 +111,13 @@ def _load():
     with _lock:
         if _lib is not None:
             return _lib or None
-        if os.environ.get("HYBRIDMOE_CPU_KERNELS", "").lower() in ("torch", "0", "off", "ref"):
+        if env.get("HYBRIDMOE_CPU_KERNELS").lower() in ("torch", "0", "off", "ref"):
             _lib = False
             return None
         try:
             lib = ctypes.CDLL(str(_build()))
         except Exception as e:  # noqa: BLE001 - any build/load problem means: use the fallback
-            log.warning("CPU expert kernel unavailable (%s); using the slow torch reference path", e)
+            warn(f"CPU expert kernel unavailable ({e}); using the slow torch reference path")
             _lib = False
             return None
         vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -6,12 +6,8 @@ CUDA graph each costs a few microseconds, and 48 layers of them cost more than t
 read. Here a layer is about ten kernels:
 
   add_rms_norm   residual add + RMSNorm (writes the residual and the normed row, in the dtype asked)
-  qk_rope_cache  q/k RMSNorm + RoPE at the position held in a device tensor, k and v into the cache (for a
-                 prompt's tokens too: the eager prefill uses it)
-  attention      flash-decoding: splits of the cache up to the current position only, then one merge
-                 (which also writes the output in int8 terms for the output projection's dp4a GEMV)
-  attention_prefill  a prompt chunk's causal flash attention at the position in a device tensor (the
-                 captured prefill, runtime/prefill.py)
+  qk_rope_cache, attention, attention_prefill  RoPE with the cache write, flash-decoding and a prompt
+                 chunk's flash attention (kernels/gpu_attention.py, re-exported here)
   router_topk    softmax, top-k, renormalisation (ids as int32, and as floats for the CPU hand-off); when
                  the experts are on the CPU it also writes the packed row and a flag into pinned host memory
                  (the next segment's add_rms_norm(wait=) polls the CPU's flag, reads its output from there)
@@ -24,24 +20,24 @@ on a GPU or in Triton's interpreter).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 
+from .. import env
 from ..quant.types import GGMLType
+from .gpu_attention import (ATTN_BLOCK, ATTN_CHUNK, _pow2, attention, attention_prefill,  # noqa: F401 (re-exported)
+                            on_device, qk_rope_cache)
 
 try:
     import triton
     import triton.language as tl
 
-    from .gpu_dequant import f16_at, k4_scale_min
+    from .gpu_dequant import f16_at, k4_scale_min, quant_blocks as _quant_blocks
 except ImportError:                                      # CPU-only installs
     triton = None
 
 QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3, GGMLType.Q5_K: 4}
-ATTN_BLOCK = 32                                          # keys per inner step
-ATTN_CHUNK = 256                                         # keys per split (programs past the position exit)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: one tile, no inline PTX
 AWAIT_MAX_POLLS = 1 << 26                                # add_rms_norm(wait=): ~1 us a poll over PCIe, ~a minute
 
@@ -57,7 +53,7 @@ if triton is not None:
     _MOE_TILES = [(4, 64, 4), (8, 32, 4), (16, 16, 4), (8, 64, 8), (2, 64, 2), (16, 32, 8)]
     if _INTERPRET:
         _MOE_TILES = _MOE_TILES[:1]
-    _MOE_AUTOTUNE = os.environ.get("HYBRIDMOE_MOE_TUNE", "0") == "1" and len(_MOE_TILES) > 1
+    _MOE_AUTOTUNE = env.get("HYBRIDMOE_MOE_TUNE") == "1" and len(_MOE_TILES) > 1
     _MOE_CONFIGS = [triton.Config({"BN": bn, "NB": nb}, num_warps=w) for bn, nb, w in _MOE_TILES]
 
     @triton.jit
@@ -96,174 +92,6 @@ if triton is not None:
             tl.store(h2_out + t * H + i, y.to(h2_out.dtype.element_ty), mask=m)
         if Q8:
             _quant_blocks(tl.reshape(y, [BH // 32, 32]), tl.arange(0, BH // 32), t, H, q1, q2, xs, xc)
-
-    @triton.jit
-    def _qk_rope_cache_kernel(qkv, qkv_stride, qn_w, kn_w, cos, sin, pos, pos0, cos_first, q_out, q_stride, kc, vc,
-                              skh, skn, svh, svn, T, nh, nkv, eps, D: tl.constexpr, NEOX: tl.constexpr,
-                              HAS_NORM: tl.constexpr, POS_PTR: tl.constexpr, BT: tl.constexpr):
-        """Tokens t of a block (positions p0 + t, p0 read from pos or given) of head hd: q heads are normed,
-        roped and stored as q_out[hd, t]; k heads normed, roped and written to the cache with v."""
-        hd = tl.program_id(0)                          # q heads, then k heads
-        t = tl.program_id(1) * BT + tl.arange(0, BT)
-        tm = t < T
-        p0 = tl.load(pos).to(tl.int64) if POS_PTR else pos0.to(tl.int64)
-        p = p0 + t
-        i = tl.arange(0, D)
-        row = qkv + t.to(tl.int64)[:, None] * qkv_stride
-        crow = (p - cos_first)[:, None] * D            # cos/sin rows hold positions cos_first..
-        rm = tm[:, None]
-        if hd < nh:
-            y = _rope_rows(row + hd * D, qn_w, cos + crow, sin + crow, i, rm, eps, D, NEOX, HAS_NORM)
-            tl.store(q_out + hd * q_stride + t[:, None] * D + i[None, :], y.to(q_out.dtype.element_ty), mask=rm)
-        else:
-            y = _rope_rows(row + hd * D, kn_w, cos + crow, sin + crow, i, rm, eps, D, NEOX, HAS_NORM)
-            hk = hd - nh
-            tl.store(kc + hk * skh + p[:, None] * skn + i[None, :], y.to(kc.dtype.element_ty), mask=rm)
-            v = tl.load(row + (nh + nkv + hk) * D + i[None, :], mask=rm, other=0)
-            tl.store(vc + hk * svh + p[:, None] * svn + i[None, :], v.to(vc.dtype.element_ty), mask=rm)
-
-    @triton.jit
-    def _rope_rows(src, w, cos_p, sin_p, d, rm, eps, D: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
-        """Rows [R, D] at src (row offsets already applied, masked by rm): RMSNorm with w (optional), then
-        RoPE with cos/sin rows at cos_p/sin_p (one position's, or [R, 1] pointers: each row's own); float32."""
-        if NEOX:
-            partner = (d + D // 2) % D
-            sign = tl.where(d < D // 2, -1.0, 1.0)
-        else:
-            partner = d ^ 1
-            sign = tl.where(d % 2 == 0, -1.0, 1.0)
-        x = tl.load(src + d[None, :], mask=rm, other=0).to(tl.float32)
-        xp = tl.load(src + partner[None, :], mask=rm, other=0).to(tl.float32)
-        if HAS_NORM:
-            r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-            x = x * r[:, None] * tl.load(w + d)[None, :]
-            xp = xp * r[:, None] * tl.load(w + partner)[None, :]
-        return x * tl.load(cos_p + d[None, :]) + sign[None, :] * xp * tl.load(sin_p + d[None, :])
-
-    @triton.jit
-    def _attn_partial_kernel(q, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
-                             skh, skn, svh, svn, qn_w, kn_w, cos, sin, nh, nkv, eps,
-                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                             ROPE: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
-        """Flash-decoding split s of KV head h. ROPE: q is the fused qkv row; this program norms and ropes
-        its query heads itself, and the split holding the position computes the new key/value from qkv,
-        uses them for that position and writes them to the cache (no other split reads it this step)."""
-        h = tl.program_id(0)                           # KV head
-        s = tl.program_id(1)                           # split of the cache
-        p = tl.load(pos).to(tl.int32)
-        L = p + 1
-        lo = s * chunk
-        hi = tl.minimum(lo + chunk, L)
-        if lo < hi:
-            g = tl.arange(0, GP)
-            gm = g < G
-            d = tl.arange(0, D)
-            if ROPE:
-                cos_p, sin_p = cos + p.to(tl.int64) * D, sin + p.to(tl.int64) * D
-                qv = _rope_rows(q + (h * G + g)[:, None] * D, qn_w, cos_p, sin_p, d, gm[:, None], eps,
-                                D, NEOX, HAS_NORM)
-                one = tl.arange(0, 1)
-                knew = _rope_rows(q + (nh + h + one)[:, None] * D, kn_w, cos_p, sin_p, d, one[:, None] < 1, eps,
-                                  D, NEOX, HAS_NORM).to(kc.dtype.element_ty)                 # [1, D]
-                vnew = tl.load(q + (nh + nkv + h) * D + d[None, :] + one[:, None] * 0).to(vc.dtype.element_ty)
-                if hi == L:                            # this split holds the position: write the cache
-                    tl.store(kc + h * skh + p.to(tl.int64) * skn + d[None, :] + one[:, None] * 0, knew)
-                    tl.store(vc + h * svh + p.to(tl.int64) * svn + d[None, :] + one[:, None] * 0, vnew)
-            else:
-                qv = tl.load(q + (h * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0)
-            qv = (qv * scale).to(kc.dtype.element_ty)
-            m_i = tl.full([GP], float("-inf"), tl.float32)
-            l_i = tl.zeros([GP], tl.float32)
-            acc = tl.zeros([GP, D], tl.float32)
-            for start in range(lo, hi, BN):
-                n = start + tl.arange(0, BN)
-                nm = n < hi
-                kt = tl.load(kc + h * skh + n.to(tl.int64)[:, None] * skn + d[None, :], mask=nm[:, None], other=0)
-                if ROPE:
-                    kt = tl.where((n == p)[:, None], knew, kt)
-                sc = tl.dot(qv, tl.trans(kt))                                  # [GP, BN]
-                sc = tl.where(nm[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                pr = tl.exp(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(pr, axis=1)
-                vt = tl.load(vc + h * svh + n.to(tl.int64)[:, None] * svn + d[None, :], mask=nm[:, None], other=0)
-                if ROPE:
-                    vt = tl.where((n == p)[:, None], vnew, vt)
-                acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt)
-                m_i = m_new
-            row = (h * n_split + s) * G + g
-            tl.store(o_part + row[:, None] * D + d[None, :], acc, mask=gm[:, None])
-            tl.store(m_part + row, m_i, mask=gm)
-            tl.store(l_part + row, l_i, mask=gm)
-
-    @triton.jit
-    def _attn_prefill_kernel(q, kc, vc, pos, out, T, scale, skh, skn, svh, svn, so,
-                             G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        """Causal attention of BM query rows of head qh (positions p0 + t, p0 read from pos) over the cache up to
-        each row's position: flash attention with the online softmax, K/V read in blocks of BN keys."""
-        mb = tl.program_id(0)
-        qh = tl.program_id(1)
-        h = qh // G
-        p0 = tl.load(pos).to(tl.int32)
-        t = mb * BM + tl.arange(0, BM)
-        tm = t < T
-        d = tl.arange(0, D)
-        qv = tl.load(q + (qh * T + t.to(tl.int64))[:, None] * D + d[None, :], mask=tm[:, None], other=0)
-        qv = (qv * scale).to(q.dtype.element_ty)
-        qpos = p0 + t
-        hi = p0 + tl.minimum(mb * BM + BM, T)          # keys 0..hi-1: the block's last row sees them all
-        m_i = tl.full([BM], float("-inf"), tl.float32)
-        l_i = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, D], tl.float32)
-        for start in range(0, hi, BN):
-            n = start + tl.arange(0, BN)
-            nm = n < hi
-            kt = tl.load(kc + h * skh + n.to(tl.int64)[:, None] * skn + d[None, :], mask=nm[:, None], other=0)
-            sc = tl.dot(qv, tl.trans(kt.to(qv.dtype)))                         # [BM, BN]
-            sc = tl.where((n[None, :] <= qpos[:, None]) & nm[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            vt = tl.load(vc + h * svh + n.to(tl.int64)[:, None] * svn + d[None, :], mask=nm[:, None], other=0)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(qv.dtype), vt.to(qv.dtype))
-            m_i = m_new
-        o = acc / l_i[:, None]
-        tl.store(out + t.to(tl.int64)[:, None] * so + qh * D + d[None, :],
-                 o.to(out.dtype.element_ty), mask=tm[:, None])
-
-    @triton.jit
-    def _attn_merge_kernel(o_part, m_part, l_part, pos, out, chunk, n_split, q1, q2, xs, xc, K,
-                           G: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, Q8: tl.constexpr):
-        """Query head qh's output from its splits; Q8: also in two int8 terms (_quant_blocks), as the output
-        projection's gemv8 reads it (one quant_x8 launch less)."""
-        qh = tl.program_id(0)
-        h = qh // G
-        g = qh % G
-        L = tl.load(pos).to(tl.int32) + 1
-        n_valid = (L + chunk - 1) // chunk
-        sb = tl.arange(0, SB)
-        d = tl.arange(0, D)
-        M = tl.full([SB], float("-inf"), tl.float32)
-        for s0 in range(0, n_valid, SB):
-            sm = s0 + sb < n_valid
-            M = tl.maximum(M, tl.load(m_part + (h * n_split + s0 + sb) * G + g, mask=sm, other=float("-inf")))
-        Mx = tl.max(M, axis=0)
-        acc = tl.zeros([D], tl.float32)
-        lsum = tl.zeros([SB], tl.float32)
-        for s0 in range(0, n_valid, SB):
-            sm = s0 + sb < n_valid
-            row = (h * n_split + s0 + sb) * G + g
-            w = tl.exp(tl.load(m_part + row, mask=sm, other=float("-inf")) - Mx)
-            lsum += w * tl.load(l_part + row, mask=sm, other=0)
-            o = tl.load(o_part + row[:, None] * D + d[None, :], mask=sm[:, None], other=0)
-            acc += tl.sum(w[:, None] * o, axis=0)
-        v = acc / tl.sum(lsum, axis=0)
-        tl.store(out + qh * D + d, v.to(out.dtype.element_ty))
-        if Q8:
-            _quant_blocks(tl.reshape(v, (D // 32, 32)), qh * (D // 32) + tl.arange(0, D // 32), 0, K,
-                          q1, q2, xs, xc)
 
     @triton.jit
     def _flag_after_writes(flag, step, EMU: tl.constexpr):
@@ -428,24 +256,6 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _quant_blocks(v, b, r, K, q1, q2, xs, xc):
-        """Blocks b (v: their [NB, 32] float32 values) of row r of a K-column activation in two int8 terms,
-        as the CPU kernel's integer path (cpu_moe.c): x ~ d / 256 * (256 q1 + q2), d = max|x| / 127;
-        xs = d / 256 and xc = -8 (256 sum q1 + sum q2), the term a Q4_0 block's offset of 8 contributes."""
-        nblk = K // 32
-        bm = b < nblk
-        j = tl.arange(0, 32)
-        amax = tl.max(tl.abs(v), axis=1)
-        t = v * (127.0 / tl.maximum(amax, 1e-30))[:, None]          # all-zero blocks stay 0
-        a = tl.floor(t + 0.5)
-        c = tl.minimum(tl.floor((t - a) * 256.0 + 0.5), 127.0)
-        o = r * K + b[:, None] * 32 + j[None, :]
-        tl.store(q1 + o, a.to(tl.int8), mask=bm[:, None])
-        tl.store(q2 + o, c.to(tl.int8), mask=bm[:, None])
-        tl.store(xs + r * nblk + b, amax * (1.0 / (127.0 * 256.0)), mask=bm)
-        tl.store(xc + r * nblk + b, (-8.0 * (256.0 * tl.sum(a, axis=1) + tl.sum(c, axis=1))).to(tl.int32), mask=bm)
-
-    @triton.jit
     def _quant_x8_kernel(x, x_stride, q1, q2, xs, xc, K, NBQ: tl.constexpr):
         """NBQ 32-blocks of one row of x (program (row, chunk)): _quant_blocks."""
         r = tl.program_id(0)
@@ -598,15 +408,6 @@ if triton is not None:
         tl.store(out + s * N + n, y, mask=nm)
 
 
-def on_device(t: torch.Tensor):
-    """Launch Triton kernels on t's GPU (Triton launches on the current device, which may be another)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float32, q8_out=None, h2_out=None,
                  wait=None, c=None):
     """x = a (+ b) (+ c); returns (x if x_out is given, RMSNorm(x) * w). Rows [T, H]; h_out may be a strided
@@ -632,78 +433,6 @@ def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float3
                                    WRITE_X=x_out is not None, BH=_pow2(H), Q8=q8_out is not None,
                                    H2=h2_out is not None, WAIT=wait is not None)
     return x_out, h_out
-
-
-def qk_rope_cache(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, n_head, n_head_kv, head_dim, eps, neox,
-                  q_dtype=torch.float32, cos_first: int = 0):
-    """qkv [T, (nh + 2 nkv) * D] (rows may be strided) -> q [nh, T, D] in q_dtype (normed, roped); k (normed,
-    roped) and v are written to kc/vc [nkv, n_ctx, D] at positions pos.. (pos: an int, or a 1-element device
-    tensor, as the static decode step holds it). cos/sin [n, D] float32 hold positions cos_first.. ."""
-    T = qkv.shape[0]
-    q = torch.empty(n_head, T, head_dim, dtype=q_dtype, device=qkv.device)
-    has_norm = q_norm is not None
-    on_dev = isinstance(pos, torch.Tensor)
-    bt = min(32, _pow2(T))
-    with on_device(qkv):
-        _qk_rope_cache_kernel[(n_head + n_head_kv, triton.cdiv(T, bt))](
-            qkv, qkv.stride(0), q_norm if has_norm else cos, k_norm if has_norm else cos, cos, sin,
-            pos if on_dev else cos, 0 if on_dev else pos, cos_first, q, q.stride(0), kc, vc,
-            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), T, n_head, n_head_kv, eps,
-            D=head_dim, NEOX=neox, HAS_NORM=has_norm, POS_PTR=on_dev, BT=bt)
-    return q
-
-
-def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None, q8_out=None):
-    """Decode attention of q [nh, D] over cache positions 0..pos of kc/vc [nkv, n_ctx, D]: [1, nh * D].
-
-    rope=(qkv, q_norm, k_norm, cos, sin, n_head, eps, neox): q is None and the query comes from the fused
-    qkv row [1, (nh + 2 nkv) D], normed and roped here, and this position's key/value are computed and
-    written to the cache by the same launch (qk_rope_cache + attention in one kernel less).
-    q8_out (x8_buffers(1, nh * D), D a multiple of 32): the output in two int8 terms too, as quant_x8."""
-    nkv, n_ctx, D = kc.shape
-    nh = q.shape[0] if rope is None else rope[5]
-    G = nh // nkv
-    chunk = ATTN_CHUNK                                   # at most 512 splits: longer caches get longer ones
-    if n_ctx > 512 * ATTN_CHUNK:
-        chunk = -(-n_ctx // (512 * ATTN_BLOCK)) * ATTN_BLOCK
-    n_split = -(-n_ctx // chunk)
-    dev = kc.device
-    o_part = torch.empty(nkv * n_split * G, D, dtype=torch.float32, device=dev)
-    m_part = torch.empty(nkv * n_split * G, dtype=torch.float32, device=dev)
-    l_part = torch.empty_like(m_part)
-    if rope is None:
-        src, qn, kn, cos, sin, eps, neox, has_norm = q, q, q, q, q, 0.0, False, False
-    else:
-        src, qn, kn, cos, sin, _, eps, neox = rope
-        has_norm = qn is not None
-        qn, kn = (qn, kn) if has_norm else (cos, cos)
-    with on_device(kc):
-        _attn_partial_kernel[(nkv, n_split)](src, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
-                                             kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-                                             qn, kn, cos, sin, nh, nkv, eps,
-                                             G=G, GP=max(16, _pow2(G)), D=D, BN=ATTN_BLOCK,
-                                             ROPE=rope is not None, NEOX=neox, HAS_NORM=has_norm)
-    out = torch.empty(1, nh * D, dtype=out_dtype, device=dev)
-    with on_device(kc):
-        _attn_merge_kernel[(nh,)](o_part, m_part, l_part, pos, out, chunk, n_split,
-                                  *(q8_out if q8_out is not None else (out,) * 4), nh * D,
-                                  G=G, D=D, SB=16, Q8=q8_out is not None)
-    return out
-
-
-def attention_prefill(q, kc, vc, pos, scale, out_dtype=torch.bfloat16):
-    """Causal attention of a prompt's chunk: q [nh, T, D] (qk_rope_cache's output) at positions pos.. (pos: a
-    1-element device tensor, so one CUDA graph serves a chunk of T tokens at any position) over kc/vc
-    [nkv, n_ctx, D], where the chunk's keys and values are already written. Returns [T, nh * D]."""
-    nh, T, D = q.shape
-    nkv = kc.shape[0]
-    out = torch.empty(T, nh * D, dtype=out_dtype, device=q.device)
-    bm = 16 if _INTERPRET else 64
-    with on_device(q):
-        _attn_prefill_kernel[(triton.cdiv(T, bm), nh)](q, kc, vc, pos, out, T, scale, kc.stride(0), kc.stride(1),
-                                                       vc.stride(0), vc.stride(1), out.stride(0),
-                                                       G=nh // nkv, D=D, BM=bm, BN=bm, num_warps=4)
-    return out
 
 
 def router_topk(logits, k: int, norm: bool, packed=None, pack_offset: int = 0, publish=None):
@@ -822,7 +551,7 @@ def can_gemv8(ws) -> bool:
     """Whether gemv8 takes these weights (QTensors): Q4_0/Q8_0 of one type and width, in split rows on one
     GPU, each block of rows a multiple of the tile's. HYBRIDMOE_GEMV8=0: never (bf16 GEMVs; for A/B runs)."""
     bn = gemv8_tile(ws[0].shape[-1])[0]
-    return triton is not None and os.environ.get("HYBRIDMOE_GEMV8", "1") != "0" and all(   # split: Q4_0/Q8_0
+    return triton is not None and env.get("HYBRIDMOE_GEMV8") != "0" and all(   # split: Q4_0/Q8_0
         w.split and w.qtype == ws[0].qtype and w.shape[-1] == ws[0].shape[-1] and w.raw.device == ws[0].raw.device
         and w.raw.dim() == 2 and w.shape[0] % bn == 0 for w in ws)
 

@@ -27,6 +27,24 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"             # tests on th
 
 if triton is not None:
     @triton.jit
+    def quant_blocks(v, b, r, K, q1, q2, xs, xc):
+        """Blocks b (v: their [NB, 32] float32 values) of row r of a K-column activation in two int8 terms,
+        as the CPU kernel's integer path (cpu_moe.c): x ~ d / 256 * (256 q1 + q2), d = max|x| / 127;
+        xs = d / 256 and xc = -8 (256 sum q1 + sum q2), the term a Q4_0 block's offset of 8 contributes."""
+        nblk = K // 32
+        bm = b < nblk
+        j = tl.arange(0, 32)
+        amax = tl.max(tl.abs(v), axis=1)
+        t = v * (127.0 / tl.maximum(amax, 1e-30))[:, None]          # all-zero blocks stay 0
+        a = tl.floor(t + 0.5)
+        c = tl.minimum(tl.floor((t - a) * 256.0 + 0.5), 127.0)
+        o = r * K + b[:, None] * 32 + j[None, :]
+        tl.store(q1 + o, a.to(tl.int8), mask=bm[:, None])
+        tl.store(q2 + o, c.to(tl.int8), mask=bm[:, None])
+        tl.store(xs + r * nblk + b, amax * (1.0 / (127.0 * 256.0)), mask=bm)
+        tl.store(xc + r * nblk + b, (-8.0 * (256.0 * tl.sum(a, axis=1) + tl.sum(c, axis=1))).to(tl.int32), mask=bm)
+
+    @triton.jit
     def _src_block(b, idx, bpe, HAS_IDX: tl.constexpr):
         """Output block b -> source block: with an index, slab b // bpe comes from slab idx[b // bpe]."""
         b64 = b.to(tl.int64)

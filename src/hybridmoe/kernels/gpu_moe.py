@@ -28,6 +28,7 @@ import os
 
 import torch
 
+from .. import env
 from ..quant.types import GGMLType
 from .gpu_decode import on_device
 
@@ -48,7 +49,7 @@ if triton is not None:
     TILES = [(64, 2, 4, 3), (128, 2, 4, 3), (128, 4, 8, 3), (64, 4, 4, 4), (32, 4, 4, 3)]
     if _INTERPRET:
         TILES = [(32, 2, 4, 1)]
-    _AUTOTUNE = os.environ.get("HYBRIDMOE_MOE_TUNE", "0") == "1" and not _INTERPRET
+    _AUTOTUNE = env.get("HYBRIDMOE_MOE_TUNE") == "1" and not _INTERPRET
     _CONFIGS = [triton.Config({"BN": bn, "NBK": nbk}, num_warps=w, num_stages=st) for bn, nbk, w, st in TILES]
 
 

@@ -13,9 +13,9 @@ from safetensors import safe_open
 from ..config import ModelConfig
 from ..errors import ModelFileError
 from ..formats.gguf_write import write_gguf
-from .tensors import default_qtype, tensor_shapes
 from ..quant.types import GGMLType
 from .synth import config_metadata
+from .tensors import default_qtype, tensor_shapes
 
 HF_ARCH = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "llama": "llama", "deepseek_v3": "deepseek2",
            "gpt_oss": "gpt-oss"}

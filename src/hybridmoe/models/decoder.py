@@ -6,15 +6,21 @@ Every op that has weights goes through the scheduler, which decides where it run
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from .. import env
 from ..config import ModelConfig
 from ..runtime.kvcache import KVCache
-from ..runtime.ops import apply_rope, rms_norm, rope_tables, yarn_softmax_mscale
+from ..runtime.ops import (
+    apply_rope,
+    cpu_has,
+    gpu_kernels,
+    rms_norm,
+    rope_tables,
+    yarn_softmax_mscale,
+)
 from ..runtime.scheduler import Scheduler
 from ..runtime.weights import QTensor
 
@@ -70,7 +76,7 @@ class Layer:
 
 
 class Decoder:
-    static_decode = True              # runtime/graphs.py's static step can run this block (when placed for it)
+    static_decode = True              # runtime/steps/gpu_decode.py's static step can run this block (when placed for it)
     layer_class = Layer
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler):
@@ -133,8 +139,8 @@ class Decoder:
             return self.attention_mla(L, x, positions, kv, rope)
         cfg, s = self.cfg, self.sched
         if kv.device(L.i).torch_device.type == "cuda" and L.attn_qkv is not None and kv.plain(L.i) and \
-                positions.shape[0] > 1 and _gpu_kernels() is not None:
-            return self.attention_gpu(L, x, positions, kv, rope, _gpu_kernels())
+                positions.shape[0] > 1 and gpu_kernels() is not None:
+            return self.attention_gpu(L, x, positions, kv, rope, gpu_kernels())
         q, k, v, dev = self.qkv(L, x, kv)
         if L.attn_q_norm is not None:
             q = rms_norm(q, s.small(L.attn_q_norm, dev), cfg.rms_eps)
@@ -237,8 +243,8 @@ class Decoder:
             wts = scores.gather(1, ids)
             if cfg.norm_topk_prob:
                 wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
-        elif logits.is_cuda and _gpu_kernels() is not None:
-            wts, ids = _gpu_kernels().router_topk(logits.contiguous(), k, cfg.norm_topk_prob)  # one launch, not 4
+        elif logits.is_cuda and gpu_kernels() is not None:
+            wts, ids = gpu_kernels().router_topk(logits.contiguous(), k, cfg.norm_topk_prob)  # one launch, not 4
         else:
             wts, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)  # [T, k]
             if cfg.norm_topk_prob:
@@ -251,24 +257,15 @@ class Decoder:
         return y
 
 
-def build_decoder(cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler) -> Decoder:
-    """The decoder of cfg.arch: this file's, or one with a block of its own (models/gpt_oss.py)."""
-    if cfg.arch == "gpt-oss":
-        from .gpt_oss import GptOssDecoder
-        return GptOssDecoder(cfg, weights, sched)
-    return Decoder(cfg, weights, sched)
-
-
 def _cpu_attn_dtype() -> torch.dtype:
     """Prompt attention on the CPU: bf16 SDPA where the CPU multiplies bf16 in AMX tiles (3.8-4.6x float32's
     speed at Qwen3-30B-A3B's heads on the H200 VM's Sapphire Rapids, relative error 3.7e-3:
     benchmarks/bench_attention_cpu.py), else float32 (1.0-1.35x on the AVX512-BF16 dev VM: not worth the
     error). HYBRIDMOE_CPU_ATTN=fp32|bf16 forces one."""
-    env = os.environ.get("HYBRIDMOE_CPU_ATTN", "auto")
-    if env in ("fp32", "bf16"):
-        return torch.bfloat16 if env == "bf16" else torch.float32
-    from ..kernels.cpu import _FLAGS
-    return torch.bfloat16 if "amx_bf16" in _FLAGS else torch.float32
+    forced = env.get("HYBRIDMOE_CPU_ATTN")
+    if forced in ("fp32", "bf16"):
+        return torch.bfloat16 if forced == "bf16" else torch.float32
+    return torch.bfloat16 if cpu_has("amx_bf16") else torch.float32
 
 
 _CPU_ATTN_DTYPE = _cpu_attn_dtype()
@@ -331,10 +328,3 @@ def attend_gpu(qh, keys, values, pos0: int, scale: float | None = None, out_dtyp
     out = torch.empty(T, nh * o.shape[-1], dtype=out_dtype, device=o.device)
     out.view(T, nh, -1).copy_(o.transpose(0, 1))                            # one launch: transpose and cast
     return out
-
-
-def _gpu_kernels():
-    """kernels/gpu_decode.py where Triton is installed, else None (imported at first use: importing Triton
-    is slow, and CPU-only runs never need it)."""
-    from ..kernels import gpu_decode as gd
-    return gd if gd.available() else None

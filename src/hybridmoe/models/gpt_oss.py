@@ -55,7 +55,7 @@ class GptOssLayer:
 
 
 class GptOssDecoder(Decoder):
-    static_decode = False             # runtime/graphs.py's step has neither biases, sinks nor swiglu_oai
+    static_decode = False             # runtime/steps/gpu_decode.py's step has neither biases, sinks nor swiglu_oai
     layer_class = GptOssLayer
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler):

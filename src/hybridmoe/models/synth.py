@@ -10,11 +10,12 @@ import tempfile
 
 import torch
 
+from .. import env
 from ..config import ModelConfig
 from ..errors import HybridMoeError
 from ..formats.gguf_write import write_gguf
-from .tensors import default_qtype, tensor_shapes
 from ..quant.types import GGMLType
+from .tensors import default_qtype, tensor_shapes
 
 SYNTH_VERSION = 3
 
@@ -60,8 +61,7 @@ PRESETS = {
 
 
 def cache_dir() -> str:
-    d = os.environ.get("HYBRIDMOE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hybridmoe")
-    return os.path.join(d, "models")
+    return str(env.cache_dir() / "models")
 
 
 def preset_config(name: str) -> tuple[ModelConfig, GGMLType, GGMLType]:

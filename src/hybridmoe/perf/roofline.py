@@ -1,7 +1,7 @@
 """Roofline bounds: the fastest a test could run given the bytes it must move and the FLOPs it must do.
 
 Pure functions of tensor records (name -> TensorInfo), a placement (name -> device name), the model
-config and measured rates (runtime/calibrate.py `Rates`), so the planner can use them on models that
+config and measured rates (perf/rates.py `Rates`), so the planner can use them on models that
 are not loaded. Conventions:
 - decode (tg) reads, per token, every non-expert matrix once, n_expert_used/n_expert of each expert
   tensor (the active experts' rows), one row of token_embd, and the KV cache up to the position.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..placement.report import layer_of
+from ..formats.names import layer_of
 
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 
@@ -125,7 +125,7 @@ SHARE_GPU_KERNEL_BW = 630e9
 
 def decode_share(k: int, expert_bytes: int, rates, gpu: str) -> int:
     """Of a CPU-expert layer's k active experts in a decode step (expert_bytes each), how many its GPU reads
-    over the bus from the pinned host copy and runs itself (the decode share, runtime/graphs.py) while the CPU
+    over the bus from the pinned host copy and runs itself (the decode share, runtime/steps/gpu_decode.py) while the CPU
     streams the others from RAM: the count whose slower side is fastest, the CPU at its share of the RAM read
     rate, the GPU at its share of the pinned H2D rate plus its kernels on the copies (the two paths out of
     RAM add up: ram_share.py). Never all k; ties go to fewer. Uncalibrated, the link is taken to read at half

@@ -30,17 +30,24 @@ from ..config import ModelConfig, kv_slots
 from ..devices import Device, get_device, list_devices
 from ..errors import PlacementError
 from ..formats.gguf import TensorInfo
+from ..formats.names import (
+    ATTN_MAIN,
+    EXPS_REGEX,
+    FUSED_PAIRS,
+    gib,
+    layer_of,
+    layers_regex,
+    layers_text,
+    tensor_kind,
+)
 from ..quant.types import GGMLType
-from .options import (KV_TYPE_BYTES, PlacementOptions, add_placement_args,  # noqa: F401 (re-exported)
-                                options_from_args, parse_tensor_split)
-from .report import (format_plan, gib, layer_of, layers_regex, layers_text,  # noqa: F401
-                               placement_to_json, tensor_kind)
-
-EXPS_REGEX = r"\.ffn_(up|down|gate)_exps"     # llama.cpp's --cpu-moe / --n-cpu-moe pattern
-FUSED_PAIRS = (("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "_exps"),
-               ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "_shexp"),
-               ("ffn_gate", "ffn_up", "ffn_down", r"\.weight"))
-ATTN_MAIN = ("attn_k", "attn_kv_a_mqa", "attn_qkv", "attn_q", "attn_q_a", "attn_output")
+from .options import (  # noqa: F401 (re-exported)
+    KV_TYPE_BYTES,
+    PlacementOptions,
+    add_placement_args,
+    options_from_args,
+    parse_tensor_split,
+)
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,17 @@ from ..config import ModelConfig
 from ..devices import Device
 from ..errors import PlacementError
 from ..formats.gguf import TensorInfo
-from .core import (Placement, PlacementOptions, add_placement_args, dense_copy_bytes, kv_token_bytes,
-                        options_from_args,
-                        plan_placement)
-from .report import layer_of, layers_regex
+from ..formats.names import layer_of, layers_regex
 from ..perf.roofline import Bound, model_work, pp_bound, tg_bound, upload_targets
+from .core import (
+    Placement,
+    PlacementOptions,
+    add_placement_args,
+    dense_copy_bytes,
+    kv_token_bytes,
+    options_from_args,
+    plan_placement,
+)
 
 OBJECTIVES = ("tg", "pp", "balanced")
 UB_CHOICES = (512, 1024, 2048, 4096)          # ubatch sizes tried at or above the one asked for
@@ -157,7 +163,7 @@ def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128)
 
 
 def _decode_share(p: Placement, rates, tg: Bound, n_gen: int) -> tuple | None:
-    """(TG t/s, g, k) where the decode step would run the decode share (runtime/graphs.py): one GPU holds
+    """(TG t/s, g, k) where the decode step would run the decode share (runtime/steps/gpu_decode.py): one GPU holds
     everything but host experts, which are pinned (op offload on) and of a type its kernels read; each
     CPU-expert layer's active bytes then leave RAM by two paths, k - g experts at the RAM's read rate and g
     over the GPU's link (roofline.decode_share's g), instead of all k at the RAM's rate. None elsewhere."""

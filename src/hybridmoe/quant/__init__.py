@@ -1,1 +1,8 @@
-from .types import GGMLType, SUPPORTED, block_size, type_size, row_bytes, bits_per_weight  # noqa: F401
+from .types import (  # noqa: F401
+    SUPPORTED,
+    GGMLType,
+    bits_per_weight,
+    block_size,
+    row_bytes,
+    type_size,
+)

@@ -1,7 +1,8 @@
 """ggml tensor types: block sizes and which ones hybridmoe computes with."""
 from __future__ import annotations
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GGMLType
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as GGMLType
 
 # Types with a reference dequantizer (quant/ref.py) and therefore loadable.
 SUPPORTED = (

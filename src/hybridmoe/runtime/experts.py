@@ -142,7 +142,8 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
     """Routed experts from raw bytes graw/uraw/draw [E', ...] (ids index into E'). Returns float32 [T, H]."""
     if graw.device.type == "cuda":
         few = ids.numel() <= GATHER_MAX_SLOTS
-        from ..kernels import gpu_decode as gd, gpu_moe as gm
+        from ..kernels import gpu_decode as gd
+        from ..kernels import gpu_moe as gm
         fast = gd if few else gm                        # GEMV kernels for decode, grouped GEMMs for prompts
         if fast.supports(gate.qtype, up.qtype, down.qtype):
             try:

@@ -70,3 +70,16 @@ def yarn_softmax_mscale(yarn: dict | None) -> float:
         return 1.0
     m = 0.1 * yarn["mscale_all_dim"] * math.log(yarn["factor"]) + 1.0
     return m * m
+
+
+def gpu_kernels():
+    """kernels/gpu_decode.py where Triton is installed, else None (imported at first use: importing Triton
+    is slow, and CPU-only runs never need it)."""
+    from ..kernels import gpu_decode as gd
+    return gd if gd.available() else None
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether this machine's CPU has an instruction-set flag of /proc/cpuinfo's (e.g. amx_bf16)."""
+    from ..kernels.cpu import _FLAGS
+    return flag in _FLAGS

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 from ..errors import HybridMoeError
 from ..perf.roofline import OFFLOAD_MIN_BATCH
-from .weights import QTensor
 from . import experts as X
 from .ops import rms_norm
 from .stats import Stats
 from .upload import Uploader
+from .weights import QTensor
 
 OP_KINDS = ("mul_mat", "mul_mat_id", "moe_up_gate")
 OP_ALIASES = {"26": "mul_mat", "27": "mul_mat_id", "29": "moe_up_gate", "-1": "all", "all": "all",
@@ -58,7 +58,7 @@ class Scheduler:
         self.fused_moe = fused_moe
         self.n_threads = n_threads
         self.stats = Stats(profile)
-        self.rates = rates                        # calibrated rates (runtime/calibrate.py) or None
+        self.rates = rates                        # calibrated rates (perf/calibrate.py) or None
         self._small = {}                          # (tensor name, device) -> dequantized small tensor
         self._uploaders = {}                      # GPU name -> Uploader
         self._recent = {}                         # (id(src), device) -> (src, copy): the last few copies

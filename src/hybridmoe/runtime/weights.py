@@ -5,13 +5,13 @@ tensors keep their GGUF bytes so that CPU kernels read them as they are and an u
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import env
 from ..devices import Device
 from ..quant.ref import can_split, join_rows, split_rows
 from ..quant.types import GGMLType, row_bytes
@@ -87,7 +87,7 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
     projections and the output head, which the static decode step multiplies with dp4a (gpu_decode.gemv8).
     HYBRIDMOE_SPLIT_ROWS=0 keeps GGUF rows.
     """
-    split_ok = os.environ.get("HYBRIDMOE_SPLIT_ROWS", "1") != "0"
+    split_ok = env.get("HYBRIDMOE_SPLIT_ROWS") != "0"
     has_cuda = any(d.kind == "cuda" and not d.fake for d in devices.values())
     host_exps = [n for n in model.tensors if "_exps." in n and devices[placement.device_of[n]].kind == "cpu"]
     fits = sum(model.tensors[n].nbytes for n in host_exps) < 0.8 * next(
@@ -95,8 +95,8 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
     if pin_host is None:
         pin_host = has_cuda and placement.opts.op_offload and fits
     if host_arena is None:
-        env = os.environ.get("HYBRIDMOE_HOST_ARENA", "")
-        host_arena = fits and env != "0" and (pin_host or env == "1")
+        arena_env = env.get("HYBRIDMOE_HOST_ARENA")
+        host_arena = fits and arena_env != "0" and (pin_host or arena_env == "1")
     arena = None
     if host_arena and host_exps:
         arena = hostmem.Arena(hostmem.arena_size(model.raw(model.tensors[n]) for n in host_exps))

@@ -17,16 +17,16 @@ so does a non-streaming one (polled every 0.25 s). Requests are untrusted: the b
 (8 MiB by default), every field is type-checked, the prompt must fit the context, max_tokens is capped to
 what the context has left, and every bad request gets OpenAI's error shape
 ({"error": {"message", "type", "code", "param"}}) with a 4xx status, never a traceback.
+
+Requests are parsed in requests.py, generations run as jobs.Job, and responses.py builds the answers and
+their streams (anthropic.py: Anthropic's).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import hmac
-import itertools
-import json
 import logging
 import os
 import threading
@@ -34,30 +34,40 @@ import time
 import uuid
 import weakref
 
-import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..constrain.tokens import harmony_calls
+from ..errors import HybridMoeError
+from ..text.replies import THINK_OPEN, is_harmony, template_takes_tools
 from . import anthropic as anthropic_api
 from . import slots as server_slots
-from ..constrain.json_machine import harmony_calls
-from ..errors import HybridMoeError
-from ..generate import Sampler, Timings, generate_ids
-from .requests import (ApiError, GenParams, _bad, _error_response, _opt_bool, _read_json, _template_kwargs,
-                              _type_name, _unsupported, DEFAULT_SAMPLING, bind_grammar, infill_tokens,
-                              parse_messages, parse_tools)
-from ..text.replies import THINK_OPEN, ReplySplitter, held_prefix, is_harmony, template_takes_tools
+from .jobs import Job
+from .requests import (
+    DEFAULT_SAMPLING,
+    ApiError,
+    GenParams,
+    _bad,
+    _error_response,
+    _opt_bool,
+    _read_json,
+    _template_kwargs,
+    _type_name,
+    _unsupported,
+    bind_grammar,
+    infill_tokens,
+    parse_messages,
+    parse_tools,
+)
+from .responses import ResponseWriter
 
 log = logging.getLogger("hybridmoe.serve.app")
 
 MAX_BODY_BYTES = 8 << 20
 MAX_QUEUE = 64            # requests running or waiting for the model; more get 503
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
-
-# ---------------------------------------------------------------------------- generation
 
 def check_in_vocab(ids, n_vocab: int, key: str):
     bad = [t for t in ids if not 0 <= t < n_vocab]
@@ -65,162 +75,7 @@ def check_in_vocab(ids, n_vocab: int, key: str):
         raise _bad(f"'{key}' has token id {bad[0]}, outside the vocabulary (0..{n_vocab - 1})", key)
 
 
-def _sse_data(obj) -> str:
-    """One server-sent event of OpenAI's and llama-server's streams."""
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-
-class StopMatcher:
-    """Cuts the text at the first stop sequence; holds back a tail that may be the start of one, so a
-    stop sequence split over several tokens never reaches the client."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-        self.word = ""              # the stop sequence that was hit
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """(text that is safe to send, whether a stop sequence was hit)."""
-        if not self.stops:
-            return text, False
-        self.pending += text
-        cut = -1
-        for s in self.stops:
-            i = self.pending.find(s)
-            if i >= 0 and (cut < 0 or i < cut):
-                cut = i
-        if cut >= 0:
-            self.word = min((s for s in self.stops if self.pending.find(s) == cut), key=len)
-            out, self.pending = self.pending[:cut], ""
-            return out, True
-        n = len(self.pending) - max(held_prefix(self.pending, s) for s in self.stops)
-        out, self.pending = self.pending[:n], self.pending[n:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
-class Job:
-    """One generation. `run` executes on the worker thread and sends ('text', str), then
-    ('end', info) or ('error', message), to `queue` on the event loop."""
-
-    def __init__(self, loop, ids: list[int], max_tokens: int, params: GenParams):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.cancel = threading.Event()
-        self.ids, self.max_tokens, self.params = ids, max_tokens, params
-        self.n_generated = 0
-        self.tool_calls: list[dict] = []
-        self.info: dict | None = None         # what the "end" item carries
-        self.finish_reason: str | None = None
-        self.cancelled = False
-        self.done = threading.Event()
-
-    def _emit(self, item):
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:                 # the event loop is gone (server shut down)
-            self.cancel.set()
-
-    def run(self, model):
-        try:
-            self._run(model)
-        except Exception as e:                   # a bug or a device failure, reported to the one client
-            log.exception("generation failed")
-            self._emit(("error", f"generation failed: {type(e).__name__}: {e}"))
-        finally:
-            self.done.set()
-
-    def _run(self, model):
-        t_start = time.perf_counter()
-        timings = Timings()
-        finish = "length"
-        stop_word = ""
-        p = self.params
-        if not self.cancel.is_set():
-            tok = model.tokenizer
-            eos = tok.eos_ids
-            settings = p.sampling
-            if p.ignore_eos and eos:         # end-of-generation tokens can never be sampled
-                settings = dataclasses.replace(settings, logit_bias={**settings.logit_bias,
-                                                                     **{e: float("-inf") for e in eos}})
-            sampler = Sampler(settings, p.constraint(tok))
-            detok = tok.stream()
-            stops = StopMatcher(p.stops)
-            split = ReplySplitter(tools=bool(p.tools), reasoning=p.reasoning_format not in (None, "none"),
-                                  think_opened=p.think_opened, harmony=p.harmony)
-
-            def send(text):
-                for part in split.feed(text):
-                    self._emit(part)
-            hit = False
-            n_top = p.logprobs
-
-            def on_logits(logits, token):             # the model's own distribution, before sampling settings
-                lp = torch.log_softmax(logits.float(), -1)
-                top = torch.topk(lp, n_top) if n_top else None
-                self._emit(("logprobs", (token, float(lp[token]),
-                                         [(int(i), float(v)) for v, i in zip(*top)] if top else [])))
-            gen = generate_ids(model, self.ids, self.max_tokens, sampler, timings,
-                               cache_prompt=p.cache_prompt,
-                               on_logits=on_logits if n_top is not None else None)
-            try:
-                for t in gen:
-                    if self.cancel.is_set():
-                        break
-                    if t in eos and not p.ignore_eos:
-                        finish = "stop"
-                        break
-                    self.n_generated += 1
-                    text, hit = stops.feed(detok.add(t))
-                    send(text)
-                    if hit:
-                        finish = "stop"
-                        break
-            finally:
-                gen.close()
-            if not hit and not self.cancel.is_set():
-                text, hit = stops.feed(detok.flush())
-                if hit:
-                    finish = "stop"
-                else:
-                    text += stops.flush()
-                send(text)
-            stop_word = stops.word
-            if not self.cancel.is_set():
-                for part in split.finish():
-                    self._emit(part)
-                self.tool_calls = split.tool_calls
-                if self.tool_calls:
-                    finish = "tool_calls"
-        self.cancelled = self.cancel.is_set()
-        self.finish_reason = None if self.cancelled else finish
-        total_ms = (time.perf_counter() - t_start) * 1e3
-        prompt_ms = timings.t_prompt * 1e3
-        predicted_ms = max(total_ms - prompt_ms, 0.0) if self.n_generated else 0.0
-        n_p, n_g = timings.n_prompt, self.n_generated
-        self.info = {
-            "finish_reason": self.finish_reason,
-            "stop_word": stop_word,
-            "tool_calls": self.tool_calls,
-            "usage": {"prompt_tokens": len(self.ids), "completion_tokens": n_g,
-                      "total_tokens": len(self.ids) + n_g},
-            "timings": {
-                "cache_n": timings.n_cached,
-                "prompt_n": n_p, "prompt_ms": prompt_ms,
-                "prompt_per_token_ms": prompt_ms / n_p if n_p else 0.0,
-                "prompt_per_second": 1e3 * n_p / prompt_ms if prompt_ms > 0 else 0.0,
-                "predicted_n": n_g, "predicted_ms": predicted_ms,
-                "predicted_per_token_ms": predicted_ms / n_g if n_g else 0.0,
-                "predicted_per_second": 1e3 * n_g / predicted_ms if predicted_ms > 0 else 0.0,
-            },
-        }
-        self._emit(("end", self.info))
-
-
-class ServerState:
+class ServerState(ResponseWriter):
     """The model, its one worker thread and what the endpoints share."""
 
     def __init__(self, model, alias: str | None, api_key: str | list[str] | None, max_body_bytes: int, max_queue: int,
@@ -367,173 +222,6 @@ class ServerState:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._collect(request, job, kind, rid)
 
-    def _base(self, kind: str, rid: str, stream: bool) -> dict:
-        obj = {"chat": ("chat.completion.chunk" if stream else "chat.completion"),
-               "text": "text_completion"}[kind]
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.name,
-                "system_fingerprint": f"hybridmoe-{__version__}"}
-
-    def _token(self, t: int) -> tuple[str, list[int]]:
-        b = self.model.tokenizer.piece_bytes(t)
-        return b.decode("utf-8", errors="replace"), list(b)
-
-    def _logprobs(self, kind: str, entries: list) -> dict:
-        """OpenAI's logprobs object for (token, logprob, [(alternative, logprob)]) entries: chat's, or the
-        completions' legacy one."""
-        if kind in ("chat", "native"):
-            def one(t, lp):
-                s, b = self._token(t)
-                return {"id": t, "token": s, "logprob": lp, "bytes": b} if kind == "native" else \
-                    {"token": s, "logprob": lp, "bytes": b}
-            out = [dict(one(t, lp), top_logprobs=[one(a, alp) for a, alp in top]) for t, lp, top in entries]
-            return out if kind == "native" else {"content": out}
-        tokens = [self._token(t)[0] for t, _, _ in entries]
-        offsets = [0, *itertools.accumulate(len(s) for s in tokens)][:len(tokens)]   # within the completion
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{self._token(a)[0]: alp for a, alp in top} for _, _, top in entries],
-                "text_offset": offsets}
-
-    async def _gather(self, request: Request, job: Job) -> tuple[str, str, list, dict]:
-        """A whole generation: (text, thoughts, logprobs entries, end info); ApiError if it did not end."""
-        parts, thoughts, logprobs = [], [], []
-        get = asyncio.ensure_future(job.queue.get())
-        next_check = time.monotonic() + DISCONNECT_POLL_S
-        try:
-            while True:
-                done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
-                if time.monotonic() >= next_check:      # also while text keeps coming
-                    next_check = time.monotonic() + DISCONNECT_POLL_S
-                    if await request.is_disconnected():
-                        job.cancel.set()             # nobody will read the answer
-                        raise ApiError(499, "client disconnected", "client_disconnected")
-                if not done:
-                    continue
-                item = get.result()
-                if item[0] in ("text", "reasoning", "logprobs"):
-                    {"text": parts, "reasoning": thoughts, "logprobs": logprobs}[item[0]].append(item[1])
-                    get = asyncio.ensure_future(job.queue.get())
-                    continue
-                if item[0] == "error":
-                    raise ApiError(500, item[1], "generation_failed", type_="server_error")
-                info = item[1]
-                if info["finish_reason"] is None:
-                    raise ApiError(503, "the generation was cancelled: the server is shutting down", "cancelled",
-                                   type_="server_error")
-                return "".join(parts), "".join(thoughts), logprobs, info
-        finally:
-            get.cancel()
-            job.cancel.set()                 # no-op once the job has ended
-
-    async def _collect(self, request: Request, job: Job, kind: str, rid: str):
-        text, thoughts, logprobs, info = await self._gather(request, job)
-        if kind == "anthropic":
-            return JSONResponse(anthropic_api.message(rid, self.name, text, thoughts, info))
-        if kind == "native":
-            return JSONResponse(self._native(job, text, info, logprobs))
-        out = self._base(kind, rid, False)
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            if thoughts:
-                choice["message"]["reasoning_content"] = thoughts
-            if info["tool_calls"]:
-                choice["message"].update(content=text.strip() or None, tool_calls=info["tool_calls"])
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(finish_reason=info["finish_reason"],
-                      logprobs=self._logprobs(kind, logprobs) if job.params.logprobs is not None else None)
-        out.update(choices=[choice], usage=info["usage"], timings=info["timings"])
-        return JSONResponse(out)
-
-    def _native(self, job: Job, text: str, info: dict, logprobs: list) -> dict:
-        """llama-server's /completion result (the last event of its stream, with the content streamed)."""
-        p, u = job.params, info["usage"]
-        s = p.sampling
-        out = {"index": 0, "content": text, "id_slot": 0, "stop": True, "model": self.name,
-               "tokens_predicted": u["completion_tokens"], "tokens_evaluated": u["prompt_tokens"],
-               "generation_settings": {
-                   "n_predict": p.max_tokens or -1, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
-                   "min_p": s.min_p, "seed": s.seed, "repeat_penalty": s.repeat_penalty,
-                   "repeat_last_n": s.repeat_last_n, "presence_penalty": s.presence_penalty,
-                   "frequency_penalty": s.frequency_penalty, "stop": p.stops, "ignore_eos": p.ignore_eos,
-                   "stream": p.stream, "n_probs": p.logprobs or 0, "cache_prompt": p.cache_prompt},
-               "prompt": self.model.tokenizer.decode(job.ids), "has_new_line": "\n" in text, "truncated": False,
-               "stop_type": "limit" if info["finish_reason"] == "length" else "word" if info["stop_word"] else "eos",
-               "stopping_word": info["stop_word"], "tokens_cached": u["total_tokens"], "timings": info["timings"]}
-        if p.logprobs:
-            out["completion_probabilities"] = self._logprobs("native", logprobs)
-        return out
-
-    async def _sse_native(self, job: Job):
-        """llama-server's /completion stream: {"content": piece, "stop": false} events, then the result with
-        "stop": true (and no [DONE])."""
-        try:
-            while True:
-                item = await job.queue.get()
-                if item[0] in ("text", "logprobs"):
-                    e = {"index": 0, "content": item[1] if item[0] == "text" else "", "id_slot": 0, "stop": False}
-                    if item[0] == "logprobs":
-                        e["completion_probabilities"] = self._logprobs("native", [item[1]])
-                    yield _sse_data(e)
-                elif item[0] == "end" and item[1]["finish_reason"] is not None:
-                    yield _sse_data(self._native(job, "", item[1], []))
-                    return
-                elif item[0] != "reasoning":
-                    msg = item[1] if item[0] == "error" else "the generation was cancelled: the server is shutting down"
-                    yield _sse_data({"error": {"message": msg, "type": "server_error", "code": "generation_failed"
-                                           if item[0] == "error" else "cancelled", "param": None}})
-                    return
-        finally:
-            job.cancel.set()
-
-    async def _sse(self, job: Job, kind: str, rid: str, params: GenParams):
-        def chunk(delta_or_text, finish=None) -> dict:
-            c = self._base(kind, rid, True)
-            if kind == "chat":
-                choice = {"index": 0, "delta": delta_or_text}
-            else:
-                choice = {"index": 0, "text": delta_or_text}
-            choice.update(finish_reason=finish, logprobs=None)
-            c["choices"] = [choice]
-            return c
-
-        try:
-            if kind == "chat":
-                yield _sse_data(chunk({"role": "assistant", "content": ""}))
-            while True:
-                item = await job.queue.get()
-                if item[0] == "text":
-                    yield _sse_data(chunk({"content": item[1]} if kind == "chat" else item[1]))
-                elif item[0] == "reasoning":
-                    yield _sse_data(chunk({"reasoning_content": item[1]}))
-                elif item[0] == "logprobs":
-                    c = chunk({} if kind == "chat" else "")
-                    c["choices"][0]["logprobs"] = self._logprobs(kind, [item[1]])
-                    yield _sse_data(c)
-                elif item[0] == "error":
-                    yield _sse_data({"error": {"message": item[1], "type": "server_error",
-                                           "code": "generation_failed", "param": None}})
-                    return
-                else:
-                    info = item[1]
-                    if info["finish_reason"] is None:
-                        yield _sse_data({"error": {"message": "the generation was cancelled: the server is shutting "
-                                               "down", "type": "server_error", "code": "cancelled", "param": None}})
-                        return
-                    if info["tool_calls"]:
-                        yield _sse_data(chunk({"tool_calls": [dict(index=i, **c)
-                                                          for i, c in enumerate(info["tool_calls"])]}))
-                    last = chunk({} if kind == "chat" else "", info["finish_reason"])
-                    last["timings"] = info["timings"]
-                    yield _sse_data(last)
-                    if params.include_usage:
-                        u = self._base(kind, rid, True)
-                        u.update(choices=[], usage=info["usage"])
-                        yield _sse_data(u)
-                    yield "data: [DONE]\n\n"
-                    return
-        finally:
-            job.cancel.set()                 # client gone (or stream over): stop generating
-
 
 # ---------------------------------------------------------------------------- the app
 
@@ -648,7 +336,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
 
     @app.post("/slots/{slot_id}")
     async def slots(request: Request, slot_id: str, action: str = ""):
-        """llama-server's slot actions: save the KV cache to a file, restore it, erase it (server_slots.py)."""
+        """llama-server's slot actions: save the KV cache to a file, restore it, erase it (serve/slots.py)."""
         state.check_auth(request)
         if slot_id != "0":
             raise _bad(f"no slot {slot_id!r}: this server has one, 0", "id_slot")
@@ -721,7 +409,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        """Anthropic's Messages API, on the chat pipeline (server_anthropic.py)."""
+        """Anthropic's Messages API, on the chat pipeline (serve/anthropic.py)."""
         try:
             state.check_auth(request)
             body = anthropic_api.to_openai(await _read_json(request, state.max_body_bytes))

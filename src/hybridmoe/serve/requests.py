@@ -11,10 +11,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from ..constrain.json_machine import (HARMONY_FINAL, THINK_END, JsonMachine, SchemaError, TokenConstraint, check_schema,
-                        tool_call_schema)
-from ..generate import SamplerSettings
 from ..constrain.grammar import Grammar, GrammarError, GrammarMachine
+from ..constrain.json_machine import JsonMachine
+from ..constrain.json_schema import SchemaError, check_schema
+from ..constrain.tokens import (
+    HARMONY_FINAL,
+    THINK_END,
+    TokenConstraint,
+    tool_call_schema,
+)
+from ..generate import SamplerSettings
 from ..text.replies import CLOSE, OPEN
 
 MAX_STOPS = 16            # stop sequences per request

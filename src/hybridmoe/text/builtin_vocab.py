@@ -16,10 +16,19 @@ import numpy as np
 import tokenizers
 from tokenizers import Regex, decoders, pre_tokenizers, trainers
 
-from .chat import CHATML_TEMPLATE
 from ..errors import HybridMoeError, ModelFileError
-from .tokenizer import (BYTE_TO_UNICODE, CONTROL, GPT2_RE, GPT4O_RE, LLAMA3_RE, NORMAL,
-                        QWEN2_RE, UNUSED, USER_DEFINED)
+from .chat import CHATML_TEMPLATE
+from .tokenizer import (
+    BYTE_TO_UNICODE,
+    CONTROL,
+    GPT2_RE,
+    GPT4O_RE,
+    LLAMA3_RE,
+    NORMAL,
+    QWEN2_RE,
+    UNUSED,
+    USER_DEFINED,
+)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MAX_BUILTIN_MERGES = 4000

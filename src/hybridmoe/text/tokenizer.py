@@ -17,13 +17,12 @@ from __future__ import annotations
 import codecs
 import numbers
 import re
-import warnings
 
 import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
-from ..errors import HybridMoeError, ModelFileError
+from ..errors import HybridMoeError, ModelFileError, warn
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -165,8 +164,8 @@ def _build_gpt2(md, path, tokens, types, vocab):
     pre = PRE_TYPES.get(pre_name)
     if pre is None:
         # llama.cpp also falls back (with a warning) rather than refusing the model.
-        warnings.warn(f"{path}: unknown tokenizer.ggml.pre '{pre_name}', using the GPT-2 "
-                      f"pre-tokenizer; tokenization may differ from the original model")
+        warn(f"{path}: unknown tokenizer.ggml.pre '{pre_name}', using the GPT-2 "
+             f"pre-tokenizer; tokenization may differ from the original model")
         pre = PRE_TYPES["default"]
     missing = sum(c not in vocab for c in BYTE_TO_UNICODE.values())
     if missing:

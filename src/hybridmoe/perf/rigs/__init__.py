@@ -7,7 +7,7 @@ A rig is JSON (see the files beside this module):
                "pcie"]}, ...]}
 Bandwidths are decimal GB/s, sizes binary GiB. A GPU's free memory is `free_gib`, else memory_gib minus the
 rig's gpu_reserve_gib (CUDA context). The devices are marked fake (nothing can be loaded on them: their torch
-device is `meta`) and described as the rig's; the rates are a runtime.calibrate.Rates whose host is `rig:NAME`.
+device is `meta`) and described as the rig's; the rates are a perf.rates.Rates whose host is `rig:NAME`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from ...devices import Device
 from ...errors import HybridMoeError
-from ..calibrate import Rates
+from ..rates import Rates
 
 GiB = 1 << 30
 _CPU_KEYS = ("ram_gib", "ram_read_gbps", "bf16_tflops")

@@ -17,12 +17,9 @@ import torch
 from ...kernels import cpu
 from ...quant.types import GGMLType, block_size
 from ..ops import rope_tables
+from .base import NotApplicable
 
 c_i64, c_i32, c_f32, c_vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
-
-
-class NotApplicable(Exception):
-    """This model or placement has no CPU decode step; the eager path runs."""
 
 
 class _Mat(ctypes.Structure):

@@ -23,13 +23,15 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from ... import env
 from ...errors import HybridMoeError, warn_fallback
 from ...kernels import gpu_decode as gd
-from ...quant.types import GGMLType
 from ...perf.roofline import decode_share
+from ...quant.types import GGMLType
 from .. import experts as X
 from ..hostmem import is_pinned
 from ..ops import apply_rope, context_rope_tables, rms_norm
+from .base import NotApplicable
 
 
 @contextlib.contextmanager
@@ -46,13 +48,9 @@ def capturing(graph, device, stream, pool=None):
         gc.enable()
 
 
-class NotApplicable(Exception):
-    """The placement has no static decode path (mixed GPUs, q8_0 cache, ...); the eager path runs."""
-
-
 def forced_share(k: int) -> int | None:
     """HYBRIDMOE_DECODE_SHARE's count of a layer's k experts for the GPU (at most k - 1), None where unset."""
-    forced = os.environ.get("HYBRIDMOE_DECODE_SHARE", "").strip()
+    forced = env.get("HYBRIDMOE_DECODE_SHARE")
     if not forced:
         return None
     if not forced.isdigit():
@@ -182,7 +180,7 @@ class StaticDecoder:
         cpu_segs = [s for s, seg in enumerate(self.segments) if seg.kind == "cpu"]
         kern = X.kernels()
         if not cpu_segs or not (self.capture and self.fast) or n_devices > 1 or kern is None or \
-                self.sched.stats.profile or os.environ.get("HYBRIDMOE_HANDOFF", "poll") == "sync":
+                self.sched.stats.profile or env.get("HYBRIDMOE_HANDOFF") == "sync":
             return None
         H, k, n, td = self.cfg.n_embd, self.cfg.n_expert_used, len(cpu_segs), self.dev.torch_device
         pin = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, pin_memory=True)  # noqa: E731

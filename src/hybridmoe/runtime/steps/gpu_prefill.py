@@ -23,15 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import warn_fallback
-from ...kernels import gpu_decode as gd, gpu_moe as gm
+from ...kernels import gpu_decode as gd
+from ...kernels import gpu_moe as gm
 from ...quant.types import GGMLType
 from .. import experts as X
-from .gpu_decode import capturing
 from ..ops import context_rope_tables
-
-
-class NotApplicable(Exception):
-    """The placement or architecture has no captured prefill; the eager path runs."""
+from .base import NotApplicable
+from .gpu_decode import capturing
 
 
 class StaticPrefill:

@@ -1,0 +1,28 @@
+"""The static steps: a layer loop specialised to one placement, built once per KV cache, that replaces the eager
+decoder (models/) where it applies.
+
+- `gpu_decode.StaticDecoder`: a decode step as CUDA graphs between the CPU-expert hand-offs;
+- `cpu_decode.CpuDecoder`: a decode step on the CPU as one C call a token;
+- `gpu_prefill.StaticPrefill`: a prompt ubatch as one CUDA graph when every weight is on one GPU.
+
+A constructor that finds the model or placement outside what its step covers raises NotApplicable, and the
+eager decoder runs instead."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class NotApplicable(Exception):
+    """This static step does not cover the model or placement; the eager decoder runs."""
+
+
+class DecodeStep(Protocol):
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        """Logits of `token` at position `pos`, its keys and values written to the cache."""
+
+
+class PromptStep(Protocol):
+    def forward(self, tokens: torch.Tensor, pos0: int, all_logits: bool) -> torch.Tensor:
+        """Logits of a prompt chunk that starts at pos0 (every row, or the last only)."""
