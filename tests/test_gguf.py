@@ -81,10 +81,10 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_unknown_tensor_type(tmp_path):
-    t = [("token_embd.weight", (4, 256), GGMLType.Q2_K, lambda: np.ones((4, 84), np.uint8))]
+    t = [("token_embd.weight", (4, 256), GGMLType.TQ1_0, lambda: np.ones((4, 54), np.uint8))]
     p = _write(tmp_path, "q.gguf", {}, t)
-    assert open_gguf(p).tensors["token_embd.weight"].qtype == GGMLType.Q2_K   # inspect/plan can still read it
-    with pytest.raises(HybridMoeError, match="type Q2_K.*supported: F32"):
+    assert open_gguf(p).tensors["token_embd.weight"].qtype == GGMLType.TQ1_0  # inspect/plan can still read it
+    with pytest.raises(HybridMoeError, match="type TQ1_0.*supported: F32"):
         hybridmoe.load(p)
     bad = bytearray(open(p, "rb").read())
     i = bad.index(b"token_embd.weight") + len("token_embd.weight") + 4 + 16     # name, n_dims, 2 dims

@@ -9,12 +9,13 @@ import torch
 from . import env
 from .config import ModelConfig
 from .devices import list_devices
-from .errors import HybridMoeError
+from .errors import HybridMoeError, warn
 from .formats.gguf import open_gguf
 from .generate import Sampler, SamplerSettings, Timings, generate_ids
 from .models.registry import build_decoder
 from .placement.core import PlacementOptions, plan_placement
-from .quant.types import SUPPORTED, SUPPORTED_NAMES, GGMLType
+from .quant.dequant import SUPPORTED, SUPPORTED_NAMES
+from .quant.types import GGMLType
 from .runtime.kvcache import KVCache
 from .runtime.scheduler import Scheduler
 from .runtime.steps import build_step
@@ -70,6 +71,7 @@ class Model:
             if info.qtype not in SUPPORTED:
                 raise HybridMoeError(f"{self.path}: tensor {info.name} has type {info.qtype.name}, which hybridmoe "
                                      f"cannot compute with yet (supported: {SUPPORTED_NAMES})")
+        self._warn_slow_types()
         embd = self.file.tensors.get("token_embd.weight")
         if embd is None:
             raise HybridMoeError(f"{self.path}: tensor token_embd.weight is missing; the file is not a complete model")
@@ -195,6 +197,23 @@ class Model:
             return None
         step.worked = True
         return out
+
+    def slow_tensors(self) -> dict[str, list[str]]:
+        """Type name -> tensors of that type, for types no fast kernel reads yet: they compute through the
+        reference dequantizer (correct, slow)."""
+        from .kernels.cpu import KERNEL_TYPES
+        out: dict[str, list[str]] = {}
+        for info in self.file.tensors.values():
+            if len(info.shape) > 1 and int(info.qtype) not in KERNEL_TYPES:
+                out.setdefault(info.qtype.name, []).append(info.name)
+        return out
+
+    def _warn_slow_types(self) -> None:
+        slow = self.slow_tensors()
+        if slow:
+            what = ", ".join(f"{len(v)} {t}" for t, v in sorted(slow.items()))
+            warn(f"{what} tensors have no fast kernel yet: they run through the reference dequantizer (slow); "
+                 f"the fast kernels read F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4")
 
     def _step_for(self, which: str, kv):
         """The static "decode" or "prompt" step of this cache, built at its first use (one cache at a time keeps

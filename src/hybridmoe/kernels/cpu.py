@@ -25,7 +25,7 @@ import torch.nn.functional as Fn
 
 from .. import env
 from ..errors import warn
-from ..quant.ref import dequantize
+from ..quant.dequant import dequantize
 from ..quant.types import GGMLType, block_size, row_bytes
 
 _SRC = Path(__file__).with_name("cpu_moe.c")

@@ -165,7 +165,7 @@ def dequantize_bf16(raw: torch.Tensor, qtype, n_cols: int, index: torch.Tensor |
             from ..errors import warn_fallback
             _KERNELS.pop(qtype, None)
             warn_fallback(f"the one-pass {GGMLType(qtype).name} dequantizer", e, "using the reference")
-    from ..quant.ref import dequantize
+    from ..quant.dequant import dequantize
     return dequantize(raw if index is None else raw.index_select(0, index), qtype, n_cols, dtype=torch.bfloat16)
 
 

@@ -1,5 +1,4 @@
 from .types import (  # noqa: F401
-    SUPPORTED,
     GGMLType,
     bits_per_weight,
     block_size,

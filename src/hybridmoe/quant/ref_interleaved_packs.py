@@ -56,7 +56,7 @@ def _strided(f: torch.Tensor, w: int) -> torch.Tensor:
 def _quads(L: torch.Tensor, pattern, w: int, sub: int = 32) -> torch.Tensor:
     """Per-row values L [N, R, n] -> bytes ordered (sub-block s, part m, row k, i < 4), each byte the OR
     over t of L[k, s * sub + pattern[m][t] + i] << (w * t)."""
-    N, R, n = L.shape
+    n = L.shape[2]
     off = _ar(pattern, L, len(pattern), len(pattern[0])).long()
     idx = (off.view(1, *off.shape, 1) + sub * torch.arange(n // sub, device=L.device).view(-1, 1, 1, 1)
            + torch.arange(4, device=L.device).view(1, 1, 1, 4))
@@ -76,7 +76,7 @@ def _nib_fields(s: torch.Tensor) -> torch.Tensor:
     return torch.stack([s & 15, s >> 4], -1).permute(0, 2, 3, 1).flatten(1)
 
 
-def _le(b: torch.Tensor) -> torch.Tensor:
+def le_int(b: torch.Tensor) -> torch.Tensor:
     """[..., n] bytes -> little-endian integer (int64)."""
     return sum(b[..., j].long() << (8 * j) for j in range(b.shape[-1]))
 
@@ -112,7 +112,7 @@ def _kscales(s: torch.Tensor):
 
 def _extra(b: torch.Tensor, off: int) -> torch.Tensor:
     """IQ*_K `extra` (u16, bit 2 ib + j) -> 8 bytes: byte 4 j + k holds row k's bits j, as bit ib."""
-    e = _le(b[:, :, off:off + 2])
+    e = le_int(b[:, :, off:off + 2])
     bits = (e.unsqueeze(-1) >> torch.arange(16, device=b.device)) & 1          # [N, R, 16]: 2 ib + j
     bits = bits.view(*e.shape, 8, 2) << torch.arange(8, device=b.device).view(8, 1)
     return bits.sum(2).transpose(1, 2)                                         # [N, j, k]
@@ -120,7 +120,7 @@ def _extra(b: torch.Tensor, off: int) -> torch.Tensor:
 
 def _bit_fields(b: torch.Tensor, off: int, nbytes: int, w: int) -> torch.Tensor:
     """Consecutive w-bit fields of a little-endian word -> [N, R, 8 * nbytes / w]."""
-    v = _le(b[:, :, off:off + nbytes]).unsqueeze(-1)
+    v = le_int(b[:, :, off:off + nbytes]).unsqueeze(-1)
     return (v >> (w * torch.arange(8 * nbytes // w, device=b.device))) & ((1 << w) - 1)
 
 
@@ -147,11 +147,11 @@ def _p_iq4_nl(b):
     return _cat([_rows(b, 0, 2), _quads(_nib32(b[:, :, 2:18]), _A4, 4)])
 
 
-def _q5_0_vals(b):
-    return _nib32(b[:, :, 6:22]) | (((_le(b[:, :, 2:6]).unsqueeze(-1) >> torch.arange(32, device=b.device)) & 1) << 4)
+def q5_0_values(b):
+    return _nib32(b[:, :, 6:22]) | (((le_int(b[:, :, 2:6]).unsqueeze(-1) >> torch.arange(32, device=b.device)) & 1) << 4)
 
 
-def _q6_0_vals(b):
+def q6_0_values(b):
     N, R = b.shape[:2]
     sh = _ar([[0, 4], [2, 6]], b, 1, 1, 2, 2, 1)                               # [half, j // 8]
     h = ((_i(b[:, :, 2:10]).view(N, R, 1, 1, 8) >> sh) & 3).reshape(N, R, 32)
@@ -159,12 +159,12 @@ def _q6_0_vals(b):
 
 
 def _p_q5_0(b):
-    L = _q5_0_vals(b)
+    L = q5_0_values(b)
     return _cat([_rows(b, 0, 2), _quads(L >> 4, ((0, 16, 4, 20, 8, 24, 12, 28),), 1), _quads(L & 15, _A4, 4)])
 
 
 def _p_q6_0(b):
-    L = _q6_0_vals(b)
+    L = q6_0_values(b)
     return _cat([_rows(b, 0, 2), _quads(L >> 4, _Q2, 2), _quads(L & 15, _A4, 4)])
 
 
@@ -257,12 +257,12 @@ def _p_iq5_k(b):
 def _p_iq2_xxs(b):      # (after sign scrambling) grid bytes then sas, per 32-group
     N, R = b.shape[:2]
     g = b[:, :, 2:66].reshape(N, R, 8, 8)
-    return _cat([_rows(b, 0, 2), _sas(_le(g[..., 4:8])), g[..., 0:4].transpose(1, 2)])
+    return _cat([_rows(b, 0, 2), _sas(le_int(g[..., 4:8])), g[..., 0:4].transpose(1, 2)])
 
 
 def _p_iq3_xxs(b):
     N, R = b.shape[:2]
-    return _cat([_rows(b, 0, 2), _sas(_le(b[:, :, 66:98].reshape(N, R, 8, 4))), _by_unit(b, 2, 66, 8)])
+    return _cat([_rows(b, 0, 2), _sas(le_int(b[:, :, 66:98].reshape(N, R, 8, 4))), _by_unit(b, 2, 66, 8)])
 
 
 def _p_iq2_xs(b):
@@ -312,7 +312,7 @@ def _p_bf16(b):
 
 # ------------------------------------------------------------------------ sign-code scrambling
 
-def _scramble(c: torch.Tensor) -> torch.Tensor:
+def scramble(c: torch.Tensor) -> torch.Tensor:
     """7-bit sign code -> its prefix XOR (bit j = XOR of bits 0..j)."""
     t = c
     for s in range(1, 7):
@@ -320,7 +320,7 @@ def _scramble(c: torch.Tensor) -> torch.Tensor:
     return t & 127
 
 
-def _unscramble(t: torch.Tensor) -> torch.Tensor:
+def unscramble(t: torch.Tensor) -> torch.Tensor:
     return (t ^ (t << 1)) & 127
 
 
@@ -331,7 +331,7 @@ def _recode(width: int, spans, shifts):
         n = rows.shape[0]
         blk = rows[:, hdr:].reshape(n, -1, bb).clone()
         for off in spans:
-            w = _le(blk[..., off:off + width])
+            w = le_int(blk[..., off:off + width])
             for s in shifts:
                 w = (w & ~(127 << s)) | (fn((w >> s) & 127) << s)
             blk[..., off:off + width] = ((w.unsqueeze(-1) >> (8 * torch.arange(width, device=w.device))) & 255).to(torch.uint8)
@@ -342,3 +342,15 @@ def _recode(width: int, spans, shifts):
 _IQ2XXS_CODES = _recode(4, [2 + 8 * ib + 4 for ib in range(8)], (0, 7, 14, 21))
 _IQ3XXS_CODES = _recode(4, [66 + 4 * ib for ib in range(8)], (0, 7, 14, 21))
 _IQ2XS_CODES = _recode(2, [2 + 2 * j for j in range(32)], (9,))
+
+
+PACKS = {
+    "Q4_0_R8": _p_q4_0, "MXFP4_R8": _p_q4_0, "Q8_0_R8": _p_q8_0, "Q5_0_R4": _p_q5_0, "Q6_0_R4": _p_q6_0,
+    "IQ4_NL_R4": _p_iq4_nl, "Q2_K_R4": _p_q2_k, "Q3_K_R4": _p_q3_k, "Q4_K_R4": _p_q4_k, "Q5_K_R4": _p_q5_k,
+    "Q6_K_R4": _p_q6_k, "IQ4_XS_R8": _p_iq4_xs, "IQ4_KS_R4": _p_iq4_ks, "IQ5_KS_R4": _p_iq5_ks,
+    "IQ2_K_R4": _p_iq2_k, "IQ3_K_R4": _p_iq3_k, "IQ4_K_R4": _p_iq4_k, "IQ5_K_R4": _p_iq5_k,
+    "IQ2_XXS_R4": _p_iq2_xxs, "IQ3_XXS_R4": _p_iq3_xxs, "IQ2_XS_R4": _p_iq2_xs, "IQ2_S_R4": _p_iq2_s,
+    "IQ3_S_R4": _p_iq3_s, "IQ1_S_R4": _p_iq1_s, "IQ1_M_R4": _p_iq1_m, "IQ2_BN_R4": _p_iq2_bn,
+    "Q8_K_R8": _p_q8_k, "Q8_KV_R8": _p_q8_kv, "BF16_R16": _p_bf16,
+}
+RECODE = {"IQ2_XXS_R4": _IQ2XXS_CODES, "IQ3_XXS_R4": _IQ3XXS_CODES, "IQ2_XS_R4": _IQ2XS_CODES}

@@ -1,40 +1,53 @@
-"""ggml tensor types: block sizes and which ones hybridmoe computes with."""
+"""ggml tensor types: every id llama.cpp and ik_llama.cpp write (quant/ggml_table.py), their geometry, and
+which ones hybridmoe computes with."""
 from __future__ import annotations
 
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as GGMLType
+from enum import IntEnum
 
-# Types with a reference dequantizer (quant/ref.py) and therefore loadable.
-SUPPORTED = (
-    GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
-    GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
-)
-SUPPORTED_NAMES = ", ".join(t.name for t in SUPPORTED)
+from .ggml_table import BY_ID, QType
+
+# Every type id of either project, by its ggml name (ik_llama.cpp's names for its own types: IQ4_KS, IQ2_KT,
+# IQ4_K_R4...). An IntEnum, so members compare and hash as their ids.
+GGMLType = IntEnum("GGMLType", [(q.name, q.id) for q in sorted(BY_ID.values(), key=lambda q: q.id)])
 
 
-def block_size(qtype: GGMLType) -> int:
-    return GGML_QUANT_SIZES[qtype][0]
+def _info(qtype) -> QType:
+    return BY_ID[int(qtype)]
 
 
-def type_size(qtype: GGMLType) -> int:
+def block_size(qtype) -> int:
+    return _info(qtype).block_size
+
+
+def type_size(qtype) -> int:
     """Bytes per block."""
-    return GGML_QUANT_SIZES[qtype][1]
+    return _info(qtype).block_bytes
 
 
-def row_bytes(qtype: GGMLType, n: int) -> int:
-    """Bytes of one row of n elements (n must be a multiple of the block size)."""
-    bs, ts = GGML_QUANT_SIZES[qtype]
-    return n // bs * ts
+def row_header_bytes(qtype) -> int:
+    """Bytes before a row's blocks (the per-row scale of ik_llama.cpp's _KS / _KT types), else 0."""
+    return _info(qtype).row_header_bytes
 
 
-def bits_per_weight(qtype: GGMLType) -> float:
-    bs, ts = GGML_QUANT_SIZES[qtype]
-    return ts * 8 / bs
+def interleave(qtype) -> int:
+    """Rows stored interleaved together (4 or 8 for the _R4 / _R8 types), else 1."""
+    return _info(qtype).interleave
+
+
+def row_bytes(qtype, n: int) -> int:
+    """Bytes of one row of n elements, per-row header included (n must be a multiple of the block size)."""
+    q = _info(qtype)
+    return q.row_header_bytes + n // q.block_size * q.block_bytes
+
+
+def bits_per_weight(qtype) -> float:
+    q = _info(qtype)
+    return q.block_bytes * 8 / q.block_size
 
 
 def type_from_id(type_id: int) -> GGMLType | None:
+    """The type of an id either project writes, or None."""
     try:
-        t = GGMLType(type_id)
+        return GGMLType(int(type_id))
     except ValueError:
         return None
-    return t if t in GGML_QUANT_SIZES else None

@@ -114,7 +114,8 @@ class KVCache:
         for buf, kind, x in ((self.k[layer], self.type_k, k), (self.v[layer], self.type_v, v)):
             x = x.transpose(0, 1)                            # [n_kv, T, D]
             if kind == "q8_0":
-                from ..quant.ref import dequantize, quantize
+                from ..quant.dequant import dequantize
+                from ..quant.ref import quantize
                 buf[:, put] = quantize(x.float(), GGMLType.Q8_0)
                 out.append(dequantize(buf[:, get], GGMLType.Q8_0, x.shape[-1]))
             else:

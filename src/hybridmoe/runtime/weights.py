@@ -14,7 +14,7 @@ import torch
 from .. import env
 from ..devices import Device
 from ..quant.ref import can_split, join_rows, split_rows
-from ..quant.types import GGMLType, row_bytes
+from ..quant.types import GGMLType, interleave, row_bytes
 from . import hostmem
 
 FLOAT_DTYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
@@ -43,6 +43,13 @@ class QTensor:
 
     def dequant(self, dtype=torch.float32, index=None) -> torch.Tensor:
         """Dequantized weights (optionally rows `index` of the outermost dim, e.g. selected experts)."""
+        r = interleave(self.qtype)
+        if index is not None and r > 1 and self.raw.dim() == 2:
+            # rows of an _R4 / _R8 matrix (embedding lookups) are stored in groups: dequantize their groups
+            groups = self.raw.view(-1, r, self.raw.shape[-1])[index // r]
+            rows = QTensor(self.name, groups.reshape(-1, self.raw.shape[-1]), self.qtype, self.shape, self.device,
+                           self.split).dequant(dtype).view(-1, r, self.shape[-1])
+            return rows[torch.arange(rows.shape[0], device=rows.device), (index % r).to(rows.device)]
         raw = self.raw if index is None else self.raw[index]
         if self.split:
             raw = join_rows(raw, self.qtype)
@@ -51,7 +58,7 @@ class QTensor:
         if raw.is_cuda and dtype == torch.bfloat16:
             from ..kernels.gpu_dequant import dequantize_bf16
             return dequantize_bf16(raw, self.qtype, self.shape[-1])
-        from ..quant.ref import dequantize
+        from ..quant.dequant import dequantize
         return dequantize(raw, self.qtype, self.shape[-1], dtype=dtype)
 
     def cached(self, dtype=torch.float32) -> torch.Tensor:
