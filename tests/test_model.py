@@ -167,6 +167,7 @@ def test_warmup_leaves_an_empty_cache_and_fresh_statistics():
     assert (t.n_cached, t.n_prompt) == (0, len(IDS)) and m.stats.forwards == 4
 
 
+@pytest.mark.slow
 def test_run_conversation_mode_runs_only_each_turns_new_tokens():
     """`hybridmoe run -cnv` (llama-cli's conversation mode) on a real pipe: a turn per input line, the earlier
     turns from the cache; an empty line is skipped and /exit ends."""
@@ -187,6 +188,7 @@ def test_run_conversation_mode_runs_only_each_turns_new_tokens():
     assert replies[0] == t.n_generated and 1 <= replies[1] <= 6
 
 
+@pytest.mark.slow
 def test_run_json_schema_and_grammar(tmp_path):
     """`hybridmoe run -j SCHEMA` / `--grammar GBNF` (llama-cli's): the random model writes what the schema or
     grammar accepts and ends; a schema or grammar it cannot use is a one-line error."""
@@ -197,11 +199,12 @@ def test_run_json_schema_and_grammar(tmp_path):
     for extra in (["--temp", "0", "-j", json.dumps(schema)], ["--temp", "1", "-s", "3", "-j", json.dumps(schema)]):
         r = subprocess.run(base + extra, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
-        v = json.loads(r.stdout[len("JSON:"):])
+        assert r.stdout.startswith("JSON:\n")                   # the prompt, then the reply from the next line
+        v = json.loads(r.stdout[len("JSON:\n"):])
         assert v["a"] in (1, 2) and len(v["b"]) <= 3 and all(isinstance(x, bool) for x in v["b"])
     r = subprocess.run(base + ["--temp", "0", "--grammar", 'root ::= "a" [b-d]{2,4} "!"'], capture_output=True,
                        text=True, timeout=300)
-    assert r.returncode == 0 and re.fullmatch(r"a[b-d]{2,4}!", r.stdout[len("JSON:"):].strip()), r.stdout
+    assert r.returncode == 0 and re.fullmatch(r"JSON:\na[b-d]{2,4}!\n", r.stdout), r.stdout
     f = tmp_path / "s.json"
     f.write_text(json.dumps({"type": "string", "not": {}}))
     for extra, words in ((["--json-schema-file", str(f)], "'not', which hybridmoe cannot enforce"),

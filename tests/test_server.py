@@ -43,7 +43,9 @@ class Running:
 
 
 def listening_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY) only on such sockets, as `serve` makes them; with
+    # proto 0 every answer waited ~40 ms for the client's delayed ACK
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
@@ -1202,6 +1204,7 @@ def test_saved_slot_with_sliding_window_rings(tmp_path):
     assert "".join(m.generate(more, 6, temperature=0, timings=t2)) == want and t2.n_cached == t1.n_cached > 0
 
 
+@pytest.mark.slow
 def test_random_requests_get_answers_not_crashes(srv, http, tmp_path, monkeypatch):
     """Random bodies, well-formed or not, to the generating endpoints: a 200 or a 4xx (or /infill's 501 on
     a model without FIM tokens) with a JSON error, never a 500."""
@@ -1308,6 +1311,7 @@ def serve_argv(*args) -> list[str]:
     return [sys.executable, "-c", SERVE, *args]
 
 
+@pytest.mark.slow
 def test_serve_command(srv, tmp_path):
     used_port = srv.url.rsplit(":", 1)[1]
     keys = tmp_path / "keys"

@@ -18,6 +18,7 @@ COMMANDS = {
     "serve": ("hybridmoe.commands.serve", "OpenAI-compatible HTTP server (llama-server)"),
     "bench": ("hybridmoe.commands.bench", "llama-bench"),
     "sweep-bench": ("hybridmoe.commands.sweep_bench", "llama-sweep-bench"),
+    "perplexity": ("hybridmoe.commands.perplexity", "perplexity and KL divergence of a text (llama-perplexity)"),
 }
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ModelFileError
+from .errors import ModelFileError, printable
 
 ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "deepseek2", "gpt-oss")
 
@@ -66,94 +66,104 @@ class ModelConfig:
 
     @classmethod
     def from_metadata(cls, md: dict, path: str = "model", n_vocab: int | None = None) -> "ModelConfig":
-        arch = md.get("general.architecture")
-        if arch is None:
-            raise ModelFileError(path, "metadata key general.architecture is missing", "the file is not a model")
-        arch = str(arch)
-        if arch not in ARCHITECTURES:
-            raise ModelFileError(path, f"architecture {arch!r} is not supported",
-                                 f"supported: {', '.join(ARCHITECTURES)}")
-
-        def get(key, default=None, required=True):
-            full = f"{arch}.{key}"
-            if full in md:
-                return md[full]
-            if required and default is None:
-                raise ModelFileError(path, f"metadata key {full} is missing", f"a {arch} GGUF must have it")
-            return default
-
-        n_embd = int(get("embedding_length"))
-        n_head = int(get("attention.head_count"))
-        head_dim = int(get("attention.key_length", n_embd // n_head))
+        """The config a GGUF's metadata describes, every key read through formats.validate.Meta (typed, in
+        range) and the keys checked against each other: a bad file is one ModelFileError."""
+        from .formats import validate as v
+        arch = v.architecture(md, path, ARCHITECTURES)
+        m = v.Meta(md, path, arch + ".")
+        n_embd = m.count("embedding_length", hi=v.MAX_EMBD)
+        n_head = m.count("attention.head_count", hi=v.MAX_HEADS)
+        head_dim = m.count("attention.key_length", n_embd // n_head or 1, hi=v.MAX_HEAD_DIM)
         if n_vocab is None:
-            toks = md.get("tokenizer.ggml.tokens")
-            n_vocab = int(get("vocab_size", len(toks) if toks is not None else None))
+            if m.has("vocab_size"):
+                n_vocab = m.count("vocab_size", hi=v.MAX_VOCAB)
+            else:
+                n_vocab = len(v.Meta(md, path).str_array("tokenizer.ggml.tokens"))
+        n_expert = m.count("expert_count", 0, lo=0, hi=v.MAX_EXPERTS)
         cfg = cls(
             arch=arch,
-            n_layer=int(get("block_count")),
+            n_layer=m.count("block_count", hi=v.MAX_LAYERS),
             n_embd=n_embd,
             n_head=n_head,
-            n_head_kv=int(get("attention.head_count_kv", n_head)),
+            n_head_kv=m.count("attention.head_count_kv", n_head, hi=n_head),
             head_dim=head_dim,
             n_vocab=n_vocab,
-            n_ctx_train=int(get("context_length", 4096)),
-            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_base=float(get("rope.freq_base", 10000.0)),
-            n_ff=int(get("feed_forward_length", 0)),
-            n_expert=int(get("expert_count", 0)),
-            n_expert_used=int(get("expert_used_count", 0)),
-            n_ff_exp=int(get("expert_feed_forward_length", 0)),
-            norm_topk_prob=bool(get("expert_weights_norm", True)),
+            n_ctx_train=m.count("context_length", 4096, hi=v.MAX_CTX),
+            rms_eps=m.real("attention.layer_norm_rms_epsilon", 1e-6, lo=0.0, hi=1.0),
+            rope_base=m.real("rope.freq_base", 10000.0, lo=0.0, lo_open=True),
+            n_ff=m.count("feed_forward_length", 0, lo=0, hi=v.MAX_FF),
+            n_expert=n_expert,
+            n_expert_used=m.count("expert_used_count", 0, lo=0 if not n_expert else 1, hi=max(n_expert, 0)),
+            n_ff_exp=m.count("expert_feed_forward_length", 0, lo=0, hi=v.MAX_FF),
+            norm_topk_prob=m.flag("expert_weights_norm", True),
             rope_neox=arch in ("qwen3moe", "qwen3"),
             qk_norm=arch in ("qwen3moe", "qwen3"),
-            name=str(md.get("general.name", arch)),
+            name=v.model_name(md, arch),
         )
+        if arch in ("qwen3", "llama") and not n_expert and cfg.n_ff < 1:
+            raise m.fail("feed_forward_length", "is missing or 0", "a dense model needs its FFN width")
         if arch == "deepseek2":
             cfg.n_head_kv = cfg.n_head
-            cfg.head_dim = int(get("attention.key_length"))
-            cfg.v_head_dim = int(get("attention.value_length"))
-            cfg.rope_dim = int(get("rope.dimension_count"))
-            cfg.q_lora_rank = int(get("attention.q_lora_rank", 0, required=False))
-            cfg.kv_lora_rank = int(get("attention.kv_lora_rank"))
-            cfg.n_layer_dense_lead = int(get("leading_dense_block_count", 0, required=False))
-            cfg.n_expert_shared = int(get("expert_shared_count", 0, required=False))
-            cfg.expert_gating = "sigmoid" if int(get("expert_gating_func", 1, required=False)) == 2 else "softmax"
-            cfg.expert_weights_scale = float(get("expert_weights_scale", 1.0, required=False))
-            cfg.norm_topk_prob = bool(get("expert_weights_norm", False, required=False))
-            cfg.n_expert_groups = int(get("expert_group_count", 1, required=False)) or 1
-            cfg.n_group_used = int(get("expert_group_used_count", 1, required=False)) or 1
+            cfg.head_dim = m.count("attention.key_length", hi=v.MAX_HEAD_DIM)
+            cfg.v_head_dim = m.count("attention.value_length", hi=v.MAX_HEAD_DIM)
+            cfg.rope_dim = m.count("rope.dimension_count", hi=v.MAX_HEAD_DIM)
+            cfg.q_lora_rank = m.count("attention.q_lora_rank", 0, lo=0, hi=v.MAX_EMBD)
+            cfg.kv_lora_rank = m.count("attention.kv_lora_rank", hi=v.MAX_EMBD)
+            cfg.n_layer_dense_lead = m.count("leading_dense_block_count", 0, lo=0, hi=cfg.n_layer)
+            cfg.n_expert_shared = m.count("expert_shared_count", 0, lo=0, hi=v.MAX_EXPERTS)
+            cfg.expert_gating = "sigmoid" if m.count("expert_gating_func", 1, lo=0, hi=3) == 2 else "softmax"
+            cfg.expert_weights_scale = m.real("expert_weights_scale", 1.0, lo=0.0, hi=1e6, lo_open=True)
+            cfg.norm_topk_prob = m.flag("expert_weights_norm", False)
+            cfg.n_expert_groups = m.count("expert_group_count", 1, lo=0, hi=max(n_expert, 1)) or 1
+            cfg.n_group_used = m.count("expert_group_used_count", 1, lo=0, hi=max(n_expert, 1)) or 1
+            if not n_expert or cfg.n_layer_dense_lead == cfg.n_layer:
+                if cfg.n_ff < 1:
+                    raise m.fail("feed_forward_length", "is missing or 0", "dense layers need their FFN width")
+            if cfg.n_layer_dense_lead and cfg.n_ff < 1:
+                raise m.fail("feed_forward_length", "is missing or 0", "the leading dense layers need their FFN width")
         if arch == "gpt-oss":
             # llama.cpp's openai-moe: NeoX RoPE with YaRN, every other layer (the even ones) slides over
             # attention.sliding_window positions; SwiGLU constants are fixed there (no metadata key)
             cfg.rope_neox = True
             cfg.n_ff = 0                                  # feed_forward_length repeats the expert width
-            cfg.head_dim = int(get("attention.key_length", n_embd // n_head))
-            if int(get("attention.value_length", cfg.head_dim, required=False)) != cfg.head_dim:
+            cfg.head_dim = m.count("attention.key_length", n_embd // n_head or 1, hi=v.MAX_HEAD_DIM)
+            if m.count("attention.value_length", cfg.head_dim, hi=v.MAX_HEAD_DIM) != cfg.head_dim:
                 raise ModelFileError(path, "gpt-oss with value_length != key_length is not supported")
-            cfg.sliding_window = int(get("attention.sliding_window"))
+            cfg.sliding_window = m.count("attention.sliding_window", hi=v.MAX_CTX)
             cfg.swa_pattern = 2
             cfg.expert_gating = "softmax_topk"
             cfg.norm_topk_prob = False
         if arch in ("deepseek2", "gpt-oss"):
-            scaling = str(md.get(f"{arch}.rope.scaling.type", "none"))
+            scaling = m.text("rope.scaling.type", "none", limit=64)
             if scaling == "yarn":
                 cfg.rope_yarn = dict(
-                    factor=float(get("rope.scaling.factor")),
-                    orig_ctx=int(get("rope.scaling.original_context_length")),
-                    beta_fast=float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
-                    beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0, required=False)),
+                    factor=m.real("rope.scaling.factor", lo=1.0, hi=1e6),
+                    orig_ctx=m.count("rope.scaling.original_context_length", hi=v.MAX_CTX),
+                    beta_fast=m.real("rope.scaling.yarn_beta_fast", 32.0, lo=0.0, hi=1e6, lo_open=True),
+                    beta_slow=m.real("rope.scaling.yarn_beta_slow", 1.0, lo=0.0, hi=1e6, lo_open=True),
                     # llama.cpp stores 0.1 * mscale_all_dim as the log multiplier
-                    mscale_all_dim=float(get("rope.scaling.yarn_log_multiplier", 0.0, required=False)) / 0.1)
+                    mscale_all_dim=m.real("rope.scaling.yarn_log_multiplier", 0.0, lo=-100.0, hi=100.0) / 0.1)
                 if arch == "gpt-oss":
                     # OpenAI's reference (and transformers' config, truncate=False) keeps the correction
                     # range unrounded
                     cfg.rope_yarn["truncate"] = False
             elif scaling not in ("none", ""):
-                raise ModelFileError(path, f"RoPE scaling {scaling!r} is not supported yet",
+                raise ModelFileError(path, f"RoPE scaling {printable(scaling)} is not supported yet",
                                      "supported: none, yarn; plan and inspect work")
         if arch in ("qwen3moe", "gpt-oss") and not (cfg.n_expert and cfg.n_expert_used and cfg.n_ff_exp):
             raise ModelFileError(path, f"{arch} metadata lacks expert_count, expert_used_count or "
                                  "expert_feed_forward_length", "the file is incomplete")
-        if cfg.n_head % cfg.n_head_kv:
-            raise ModelFileError(path, f"head_count {cfg.n_head} is not a multiple of head_count_kv {cfg.n_head_kv}")
+        v.check_config(cfg, path)
         return cfg
+
+
+# bytes per cached value of each KV cache type (-ctk / -ctv)
+KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
+
+
+def kv_bytes_per_position(cfg: ModelConfig, type_k: str = "f16", type_v: str = "f16") -> float:
+    """KV cache bytes one layer stores per position. MLA (deepseek2) caches kv_lora_rank + the rope dims,
+    K only; other attention K and V of every KV head."""
+    if cfg.kv_lora_rank:
+        return (cfg.kv_lora_rank + cfg.rope_dim) * KV_TYPE_BYTES[type_k]
+    return cfg.n_head_kv * cfg.head_dim * (KV_TYPE_BYTES[type_k] + KV_TYPE_BYTES[type_v])

@@ -69,10 +69,12 @@ class Sampler:
         s = self.s
         logits = self.adjust(logits)
         c = self.constraint
-        if s.temperature <= 0:
+        scaled = logits.float() / s.temperature if s.temperature > 0 else None
+        # greedy at 0, and at a temperature so small that the logits overflow (its limit)
+        if scaled is None or not bool(torch.isfinite(scaled.max())):
             tok = int(torch.argmax(logits))
             return tok if c is None or c.allows(tok) else c.best(logits)
-        logits = logits.float() / s.temperature
+        logits = scaled
         if s.top_k > 0:
             v, idx = torch.topk(logits, min(s.top_k, logits.numel()))
         else:
@@ -83,6 +85,7 @@ class Sampler:
             keep &= (torch.cumsum(p, -1) - p) < s.top_p
         if s.min_p > 0:
             keep &= p >= s.min_p * p[0]
+        keep[0] = True              # the most likely stays, as llama.cpp's min_keep (top_p 5e-324 is 0 in float32)
         p = torch.where(keep, p, torch.zeros_like(p))
         while True:
             j = int(torch.multinomial(p / p.sum(), 1, generator=self.gen))

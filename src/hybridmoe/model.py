@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import torch
@@ -9,12 +10,12 @@ import torch
 from . import env
 from .config import ModelConfig
 from .devices import list_devices
-from .errors import HybridMoeError, warn
+from .errors import HybridMoeError, ModelFileError, NonFiniteError, one_line, warn
 from .formats.gguf import open_gguf
 from .generate import Sampler, SamplerSettings, Timings, generate_ids
 from .models.registry import build_decoder
 from .placement.core import PlacementOptions, plan_placement
-from .quant.dequant import SUPPORTED, SUPPORTED_NAMES
+from .quant.dequant import SUPPORTED
 from .quant.types import GGMLType
 from .runtime.kvcache import KVCache
 from .runtime.scheduler import Scheduler
@@ -31,6 +32,7 @@ class RuntimeOptions:
     profile: bool = False
     check_fit: bool = True
     graphs: bool = True                        # static decode step, GPU segments as CUDA graphs
+    check_tensors: bool = False                # --check-tensors: scan every tensor for NaN/inf at load
 
 
 
@@ -39,7 +41,11 @@ RUNTIME_ALIASES = {"t": "threads", "op": "offload_policy", "ooae": "offload_only
 
 
 def resolve_model_path(path: str) -> str:
-    """`synth:PRESET` makes (or reuses) a synthetic model file; anything else is a path."""
+    """`builtin` is the trained model shipped in the package; `synth:PRESET` makes (or reuses) a synthetic model
+    file; anything else is a path."""
+    if path == "builtin":
+        from .models.builtin import builtin_path
+        return builtin_path()
     if path.startswith("synth:"):
         from .models.synth import ensure_synth
         return ensure_synth(path[len("synth:"):])
@@ -64,24 +70,20 @@ class Model:
         self.path = resolve_model_path(str(path))
         self.options, self.runtime = options, runtime
         self.file = open_gguf(self.path)
-        arch = str(self.file.metadata.get("general.architecture", ""))
-        for info in self.file.tensors.values():
-            if info.qtype == GGMLType.MXFP4 and arch == "gpt-oss" and info.name.endswith("_exps.weight"):
-                continue                 # gpt-oss's own expert type: the C kernels and quant/ref.py read it
-            if info.qtype not in SUPPORTED:
-                raise HybridMoeError(f"{self.path}: tensor {info.name} has type {info.qtype.name}, which hybridmoe "
-                                     f"cannot compute with yet (supported: {SUPPORTED_NAMES})")
+        self.cfg = self._validate(runtime.check_tensors)
         self._warn_slow_types()
-        embd = self.file.tensors.get("token_embd.weight")
-        if embd is None:
-            raise HybridMoeError(f"{self.path}: tensor token_embd.weight is missing; the file is not a complete model")
-        self.cfg = ModelConfig.from_metadata(self.file.metadata, self.path, n_vocab=embd.shape[0])
-        self._check_tensors()
+        from .text.tokenizer import Tokenizer
+        self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path, n_vocab=self.cfg.n_vocab)
         if not options.ctx_size:                              # -c 0: the training context, as llama.cpp
             self.options = options = dataclasses.replace(options, ctx_size=self.cfg.n_ctx_train)
+        if options.ctx_size > self.cfg.n_ctx_train:          # llama.cpp warns the same
+            warn(f"-c {options.ctx_size} is larger than the context the model was trained on ({self.cfg.n_ctx_train} "
+                 f"tokens): past that its output may degrade; use -c {self.cfg.n_ctx_train} or less (-c 0: the model's)")
         devs = list_devices()
         self.devices = {d.name: d for d in devs}
         self.placement = plan_placement(self.file.tensors, self.cfg, options, devs)
+        for w in dict.fromkeys(self.placement.warnings):      # -ngl without a GPU, split pairs, RAM over, ...
+            warn(w)
         if runtime.check_fit:
             self.placement.check_fits()
         self.weights = load_weights(self.file, self.placement, self.devices)
@@ -97,24 +99,39 @@ class Model:
                                profile=runtime.profile, rates=rates)
         self.set_policy(runtime.offload_policy, runtime.offload_only_active_experts, runtime.fused_moe)
         self.decoder = build_decoder(self.cfg, self.weights, self.sched)
-        from .text.tokenizer import Tokenizer
-        self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path)
         self._steps = {}                                      # "decode" / "prompt" -> (cache, its static step)
         self._free_cache = None
         self.load_seconds = time.perf_counter() - t0
 
-    def _check_tensors(self):
+    def _validate(self, check_all: bool) -> ModelConfig:
+        """formats/validate.py's checks, before anything is sized by the file: the metadata (config), the
+        tensors it implies (names, shapes, types), and NaN/inf in the small tensors (norms, biases, routers;
+        every tensor with --check-tensors)."""
+        from .formats import validate
         from .models.tensors import tensor_shapes
-        for name, shape in tensor_shapes(self.cfg):
-            info = self.file.tensors.get(name)
-            if info is None:
-                if name == "output.weight":
-                    continue                                  # tied to token_embd
-                raise HybridMoeError(f"{self.path}: tensor {name} is missing for a {self.cfg.arch} model "
-                                     f"of {self.cfg.n_layer} layers")
-            if tuple(info.shape) != tuple(shape):
-                raise HybridMoeError(f"{self.path}: tensor {name} has shape {list(info.shape)}, "
-                                     f"expected {list(shape)} from the metadata")
+        f, path = self.file, self.path
+        arch = f.metadata.get("general.architecture")
+        for info in f.tensors.values():
+            if info.qtype == GGMLType.MXFP4 and arch == "gpt-oss" and info.name.endswith("_exps.weight"):
+                continue                 # gpt-oss's own expert type: the C kernels and quant/ref.py read it
+            if info.qtype not in SUPPORTED:
+                names = [t.name for t in SUPPORTED]
+                raise ModelFileError(path, f"tensor {validate.key_text(info.name)} has type {info.qtype.name}, which "
+                                     "hybridmoe cannot compute with yet",
+                                     f"supported: {', '.join(names[:6])} and {len(names) - 6} more")
+        embd = f.tensors.get("token_embd.weight")
+        if embd is None or len(embd.shape) != 2:
+            raise ModelFileError(path, "tensor token_embd.weight is missing or not 2-D",
+                                 "the file is not a complete model")
+        cfg = ModelConfig.from_metadata(f.metadata, path, n_vocab=embd.shape[0])
+        validate.check_layer_count(f.tensors, cfg.n_layer, f"{cfg.arch}.block_count", path)
+        validate.check_tensors(f.tensors, tensor_shapes(cfg), cfg.arch, cfg.n_layer, path, SUPPORTED)
+        if check_all:
+            validate.check_finite(f, list(f.tensors), path, "--check-tensors: the file is corrupt")
+        else:
+            small = [n for n, t in f.tensors.items() if validate.is_small(n, t.shape, t.nbytes)]
+            validate.check_finite(f, small, path, "the file is corrupt; --check-tensors scans every tensor")
+        return cfg
 
     def set_policy(self, offload_policy: str | None = None, only_active="auto", fused_moe: bool = True):
         """-op / -ooae / -fmoe on the loaded model (bench switches them without a reload)."""
@@ -160,8 +177,35 @@ class Model:
         the CPU); writes their keys and values and records them in kv.tokens."""
         kv.begin_write(pos0, tokens.shape[0])
         out = self._forward(tokens, pos0, kv, all_logits)
+        if not bool(torch.isfinite(out).all()):               # cheap; the diagnostic pass only when they are bad
+            raise NonFiniteError(self._nonfinite_message(tokens, pos0, kv))
         kv.end_write(pos0, tokens.tolist())
         return out
+
+    def _nonfinite_message(self, tokens: torch.Tensor, pos0: int, kv: KVCache) -> str:
+        """Why the logits were not finite: the first layer whose output is not, found by running the tokens
+        (one ubatch of them) once more through the eager path with every layer's output checked."""
+        cfg = self.cfg
+        found = []
+
+        def watch(i, x):
+            if not found and not bool(torch.isfinite(x).all()):
+                found.append(i)
+                raise _Stop
+        try:
+            self.decoder.forward(tokens[:kv.ubatch], pos0, kv, all_logits=False, watch=watch)
+        except _Stop:
+            pass
+        except Exception:                                   # noqa: BLE001 - the diagnosis is best effort
+            pass
+        if not found:
+            where = "in the output layer (output_norm, output), every layer's output being finite"
+        elif found[0] < 0:
+            where = "in the token embeddings (token_embd.weight)"
+        else:
+            where = f"first in the output of layer {found[0]} of {cfg.n_layer} (blk.{found[0]}.*)"
+        return one_line(f"{os.path.basename(self.path)}: the model computed non-finite values (NaN or inf) {where}; "
+                        "generation stopped (corrupt or overflowing weights: --check-tensors scans them at load)")
 
     def _forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool) -> torch.Tensor:
         T = tokens.shape[0]
@@ -310,6 +354,10 @@ class Model:
         tail = stream.flush()
         if tail:
             yield tail
+
+
+class _Stop(Exception):
+    """Ends the diagnostic pass at the first non-finite layer output."""
 
 
 def load(path, **options) -> Model:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import HybridMoeError, warn
+from ..errors import HybridMoeError
 from ..placement.options import add_compat_args, compat_notes
 from .sweep_bench import memory_report, progress_bar, random_tokens
 
@@ -113,7 +113,8 @@ OPTS = tuple(Opt(*row) for row in (
 
 def setup_arg_parser(p):
     p.add_argument("-m", "--model", action="append", default=None,
-                   help="GGUF file or synth:PRESET; repeatable (default: synth:tiny)")
+                   help="GGUF file, builtin or synth:PRESET; repeatable (default: builtin, or synth:tiny where "
+                        "the package has no built-in model)")
     p.add_argument("-p", "--n-prompt", action="append", default=None, metavar="N[,N..]", help="default 512")
     p.add_argument("-n", "--n-gen", action="append", default=None, metavar="N[,N..]", help="default 128")
     p.add_argument("-pg", action="append", default=[], metavar="PP,TG", help="a pp+tg test; repeatable")
@@ -132,6 +133,8 @@ def setup_arg_parser(p):
                         "on one loaded model, so drift over the run (warm-up, the VM) does not favour the first")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show progress on stderr (default: when stderr is a terminal)")
+    from .common import add_check_tensors_arg
+    add_check_tensors_arg(p)
     g = p.add_argument_group("parameters: comma lists (-ot, -op: ';' lists); every combination is run")
     for o in OPTS:
         g.add_argument(*o.flags.split(), dest=f"opt_{o.dest}", action="append", default=None, metavar="V",
@@ -320,7 +323,11 @@ def main(args) -> int:
         print(note, file=sys.stderr)
     if args.delay < 0:
         raise HybridMoeError(f"--delay {args.delay}: give a number of seconds, 0 or more")
-    models = args.model or ["synth:tiny"]
+    if not args.model:
+        from ..models.builtin import default_model
+        models = [default_model()]
+    else:
+        models = args.model
     tests = list_tests(args)
     depths = _ints(args.n_depth, [0])
     sets, values = parameter_sets(args)
@@ -340,9 +347,7 @@ def main(args) -> int:
             for path in models:
                 for group in groups.values():
                     bar.describe(f"loading {path}")
-                    model = hybridmoe.load(path, **load_kwargs(group, ctx))
-                    for w in dict.fromkeys(model.placement.warnings):
-                        warn(w)
+                    model = hybridmoe.load(path, **load_kwargs(group, ctx), check_tensors=args.check_tensors)
                     # llama-bench's order: config by config (or, --interleave, all of them per test)
                     batches = [group] if args.interleave else [[p] for p in group]
                     # --roofline with weights in host RAM: the RAM's read bandwidth is measured again around

@@ -4,9 +4,14 @@ from __future__ import annotations
 import argparse
 
 
-def add_model_args(p: argparse.ArgumentParser, model_default: str | None = "synth:tiny"):
+def add_model_args(p: argparse.ArgumentParser, model_default: str | None = None):
+    """-m; its default is the built-in trained model (synth:tiny in a checkout that has none)."""
+    if model_default is None:
+        from ..models.builtin import default_model
+        model_default = default_model()
     p.add_argument("-m", "--model", default=model_default,
-                   help="GGUF file (first part of a split model) or synth:PRESET (default: %(default)s)")
+                   help="GGUF file (first part of a split model), builtin (the small trained model shipped in "
+                        "the package) or synth:PRESET (default: %(default)s)")
 
 
 def add_runtime_args(p: argparse.ArgumentParser):
@@ -24,6 +29,13 @@ def add_runtime_args(p: argparse.ArgumentParser):
                    "(a captured decode or prompt step is timed as a whole; --no-graphs times every op)")
     p.add_argument("--no-graphs", action="store_true", help="run decode (and prompts with every weight on one GPU) eagerly, "
                    "without the static steps and CUDA graphs")
+    add_check_tensors_arg(p)
+
+
+def add_check_tensors_arg(p: argparse.ArgumentParser):
+    p.add_argument("--check-tensors", action="store_true",
+                   help="scan every tensor for NaN and inf at load, as llama.cpp's flag (slow: reads the whole file; "
+                        "without it only norms, biases and routers are checked)")
 
 
 def add_warmup_arg(p: argparse.ArgumentParser):
@@ -33,9 +45,13 @@ def add_warmup_arg(p: argparse.ArgumentParser):
 
 
 def warmup(model, args):
+    """llama.cpp's warm-up, said before its pause (the first run compiles the CPU kernels: seconds) and timed
+    after it."""
     if not args.no_warmup:
         import sys
-        print(f"warmed up in {model.warmup():.2f} s (--no-warmup to skip)", file=sys.stderr)
+        print("warming up (a two-token prompt and one decode step: compiles kernels, captures graphs; --no-warmup "
+              "skips it) ...", file=sys.stderr, flush=True)
+        print(f"warmed up in {model.warmup():.2f} s", file=sys.stderr)
         g, k = model.decode_share()
         if g:
             print(f"decode share: the GPU runs {g} of each CPU layer's {k} experts, read over the bus "
@@ -50,7 +66,7 @@ def runtime_kwargs(args) -> dict:
     kw = dataclasses.asdict(options_from_args(args))
     kw.update(threads=args.threads, offload_policy=args.offload_policy,
               offload_only_active_experts=args.offload_only_active_experts, fused_moe=bool(args.fused_moe),
-              profile=args.profile, graphs=not args.no_graphs)
+              profile=args.profile, graphs=not args.no_graphs, check_tensors=getattr(args, "check_tensors", False))
     return kw
 
 

@@ -29,7 +29,7 @@ def load_records(spec: str) -> tuple[ModelConfig, dict[str, TensorInfo]]:
     """Config and tensor records of a .gguf path (first part of a split model) or `catalog:NAME[:TYPES]`."""
     if spec.startswith(CATALOG_PREFIX):
         return catalog_model(spec[len(CATALOG_PREFIX):])
-    if spec.startswith("synth:"):
+    if spec.startswith("synth:") or spec == "builtin":
         from ..model import resolve_model_path
         spec = resolve_model_path(spec)
     model = open_gguf(spec)
@@ -38,7 +38,7 @@ def load_records(spec: str) -> tuple[ModelConfig, dict[str, TensorInfo]]:
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--model", required=True, metavar="MODEL",
-                        help="a .gguf file (first part of a split model), synth:PRESET, or catalog:NAME[:EXPERT_TYPE[:OTHER_TYPE]] "
+                        help="a .gguf file (first part of a split model), builtin, synth:PRESET, or catalog:NAME[:EXPERT_TYPE[:OTHER_TYPE]] "
                         f"with NAME one of {', '.join(catalog_names())}")
 
 
@@ -174,7 +174,8 @@ def _suggest(args, cfg, tensors, opts, devices, rates, rig, source) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the plan; exit status 1 when some GPU is over its free memory (the last line says what to try)."""
+    """Print the plan; exit status 1 when some GPU is over its free memory (the last line says what to try). A CPU
+    side over the available RAM ends with "does not fit in RAM" and what to do, but exits 0: mmap runs it, slowly."""
     cfg, tensors = load_records(args.model)
     opts = options_from_args(args)
     devices, rates, rig, source = _machine(args)
@@ -190,6 +191,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         doc = placement_to_json(placement)
         doc["error"] = problem
+        doc["ram_error"] = placement.ram_shortfall()
         doc["explain"] = {n: placement.explain(n) for n in args.explain}
         doc["rig"] = rig.name if rig else None
         doc["predicted"] = _prediction_doc(pred, source) if pred else None
@@ -202,6 +204,12 @@ def main(args: argparse.Namespace) -> int:
             print(placement.explain(name))
         if pred:
             print(f"\npredicted (roofline bound, rates from {source}): {pred.line()}")
-        print(f"\ndoes not fit: {problem}" if problem else "\nfits: every GPU has room for its weights, KV cache "
-              "and compute buffers")
+        ram = placement.ram_shortfall()
+        if ram:                     # it still runs (mmap pages from disk): said, but exit status 0 for it alone
+            print(f"\ndoes not fit in RAM: {ram}")
+        if problem:                 # last: the line the exit status is about
+            print(("" if ram else "\n") + f"does not fit: {problem}")
+        if not problem and not ram:
+            print("\nfits: " + ("every GPU has room for its weights, KV cache and compute buffers, and the CPU side "
+                                 "fits in RAM" if placement.gpus else "weights, KV cache and compute buffers fit in RAM"))
     return 1 if problem else 0

@@ -33,6 +33,8 @@ def setup_arg_parser(p):
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed (-1: random)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--no-display-prompt", dest="display_prompt", action="store_false",
+                   help="print only the generated text (by default the prompt comes first, on lines of its own)")
     p.add_argument("-cnv", "--conversation", action="store_true",
                    help="chat turn by turn: read user messages from standard input (/exit or end of input "
                         "ends); each turn runs only its new tokens, the earlier ones stay in the KV cache")
@@ -53,6 +55,7 @@ def setup_arg_parser(p):
 def main(args) -> int:
     import hybridmoe
 
+    from ..errors import HybridMoeError
     from ..generate import Timings
     prompt, _ = text_or_file(args.prompt, args.file, "-p")
     schema, gram = json_schema(args), grammar(args)
@@ -74,13 +77,21 @@ def main(args) -> int:
         return 0
     prompt = "Once upon a time" if prompt is None else prompt
     timings = Timings()
-    if not args.chat:
-        sys.stdout.write(prompt)
+    if not args.chat and args.display_prompt:
+        echo_prompt(prompt, sys.stdout)
     n = 64 if args.n_predict is None else args.n_predict
-    for piece in model.generate(prompt, n, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
-                                chat=args.chat, timings=timings, template_kwargs=template_kwargs, **gen):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    last = ""
+    try:
+        for piece in model.generate(prompt, n, args.temp, args.seed, args.top_k, args.top_p, args.min_p,
+                                    chat=args.chat, timings=timings, template_kwargs=template_kwargs, **gen):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            last = piece or last
+    except (HybridMoeError, KeyboardInterrupt):
+        if last and not last.endswith("\n"):             # the error (NaN, a full context) starts on its own line
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
     sys.stdout.write("\n")
     print(timings.format(), file=sys.stderr)
     if args.profile:
@@ -91,6 +102,17 @@ def main(args) -> int:
             print("  (run `hybridmoe calibrate` once to compare the CPU experts with this machine's read bandwidth)",
                   file=sys.stderr)
     return 0
+
+
+def echo_prompt(prompt: str, out):
+    """The prompt before the generated text, which starts on the next line (so that the two are never read
+    as one); on a terminal the prompt is dimmed (unless NO_COLOR is set), as llama-cli colours it."""
+    import os
+    dim = out.isatty() and not os.environ.get("NO_COLOR")
+    out.write(f"\x1b[2m{prompt}\x1b[0m" if dim else prompt)
+    if not prompt.endswith("\n"):
+        out.write("\n")
+    out.flush()
 
 
 def json_schema(args):

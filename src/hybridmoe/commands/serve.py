@@ -7,6 +7,7 @@ import sys
 
 from .. import env
 from ..errors import warn
+from ..serve.transport import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT
 from .common import (
     add_model_args,
     add_runtime_args,
@@ -38,6 +39,11 @@ def setup_arg_parser(p):
     p.add_argument("--metrics", action="store_true",
                    help="serve GET /metrics (Prometheus text, llama-server's metric names)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body, in MiB (default: 8)")
+    p.add_argument("-to", "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="N",
+                   help="llama-server's read/write timeout: a client that stops sending a request it began, or "
+                        "stops reading its answer, is cut off after N seconds (default: %(default)g)")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="open connections at most; more get a 503 to their first request (default: %(default)s)")
     p.add_argument("--reasoning-format", default="auto", choices=["auto", "deepseek", "none"],
                    help="llama-server's: auto and deepseek return a reply's <think>...</think> as "
                         "reasoning_content, none leaves it in the content (default: %(default)s)")
@@ -114,10 +120,15 @@ def main(args) -> int:
     import hybridmoe
 
     from ..errors import HybridMoeError
+    from ..serve import transport
     from ..serve.app import create_app
 
     if args.max_body_mb <= 0:
         raise HybridMoeError(f"--max-body-mb {args.max_body_mb}: give a positive size")
+    if not args.timeout > 0:
+        raise HybridMoeError(f"--timeout {args.timeout}: give a positive number of seconds")
+    if args.max_connections < 1:
+        raise HybridMoeError(f"--max-connections {args.max_connections}: give at least 1")
     api_key = api_keys(args)
     if args.n_predict == 0 or args.n_predict < -1:
         raise HybridMoeError(f"-n {args.n_predict}: give a positive number of tokens, or -1 for no limit")
@@ -139,7 +150,8 @@ def main(args) -> int:
         if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
             warn("listening beyond this machine without --api-key: anyone who can reach the port "
                  "can use the model")
-        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+        config = transport.config(app, timeout=args.timeout, max_connections=args.max_connections,
+                                  log_level=args.log_level, timeout_graceful_shutdown=5)
         try:
             uvicorn.Server(config).run(sockets=[sock])
         except KeyboardInterrupt:

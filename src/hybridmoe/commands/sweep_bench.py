@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..errors import warn
+from ..errors import progress
 from .common import add_model_args, add_runtime_args, runtime_kwargs
 
 HEADER = ("PP", "TG", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s")
@@ -25,39 +25,12 @@ def random_tokens(gen: torch.Generator, vocab: int, n: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=gen).tolist() if n else []
 
 
-class _Bar:
-    def __init__(self, prog=None, task=None, title=""):
-        self.prog, self.task, self.title = prog, task, title
-
-    def describe(self, text: str):
-        if self.prog is not None:
-            self.prog.update(self.task, description=f"{self.title}: {text}")
-
-    def advance(self, n: int = 1):
-        if self.prog is not None:
-            self.prog.advance(self.task, n)
-
-
 @contextmanager
 def progress_bar(enabled: bool, total: int, title: str):
-    """A transient rich progress bar on stderr (stdout keeps only the results), or a no-op."""
-    if not enabled:
-        yield _Bar()
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-    # stdout on the same terminal is printed above the bar; redirected stdout is never touched
-    prog = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True, redirect_stdout=sys.stdout.isatty(),
-                    redirect_stderr=False)
-    with prog:
-        yield _Bar(prog, prog.add_task(title, total=total), title)
+    """A transient rich progress bar on stderr (stdout keeps only the results), or a no-op; bars of the work
+    inside (loading a model) stay hidden under it."""
+    with progress(title, total, enabled=enabled) as bar:
+        yield bar
 
 
 def memory_report():
@@ -138,9 +111,7 @@ def main(args) -> int:
 
     from ..errors import HybridMoeError
     kw = runtime_kwargs(args)
-    model = hybridmoe.load(args.model, **kw)
-    for w in dict.fromkeys(model.placement.warnings):
-        warn(w)
+    model = hybridmoe.load(args.model, **kw)                # load() says the placement's warnings
     o = model.options
     n_ctx = o.ctx_size or model.cfg.n_ctx_train
     pp = o.ubatch_size

@@ -12,12 +12,14 @@ The schemas it enforces, and the SchemaError for others: json_schema.py.
 """
 from __future__ import annotations
 
+import bisect
 import json
 
 from .json_schema import (
     BY_NAME,
     KIND_START,
     MAX_DEPTH,
+    MAX_NUMBER,
     ORDERED,
     _patterns,
     _Schemas,
@@ -27,7 +29,6 @@ from .json_schema import (
 WS = frozenset(b" \t\n\r")
 MAX_INDENT = 20       # whitespace between tokens is llama.cpp's: one space, or a newline and at most 20 spaces or
                       # tabs (a model stuck on whitespace has to go on)
-MAX_NUMBER = 40       # bytes of one number
 REGEX_TIMEOUT_S = 0.05  # one pattern check at most
 DIGITS = frozenset(b"0123456789")
 REFEED = 2            # a frame's step result: it ended without taking the byte, which goes to its parent
@@ -420,23 +421,29 @@ class _Union(_Frame):
 
 class _Literal(_Frame):
     """One of a few fixed texts (true, false, null, an enum's values; header: text before the value, which
-    control tokens may spell)."""
+    control tokens may spell). `options` is sorted, so the texts a prefix begins are found by bisection
+    (an enum may have thousands)."""
     __slots__ = ("options", "buf", "header")
 
     def __init__(self, options, header=False):
         self.options, self.buf, self.header = options, b"", header
 
+    def _has(self, text: bytes) -> bool:
+        i = bisect.bisect_left(self.options, text)
+        return i < len(self.options) and self.options[i] == text
+
     def can_finish(self):
-        return self.buf in self.options
+        return self._has(self.buf)
 
     def step(self, c, m):
-        nb = self.buf + bytes((c,))
-        if any(o.startswith(nb) for o in self.options):
+        nb, opts = self.buf + bytes((c,)), self.options
+        i = bisect.bisect_left(opts, nb)                  # the first text that nb begins, if any
+        if i < len(opts) and opts[i].startswith(nb):
             self.buf = nb
-            if nb in self.options and not any(len(o) > len(nb) and o.startswith(nb) for o in self.options):
-                m.pop(nb)
+            if opts[i] == nb and not (i + 1 < len(opts) and opts[i + 1].startswith(nb)):
+                m.pop(nb)                                 # complete, and no longer text goes on from it
             return True
-        if self.buf in self.options:
+        if self._has(self.buf):
             m.pop(self.buf)
             return REFEED
         return False
@@ -461,7 +468,7 @@ class JsonMachine:
             check_schema(schema)
         m = object.__new__(cls)
         m.schemas = _Schemas({})
-        m.stack = [_Root(), _Value(True, by_prefix=dict(options)), _Literal(tuple(options), header=True)]
+        m.stack = [_Root(), _Value(True, by_prefix=dict(options)), _Literal(tuple(sorted(options)), header=True)]
         return m
 
     def _sub(self, schema) -> "JsonMachine":
@@ -535,13 +542,26 @@ class JsonMachine:
         self.stack.pop()
         self.stack[-1].child_done(value, self)
 
+    def _literal_options(self, s: dict) -> dict[bytes, tuple[bytes, ...]]:
+        """An enum's or const's texts by their first byte, written once per schema document (not each time a
+        value may start: a big enum written for every token tried cost seconds a token)."""
+        values = s["const"] if "const" in s else s["enum"]
+        key = ("const" in s, id(values))
+        hit = self.schemas.literals.get(key)
+        if hit is None:
+            by_first: dict[bytes, list] = {}
+            for o in _literals([values] if "const" in s else values):
+                by_first.setdefault(o[:1], []).append(o)
+            hit = self.schemas.literals[key] = (values, {k: tuple(sorted(v)) for k, v in by_first.items()})
+        return hit[1]                                   # (the values are kept, so their id stays theirs)
+
     def open(self, schema, c: int):
         """The frame for a value of `schema` that starts with byte c, or None."""
         s = self.schemas.resolve(schema)
         if s is False:
             return None
         if isinstance(s, dict) and ("const" in s or "enum" in s):
-            opts = tuple(o for o in _literals([s["const"]] if "const" in s else s["enum"]) if o[:1] == bytes((c,)))
+            opts = self._literal_options(s).get(bytes((c,)))
             return _Literal(opts) if opts else None
         if isinstance(s, dict) and ("anyOf" in s or "oneOf" in s):
             alts = [a for a in s.get("anyOf", s.get("oneOf"))
@@ -560,7 +580,7 @@ class JsonMachine:
         if c in KIND_START["number"] and kinds & {"number", "integer"}:
             return _Number(d, integer="number" not in kinds)
         if c in b"tf" and "boolean" in kinds:
-            return _Literal((b"true", b"false"))
+            return _Literal((b"false", b"true"))
         if c == 0x6E and "null" in kinds:
             return _Literal((b"null",))
         return None

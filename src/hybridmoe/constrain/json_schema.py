@@ -9,12 +9,19 @@ the bytes tell them apart; oneOf is taken as anyOf), allOf (merged), $ref into t
 maxLength, pattern (with the `regex` module's partial matching), minimum, maximum, exclusiveMinimum,
 exclusiveMaximum, and the formats date, time, date-time and uuid. Annotations (title, description, default,
 examples, other formats, ...) are accepted and not enforced.
+
+A schema that no value can satisfy is refused too (`_check_satisfiable`, per subschema): the parser would
+dead-end in it, or write an enum value its other keywords refuse.
 """
 from __future__ import annotations
 
+import decimal
 import functools
+import json
+import math
 
 MAX_DEPTH = 64        # objects and arrays open at once (each check copies the stack)
+MAX_NUMBER = 40       # bytes of one number the parser writes
 KIND_START = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789",
               "integer": b"-0123456789", "boolean": b"tf", "null": b"n"}
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "format", "$schema", "$id", "$comment",
@@ -45,6 +52,7 @@ class _Schemas:
 
     def __init__(self, root):
         self.root = root
+        self.literals: dict = {}        # json_machine's cache of enum / const texts
 
     def resolve(self, s):
         for _ in range(64):
@@ -162,6 +170,114 @@ def _kind_of(v) -> str:
     return ("null" if v is None else "boolean" if isinstance(v, bool) else "number" if isinstance(v, (int, float))
             else "string" if isinstance(v, str) else "array" if isinstance(v, list) else "object")
 
+def _number_text(s: dict, integer: bool) -> str | None:
+    """The shortest text (no exponent: bounded numbers have none) of at most MAX_NUMBER bytes that a number
+    between s's bounds can be written as, or None when the bounds leave none."""
+    inf = float("inf")
+    lo, lo_x = s.get("minimum", -inf), s.get("exclusiveMinimum", -inf)
+    hi, hi_x = s.get("maximum", inf), s.get("exclusiveMaximum", inf)
+
+    def fits(t: str) -> bool:
+        v = float(t)
+        return len(t) <= MAX_NUMBER and lo <= v <= hi and v > lo_x and v < hi_x
+    if fits("0"):
+        return "0"
+    low, high = max(lo, lo_x), min(hi, hi_x)
+    with decimal.localcontext() as ctx:
+        ctx.prec = 2000                              # exact for any float or JSON integer that fits a number
+        for k in range(1 if integer else MAX_NUMBER):
+            for side, edge in ((1, low), (-1, high)):
+                if not (math.isfinite(edge) and side * edge >= 0 and -side * (high if side > 0 else low) < 0):
+                    continue                         # that side of 0 is empty, or its edge is not a number
+                c = decimal.Decimal(edge).scaleb(k).to_integral_value(
+                    decimal.ROUND_CEILING if side > 0 else decimal.ROUND_FLOOR).scaleb(-k)
+                for cand in (c, c + side * decimal.Decimal(1).scaleb(-k)):
+                    t = format(cand, "f")
+                    if len(t) <= MAX_NUMBER and fits(t):
+                        return t
+    return None
+
+
+def _mismatch(v, s: dict) -> str | None:
+    """Why the value v of an enum or const breaks the other keywords of s (the parser writes such values as
+    they are), or None. Checks v itself, not what it holds."""
+    t = s.get("type")
+    kinds = set(t) if isinstance(t, list) else {t} if t is not None else None
+    kind = _kind_of(v)
+    is_int = kind == "number" and (isinstance(v, int) or float(v).is_integer())
+    if kinds is not None and kind not in kinds and not (is_int and "integer" in kinds):
+        return f"is {'an integer' if is_int else 'a ' + kind}, not {' or '.join(sorted(kinds))}"
+    if kind == "string":
+        if len(v) < s.get("minLength", 0) or len(v) > s.get("maxLength", len(v)):
+            return "has a length outside minLength..maxLength"
+        for p in _patterns(s):
+            if not p.search(v):
+                return "does not match the pattern or format"
+    elif kind == "number":
+        inf = float("inf")
+        if not (s.get("minimum", -inf) <= v <= s.get("maximum", inf) and v > s.get("exclusiveMinimum", -inf)
+                and v < s.get("exclusiveMaximum", inf)):
+            return "is outside the bounds"
+    elif kind == "array":
+        if len(v) < s.get("minItems", 0) or len(v) > s.get("maxItems", len(v)):
+            return "has a length outside minItems..maxItems"
+    elif kind == "object":
+        missing = [r for r in s.get("required", []) if r not in v]
+        if missing:
+            return f"lacks the required {missing[0]!r}"
+        if s.get("additionalProperties", True) is False and not set(v) <= set(s.get("properties", {})):
+            return "has properties that additionalProperties: false forbids"
+    return None
+
+
+def _check_satisfiable(S: _Schemas, s: dict, where: str):
+    """Refuse a subschema whose keywords contradict each other for a kind it allows (minLength > maxLength,
+    bounds that leave no number, minItems > maxItems, an enum value of another type, ...): the parser would
+    either dead-end or write a value the schema does not accept."""
+    def show(v):
+        text = json.dumps(v, ensure_ascii=False)
+        return text if len(text) <= 60 else text[:57] + "..."
+    if "const" in s or "enum" in s:
+        values = [s["const"]] if "const" in s else s["enum"]
+        if "const" in s and "enum" in s and show(s["const"]) not in {show(e) for e in s["enum"]}:
+            raise SchemaError(f"{where}: 'const' {show(s['const'])} is not one of its 'enum'; nothing can match")
+        bad = [(v, why) for v in values for why in [_mismatch(v, s)] if why]
+        if bad:
+            key = "const" if "const" in s else "enum"
+            v, why = bad[0]
+            raise SchemaError(f"{where}: the {key} value {show(v)} {why}, so the schema refuses it; "
+                              f"{'nothing can match' if len(bad) == len(values) else 'remove it'}")
+        return
+    kinds = S.kinds(s)
+    if "string" in kinds and s.get("minLength", 0) > s.get("maxLength", float("inf")):
+        raise SchemaError(f"{where}: minLength {s['minLength']} is more than maxLength {s['maxLength']}: no string "
+                          f"can match")
+    if "array" in kinds:
+        lo, hi = s.get("minItems", 0), s.get("maxItems", float("inf"))
+        if s.get("items", True) is False:
+            hi = min(hi, len(s.get("prefixItems", [])))
+        if lo > hi:
+            raise SchemaError(f"{where}: minItems {lo} is more than the {hi} items that maxItems (or items: false "
+                              f"after prefixItems) allows: no array can match")
+    if kinds & {"number", "integer"} and {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(s):
+        integer = "number" not in kinds
+        if _number_text(s, integer) is None:
+            bounds = ", ".join(f"{k} {s[k]}" for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+                               if k in s)
+            inf = float("inf")
+            lo, hi = max(s.get("minimum", -inf), s.get("exclusiveMinimum", -inf)), \
+                min(s.get("maximum", inf), s.get("exclusiveMaximum", inf))
+            why = "" if lo > hi or (lo == hi and ("exclusiveMinimum" in s or "exclusiveMaximum" in s)) else \
+                f" that can be written without an exponent in at most {MAX_NUMBER} characters"
+            raise SchemaError(f"{where}: the bounds ({bounds}) leave no {'integer' if integer else 'number'}{why}")
+    if "object" in kinds:
+        props = s.get("properties", {})
+        for r in s.get("required", []):
+            sub = props.get(r, s.get("additionalProperties", True))
+            if S.resolve(sub) is False:
+                raise SchemaError(f"{where} requires {r!r}, which its schema forbids (false): no object can match")
+
+
 def check_schema(schema) -> None:
     """Raise SchemaError unless every part of `schema` is in the supported subset (module docstring)."""
     S = _Schemas(schema)
@@ -232,6 +348,7 @@ def check_schema(schema) -> None:
                 raise SchemaError(f"{where}.{key} must be a non-empty array of schemas")
             for i, a in enumerate(alts):
                 walk(a, f"{where}.{key}[{i}]", depth + 1)
+        _check_satisfiable(S, s, where)
     try:
         walk(schema, "schema")
     except RecursionError:              # allOf / $ref chains resolve recursively

@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 import math
+import os
 
 import gguf
 import numpy as np
 import torch
 
+from ..errors import progress
 from ..quant.types import row_bytes
 from .gguf import GGUFModel
 
 _ARRAY_TYPES = {np.dtype(np.int32): gguf.GGUFValueType.INT32, np.dtype(np.float32): gguf.GGUFValueType.FLOAT32,
                 np.dtype(np.uint32): gguf.GGUFValueType.UINT32}
 _SKIP = {"general.architecture", "general.alignment"}
+PROGRESS_BYTES = 256 << 20          # files from this size on show a progress bar while written (on a terminal)
 
 
 def add_kv(w: gguf.GGUFWriter, k: str, v):
@@ -54,11 +57,16 @@ def write_gguf(path: str, arch: str, metadata: dict, tensors):
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, shape, qtype, make in tensors:
-        data = make()
-        if isinstance(data, torch.Tensor):
-            data = data.contiguous().view(torch.uint8).numpy()
-        w.write_tensor_data(np.ascontiguousarray(data).view(np.uint8))
+    total = sum(math.prod(shape[:-1]) * row_bytes(qtype, shape[-1]) for _, shape, qtype, _ in tensors)
+    with progress(f"writing {os.path.basename(path)}", total, "bytes", enabled=None if total >= PROGRESS_BYTES
+                  else False) as bar:
+        for name, shape, qtype, make in tensors:
+            data = make()
+            if isinstance(data, torch.Tensor):
+                data = data.contiguous().view(torch.uint8).numpy()
+            data = np.ascontiguousarray(data).view(np.uint8)
+            w.write_tensor_data(data)
+            bar.advance(data.nbytes)
     w.close()
 
 

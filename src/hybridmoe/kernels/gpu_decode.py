@@ -482,6 +482,14 @@ def stage_experts(ids, j0: int, srcs, dsts):
 _DISABLED: set = set()                                  # types whose MoE kernels failed to build on this GPU
 
 
+def share_layout_ok(qtypes, expert_bytes) -> bool:
+    """The decode share's static rule (the runtime's step and the planner both ask it): the GPU's decode
+    kernels read the experts' types (gate and up alike) and each expert is whole 16-byte runs, so
+    stage_experts can copy it with wide loads."""
+    gate, up, down = qtypes
+    return gate == up and all(q in QTYPES for q in (gate, down)) and all(b and b % 16 == 0 for b in expert_bytes)
+
+
 def supports(gate_qtype, up_qtype, down_qtype) -> bool:
     return triton is not None and gate_qtype == up_qtype and \
         all(q in QTYPES and q not in _DISABLED for q in (gate_qtype, down_qtype))

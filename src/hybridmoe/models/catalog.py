@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ARCHITECTURES, ModelConfig
-from ..errors import HybridMoeError, ModelFileError
+from ..errors import HybridMoeError
 from ..formats.gguf import TensorInfo, tensor_info_from_shape
 from ..quant.types import GGMLType, block_size
 from .tensors import tensor_shapes
@@ -193,33 +193,50 @@ def catalog_model(name: str, expert=None, other=None) -> tuple[ModelConfig, dict
 
 
 def config_for_planning(md: dict, path: str, tensors: dict[str, TensorInfo]) -> ModelConfig:
-    """ModelConfig of a GGUF file; for architectures hybridmoe can't run, a PlanConfig from generic keys."""
-    arch = str(md.get("general.architecture", ""))
-    if (arch in ARCHITECTURES and arch != "deepseek2") or not arch:
-        # deepseek2 runs now, but planning keeps the generic reader: it sizes the KV cache as MLA stores it
-        return ModelConfig.from_metadata(md, path)
+    """ModelConfig of a GGUF file; for architectures hybridmoe can't run, a PlanConfig from generic keys. Every
+    key is read through formats.validate.Meta (typed, in range), and a supported architecture's tensors are
+    checked against its metadata (validate.check_tensors), as load() checks them."""
+    from ..formats import validate as v
+    arch = v.architecture(md, path)
+    if arch in ARCHITECTURES and arch != "deepseek2":
+        cfg = ModelConfig.from_metadata(md, path)
+        v.check_layer_count(tensors, cfg.n_layer, f"{arch}.block_count", path)
+        v.check_tensors(tensors, tensor_shapes(cfg), arch, cfg.n_layer, path)
+        return cfg
+    # deepseek2 runs now, but planning keeps the generic reader: it sizes the KV cache as MLA stores it
+    m = v.Meta(md, path, arch + ".")
 
-    def get(key, default=None):
-        v = md.get(f"{arch}.{key}", default)
-        if v is None:
-            raise ModelFileError(path, f"metadata key {arch}.{key} is missing", "placement needs it")
-        if hasattr(v, "__len__") and not isinstance(v, str):   # per-layer arrays (some archs): take the max
-            v = max(v)
-        return v
-    n_embd, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-    toks = md.get("tokenizer.ggml.tokens")
+    def count(key, default=v.MISSING, lo=1, hi=v.MAX_FF):
+        return m.count(key, default, lo=lo, hi=hi, per_layer=True)     # per-layer arrays: the largest
+    n_embd, n_head = count("embedding_length", hi=v.MAX_EMBD), count("attention.head_count", hi=v.MAX_HEADS)
     emb = tensors.get("token_embd.weight")
-    n_vocab = len(toks) if toks is not None else (emb.shape[0] if emb is not None else int(get("vocab_size")))
-    n_shared = int(get("expert_shared_count", 0))
-    return PlanConfig(
-        arch=arch, n_layer=int(get("block_count")), n_embd=n_embd, n_head=n_head,
-        n_head_kv=int(get("attention.head_count_kv", n_head)),
-        head_dim=int(get("attention.key_length", n_embd // n_head)), n_vocab=n_vocab,
-        n_ctx_train=int(get("context_length", 4096)), rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_base=float(get("rope.freq_base", 10000.0)), n_ff=int(get("feed_forward_length", 0)),
-        n_expert=int(get("expert_count", 0)), n_expert_used=int(get("expert_used_count", 0)),
-        n_ff_exp=int(get("expert_feed_forward_length", 0)), name=str(md.get("general.name", arch)),
-        kv_lora_rank=int(get("attention.kv_lora_rank", 0)), q_lora_rank=int(get("attention.q_lora_rank", 0)),
-        rope_dim=int(get("rope.dimension_count", 0)) if int(get("attention.kv_lora_rank", 0)) else 0,
-        n_layer_dense_lead=int(get("leading_dense_block_count", 0)), n_expert_shared=n_shared,
-        n_ff_shexp=int(get("expert_feed_forward_length", 0)) if n_shared else 0)
+    if "tokenizer.ggml.tokens" in md:
+        n_vocab = len(v.Meta(md, path).str_array("tokenizer.ggml.tokens"))
+    elif emb is not None:
+        n_vocab = emb.shape[0]
+    else:
+        n_vocab = count("vocab_size", hi=v.MAX_VOCAB)
+    n_shared = count("expert_shared_count", 0, lo=0, hi=v.MAX_EXPERTS)
+    kv_lora = count("attention.kv_lora_rank", 0, lo=0, hi=v.MAX_EMBD)
+    n_expert = count("expert_count", 0, lo=0, hi=v.MAX_EXPERTS)
+    n_layer = count("block_count", hi=v.MAX_LAYERS)
+    v.check_layer_count(tensors, n_layer, f"{arch}.block_count", path)
+    cfg = PlanConfig(
+        arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+        n_head_kv=count("attention.head_count_kv", n_head, hi=v.MAX_HEADS),
+        head_dim=count("attention.key_length", n_embd // n_head or 1, hi=v.MAX_HEAD_DIM), n_vocab=n_vocab,
+        n_ctx_train=count("context_length", 4096, hi=v.MAX_CTX),
+        rms_eps=m.real("attention.layer_norm_rms_epsilon", 1e-6, lo=0.0, hi=1.0),
+        rope_base=m.real("rope.freq_base", 10000.0, lo=0.0, lo_open=True),
+        n_ff=count("feed_forward_length", 0, lo=0),
+        n_expert=n_expert, n_expert_used=count("expert_used_count", 0, lo=0, hi=max(n_expert, 0)),
+        n_ff_exp=count("expert_feed_forward_length", 0, lo=0), name=v.model_name(md, arch),
+        kv_lora_rank=kv_lora, q_lora_rank=count("attention.q_lora_rank", 0, lo=0, hi=v.MAX_EMBD),
+        rope_dim=count("rope.dimension_count", 0, lo=0, hi=v.MAX_HEAD_DIM) if kv_lora else 0,
+        n_layer_dense_lead=count("leading_dense_block_count", 0, lo=0, hi=n_layer), n_expert_shared=n_shared,
+        n_ff_shexp=count("expert_feed_forward_length", 0, lo=0) if n_shared else 0)
+    if cfg.n_head % cfg.n_head_kv:
+        raise m.fail("attention.head_count_kv", f"found {cfg.n_head_kv}, expected a divisor of head_count {cfg.n_head}")
+    if n_expert and not 1 <= cfg.n_expert_used <= n_expert:
+        raise m.fail("expert_used_count", f"found {cfg.n_expert_used}, expected 1..expert_count ({n_expert})")
+    return cfg

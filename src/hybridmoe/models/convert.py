@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
-from ..errors import ModelFileError
-from ..formats.gguf_write import write_gguf
+from ..errors import ModelFileError, progress
+from ..formats.gguf_write import PROGRESS_BYTES, write_gguf
 from ..quant.types import GGMLType
 from .synth import config_metadata
 from .tensors import default_qtype, tensor_shapes
@@ -158,34 +158,39 @@ def read_hf_tensors(hf_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if not files:
         raise ModelFileError(hf_dir, "no .safetensors files", "save the model with save_pretrained")
     out, experts = {}, {}
-    for fn in files:
-        with safe_open(os.path.join(hf_dir, fn), "pt") as f:
-            for k in f.keys():
-                t = f.get_tensor(k).float()
-                if cfg.arch == "gpt-oss":
-                    named = gpt_oss_tensor(k, t)
-                    if not named:
-                        raise ModelFileError(fn, f"tensor {k!r} has no GGUF name", "the checkpoint is not a "
-                                             "plain gpt-oss model (MXFP4 blocks: dequantize it first)")
-                    out.update(named)
-                elif m := _EXPERT_RE.match(k):
-                    experts[(int(m[1]), m[3], int(m[2]))] = t
-                elif k in TOP_NAMES:
-                    out[TOP_NAMES[k]] = t
-                elif (m := _LAYER_RE.match(k)) and m[2] in LAYER_NAMES:
-                    out[f"blk.{m[1]}.{LAYER_NAMES[m[2]]}.weight"] = t
-                elif k.endswith(".mlp.gate.e_score_correction_bias"):
-                    out[f"blk.{k.split('.')[2]}.exp_probs_b.bias"] = t
-                elif k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
-                    i = int(k.split(".")[2])
-                    if k.endswith("gate_up_proj"):                # fused [E, 2F, H] (transformers' in-memory form)
-                        g, u = t.chunk(2, dim=1)
-                        out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = g, u
+    total = sum(os.path.getsize(os.path.join(hf_dir, fn)) for fn in files)
+    with progress(f"reading {os.path.basename(os.path.normpath(hf_dir))}", total, "bytes",
+                  enabled=None if total >= PROGRESS_BYTES else False) as bar:
+        for fn in files:
+            with safe_open(os.path.join(hf_dir, fn), "pt") as f:
+                for k in f.keys():
+                    t = f.get_tensor(k)
+                    bar.advance(t.numel() * t.element_size())
+                    t = t.float()
+                    if cfg.arch == "gpt-oss":
+                        named = gpt_oss_tensor(k, t)
+                        if not named:
+                            raise ModelFileError(fn, f"tensor {k!r} has no GGUF name", "the checkpoint is not a "
+                                                 "plain gpt-oss model (MXFP4 blocks: dequantize it first)")
+                        out.update(named)
+                    elif m := _EXPERT_RE.match(k):
+                        experts[(int(m[1]), m[3], int(m[2]))] = t
+                    elif k in TOP_NAMES:
+                        out[TOP_NAMES[k]] = t
+                    elif (m := _LAYER_RE.match(k)) and m[2] in LAYER_NAMES:
+                        out[f"blk.{m[1]}.{LAYER_NAMES[m[2]]}.weight"] = t
+                    elif k.endswith(".mlp.gate.e_score_correction_bias"):
+                        out[f"blk.{k.split('.')[2]}.exp_probs_b.bias"] = t
+                    elif k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
+                        i = int(k.split(".")[2])
+                        if k.endswith("gate_up_proj"):                # fused [E, 2F, H] (transformers' in-memory form)
+                            g, u = t.chunk(2, dim=1)
+                            out[f"blk.{i}.ffn_gate_exps.weight"], out[f"blk.{i}.ffn_up_exps.weight"] = g, u
+                        else:
+                            out[f"blk.{i}.ffn_down_exps.weight"] = t
                     else:
-                        out[f"blk.{i}.ffn_down_exps.weight"] = t
-                else:
-                    raise ModelFileError(fn, f"tensor {k!r} has no GGUF name", "the checkpoint is not a plain "
-                                         f"{cfg.arch} model")
+                        raise ModelFileError(fn, f"tensor {k!r} has no GGUF name", "the checkpoint is not a plain "
+                                             f"{cfg.arch} model")
     for i in range(cfg.n_layer):
         for proj in ("gate", "up", "down"):
             parts = [experts.get((i, proj, e)) for e in range(cfg.n_expert)]
@@ -224,6 +229,29 @@ def convert_hf(hf_dir: str, out_path: str, expert_type=GGMLType.F32, other_type=
         plan.append((name, shape, qt, (lambda t=t, qt=qt: quantize(t, qt))))
     write_gguf(out_path, cfg.arch, md, plan)
     return cfg
+
+
+def requantize(src: str, dst: str, qtype) -> str:
+    """A copy of a GGUF file with every matrix re-quantized to `qtype` through float32 (llama-quantize's job, with
+    the quantizers quant/ref.py has: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K); 1-D tensors are kept."""
+    from ..formats.gguf import open_gguf
+    from ..quant.dequant import dequantize
+    from ..quant.ref import quantize
+    from ..quant.types import row_bytes
+    m = open_gguf(src)
+    plan = []
+    for name, info in m.tensors.items():
+        if len(info.shape) < 2:
+            plan.append((name, info.shape, info.qtype, lambda info=info: m.raw(info)))
+            continue
+
+        def make(info=info):
+            rows = m.raw(info).view(-1, row_bytes(info.qtype, info.shape[-1]))
+            return quantize(dequantize(rows, info.qtype, info.shape[-1]).reshape(info.shape), qtype)
+        plan.append((name, info.shape, qtype, make))
+    md = {k: v for k, v in m.metadata.items() if not k.startswith("split.")}   # one file, whatever the source
+    write_gguf(dst, str(m.metadata["general.architecture"]), md, plan)
+    return dst
 
 
 def setup_arg_parser(p: argparse.ArgumentParser):

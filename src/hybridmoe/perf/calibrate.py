@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .. import env
+from ..errors import progress
 from .rates import Rates
 
 CACHE_VERSION = 3
@@ -167,19 +168,28 @@ def calibrate(quick: bool = False, save: bool = True) -> Rates:
     # MemTotal, not MemAvailable: on VMs whose memory grows as it is used, the latter reads far too low
     total, _ = _host_ram()
     probe = max(min(1 * GiB, total // 16) if quick else min(4 * GiB, total // 8), 64 * MiB)
-    ram = measure_ram_read_bw(probe, reps=3 if quick else 5)
-    flops = measure_cpu_bf16_flops(reps=3 if quick else 5)
-    rates = Rates(ram_read_bw=ram, cpu_bf16_flops=flops, threads=torch.get_num_threads(), ram_probe_bytes=probe,
-                  cpu_moe_flops=measure_cpu_moe_flops(quick),
-                  host=socket.gethostname(), quick=quick,
-                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with progress("calibrating", 3 + n_gpu) as bar:      # on a terminal; the bar redraws 4 times a second
+        bar.describe("RAM read bandwidth")
+        ram = measure_ram_read_bw(probe, reps=3 if quick else 5)
+        bar.advance()
+        bar.describe("CPU bf16 matmul")
+        flops = measure_cpu_bf16_flops(reps=3 if quick else 5)
+        bar.advance()
+        bar.describe("CPU expert kernel")
+        moe = measure_cpu_moe_flops(quick)
+        bar.advance()
+        rates = Rates(ram_read_bw=ram, cpu_bf16_flops=flops, threads=torch.get_num_threads(), ram_probe_bytes=probe,
+                      cpu_moe_flops=moe, host=socket.gethostname(), quick=quick,
+                      measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        for i in range(n_gpu):
             name = f"CUDA{i}"
+            bar.describe(f"{name}: PCIe upload, copies, matmul, sync")
             r = measure_gpu(i, quick)
             rates.h2d_bw[name], rates.gpu_bw[name] = r["h2d_bw"], r["gpu_bw"]
             rates.gpu_bf16_flops[name], rates.sync_latency[name] = r["gpu_bf16_flops"], r["sync_latency"]
             rates.gpu_names[name] = torch.cuda.get_device_properties(i).name
+            bar.advance()
     if save:
         save_rates(rates)
     return rates

@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..config import kv_bytes_per_position  # noqa: F401 (re-exported: the planner and bench use it)
 from ..formats.names import layer_of
 
-KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 
 
 def is_expert(name: str) -> bool:
@@ -85,11 +85,6 @@ def kv_layers(kv_devices: list[str]) -> dict[str, int]:
     return out
 
 
-def kv_bytes_per_position(cfg, type_k: str = "f16", type_v: str = "f16") -> float:
-    """Bytes of K and V one layer stores per position."""
-    return cfg.n_head_kv * cfg.head_dim * (KV_BYTES[type_k] + KV_BYTES[type_v])
-
-
 @dataclass
 class Bound:
     seconds: float                 # lower bound on the time of the test
@@ -117,7 +112,7 @@ def _merge(a: Bound, b: Bound) -> Bound:
 # (benchmarks/ram_share.py on nvidia-h200, 2026-11-25: the CPU expert kernel at 82-95 GB/s against a
 # 94-96 GB/s alone / ~100 GB/s probe, the GPU's staging kernel at 45-47 GB/s against a 55 GB/s H2D copy),
 # and the rate of the GPU's GGUF-row MoE kernels on the staged experts (latency-bound: 33.5 us for 8
-# Qwen3-30B-A3B experts, 21.2 MB, on H200: docs/benchmarks.md, session 13)
+# Qwen3-30B-A3B experts, 21.2 MB, on H200: docs/benchmarks.md, MoE decode kernels)
 SHARE_CPU_EFFICIENCY = 0.88
 SHARE_BUS_EFFICIENCY = 0.84
 SHARE_GPU_KERNEL_BW = 630e9

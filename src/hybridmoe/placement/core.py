@@ -26,7 +26,7 @@ import bisect
 import re
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig, kv_slots
+from ..config import ModelConfig, kv_bytes_per_position, kv_slots
 from ..devices import Device, get_device, list_devices
 from ..errors import PlacementError
 from ..formats.gguf import TensorInfo
@@ -131,7 +131,9 @@ def _layer_split(n_layer: int, opts: PlacementOptions, gpus: list[Device], warni
     cpu = ["CPU"] * (n_layer + 1)
     if not gpus:
         if opts.n_gpu_layers > 0:
-            warnings.append(f"-ngl {opts.n_gpu_layers}: no GPU is visible, every layer stays on the CPU")
+            warnings.append(f"-ngl {opts.n_gpu_layers}: no GPU is visible (a CPU-only torch, no CUDA driver, or "
+                            "CUDA_VISIBLE_DEVICES hides them), so every layer runs on the CPU; install a CUDA build "
+                            "of torch to use a GPU, or drop -ngl")
         return cpu, "no GPU"
     if opts.split_mode == "none":
         weights = [1.0 if i == opts.main_gpu else 0.0 for i in range(len(gpus))]
@@ -172,12 +174,8 @@ def dense_copy_bytes(name: str, info) -> int:
 
 
 def kv_token_bytes(cfg: ModelConfig, opts: PlacementOptions) -> float:
-    """KV cache bytes per token of one layer. MLA (deepseek2) caches kv_lora_rank + rope dims, K only."""
-    bk, bv = KV_TYPE_BYTES[opts.cache_type_k], KV_TYPE_BYTES[opts.cache_type_v]
-    rank = getattr(cfg, "kv_lora_rank", 0)
-    if rank:
-        return (rank + getattr(cfg, "rope_dim", 0)) * bk
-    return cfg.n_head_kv * cfg.head_dim * (bk + bv)
+    """KV cache bytes per token of one layer (config.kv_bytes_per_position at the cache types asked)."""
+    return kv_bytes_per_position(cfg, opts.cache_type_k, opts.cache_type_v)
 
 
 def _kv_bytes_per_layer(cfg: ModelConfig, opts: PlacementOptions, layer: int) -> int:
@@ -252,6 +250,18 @@ class Placement:
             return
         parts = [f"{n} needs {gib(need)} but has {gib(free)} free ({gib(need - free)} over)" for n, need, free in over]
         raise PlacementError(", ".join(parts) + "; " + self.suggest_fix())
+
+    def ram_shortfall(self) -> str | None:
+        """One line when the CPU side is over the available RAM (it still runs, paged from disk through mmap):
+        by how much, and what to do; None when it fits."""
+        t = self.totals.get("CPU")
+        if t is None or t.over <= 0:
+            return None
+        todo = ("put more on the GPUs (-ngl 99, a smaller --n-cpu-moe, fewer -ot ...=CPU rules), use a smaller quant, "
+                "or add GPUs or RAM") if self.gpus else \
+            "use a smaller quant, or a machine with more RAM or with GPUs (none is visible here)"
+        return (f"CPU needs {gib(t.total)} but {gib(t.free)} of RAM is available ({gib(t.over)} over): the weights "
+                f"would be paged from disk through mmap, at disk speed; {todo}")
 
     # --- memory ------------------------------------------------------------------------------
     def _compute_totals(self):
@@ -458,8 +468,5 @@ def _split_pair_warnings(p: Placement) -> list[str]:
 
 
 def _memory_warnings(p: Placement) -> list[str]:
-    t = p.totals.get("CPU")
-    if t is not None and t.over > 0:
-        return [f"CPU needs {gib(t.total)} but {gib(t.free)} of RAM is available; the model will be paged "
-                "from disk through mmap, which is very slow"]
-    return []
+    msg = p.ram_shortfall()
+    return [msg] if msg else []

@@ -6,11 +6,11 @@ import re
 import sys
 from dataclasses import dataclass, field, fields
 
+from ..config import KV_TYPE_BYTES
 from ..errors import PlacementError
 
 SPLIT_MODES = ("layer", "none", "row")
 # bytes per element of each KV cache type (q8_0: 34-byte blocks of 32)
-KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
 ALL_LAYERS = 9999      # what `-ngl all` stores: every repeating layer plus the output layer
 
 ALIASES = {

@@ -167,7 +167,7 @@ def _decode_share(p: Placement, rates, tg: Bound, n_gen: int) -> tuple | None:
     everything but host experts, which are pinned (op offload on) and of a type its kernels read; each
     CPU-expert layer's active bytes then leave RAM by two paths, k - g experts at the RAM's read rate and g
     over the GPU's link (roofline.decode_share's g), instead of all k at the RAM's rate. None elsewhere."""
-    from ..kernels.gpu_decode import QTYPES
+    from ..kernels.gpu_decode import share_layout_ok
     from ..perf.roofline import decode_share
     cfg, gpus = p.cfg, {d for d in p.device_of.values() if d != "CPU"}
     k, E = cfg.n_expert_used, cfg.n_expert
@@ -181,7 +181,7 @@ def _decode_share(p: Placement, rates, tg: Bound, n_gen: int) -> tuple | None:
         if len(infos) != 3 or any(p.device_of[n] != "CPU" for n in names):
             continue
         per = [t.nbytes // E for t in infos]
-        if any(t.qtype not in QTYPES or b % 16 for t, b in zip(infos, per)):
+        if not share_layout_ok([t.qtype for t in infos], per):
             return None
         e = sum(per)
         g = decode_share(k, e, rates, gpu)

@@ -58,7 +58,8 @@ def group_rows(placement: "Placement") -> list[dict]:
 
 
 def format_plan(placement: "Placement", cfg=None) -> str:
-    """The placement as text: tensor groups with device and bytes, then memory per device, then warnings."""
+    """The placement as text: tensor groups with device and bytes, then memory per device, then warnings (all but
+    the RAM shortfall, which `plan` gives as its verdict)."""
     cfg = cfg or placement.cfg
     o = placement.opts
     ctx = o.ctx_size or cfg.n_ctx_train
@@ -85,8 +86,10 @@ def format_plan(placement: "Placement", cfg=None) -> str:
     if placement.rules:
         out += ["", "rules (first match wins):"]
         out += [f"  {r.source}: {r.pattern}={r.device}" for r in placement.rules]
-    if placement.warnings:
-        out += ["", "warnings:"] + [f"  - {w}" for w in placement.warnings]
+    ram = placement.ram_shortfall()              # `plan` ends with it ("does not fit in RAM: ...")
+    shown = [w for w in placement.warnings if w != ram]
+    if shown:
+        out += ["", "warnings:"] + [f"  - {w}" for w in shown]
     return "\n".join(out)
 
 

@@ -26,6 +26,7 @@ class _Slot:
         self.key = None           # (layer, "all") for a prefetched full layer
         self.ready = None         # event: copy done
         self.free = None          # event: compute that read the slot done
+        self.fresh = False        # bufs just allocated on the compute stream
 
 
 class Uploader:
@@ -44,6 +45,7 @@ class Uploader:
         need = [w.raw.shape for w in ws]
         if slot.bufs is None or any(b.shape[1:] != s[1:] or b.shape[0] < s[0] for b, s in zip(slot.bufs, need)):
             slot.bufs = [torch.empty(s, dtype=torch.uint8, device=self.dev.torch_device) for s in need]
+            slot.fresh = True
         return slot
 
     def _copy(self, slot: _Slot, ws, spans, n_experts: int, key):
@@ -56,6 +58,11 @@ class Uploader:
                     buf[j:j + b - a].copy_(w.raw[a:b])
                     j += b - a
         else:
+            if slot.fresh:
+                # new buffers come from the compute stream's pool, maybe from tensors its queued kernels still
+                # read: the copy waits for them (once; later reuse is ordered by slot.free)
+                self.stream.wait_stream(torch.cuda.current_stream(self.dev.torch_device))
+                slot.fresh = False
             with torch.cuda.stream(self.stream):
                 if slot.free is not None:
                     self.stream.wait_event(slot.free)          # the compute that read this slot is done

@@ -13,10 +13,12 @@ import torch
 
 from .. import env
 from ..devices import Device
+from ..errors import progress
 from ..quant.ref import can_split, join_rows, split_rows
 from ..quant.types import GGMLType, interleave, row_bytes
 from . import hostmem
 
+PROGRESS_BYTES = 1 << 30       # a load that copies this much or more shows a progress bar (on a terminal)
 FLOAT_DTYPES = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
 
@@ -108,21 +110,30 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
     if host_arena and host_exps:
         arena = hostmem.Arena(hostmem.arena_size(model.raw(model.tensors[n]) for n in host_exps))
     out = {}
-    for name, info in model.tensors.items():
+
+    def copied(name: str) -> bool:              # read at load (else the mapping is read when first used)
         dev = devices[placement.device_of[name]]
-        raw = model.raw(info).view(byte_shape(info.shape, info.qtype))
-        split = False
-        if dev.kind == "cpu":
-            if arena is not None and "_exps." in name:
-                raw = arena.take(raw)
-            elif pin_host and "_exps." in name:
-                raw = raw.pin_memory()
-        elif not dev.fake:
-            raw = raw.to(dev.torch_device)
-            if split_ok and (("_exps." in name and len(info.shape) == 3) or _DENSE_SPLIT.search(name)) \
-                    and can_split(info.qtype, info.shape[-1]):
-                raw, split = split_rows(raw, info.qtype), True
-        out[name] = QTensor(name, raw, info.qtype, info.shape, dev, split)
+        return (dev.kind == "cpu" and "_exps." in name and (arena is not None or pin_host)) or \
+            (dev.kind != "cpu" and not dev.fake)
+    total = sum(info.nbytes for name, info in model.tensors.items() if copied(name))
+    with progress("loading weights", total, "bytes", enabled=None if total >= PROGRESS_BYTES else False) as bar:
+        for name, info in model.tensors.items():
+            dev = devices[placement.device_of[name]]
+            raw = model.raw(info).view(byte_shape(info.shape, info.qtype))
+            split = False
+            if dev.kind == "cpu":
+                if arena is not None and "_exps." in name:
+                    raw = arena.take(raw)
+                elif pin_host and "_exps." in name:
+                    raw = raw.pin_memory()
+            elif not dev.fake:
+                raw = raw.to(dev.torch_device)
+                if split_ok and (("_exps." in name and len(info.shape) == 3) or _DENSE_SPLIT.search(name)) \
+                        and can_split(info.qtype, info.shape[-1]):
+                    raw, split = split_rows(raw, info.qtype), True
+            out[name] = QTensor(name, raw, info.qtype, info.shape, dev, split)
+            if copied(name):
+                bar.advance(info.nbytes)
     if arena is not None and pin_host and not arena.pin():
         print("hybridmoe: cudaHostRegister refused the expert arena (locked-memory limit?): uploads of CPU "
               "experts run from pageable memory, at about half the PCIe speed", file=sys.stderr)

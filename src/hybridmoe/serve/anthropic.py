@@ -8,16 +8,22 @@ import json
 
 from fastapi.responses import JSONResponse
 
-from .requests import ApiError, _bad, _type_name
+from .requests import ApiError, _bad, _show, _type_name
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
+PATH = "/v1/messages"          # every answer under it, errors included, is in Anthropic's shape
+
+
 def error_response(e: ApiError) -> JSONResponse:
     """An ApiError in Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
-    kind = ERROR_TYPES.get(e.status, "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": e.message}}, status_code=e.status)
+    kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
+    message = e.message.encode("utf-8", "backslashreplace").decode("utf-8")
+    headers = {"Connection": "close"} if e.status == 413 else None
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=e.status,
+                        headers=headers)
 
 
 def _text(content, where: str) -> str:
@@ -31,7 +37,7 @@ def _text(content, where: str) -> str:
     for j, b in enumerate(content):
         if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
             kind = b.get("type") if isinstance(b, dict) else _type_name(b)
-            raise _bad(f"{where}[{j}] is a {kind!r} block; this server takes text here", "messages")
+            raise _bad(f"{where}[{j}] is a {_show(kind)} block; this server takes text here", "messages")
         out.append(b["text"])
     return "".join(out)
 
@@ -76,7 +82,8 @@ def _messages(body: dict) -> list[dict]:
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue                              # earlier thoughts are not sent back to the model
             else:
-                raise _bad(f"{at} is a {kind!r} block; this server takes text, tool_use and tool_result", "messages")
+                raise _bad(f"{at} is a {_show(kind)} block; this server takes text, tool_use and tool_result",
+                           "messages")
         if texts or calls:                            # (a user turn of tool results only adds no message)
             msg = {"role": role, "content": "".join(texts) if texts else None}
             if calls:
@@ -128,9 +135,11 @@ def _stop_reason(info: dict) -> str:
 
 
 def _usage(info: dict) -> dict:
-    u = info["usage"]
-    return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
-            "cache_read_input_tokens": info["timings"]["cache_n"]}
+    """Anthropic's usage counts each prompt token once: input_tokens are those that ran, cache_read_input_tokens
+    those taken from the prompt cache (the two add up to the prompt)."""
+    u, cached = info["usage"], info["timings"]["cache_n"]
+    return {"input_tokens": u["prompt_tokens"] - cached, "cache_read_input_tokens": cached,
+            "output_tokens": u["completion_tokens"]}
 
 
 def _tool_use(call: dict) -> dict:
@@ -167,11 +176,14 @@ async def events(job, rid: str, model: str):
         index, open_kind = index + 1, kind
         return out + [event("content_block_start", {"index": index, "content_block": start})]
     try:
+        pending = await job.queue.get()         # the prompt has run: how much of it came from the cache is known
+        cached = job.timings.n_cached
         yield event("message_start", {"message": {
             "id": rid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-            "stop_sequence": None, "usage": {"input_tokens": len(job.ids), "output_tokens": 0}}})
+            "stop_sequence": None, "usage": {"input_tokens": len(job.ids) - cached, "cache_read_input_tokens": cached,
+                                             "output_tokens": 0}}})
         while True:
-            item = await job.queue.get()
+            item, pending = pending if pending is not None else await job.queue.get(), None
             if item[0] in ("text", "reasoning"):
                 kind = "text" if item[0] == "text" else "thinking"
                 if open_kind != kind:
@@ -193,7 +205,7 @@ async def events(job, rid: str, model: str):
                     yield event("content_block_stop", {"index": index})
                 yield event("message_delta", {"delta": {"stop_reason": _stop_reason(info),
                                                         "stop_sequence": info["stop_word"] or None},
-                                              "usage": {"output_tokens": info["usage"]["completion_tokens"]}})
+                                              "usage": _usage(info)})
                 yield event("message_stop", {})
                 return
             elif item[0] in ("error", "end"):

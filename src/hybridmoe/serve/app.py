@@ -35,8 +35,10 @@ import uuid
 import weakref
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request as StarletteRequest
 
 from .. import __version__
 from ..constrain.tokens import harmony_calls
@@ -50,7 +52,6 @@ from .requests import (
     ApiError,
     GenParams,
     _bad,
-    _error_response,
     _opt_bool,
     _read_json,
     _template_kwargs,
@@ -73,6 +74,31 @@ def check_in_vocab(ids, n_vocab: int, key: str):
     bad = [t for t in ids if not 0 <= t < n_vocab]
     if bad:
         raise _bad(f"'{key}' has token id {bad[0]}, outside the vocabulary (0..{n_vocab - 1})", key)
+
+
+class _CatchAll:
+    """ASGI middleware: an exception a route lets through, before its response started, becomes a 500 answer
+    here, inside Starlette's outermost handler, which would also answer it but then re-raise, so that uvicorn
+    drops the connection; here the client keeps it."""
+
+    def __init__(self, app, answer):
+        self.app, self.answer = app, answer
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            await self.answer(StarletteRequest(scope), exc)(scope, receive, send)
 
 
 class ServerState(ResponseWriter):
@@ -204,7 +230,13 @@ class ServerState(ResponseWriter):
         """kind: "chat" (OpenAI chat), "text" (OpenAI completions), "native" (llama-server's /completion,
         /infill) or "anthropic" (/v1/messages): the same generation, answered in that API's form."""
         max_tokens = self.check_prompt(ids, params, "messages" if kind == "chat" else "prompt")
-        check_in_vocab(params.sampling.logit_bias, self.model.tokenizer.n_vocab, "logit_bias")
+        tok = self.model.tokenizer
+        check_in_vocab(params.sampling.logit_bias, tok.n_vocab, "logit_bias")
+        banned = {t for t, b in params.sampling.logit_bias.items() if b == float("-inf")}
+        if len(banned | (set(tok.eos_ids) if params.ignore_eos else set())) >= tok.n_vocab:
+            raise _bad(f"'logit_bias' bans every token of the vocabulary ({tok.n_vocab}"
+                       f"{', with ignore_eos banning the end-of-generation tokens' if params.ignore_eos else ''}): "
+                       f"nothing could be generated; leave at least one token allowed", "logit_bias")
         bind_grammar(params, self.model.tokenizer)
         if len(self.active) >= self.max_queue:
             raise ApiError(503, f"the server is busy: {len(self.active)} requests are running or waiting; "
@@ -247,9 +279,21 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hybridmoe = state
 
+    def error_answer(request, e: ApiError):
+        """e in OpenAI's error shape, or in Anthropic's for any path under /v1/messages."""
+        path = request.scope.get("path", "")
+        if path == anthropic_api.PATH or path.startswith(anthropic_api.PATH + "/"):
+            return anthropic_api.error_response(e)
+        return e.response()
+
+    def internal(request, exc: Exception):
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_answer(request, ApiError(500, f"internal server error: {type(exc).__name__}", "internal_error",
+                                              type_="server_error"))
+
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return exc.response()
+        return error_answer(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
@@ -257,17 +301,27 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
             msg = f"no endpoint {request.method} {request.url.path}; endpoints: GET /health, GET /v1/models, " \
                   f"GET /props, POST /v1/chat/completions, POST /v1/completions, POST /completion, POST /infill, " \
                   f"POST /v1/messages, POST /tokenize, POST /detokenize, POST /apply-template, GET /metrics"
-            return _error_response(404, msg, "not_found", type_="not_found_error")
-        if exc.status_code == 405:
-            return _error_response(405, f"{request.method} is not allowed on {request.url.path}",
-                                   "method_not_allowed")
-        return _error_response(exc.status_code, str(exc.detail), "http_error")
+            e = ApiError(404, msg, "not_found", type_="not_found_error")
+        elif exc.status_code == 405:
+            e = ApiError(405, f"{request.method} is not allowed on {request.url.path}", "method_not_allowed")
+        else:
+            e = ApiError(exc.status_code, str(exc.detail), "http_error")
+        out = error_answer(request, e)
+        out.headers.update(exc.headers or {})              # 405's Allow
+        return out
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        return error_answer(request, _bad(f"{where}: {first.get('msg', 'invalid')}", where or None))
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
-        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        return _error_response(500, f"internal server error: {type(exc).__name__}", "internal_error",
-                               type_="server_error")
+        return internal(request, exc)
+
+    app.add_middleware(_CatchAll, answer=internal)
 
     @app.get("/health")
     @app.get("/v1/health")

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..errors import NonFiniteError
 from ..generate import Sampler, Timings, generate_ids
 from ..text.replies import ReplySplitter, held_prefix
 from .requests import GenParams
@@ -67,6 +68,7 @@ class Job:
         self.finish_reason: str | None = None
         self.cancelled = False
         self.done = threading.Event()
+        self.timings = Timings()              # filled as it runs (n_cached once the prompt ran)
 
     def _emit(self, item):
         try:
@@ -77,6 +79,8 @@ class Job:
     def run(self, model):
         try:
             self._run(model)
+        except NonFiniteError as e:              # the model computed NaN/inf: this request fails, the server stays up
+            self._emit(("error", str(e), 422))
         except Exception as e:                   # a bug or a device failure, reported to the one client
             log.exception("generation failed")
             self._emit(("error", f"generation failed: {type(e).__name__}: {e}"))
@@ -85,7 +89,7 @@ class Job:
 
     def _run(self, model):
         t_start = time.perf_counter()
-        timings = Timings()
+        timings = self.timings
         finish = "length"
         stop_word = ""
         p = self.params

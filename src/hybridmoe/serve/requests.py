@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -23,6 +24,7 @@ from ..constrain.tokens import (
 from ..generate import SamplerSettings
 from ..text.replies import CLOSE, OPEN
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_STOPS = 16            # stop sequences per request
 MAX_STOP_CHARS = 512      # characters per stop sequence
 CHAT_ROLES = ("system", "user", "assistant", "tool")   # "developer" (OpenAI's newer name) reads as "system"
@@ -44,6 +46,7 @@ class ApiError(Exception):
 
 
 def _error_response(status, message, code, param=None, type_="invalid_request_error", headers=None):
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")     # never fails to encode
     return JSONResponse({"error": {"message": message, "type": type_, "code": code, "param": param}},
                         status_code=status, headers=headers)
 
@@ -61,6 +64,12 @@ def _type_name(v) -> str:
             dict: "object"}.get(type(v), type(v).__name__)
 
 
+def _show(v, limit: int = 60) -> str:
+    """repr(v), cut to `limit` characters: error messages quote what a request sent, not megabytes of it."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
 def _reject_constant(name):
     raise ValueError(f"{name} is not allowed in JSON")
 
@@ -71,7 +80,7 @@ async def _read_json(request: Request, limit: int) -> dict:
         try:
             n = int(cl)
         except ValueError:
-            raise _bad(f"Content-Length {cl!r} is not a number", code="invalid_request") from None
+            raise _bad(f"Content-Length {_show(cl)} is not a number", code="invalid_request") from None
         if n > limit:
             raise ApiError(413, f"request body is {n} bytes; this server accepts at most {limit} bytes",
                            "request_too_large")
@@ -94,7 +103,42 @@ async def _read_json(request: Request, limit: int) -> dict:
         raise _bad(f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise _bad(f"request body must be a JSON object, got {_type_name(body)}", code="invalid_json")
+    # JSON's \\u escapes can spell them, and so can raw bytes (json.loads decodes UTF-8, -16 and -32 bodies with
+    # "surrogatepass"); a UTF-8 body with neither a \\u nor an 0xED byte holds none
+    maybe = b"\\u" in buf or b"\xed" in buf or json.detect_encoding(bytes(buf[:4])) != "utf-8"
+    where = _lone_surrogate(body) if maybe else None
+    if where is not None:
+        raise _bad(f"{where} holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair); text must "
+                   f"be valid Unicode", None if where.startswith("a key") else where.split("[", 1)[0].split(".", 1)[0],
+                   "invalid_text")
     return body
+
+
+def _lone_surrogate(body) -> str | None:
+    """Where a string (or an object key) of a parsed body holds a lone UTF-16 surrogate, which no text
+    encoding can carry (the tokenizer, the template and our answers would fail on it), as a path like
+    messages[0].content; None if nowhere. Iterative: bodies may nest as deep as the JSON parser allows."""
+    def bad(v):
+        return isinstance(v, str) and not v.isascii() and _SURROGATE.search(v) is not None
+    todo = [(body, "")]
+    while todo:
+        v, where = todo.pop()
+        if isinstance(v, dict):
+            for k, x in v.items():
+                at = f"{where}.{k[:40]}" if where else k[:40]
+                if bad(k):
+                    return f"a key of {where or 'the request body'}"
+                if bad(x):
+                    return at
+                if isinstance(x, (dict, list)):
+                    todo.append((x, at))
+        else:
+            for i, x in enumerate(v):
+                if bad(x):
+                    return f"{where}[{i}]"
+                if isinstance(x, (dict, list)):
+                    todo.append((x, f"{where}[{i}]"))
+    return None
 
 
 def _opt_bool(body, key, default=False) -> bool:
@@ -193,7 +237,7 @@ class GenParams:
             repeat_penalty=_opt_num(body, "repeat_penalty", 1.0, lo=0),
             presence_penalty=_opt_num(body, "presence_penalty", 0.0, lo=-2, hi=2),
             frequency_penalty=_opt_num(body, "frequency_penalty", 0.0, lo=-2, hi=2),
-            repeat_last_n=_opt_int(body, "repeat_last_n", 64, lo=-1),
+            repeat_last_n=_opt_int(body, "repeat_last_n", 64, lo=-1, hi=2**31 - 1),
             logit_bias=_parse_logit_bias(body.get("logit_bias")))
         if self.sampling.repeat_penalty == 0:
             raise _bad("'repeat_penalty' must be above 0 (1 is off)", "repeat_penalty")
@@ -207,7 +251,7 @@ class GenParams:
         self.reasoning_format = body.get("reasoning_format")
         if self.reasoning_format not in (None, "auto", "deepseek", "none"):
             raise _bad(f"'reasoning_format' must be \"auto\", \"deepseek\" or \"none\", got "
-                       f"{self.reasoning_format!r}", "reasoning_format")
+                       f"{_show(self.reasoning_format)}", "reasoning_format")
         self.think_opened = False       # the prompt ends inside a <think> block (set by the chat endpoint)
         self.harmony = False            # the reply is in gpt-oss's harmony format (set by the chat endpoint)
         # logprobs: None, or how many alternatives each generated token lists (chat: logprobs + top_logprobs
@@ -279,17 +323,17 @@ def _parse_logit_bias(v) -> dict:
             raise _bad("'logit_bias' as an array takes [token id, bias] pairs", "logit_bias")
         k, b = p
         try:
-            tid = int(k) if not isinstance(k, bool) else None
-        except (TypeError, ValueError):
+            tid = int(k) if not isinstance(k, (bool, float)) else None
+        except (TypeError, ValueError, OverflowError):      # not a number, or more digits than int() reads
             tid = None
-        if tid is None or (isinstance(k, float)):
-            raise _bad(f"'logit_bias' has {k!r}, which is not a token id", "logit_bias")
+        if tid is None:
+            raise _bad(f"'logit_bias' has {_show(k)}, which is not a token id", "logit_bias")
         if b is False:
             out[tid] = float("-inf")
         elif isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100:
             out[tid] = float(b)
         else:
-            raise _bad(f"'logit_bias' for token {tid} must be a number from -100 to 100, got {b!r}", "logit_bias")
+            raise _bad(f"'logit_bias' for token {tid} must be a number from -100 to 100, got {_show(b)}", "logit_bias")
     return out
 
 
@@ -421,7 +465,7 @@ def forced_tools(body, tools) -> list[str] | None:
         raise _bad("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
                    "\"function\": {\"name\": ...}}", "tool_choice")
     if fn["name"] not in names:
-        raise _bad(f"'tool_choice' names {fn['name']!r}, which is not one of the request's tools", "tool_choice")
+        raise _bad(f"'tool_choice' names {_show(fn['name'])}, which is not one of the request's tools", "tool_choice")
     return [fn["name"]]
 
 
@@ -435,7 +479,7 @@ def _parse_content(content, where: str):
                 raise _bad(f"{where}.content[{j}] must be an object, got {_type_name(part)}", where, "invalid_type")
             kind = part.get("type")
             if kind != "text":
-                raise _bad(f"{where}.content[{j}] has type {kind!r}; this server takes text parts only",
+                raise _bad(f"{where}.content[{j}] has type {_show(kind)}; this server takes text parts only",
                            where, "unsupported_content")
             if not isinstance(part.get("text"), str):
                 raise _bad(f"{where}.content[{j}].text must be a string, got {_type_name(part.get('text'))}",
@@ -467,7 +511,7 @@ def parse_messages(v) -> list[dict]:
         if role == "developer":
             role = "system"
         if role not in CHAT_ROLES:
-            raise _bad(f"{where}.role {role!r} is not a known role; use one of {', '.join(CHAT_ROLES)} "
+            raise _bad(f"{where}.role {_show(role)} is not a known role; use one of {', '.join(CHAT_ROLES)} "
                        f"(or developer)", "messages")
         msg = {"role": role}
         tool_calls = m.get("tool_calls")
@@ -502,5 +546,5 @@ def _template_kwargs(body) -> dict:
                    "invalid_type")
     for key in ("messages", "add_generation_prompt"):
         if key in kw:
-            raise _bad(f"'chat_template_kwargs' may not set {key!r}", "chat_template_kwargs")
+            raise _bad(f"'chat_template_kwargs' may not set {_show(key)}", "chat_template_kwargs")
     return dict(kw)

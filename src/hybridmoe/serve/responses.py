@@ -74,8 +74,9 @@ class ResponseWriter:
                     {"text": parts, "reasoning": thoughts, "logprobs": logprobs}[item[0]].append(item[1])
                     get = asyncio.ensure_future(job.queue.get())
                     continue
-                if item[0] == "error":
-                    raise ApiError(500, item[1], "generation_failed", type_="server_error")
+                if item[0] == "error":               # a third item: the status (422: the model computed NaN/inf)
+                    raise ApiError(item[2] if len(item) > 2 else 500, item[1], "generation_failed",
+                                   type_="server_error")
                 info = item[1]
                 if info["finish_reason"] is None:
                     raise ApiError(503, "the generation was cancelled: the server is shutting down", "cancelled",

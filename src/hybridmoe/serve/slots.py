@@ -1,19 +1,24 @@
 """llama-server's slot persistence (`--slot-save-path`, POST /slots/0?action=save|restore|erase): the KV
 cache of what the server last ran, saved to a safetensors file and put back later, so a long prompt (an
 agent's system prompt, a document) is not prefilled again after a restart or another conversation. The file
-records the tokens the cache holds, the cache's layout and the model; a file that does not match them is
-refused before anything is copied."""
+records the tokens the cache holds, the cache's layout, the model and a SHA-256 of each tensor's bytes; a file
+that does not match them, or whose keys and values are not finite numbers, is refused before anything is
+copied, and the cache keeps what it held."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import time
 
+import torch
+
 from ..errors import HybridMoeError
 from .requests import ApiError, _bad
 
-FORMAT = "hybridmoe-kv-1"
+FORMAT = "hybridmoe-kv-2"          # 2: with the SHA-256 of each tensor's bytes
+OLD_FORMATS = ("hybridmoe-kv-1",)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 
@@ -22,6 +27,17 @@ def _path(folder: str, body) -> tuple[str, str]:
     if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise _bad("'filename' must be a plain file name (letters, digits, '.', '_', '-'; no folders)", "filename")
     return name, os.path.join(folder, name)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity among the keys or values (for q8_0 blocks, in their f16 scales)."""
+    if t.dtype == torch.uint8:                       # q8_0: 34-byte blocks, an f16 scale then 32 int8
+        t = t.reshape(-1, 34)[:, :2].contiguous().view(torch.float16)
+    return bool(torch.isfinite(t).all())
 
 
 def _model_id(model) -> dict:
@@ -40,7 +56,8 @@ def save(model, folder: str, body) -> dict:
             raise _bad("the cache is empty: run a prompt first", "filename")
         tensors, tokens, hi = kv.save_state()
         meta = {"format": FORMAT, "tokens": json.dumps(tokens), "hi": str(hi), "layout": json.dumps(kv.layout()),
-                "model": json.dumps(_model_id(model))}
+                "model": json.dumps(_model_id(model)),
+                "sha256": json.dumps({k: _digest(t) for k, t in tensors.items()})}
     finally:
         model.return_cache(kv)
     tmp = path + ".tmp"
@@ -61,9 +78,13 @@ def restore(model, folder: str, body) -> dict:
         raise ApiError(404, f"no saved slot {name!r}", "not_found", type_="not_found_error")
     t0 = time.perf_counter()
     kv = model.take_cache()
+    held = list(kv.tokens), kv.hi
     try:
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
+            if meta.get("format") in OLD_FORMATS:
+                raise _bad(f"{name} was saved by an older hybridmoe, without a checksum of its keys and values; "
+                           f"save it again", "filename")
             if meta.get("format") != FORMAT:
                 raise _bad(f"{name} is not a slot saved by hybridmoe", "filename")
             if json.loads(meta.get("model", "{}")) != _model_id(model):
@@ -76,13 +97,26 @@ def restore(model, folder: str, body) -> dict:
                                                      for t in tokens)):
                 raise _bad(f"{name} holds a bad token record", "filename")
 
+            digests = json.loads(meta["sha256"])
+            if not isinstance(digests, dict):
+                raise _bad(f"{name} holds a bad checksum record", "filename")
+
             def get(tensor: str, shape):
                 if tensor not in f.keys() or tuple(f.get_slice(tensor).get_shape()) != tuple(shape):
                     raise _bad(f"{name}: tensor {tensor} is missing or not {tuple(shape)}", "filename")
-                return f.get_tensor(tensor)
+                t = f.get_tensor(tensor)
+                if digests.get(tensor) != _digest(t):
+                    raise _bad(f"{name}: the bytes of {tensor} do not match their checksum (the file was changed or "
+                               f"damaged since it was saved); nothing was restored", "filename")
+                if not _finite(t):
+                    raise _bad(f"{name}: {tensor} holds NaN or infinite values; nothing was restored", "filename")
+                return t
             kv.restore_state(get, tokens, int(meta["hi"]))
-    except (SafetensorError, ValueError, KeyError, OSError, HybridMoeError) as e:
-        raise _bad(f"{name} is not a restorable saved slot: {e}", "filename") from None
+    except BaseException as e:
+        kv.tokens, kv.hi = held                     # nothing was copied: the cache holds what it held
+        if isinstance(e, (SafetensorError, ValueError, KeyError, OSError, HybridMoeError)):
+            raise _bad(f"{name} is not a restorable saved slot: {e}", "filename") from None
+        raise
     finally:
         model.return_cache(kv)
     return {"id_slot": 0, "filename": name, "n_restored": len(tokens), "n_read": os.path.getsize(path),

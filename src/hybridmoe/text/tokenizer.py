@@ -14,6 +14,7 @@ Decoding is done here from per-token bytes (not by `tokenizers`), so that
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import numbers
 import re
@@ -23,6 +24,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
 from ..errors import HybridMoeError, ModelFileError, warn
+from ..formats.validate import Meta
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -105,29 +107,27 @@ def _bad(path, problem, hint="the GGUF file's tokenizer metadata is malformed"):
 
 
 def _str_list(md, key, path, required=True):
+    """An array of strings, through formats.validate.Meta (typed, bounded)."""
     v = md.get(key)
     if v is None:
         if required:
             raise _bad(path, f"missing {key}")
         return None
-    if isinstance(v, np.ndarray):
-        v = v.tolist()
-    if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
-        raise _bad(path, f"{key} must be an array of strings")
-    return list(v)
+    if isinstance(v, (list, tuple)) and not v:
+        raise _bad(path, f"{key} is empty")
+    return list(Meta(md, path).str_array(key))
 
 
 def _num_array(md, key, path, n, kinds, what):
-    v = md.get(key)
-    if v is None:
+    """None, or an array of n numbers of those numpy kinds, finite, through formats.validate.Meta."""
+    if md.get(key) is None:
         return None
-    try:
-        a = np.asarray(v)
-    except Exception:
-        a = None
-    if a is None or a.dtype.kind not in kinds or a.shape != (n,):
-        raise _bad(path, f"{key} must be an array of {n} {what} (one per token)")
-    return a
+    if not isinstance(md[key], np.ndarray):
+        try:
+            md = {key: np.asarray(md[key])}
+        except Exception:  # noqa: BLE001 - anything numpy cannot read is "not an array of numbers"
+            raise _bad(path, f"{key} must be an array of {n} {what} (one per token)") from None
+    return Meta(md, path).num_array(key, n, kinds, f"{what} (one per token)")
 
 
 def _opt_id(md, key, path, n):
@@ -187,16 +187,38 @@ def _build_gpt2(md, path, tokens, types, vocab):
     return tok, pre.add_bos
 
 
-def _spm_merges(tokens, types, scores, vocab):
-    """Merges ranked by the score of the merged piece: what SPM's bigram loop does."""
+def _spm_merges(tokens, types, scores, vocab, path="model"):
+    """Merges ranked by the score of the merged piece: what SPM's bigram loop does.
+
+    A token t splits into a + b only at lengths k where some token is k long and some is len(t) - k long,
+    so a token is tried at no more split points than there are distinct token lengths below its own; the
+    characters compared over the whole vocabulary are bounded by a multiple of its size (a vocabulary
+    built to exceed that is refused), so this is linear in the vocabulary's bytes, never quadratic in one
+    long token."""
+    have = {len(t) for t in tokens}
+    lengths = sorted(have)
+    total = sum(len(t) for t in tokens)
+    budget = 64 * total + (1 << 22)
     cands = []
     for i, t in enumerate(tokens):
-        if types[i] not in (NORMAL, 0) or len(t) < 2 or vocab.get(t) != i:
+        n = len(t)
+        if types[i] not in (NORMAL, 0) or n < 2 or vocab.get(t) != i:
             continue
-        for k in range(1, len(t)):
-            a, b = t[:k], t[k:]
-            if a in vocab and b in vocab:
-                cands.append((-float(scores[i]), i, k, a, b))
+        below = bisect.bisect_left(lengths, n)
+        if n <= 16 or below >= n - 1:
+            splits = range(1, n)
+        else:
+            splits = [k for k in lengths[:below] if n - k in have]
+        budget -= min(below, n) + len(splits) * n
+        for k in splits:
+            a = vocab.get(t[:k])
+            if a is not None:
+                b = vocab.get(t[k:])
+                if b is not None:
+                    cands.append((-float(scores[i]), i, k, tokens[a], tokens[b]))
+        if budget < 0:
+            raise _bad(path, "tokenizer.ggml.tokens: the vocabulary's merges take too long to build "
+                       f"({len(tokens)} tokens of {total} characters)", "the file is corrupt or hostile")
     cands.sort()
     return [(a, b) for *_, a, b in cands]
 
@@ -209,7 +231,7 @@ def _build_spm(md, path, tokens, types, vocab):
     unk_id = _opt_id(md, "tokenizer.ggml.unknown_token_id", path, n)
     if unk_id is None and n > 0 and types[0] == UNKNOWN:
         unk_id = 0
-    model = models.BPE(vocab=vocab, merges=_spm_merges(tokens, types, scores, vocab),
+    model = models.BPE(vocab=vocab, merges=_spm_merges(tokens, types, scores, vocab, path),
                        unk_token=tokens[unk_id] if unk_id is not None else None,
                        byte_fallback=True, fuse_unk=True)
     tok = tokenizers.Tokenizer(model)
@@ -273,7 +295,9 @@ class Tokenizer:
                     break
 
     @classmethod
-    def from_metadata(cls, md: dict, path: str = "model") -> "Tokenizer":
+    def from_metadata(cls, md: dict, path: str = "model", n_vocab: int | None = None) -> "Tokenizer":
+        """The tokenizer the metadata describes; `n_vocab` (the embedding's rows) is the vocabulary's
+        length when given."""
         if not isinstance(md, dict):
             raise _bad(path, "tokenizer metadata is not a mapping")
         kind = md.get("tokenizer.ggml.model")
@@ -287,6 +311,9 @@ class Tokenizer:
         n = len(tokens)
         if n == 0:
             raise _bad(path, "tokenizer.ggml.tokens is empty")
+        if n_vocab is not None and n != n_vocab:
+            raise _bad(path, f"metadata tokenizer.ggml.tokens: found {n} tokens, expected {n_vocab} (the rows of "
+                       "token_embd.weight)")
         # llama.cpp renames empty tokens so they stay addressable but never match
         tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         ta = _num_array(md, "tokenizer.ggml.token_type", path, n, "iu", "integers")

@@ -219,7 +219,8 @@ class StaticDecoder:
         rates (roofline.decode_share)."""
         k = self.cfg.n_expert_used
         exps = [self.layers[self.segments[s].b - 1]["exps"] for s in cpu_segs]
-        if k < 2 or not all(gd.supports(g.qtype, u.qtype, d.qtype) and all(
+        if k < 2 or not all(gd.supports(g.qtype, u.qtype, d.qtype) and gd.share_layout_ok(
+                (g.qtype, u.qtype, d.qtype), [w.raw[0].numel() for w in (g, u, d)]) and all(
                 is_pinned(w.raw) and gd.stage_words(w.raw) is not None for w in (g, u, d)) for g, u, d in exps):
             return 0
         forced = forced_share(k)

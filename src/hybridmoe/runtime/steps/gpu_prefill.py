@@ -11,7 +11,7 @@ repetitions replay it.
 The first ubatch of a size runs these kernels eagerly (it compiles them). A full ubatch (-ub tokens) is
 captured right after, since full ubatches recur: every prompt longer than one is made of them. Other sizes
 (a prompt's last ubatch, the new tokens after a cached prefix) always run eagerly: they come in every size,
-a capture costs 200-250 ms against 35-80 ms for running one eagerly (docs/benchmarks.md, session 19), and
+a capture costs 200-250 ms against 35-80 ms for running one eagerly (docs/benchmarks.md, "captured prefill"), and
 eager and replayed ubatches measured alike there (34 ms for 333 tokens eagerly, 37 ms for a 512-token
 replay).
 """

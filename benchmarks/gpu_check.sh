@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One GPU-machine call: GPU tests (incl. ik's quant files on a real GPU), issue 25's fault repro, a short bench.
+# Needs the quant vectors beside the repository: run_gpu copies them in as .gpu_testdata when present.
+source benchmarks/device_setup.sh
+set +e
+if [ -d .gpu_testdata ]; then mkdir -p ../shared/testdata && ln -sfn "$PWD/.gpu_testdata" ../shared/testdata/quant-vectors; fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for s in "$@"; do
+  echo "=============== $s"
+  case $s in
+    gputests) HYBRIDMOE_CACHE=/tmp/hm-test timeout 420 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
+    quantgpu) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/quant -p no:cacheprovider --tb=short 2>&1 | tail -8 ;;
+    fault) timeout 150 python3 -u benchmarks/fault_repro.py /tmp 2>&1 | tail -30 ;;
+    runtime) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \
+               -p no:cacheprovider --tb=short 2>&1 | tail -12 ;;
+  esac
+done
