@@ -125,7 +125,6 @@ def _load():
         lib.hm_moe_ffn.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32, i64, i64, vp, i32, vp, i32]
         lib.hm_qmatmul.argtypes = [vp, i64, i64, vp, i32, i64, vp, i32]
         lib.hm_tile_mm.argtypes = lib.hm_qmatmul.argtypes
-        lib.hm_qdot_ref.argtypes = [vp, i64, i64, vp, i32, i64, vp]
         lib.hm_dequant.argtypes = [vp, vp, i32, i64, i64, vp, i64, i32, i32]
         lib.hm_set_simd.argtypes = [i32]
         lib.hm_set_int8.argtypes = [vp, i32]
@@ -141,7 +140,7 @@ def _load():
         lib.hm_simd.restype = ctypes.c_char_p
         for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode,
                   lib.hm_qmatmul, lib.hm_tile_mm, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8,
-                  lib.hm_int8_type, lib.hm_qdot_ref):
+                  lib.hm_int8_type):
             f.restype = i32
         _moe, _qmm, _deq = lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant
         _lib = lib
@@ -191,31 +190,6 @@ def tile_mode(mode: str | None = None) -> str:
 
 def _large_impl() -> str:
     return "tile" if tile_mode() in ("amx", "avx512-bf16") else "gemm"
-
-
-_FLOAT_TYPES = frozenset(int(t) for t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16))
-
-
-def canonical(qtype) -> bool:
-    """Whether every batch size computes rows of `qtype` bit for bit alike (docs/cpu-kernels.md, "prompts as
-    precise as decode"): float weights (always fp32 products), and types on the integer path where the
-    AVX-512 VNNI kernels run (the canonical integer products; int8 AMX tiles for many tokens)."""
-    q = int(qtype)
-    return q in _FLOAT_TYPES or (simd() == "avx512-vnni" and int8_path(q))
-
-
-def _impl_for(q: int, T: int, min_t: int, rows_ok: bool = True) -> str:
-    """The path for T tokens of weight type q (impl=None): the streaming kernel below min_t tokens; above,
-    float weights keep it (fp32 products, as precise as the weights), canonical types take the int8 AMX
-    tiles where this CPU has them (else the streaming kernel, the same values), others the bf16 large-batch
-    path."""
-    if T < min_t:
-        return "kernel"
-    if q in _FLOAT_TYPES:
-        return "kernel"
-    if canonical(q):
-        return "tile" if tile_mode() == "amx" and rows_ok else "kernel"
-    return _large_impl()
 
 
 _int8_setting = True
@@ -348,8 +322,7 @@ def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
     T = x.shape[0]
     gq, dq = int(gate_qtype), int(down_qtype)
     if impl is None:
-        a, b = _impl_for(gq, T, GEMM_MIN_T), _impl_for(dq, T, GEMM_MIN_T)
-        impl = a if a == b else "kernel"
+        impl = "kernel" if T < GEMM_MIN_T else _large_impl()
     if lib is None or impl == "torch" or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES:
         return reference_moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
                                  torch.float32, out, oai)
@@ -425,11 +398,8 @@ def qmatmul(x, w_raw, qtype, n_cols, n_threads=None, out=None, impl=None) -> tor
     if K != n_cols:
         raise ValueError(f"qmatmul: x has {K} columns, the weight rows {n_cols}")
     if impl is None:
-        if canonical(q) or q in _FLOAT_TYPES:
-            impl = _impl_for(q, T, QMM_GEMM_MIN_T, w_raw.shape[0] % 32 == 0)
-        else:
-            impl = ("kernel" if T < QMM_GEMM_MIN_T else
-                    _large_impl() if T < QMM_TILE_MAX_T and w_raw.shape[0] % 32 == 0 else "gemm")
+        impl = ("kernel" if T < QMM_GEMM_MIN_T else
+                _large_impl() if T < QMM_TILE_MAX_T and w_raw.shape[0] % 32 == 0 else "gemm")
     if lib is None or impl == "torch" or q not in KERNEL_TYPES:
         r = reference_qmatmul(x, w_raw, qtype, n_cols, torch.float32)
         return out.copy_(r) if out is not None else r
