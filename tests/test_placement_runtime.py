@@ -1,7 +1,10 @@
 """Placement invariance: every placement gives the logits of all-CPU, on fake GPUs (CI) and real GPUs.
 
-Fake GPUs are CPU-backed, so the arithmetic is identical and the tolerance is 1e-5; a real GPU runs bf16
-GEMMs, so it gets 1e-2 and top-1 agreement.
+Fake GPUs are CPU-backed, so the arithmetic is nearly the same; a real GPU runs bf16 GEMMs, so it gets 1e-2 and
+top-1 agreement. Nearly: rows the CPU kernels run on their integer path (Q4_0 and Q8_0 here: activations rounded
+to ~15 bits, docs/cpu-kernels.md) turn the paths' last-bit differences (all-CPU prompts run hm_prompt_step, with
+float32 attention and C norms; a fake GPU's static decode step dequantizes Q8_0 rows for torch) into quantization
+steps: 1.7e-5 to 3.9e-5 measured (2026-11-25), so FAKE_TOL = 1e-4.
 """
 import os
 import time
@@ -13,6 +16,7 @@ from conftest import rel_l2, top1_agreement
 import hybridmoe
 
 IDS = [(i * 37 + 11) % 1000 + 3 for i in range(40)]
+FAKE_TOL = 1e-4
 
 PLACEMENTS = {
     "ngl99": dict(n_gpu_layers=99),
@@ -51,8 +55,8 @@ def fake_gpus(monkeypatch):
 @pytest.mark.parametrize("name", list(PLACEMENTS))
 def test_fake_gpu_placements_match_all_cpu(name, reference, fake_gpus):
     m, p, d = _run(PLACEMENTS[name])
-    assert rel_l2(p, reference[0]) <= 1e-5
-    assert rel_l2(d, reference[1]) <= 1e-5
+    assert rel_l2(p, reference[0]) <= FAKE_TOL
+    assert rel_l2(d, reference[1]) <= FAKE_TOL
     assert m.stats.crossings > 0
 
 
@@ -182,7 +186,7 @@ def test_static_decode_step_matches_eager(name, monkeypatch):
             assert isinstance(m._step_for("decode", kv), StaticDecoder)
             n_cpu = sum(1 for seg in m._step_for("decode", kv).segments if seg.kind == "cpu")
             assert n_cpu == (m.cfg.n_layer if "exps-cpu" in name else 0)
-    assert rel_l2(outs[0], outs[1]) <= 1e-5
+    assert rel_l2(outs[0], outs[1]) <= FAKE_TOL
 
 
 def _gpus_or_interpreter(n: int, monkeypatch) -> bool:

@@ -92,15 +92,19 @@ def _build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
+    csrc = tmp[:-3] + ".c"            # the very bytes hashed above: a source edited meanwhile builds under its own key
     try:
+        with open(csrc, "wb") as f:
+            f.write(src)
         with progress("compiling the CPU kernels (once, cached)", 1):     # ~10 s; a bar on a terminal only
-            r = subprocess.run([cc, *cflags, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True)
+            r = subprocess.run([cc, *cflags, "-o", tmp, csrc, "-lm"], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)          # atomic: concurrent builders both end with a whole file
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for p in (tmp, csrc):
+            if os.path.exists(p):
+                os.unlink(p)
     return out
 
 
@@ -125,6 +129,7 @@ def _load():
         lib.hm_moe_ffn.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32, i64, i64, vp, i32, vp, i32]
         lib.hm_qmatmul.argtypes = [vp, i64, i64, vp, i32, i64, vp, i32]
         lib.hm_tile_mm.argtypes = lib.hm_qmatmul.argtypes
+        lib.hm_qdot_ref.argtypes = [vp, i64, i64, vp, i32, i64, vp]
         lib.hm_dequant.argtypes = [vp, vp, i32, i64, i64, vp, i64, i32, i32]
         lib.hm_set_simd.argtypes = [i32]
         lib.hm_set_int8.argtypes = [vp, i32]
@@ -134,14 +139,18 @@ def _load():
         lib.hm_moe_tile.argtypes = lib.hm_moe_ffn.argtypes
         lib.hm_moe_oai.argtypes = lib.hm_moe_ffn.argtypes + [vp, vp, vp, ctypes.c_float, ctypes.c_float, i32]
         lib.hm_tile_mode.argtypes = [i32]
+        lib.hm_set_act_terms.argtypes = [i32]
+        lib.hm_set_exact.argtypes = [i32]
         lib.hm_trace.argtypes, lib.hm_trace_get.argtypes = [i32], [vp]
         lib.hm_moe_handoff.argtypes = [vp, vp, ctypes.c_double, vp, i64, i64, i64, vp, vp, i32, i64, i64, vp, i32,
                                        vp, i32, i32]
         lib.hm_simd.restype = ctypes.c_char_p
         for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode,
                   lib.hm_qmatmul, lib.hm_tile_mm, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8,
-                  lib.hm_int8_type):
+                  lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_set_act_terms, lib.hm_set_exact):
             f.restype = i32
+        lib.hm_set_exact(0 if env.get("HYBRIDMOE_CPU_PROMPT").lower() == "bf16" else 1)
+        lib.hm_set_act_terms(1 if env.get("HYBRIDMOE_CPU_ACT_TERMS") == "1" else 2)
         _moe, _qmm, _deq = lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant
         _lib = lib
         return lib
@@ -192,6 +201,43 @@ def _large_impl() -> str:
     return "tile" if tile_mode() in ("amx", "avx512-bf16") else "gemm"
 
 
+_FLOAT_TYPES = frozenset(int(t) for t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16))
+
+
+def canonical(qtype) -> bool:
+    """Whether every batch size computes rows of `qtype` bit for bit alike (docs/cpu-kernels.md, "prompts as
+    precise as decode"): float weights (always fp32 products), and types on the integer path where the
+    AVX-512 VNNI kernels run (the canonical integer products; int8 AMX tiles for many tokens)."""
+    q = int(qtype)
+    lib = _load()
+    if not lib or not lib.hm_set_exact(-1):
+        return False
+    return q in _FLOAT_TYPES or (simd() == "avx512-vnni" and int8_path(q))
+
+
+def set_exact(on: bool) -> bool:
+    """Large batches exact (the default: as single tokens compute them, split-invariant) or on the earlier bf16
+    tile paths (HYBRIDMOE_CPU_PROMPT=bf16). Returns the previous setting."""
+    lib = _load()
+    return bool(lib.hm_set_exact(int(bool(on)))) if lib else False
+
+
+def _impl_for(q: int, T: int, min_t: int, rows_ok: bool = True) -> str:
+    """The path for T tokens of weight type q (impl=None): the streaming kernel below min_t tokens; above,
+    float weights keep it (fp32 products, as precise as the weights), canonical types take the int8 AMX
+    tiles where this CPU has them (else the streaming kernel, the same values), others the bf16 large-batch
+    path."""
+    if T < min_t:
+        return "kernel"
+    if not canonical(q):
+        return _large_impl()
+    if q in _FLOAT_TYPES:
+        return "kernel"
+    if canonical(q):
+        return "tile" if tile_mode() == "amx" and rows_ok else "kernel"
+    return _large_impl()
+
+
 _int8_setting = True
 
 
@@ -211,6 +257,14 @@ def set_int8(types=True):
             lib.hm_set_int8(arr, len(ids))
     _int8_setting = types
     return prev
+
+
+def set_act_terms(n: int | None = None) -> int:
+    """The integer path's activations: 2 int8 terms a value (about 15 bits; the default) or 1 (plain int8, as
+    ggml's q8_0: prompts' int8 AMX tiles skip the second term's products). Every batch size follows the
+    setting alike, so prompts stay split-invariant either way. None: no change. Returns the previous count."""
+    lib = _load()
+    return lib.hm_set_act_terms(int(n) if n else 0) if lib else 2
 
 
 def int8_path(qtype) -> bool:
@@ -322,7 +376,8 @@ def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
     T = x.shape[0]
     gq, dq = int(gate_qtype), int(down_qtype)
     if impl is None:
-        impl = "kernel" if T < GEMM_MIN_T else _large_impl()
+        a, b = _impl_for(gq, T, GEMM_MIN_T), _impl_for(dq, T, GEMM_MIN_T)
+        impl = a if a == b else "kernel"
     if lib is None or impl == "torch" or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES:
         return reference_moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
                                  torch.float32, out, oai)
@@ -398,8 +453,11 @@ def qmatmul(x, w_raw, qtype, n_cols, n_threads=None, out=None, impl=None) -> tor
     if K != n_cols:
         raise ValueError(f"qmatmul: x has {K} columns, the weight rows {n_cols}")
     if impl is None:
-        impl = ("kernel" if T < QMM_GEMM_MIN_T else
-                _large_impl() if T < QMM_TILE_MAX_T and w_raw.shape[0] % 32 == 0 else "gemm")
+        if canonical(q):
+            impl = _impl_for(q, T, QMM_GEMM_MIN_T, w_raw.shape[0] % 32 == 0)
+        else:
+            impl = ("kernel" if T < QMM_GEMM_MIN_T else
+                    _large_impl() if T < QMM_TILE_MAX_T and w_raw.shape[0] % 32 == 0 else "gemm")
     if lib is None or impl == "torch" or q not in KERNEL_TYPES:
         r = reference_qmatmul(x, w_raw, qtype, n_cols, torch.float32)
         return out.copy_(r) if out is not None else r

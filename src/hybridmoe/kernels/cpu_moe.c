@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sched.h>
 #include <omp.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -675,10 +676,15 @@ typedef struct {
     int32_t *c1, *c2;     /* [K/64][16]: -8 * sum(q1), -8 * sum(q2) of each block in lanes 0 / 8 */
     float *sxf;           /* [K/32]: sum of the quantized x of each block */
     float *sx16;          /* [K/16]: the same per 16 elements (Q6_K's sub-blocks) */
+    /* for the canonical integer dot products (below): */
+    float *xsb;           /* [K/32]: d/256 of each block */
+    int32_t *sxi;         /* [K/32]: sum of X = 256 q1 + q2 over each block (exact) */
+    int32_t *sxi4;        /* [K/16][4]: the same per 16 elements, each 4 times (Q6_K: a 128-bit lane each) */
 } xq8;
 
 static size_t xq8_bytes(int64_t K) {
-    return (size_t)K * 2 + (size_t)(K / 64) * 64 * 3 + (size_t)(K / 32) * 4 + (size_t)(K / 16) * 4 + 64 * 6;
+    return (size_t)K * 2 + (size_t)(K / 64) * 64 * 3 + (size_t)(K / 32) * 4 + (size_t)(K / 16) * 4 +
+           (size_t)(K / 32) * 8 + (size_t)(K / 16) * 16 + 64 * 9;
 }
 
 static void xq8_init(xq8 *q, void *mem, int64_t K) {
@@ -689,11 +695,30 @@ static void xq8_init(xq8 *q, void *mem, int64_t K) {
     q->c1 = (int32_t *)p; p += (size_t)(K / 64) * 64;
     q->c2 = (int32_t *)p; p += (size_t)(K / 64) * 64;
     q->sxf = (float *)p; p += (size_t)(K / 32) * 4;
-    q->sx16 = (float *)p;
+    q->sx16 = (float *)p; p += (size_t)(K / 16) * 4;
+    p = (p + 63) & ~(uintptr_t)63;
+    q->xsb = (float *)p; p += (size_t)(K / 32) * 4;
+    q->sxi = (int32_t *)p; p += (size_t)(K / 32) * 4;
+    p = (p + 63) & ~(uintptr_t)63;
+    q->sxi4 = (int32_t *)p;
 }
+
+/* the canonical record of block b: d/256, the exact block sum of X, the per-16 sums (all paths) */
+static inline void xq8_sums(const xq8 *q, int64_t b, float xs, int t1, int t2, const int g1[2], const int g2[2]) {
+    q->xsb[b] = xs;
+    q->sxi[b] = 256 * t1 + t2;
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 4; i++) q->sxi4[(2 * b + h) * 4 + i] = 256 * g1[h] + g2[h];
+}
+
+/* Activation terms of the integer path: 2 (default), x ~ d/256 (256 q1 + q2), about 15 bits; 1: q2 = 0, plain
+ * int8 as ggml's q8_0 (the same formulas with q2 = 0, so every kernel stays canonical; the kernels then skip the
+ * second term's products: int8 AMX tiles ~1.45x faster a block, docs/cpu-kernels.md). hm_set_act_terms. */
+static int g_xterms = 2;
 
 /* quantize blocks [b0, b1) of 32 elements of x (b0, b1 even) */
 static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
+    const float t2 = g_xterms > 1 ? 1.0f : 0.0f;        /* the second term, or none */
 #if HM_VNNI
     if (INT8_512) {
         for (int64_t b = b0; b < b1; b++) {
@@ -708,7 +733,8 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
                 const __m512 r1 = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 __m512 r2 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, r1), _mm512_set1_ps(256)),
                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                r2 = _mm512_min_ps(_mm512_max_ps(r2, _mm512_set1_ps(-127)), _mm512_set1_ps(127));
+                r2 = _mm512_mul_ps(_mm512_min_ps(_mm512_max_ps(r2, _mm512_set1_ps(-127)), _mm512_set1_ps(127)),
+                                   _mm512_set1_ps(t2));
                 const __m512i i1 = _mm512_cvtps_epi32(r1), i2 = _mm512_cvtps_epi32(r2);
                 _mm_storeu_si128((__m128i *)(q->q1 + 32 * b + 16 * h), _mm512_cvtepi32_epi8(i1));
                 _mm_storeu_si128((__m128i *)(q->q2 + 32 * b + 16 * h), _mm512_cvtepi32_epi8(i2));
@@ -719,6 +745,7 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
             }
             for (int h = 0; h < 2; h++) q->sx16[2 * b + h] = d / 256 * (float)(256 * h1[h] + h2[h]);
             const int t1 = _mm512_reduce_add_epi32(s1), t2 = _mm512_reduce_add_epi32(s2);
+            xq8_sums(q, b, d / 256, t1, t2, h1, h2);
             const int64_t p = b / 2, l = (b & 1) * 8;
             _mm256_storeu_ps(q->xs + 16 * p + l, _mm256_set1_ps(d / 256));
             _mm256_storeu_si256((__m256i *)(q->c1 + 16 * p + l), _mm256_setr_epi32(-8 * t1, 0, 0, 0, 0, 0, 0, 0));
@@ -748,7 +775,8 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
                 const __m256 r1 = _mm256_round_ps(vi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 __m256 r2 = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(vi, r1), _mm256_set1_ps(256)),
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                r2 = _mm256_min_ps(_mm256_max_ps(r2, _mm256_set1_ps(-127)), _mm256_set1_ps(127));
+                r2 = _mm256_mul_ps(_mm256_min_ps(_mm256_max_ps(r2, _mm256_set1_ps(-127)), _mm256_set1_ps(127)),
+                                   _mm256_set1_ps(t2));
                 i1[i] = _mm256_cvtps_epi32(r1);
                 i2[i] = _mm256_cvtps_epi32(r2);
                 s1 = _mm256_add_epi32(s1, i1[i]);
@@ -772,6 +800,7 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
             _mm256_storeu_si256((__m256i *)(q->c1 + 16 * p + l), _mm256_setr_epi32(-8 * t1, 0, 0, 0, 0, 0, 0, 0));
             _mm256_storeu_si256((__m256i *)(q->c2 + 16 * p + l), _mm256_setr_epi32(-8 * t2, 0, 0, 0, 0, 0, 0, 0));
             q->sxf[b] = d / 256 * (float)(256 * t1 + t2);
+            int gg1[2], gg2[2];
             for (int h = 0; h < 2; h++) {              /* per 16 elements: i1[2h], i1[2h + 1] */
                 int32_t u1[8], u2[8];
                 _mm256_storeu_si256((__m256i *)u1, _mm256_add_epi32(i1[2 * h], i1[2 * h + 1]));
@@ -779,7 +808,10 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
                 int g1 = 0, g2 = 0;
                 for (int j = 0; j < 8; j++) { g1 += u1[j]; g2 += u2[j]; }
                 q->sx16[2 * b + h] = d / 256 * (float)(256 * g1 + g2);
+                gg1[h] = g1;
+                gg2[h] = g2;
             }
+            xq8_sums(q, b, d / 256, t1, t2, gg1, gg2);
         }
         return;
     }
@@ -793,7 +825,7 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
         for (int i = 0; i < 32; i++) {
             const float v = xb[i] * id, r1 = rintf(v);
             float r2 = rintf((v - r1) * 256);
-            r2 = r2 > 127 ? 127 : r2 < -127 ? -127 : r2;
+            r2 = (r2 > 127 ? 127 : r2 < -127 ? -127 : r2) * t2;
             q->q1[32 * b + i] = (int8_t)r1;
             q->q2[32 * b + i] = (int8_t)r2;
             s1 += (int)r1;
@@ -802,6 +834,7 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
             g2[i / 16] += (int)r2;
         }
         for (int h = 0; h < 2; h++) q->sx16[2 * b + h] = d / 256 * (float)(256 * g1[h] + g2[h]);
+        xq8_sums(q, b, d / 256, s1, s2, g1, g2);
         const int64_t p = b / 2, l = (b & 1) * 8;
         for (int i = 0; i < 8; i++) {
             q->xs[16 * p + l + i] = d / 256;
@@ -810,6 +843,94 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
         }
         q->sxf[b] = d / 256 * (float)(256 * s1 + s2);
     }
+}
+
+/* ------------------------------------------------------------------ canonical integer dot products
+ *
+ * On the integer path the result of (weight row) . (one token's activations) is defined, bit for bit, by
+ * cdot_ref below, and every kernel that computes it reproduces it exactly: the streaming kernels for any
+ * number of tokens (decode, small batches) and the AMX tile kernels of prompts. So a token's results do
+ * not depend on which other tokens share its batch, and a prompt split anywhere gives the same logits.
+ * With X = 256 q1 + q2 the quantized activations (quant_x8: xs_b = d/256 per 32-block b):
+ * - 32-weight block types (Q4_0: v = q - 8; Q8_0: v = q; IQ4_NL, MXFP4: v = the table's integer; scale dw):
+ *     I_b = sum v X over the block (exact int32), acc = fma((float)I_b, dw_b * xs_b, acc), b ascending.
+ * - Q4_K, Q5_K (sub-block j of 32 in a super-block; S_j = d sc_j, M_j = dmin m_j, v = q unsigned):
+ *     acc = fma((float)I_b, S_j * xs_b, acc), accm = fma(M_j, sx_b, accm) (sx_b = xs_b sum X, quant_x8's sxf),
+ *     two chains, b ascending; the result is acc - accm.
+ * - Q6_K (sub-block i of 16, S_i = d sc_i, v = q - 32):
+ *     I_i = sum v X over the 16, acc = fma((float)I_i, S_i * xs_(i/2), acc).
+ * One chain per (row, token) over the blocks in order: the integers are exact however a kernel sums them
+ * (lanes, tiles), and the float steps are the same few roundings in the same order everywhere.
+ */
+static inline int b32_value(int ti, const uint8_t *blk, int l) {
+    if (ti == I_Q8_0) return (int8_t)blk[2 + l];
+    const uint8_t *qs = blk + (ti == I_MXFP4 ? 1 : 2);
+    const int n = l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4;
+    return ti == I_Q4_0 ? n - 8 : ti == I_IQ4_NL ? (int)KV_IQ4NL[n] : (int)KV_MXFP4[n];
+}
+
+static inline float b32_scale(int ti, const uint8_t *blk) {
+    return ti == I_MXFP4 ? e8m0_half(blk[0]) : fp16_to_f32(rd16(blk));
+}
+
+/* the scales of K-quant super-block b: S[16], M[16] as prep_k computes them (Q4_K/Q5_K: 8 of each) */
+static void kq_scales(int ti, const uint8_t *b, float *S, float *M) {
+    if (ti == I_Q6_K) {
+        const float d = fp16_to_f32(rd16(b + 208));
+        for (int i = 0; i < 16; i++) { S[i] = d * (float)(int8_t)b[192 + i]; M[i] = 32.0f * S[i]; }
+        return;
+    }
+    const float d = fp16_to_f32(rd16(b)), dmin = fp16_to_f32(rd16(b + 2));
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        k_scale_min(j, b + 4, &sc, &m);
+        S[j] = (float)sc * d;
+        M[j] = (float)m * dmin;
+    }
+}
+
+/* element e (0..255) of K-quant super-block b as the integer the canonical sums take (v above) */
+static inline int kq_value(int ti, const uint8_t *b, int e) {
+    if (ti == I_Q6_K) {
+        const int h = e / 128, r = e % 128, g4 = r / 32, l = r % 32;
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+        const int lo = (g4 & 1) ? ql[l + 32] : ql[l];
+        return ((g4 & 2 ? lo >> 4 : lo & 0xF) | (((qh[l] >> (2 * g4)) & 3) << 4)) - 32;
+    }
+    const int j = e / 32, l = e % 32;
+    const uint8_t *qs = b + (ti == I_Q5_K ? 48 : 16) + 32 * (j >> 1);
+    int v = (j & 1) ? qs[l] >> 4 : qs[l] & 0xF;
+    if (ti == I_Q5_K) v |= ((b[16 + l] >> j) & 1) << 4;
+    return v;
+}
+
+/* the canonical integer-path result for one row (K elements) and one quantized token */
+static float cdot_ref(int ti, const uint8_t *row, int64_t K, const xq8 *q) {
+    float acc = 0.0f;
+    if (!IS_K(ti)) {
+        for (int64_t b = 0; b < K / 32; b++) {
+            const uint8_t *blk = row + b * TINFO[ti].ts;
+            int32_t I = 0;
+            for (int l = 0; l < 32; l++) I += b32_value(ti, blk, l) * (256 * q->q1[32 * b + l] + q->q2[32 * b + l]);
+            acc = fmaf((float)I, b32_scale(ti, blk) * q->xsb[b], acc);
+        }
+        return acc;
+    }
+    float accm = 0.0f;
+    for (int64_t s = 0; s < K / 256; s++) {
+        const uint8_t *b = row + s * TINFO[ti].ts;
+        float S[16], M[16];
+        kq_scales(ti, b, S, M);
+        const int n = ti == I_Q6_K ? 16 : 8, len = 256 / n;
+        for (int i = 0; i < n; i++) {
+            int32_t I = 0;
+            const int64_t e0 = 256 * s + len * i, blk = e0 / 32;
+            for (int l = 0; l < len; l++) I += kq_value(ti, b, len * i + l) * (256 * q->q1[e0 + l] + q->q2[e0 + l]);
+            acc = fmaf((float)I, S[i] * q->xsb[blk], acc);
+            if (ti != I_Q6_K) accm = fmaf(M[i], q->sxf[blk], accm);
+        }
+    }
+    return acc - accm;
 }
 
 /* gf2p8affineqb matrices (one per qword): byte 7-i of a qword selects the input bits that
@@ -851,142 +972,210 @@ __attribute__((constructor)) static void init_e8m0_table(void) {
 #endif
 
 static int q8_type(int ti, int64_t K) {
-    return K % 64 == 0 && (INT8_512 || INT8_256) && (IS_B32(ti) || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K);
+    return K % 64 == 0 && (INT8_512 || INT8_256) &&
+           (IS_B32(ti) || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K || (ti == I_Q8_0 && INT8_512));
 }
 
 #if HM_VNNI
 
-HM_INLINE void kern_q8(const int ti, const int R, const uint8_t *const *w, const uint8_t *const *pf,
-                       int64_t K, const xq8 *xq, float *res) {
-    __m512 acc[4];
-    __m256 accm[4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); accm[r] = _mm256_setzero_ps(); }
-    const int ts = TINFO[ti].ts;
-    const int step = IS_B32(ti) ? 2 * ts : ts;           /* bytes per iteration: 64 or 256 weights */
-    const pfreg pr = pf_regions(R, w, pf);
-    const int64_t rb = IS_B32(ti) ? K / 32 * ts : K / 256 * ts;
+/* 4 rows' int32 lanes a[r] (16 lanes of 4 weights) -> per 128-bit lane L: [the 4 rows' sums over lane L's 16
+ * weights]. Exact integers: the order of these additions does not matter. */
+HM_INLINE __m512i rows4_lanes(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    const __m512i p01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+    const __m512i p23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(p01, p23), _mm512_unpackhi_epi64(p01, p23));
+}
+
+/* the offset of the unsigned bytes the 32-block types' dot products take: u = v + off */
+#define QC_OFF(ti) ((ti) == I_Q4_0 ? 8 : (ti) == I_MXFP4 ? 16 : 128)
+
+/* 64 weights (the blocks at b0 and b0 + ts) of a 32-block type as unsigned bytes v + QC_OFF */
+HM_INLINE __m512i qc_b32(const int ti, const uint8_t *b0, const int ts) {
+    if (ti == I_Q8_0) {
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b0 + ts + 2)), 1);
+        return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
+    }
     const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
-    const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
-    for (int64_t o = 0, e = 0; o < rb; o += step, e += IS_B32(ti) ? 64 : 256) {
-        prefetch_step(pr, o, step);
-        if (IS_B32(ti)) {
-            const int64_t p = e / 64;
-            const __m512i x1 = _mm512_load_si512(xq->q1 + e), x2 = _mm512_load_si512(xq->q2 + e);
-            const __m512i c1 = _mm512_slli_epi32(_mm512_load_si512(xq->c1 + 16 * p), B32_SHIFT(ti));
-            const __m512i c2 = _mm512_slli_epi32(_mm512_load_si512(xq->c2 + 16 * p), B32_SHIFT(ti));
-            const __m512 xs = _mm512_load_ps(xq->xs + 16 * p);
-            const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(
-                ti == I_IQ4_NL ? KU8_IQ4NL : KU8_MXFP4)));
+    /* 128-bit lanes [qs0, qs0, qs1, qs1] -> nibbles [lo0, hi0, lo1, hi1] = 64 weights in order */
+    __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b0 + B32_QS(ti))));
+    q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b0 + ts + B32_QS(ti))));
+    q = _mm512_gf2p8affine_epi64_epi8(q, mq40, 0);
+    if (ti != I_Q4_0)
+        q = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(
+            ti == I_IQ4_NL ? KU8_IQ4NL : KU8_MXFP4))), q);
+    return q;
+}
+
+/* sum over 4 weights of u (256 q1 + q2) per lane, exact (one term: q2 = 0, its products skipped) */
+HM_INLINE __m512i qc_dot(__m512i u, __m512i x1, __m512i x2) {
+    const __m512i a = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x1), 8);
+    return g_xterms > 1 ? _mm512_dpbusd_epi32(a, u, x2) : a;
+}
+
+/* res[r * NT + t] = cdot_ref(row w[r], token xq[t]) for R rows (1, 2 or 4) and NT tokens (1-4), bit for bit:
+ * the weights of a step are unpacked once for all NT tokens; per token the rows' lane sums are reduced to
+ * block sums (rows4_lanes) and the float chain runs over the rows in an xmm (one lane a row). */
+HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *const *w, const uint8_t *const *pf,
+                       int64_t K, const xq8 *const *xq, float *res) {
+    __m128 acc[4], accm[4];                              /* accm: the K-quants' mins */
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const uint8_t *b0 = w[r] + o, *b1 = b0 + ts;
-                /* 128-bit lanes [qs0, qs0, qs1, qs1] -> nibbles [lo0, hi0, lo1, hi1] = 64 weights */
-                __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b0 + B32_QS(ti))));
-                q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b1 + B32_QS(ti))));
-                q = _mm512_gf2p8affine_epi64_epi8(q, mq40, 0);
-                if (ti != I_Q4_0) q = _mm512_shuffle_epi8(tab, q);      /* nibble -> table value + offset */
-#ifdef HM_INT8_ONE   /* experiment: x as one int8 term (ggml's q8_0); the sum comes out 256x too small */
-                __m512i a = _mm512_dpbusd_epi32(c1, q, x1);
-                (void)x2; (void)c2;
-#else
-                __m512i a = _mm512_dpbusd_epi32(c1, q, x1);       /* c1, c2: the offset */
-                a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), q, x2);
-                a = _mm512_add_epi32(a, c2);
-#endif
-                const __m512 dw = _mm512_mask_broadcastss_ps(_mm512_set1_ps(*B32_D(ti, b0)), 0xFF00,
-                                                             _mm_load_ss(B32_D(ti, b1)));
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dw, xs), acc[r]);
+    for (int t = 0; t < NT; t++) acc[t] = accm[t] = _mm_setzero_ps();
+    const __m512i z = _mm512_setzero_si512();
+    const int ts = TINFO[ti].ts;
+    const int step = IS_K(ti) ? ts : 2 * ts;            /* bytes per iteration: 64 or 256 weights */
+    const pfreg pr = pf_regions(R, w, pf);
+    const int64_t rb = IS_K(ti) ? K / 256 * ts : K / 32 * ts;
+    for (int64_t o = 0, e = 0; o < rb; o += step, e += IS_K(ti) ? 256 : 64) {
+        prefetch_step(pr, o, step);
+        if (!IS_K(ti)) {
+            __m512i qv[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) qv[r] = qc_b32(ti, w[r] + o, ts);
+            const __m128 dw0 = _mm_setr_ps(*B32_D(ti, w[0] + o), R > 1 ? *B32_D(ti, w[1] + o) : 0.0f,
+                                           R > 2 ? *B32_D(ti, w[2] + o) : 0.0f, R > 3 ? *B32_D(ti, w[3] + o) : 0.0f);
+            const __m128 dw1 = _mm_setr_ps(*B32_D(ti, w[0] + o + ts), R > 1 ? *B32_D(ti, w[1] + o + ts) : 0.0f,
+                                           R > 2 ? *B32_D(ti, w[2] + o + ts) : 0.0f,
+                                           R > 3 ? *B32_D(ti, w[3] + o + ts) : 0.0f);
+            const int64_t b = e / 32;
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                const xq8 *q = xq[t];
+                const __m512i x1 = _mm512_load_si512(q->q1 + e), x2 = _mm512_load_si512(q->q2 + e);
+                __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
+                                         R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                l4 = _mm512_add_epi32(l4, _mm512_shuffle_i32x4(l4, l4, 0xB1));     /* lanes 0: block b, 2: b + 1 */
+                const __m128i i0 = _mm_sub_epi32(_mm512_castsi512_si128(l4), _mm_set1_epi32(QC_OFF(ti) * q->sxi[b]));
+                const __m128i i1 = _mm_sub_epi32(_mm512_extracti32x4_epi32(l4, 2),
+                                                 _mm_set1_epi32(QC_OFF(ti) * q->sxi[b + 1]));
+                acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(i0), _mm_mul_ps(dw0, _mm_set1_ps(q->xsb[b])), acc[t]);
+                acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(i1), _mm_mul_ps(dw1, _mm_set1_ps(q->xsb[b + 1])), acc[t]);
             }
         } else if (ti == I_Q6_K) {
-            /* 6-bit q = ql nibble | 2 bits of qh << 4, weight = d sc[j] (q - 32) per 16: the -32 runs in float
-             * against the per-16 sums of x (ks.m = 32 d sc[j]) */
-            const __m512 sxa = _mm512_loadu_ps(xq->sx16 + e / 16);
+            float Sm[16][4] __attribute__((aligned(64)));
             kscale ks[4];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                prep_k(ti, w[r] + o, &ks[r]);
-                const __m512 m16 = _mm512_loadu_ps(ks[r].m);
-                const __m512 t = _mm512_mul_ps(m16, sxa);
-                accm[r] = _mm256_add_ps(accm[r], _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1)));
-            }
+            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+            for (int i = 0; i < 16; i++)
+                for (int r = 0; r < 4; r++) Sm[i][r] = r < R ? ks[r].s[i] : 0.0f;
             const __m512i m4 = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 2
             for (int n = 0; n < 2; n++) {                 /* halves of 128 weights: ql 64 bytes, qh 32 */
 #pragma GCC unroll 2
                 for (int c = 0; c < 2; c++) {             /* weights 0-63 (low nibbles), 64-127 (high) */
                     const int64_t j = e + 128 * n + 64 * c;
-                    const __m512i x1 = _mm512_load_si512(xq->q1 + j), x2 = _mm512_load_si512(xq->q2 + j);
-                    const __m512 xs = _mm512_load_ps(xq->xs + 16 * (j / 64));
-                    /* qh bits (0,1 | 2,3) for c = 0, (4,5 | 6,7) for c = 1: lower | upper 256 bits */
                     const __m512i mh = _mm512_set_epi64(GF_2BITS(4 * c + 2), GF_2BITS(4 * c + 2), GF_2BITS(4 * c + 2),
                         GF_2BITS(4 * c + 2), GF_2BITS(4 * c), GF_2BITS(4 * c), GF_2BITS(4 * c), GF_2BITS(4 * c));
-                    /* scales: lanes 0-3 sc[8n+4c], 4-7 +1, 8-11 +2, 12-15 +3 */
-                    const int sb = 8 * n + 4 * c;
-                    const __m512i si = _mm512_set_epi32(sb + 3, sb + 3, sb + 3, sb + 3, sb + 2, sb + 2, sb + 2, sb + 2,
-                                                        sb + 1, sb + 1, sb + 1, sb + 1, sb, sb, sb, sb);
+                    __m512i qv[4];
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++) {
-                        const uint8_t *b = w[r] + o;
-                        __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * n));
+                        const uint8_t *bb = w[r] + o;
+                        __m512i ql = _mm512_loadu_si512((const void *)(bb + 64 * n));
                         ql = _mm512_and_si512(c ? _mm512_srli_epi16(ql, 4) : ql, m4);
-                        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n)));
-                        const __m512i q = _mm512_or_si512(ql, _mm512_gf2p8affine_epi64_epi8(qh, mh, 0));
-                        __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x1);
-                        a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), q, x2);
-                        const __m512 ws = _mm512_permutexvar_ps(si, _mm512_loadu_ps(ks[r].s));
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(ws, xs), acc[r]);
+                        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(bb + 128 + 32 * n)));
+                        qv[r] = _mm512_or_si512(ql, _mm512_gf2p8affine_epi64_epi8(qh, mh, 0));
+                    }
+                    const __m512 sv = _mm512_load_ps(&Sm[8 * n + 4 * c][0]);   /* [sub-block i0 + L][row] */
+#pragma GCC unroll 4
+                    for (int t = 0; t < NT; t++) {
+                        const xq8 *q = xq[t];
+                        const __m512i x1 = _mm512_load_si512(q->q1 + j), x2 = _mm512_load_si512(q->q2 + j);
+                        __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
+                                                 R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                        l4 = _mm512_sub_epi32(l4, _mm512_slli_epi32(_mm512_load_si512(q->sxi4 + j / 4), 5));
+                        const __m512 f = _mm512_cvtepi32_ps(l4);
+                        const __m512 sc = _mm512_mul_ps(sv, _mm512_load_ps(q->xs + 16 * (j / 64)));
+                        acc[t] = _mm_fmadd_ps(_mm512_castps512_ps128(f), _mm512_castps512_ps128(sc), acc[t]);
+                        acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 1), _mm512_extractf32x4_ps(sc, 1), acc[t]);
+                        acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 2), _mm512_extractf32x4_ps(sc, 2), acc[t]);
+                        acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 3), _mm512_extractf32x4_ps(sc, 3), acc[t]);
                     }
                 }
             }
-        } else {
-            const __m256 sx = _mm256_loadu_ps(xq->sxf + e / 32);
-            __m512 ws[4][4];
+        } else {                                          /* Q4_K, Q5_K: 8 sub-blocks of 32 */
+            kscale ks[4];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                kscale ks;
-                prep_k(ti, w[r] + o, &ks);
-                const __m512 s8 = _mm512_castps256_ps512(_mm256_loadu_ps(ks.s));
-#pragma GCC unroll 4
-                for (int c = 0; c < 4; c++)
-                    ws[r][c] = _mm512_permutexvar_ps(_mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                        2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c), s8);
-                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks.m), sx, accm[r]);   /* the mins */
+            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+            /* scales and mins as [sub-block j][row]: lanes 4j + r */
+            float Sj[8][4] __attribute__((aligned(64))), Mj[8][4] __attribute__((aligned(64)));
+            {
+                const __m512i lo = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+                const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+                const __m256 zs = _mm256_setzero_ps();
+                const __m512 s01 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(ks[0].s)),
+                                                      R > 1 ? _mm256_loadu_ps(ks[1].s) : zs, 1);
+                const __m512 s23 = _mm512_insertf32x8(_mm512_castps256_ps512(R > 2 ? _mm256_loadu_ps(ks[2].s) : zs),
+                                                      R > 3 ? _mm256_loadu_ps(ks[3].s) : zs, 1);
+                const __m512 m01 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(ks[0].m)),
+                                                      R > 1 ? _mm256_loadu_ps(ks[1].m) : zs, 1);
+                const __m512 m23 = _mm512_insertf32x8(_mm512_castps256_ps512(R > 2 ? _mm256_loadu_ps(ks[2].m) : zs),
+                                                      R > 3 ? _mm256_loadu_ps(ks[3].m) : zs, 1);
+                _mm512_store_ps(&Sj[0][0], _mm512_permutex2var_ps(s01, lo, s23));
+                _mm512_store_ps(&Sj[4][0], _mm512_permutex2var_ps(s01, hi, s23));
+                _mm512_store_ps(&Mj[0][0], _mm512_permutex2var_ps(m01, lo, m23));
+                _mm512_store_ps(&Mj[4][0], _mm512_permutex2var_ps(m01, hi, m23));
             }
+            const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
 #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) {
-                const __m512i x1 = _mm512_load_si512(xq->q1 + e + 64 * c), x2 = _mm512_load_si512(xq->q2 + e + 64 * c);
-                const __m512 xs = _mm512_load_ps(xq->xs + 16 * (e / 64 + c));
+            for (int c = 0; c < 4; c++) {                 /* sub-blocks 2c (low nibbles), 2c + 1 (high) */
+                __m512i qv[4];
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
-                    const uint8_t *b = w[r] + o;
-                    /* 256-bit halves [qs, qs] -> [lo nibbles: sub-block 2c, hi: 2c+1] */
-                    __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + (ti == I_Q5_K ? 48 : 16) + 32 * c)));
-                    q = _mm512_gf2p8affine_epi64_epi8(q, mqk, 0);
+                    const uint8_t *bb = w[r] + o;
+                    __m512i qq = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(bb + (ti == I_Q5_K ? 48 : 16) + 32 * c)));
+                    qq = _mm512_gf2p8affine_epi64_epi8(qq, mqk, 0);
                     if (ti == I_Q5_K) {   /* 5th bit: bit 2c (2c+1) of qh[l] -> bit 4 */
                         const __m512i mh = _mm512_set_epi64(GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1),
                             GF_BIT(2 * c + 1), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c));
-                        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
-                        q = _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(h, mh, 0));
+                        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(bb + 16)));
+                        qq = _mm512_or_si512(qq, _mm512_gf2p8affine_epi64_epi8(h, mh, 0));
                     }
-                    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x1);
-                    a = _mm512_dpbusd_epi32(_mm512_slli_epi32(a, 8), q, x2);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(ws[r][c], xs), acc[r]);
+                    qv[r] = qq;
+                }
+                const __m128 s0 = _mm_load_ps(Sj[2 * c]), s1 = _mm_load_ps(Sj[2 * c + 1]);
+                const __m128 m0 = _mm_load_ps(Mj[2 * c]), m1 = _mm_load_ps(Mj[2 * c + 1]);
+                const int64_t jj = e + 64 * c, b = jj / 32;
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++) {
+                    const xq8 *q = xq[t];
+                    const __m512i x1 = _mm512_load_si512(q->q1 + jj), x2 = _mm512_load_si512(q->q2 + jj);
+                    __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
+                                             R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                    l4 = _mm512_add_epi32(l4, _mm512_shuffle_i32x4(l4, l4, 0xB1));
+                    acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_castsi512_si128(l4)), _mm_mul_ps(s0, _mm_set1_ps(q->xsb[b])),
+                                          acc[t]);
+                    accm[t] = _mm_fmadd_ps(m0, _mm_set1_ps(q->sxf[b]), accm[t]);
+                    acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_extracti32x4_epi32(l4, 2)),
+                                          _mm_mul_ps(s1, _mm_set1_ps(q->xsb[b + 1])), acc[t]);
+                    accm[t] = _mm_fmadd_ps(m1, _mm_set1_ps(q->sxf[b + 1]), accm[t]);
                 }
             }
         }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        const __m128 m4 = _mm_add_ps(_mm256_castps256_ps128(accm[r]), _mm256_extractf128_ps(accm[r], 1));
-        res[r] = _mm512_reduce_add_ps(acc[r]) - (m4[0] + m4[1] + m4[2] + m4[3]);
-#ifdef HM_INT8_ONE
-        if (IS_B32(ti)) res[r] *= 256;
-#endif
+    for (int t = 0; t < NT; t++) {
+        float v[4];
+        _mm_storeu_ps(v, IS_K(ti) && ti != I_Q6_K ? _mm_sub_ps(acc[t], accm[t]) : acc[t]);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) res[r * NT + t] = v[r];
     }
 }
 
-KQTABLE(KQTAB, kq, kern_q8)
+typedef void (*kqc_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *const *xq, float *res);
+#define KQCSHAPE(TI, R, NT) \
+    static void kqc_##TI##_##R##_##NT(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, \
+                                      const xq8 *const *xq, float *res) { kern_qc(TI, R, NT, w, pf, K, xq, res); }
+#define KQCSHAPES(TI) KQCSHAPE(TI, 1, 1) KQCSHAPE(TI, 1, 2) KQCSHAPE(TI, 1, 3) KQCSHAPE(TI, 1, 4) \
+    KQCSHAPE(TI, 2, 1) KQCSHAPE(TI, 2, 2) KQCSHAPE(TI, 2, 3) KQCSHAPE(TI, 2, 4) \
+    KQCSHAPE(TI, 4, 1) KQCSHAPE(TI, 4, 2) KQCSHAPE(TI, 4, 3) KQCSHAPE(TI, 4, 4)
+#define KQCROW(TI) { {0}, {0, kqc_##TI##_1_1, kqc_##TI##_1_2, kqc_##TI##_1_3, kqc_##TI##_1_4}, \
+    {0, kqc_##TI##_2_1, kqc_##TI##_2_2, kqc_##TI##_2_3, kqc_##TI##_2_4}, {0}, \
+    {0, kqc_##TI##_4_1, kqc_##TI##_4_2, kqc_##TI##_4_3, kqc_##TI##_4_4} }
+KQCSHAPES(I_Q4_0) KQCSHAPES(I_Q8_0) KQCSHAPES(I_Q4_K) KQCSHAPES(I_Q5_K) KQCSHAPES(I_Q6_K) KQCSHAPES(I_IQ4_NL)
+KQCSHAPES(I_MXFP4)
+static const kqc_fn KQC[N_TYPES][5][5] = {
+    [I_Q4_0] = KQCROW(I_Q4_0), [I_Q8_0] = KQCROW(I_Q8_0), [I_Q4_K] = KQCROW(I_Q4_K), [I_Q5_K] = KQCROW(I_Q5_K),
+    [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4), };
 #endif /* HM_VNNI */
 
 #if HM_AVXVNNI
@@ -1116,26 +1305,47 @@ KQTABLE(KQTAB2, kq2, kern_q8_256)
  * one for them: q8_type). Measured on Sapphire Rapids (16 threads, share of read bandwidth): Q4_K 58-64% ->
  * 82-83%, Q5_K 50-57% -> 79-98%, Q4_0 70-74% -> 79-84% (there the fp32 decode is bound by the one shuffle
  * port); Q6_K 0.452 / 0.458 -> 0.403 / 0.384 ms a T=1 call (2026-11-25). */
-#define INT8_DEFAULT_512 ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_Q5_K) | (1u << I_Q6_K) | (1u << I_MXFP4))
+#define INT8_DEFAULT_256_ ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_Q5_K) | (1u << I_Q6_K) | (1u << I_MXFP4))
+/* AVX-512 VNNI: every quantized type, Q8_0 and IQ4_NL too, so that every batch size computes the canonical
+ * integer products (cdot_ref): prompts then give the same results however they are split. */
+#define INT8_DEFAULT_512 (INT8_DEFAULT_256_ | (1u << I_Q8_0) | (1u << I_IQ4_NL))
 /* AVX-VNNI (dev VM, 1 thread, T=1, GB/s fp32 -> integer): Q4_0 7.2 -> 12.4, Q4_K 7.3 -> 11.2, Q5_K 8.4 -> 11.6,
  * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
  * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
-#define INT8_DEFAULT_256 (INT8_DEFAULT_512 | (1u << I_IQ4_NL))
+#define INT8_DEFAULT_256 (INT8_DEFAULT_256_ | (1u << I_IQ4_NL))
 static unsigned g_int8;                   /* the types set_int8 chose, unless g_int8_default */
 static int g_int8_default = 1;            /* the measured defaults of the path in use */
 #define INT8_MASK (g_int8_default ? (g_simd == 2 ? INT8_DEFAULT_512 : INT8_DEFAULT_256) : g_int8)
+/* rows shared by several tokens take the integer path too (the canonical products, any batch size): where the
+ * AVX-512 VNNI kernels run (the AVX-VNNI path keeps fp32 for those, and its own order for single tokens), unless
+ * hm_set_exact(0) asked for the earlier large-batch paths (bf16 tiles; results then depend on the batch) */
+static int g_exact = 1;
+#define QC_MULTI (INT8_512 && g_exact)
 
 /* rows w[0..R) . one token: the integer path when xq is given, else fp32 */
 static inline void dot_rows1(int ti, int R, const uint8_t *const *w, const uint8_t *const *pf, int64_t K,
                              const float *x, const xq8 *xq, float *res) {
 #if HM_VNNI
-    if (xq && g_simd == 2) { KQTAB[ti][R](w, pf, K, xq, res); return; }
+    if (xq && g_simd == 2) { KQC[ti][R][1](w, pf, K, &xq, res); return; }
 #endif
 #if HM_AVXVNNI
     if (xq && g_simd == 1) { KQTAB2[ti][R](w, pf, K, xq, res); return; }
 #endif
     (void)xq;
     dot_rows(ti, R, 1, w, pf, K, &x, res);
+}
+
+/* Canonical integer products (cdot_ref) of R rows (1, 2, 4) and NT tokens (1-4), res[r * NT + t]: the
+ * kernel where this CPU has one for the canonical form (AVX-512 VNNI), else the scalar reference (exact,
+ * slow: only reached when a test forces it). */
+static inline void dot_rows_q(int ti, int R, int NT, const uint8_t *const *w, const uint8_t *const *pf, int64_t K,
+                              const xq8 *const *xq, float *res) {
+#if HM_VNNI
+    if (g_simd == 2) { KQC[ti][R][NT](w, pf, K, xq, res); return; }
+#endif
+    (void)pf;
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) res[r * NT + t] = cdot_ref(ti, w[r], K, xq[t]);
 }
 
 /* ------------------------------------------------------------------ thread-local workspace */
@@ -1161,7 +1371,45 @@ static inline void split(int64_t n, int nth, int tid, int64_t align, int64_t *lo
     *hi = b * align < n ? b * align : n;
 }
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+/* exp(x) in branch-free float code the compiler vectorizes: 2^n * e^r, |r| <= ln2/2, degree-6
+ * Taylor polynomial (relative error ~2e-7, far below the bf16 rounding that follows) */
+static inline float exp_vec(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = __builtin_fmaf(n, -0.693145751953125f, x);      /* ln2 split in two parts */
+    r = __builtin_fmaf(n, -1.428606765330187e-06f, r);
+    float p = 1.0f / 720;
+    p = __builtin_fmaf(p, r, 1.0f / 120);
+    p = __builtin_fmaf(p, r, 1.0f / 24);
+    p = __builtin_fmaf(p, r, 1.0f / 6);
+    p = __builtin_fmaf(p, r, 0.5f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    p = __builtin_fmaf(p, r, 1.0f);
+    return p * f32_bits((uint32_t)((int32_t)n + 127) << 23);
+}
+
+#if HM_AVX512
+/* exp_vec on 16 lanes: the same operations in the same order as the scalar exp_vec, lane by lane */
+static inline __m512 exp_vec16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
+/* silu by exp_vec: the same bits in every kernel (streaming, tile, decode step), scalar or vectorized */
+static inline float silu(float g) { return g / (1.0f + exp_vec(-g)); }
 
 /* ------------------------------------------------------------------ tracing (profiling only)
  * hm_trace(1): each thread of the streaming MoE kernel stamps, per call, when it entered the parallel
@@ -1233,7 +1481,7 @@ static inline float act_h(const moe_act *A, float g, float u, int64_t e, int64_t
     u += A->bu[e * F + f];
     g = g < A->limit ? g : A->limit;
     u = u < -A->limit ? -A->limit : u > A->limit ? A->limit : u;
-    return g / (1.0f + expf(-A->alpha * g)) * (u + 1.0f);
+    return g / (1.0f + exp_vec(-A->alpha * g)) * (u + 1.0f);
 }
 
 static inline float down_bias(const moe_act *A, int64_t e, int64_t H, int64_t r) {
@@ -1319,6 +1567,14 @@ static void stage1_range(const moe_ctx *c, int64_t g0, int64_t g1, int64_t n0, i
                 xq8 q;
                 if (c->q8g) xq8_init(&q, c->xqm + c->ptok[s0] * c->xqb, H);
                 dot_rows1(c->gi, 4, rows, pft, H, xs[0], c->q8g ? &q : NULL, res);
+            } else if (c->q8g && QC_MULTI) {                      /* g f, g f+1, u f, u f+1 x m tokens */
+                xq8 qq[4];
+                const xq8 *qp[4];
+                for (int i = 0; i < m; i++) {
+                    xq8_init(&qq[i], c->xqm + c->ptok[s0 + tt + i] * c->xqb, H);
+                    qp[i] = &qq[i];
+                }
+                dot_rows_q(c->gi, 4, m, rows, pft, H, qp, res);
             } else if (m <= 2) {
                 dot_rows(c->gi, 4, m, rows, pft, H, xs, res);   /* g f, g f+1, u f, u f+1 */
             } else {
@@ -1393,13 +1649,23 @@ static void stage2_range(const moe_ctx *c, int64_t h0, int64_t h1, int64_t n0, i
                     xq8 hq;
                     if (c->q8d) xq8_init(&hq, c->hqm + s0 * c->hqb, F);
                     dot_rows1(c->di, R, rows, pf, F, xs[0], c->q8d ? &hq : NULL, res);
+                } else if (c->q8d && QC_MULTI) {
+                    xq8 qq[4];
+                    const xq8 *qp[4];
+                    for (int i = 0; i < m; i++) {
+                        xq8_init(&qq[i], c->hqm + (s0 + tt + i) * c->hqb, F);
+                        qp[i] = &qq[i];
+                    }
+                    dot_rows_q(c->di, R, m, rows, tt ? NULL : pf, F, qp, res);
                 } else {
                     rows_x_tokens(c->di, R, m, rows, tt ? NULL : pf, F, xs, res);
                 }
                 for (int i = 0; i < m; i++) {
                     const int64_t sp = s0 + tt + i;
                     float *o = c->out + (int64_t)c->ptok[sp] * H + r1;
-                    for (int cc = 0; cc < R; cc++) o[cc] += c->pw[sp] * (res[cc * m + i] + down_bias(c->A, e, H, r1 + cc));
+                    for (int cc = 0; cc < R; cc++)                 /* the tile kernels' combine, op for op */
+                        o[cc] = fmaf(c->pw[sp], c->A->bd ? res[cc * m + i] + down_bias(c->A, e, H, r1 + cc)
+                                                         : res[cc * m + i], o[cc]);
                 }
             }
             r1 += R;
@@ -1505,45 +1771,91 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
     return 0;
 }
 
-/* out[T, N] = x[T, K] @ W[N, K]^T, W as GGUF rows; each thread a contiguous range of rows */
+/* out[T, N] = x[T, K] @ W[N, K]^T, W as GGUF rows; each thread a contiguous range of rows. Types on the
+ * integer path: every token's x quantized once (in parallel), then the canonical products. */
 int hm_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int wtype, int64_t N,
                float *out, int nthreads) {
     const int wi = type_index(wtype);
     if (wi < 0 || K % 32 || K % TINFO[wi].qk || T < 0 || N < 0) return -1;
     const int64_t rb = row_bytes(wi, K);
-    xq8 xq, *xqp = NULL;
-    if (T == 1 && (INT8_MASK >> wi & 1) && q8_type(wi, K)) {
-        char *mem = workspace(xq8_bytes(K) + 64);
+    const int q8 = T >= 1 && (INT8_MASK >> wi & 1) && q8_type(wi, K) && (T == 1 || QC_MULTI);
+    const size_t xqb = (xq8_bytes(K) + 63) & ~(size_t)63;
+    char *mem = NULL;
+    if (q8) {
+        mem = workspace((size_t)T * xqb + 64);
         if (!mem) return -2;
-        xq8_init(&xq, mem, K);
-        quant_x8(x, 0, K / 32, &xq);
-        xqp = &xq;
+        mem = (char *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
     }
     int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
 #pragma omp parallel num_threads(nth)
     {
+        if (q8) {
+            int64_t t0, t1;
+            split(T, omp_get_num_threads(), omp_get_thread_num(), 1, &t0, &t1);
+            for (int64_t t = t0; t < t1; t++) {
+                xq8 q;
+                xq8_init(&q, mem + t * xqb, K);
+                quant_x8(x + t * K, 0, K / 32, &q);
+            }
+#pragma omp barrier
+        }
         int64_t n0, n1;
         split(N, omp_get_num_threads(), omp_get_thread_num(), 4, &n0, &n1);
         const int64_t lead = (HM_PF_DIST + rb - 1) / rb;
+        /* tokens in chunks whose activations stay in L2 while the rows stream past them once a chunk (many
+         * tokens: one pass of the rows over all of x read x from memory for every 4 rows) */
+        const int64_t tc = ((int64_t)1 << 19) / (K * 4) / 4 * 4, TC = tc < 4 ? 4 : tc;   /* 512 KiB of x */
+        for (int64_t c0 = 0; c0 < T; c0 += TC) {
+        const int64_t c1 = c0 + TC < T ? c0 + TC : T;
         prefetch_range(w + n0 * rb, (n1 - n0 < lead ? n1 - n0 : lead) * rb);   /* cold start */
         for (int64_t r = n0; r < n1;) {
             const int R = n1 - r >= 4 ? 4 : 1;
             const uint8_t *rows[4] = {w + r * rb, w + (r + 1) * rb, w + (r + 2) * rb, w + (r + 3) * rb};
             const uint8_t *pf[2] = {r + lead < n1 ? rows[0] + lead * rb : NULL,
                                     R == 4 && r + 2 + lead < n1 ? rows[2] + lead * rb : NULL};
-            for (int64_t tt = 0; tt < T; tt += 4) {
-                const int m = (int)(T - tt < 4 ? T - tt : 4);
+            for (int64_t tt = c0; tt < c1; tt += 4) {
+                const int m = (int)(c1 - tt < 4 ? c1 - tt : 4);
                 const float *xs[4];
                 float res[16];
                 for (int i = 0; i < m; i++) xs[i] = x + (tt + i) * K;
-                if (xqp) dot_rows1(wi, R, rows, pf, K, x, xqp, res);
-                else rows_x_tokens(wi, R, m, rows, tt ? NULL : pf, K, xs, res);
+                if (q8) {
+                    xq8 qq[4];
+                    const xq8 *qp[4];
+                    for (int i = 0; i < m; i++) {
+                        xq8_init(&qq[i], mem + (tt + i) * xqb, K);
+                        qp[i] = &qq[i];
+                    }
+                    if (T == 1) dot_rows1(wi, R, rows, pf, K, x, qp[0], res);
+                    else dot_rows_q(wi, R, m, rows, tt > c0 ? NULL : pf, K, qp, res);
+                } else {
+                    rows_x_tokens(wi, R, m, rows, tt > c0 ? NULL : pf, K, xs, res);
+                }
                 for (int i = 0; i < m; i++)
                     for (int c = 0; c < R; c++) out[(tt + i) * N + r + c] = res[c * m + i];
             }
             r += R;
         }
+        }
     }
+    return 0;
+}
+
+/* Tests: out[T, N] by the canonical reference (cdot_ref) for integer-path types, x quantized per token
+ * as every kernel quantizes it; -1 for a type or K the integer path does not take. */
+int hm_qdot_ref(const float *x, int64_t T, int64_t K, const uint8_t *w, int wtype, int64_t N, float *out) {
+    const int wi = type_index(wtype);
+    if (wi < 0 || wi < I_Q4_0 || K % 64 || K % TINFO[wi].qk) return -1;
+    const size_t xqb = (xq8_bytes(K) + 63) & ~(size_t)63;
+    char *mem = malloc(xqb + 64);
+    if (!mem) return -2;
+    xq8 q;
+    xq8_init(&q, mem, K);
+    const int64_t rb = row_bytes(wi, K);
+    for (int64_t t = 0; t < T; t++) {
+        quant_x8(x + t * K, 0, K / 32, &q);
+        for (int64_t n = 0; n < N; n++) out[t * N + n] = cdot_ref(wi, w + n * rb, K, &q);
+    }
+    free(mem);
     return 0;
 }
 
@@ -1667,23 +1979,6 @@ int hm_dequant(const uint8_t *w, const uint8_t *w2, int wtype, int64_t nrows, in
  * steps around it in one call each. */
 
 static inline float bf16f(uint16_t v) { return bf16_to_f32(v); }
-
-/* exp(x) in branch-free float code the compiler vectorizes: 2^n * e^r, |r| <= ln2/2, degree-6
- * Taylor polynomial (relative error ~2e-7, far below the bf16 rounding that follows) */
-static inline float exp_vec(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = __builtin_fmaf(n, -0.693145751953125f, x);      /* ln2 split in two parts */
-    r = __builtin_fmaf(n, -1.428606765330187e-06f, r);
-    float p = 1.0f / 720;
-    p = __builtin_fmaf(p, r, 1.0f / 120);
-    p = __builtin_fmaf(p, r, 1.0f / 24);
-    p = __builtin_fmaf(p, r, 1.0f / 6);
-    p = __builtin_fmaf(p, r, 0.5f);
-    p = __builtin_fmaf(p, r, 1.0f);
-    p = __builtin_fmaf(p, r, 1.0f);
-    return p * f32_bits((uint32_t)((int32_t)n + 127) << 23);
-}
 
 /* branch-free f32_to_bf16 (vectorizable) */
 static inline uint16_t bf16_rne(float f) {
@@ -1882,6 +2177,8 @@ static void amx_config(void) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int i = 0; i < 8; i++) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+    /* GCC does not see _tile_loadconfig read the struct: once inlined, the field stores were dropped */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 
@@ -2017,6 +2314,283 @@ static inline void add_block_rows(float *out, int64_t H, int64_t r0, const float
     }
 }
 
+/* ------------------------------------------------------------------ exact int8 tiles (AMX-INT8)
+ * The canonical integer products (cdot_ref) of many tokens at once, for prompts: per 32-block (Q6_K: per
+ * 16-element sub-block) one tile product of 16 weight rows x 16 tokens for each of the two activation terms
+ * (TDPBSSD; TDPBUSD for the K-quants' unsigned values), exact int32 block sums, then the float chain of each
+ * (row, token) in vector registers, block by block in cdot_ref's order. So prompts compute bit for bit what
+ * decode computes, whatever the batch. The weights are unpacked to int8 only (no dequantization to bf16),
+ * but a tile product of K = 32 is half as full as bf16's, there are two terms, and every block's sums go
+ * through memory into the float chain (docs/cpu-kernels.md has the measurements). */
+#if HM_AMX && defined(__AMX_INT8__)
+#define HM_AMX8 1
+#else
+#define HM_AMX8 0
+#endif
+
+/* Per-token quantized rows, contiguous (the tokens of a call, or the pairs' h): q1, q2 [T][K] int8,
+ * xsb, sxf [T][K/32] (quant_x8's d/256 and sum-of-x per block). */
+typedef struct { int8_t *q1, *q2; float *xsb, *sxf; int64_t K; } qrows;
+
+static size_t qrows_bytes(int64_t T, int64_t K) { return (size_t)T * (size_t)(K * 2 + K / 32 * 8) + 256; }
+
+static void qrows_init(qrows *r, void *mem, int64_t T, int64_t K) {
+    uintptr_t p = ((uintptr_t)mem + 63) & ~(uintptr_t)63;
+    r->q1 = (int8_t *)p; p += (size_t)(T * K);
+    r->q2 = (int8_t *)p; p += (size_t)(T * K);
+    r->xsb = (float *)p; p += (size_t)(T * K / 32) * 4;
+    r->sxf = (float *)p;
+    r->K = K;
+}
+
+/* row t of r = x (K floats) quantized by quant_x8, the function every path quantizes with; tmp: xq8_bytes(K) */
+static void qrows_quant(const qrows *r, int64_t t, const float *x, void *tmp) {
+    const int64_t K = r->K;
+    xq8 q;
+    xq8_init(&q, tmp, K);
+    q.q1 = r->q1 + t * K;
+    q.q2 = r->q2 + t * K;
+    quant_x8(x, 0, K / 32, &q);
+    memcpy(r->xsb + t * (K / 32), q.xsb, (size_t)(K / 32) * 4);
+    memcpy(r->sxf + t * (K / 32), q.sxf, (size_t)(K / 32) * 4);
+}
+
+/* A token block of the int8 tiles, tb_bytes(K): 16 tokens' [q1 as B tiles: K/4][16][4] [q2: the same]
+ * [xs: K/32][16] [sx: K/32][16]; tokens cn..15 are zero */
+static inline int64_t tb_bytes(int64_t K) { return K * 36; }
+
+static void pack_tb(uint8_t *tb, const qrows *r, const int32_t *tok, int cn) {
+    const int64_t K = r->K, nb = K / 32;
+    pack_tokens((uint32_t *)tb, (const uint32_t *)r->q1, tok, cn, K / 4);
+    pack_tokens((uint32_t *)(tb + 16 * K), (const uint32_t *)r->q2, tok, cn, K / 4);
+    float *xs = (float *)(tb + 32 * K), *sx = xs + nb * 16;
+    for (int64_t b = 0; b < nb; b++)
+        for (int n = 0; n < 16; n++) {
+            xs[b * 16 + n] = n < cn ? r->xsb[tok[n] * nb + b] : 0.0f;
+            sx[b * 16 + n] = n < cn ? r->sxf[tok[n] * nb + b] : 0.0f;
+        }
+}
+
+#if HM_AMX8
+/* tiles: 0, 1 (and 5, 6 for the next block) a block's two sums (C1 = A.q1, C2 = A.q2); 2 the weights A (16
+ * rows x 32 or 16 bytes); 3, 4 the tokens' q1, q2 (8 or 4 rows of 16 tokens x 4 bytes) */
+static void amx8_config(int q6) {
+    tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[5] = cfg.rows[6] = 16;
+    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[5] = cfg.colsb[6] = 64;
+    cfg.rows[2] = 16;
+    cfg.colsb[2] = q6 ? 16 : 32;
+    cfg.rows[3] = cfg.rows[4] = q6 ? 4 : 8;
+    cfg.colsb[3] = cfg.colsb[4] = 64;
+    __asm__ volatile("" : : "r"(&cfg) : "memory");   /* keep the field stores (see amx_config) */
+    _tile_loadconfig(&cfg);
+}
+#endif
+
+#define A8_LDA (TILE_KC + 64)     /* bytes between the int8 weight rows of a pass */
+
+/* One weight row's elements [k0, k0 + kc) as the int8 values the tiles multiply (signed v; Q4_K/Q5_K:
+ * unsigned q) into A, its block scales into ws[(block - k0/32) * 32] (Q6_K: per 16, [(i - k0/16) * 32]) and,
+ * for Q4_K/Q5_K, its mins into wm[block * 32] (absolute block index; the min chain runs after all passes).
+ * The same unpacking as the streaming kernel's (kern_qc), so the same integers. */
+static void a8_unpack_row(int ti, const uint8_t *row, int64_t k0, int64_t kc, int8_t *A, float *ws, float *wm) {
+#if HM_VNNI
+    const int ts = TINFO[ti].ts;
+    if (!IS_K(ti)) {
+        const __m512i off = _mm512_set1_epi8((char)QC_OFF(ti));
+        for (int64_t e = 0; e < kc; e += 64) {
+            const uint8_t *b = row + (k0 + e) / 32 * ts;
+            _mm512_storeu_si512(A + e, _mm512_sub_epi8(qc_b32(ti, b, ts), off));
+            ws[(e / 32) * 32] = *B32_D(ti, b);
+            ws[(e / 32 + 1) * 32] = *B32_D(ti, b + ts);
+        }
+        return;
+    }
+    for (int64_t e = 0; e < kc; e += 256) {
+        const uint8_t *b = row + (k0 + e) / 256 * ts;
+        kscale ks;
+        prep_k(ti, b, &ks);
+        if (ti == I_Q6_K) {
+            const __m512i m4 = _mm512_set1_epi8(0x0F), o32 = _mm512_set1_epi8(32);
+            for (int i = 0; i < 16; i++) ws[(e / 16 + i) * 32] = ks.s[i];
+            for (int n = 0; n < 2; n++)
+                for (int c = 0; c < 2; c++) {
+                    const __m512i mh = _mm512_set_epi64(GF_2BITS(4 * c + 2), GF_2BITS(4 * c + 2), GF_2BITS(4 * c + 2),
+                        GF_2BITS(4 * c + 2), GF_2BITS(4 * c), GF_2BITS(4 * c), GF_2BITS(4 * c), GF_2BITS(4 * c));
+                    __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * n));
+                    ql = _mm512_and_si512(c ? _mm512_srli_epi16(ql, 4) : ql, m4);
+                    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n)));
+                    _mm512_storeu_si512(A + e + 128 * n + 64 * c,
+                                        _mm512_sub_epi8(_mm512_or_si512(ql, _mm512_gf2p8affine_epi64_epi8(qh, mh, 0)), o32));
+                }
+            continue;
+        }
+        const int64_t j0 = (k0 + e) / 32;
+        for (int j = 0; j < 8; j++) {
+            ws[(e / 32 + j) * 32] = ks.s[j];
+            wm[(j0 + j) * 32] = ks.m[j];
+        }
+        const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
+        for (int c = 0; c < 4; c++) {
+            __m512i qq = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + (ti == I_Q5_K ? 48 : 16) + 32 * c)));
+            qq = _mm512_gf2p8affine_epi64_epi8(qq, mqk, 0);
+            if (ti == I_Q5_K) {
+                const __m512i mh = _mm512_set_epi64(GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1),
+                    GF_BIT(2 * c + 1), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c));
+                qq = _mm512_or_si512(qq, _mm512_gf2p8affine_epi64_epi8(
+                    _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))), mh, 0));
+            }
+            _mm512_storeu_si512(A + e + 64 * c, qq);
+        }
+    }
+#else
+    (void)ti; (void)row; (void)k0; (void)kc; (void)A; (void)ws; (void)wm;
+#endif
+}
+
+#if HM_AMX8
+/* block b's tile products into tiles c1, c2 (0, 1 or 5, 6); one activation term: c1 only */
+#define A8_PRODUCTS(c1, c2) do { \
+        _tile_zero(c1); \
+        _tile_loadd(2, A + len * b, A8_LDA); \
+        _tile_loadd(3, B1 + len * 16 * ba, 64); \
+        if (two) { _tile_zero(c2); _tile_loadd(4, B2 + len * 16 * ba, 64); } \
+        if (us) { _tile_dpbusd(c1, 2, 3); if (two) _tile_dpbusd(c2, 2, 4); } \
+        else { _tile_dpbssd(c1, 2, 3); if (two) _tile_dpbssd(c2, 2, 4); } \
+    } while (0)
+
+/* c[16 rows][16 tokens] (+)= the canonical chain of 16 unpacked weight rows (A, A8_LDA apart; scales ws, 32
+ * apart per block) and token block tb over the pass's blocks: elements [k0, k0 + kc) of K. Software-pipelined:
+ * block b's products run (tiles 0, 1 or 5, 6 in turn) while block b - 1's sums are stored and go into the
+ * float chain; a block's loads, products and store otherwise wait on each other in turn. (Double-buffering
+ * the operand tiles instead, the sums single: 10% slower in the model, 2026-11-25.) */
+static void a8_chain(int ti, const int8_t *A, const float *ws, const uint8_t *tb, int64_t K, int64_t k0, int64_t kc,
+                     float *c, int acc_in, pfq *pq, int64_t per) {
+    const int q6 = ti == I_Q6_K, us = ti == I_Q4_K || ti == I_Q5_K;
+    const int two = g_xterms > 1;                          /* one term: q2 = 0, its tiles skipped */
+    const int8_t *B1 = (const int8_t *)tb, *B2 = B1 + 16 * K;
+    const float *xs = (const float *)(tb + 32 * K);
+    int32_t cb[2][16][16] __attribute__((aligned(64)));
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; m++) acc[m] = acc_in ? _mm512_loadu_ps(c + 16 * m) : _mm512_setzero_ps();
+    const int64_t len = q6 ? 16 : 32, nbk = kc / len;
+    for (int64_t b = 0; b <= nbk; b++) {
+        if (b < nbk) {
+            const int64_t ba = k0 / len + b;               /* block (sub-block) index within K */
+            if (b & 1) A8_PRODUCTS(5, 6);
+            else A8_PRODUCTS(0, 1);
+        }
+        if (b == 0) continue;
+        const int64_t bp = b - 1, bpa = k0 / len + bp;     /* the previous block: store, then its float chain */
+        if (bp & 1) { _tile_stored(5, cb[0], 64); if (two) _tile_stored(6, cb[1], 64); }
+        else { _tile_stored(0, cb[0], 64); if (two) _tile_stored(1, cb[1], 64); }
+        pfq_run(pq, per);
+        const __m512 xv = _mm512_loadu_ps(xs + 16 * (q6 ? bpa / 2 : bpa));
+        const float *wb = ws + bp * 32;
+        if (two) {
+#pragma GCC unroll 16
+            for (int m = 0; m < 16; m++) {
+                const __m512i i = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cb[0][m]), 8),
+                                                   _mm512_load_si512(cb[1][m]));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(_mm512_set1_ps(wb[m]), xv), acc[m]);
+            }
+        } else {
+#pragma GCC unroll 16
+            for (int m = 0; m < 16; m++) {
+                const __m512i i = _mm512_slli_epi32(_mm512_load_si512(cb[0][m]), 8);
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(_mm512_set1_ps(wb[m]), xv), acc[m]);
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; m++) _mm512_storeu_ps(c + 16 * m, acc[m]);
+}
+#undef A8_PRODUCTS
+#endif
+
+/* One int8 tile step: C[j][g] ([16 rows][16 tokens] floats, g = 0: the 16 rows at w0, 1: at w1) = the
+ * canonical products of those rows (rb bytes each, K long) with token blocks j < nb (tbs bytes apart).
+ * Passes of TILE_KC (scratch A: 32 x A8_LDA bytes, ws: 32 x TILE_KC/16 floats, wm: 32 x K/32 floats). */
+static void tile_step_q8(int ti, const uint8_t *w0, const uint8_t *w1, int64_t rb, int64_t K, const uint8_t *tb,
+                         int64_t tbs, int nb, int8_t *A, float *ws, float *wm, float *C, pfq *pq) {
+#if HM_AMX8
+    /* the next step's lines are prefetched while the tiles run, none while this step's rows are unpacked (its
+     * own loads from memory then): spread evenly over the chains' blocks (bursts every 8 blocks slowed them) */
+    const int64_t calls = (int64_t)nb * 2 * (K / 16) + 1;
+    const int64_t per = (pfq_left(pq) + calls - 1) / calls;
+    for (int64_t k0 = 0; k0 < K; k0 += TILE_KC) {
+        const int64_t kc = K - k0 < TILE_KC ? K - k0 : TILE_KC;
+        for (int m = 0; m < 32; m++)
+            a8_unpack_row(ti, m < 16 ? w0 + m * rb : w1 + (m - 16) * rb, k0, kc, A + m * A8_LDA, ws + m, wm + m);
+        for (int j = 0; j < nb; j++)
+            for (int g = 0; g < 2; g++)
+                a8_chain(ti, A + g * 16 * A8_LDA, ws + 16 * g, tb + j * tbs, K, k0, kc, C + (j * 2 + g) * 256, k0 > 0,
+                         pq, per);
+    }
+    if (ti == I_Q4_K || ti == I_Q5_K)                     /* the mins' chain, then acc - accm */
+        for (int j = 0; j < nb; j++) {
+            const float *sx = (const float *)(tb + j * tbs + 32 * K) + K / 32 * 16;
+            for (int g = 0; g < 2; g++) {
+                __m512 am[16];
+                for (int m = 0; m < 16; m++) am[m] = _mm512_setzero_ps();
+                for (int64_t b = 0; b < K / 32; b++) {
+                    const __m512 sv = _mm512_loadu_ps(sx + 16 * b);
+#pragma GCC unroll 16
+                    for (int m = 0; m < 16; m++) am[m] = _mm512_fmadd_ps(_mm512_set1_ps(wm[b * 32 + 16 * g + m]), sv, am[m]);
+                }
+                float *c = C + (j * 2 + g) * 256;
+                for (int m = 0; m < 16; m++) _mm512_storeu_ps(c + 16 * m, _mm512_sub_ps(_mm512_loadu_ps(c + 16 * m), am[m]));
+            }
+        }
+    pfq_run(pq, pfq_left(pq));
+#else
+    (void)ti; (void)w0; (void)w1; (void)rb; (void)K; (void)tb; (void)tbs; (void)nb; (void)A; (void)ws; (void)wm;
+    (void)C; (void)pq;
+#endif
+}
+
+/* per-thread scratch of tile_step_q8 for rows of K: A, ws, wm, C for nbmax token blocks, and quant_x8's */
+static size_t a8_scratch(int64_t K, int64_t nbmax) {
+    return ((size_t)32 * A8_LDA + (size_t)32 * (TILE_KC / 16) * 4 + (size_t)32 * (K / 32) * 4 +
+            (size_t)nbmax * 2048 + xq8_bytes(K) + 5 * 64 + 63) & ~(size_t)63;
+}
+
+typedef struct { int8_t *A; float *ws, *wm, *C; void *xq; } a8_bufs;
+
+static a8_bufs a8_layout(char *p, int64_t K, int64_t nbmax) {
+    a8_bufs b;
+    uintptr_t q = ((uintptr_t)p + 63) & ~(uintptr_t)63;
+    b.A = (int8_t *)q; q += (size_t)32 * A8_LDA;
+    b.ws = (float *)q; q += (size_t)32 * (TILE_KC / 16) * 4;
+    q = (q + 63) & ~(uintptr_t)63;
+    b.wm = (float *)q; q += (size_t)32 * (K / 32) * 4;
+    q = (q + 63) & ~(uintptr_t)63;
+    b.C = (float *)q; q += (size_t)nbmax * 2048;
+    b.xq = (void *)((q + 63) & ~(uintptr_t)63);
+    return b;
+}
+
+/* whether rows of this type and length are computed alike for any number of tokens (the large-batch paths
+ * must not take the bf16 tiles for them): float weights (fp32 products everywhere), and the integer path's
+ * types where its canonical kernels run */
+static int canon_type(int ti, int64_t K) {
+    return ti < I_Q4_0 ? g_exact : QC_MULTI && (INT8_MASK >> ti & 1) && q8_type(ti, K);
+}
+
+/* whether the int8 tiles take rows of this type and length now: AMX-INT8 in use, the type on the integer
+ * path (the canonical products) */
+static int tile_q8(int mode, int ti, int64_t K) {
+#if HM_AMX8
+    return mode == TILE_AMX && QC_MULTI && (INT8_MASK >> ti & 1) && q8_type(ti, K);
+#else
+    (void)mode; (void)ti; (void)K;
+    return 0;
+#endif
+}
+
 #ifndef TILE_S1_STEPS
 #define TILE_S1_STEPS 8   /* 16-row steps of F a stage-1 unit covers: its token blocks are fetched once */
 #endif
@@ -2024,6 +2598,211 @@ static inline void add_block_rows(float *out, int64_t H, int64_t r0, const float
 #define TILE_S2_ROWS 32   /* rows of H a stage-2 unit covers (a multiple of 32): with 64, the last units
                              * left threads idle for 1.9-2.4 ms of a 16-18 ms call (T=512, 16 threads) */
 #endif
+#if HM_AMX8
+/* hm_tile_mm on the int8 tiles (tile_q8): x quantized per token, packed into token blocks, 32-row units
+ * claimed one ahead; each (row, token) written once, as the streaming kernel writes it. */
+static int tile_mm_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, int wi, int64_t N, float *out, int nth) {
+    const int64_t rb = row_bytes(wi, K), NB = (T + 15) / 16, tbs = tb_bytes(K), NU = N / 32;
+    /* token blocks in groups of at most 1 MiB, so a group stays in L2 while every 32-row unit passes over it
+     * (all of T=512's blocks at K=2048, 2.3 MB, came from L3 for each unit: 120 against 50 cycles a block) */
+    const int64_t TG = tbs * NB <= (1 << 20) ? NB : ((1 << 20) / tbs > 1 ? (1 << 20) / tbs : 1);
+    const int64_t NG = (NB + TG - 1) / TG, NW = NG * NU;
+    const size_t scratch = a8_scratch(K, TG);
+    char *ws = workspace((size_t)NB * tbs + qrows_bytes(T, K) + (size_t)T * 4 + 64 * 4 + (size_t)nth * scratch);
+    if (!ws) return -2;
+    uint8_t *xb = (uint8_t *)(((uintptr_t)ws + 63) & ~(uintptr_t)63);           /* [NB] token blocks */
+    char *qm = (char *)(xb + NB * tbs);
+    qrows xr;
+    qrows_init(&xr, qm, T, K);
+    int32_t *tok = (int32_t *)(qm + qrows_bytes(T, K));                          /* [T] 0.. */
+    char *scr = (char *)(((uintptr_t)(tok + T) + 63) & ~(uintptr_t)63);
+    int64_t ctr = 0;
+#pragma omp parallel num_threads(nth)
+    {
+        const int tid = omp_get_thread_num();
+        const a8_bufs bf = a8_layout(scr + (size_t)tid * scratch, K, TG);
+        amx8_config(wi == I_Q6_K);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            qrows_quant(&xr, t, x + t * K, bf.xq);
+            tok[t] = (int32_t)t;
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < NB; b++)
+            pack_tb(xb + b * tbs, &xr, tok + b * 16, T - b * 16 < 16 ? (int)(T - b * 16) : 16);
+        int64_t u = claim(&ctr), un = claim(&ctr);             /* work item: (token group u / NU, unit u % NU) */
+        if (u < NW) {
+            pfq q = pfq_of(w + u % NU * 32 * rb, 32 * rb, NULL, 0, NULL, 0);
+            pfq_run(&q, pfq_left(&q));
+        }
+        for (; u < NW; u = un, un = claim(&ctr)) {
+            const int64_t r0 = u % NU * 32, j0 = u / NU * TG, nj = NB - j0 < TG ? NB - j0 : TG;
+            pfq q = pfq_of(un < NW ? w + un % NU * 32 * rb : NULL, un < NW ? 32 * rb : 0, NULL, 0, NULL, 0);
+            tile_step_q8(wi, w + r0 * rb, w + (r0 + 16) * rb, rb, K, xb + j0 * tbs, tbs, (int)nj, bf.A, bf.ws, bf.wm,
+                         bf.C, &q);
+            for (int64_t j = 0; j < nj; j++)
+                for (int n = 0; n < 16 && (j0 + j) * 16 + n < T; n++) {
+                    float *o = out + ((j0 + j) * 16 + n) * N + r0;
+                    const float *c = bf.C + j * 512 + n;
+                    for (int m = 0; m < 32; m++) o[m] = c[(m >> 4) * 256 + (m & 15) * 16];
+                }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+/* moe_tile_act on the int8 tiles (both types on tile_q8): stage 0 quantizes x per token and packs each
+ * expert's token blocks; stage 1 computes gate and up (int8 tiles), h = act(g, u) in float32 per pair; stage
+ * 1b quantizes each pair's h and packs the h blocks; stage 2 as the bf16 kernel's (down rows, out += w y in
+ * ascending expert order). Every (row, token) value is the streaming kernel's, bit for bit. */
+static int moe_tile_q8(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts, int64_t k,
+                       const uint8_t *gate, const uint8_t *up, int gi, int64_t F, int64_t E, const uint8_t *down,
+                       int di, float *out, int nth, const moe_act *A) {
+    const int64_t P = T * k, rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
+    const int64_t nb_cap = P / 16 + (E < P ? E : P), nbmax_cap = (P + 15) / 16;
+    const int64_t tbx = tb_bytes(H), tbh = tb_bytes(F), KM = H > F ? H : F;
+    const size_t scratch = a8_scratch(KM, nbmax_cap);
+    const size_t need = 64 * 6 + (size_t)E * 4 * 2 + (size_t)(E + 1) * 8 * 3 + (size_t)P * 8 + (size_t)P * F * 4 +
+                        (size_t)nb_cap * (tbx + tbh) + qrows_bytes(T, H) + qrows_bytes(P, F) + (size_t)P * 4 +
+                        (size_t)nth * scratch;
+    char *wsp = workspace(need);
+    if (!wsp) return -2;
+    int32_t *slot = (int32_t *)wsp;
+    int32_t *act = slot + E;
+    int64_t *off = (int64_t *)(((uintptr_t)(act + E) + 63) & ~(uintptr_t)63);
+    int64_t *boff = off + E + 1;
+    int64_t *pos = boff + E + 1;
+    int32_t *ptok = (int32_t *)(pos + E + 1);
+    float *pw = (float *)(ptok + P);
+    int32_t *pidx = (int32_t *)(pw + P);                                     /* [P] 0.. (the pairs' h rows) */
+    float *h = (float *)(((uintptr_t)(pidx + P) + 63) & ~(uintptr_t)63);     /* [P, F] float32 */
+    uint8_t *xb = (uint8_t *)(((uintptr_t)(h + P * F) + 63) & ~(uintptr_t)63);
+    uint8_t *hb = xb + nb_cap * tbx;
+    char *xq = (char *)(hb + nb_cap * tbh);
+    qrows xr, hr;
+    qrows_init(&xr, xq, T, H);
+    qrows_init(&hr, xq + qrows_bytes(T, H), P, F);
+    char *scr = (char *)(((uintptr_t)(xq + qrows_bytes(T, H) + qrows_bytes(P, F)) + 63) & ~(uintptr_t)63);
+    const int na = route_pairs(ids, wts, P, k, E, slot, act, off, pos, ptok, pw);
+    int64_t NB = 0;
+    boff[0] = 0;
+    for (int a = 0; a < na; a++) boff[a + 1] = NB += (off[a + 1] - off[a] + 15) / 16;
+    const int64_t fu = F / 16, fgn = (fu + TILE_S1_STEPS - 1) / TILE_S1_STEPS;
+    const int64_t NU = (int64_t)na * fgn, NV = (H + TILE_S2_ROWS - 1) / TILE_S2_ROWS;
+    int64_t ctr1 = 0, ctr2 = 0;
+#pragma omp parallel num_threads(nth)
+    {
+        const int tid = omp_get_thread_num();
+        const a8_bufs bf = a8_layout(scr + (size_t)tid * scratch, KM, nbmax_cap);
+        /* ---- stage 0: x quantized per token; each expert's token blocks */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) qrows_quant(&xr, t, x + t * H, bf.xq);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) pidx[p] = (int32_t)p;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < NB; b++) {
+            int a = 0;
+            while (boff[a + 1] <= b) a++;
+            const int64_t i0 = off[a] + (b - boff[a]) * 16, cn = off[a + 1] - i0;
+            pack_tb(xb + b * tbx, &xr, ptok + i0, cn < 16 ? (int)cn : 16);
+        }
+        /* ---- stage 1: units (expert, TILE_S1_STEPS x 16 rows of F), claimed one ahead (as moe_tile_act) */
+        amx8_config(gi == I_Q6_K);
+        {
+            int64_t u = claim(&ctr1), un = claim(&ctr1);
+            if (u < NU) {
+                const int64_t e = act[u / fgn], f0 = (u % fgn) * 16 * TILE_S1_STEPS;
+                pfq q = pfq_of(gate + (e * F + f0) * rbg, 16 * rbg, up + (e * F + f0) * rbg, 16 * rbg, NULL, 0);
+                pfq_run(&q, pfq_left(&q));
+            }
+            for (; u < NU; u = un, un = claim(&ctr1)) {
+                const int a = (int)(u / fgn), an = un < NU ? (int)(un / fgn) : -1;
+                const int64_t e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
+                const int64_t fb0 = (u % fgn) * TILE_S1_STEPS;
+                const int64_t fb1 = fb0 + TILE_S1_STEPS < fu ? fb0 + TILE_S1_STEPS : fu;
+                const uint8_t *bn = an >= 0 && an != a ? xb + boff[an] * tbx : NULL;
+                const int64_t bbytes = bn ? (boff[an + 1] - boff[an]) * tbx : 0, bslice = bbytes / (fb1 - fb0) + 64;
+                for (int64_t fb = fb0; fb < fb1; fb++) {
+                    const int64_t f0 = fb * 16;
+                    const int64_t ne = fb + 1 < fb1 ? e : an >= 0 ? act[an] : -1;
+                    const int64_t nf = fb + 1 < fb1 ? f0 + 16 : (un % fgn) * 16 * TILE_S1_STEPS;
+                    const int64_t bo = (fb - fb0) * bslice < bbytes ? (fb - fb0) * bslice : bbytes;
+                    pfq q = ne < 0 ? pfq_of(NULL, 0, NULL, 0, NULL, 0) :
+                            pfq_of(gate + (ne * F + nf) * rbg, 16 * rbg, up + (ne * F + nf) * rbg, 16 * rbg,
+                                   bn ? bn + bo : NULL, bbytes - bo < bslice ? bbytes - bo : bslice);
+                    tile_step_q8(gi, gate + (e * F + f0) * rbg, up + (e * F + f0) * rbg, rbg, H, xb + boff[a] * tbx,
+                                 tbx, (int)nb, bf.A, bf.ws, bf.wm, bf.C, &q);
+                    for (int64_t j = 0; j < nb; j++) {
+                        const float *cg = bf.C + j * 512, *cu = cg + 256;
+                        const int nn = cn - j * 16 < 16 ? (int)(cn - j * 16) : 16;
+                        float *h0 = h + (off[a] + j * 16) * F + f0;
+                        if (!A->kind) {                 /* silu(g) u for 16 tokens a row, as silu() lane by lane */
+                            for (int m = 0; m < 16; m++) {
+                                const __m512 g = _mm512_loadu_ps(cg + m * 16), u = _mm512_loadu_ps(cu + m * 16);
+                                const __m512 sg = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                                 exp_vec16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                                float hv[16] __attribute__((aligned(64)));
+                                _mm512_store_ps(hv, _mm512_mul_ps(sg, u));
+                                for (int n = 0; n < nn; n++) h0[n * F + m] = hv[n];
+                            }
+                        } else {
+                            for (int n = 0; n < nn; n++)
+                                for (int m = 0; m < 16; m++)
+                                    h0[n * F + m] = act_h(A, cg[m * 16 + n], cu[m * 16 + n], e, F, f0 + m);
+                        }
+                    }
+                }
+            }
+        }
+#pragma omp barrier
+        /* ---- stage 1b: each pair's h quantized (as the streaming kernel quantizes it), the h blocks packed */
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < off[na]; p++) qrows_quant(&hr, p, h + p * F, bf.xq);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < NB; b++) {
+            int a = 0;
+            while (boff[a + 1] <= b) a++;
+            const int64_t i0 = off[a] + (b - boff[a]) * 16, cn = off[a + 1] - i0;
+            pack_tb(hb + b * tbh, &hr, pidx + i0, cn < 16 ? (int)cn : 16);
+        }
+        /* ---- stage 2: units of TILE_S2_ROWS rows of H, every active expert in ascending order */
+        amx8_config(di == I_Q6_K);
+        {
+            int64_t v = claim(&ctr2), vn = claim(&ctr2);
+            if (v < NV && na > 0) {
+                pfq q = pfq_of(down + ((int64_t)act[0] * H + v * TILE_S2_ROWS) * rbd, 32 * rbd, NULL, 0, NULL, 0);
+                pfq_run(&q, pfq_left(&q));
+            }
+            for (; v < NV; v = vn, vn = claim(&ctr2)) {
+                const int64_t h0 = v * TILE_S2_ROWS, hn = H - h0 < TILE_S2_ROWS ? H - h0 : TILE_S2_ROWS;
+                for (int64_t t = 0; t < T; t++) memset(out + t * H + h0, 0, (size_t)hn * 4);
+                for (int a = 0; a < na; a++) {
+                    const int64_t e = act[a], nb = boff[a + 1] - boff[a], cn = off[a + 1] - off[a];
+                    for (int64_t r0 = h0; r0 < h0 + hn; r0 += 32) {
+                        const int an = r0 + 32 < h0 + hn ? -1 : a + 1 < na ? a + 1 : vn < NV ? 0 : -1;
+                        const uint8_t *nx = r0 + 32 < h0 + hn ? down + (e * H + r0 + 32) * rbd :
+                                            an < 0 ? NULL :
+                                            down + ((int64_t)act[an] * H + (an ? h0 : vn * TILE_S2_ROWS)) * rbd;
+                        pfq q = pfq_of(nx, 32 * rbd, an < 0 ? NULL : hb + boff[an] * tbh,
+                                       an < 0 ? 0 : (boff[an + 1] - boff[an]) * tbh, NULL, 0);
+                        tile_step_q8(di, down + (e * H + r0) * rbd, down + (e * H + r0 + 16) * rbd, rbd, F,
+                                     hb + boff[a] * tbh, tbh, (int)nb, bf.A, bf.ws, bf.wm, bf.C, &q);
+                        for (int64_t j = 0; j < nb; j++) {
+                            const int64_t p0 = off[a] + j * 16;
+                            add_block_rows(out, H, r0, bf.C + j * 512, ptok + p0, pw + p0,
+                                           cn - j * 16 < 16 ? (int)(cn - j * 16) : 16, A->bd ? A->bd + e * H + r0 : NULL);
+                        }
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+#endif
+
 static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
                         int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                         const uint8_t *down, int dtype, float *out, int nthreads, const moe_act *A) {
@@ -2034,6 +2813,12 @@ static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids
     const int64_t P = T * k, rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
     const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
     if (T == 0) return 0;
+#if HM_AMX8
+    if (tile_q8(mode, gi, H) && tile_q8(mode, di, F))
+        return moe_tile_q8(x, T, H, ids, wts, k, gate, up, gi, F, E, down, di, out, nth, A);
+#endif
+    if (canon_type(gi, H) || canon_type(di, F))  /* the canonical products: the streaming kernel's */
+        return moe_ffn_act(x, T, H, ids, wts, k, gate, up, gtype, F, E, down, dtype, out, nthreads, A);
     /* token blocks: at most P / 16 + one partial block per active expert; an expert has at most P pairs */
     const int64_t nb_cap = P / 16 + (E < P ? E : P), nbmax_cap = (P + 15) / 16;
     const size_t scratch = ((size_t)32 * TILE_LDA * 2 + (size_t)nbmax_cap * 2048 + 63) & ~(size_t)63;
@@ -2177,6 +2962,10 @@ int hm_tile_mm(const float *x, int64_t T, int64_t K, const uint8_t *w, int wtype
     if (wi < 0 || K % 32 || K % TINFO[wi].qk || N % 32 || T < 1) return -1;
     if (g_tile < 0) g_tile = tile_best();
     const int mode = g_tile;
+#if HM_AMX8
+    if (tile_q8(mode, wi, K)) return tile_mm_q8(x, T, K, w, wi, N, out, nthreads > 0 ? nthreads : omp_get_max_threads());
+#endif
+    if (canon_type(wi, K)) return hm_qmatmul(x, T, K, w, wtype, N, out, nthreads);   /* the canonical products */
     const int64_t rb = row_bytes(wi, K), NB = (T + 15) / 16, xs = 16 * (K / 2), NU = N / 32;
     const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
     const size_t scratch = ((size_t)32 * TILE_LDA * 2 + (size_t)NB * 2048 + 63) & ~(size_t)63;
@@ -2240,19 +3029,24 @@ int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const f
  * GPU's next segment waits for that: gpu_decode.add_rms_norm(wait=)). Returns 0; -1 for an id that is not
  * an expert or bad arguments; -3 when *ready did not reach step within timeout_s. *done is set in every
  * case, so a GPU waiting on it never hangs (the caller raises on an error). */
+#ifndef HM_SPIN_S
+#define HM_SPIN_S 200e-6   /* hm_moe_handoff spins this long (a GPU segment is ~60 us), then yields the core */
+#endif
 int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t H,
                    int64_t k, int64_t kc, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                    const uint8_t *down, int dtype, float *out, int nthreads, int32_t step) {
-    int rc = 0;
-    double deadline = 0;
+    int rc = 0, yield = 0;
+    double start = 0;
     for (uint64_t spin = 0; __atomic_load_n(ready, __ATOMIC_ACQUIRE) != step; spin++) {
+        if (yield) sched_yield();       /* a long wait: a thread that wants this core (a busy machine) runs */
 #if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
+        else __builtin_ia32_pause();
 #endif
-        if ((spin & 1023) == 0) {
+        if ((spin & 255) == 0) {
             const double t = hm_now();
-            if (deadline == 0) deadline = t + timeout_s;
-            else if (t > deadline) { rc = -3; break; }
+            if (start == 0) start = t;
+            else if (t - start > timeout_s) { rc = -3; break; }
+            else if (t - start > HM_SPIN_S) yield = 1;
         }
     }
     int32_t ids[64];
@@ -2324,6 +3118,8 @@ typedef struct {
     hm_mat embd, head;
     const hm_dlayer *layers;
     uint8_t *scratch;                                      /* hm_decode_scratch(m) bytes, 64-aligned */
+    int32_t moe_tile_t, mm_tile_t;                         /* prompts: tokens from which the experts and the
+                                                            * dense products take the tile kernels (0: never) */
 } hm_dmodel;
 
 #ifndef GV_CHUNK
@@ -2484,79 +3280,163 @@ static inline void axpy_rows(float *acc, const float *e, const float *v, int64_t
         for (int64_t d = 0; d < D; d++) acc[d] += e[i] * v[i * D + d];
 }
 
-/* one query token (q [nh, D], roped) against positions [0, P) of layer L's cache -> o [nh, D]. Tasks
- * (KV head, run of positions) keep per query head of the group [max, sum, acc[D]]; each block of ATT_SB
- * positions is converted to float32 once for the group, scored for one head at a time, and added in with
- * one rescale per block (an online softmax by blocks). */
+/* Attention of one query token (q [nh, D], roped) against positions [0, P) of layer L's cache: tasks (KV
+ * head g, run c of CH positions; att_runs) keep per query head of the group [max, sum, acc[D]] (att_task);
+ * each block of ATT_SB positions is converted to float32 once for the group, scored for one head at a time,
+ * and added in with one rescale per block (an online softmax by blocks); att_merge combines the runs per
+ * head. The runs depend only on P, so a query's result is the same in a decode step (attend1) and in a
+ * prompt (attend_many): both run these two functions. */
+static void att_runs(int64_t P, int64_t *nch, int64_t *CH) {
+    int64_t ch = ATT_SB;                          /* runs of ATT_SB 2^s positions, aligned: blocks never straddle */
+    while ((P + ch - 1) / ch > ATT_MAXCH) ch *= 2;
+    *CH = ch;
+    *nch = (P + ch - 1) / ch;
+}
+
+
+/* One query's state pt [G][max, sum, acc[D]] (its KV head's query heads; qg the group's rows) updated by n <=
+ * ATT_SB positions: keys kt transposed ([D][ATT_SB], lanes n.. zero), values vf [n][D]. The scores of the
+ * positions are lanes: s_i = ((p0 + p1) + (p2 + p3)) scale, p_c the fma chain over d = c mod 4 ascending; the
+ * block's max, then exp_vec(s_i - max) and their sum as a tree over the lanes; acc += e_i v_i, i ascending.
+ * The decode step and prompts both run this (the canonical attention). */
+static inline void att_block(const hm_dmodel *m, const float *qg, int64_t n, const float *kt, const float *vf,
+                             float *pt) {
+    const int64_t D = m->D, G = m->nh / m->nkv, W = D + 2;
+    const float scale = m->scale;
+    float sc[ATT_SB] __attribute__((aligned(64)));
+    for (int64_t j = 0; j < G; j++) {
+        float *a = pt + j * W;
+        const float *qj = qg + j * D;
+        float mb = -INFINITY, sum = 0.0f;
+#if HM_AVX512
+        if (D % 4 == 0) {
+            __m512 p[2][4];
+            for (int h = 0; h < 2; h++)
+                for (int c = 0; c < 4; c++) p[h][c] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 4)
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    const __m512 qd = _mm512_set1_ps(qj[d + c]);
+                    p[0][c] = _mm512_fmadd_ps(qd, _mm512_load_ps(kt + (d + c) * ATT_SB), p[0][c]);
+                    p[1][c] = _mm512_fmadd_ps(qd, _mm512_load_ps(kt + (d + c) * ATT_SB + 16), p[1][c]);
+                }
+            const __mmask16 k0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+            const __mmask16 k1 = n >= 32 ? 0xFFFF : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            __m512 s0 = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(p[0][0], p[0][1]), _mm512_add_ps(p[0][2], p[0][3])),
+                                      _mm512_set1_ps(scale));
+            __m512 s1 = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(p[1][0], p[1][1]), _mm512_add_ps(p[1][2], p[1][3])),
+                                      _mm512_set1_ps(scale));
+            s0 = _mm512_mask_blend_ps(k0, ninf, s0);
+            s1 = _mm512_mask_blend_ps(k1, ninf, s1);
+            mb = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            if (mb > a[0]) {                    /* a new max: rescale what was summed */
+                const float f = expf(a[0] - mb);
+                a[1] *= f;
+                for (int64_t d = 0; d < D; d++) a[2 + d] *= f;
+                a[0] = mb;
+            }
+            const __m512 mx = _mm512_set1_ps(a[0]);
+            const __m512 e0 = _mm512_maskz_mov_ps(k0, exp_vec16(_mm512_sub_ps(s0, mx)));
+            const __m512 e1 = _mm512_maskz_mov_ps(k1, exp_vec16(_mm512_sub_ps(s1, mx)));
+            _mm512_store_ps(sc, e0);
+            _mm512_store_ps(sc + 16, e1);
+            sum = _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+        } else
+#endif
+        {
+            for (int64_t i = 0; i < n; i++) {
+                float pc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int64_t d = 0; d < D; d++) pc[d & 3] = fmaf(qj[d], kt[d * ATT_SB + i], pc[d & 3]);
+                sc[i] = ((pc[0] + pc[1]) + (pc[2] + pc[3])) * scale;
+                mb = sc[i] > mb ? sc[i] : mb;
+            }
+            if (mb > a[0]) {
+                const float f = expf(a[0] - mb);
+                a[1] *= f;
+                for (int64_t d = 0; d < D; d++) a[2 + d] *= f;
+                a[0] = mb;
+            }
+            for (int64_t i = 0; i < n; i++) {
+                sc[i] = exp_vec(sc[i] - a[0]);
+                sum += sc[i];
+            }
+        }
+        a[1] += sum;
+        axpy_rows(a + 2, sc, vf, n, D);
+    }
+}
+
+static inline void att_init(const hm_dmodel *m, float *pt) {
+    const int64_t D = m->D, G = m->nh / m->nkv, W = D + 2;
+    for (int64_t j = 0; j < G; j++) {
+        pt[j * W] = -INFINITY;
+        memset(pt + j * W + 1, 0, (size_t)(D + 1) * 4);
+    }
+}
+
+/* positions [b, b + n) of KV head g of layer L's cache as float32 */
+/* positions [b, b + n) of KV head g of layer L's cache as float32: keys transposed into kt [D][ATT_SB] (lanes
+ * n.. zero), values vf [n][D] */
+static inline void att_load(const hm_dmodel *m, const hm_dlayer *L, int64_t g, int64_t b, int64_t n, float *kt,
+                            float *vf) {
+    const int64_t D = m->D, S = m->slots;
+    float row[DEC_MAXD];
+    if (n < ATT_SB)
+        for (int64_t d = 0; d < D; d++) memset(kt + d * ATT_SB + n, 0, (size_t)(ATT_SB - n) * 4);
+    for (int64_t i = 0; i < n; i++) {
+        kv_load(m->kv_type, L->kc, (g * S + b + i) * D, D, row);
+        for (int64_t d = 0; d < D; d++) kt[d * ATT_SB + i] = row[d];
+        kv_load(m->kv_type, L->vc, (g * S + b + i) * D, D, vf + i * D);
+    }
+}
+
+/* run c (CH positions from c CH, up to P) of KV head g for one query (q [nh, D]) -> pt */
+__attribute__((noinline)) static void att_task(const hm_dmodel *m, const hm_dlayer *L, const float *q, int64_t P,
+                                               int64_t g, int64_t c, int64_t CH, float *pt, float *kf, float *vf) {
+    const int64_t D = m->D, G = m->nh / m->nkv;
+    const int64_t p0 = c * CH, p1 = p0 + CH < P ? p0 + CH : P;
+    att_init(m, pt);
+    for (int64_t b = p0; b < p1; b += ATT_SB) {
+        const int64_t n = p1 - b < ATT_SB ? p1 - b : ATT_SB;
+        att_load(m, L, g, b, n, kf, vf);
+        att_block(m, q + g * G * D, n, kf, vf, pt);
+    }
+}
+
+/* head h's output o [D] from the nch runs of its KV head (part: [nkv][nch][G][D + 2] of one query) */
+__attribute__((noinline)) static void att_merge(const hm_dmodel *m, const float *part, int64_t nch, int64_t h, float *oh) {
+    const int64_t D = m->D, G = m->nh / m->nkv, W = D + 2, g = h / G, j = h % G;
+    float mx = -INFINITY, l = 0;
+    for (int64_t c = 0; c < nch; c++) {
+        const float mc = part[((g * nch + c) * G + j) * W];
+        mx = mc > mx ? mc : mx;
+    }
+    memset(oh, 0, (size_t)D * 4);
+    for (int64_t c = 0; c < nch; c++) {
+        const float *a = part + ((g * nch + c) * G + j) * W;
+        const float f = expf(a[0] - mx);
+        l += f * a[1];
+        for (int64_t d = 0; d < D; d++) oh[d] += f * a[2 + d];
+    }
+    const float il = l > 0 ? 1.0f / l : 0.0f;
+    for (int64_t d = 0; d < D; d++) oh[d] *= il;
+}
+
+/* one query token (q [nh, D], roped) against positions [0, P) of layer L's cache -> o [nh, D] */
 static void attend1(const hm_dmodel *m, const hm_dlayer *L, const float *q, int64_t P, float *part, float *o,
                     int nth) {
-    const int64_t D = m->D, nkv = m->nkv, G = m->nh / m->nkv, S = m->slots, W = D + 2;
-    int64_t nch = (P + 31) / 32;
-    nch = nch < ATT_MAXCH ? nch : ATT_MAXCH;
-    const int64_t CH = (P + nch - 1) / nch;
-    nch = (P + CH - 1) / CH;
-    const int kvt = m->kv_type;
-    const float scale = m->scale;
+    const int64_t nkv = m->nkv, G = m->nh / m->nkv, W = m->D + 2;
+    int64_t nch, CH;
+    att_runs(P, &nch, &CH);
 #pragma omp parallel num_threads(nth)
     {
-        float kf[ATT_SB * DEC_MAXD], vf[ATT_SB * DEC_MAXD], sc[ATT_SB];
+        float kf[ATT_SB * DEC_MAXD] __attribute__((aligned(64))), vf[ATT_SB * DEC_MAXD];
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < nkv * nch; t++) {
-            const int64_t g = t / nch, c = t % nch, p0 = c * CH, p1 = p0 + CH < P ? p0 + CH : P;
-            float *pt = part + t * G * W;               /* per query head j: [max, sum, acc[D]] */
-            for (int64_t j = 0; j < G; j++) {
-                pt[j * W] = -INFINITY;
-                memset(pt + j * W + 1, 0, (size_t)(D + 1) * 4);
-            }
-            for (int64_t b = p0; b < p1; b += ATT_SB) {
-                const int64_t n = p1 - b < ATT_SB ? p1 - b : ATT_SB;
-                for (int64_t i = 0; i < n; i++) {
-                    kv_load(kvt, L->kc, (g * S + b + i) * D, D, kf + i * D);
-                    kv_load(kvt, L->vc, (g * S + b + i) * D, D, vf + i * D);
-                }
-                for (int64_t j = 0; j < G; j++) {
-                    float *a = pt + j * W;
-                    const float *qj = q + (g * G + j) * D;
-                    float mb = -INFINITY;
-                    for (int64_t i = 0; i < n; i++) {
-                        sc[i] = dotf(qj, kf + i * D, D) * scale;
-                        mb = sc[i] > mb ? sc[i] : mb;
-                    }
-                    if (mb > a[0]) {                    /* a new max: rescale what was summed */
-                        const float f = expf(a[0] - mb);
-                        a[1] *= f;
-                        for (int64_t d = 0; d < D; d++) a[2 + d] *= f;
-                        a[0] = mb;
-                    }
-                    float sum = 0;
-                    for (int64_t i = 0; i < n; i++) {
-                        sc[i] = exp_vec(sc[i] - a[0]);
-                        sum += sc[i];
-                    }
-                    a[1] += sum;
-                    axpy_rows(a + 2, sc, vf, n, D);
-                }
-            }
-        }
+        for (int64_t t = 0; t < nkv * nch; t++)
+            att_task(m, L, q, P, t / nch, t % nch, CH, part + t * G * W, kf, vf);
 #pragma omp for schedule(static)
-        for (int64_t h = 0; h < m->nh; h++) {
-            const int64_t g = h / G, j = h % G;
-            float mx = -INFINITY, l = 0;
-            for (int64_t c = 0; c < nch; c++) {
-                const float mc = part[((g * nch + c) * G + j) * W];
-                mx = mc > mx ? mc : mx;
-            }
-            float *oh = o + h * D;
-            memset(oh, 0, (size_t)D * 4);
-            for (int64_t c = 0; c < nch; c++) {
-                const float *a = part + ((g * nch + c) * G + j) * W;
-                const float f = expf(a[0] - mx);
-                l += f * a[1];
-                for (int64_t d = 0; d < D; d++) oh[d] += f * a[2 + d];
-            }
-            const float il = l > 0 ? 1.0f / l : 0.0f;
-            for (int64_t d = 0; d < D; d++) oh[d] *= il;
-        }
+        for (int64_t h = 0; h < m->nh; h++) att_merge(m, part, nch, h, o + h * m->D);
     }
 }
 
@@ -2682,6 +3562,200 @@ int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *
     return 0;
 }
 
+/* ------------------------------------------------------------------ prompt step on the CPU
+ *
+ * hm_prompt_step: T tokens at positions pos0.. through the model hm_decode_step runs, every token's values
+ * computed by the same arithmetic as hm_decode_step computes them for that token alone: the same norms,
+ * RoPE, cache writes and attention per token (att_task / att_merge, whose runs depend on the position only),
+ * the same routing, and products that are canonical per (row, token) (the integer path's cdot_ref, or the
+ * fp32 kernels for float types), whichever kernel runs them (the streaming kernels, or the int8 AMX tiles for
+ * many tokens). So a prompt split anywhere, or decoded token by token, gives the same logits, bit for bit.
+ * The work is batched: one call per matrix for all T tokens (every weight byte read once a call), the
+ * experts once per layer, attention over all (query, KV head, run) tasks of a group of queries at once. */
+#ifndef PQ_BYTES
+#define PQ_BYTES (2 << 20)    /* the partials of a group of queries sharing each converted key/value block */
+#endif
+
+typedef struct { float *x, *h, *y, *y2, *q, *k, *v, *att, *rl, *g, *u, *wts, *part; int32_t *ids; } pr_bufs;
+
+static int64_t pr_layout(const hm_dmodel *m, int64_t T, uint8_t *base, pr_bufs *b) {
+    const int64_t H = m->H, nq = m->nh * m->D, nk = m->nkv * m->D, F = m->n_ff > 0 ? m->n_ff : 1;
+    const int64_t QS1 = m->nh * ATT_MAXCH * (m->D + 2);   /* one query's partials at most */
+    const int64_t n[14] = {T * H, T * H, T * H, T * H, T * nq, T * nk, T * nk, T * nq, T * (m->E > 0 ? m->E : 1),
+                           T * F, T * F, T * (m->k > 0 ? m->k : 1), QS1 > PQ_BYTES / 4 ? QS1 : PQ_BYTES / 4,
+                           T * (m->k > 0 ? m->k : 1)};
+    float **dst[13] = {&b->x, &b->h, &b->y, &b->y2, &b->q, &b->k, &b->v, &b->att, &b->rl, &b->g, &b->u, &b->wts,
+                       &b->part};
+    int64_t off = 0;
+    for (int i = 0; i < 14; i++) {
+        if (base) {
+            if (i < 13) *dst[i] = (float *)(base + off);
+            else b->ids = (int32_t *)(base + off);
+        }
+        off += (n[i] * 4 + 63) & ~(int64_t)63;
+    }
+    return off + 64;
+}
+
+int64_t hm_prompt_scratch(const hm_dmodel *m, int64_t T) {
+    pr_bufs b;
+    return pr_layout(m, T, NULL, &b);
+}
+
+/* out [T][N] = x [T][K] . the rows of W: hm_tile_mm from mm_tile_t tokens (the int8 tiles for a type they take,
+ * the streaming kernels' values for the other canonical types, the bf16 tiles only with hm_set_exact(0)), else
+ * the streaming kernels */
+static int pr_mm(const hm_dmodel *m, const float *x, int64_t T, int64_t K, const hm_mat *W, float *out, int nth) {
+    if (type_index(W->type) < 0) return -1;
+    if (m->mm_tile_t > 0 && T >= m->mm_tile_t && W->rows % 32 == 0)
+        return hm_tile_mm(x, T, K, W->w, W->type, W->rows, out, nth);
+    return hm_qmatmul(x, T, K, W->w, W->type, W->rows, out, nth);
+}
+
+/* Attention of queries [0, T) (q rows nq apart, at positions pos0 + t) -> o rows: each query's runs and
+ * blocks are att_task's (the same updates in the same order), but a group of queries with the same run length
+ * shares each block of converted keys and values: tasks (KV head, run), each run's blocks in order, every
+ * query that reaches a block updated by it. */
+static void attend_many(const hm_dmodel *m, const hm_dlayer *L, const float *q, int64_t T, int64_t pos0, float *part,
+                        float *o, int nth) {
+    const int64_t nq = m->nh * m->D, nkv = m->nkv, G = m->nh / m->nkv, D = m->D, W = D + 2;
+    for (int64_t t0 = 0; t0 < T;) {
+        /* a group: queries with one run length, their partials (nrun runs each) within the PQ_BYTES budget */
+        int64_t nch0, CH;
+        att_runs(pos0 + t0 + 1, &nch0, &CH);
+        int64_t nt = 1;
+        while (t0 + nt < T) {
+            int64_t n2, c2;
+            att_runs(pos0 + t0 + nt + 1, &n2, &c2);
+            if (c2 != CH || (nt + 1) * m->nh * n2 * W * 4 > PQ_BYTES) break;
+            nt++;
+        }
+        const int64_t Pmax = pos0 + t0 + nt, nrun = (Pmax + CH - 1) / CH, QS = m->nh * nrun * W;
+#pragma omp parallel num_threads(nth)
+        {
+            float kf[ATT_SB * DEC_MAXD] __attribute__((aligned(64))), vf[ATT_SB * DEC_MAXD];
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < nkv * nrun; u++) {
+                const int64_t g = u / nrun, c = u % nrun, p0 = c * CH;
+                int64_t i0 = p0 - pos0 - t0;                  /* the first query that reaches this run: P > p0 */
+                i0 = i0 < 0 ? 0 : i0;
+                for (int64_t i = i0; i < nt; i++) {
+                    const int64_t P = pos0 + t0 + i + 1, nch = (P + CH - 1) / CH;
+                    att_init(m, part + i * QS + (g * nch + c) * G * W);
+                }
+                const int64_t p1 = p0 + CH < Pmax ? p0 + CH : Pmax;
+                for (int64_t b = p0; b < p1; b += ATT_SB) {
+                    const int64_t n = p1 - b < ATT_SB ? p1 - b : ATT_SB;
+                    att_load(m, L, g, b, n, kf, vf);
+                    int64_t i1 = b - pos0 - t0;
+                    for (int64_t i = i1 < i0 ? i0 : i1; i < nt; i++) {
+                        const int64_t P = pos0 + t0 + i + 1, nch = (P + CH - 1) / CH;
+                        const int64_t e = P < b + n ? P - b : n;   /* the query sees positions < P */
+                        att_block(m, q + (t0 + i) * nq + g * G * D, e, kf, vf, part + i * QS + (g * nch + c) * G * W);
+                    }
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < nt * m->nh; u++) {
+                const int64_t i = u / m->nh, hh = u % m->nh, P = pos0 + t0 + i + 1;
+                att_merge(m, part + i * QS, (P + CH - 1) / CH, hh, o + (t0 + i) * nq + hh * D);
+            }
+        }
+        t0 += nt;
+    }
+}
+
+/* A prompt chunk: tokens [T] at positions pos0.. (keys and values written to the cache), logits of every token
+ * (all = 1: [T][n_vocab]) or of the last ([n_vocab]). cs / sn: RoPE cos and sin [T][D] of the positions.
+ * scratch: hm_prompt_scratch(m, T) bytes. times as hm_decode_step's. Returns 0; -1 for a token or position out
+ * of range; a kernel's error otherwise. */
+int hm_prompt_step(const hm_dmodel *m, const int64_t *tokens, int64_t T, int64_t pos0, const float *cs,
+                   const float *sn, float *logits, int all, uint8_t *scratch, double *times) {
+    const int64_t H = m->H, D = m->D, nh = m->nh, nkv = m->nkv, nq = nh * D, nk = nkv * D, S = m->slots;
+    const int nth = m->nthreads > 0 ? m->nthreads : omp_get_max_threads();
+    if (T < 1 || pos0 < 0 || pos0 + T > S || D > DEC_MAXD) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (tokens[t] < 0 || tokens[t] >= m->embd.rows) return -1;
+    pr_bufs b;
+    pr_layout(m, T, scratch, &b);
+    double tm = times ? hm_now() : 0;
+#define LAP(i) do { if (times) { const double t1 = hm_now(); times[i] += t1 - tm; tm = t1; } } while (0)
+#define UNTIMED() do { if (times) tm = hm_now(); } while (0)
+    const int ei = type_index(m->embd.type);
+    int rc = 0;
+    for (int64_t t = 0; t < T; t++) deq_scalar(ei, m->embd.w + tokens[t] * row_bytes(ei, H), 0, (int)H, b.x + t * H);
+    for (int64_t l = 0; l < m->n_layer && !rc; l++) {
+        const hm_dlayer *L = m->layers + l;
+        for (int64_t t = 0; t < T; t++) rmsnorm(b.x + t * H, L->attn_norm, H, m->eps, b.h + t * H);
+        UNTIMED();
+        rc = pr_mm(m, b.h, T, H, &L->q, b.q, nth);
+        if (!rc) rc = pr_mm(m, b.h, T, H, &L->k, b.k, nth);
+        if (!rc) rc = pr_mm(m, b.h, T, H, &L->v, b.v, nth);
+        LAP(0);
+        if (rc) break;
+        for (int64_t t = 0; t < T; t++) {
+            float *q = b.q + t * nq, *k = b.k + t * nk, *v = b.v + t * nk;
+            const int64_t pos = pos0 + t;
+            for (int64_t i = 0; L->q_norm && i < nh; i++) rmsnorm(q + i * D, L->q_norm, D, m->eps, q + i * D);
+            for (int64_t i = 0; L->k_norm && i < nkv; i++) rmsnorm(k + i * D, L->k_norm, D, m->eps, k + i * D);
+            rope_heads(q, nh, D, cs + t * D, sn + t * D, m->neox);
+            rope_heads(k, nkv, D, cs + t * D, sn + t * D, m->neox);
+            for (int64_t g = 0; g < nkv; g++) {
+                kv_store(m->kv_type, L->kc, (g * S + pos) * D, D, k + g * D);
+                kv_store(m->kv_type, L->vc, (g * S + pos) * D, D, v + g * D);
+            }
+        }
+        UNTIMED();
+        attend_many(m, L, b.q, T, pos0, b.part, b.att, nth);
+        LAP(1);
+        rc = pr_mm(m, b.att, T, nq, &L->o, b.y, nth);
+        LAP(0);
+        if (rc) break;
+        for (int64_t i = 0; i < T * H; i++) b.x[i] += b.y[i];
+        for (int64_t t = 0; t < T; t++) rmsnorm(b.x + t * H, L->ffn_norm, H, m->eps, b.h + t * H);
+        float *ffo = b.y;
+        if (L->router.rows) {
+            const int64_t E = L->router.rows, k = m->k;
+            UNTIMED();
+            rc = pr_mm(m, b.h, T, H, &L->router, b.rl, nth);
+            LAP(0);
+            if (rc) break;
+            for (int64_t t = 0; t < T; t++)
+                route_softmax(b.rl + t * E, E, k, m->norm_topk, m->wscale, b.ids + t * k, b.wts + t * k);
+            UNTIMED();
+            rc = (m->moe_tile_t > 0 && T >= m->moe_tile_t ? moe_tile_act : moe_ffn_act)(
+                b.h, T, H, b.ids, b.wts, k, L->gate_exps.w, L->up_exps.w, L->gate_exps.type, m->n_ff_exp, E,
+                L->down_exps.w, L->down_exps.type, b.y, nth, &ACT_SILU);
+            LAP(2);
+            if (rc) break;
+            ffo = b.y2;
+        }
+        if (L->gate.rows) {
+            const int64_t F = L->gate.rows;
+            UNTIMED();
+            rc = pr_mm(m, b.h, T, H, &L->gate, b.g, nth);
+            if (!rc) rc = pr_mm(m, b.h, T, H, &L->up, b.u, nth);
+            if (rc) break;
+            for (int64_t i = 0; i < T * F; i++) b.g[i] = silu(b.g[i]) * b.u[i];
+            rc = pr_mm(m, b.g, T, F, &L->down, ffo, nth);
+            LAP(0);
+            if (rc) break;
+            if (L->router.rows)
+                for (int64_t i = 0; i < T * H; i++) b.y[i] += b.y2[i];
+        }
+        for (int64_t i = 0; i < T * H; i++) b.x[i] += b.y[i];
+    }
+    if (rc) return rc;
+    const int64_t t0 = all ? 0 : T - 1, nt = T - t0;
+    for (int64_t t = t0; t < T; t++) rmsnorm(b.x + t * H, m->out_norm, H, m->eps, b.h + t * H);
+    UNTIMED();
+    rc = pr_mm(m, b.h + t0 * H, nt, H, &m->head, logits, nth);
+    LAP(0);
+#undef LAP
+#undef UNTIMED
+    return rc;
+}
+
 /* ------------------------------------------------------------------ info */
 
 int hm_type_supported(int id) { return type_index(id) >= 0; }
@@ -2705,6 +3779,22 @@ int hm_set_int8(const int *ids, int n) {
     g_int8 = m;
     g_int8_default = 0;
     return ok;
+}
+
+/* 1 (the default): large batches compute every (row, token) as single tokens do (canonical_type); 0: the earlier
+ * large-batch paths (bf16 tiles), faster on AMX but batch-dependent. Another value: query. Returns the previous. */
+int hm_set_exact(int on) {
+    const int prev = g_exact;
+    if (on == 0 || on == 1) g_exact = on;
+    return prev;
+}
+
+/* activation terms of the integer path: 1 (int8, as ggml's q8_0) or 2 (two int8 terms, ~15 bits; the default);
+ * another value: query. Returns the previous (or current) count. */
+int hm_set_act_terms(int n) {
+    const int prev = g_xterms;
+    if (n == 1 || n == 2) g_xterms = n;
+    return prev;
 }
 
 /* the vector kernels to use: 2 AVX-512, 1 AVX2, 0 portable C; -1 (or more than this CPU has): the best

@@ -5,14 +5,22 @@ from .base import DecodeStep, NotApplicable, PromptStep
 
 
 def build_step(model, kv, which: str) -> DecodeStep | PromptStep | None:
-    """The static "decode" or "prompt" step for this model and cache, or None where none applies."""
+    """The static "decode" or "prompt" step for this model and cache, or None where none applies. With the cache
+    and every weight on the CPU, one kind of step serves both (cpu_decode.CpuDecoder: hm_decode_step and
+    hm_prompt_step), so that prompts and decode steps compute every token alike."""
+    steps = []
+    if all(d.kind == "cpu" for d in kv.devs):
+        from .cpu_decode import CpuDecoder
+        steps.append(CpuDecoder)
     if which == "prompt":
-        from .gpu_prefill import StaticPrefill as Step
-    elif all(d.kind == "cpu" for d in kv.devs):
-        from .cpu_decode import CpuDecoder as Step
-    else:
-        from .gpu_decode import StaticDecoder as Step
-    try:
-        return Step(model, kv)
-    except NotApplicable:
-        return None
+        from .gpu_prefill import StaticPrefill
+        steps.append(StaticPrefill)
+    elif not steps:
+        from .gpu_decode import StaticDecoder
+        steps.append(StaticDecoder)
+    for Step in steps:
+        try:
+            return Step(model, kv)
+        except NotApplicable:
+            pass
+    return None

@@ -37,7 +37,7 @@ class _Model(ctypes.Structure):
                [(n, c_i32) for n in ("kv_type", "neox", "norm_topk", "nthreads")] + \
                [(n, c_f32) for n in ("eps", "scale", "wscale", "pad")] + \
                [("out_norm", c_vp), ("embd", _Mat), ("head", _Mat), ("layers", ctypes.POINTER(_Layer)),
-                ("scratch", c_vp)]
+                ("scratch", c_vp), ("moe_tile_t", c_i32), ("mm_tile_t", c_i32)]
 
 
 _KV_TYPES = {"f32": int(GGMLType.F32), "f16": int(GGMLType.F16), "bf16": int(GGMLType.BF16)}
@@ -53,12 +53,18 @@ def _lib():
         lib.hm_decode_scratch.restype = c_i64
         lib.hm_decode_step.argtypes = [ctypes.POINTER(_Model), c_i64, c_i64, c_vp, c_vp, c_vp, c_vp]
         lib.hm_decode_step.restype = c_i32
+        lib.hm_prompt_scratch.argtypes = [ctypes.POINTER(_Model), c_i64]
+        lib.hm_prompt_scratch.restype = c_i64
+        lib.hm_prompt_step.argtypes = [ctypes.POINTER(_Model), c_vp, c_i64, c_i64, c_vp, c_vp, c_vp, c_i32, c_vp, c_vp]
+        lib.hm_prompt_step.restype = c_i32
         lib._decode_ready = True
     return lib
 
 
 class CpuDecoder:
-    """The static decode step of an all-CPU placement: step(token, pos) -> logits [1, n_vocab]."""
+    """The static steps of an all-CPU placement: step(token, pos) -> logits [1, n_vocab] (decode) and
+    forward(tokens, pos0, all_logits) (a prompt chunk, hm_prompt_step): every token's values computed by the
+    same arithmetic either way, so a prompt split anywhere, or decoded token by token, gives the same logits."""
 
     def __init__(self, model, kv):
         dec, cfg, sched = model.decoder, model.cfg, model.sched
@@ -136,6 +142,13 @@ class CpuDecoder:
         m.layers = layers
         self.scratch = torch.empty(lib.hm_decode_scratch(ctypes.byref(m)), dtype=torch.uint8)
         m.scratch = self.scratch.data_ptr()
+        # prompts: the experts take the tile kernels from cpu.GEMM_MIN_T tokens, the dense products from
+        # cpu.QMM_GEMM_MIN_T, where this CPU has tile products (for canonical types they compute the streaming
+        # kernels' values: the int8 AMX tiles, or the streaming kernel itself)
+        tiles = cpu.tile_mode() in ("amx", "avx512-bf16")
+        m.moe_tile_t = cpu.GEMM_MIN_T if tiles else 0
+        m.mm_tile_t = cpu.QMM_GEMM_MIN_T if tiles else 0
+        self.prompt_scratch = None
         self.n_vocab = m.head.rows
         self.lib, self.mp = lib, ctypes.byref(m)
         self.times = (ctypes.c_double * 3)()
@@ -170,6 +183,42 @@ class CpuDecoder:
             tabs = (cos[:, 0].contiguous(), sin[:, 0].contiguous())
             self.rope = (start, tabs)
         return tabs[0][pos - start], tabs[1][pos - start]
+
+    def forward(self, tokens: torch.Tensor, pos0: int, all_logits: bool = True) -> torch.Tensor:
+        """A prompt chunk: logits [T, n_vocab] (or [1, n_vocab], the last token's), the cache written at
+        pos0..pos0 + T - 1."""
+        T = int(tokens.shape[0])
+        self.kv.check_fits(pos0, T)
+        ids = tokens.to(torch.int64).contiguous()
+        if T and not (0 <= int(ids.min()) and int(ids.max()) < self.m.embd.rows):
+            raise ValueError(f"a token id is not in the vocabulary (0..{self.m.embd.rows - 1})")
+        need = self.lib.hm_prompt_scratch(self.mp, T)
+        if self.prompt_scratch is None or self.prompt_scratch.numel() < need:
+            self.prompt_scratch = torch.empty(need, dtype=torch.uint8)
+        tabs = [self._cos_sin(pos0 + t) for t in range(T)]
+        cos = torch.stack([c for c, _ in tabs]).contiguous()
+        sin = torch.stack([s for _, s in tabs]).contiguous()
+        out = torch.empty(T if all_logits else 1, self.n_vocab, dtype=torch.float32)
+        t = self.times
+        self.m.nthreads = self.sched.n_threads or torch.get_num_threads()
+        rc = self.lib.hm_prompt_step(self.mp, ids.data_ptr(), T, pos0, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                                     int(all_logits), self.prompt_scratch.data_ptr(), t)
+        if rc:
+            why = {-1: "a token, position or shape out of range", -2: "no memory for a kernel's workspace"}
+            raise RuntimeError(f"the CPU prompt step failed: {why.get(rc, f'kernel error {rc}')}")
+        st = self.sched.stats
+        st.forwards += 1
+        st.tokens += T
+        st.cpu_expert_bytes += self.expert_bytes
+        st.cpu_expert_seconds += t[2]
+        for i, (op, calls) in enumerate((("mul_mat", self.gemvs), ("attention", self.cfg.n_layer),
+                                         ("moe_up_gate", self.n_moe))):
+            if calls:
+                rec = st.ops[(op, "CPU")]
+                rec[0] += calls
+                rec[1] += t[i] if st.profile else 0.0
+            t[i] = 0.0
+        return out
 
     def step(self, token: int, pos: int) -> torch.Tensor:
         """One decode step: the KV cache gets position pos; returns logits [1, n_vocab] float32."""
