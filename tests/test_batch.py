@@ -88,6 +88,8 @@ def _served(m, prompts, starts, chunk, n_new, ctx):
 @pytest.mark.parametrize("types", [(G.Q4_0, G.Q8_0), (G.Q8_0, G.Q8_0), (G.F32, G.F32)],
                          ids=["q4_0-q8_0", "q8_0", "f32"])
 def test_cpu_batch_is_bit_identical_to_each_sequence_alone(types, tmp_path):
+    if not all(cpu.canonical(q) for q in types):
+        pytest.skip(f"{types[0].name}/{types[1].name} rows are not computed alike at every batch size on this CPU")
     path = "synth:tiny" if types == (G.Q4_0, G.Q8_0) else _synth(tmp_path, "tiny", *types)
     m = hybridmoe.load(path, ctx_size=256)
     prompts = _prompts([5, 17, 40, 1, 9, 70])
@@ -104,6 +106,8 @@ def test_cpu_batch_is_bit_identical_to_each_sequence_alone(types, tmp_path):
 def test_cpu_batch_many_sequences_and_long_contexts():
     """20 sequences decoding together (their attention partials take two waves), one of them past 2,048
     positions (runs of 64 positions, not 32): each bit-identical to its own decode steps."""
+    if not (cpu.canonical(G.Q4_0) and cpu.canonical(G.Q8_0)):
+        pytest.skip("Q4_0/Q8_0 rows are not computed alike at every batch size on this CPU")
     m = hybridmoe.load("synth:tiny", ctx_size=2200)
     prompts = _prompts([3 + 7 * j for j in range(19)] + [2100], seed=3)
     kvs = [m.new_cache(2200) for _ in prompts]

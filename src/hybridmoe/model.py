@@ -199,15 +199,17 @@ class Model:
         for tokens, pos0, kv in items:
             kv.begin_write(pos0, int(tokens.shape[0]))
         t0 = time.perf_counter()
-        outs, routed = self._forward_batch(items, all_logits)
+        out, routed = self._forward_batch(items, all_logits)          # [sum T_i or B, n_vocab]
         if self.runtime.profile:
             self.stats.wall[0] += time.perf_counter() - t0
-        for (tokens, pos0, kv), out in zip(items, outs):
-            if not bool(torch.isfinite(out).all()):
-                raise NonFiniteError(self._nonfinite_message(tokens, pos0, kv))
+        sizes = [int(t.shape[0]) for t, _, _ in items]
+        outs = list(out.split(sizes if all_logits else 1))
+        if not bool(torch.isfinite(out).all()):
+            j = next(j for j, o in enumerate(outs) if not bool(torch.isfinite(o).all()))
+            raise NonFiniteError(self._nonfinite_message(*items[j]))
         for tokens, pos0, kv in items:
             kv.end_write(pos0, tokens.tolist())
-        self.stats.last_batch = {"sequences": len(items), "tokens": sum(int(t.shape[0]) for t, _, _ in items),
+        self.stats.last_batch = {"sequences": len(items), "tokens": sum(sizes),
                                  "distinct_experts": sum(routed.values()) / len(routed) if routed else None,
                                  "distinct_per_layer": routed}
         return outs
@@ -228,17 +230,20 @@ class Model:
             if int(pos0) < 0:
                 raise HybridMoeError(f"forward_batch item {j}: position {pos0} is negative")
             kv.check_fits(int(pos0), int(tokens.shape[0]))
-            n = self.cfg.n_vocab
-            if int(tokens.min()) < 0 or int(tokens.max()) >= n:
-                raise HybridMoeError(f"forward_batch item {j}: a token id is not in the vocabulary (0..{n - 1})")
+        n = self.cfg.n_vocab
+        ids = torch.cat([t for t, _, _ in items])
+        if int(ids.min()) < 0 or int(ids.max()) >= n:
+            j = next(j for j, (t, _, _) in enumerate(items) if int(t.min()) < 0 or int(t.max()) >= n)
+            raise HybridMoeError(f"forward_batch item {j}: a token id is not in the vocabulary (0..{n - 1})")
 
     def _forward_batch(self, items, all_logits: bool):
-        """(logits per item, {MoE layer: distinct experts the batch routed to}) by the CPU batch step where it
-        applies, else the eager decoder over the whole batch (a single item: forward's own path)."""
+        """(logits of the batch's rows on the CPU, item after item, {MoE layer: distinct experts the batch routed
+        to}) by the CPU batch step where it applies, else the eager decoder over the whole batch (a single item:
+        forward's own path)."""
         step = self._batch_step(items)
         if step is not None:
             try:
-                outs, distinct = step.forward_batch(items, all_logits)
+                out, distinct = step.forward_batch(items, all_logits)
             except Exception as e:                      # noqa: BLE001 - first use only, then eager for good
                 if step.worked:
                     raise
@@ -247,29 +252,33 @@ class Model:
                 self._batch = False
             else:
                 step.worked = True
-                moe = {L.i for L in self.decoder.layers if L.ffn_gate_inp is not None}
-                return outs, {i: n for i, n in enumerate(distinct) if i in moe}
+                return out, {i: distinct[i] for i in self._moe_layers()}
         self.sched.routing = {}
         try:
             if len(items) == 1:
                 tokens, pos0, kv = items[0]
-                outs = [self._forward(tokens, int(pos0), kv, all_logits)]
+                out = self._forward(tokens, int(pos0), kv, all_logits)
             else:
                 # a sliding-window ring holds one ubatch of new tokens: a longer chunk runs on its own, split
-                alone = [j for j, (t, _, kv) in enumerate(items) if t.shape[0] > kv.ubatch and any(kv.windows)]
+                alone = {j for j, (t, _, kv) in enumerate(items) if t.shape[0] > kv.ubatch and any(kv.windows)}
                 rest = [it for j, it in enumerate(items) if j not in alone]
-                outs_rest = iter(self.decoder.forward_batch([(t, int(p), kv) for t, p, kv in rest], all_logits)
-                                 if rest else [])
-                outs = [self._forward(items[j][0], int(items[j][1]), items[j][2], all_logits) if j in alone
-                        else next(outs_rest).to("cpu") for j in range(len(items))]
+                out = self.decoder.forward_batch([(t, int(p), kv) for t, p, kv in rest], all_logits).to("cpu") \
+                    if rest else None
+                if alone:
+                    rows = list(out.split([t.shape[0] if all_logits else 1 for t, _, _ in rest])) if rest else []
+                    rows.reverse()
+                    out = torch.cat([self._forward(t, int(p), kv, all_logits) if j in alone else rows.pop()
+                                     for j, (t, p, kv) in enumerate(items)])
             routing = self.sched.routing
         finally:
             self.sched.routing = None
         if not routing and len(items) == 1 and items[0][0].shape[0] == 1:
             k = self.cfg.n_expert_used                  # a static decode step: one token routes to k experts
-            routing = {L.i: k for L in self.decoder.layers if L.ffn_gate_inp is not None}
-            return outs, routing
-        return outs, {i: int(torch.unique(ids).numel()) for i, ids in routing.items()}
+            return out, {i: k for i in self._moe_layers()}
+        return out, {i: int(torch.unique(ids).numel()) for i, ids in routing.items()}
+
+    def _moe_layers(self) -> list[int]:
+        return [L.i for L in self.decoder.layers if L.ffn_gate_inp is not None]
 
     def _batch_step(self, items):
         """The CPU batch step (runtime/steps/cpu_decode.py) when every weight and every item's cache is on the

@@ -118,9 +118,9 @@ class Decoder:
         x = s.norm(x, self.output_norm, cfg.rms_eps)
         return s.linear(x, self.output).float()
 
-    def forward_batch(self, items, all_logits: bool = False) -> list[torch.Tensor]:
-        """items [(tokens [T_i], pos0_i, kv_i)] -> logits per item ([T_i, n_vocab], or [1, n_vocab] for its last
-        token), float32, where the output layer ran. The layer loop runs over the items' tokens laid end to end:
+    def forward_batch(self, items, all_logits: bool = False) -> torch.Tensor:
+        """items [(tokens [T_i], pos0_i, kv_i)] -> logits of every item's tokens, item after item ([sum T_i,
+        n_vocab]), or of each item's last token ([B, n_vocab]), float32, where the output layer ran. The layer loop runs over the items' tokens laid end to end:
         the norms, projections and experts see one batch (the scheduler decides offloads from its size and
         routing); attention runs per item on its own cache at its own positions."""
         cfg, s = self.cfg, self.sched
@@ -137,7 +137,7 @@ class Decoder:
         if not all_logits:
             x = s.tag(x[torch.tensor(sizes).cumsum(0) - 1], s.dev_of(x))    # each item's last token
         x = s.norm(x, self.output_norm, cfg.rms_eps)
-        return list(s.linear(x, self.output).float().split(sizes if all_logits else 1))
+        return s.linear(x, self.output).float()
 
     def attention_batch(self, L: Layer, x, sizes, positions, kvs, ropes, rope):
         """attention() of the items whose rows x holds in turn: q/k/v, their norms and RoPE (each token at its

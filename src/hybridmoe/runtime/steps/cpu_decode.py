@@ -225,23 +225,25 @@ class CpuDecoder:
 
     def accepts(self, kv) -> bool:
         """Whether a batch may hold this cache: on the CPU, of this step's cache type, no sliding-window ring."""
-        return (kv.type_k == kv.type_v == self.kv.type_k and all(n == kv.n_ctx for n in kv.slots)
-                and all(d.kind == "cpu" for d in kv.devs) and len(kv.k) == self.cfg.n_layer)
+        return self._seq_ptrs(kv) is not None
 
     def _seq_ptrs(self, kv):
         """(keys, values): arrays of the cache's per-layer buffer addresses, made once per cache (its buffers are
-        allocated once and never move)."""
-        ptrs = self._ptrs.get(kv)
-        if ptrs is None:
+        allocated once and never move); None for a cache the step can't take."""
+        if kv not in self._ptrs:
             n = self.cfg.n_layer
-            ptrs = self._ptrs[kv] = ((c_vp * n)(*[t.data_ptr() for t in kv.k]), (c_vp * n)(*[t.data_ptr() for t in kv.v]))
-        return ptrs
+            ok = (kv.type_k == kv.type_v == self.kv.type_k and all(s == kv.n_ctx for s in kv.slots)
+                  and all(d.kind == "cpu" for d in kv.devs) and len(kv.k) == n)
+            self._ptrs[kv] = ((c_vp * n)(*[t.data_ptr() for t in kv.k]),
+                              (c_vp * n)(*[t.data_ptr() for t in kv.v])) if ok else None
+        return self._ptrs[kv]
 
-    def forward_batch(self, items, all_logits: bool = False) -> tuple[list[torch.Tensor], list[int]]:
+    def forward_batch(self, items, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:
         """Several sequences in one pass (hm_batch_step): items [(tokens [T_i], pos0_i, kv_i)], each cache one
-        accepts() takes. Returns (logits per item: [T_i, n_vocab] or its last token's [1, n_vocab]; per layer
-        the number of distinct experts the batch routed to, 0 for layers without routed experts). Each item's
-        logits are bit-identical to forward / step on its cache alone."""
+        accepts() takes. Returns (logits of every item's tokens, item after item, [sum T_i, n_vocab], or of each
+        item's last token, [B, n_vocab]; per layer the number of distinct experts the batch routed to, 0 for
+        layers without routed experts). Each item's logits are bit-identical to forward / step on its cache
+        alone."""
         B = len(items)
         seqs = (_Seq * B)()
         ids, cos, sin = [], [], []
@@ -256,15 +258,12 @@ class CpuDecoder:
                 c, s_ = self._cos_sin(pos0 + t)
                 cos.append(c)
                 sin.append(s_)
-        ids = torch.cat(ids).contiguous()
+        ids = torch.cat(ids).contiguous()                 # ids out of the vocabulary: hm_batch_step refuses them
         n = int(ids.shape[0])
-        if not (0 <= int(ids.min()) and int(ids.max()) < self.m.embd.rows):
-            raise ValueError(f"a token id is not in the vocabulary (0..{self.m.embd.rows - 1})")
         cos, sin = torch.stack(cos).contiguous(), torch.stack(sin).contiguous()
         need = self.lib.hm_batch_scratch(self.mp, n, B)
         if self.prompt_scratch is None or self.prompt_scratch.numel() < need:
             self.prompt_scratch = torch.empty(need, dtype=torch.uint8)
-        sizes = [int(t.shape[0]) for t, _, _ in items]
         out = torch.empty(n if all_logits else B, self.n_vocab, dtype=torch.float32)
         distinct = torch.zeros(self.cfg.n_layer, dtype=torch.int32)
         self.m.nthreads = self.sched.n_threads or torch.get_num_threads()
@@ -274,7 +273,7 @@ class CpuDecoder:
             raise RuntimeError(f"the CPU batch step failed: {_why(rc)}")
         distinct = distinct.tolist()
         self._account(n, sum(d * b for d, b in zip(distinct, self.layer_expert_bytes)))
-        return list(out.split(sizes if all_logits else 1)), distinct
+        return out, distinct
 
     def _account(self, n_tokens: int, expert_bytes: int):
         """The stats of one call: a forward of n_tokens, the expert bytes it read, the C timers' op seconds."""
