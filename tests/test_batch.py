@@ -80,6 +80,8 @@ def _served(m, prompts, starts, chunk, n_new, ctx):
             if done[j] >= prompts[j].shape[0]:
                 toks[j].append(int(out[-1].argmax()))
         step += 1
+    for kv, p, t in zip(kvs, prompts, toks):             # each cache records its own tokens (the prompt cache)
+        assert kv.tokens == p.tolist() + t[:-1]
     # the alone run computes the last generated token's logits too; the server stops before it
     return [torch.cat(r) for r in rows], toks
 
