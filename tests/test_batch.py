@@ -105,6 +105,7 @@ def test_cpu_batch_is_bit_identical_to_each_sequence_alone(types, tmp_path):
 
 
 @needs_c
+@pytest.mark.slow
 def test_cpu_batch_many_sequences_and_long_contexts():
     """20 sequences decoding together (their attention partials take two waves), one of them past 2,048
     positions (runs of 64 positions, not 32): each bit-identical to its own decode steps."""
