@@ -2,8 +2,10 @@
 
 The torch reference dequantizer makes several passes over the data; for prompt processing with a whole
 layer's experts (hundreds of MB of blocks per layer) that pass count is the cost. One Triton program
-per group of blocks reads each byte once and writes bf16 once: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K. Types without a
-kernel here (or whose kernel fails to build on a GPU) use quant/ref.py. Each kernel is checked against the
+per group of blocks reads each byte once and writes bf16 once: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, and the types of
+the files users run (models/mixes.py): Q2_K, Q3_K, IQ4_XS, ik_llama.cpp's IQ4_KS and the trellis IQ2_KT
+(whose rows start with a float32 scale, so a block's bytes are found from its row). Types without a
+kernel here (or whose kernel fails to build on a GPU) use quant/dequant.py's reference. Each kernel is checked against the
 reference, bit for bit on a GPU (tests/test_gpu_kernels.py, tests/test_gpu_decode.py) and within one bf16
 step in Triton's interpreter.
 """
@@ -142,12 +144,146 @@ if triton is not None:
         val = (d * sc.to(tl.float32)) * q.to(tl.float32)
         tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
 
+    @triton.jit
+    def f32_at(p, mask):
+        """The little-endian float32 at byte pointers p."""
+        w = tl.load(p, mask=mask, other=0).to(tl.uint32)
+        w = w | (tl.load(p + 1, mask=mask, other=0).to(tl.uint32) << 8)
+        w = w | (tl.load(p + 2, mask=mask, other=0).to(tl.uint32) << 16)
+        w = w | (tl.load(p + 3, mask=mask, other=0).to(tl.uint32) << 24)
+        return w.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _row_blocks(n_blocks, idx, bpe, nbr, BB: tl.constexpr, HAS_IDX: tl.constexpr, BS: tl.constexpr,
+                    HDR: tl.constexpr):
+        """As _blocks, for rows of nbr blocks behind a HDR-byte header: (block ids, mask, the blocks' byte
+        offsets, their rows' byte offsets)."""
+        b = tl.program_id(0) * BB + tl.arange(0, BB)
+        bm = b < n_blocks
+        src = _src_block(tl.where(bm, b, 0), idx, bpe, HAS_IDX)
+        row = (src // nbr) * (HDR + nbr * BS)
+        return b, bm, row + HDR + (src % nbr) * BS, row
+
+    @triton.jit
+    def _q2_k_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """84 bytes: 16 scale bytes (low nibble scale, high nibble min of each 16), qs[64] (element
+        128h + 32k + l: bits 2k of qs[32h + l]), d, dmin."""
+        b, bm, base, _ = _row_blocks(n_blocks, idx, bpe, nbr, BB, HAS_IDX, 84, 0)
+        m2 = bm[:, None]
+        e = tl.arange(0, 256)[None, :]
+        d = f16_at(src + base + 80, bm)[:, None]
+        dmin = f16_at(src + base + 82, bm)[:, None]
+        sc = tl.load(src + base[:, None] + e // 16, mask=m2, other=0).to(tl.int32)
+        q = (tl.load(src + base[:, None] + 16 + 32 * (e // 128) + e % 32, mask=m2, other=0).to(tl.int32)
+             >> (2 * ((e % 128) // 32))) & 3
+        val = (d * (sc & 15).to(tl.float32)) * q.to(tl.float32) - dmin * (sc >> 4).to(tl.float32)
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
+    @triton.jit
+    def _q3_k_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """110 bytes: hmask[32] (bit 4h + k of hmask[l] set: no -4), qs[64] as Q2_K's, 12 bytes of 6-bit
+        scales (low 4 bits: nibble i // 8 of byte i % 8; high 2: bits 2 (i // 4) of byte 8 + i % 4), d."""
+        b, bm, base, _ = _row_blocks(n_blocks, idx, bpe, nbr, BB, HAS_IDX, 110, 0)
+        m2 = bm[:, None]
+        e = tl.arange(0, 256)[None, :]
+        h, k, l, i = e // 128, (e % 128) // 32, e % 32, e // 16
+        d = f16_at(src + base + 108, bm)[:, None]
+        hm = (tl.load(src + base[:, None] + l, mask=m2, other=0).to(tl.int32) >> (4 * h + k)) & 1
+        q = (tl.load(src + base[:, None] + 32 + 32 * h + l, mask=m2, other=0).to(tl.int32) >> (2 * k)) & 3
+        q = q - ((hm ^ 1) << 2)
+        lo = (tl.load(src + base[:, None] + 96 + i % 8, mask=m2, other=0).to(tl.int32) >> (4 * (i // 8))) & 15
+        hi = (tl.load(src + base[:, None] + 104 + i % 4, mask=m2, other=0).to(tl.int32) >> (2 * (i // 4))) & 3
+        val = (d * ((lo | (hi << 4)) - 32).to(tl.float32)) * q.to(tl.float32)
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
+    @triton.jit
+    def _iq4_xs_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """136 bytes: d, scales_h (u16: bits 2s of sub-block s's scale), scales_l[4] (nibble s % 2 of byte
+        s // 2), then 16 bytes of nibbles per 32 (element j: nibble j // 16 of byte j % 16) into IQ4_NL's
+        table (tab)."""
+        b, bm, base, _ = _row_blocks(n_blocks, idx, bpe, nbr, BB, HAS_IDX, 136, 0)
+        m2 = bm[:, None]
+        e = tl.arange(0, 256)[None, :]
+        s, j = e // 32, e % 32
+        d = f16_at(src + base, bm)[:, None]
+        sh = tl.load(src + base[:, None] + 2 + s // 4, mask=m2, other=0).to(tl.int32)   # byte of scales_h
+        hi = (sh >> (2 * (s % 4))) & 3
+        lo = (tl.load(src + base[:, None] + 4 + s // 2, mask=m2, other=0).to(tl.int32) >> (4 * (s % 2))) & 15
+        q = (tl.load(src + base[:, None] + 8 + 16 * s + j % 16, mask=m2, other=0).to(tl.int32) >> (4 * (j // 16))) & 15
+        v = tl.load(tab + q)
+        val = (d * ((lo | (hi << 4)) - 32).to(tl.float32)) * v
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
+    @triton.jit
+    def _iq4_ks_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """Rows: float32 d, then 136-byte blocks: 8 scale bytes ((x & 254) - 127, bit 0 picks the second
+        half of the IQ4_K table, tab), then nibbles laid out as IQ4_XS's."""
+        b, bm, base, row = _row_blocks(n_blocks, idx, bpe, nbr, BB, HAS_IDX, 136, 4)
+        m2 = bm[:, None]
+        e = tl.arange(0, 256)[None, :]
+        s, j = e // 32, e % 32
+        d = f32_at(src + row, bm)[:, None]
+        sc = tl.load(src + base[:, None] + s, mask=m2, other=0).to(tl.int32)
+        q = (tl.load(src + base[:, None] + 8 + 16 * s + j % 16, mask=m2, other=0).to(tl.int32) >> (4 * (j // 16))) & 15
+        v = tl.load(tab + q + 16 * (sc & 1))
+        val = (d * ((sc & 254) - 127).to(tl.float32)) * v
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
+    @triton.jit
+    def _iq2_kt_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """Rows: float32 d, then 68-byte blocks: 4 bytes of scale nibbles (sub-block s: nibble s // 4 of
+        byte s % 4, into IQ4_NL's table, tab), then 32 u16 trellis indices, one per 8 values: value k of
+        index i is the byte sum of ((i + 4096) * ka^(k+1) mod 2^32) & 0x3F3F3F3F, minus 126 (tab2: ka^(k+1))."""
+        b, bm, base, row = _row_blocks(n_blocks, idx, bpe, nbr, BB, HAS_IDX, 68, 4)
+        m2 = bm[:, None]
+        e = tl.arange(0, 256)[None, :]
+        s, g = e // 32, e // 8
+        d = f32_at(src + row, bm)[:, None]
+        nib = (tl.load(src + base[:, None] + s % 4, mask=m2, other=0).to(tl.int32) >> (4 * (s // 4))) & 15
+        code = tl.load(tab + nib)
+        i = tl.load(src + base[:, None] + 4 + 2 * g, mask=m2, other=0).to(tl.uint32)
+        i = i | (tl.load(src + base[:, None] + 5 + 2 * g, mask=m2, other=0).to(tl.uint32) << 8)
+        x = (i + 4096) * tl.load(tab2 + e % 8).to(tl.uint32, bitcast=True)
+        x = x & 0x3F3F3F3F
+        v = ((x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)).to(tl.int32) - 126
+        val = (d * code) * v.to(tl.float32)
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
     _KERNELS = {GGMLType.Q4_0: (_q4_0_kernel, {}), GGMLType.Q8_0: (_q8_0_kernel, {}),
                 GGMLType.Q4_K: (_q45_k_kernel, {"Q5": False}), GGMLType.Q5_K: (_q45_k_kernel, {"Q5": True}),
                 GGMLType.Q6_K: (_q6_k_kernel, {})}
-    _BLOCK = {GGMLType.Q4_0: 32, GGMLType.Q8_0: 32, GGMLType.Q4_K: 256, GGMLType.Q5_K: 256, GGMLType.Q6_K: 256}
+    # kernels that take (nbr, tab, tab2): blocks per row and value tables
+    _ROW_KERNELS = {GGMLType.Q2_K: _q2_k_kernel, GGMLType.Q3_K: _q3_k_kernel, GGMLType.IQ4_XS: _iq4_xs_kernel,
+                    GGMLType.IQ4_KS: _iq4_ks_kernel, GGMLType.IQ2_KT: _iq2_kt_kernel}
+    _KERNELS.update({t: (fn, {"ROW": True}) for t, fn in _ROW_KERNELS.items()})
+    _BLOCK = {t: (32 if t in (GGMLType.Q4_0, GGMLType.Q8_0) else 256) for t in _KERNELS}
 else:
     _KERNELS, _BLOCK = {}, {}
+
+_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_IQ4K = _IQ4NL + (-123, -100, -79, -61, -45, -31, -18, -6, 5, 17, 29, 42, 57, 73, 93, 117)
+_TABLES: dict = {}
+
+
+def _powers() -> list[int]:
+    """ka^1 .. ka^8 mod 2^32 (the trellis generator's multiplier), as int32 bit patterns."""
+    out, p = [], 1
+    for _ in range(8):
+        p = p * 0xCBAC1FED & 0xFFFFFFFF
+        out.append(p - (1 << 32) if p >= 1 << 31 else p)
+    return out
+
+
+def _tables(qtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tab, tab2) of a row kernel on `device`, made once per device."""
+    key = (int(qtype), str(device))
+    t = _TABLES.get(key)
+    if t is None:
+        vals = _IQ4K if qtype == GGMLType.IQ4_KS else _IQ4NL
+        tab = torch.tensor(vals, dtype=torch.float32, device=device)
+        tab2 = torch.tensor(_powers(), dtype=torch.int32, device=device)
+        t = _TABLES[key] = (tab, tab2)
+    return t
 
 
 def has_kernel(qtype) -> bool:
@@ -181,8 +317,13 @@ def _launch(kern, raw, qtype, n_cols, index):
     bb = BLOCKS_PER_PROGRAM if qk == 32 else BLOCKS_PER_PROGRAM // 8      # ~2048 elements a program
     if n_blocks:
         with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():   # Triton launches on
-            fn, consts = kern
-            fn[(triton.cdiv(n_blocks, bb),)](raw, out, n_blocks, idx, bpe,          # the current GPU otherwise
-                                             BB=bb, HAS_IDX=index is not None, **consts,
-                                             enable_fp_fusion=False)     # the reference's rounding, bit for bit
+            fn, consts = kern                                                           # the current GPU otherwise
+            if consts.get("ROW"):
+                tab, tab2 = _tables(qtype, raw.device)
+                fn[(triton.cdiv(n_blocks, bb),)](raw, out, n_blocks, idx, bpe, n_cols // qk, tab, tab2,
+                                                 BB=bb, HAS_IDX=index is not None, enable_fp_fusion=False)
+            else:
+                fn[(triton.cdiv(n_blocks, bb),)](raw, out, n_blocks, idx, bpe,
+                                                 BB=bb, HAS_IDX=index is not None, **consts,
+                                                 enable_fp_fusion=False)     # the reference's rounding, bit for bit
     return out
