@@ -140,3 +140,15 @@ def test_tiny_mix_on_a_real_gpu(preset, tmp_path):
         rel = float((got - ref).norm() / ref.norm())
         print(f"{preset} {name} rel {rel:.2e}")
         assert rel <= 6e-2, (preset, name, rel)
+
+
+def test_slow_tensors_are_named(monkeypatch, keep_threads):
+    # IQ2_KT has no CPU kernel: its 6 expert tensors are named (fake GPUs run no GPU kernel, so there too)
+    src = ensure_synth("tiny-iq2_kt")
+    m = hybridmoe.load(src, ctx_size=64, threads=1)
+    assert m.slow_tensors() == {"IQ2_KT": [f"blk.{i}.ffn_{w}_exps.weight" for i in (0, 1)
+                                           for w in ("gate", "up", "down")]}
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    m = hybridmoe.load(src, ctx_size=64, threads=1, n_gpu_layers=99)
+    assert sorted(m.slow_tensors()["IQ2_KT"])[0] == "blk.0.ffn_down_exps.weight"
+    assert m.slow_tensors().keys() == {"IQ2_KT"}

@@ -290,6 +290,11 @@ def has_kernel(qtype) -> bool:
     return qtype in _KERNELS
 
 
+def kernel_types() -> list[GGMLType]:
+    """The types with a one-pass kernel here (none without triton)."""
+    return sorted(_KERNELS)
+
+
 def dequantize_bf16(raw: torch.Tensor, qtype, n_cols: int, index: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [..., row_bytes] on CUDA -> bf16 [..., n_cols]; with `index`, the slabs raw[index] only
     ([len(index), ..., n_cols]), gathered inside the kernel (no copy of the selected bytes first)."""
