@@ -28,7 +28,8 @@ import subprocess
 import sys
 import tempfile
 
-TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_KS", "IQ2_KT")
+TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ4_K", "IQ5_K", "IQ4_KS", "IQ5_KS",
+         "IQ2_KT", "IQ3_KT", "IQ4_KT", "IQ2_K", "IQ3_XXS")
 PRESETS = ("qwen3-30b-a3b", "qwen3-30b-a3b-iq4_ks", "qwen3-30b-a3b-q3_k_mix", "qwen3-30b-a3b-iq2_kt",
            "qwen3-30b-a3b-iq4_xs")
 E, F, H = 128, 768, 2048

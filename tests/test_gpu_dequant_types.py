@@ -1,5 +1,6 @@
-"""kernels/gpu_dequant.py's one-pass kernels for the types of the files users run (Q2_K, Q3_K, IQ4_XS, IQ4_KS,
-IQ2_KT) against the reference dequantizer (quant/dequant.py), on whole tensors and on selected experts.
+"""kernels/gpu_dequant.py's one-pass kernels for the types of the files users run (Q2_K, Q3_K, IQ4_NL, IQ4_XS,
+IQ4_K, IQ5_K, IQ4_KS, IQ5_KS, IQ2_KT, IQ3_KT, IQ4_KT) against the reference dequantizer (quant/dequant.py), on
+whole tensors and on selected experts.
 
 They run on a GPU (bf16 equal to the reference's float32 rounded to nearest) or on the CPU in Triton's
 interpreter (`TRITON_INTERPRET=1 python -m pytest tests/test_gpu_dequant_types.py`, with triton installed),
@@ -24,7 +25,7 @@ elif os.environ.get("TRITON_INTERPRET") == "1":
 else:
     pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-TYPES = [T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ4_KS, T.IQ2_KT]
+TYPES = [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.IQ4_K, T.IQ5_K, T.IQ4_KS, T.IQ5_KS, T.IQ2_KT, T.IQ3_KT, T.IQ4_KT]
 SHAPES = [(1, 256), (3, 7, 512), (129, 256), (4, 32, 768)] + ([(5, 768, 2048)] if DEV == "cuda" else [])
 
 

@@ -3,8 +3,9 @@
 The torch reference dequantizer makes several passes over the data; for prompt processing with a whole
 layer's experts (hundreds of MB of blocks per layer) that pass count is the cost. One Triton program
 per group of blocks reads each byte once and writes bf16 once: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, and the types of
-the files users run (models/mixes.py): Q2_K, Q3_K, IQ4_XS, ik_llama.cpp's IQ4_KS and the trellis IQ2_KT
-(whose rows start with a float32 scale, so a block's bytes are found from its row). Types without a
+the files users run (models/mixes.py): Q2_K, Q3_K, IQ4_NL, IQ4_XS, ik_llama.cpp's IQ4_K, IQ5_K, IQ4_KS, IQ5_KS
+and the trellis IQ2_KT, IQ3_KT, IQ4_KT (the _KS / _KT rows start with a float32 scale, so a block's bytes are
+found from its row). Types without a
 kernel here (or whose kernel fails to build on a GPU) use quant/dequant.py's reference. Each kernel is checked against the
 reference, bit for bit on a GPU (tests/test_gpu_kernels.py, tests/test_gpu_decode.py) and within one bf16
 step in Triton's interpreter.
@@ -16,6 +17,8 @@ import os
 
 import torch
 
+from ..quant.ref import _KV_IQ4NL
+from ..quant.ref_ik import _IQ4K, _IQ5NL
 from ..quant.types import GGMLType, row_bytes
 
 try:
@@ -249,19 +252,131 @@ if triton is not None:
         val = (d * code) * v.to(tl.float32)
         tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
 
+    @triton.jit
+    def _iq4_nl_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """18 bytes a 32: d, then Q4_0's nibbles into IQ4_NL's table (tab)."""
+        b, bm, base, _ = _row_blocks(n_blocks, idx, bpe, nbr, BB, HAS_IDX, 18, 0)
+        m2 = bm[:, None]
+        e = tl.arange(0, 32)[None, :]
+        d = f16_at(src + base, bm)[:, None]
+        q = (tl.load(src + base[:, None] + 2 + e % 16, mask=m2, other=0).to(tl.int32) >> (4 * (e // 16))) & 15
+        val = d * tl.load(tab + q)
+        tl.store(dst + b.to(tl.int64)[:, None] * 32 + e, val.to(tl.bfloat16), mask=m2)
+
+    @triton.jit
+    def _k16_scale(sp, e, m2):
+        """IQ4_K / IQ5_K: the 6-bit scale of 16-element sub-block i = e // 16: low 4 bits nibble i % 2 of
+        scales_l[i // 2] (at sp + 4), high 2 bits bits 2 (i % 4) of scales_h[i // 4] (at sp)."""
+        i = e // 16
+        lo = (tl.load(sp + 4 + i // 2, mask=m2, other=0).to(tl.int32) >> (4 * (i % 2))) & 15
+        hi = (tl.load(sp + i // 4, mask=m2, other=0).to(tl.int32) >> (2 * (i % 4))) & 3
+        return lo | (hi << 4)
+
+    @triton.jit
+    def _iq45_k_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr,
+                       Q5: tl.constexpr):
+        """d, extra (u16: bit i picks the second half of the table for sub-block i of 16), scales_h[4],
+        scales_l[8], then IQ4_K: nibbles as IQ4_XS's (144 bytes); IQ5_K: per 64 elements 32 bytes, low
+        nibbles then high, and bit e // 32 of qh[e % 32] on top (176 bytes)."""
+        BS: tl.constexpr = 176 if Q5 else 144
+        b, bm, base, _ = _row_blocks(n_blocks, idx, bpe, nbr, BB, HAS_IDX, BS, 0)
+        m2 = bm[:, None]
+        e = tl.arange(0, 256)[None, :]
+        d = f16_at(src + base, bm)[:, None]
+        i = e // 16
+        extra = (tl.load(src + base[:, None] + 2 + i // 8, mask=m2, other=0).to(tl.int32) >> (i % 8)) & 1
+        ls = _k16_scale(src + base[:, None] + 4, e, m2)
+        if Q5:
+            q = (tl.load(src + base[:, None] + 16 + 32 * (e // 64) + e % 32, mask=m2, other=0).to(tl.int32)
+                 >> (4 * ((e % 64) // 32))) & 15
+            q = q | (((tl.load(src + base[:, None] + 144 + e % 32, mask=m2, other=0).to(tl.int32) >> (e // 32)) & 1) << 4)
+            v = tl.load(tab + q + 32 * extra)
+        else:
+            q = (tl.load(src + base[:, None] + 16 + 16 * (e // 32) + e % 16, mask=m2, other=0).to(tl.int32)
+                 >> (4 * ((e % 32) // 16))) & 15
+            v = tl.load(tab + q + 16 * extra)
+        val = (d * (ls - 32).to(tl.float32)) * v
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
+    @triton.jit
+    def _iq5_ks_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """Rows: float32 d, then 168-byte blocks: 8 scale bytes as IQ4_KS's, quants as IQ5_K's (qh at 136)."""
+        b, bm, base, row = _row_blocks(n_blocks, idx, bpe, nbr, BB, HAS_IDX, 168, 4)
+        m2 = bm[:, None]
+        e = tl.arange(0, 256)[None, :]
+        d = f32_at(src + row, bm)[:, None]
+        sc = tl.load(src + base[:, None] + e // 32, mask=m2, other=0).to(tl.int32)
+        q = (tl.load(src + base[:, None] + 8 + 32 * (e // 64) + e % 32, mask=m2, other=0).to(tl.int32)
+             >> (4 * ((e % 64) // 32))) & 15
+        q = q | (((tl.load(src + base[:, None] + 136 + e % 32, mask=m2, other=0).to(tl.int32) >> (e // 32)) & 1) << 4)
+        v = tl.load(tab + q + 32 * (sc & 1))
+        val = (d * ((sc & 254) - 127).to(tl.float32)) * v
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
+    @triton.jit
+    def _trellis(i, k, tab2):
+        """The trellis generator's value k (0-based) of index words i (uint32, offset already added)."""
+        x = (i * tl.load(tab2 + k).to(tl.uint32, bitcast=True)) & 0x3F3F3F3F
+        return ((x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)).to(tl.int32) - 126
+
+    @triton.jit
+    def _iq3_kt_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """Rows: float32 d, then 100-byte blocks: 4 bytes of unsigned scale nibbles (as IQ2_KT's), 32 u16
+        trellis indices (|value|), then signs: element e is negative when bit e // 32 of qh[e % 32] is set."""
+        b, bm, base, row = _row_blocks(n_blocks, idx, bpe, nbr, BB, HAS_IDX, 100, 4)
+        m2 = bm[:, None]
+        e = tl.arange(0, 256)[None, :]
+        s, g = e // 32, e // 8
+        d = f32_at(src + row, bm)[:, None]
+        code = ((tl.load(src + base[:, None] + s % 4, mask=m2, other=0).to(tl.int32) >> (4 * (s // 4))) & 15)
+        i = tl.load(src + base[:, None] + 4 + 2 * g, mask=m2, other=0).to(tl.uint32)
+        i = i | (tl.load(src + base[:, None] + 5 + 2 * g, mask=m2, other=0).to(tl.uint32) << 8)
+        v = tl.abs(_trellis(i + 4096, e % 8, tab2))
+        y = (d * code.to(tl.float32)) * v.to(tl.float32)
+        neg = (tl.load(src + base[:, None] + 68 + e % 32, mask=m2, other=0).to(tl.int32) >> s) & 1
+        val = tl.where(neg == 1, -y, y)
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
+    @triton.jit
+    def _iq4_kt_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """Rows: float32 d, then 128-byte blocks: 8 u32 (per 32: bit 0 offset flag, bits 1-7 scale + 64, bits
+        8 + 3t.. the 3 top bits of its group t's index), ql[64], qh[32] (group j: nibble j // 32 of
+        qh[j % 32]); one 15-bit index per 4 values."""
+        b, bm, base, row = _row_blocks(n_blocks, idx, bpe, nbr, BB, HAS_IDX, 128, 4)
+        m2 = bm[:, None]
+        e = tl.arange(0, 256)[None, :]
+        s, j = e // 32, e // 4
+        d = f32_at(src + row, bm)[:, None]
+        w = tl.load(src + base[:, None] + 4 * s, mask=m2, other=0).to(tl.uint32)
+        w = w | (tl.load(src + base[:, None] + 4 * s + 1, mask=m2, other=0).to(tl.uint32) << 8)
+        w = w | (tl.load(src + base[:, None] + 4 * s + 2, mask=m2, other=0).to(tl.uint32) << 16)
+        w = w | (tl.load(src + base[:, None] + 4 * s + 3, mask=m2, other=0).to(tl.uint32) << 24)
+        ql = tl.load(src + base[:, None] + 32 + j, mask=m2, other=0).to(tl.uint32)
+        qh = (tl.load(src + base[:, None] + 96 + j % 32, mask=m2, other=0).to(tl.uint32) >> (4 * (j // 32))) & 15
+        top = (w >> (8 + 3 * (j % 8))) & 7
+        i = ql | (qh << 8) | (top << 12)
+        v = _trellis(i + 4096 + 32768 * (w & 1), e % 4, tab2)
+        code = (((w & 255) >> 1).to(tl.int32) - 64).to(tl.float32)
+        val = (d * code) * v.to(tl.float32)
+        tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
     _KERNELS = {GGMLType.Q4_0: (_q4_0_kernel, {}), GGMLType.Q8_0: (_q8_0_kernel, {}),
                 GGMLType.Q4_K: (_q45_k_kernel, {"Q5": False}), GGMLType.Q5_K: (_q45_k_kernel, {"Q5": True}),
                 GGMLType.Q6_K: (_q6_k_kernel, {})}
     # kernels that take (nbr, tab, tab2): blocks per row and value tables
-    _ROW_KERNELS = {GGMLType.Q2_K: _q2_k_kernel, GGMLType.Q3_K: _q3_k_kernel, GGMLType.IQ4_XS: _iq4_xs_kernel,
-                    GGMLType.IQ4_KS: _iq4_ks_kernel, GGMLType.IQ2_KT: _iq2_kt_kernel}
-    _KERNELS.update({t: (fn, {"ROW": True}) for t, fn in _ROW_KERNELS.items()})
-    _BLOCK = {t: (32 if t in (GGMLType.Q4_0, GGMLType.Q8_0) else 256) for t in _KERNELS}
+    _ROW_KERNELS = {GGMLType.Q2_K: (_q2_k_kernel, {}), GGMLType.Q3_K: (_q3_k_kernel, {}),
+                    GGMLType.IQ4_XS: (_iq4_xs_kernel, {}), GGMLType.IQ4_NL: (_iq4_nl_kernel, {}),
+                    GGMLType.IQ4_K: (_iq45_k_kernel, {"Q5": False}), GGMLType.IQ5_K: (_iq45_k_kernel, {"Q5": True}),
+                    GGMLType.IQ4_KS: (_iq4_ks_kernel, {}), GGMLType.IQ5_KS: (_iq5_ks_kernel, {}),
+                    GGMLType.IQ2_KT: (_iq2_kt_kernel, {}), GGMLType.IQ3_KT: (_iq3_kt_kernel, {}),
+                    GGMLType.IQ4_KT: (_iq4_kt_kernel, {})}
+    _KERNELS.update({t: (fn, {**c, "ROW": True}) for t, (fn, c) in _ROW_KERNELS.items()})
+    _BLOCK = {t: (32 if t in (GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.IQ4_NL) else 256) for t in _KERNELS}
 else:
     _KERNELS, _BLOCK = {}, {}
 
-_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-_IQ4K = _IQ4NL + (-123, -100, -79, -61, -45, -31, -18, -6, 5, 17, 29, 42, 57, 73, 93, 117)
+# value tables of the row kernels (tab): the IQ4_K and IQ5_K grids for their families, else IQ4_NL's
+_TABLE_OF = {GGMLType.IQ4_K: _IQ4K, GGMLType.IQ4_KS: _IQ4K, GGMLType.IQ5_K: _IQ5NL, GGMLType.IQ5_KS: _IQ5NL}
 _TABLES: dict = {}
 
 
@@ -279,7 +394,7 @@ def _tables(qtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     key = (int(qtype), str(device))
     t = _TABLES.get(key)
     if t is None:
-        vals = _IQ4K if qtype == GGMLType.IQ4_KS else _IQ4NL
+        vals = _TABLE_OF.get(GGMLType(qtype), _KV_IQ4NL)
         tab = torch.tensor(vals, dtype=torch.float32, device=device)
         tab2 = torch.tensor(_powers(), dtype=torch.int32, device=device)
         t = _TABLES[key] = (tab, tab2)
@@ -326,7 +441,8 @@ def _launch(kern, raw, qtype, n_cols, index):
             if consts.get("ROW"):
                 tab, tab2 = _tables(qtype, raw.device)
                 fn[(triton.cdiv(n_blocks, bb),)](raw, out, n_blocks, idx, bpe, n_cols // qk, tab, tab2,
-                                                 BB=bb, HAS_IDX=index is not None, enable_fp_fusion=False)
+                                                 BB=bb, HAS_IDX=index is not None, enable_fp_fusion=False,
+                                                 **{k: v for k, v in consts.items() if k != "ROW"})
             else:
                 fn[(triton.cdiv(n_blocks, bb),)](raw, out, n_blocks, idx, bpe,
                                                  BB=bb, HAS_IDX=index is not None, **consts,
