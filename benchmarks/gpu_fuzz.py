@@ -59,7 +59,7 @@ EXPERT_TYPES = {"Q4_0": 5, "Q8_0": 3, "Q4_K": 4, "Q5_K": 2, "Q6_K": 2, "F16": 1,
                 "IQ4_XS": 1, "Q3_K": 1, "IQ4_KS": 1, "IQ2_KT": 1}
 OTHER_TYPES = {"Q8_0": 5, "Q4_0": 3, "Q4_K": 2, "Q5_K": 1, "Q6_K": 2, "F16": 1, "BF16": 1, "F32": 2,
                "IQ4_XS": 1, "Q3_K": 1, "IQ4_KS": 1, "IQ2_KT": 1}
-REF_ONLY = ("IQ4_XS", "Q3_K", "IQ4_KS", "IQ2_KT")      # no fast kernel: the reference dequantizer everywhere
+REF_ONLY = ("IQ4_XS", "Q3_K", "IQ4_KS", "IQ2_KT")      # no CPU kernel: the reference dequantizer on the CPU
 BLOCK = {"Q4_0": 32, "Q8_0": 32, "F16": 32, "BF16": 32, "F32": 32}   # others: 256
 
 # Tolerances per weight type: (rel L2 of all prompt / decode logits, worst single row's rel L2, top-1).
