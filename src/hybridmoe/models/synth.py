@@ -57,6 +57,13 @@ PRESETS = {
                            v_head_dim=32, n_layer_dense_lead=1, n_expert_shared=1, expert_gating="sigmoid",
                            expert_weights_scale=2.5, n_expert_groups=2, n_group_used=1,
                            expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
+    # the same with rows of 256 for the experts, in ubergarm's DeepSeek-R1 IQ4_KS_R4 mix (interleaved experts)
+    "tiny-deepseek2-iq4_ks_r4": dict(arch="deepseek2", n_layer=2, n_embd=256, n_head=4, n_head_kv=4, head_dim=64,
+                                     n_vocab=1024, n_ctx_train=4096, rms_eps=1e-6, rope_base=1e4, n_ff=128,
+                                     n_expert=8, n_expert_used=2, n_ff_exp=256, q_lora_rank=32, kv_lora_rank=32,
+                                     rope_dim=32, v_head_dim=32, n_layer_dense_lead=1, n_expert_shared=1,
+                                     expert_gating="sigmoid", expert_weights_scale=2.5, n_expert_groups=2,
+                                     n_group_used=1, mix="iq4_ks_r4"),
     # gpt-oss's layout, tiny: biased attention with sinks, a sliding window of 8 on the even layers, YaRN,
     # a biased router (softmax over the top-k) and biased clamped-SwiGLU experts
     "tiny-gpt-oss": dict(arch="gpt-oss", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_vocab=1024,
