@@ -67,3 +67,14 @@ def test_zero_and_extreme_scales():
         r = r.to(DEV)
         got = gdq.dequantize_bf16(r, qtype, 256)
         assert torch.equal(got, _as_kernel_rounds(dequantize(r, qtype, 256)))
+
+
+@pytest.mark.parametrize("qtype", [T.IQ4_KS_R4, T.IQ4_K_R4, T.Q4_K_R4, T.IQ4_XS_R8, T.Q4_0_R8, T.IQ5_KS_R4],
+                         ids=lambda t: t.name)
+def test_interleaved_through_the_base_kernel(qtype):
+    # _R4 / _R8 rows are deinterleaved (torch) and then dequantized by their base type's kernel
+    raw = random_tensor(qtype, (3, 16, 512), torch.Generator().manual_seed(5)).to(DEV)
+    got = gdq.dequantize_bf16(raw, qtype, 512)
+    assert torch.equal(got, _as_kernel_rounds(dequantize(raw, qtype, 512)))
+    index = torch.tensor([2, 0], device=DEV)
+    assert torch.equal(gdq.dequantize_bf16(raw, qtype, 512, index=index), got[index])

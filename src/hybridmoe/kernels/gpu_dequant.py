@@ -5,8 +5,9 @@ layer's experts (hundreds of MB of blocks per layer) that pass count is the cost
 per group of blocks reads each byte once and writes bf16 once: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, and the types of
 the files users run (models/mixes.py): Q2_K, Q3_K, IQ4_NL, IQ4_XS, ik_llama.cpp's IQ4_K, IQ5_K, IQ4_KS, IQ5_KS
 and the trellis IQ2_KT, IQ3_KT, IQ4_KT (the _KS / _KT rows start with a float32 scale, so a block's bytes are
-found from its row). Types without a
-kernel here (or whose kernel fails to build on a GPU) use quant/dequant.py's reference. Each kernel is checked against the
+found from its row). The row-interleaved _R4 / _R8 layouts of these are deinterleaved with torch ops
+and then take their base type's kernel. Types without a kernel here (or whose kernel fails to build on a
+GPU) use quant/dequant.py's reference. Each kernel is checked against the
 reference, bit for bit on a GPU (tests/test_gpu_kernels.py, tests/test_gpu_decode.py) and within one bf16
 step in Triton's interpreter.
 """
@@ -19,7 +20,7 @@ import torch
 
 from ..quant.ref import _KV_IQ4NL
 from ..quant.ref_ik import _IQ4K, _IQ5NL
-from ..quant.types import GGMLType, row_bytes
+from ..quant.types import GGMLType, interleave, row_bytes
 
 try:
     import triton
@@ -401,7 +402,20 @@ def _tables(qtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     return t
 
 
+def _lossless_bases() -> dict:
+    """Interleaved type -> its base type, where the reference dequantizes the deinterleaved rows as the base
+    type's (not the _R4 layouts with their own arithmetic or block conversion)."""
+    from ..quant.ref_interleaved import LAYOUTS
+    return {GGMLType[n]: GGMLType[v.base] for n, v in LAYOUTS.items()
+            if v.base and not v.direct and not v.to_base and n in GGMLType.__members__}
+
+
+_LOSSLESS_BASE = _lossless_bases()
+
+
 def has_kernel(qtype) -> bool:
+    """A one-pass kernel reads this type (interleaved types go through torch's deinterleaving first: not
+    one pass, so not counted)."""
     return qtype in _KERNELS
 
 
@@ -413,7 +427,15 @@ def kernel_types() -> list[GGMLType]:
 def dequantize_bf16(raw: torch.Tensor, qtype, n_cols: int, index: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [..., row_bytes] on CUDA -> bf16 [..., n_cols]; with `index`, the slabs raw[index] only
     ([len(index), ..., n_cols]), gathered inside the kernel (no copy of the selected bytes first)."""
-    kern = _KERNELS.get(qtype) if raw.is_cuda or _INTERPRET else None
+    gpu = raw.is_cuda or _INTERPRET
+    base = _LOSSLESS_BASE.get(GGMLType(qtype)) if gpu else None
+    if base is not None and base in _KERNELS and raw.dim() >= 2 and raw.shape[-2] % interleave(qtype) == 0:
+        # an _R4 / _R8 matrix: its rows as the base type's (a bit permutation), then the base type's kernel
+        from ..quant.dequant import deinterleave
+        raw = raw if index is None else raw.index_select(0, index)
+        rows, base = deinterleave(raw.reshape(-1, raw.shape[-1]), qtype, n_cols)
+        return dequantize_bf16(rows, base, n_cols).reshape(*raw.shape[:-1], n_cols)
+    kern = _KERNELS.get(qtype) if gpu else None
     if kern is not None:
         try:
             return _launch(kern, raw, qtype, n_cols, index)
