@@ -120,7 +120,7 @@ def pp_table(layers: int, bench_args: str, keep: str | None) -> list[dict]:
         up = r["uploaded_bytes"]
         rows.append(dict(preset=preset, ts=r["avg_ts"], sd=r["stddev_ts"], uploaded=up,
                          rate=up * r["avg_ts"] / 512 / 1e9))
-    base = next((r for r in rows if r["preset"] == "qwen3-30b-a3b" and "ts" in r), None)
+    base = next((r for r in rows if r["preset"] == PRESETS[0] and "ts" in r), None)
     print(f"\n`-ngl 99 -ot exps=CPU {bench_args}` pp512, {layers} of 48 layers\n")
     print("| model | pp512 t/s | GB uploaded a pass | upload GB/s reached | per uploaded byte vs Q4_0 |")
     print("| --- | ---: | ---: | ---: | ---: |")
