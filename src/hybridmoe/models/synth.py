@@ -46,7 +46,8 @@ PRESETS = {
                                n_expert_used=8, n_ff_exp=768, expert_type=GGMLType.Q4_K,
                                other_type=GGMLType.Q8_0),
     # the same shape in the per-tensor mixes of the files users run (models/mixes.py says what each holds):
-    # IQ4_KS (ik_llama.cpp), a UD-Q3_K_XL-like K-quant mix, IQ2_KT (trellis), IQ4_XS (mainline)
+    # IQ4_KS (ik_llama.cpp; 15.99 GiB), a UD-Q3_K_XL-like K-quant mix (14.03 GiB), IQ2_KT (trellis; 8.81 GiB),
+    # IQ4_XS (mainline; 15.90 GiB)
     **{f"qwen3-30b-a3b-{m}": dict(_QWEN3_30B, mix=m) for m in ("iq4_ks", "q3_k_mix", "iq2_kt", "iq4_xs")},
     # and tiny, with every row a multiple of 256 (the block of these types)
     **{f"tiny-{m}": dict(_TINY_256, mix=m) for m in ("iq4_ks", "q3_k_mix", "iq2_kt", "iq4_xs")},
