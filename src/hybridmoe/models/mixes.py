@@ -4,8 +4,10 @@ A mix is written the way ik_llama.cpp's `llama-quantize --custom-q` recipes are 
 first rule whose regex `re.search`es a tensor's canonical name gives its type. Norms, 1-D tensors, biases and
 the router (ffn_gate_inp) stay F32 in every mix, as llama.cpp's quantize keeps them.
 
-The mixes approximate published files; their rules are not copied from those files' tensor lists, and the
-sizes they give are checked against the published sizes in tests/test_mixes.py:
+The mixes approximate published files; their rules are not copied from those files' tensor lists. The
+DeepSeek-R1 mixes' sizes are checked against the published files' in tests/test_mixes.py; q3_k_xl follows the
+issue's recipe (down Q4_K everywhere), 15.1 GB for Qwen3-30B-A3B, larger than unsloth's file (about 13.8 GB,
+which keeps more of ffn_down in Q3_K):
 - iq4_ks:    experts IQ4_KS, everything else Q8_0 (ubergarm's ik_llama.cpp Qwen3 recipes keep attention,
              token_embd and output in Q8_0, so the GPU side stays on fast kernels).
 - iq4_xs:    experts IQ4_XS, everything else Q8_0 (the same split with mainline's 4.25-bit type).
