@@ -11,6 +11,10 @@ for s in "$@"; do
     gputests) HYBRIDMOE_CACHE=/tmp/hm-test timeout 420 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
     quantgpu) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/quant -p no:cacheprovider --tb=short 2>&1 | tail -8 ;;
     fault) timeout 150 python3 -u benchmarks/fault_repro.py /tmp 2>&1 | tail -30 ;;
+    types) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_dequant_types.py tests/test_mixes.py \
+             tests/quant/test_random_blocks.py -p no:cacheprovider --tb=short 2>&1 | tail -12 ;;
+    typesdq) timeout 300 python3 benchmarks/bench_gpu_dequant.py dequant --json ${OUT:-/tmp}/bench_gpu_dequant_dq.json 2>&1 | tail -25 ;;
+    typespp) timeout 560 python3 benchmarks/bench_gpu_dequant.py pp --layers 12 --json ${OUT:-/tmp}/bench_gpu_dequant_pp.json 2>&1 | tail -12 ;;
     runtime) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \
                -p no:cacheprovider --tb=short 2>&1 | tail -12 ;;
     # issue 27: forward_batch on a real GPU (its GPU test prints max |logit diff| batched vs alone), then decode

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import queue
 import random
@@ -60,7 +59,7 @@ EXPERT_TYPES = {"Q4_0": 5, "Q8_0": 3, "Q4_K": 4, "Q5_K": 2, "Q6_K": 2, "F16": 1,
                 "IQ4_XS": 1, "Q3_K": 1, "IQ4_KS": 1, "IQ2_KT": 1}
 OTHER_TYPES = {"Q8_0": 5, "Q4_0": 3, "Q4_K": 2, "Q5_K": 1, "Q6_K": 2, "F16": 1, "BF16": 1, "F32": 2,
                "IQ4_XS": 1, "Q3_K": 1, "IQ4_KS": 1, "IQ2_KT": 1}
-REF_ONLY = ("IQ4_XS", "Q3_K", "IQ4_KS", "IQ2_KT")      # no fast kernel: the reference dequantizer everywhere
+REF_ONLY = ("IQ4_XS", "Q3_K", "IQ4_KS", "IQ2_KT")      # no CPU kernel: the reference dequantizer on the CPU
 BLOCK = {"Q4_0": 32, "Q8_0": 32, "F16": 32, "BF16": 32, "F32": 32}   # others: 256
 
 # Tolerances per weight type: (rel L2 of all prompt / decode logits, worst single row's rel L2, top-1).
@@ -235,33 +234,6 @@ def case_label(c: dict) -> str:
 
 # ------------------------------------------------------------------------------------- the model file
 
-def _ref_only_blocks(qtype, shape, gen, scale):
-    """Random rows of a type that has only a dequantizer: random bytes, then each block's f16 scale (or each
-    row's f32 header) set so that the values have RMS ~ scale (x a uniform 0.5-1.5 per unit)."""
-    import torch
-
-    from hybridmoe.quant.dequant import dequantize
-    from hybridmoe.quant.types import block_size, row_bytes, row_header_bytes, type_size
-    n_cols, rows = shape[-1], math.prod(shape[:-1])
-    rb, hdr = row_bytes(qtype, n_cols), row_header_bytes(qtype)
-    raw = torch.randint(0, 256, (rows, rb), generator=gen, dtype=torch.uint8)
-    if hdr:                                             # IQ4_KS, IQ2_KT: one f32 scale ahead of each row
-        assert hdr == 4, qtype
-        raw[:, :4] = torch.ones(rows, 1).view(torch.uint8)
-        rms = dequantize(raw, qtype, n_cols).pow(2).mean(-1).sqrt()
-        d = scale * (0.5 + torch.rand(rows, generator=gen)) / rms.clamp_min(1e-30)
-        raw[:, :4] = d.float().reshape(rows, 1).view(torch.uint8)
-        return raw.reshape(*shape[:-1], rb)
-    off = {"IQ4_XS": 0, "Q3_K": 108}[qtype.name]        # the block's f16 d
-    nb, ts, bs = n_cols // block_size(qtype), type_size(qtype), block_size(qtype)
-    blocks = raw.view(rows * nb, ts)
-    blocks[:, off:off + 2] = torch.ones(rows * nb, 1, dtype=torch.float16).view(torch.uint8)
-    rms = dequantize(raw, qtype, n_cols).reshape(rows * nb, bs).pow(2).mean(-1).sqrt()
-    d = scale * (0.5 + torch.rand(rows * nb, generator=gen)) / rms.clamp_min(1e-30)
-    blocks[:, off:off + 2] = d.clamp(max=6e4).half().reshape(-1, 1).view(torch.uint8)
-    return raw.reshape(*shape[:-1], rb)
-
-
 def build_model(spec: dict, path: str):
     """The GGUF of `spec`, as benchmarks/fault_repro.py builds one (synth_tensors), with per-tensor types."""
     import dataclasses
@@ -270,7 +242,7 @@ def build_model(spec: dict, path: str):
 
     from hybridmoe.formats.gguf_write import write_gguf
     from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
-    from hybridmoe.quant.ref import random_blocks
+    from hybridmoe.quant.random_blocks import random_tensor
     from hybridmoe.quant.types import GGMLType
     from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
     cfg, _, _ = preset_config("tiny")
@@ -300,26 +272,10 @@ def build_model(spec: dict, path: str):
         if want != qt.name or want in REF_ONLY:
             q = GGMLType[want]
             sc = 1.0 if "token_embd" in name else 0.02
-            if want in REF_ONLY:
-                make = (lambda q=q, s=shape, sc=sc: _ref_only_blocks(q, s, gen, sc))
-            else:
-                make = (lambda q=q, s=shape, sc=sc: random_blocks(q, s, gen, scale=sc))
+            make = (lambda q=q, s=shape, sc=sc: random_tensor(q, s, gen, scale=sc))
             qt = q
         out.append((name, shape, qt, make))
-    import gguf.gguf_writer as gw
-    keep = gw.quant_shape_from_byte_shape
-    gw.quant_shape_from_byte_shape = _shape_from_row_bytes     # the gguf package knows no ik_llama.cpp types
-    try:
-        write_gguf(path, cfg.arch, md, out)
-    finally:
-        gw.quant_shape_from_byte_shape = keep
-
-
-def _shape_from_row_bytes(shape, qtype) -> tuple:
-    """gguf's quant_shape_from_byte_shape for every type of quant/ggml_table.py (per-row headers included)."""
-    from hybridmoe.quant.ggml_table import BY_ID
-    q = BY_ID[int(qtype)]
-    return (*shape[:-1], (shape[-1] - q.row_header_bytes) // q.block_bytes * q.block_size)
+    write_gguf(path, cfg.arch, md, out)
 
 
 # ------------------------------------------------------------------------------------------- the oracle

@@ -71,7 +71,6 @@ class Model:
         self.options, self.runtime = options, runtime
         self.file = open_gguf(self.path)
         self.cfg = self._validate(runtime.check_tensors)
-        self._warn_slow_types()
         from .text.tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path, n_vocab=self.cfg.n_vocab)
         if not options.ctx_size:                              # -c 0: the training context, as llama.cpp
@@ -82,6 +81,7 @@ class Model:
         devs = list_devices()
         self.devices = {d.name: d for d in devs}
         self.placement = plan_placement(self.file.tensors, self.cfg, options, devs)
+        self._warn_slow_types()
         for w in dict.fromkeys(self.placement.warnings):      # -ngl without a GPU, split pairs, RAM over, ...
             warn(w)
         if runtime.check_fit:
@@ -360,21 +360,30 @@ class Model:
         return out
 
     def slow_tensors(self) -> dict[str, list[str]]:
-        """Type name -> tensors of that type, for types no fast kernel reads yet: they compute through the
-        reference dequantizer (correct, slow)."""
+        """Type name -> tensors of that type that no fast kernel reads yet where they live: they compute through
+        the reference dequantizer (correct, slow). On a real GPU, the one-pass dequantizing kernels count."""
         from .kernels.cpu import KERNEL_TYPES
+        from .kernels.gpu_dequant import has_kernel
         out: dict[str, list[str]] = {}
         for info in self.file.tensors.values():
-            if len(info.shape) > 1 and int(info.qtype) not in KERNEL_TYPES:
-                out.setdefault(info.qtype.name, []).append(info.name)
+            if len(info.shape) < 2 or int(info.qtype) in KERNEL_TYPES:
+                continue
+            dev = self.devices.get(self.placement.device_of.get(info.name, "CPU"))
+            if dev is not None and dev.kind == "cuda" and not dev.fake and has_kernel(info.qtype):
+                continue
+            out.setdefault(info.qtype.name, []).append(info.name)
         return out
 
     def _warn_slow_types(self) -> None:
+        from .kernels.cpu import KERNEL_TYPES
+        from .kernels.gpu_dequant import kernel_types
         slow = self.slow_tensors()
         if slow:
             what = ", ".join(f"{len(v)} {t}" for t, v in sorted(slow.items()))
+            cpu = ", ".join(GGMLType(t).name for t in sorted(KERNEL_TYPES))
+            gpu = ", ".join(t.name for t in kernel_types())
             warn(f"{what} tensors have no fast kernel yet: they run through the reference dequantizer (slow); "
-                 f"the fast kernels read F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4")
+                 f"the fast kernels read {cpu}" + (f" (on a GPU also {gpu})" if gpu else ""))
 
     def _step_for(self, which: str, kv):
         """The static "decode" or "prompt" step of this cache, built at its first use (one cache at a time keeps

@@ -1,4 +1,9 @@
-"""Writing GGUF files (synthetic models, converted HF models, split files) through gguf.GGUFWriter."""
+"""Writing GGUF files (synthetic models, converted HF models, split files) through gguf.GGUFWriter.
+
+Every type of quant/ggml_table.py is written, ik_llama.cpp's included: the gguf package knows only
+mainline's types (its byte-shape -> element-shape conversion raises KeyError on the others), so each tensor
+info is given its element shape and type id directly and the writer's byte counts come from our table
+(per-row headers included)."""
 from __future__ import annotations
 
 import math
@@ -9,6 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import progress
+from ..quant.ggml_table import BY_ID
 from ..quant.types import row_bytes
 from .gguf import GGUFModel
 
@@ -41,6 +47,20 @@ def add_kv(w: gguf.GGUFWriter, k: str, v):
         raise TypeError(f"metadata {k}: unsupported value {type(v)}")
 
 
+def _nbytes(shape, qtype) -> int:
+    return math.prod(shape[:-1]) * row_bytes(qtype, shape[-1])
+
+
+def _check_tensor(name: str, shape, qtype) -> None:
+    q = BY_ID.get(int(qtype))
+    if q is None:
+        raise ValueError(f"{name}: unknown tensor type id {int(qtype)}")
+    if shape[-1] % q.block_size:
+        raise ValueError(f"{name}: {q.name} rows need a multiple of {q.block_size} columns, got {shape[-1]}")
+    if q.interleave > 1 and math.prod(shape[:-1]) % q.interleave:
+        raise ValueError(f"{name}: {q.name} stores rows in groups of {q.interleave}, got {math.prod(shape[:-1])} rows")
+
+
 def write_gguf(path: str, arch: str, metadata: dict, tensors):
     """Stream a GGUF file. `tensors`: (name, shape, qtype, make) with make() -> uint8 tensor of the bytes.
 
@@ -52,12 +72,14 @@ def write_gguf(path: str, arch: str, metadata: dict, tensors):
         if k not in _SKIP:
             add_kv(w, k, v)
     for name, shape, qtype, _ in tensors:
-        bshape = (*shape[:-1], row_bytes(qtype, shape[-1]))
-        w.add_tensor_info(name, bshape, np.dtype(np.uint8), math.prod(bshape), raw_dtype=qtype)
+        _check_tensor(name, shape, qtype)
+        # a non-uint8 dtype keeps the package from converting the shape with its own (mainline) table
+        w.add_tensor_info(name, tuple(int(s) for s in shape), np.dtype(np.float32), _nbytes(shape, qtype),
+                          raw_dtype=int(qtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    total = sum(math.prod(shape[:-1]) * row_bytes(qtype, shape[-1]) for _, shape, qtype, _ in tensors)
+    total = sum(_nbytes(shape, qtype) for _, shape, qtype, _ in tensors)
     with progress(f"writing {os.path.basename(path)}", total, "bytes", enabled=None if total >= PROGRESS_BYTES
                   else False) as bar:
         for name, shape, qtype, make in tensors:
@@ -65,6 +87,9 @@ def write_gguf(path: str, arch: str, metadata: dict, tensors):
             if isinstance(data, torch.Tensor):
                 data = data.contiguous().view(torch.uint8).numpy()
             data = np.ascontiguousarray(data).view(np.uint8)
+            if data.nbytes != _nbytes(shape, qtype):
+                raise ValueError(f"{name}: {data.nbytes} bytes made for {BY_ID[int(qtype)].name} {tuple(shape)}, "
+                                 f"which takes {_nbytes(shape, qtype)}")
             w.write_tensor_data(data)
             bar.advance(data.nbytes)
     w.close()
