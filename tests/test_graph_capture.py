@@ -1,0 +1,75 @@
+"""The static decode step refuses, up front, placements whose CUDA graph capture would fail at run time.
+
+On an H100 the GPU fuzzer (benchmarks/gpu_fuzz.py) saw "CUDA graph capture failed (Cannot copy between CPU and
+CUDA tensors during CUDA graph capture unless the CPU tensor is pinned)" in 10 cases: every one had GPU-resident
+experts of a type with no GPU kernel (IQ4_KS, IQ2_KT, ...), whose torch reference dequantizer copies its tables
+from host memory inside the step. gpu_decode.graph_blocker names such placements; StaticDecoder raises
+NotApplicable for them (with one warning), so the eager decoder runs and no capture is tried."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import hybridmoe
+from hybridmoe.kernels import gpu_decode as gd
+from hybridmoe.models.convert import requantize
+from hybridmoe.models.synth import ensure_synth
+from hybridmoe.quant.types import GGMLType
+from hybridmoe.runtime.steps.gpu_decode import graph_blocker
+
+FILES = Path(__file__).resolve().parents[2] / "shared/testdata/quant-vectors/files"
+IQ4_XS = FILES / "q-IQ4_XS.gguf"           # ik_llama.cpp's own 1-layer qwen3moe, every matrix IQ4_XS
+
+
+def _need_iq4_xs():
+    if not IQ4_XS.exists():
+        pytest.skip(f"{IQ4_XS} is missing (the test data lives beside the repository in shared/)")
+
+
+def test_experts_without_a_gpu_kernel_block_graphs(monkeypatch):
+    """IQ4_XS experts on a (fake) GPU: blocked, naming the layer, type and GPU; the same file with its experts
+    on the CPU, or all on the CPU: not blocked."""
+    _need_iq4_xs()
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    why = graph_blocker(hybridmoe.load(str(IQ4_XS), n_gpu_layers=99, ctx_size=64))
+    assert why is not None and why.startswith("layer 0: experts of IQ4_XS on CUDA0 have no GPU kernel"), why
+    assert graph_blocker(hybridmoe.load(str(IQ4_XS), n_gpu_layers=99, override_tensor=["exps=CPU"],
+                                        ctx_size=64)) is None
+    assert graph_blocker(hybridmoe.load(str(IQ4_XS), n_gpu_layers=0, ctx_size=64)) is None
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.F16, GGMLType.Q4_0])
+def test_experts_with_a_gpu_path_keep_graphs(qtype, tmp_path, monkeypatch):
+    """Float experts (views, no table) never block; Q4_0 ones only where triton (its GPU kernels) is missing."""
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    path = requantize(ensure_synth("tiny-wide"), str(tmp_path / f"{qtype.name}.gguf"), qtype)
+    why = graph_blocker(hybridmoe.load(path, n_gpu_layers=99, ctx_size=64))
+    if qtype in (GGMLType.F16,) or gd.available():
+        assert why is None, why
+    else:
+        assert why is not None and "experts of Q4_0 on CUDA0" in why
+
+
+@pytest.mark.gpu
+def test_blocked_placement_decodes_eagerly_without_a_failed_capture(caplog):
+    """On a real GPU: IQ4_XS experts on the GPU decode through the eager path (one warning, no failed
+    capture), and the logits match the all-CPU ones."""
+    _need_iq4_xs()
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    ids = [(7 * i + 3) % 500 + 1 for i in range(24)]
+
+    def run(**opts):
+        m = hybridmoe.load(str(IQ4_XS), ctx_size=64, **opts)
+        kv = m.new_cache(64)
+        out = [m.forward(torch.tensor(ids[:16]), 0, kv)]
+        out += [m.forward(torch.tensor([t]), 16 + j, kv) for j, t in enumerate(ids[16:])]
+        return m, torch.cat(out)
+    with caplog.at_level("WARNING", logger="hybridmoe"):
+        m, gpu = run(n_gpu_layers=99)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "capture" not in text.replace("decode steps run without CUDA graphs", ""), text
+    assert m._steps["decode"][1] is None                 # refused up front: the eager decoder ran
+    _, cpu = run(n_gpu_layers=0)
+    # bf16 activations and dequantized weights on the GPU against the CPU's float32 / int8 paths
+    assert float((gpu - cpu).norm() / cpu.norm()) < 6e-2
