@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU-machine call: GPU tests (incl. ik's quant files on a real GPU), issue 25's fault repro, a short bench.
+# One GPU-machine call: GPU tests (incl. ik's quant files on a real GPU), issue 25's fault repro, a short bench,
+# the exact CPU prompt path's cost (promptcost). Usage: bash benchmarks/gpu_check.sh SECTION...
 # Needs the quant vectors beside the repository: run_gpu copies them in as .gpu_testdata when present.
 source benchmarks/device_setup.sh
 set +e
@@ -11,6 +12,12 @@ for s in "$@"; do
     gputests) HYBRIDMOE_CACHE=/tmp/hm-test timeout 420 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
     quantgpu) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/quant -p no:cacheprovider --tb=short 2>&1 | tail -8 ;;
     fault) timeout 150 python3 -u benchmarks/fault_repro.py /tmp 2>&1 | tail -30 ;;
+    # issue 25: the exact CPU prompt path against the bf16 tiles, interleaved on one loaded model (prompt_cost.py);
+    # all on the CPU (hm_prompt_step), then hybrid (eager decoder; a 512-token ubatch uploads the CPU experts)
+    promptcost) ( time python3 -m hybridmoe.cli synth qwen3-30b-a3b ) 2>&1 | tail -4
+                timeout 300 python3 benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 0 -p 512 -r 2 2>&1 | tail -14
+                timeout 200 python3 benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU -p 512 -r 2 \
+                  2>&1 | tail -14 ;;
     runtime) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \
                -p no:cacheprovider --tb=short 2>&1 | tail -12 ;;
   esac
