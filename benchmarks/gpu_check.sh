@@ -13,9 +13,10 @@ for s in "$@"; do
     quantgpu) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/quant -p no:cacheprovider --tb=short 2>&1 | tail -8 ;;
     fault) timeout 150 python3 -u benchmarks/fault_repro.py /tmp 2>&1 | tail -30 ;;
     # issue 25: the exact CPU prompt path against the bf16 tiles, interleaved on one loaded model (prompt_cost.py);
-    # all on the CPU (hm_prompt_step), then hybrid (eager decoder; a 512-token ubatch uploads the CPU experts)
+    # all on the CPU (hm_prompt_step; -nopo, else -ngl 0 may offload a prompt's ops to the GPU), then hybrid (the
+    # eager decoder; a 512-token ubatch uploads the CPU experts)
     promptcost) ( time python3 -m hybridmoe.cli synth qwen3-30b-a3b ) 2>&1 | tail -4
-                timeout 300 python3 benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 0 -p 512 -r 2 2>&1 | tail -14
+                timeout 300 python3 benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 0 -nopo -p 512 -r 2 2>&1 | tail -14
                 timeout 200 python3 benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU -p 512 -r 2 \
                   2>&1 | tail -14 ;;
     runtime) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \

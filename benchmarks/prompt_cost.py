@@ -8,11 +8,15 @@ fresh prompt at depth 0, after one untimed warm-up per mode). Besides wall-clock
 CPU-second of this process (a fairer figure where other programs take cores away).
 
     python benchmarks/prompt_cost.py -m synth:tiny-wide -p 512 -r 6                  # all on the CPU
+    python benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 0 -nopo -p 512 -r 2   # the same, GPU machine
     python benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU -p 512 -r 2
 
-With a GPU holding the attention (-ngl 99 -ot exps=CPU) prompts run the eager decoder and a ubatch of 512
-uploads the CPU experts and multiplies them on the GPU (scheduler.wants_offload), so the switch should make
-no difference there; the run says how many bytes each repetition uploaded.
+All on the CPU, prompts run the C prompt step (CpuDecoder.forward, hm_prompt_step), where the switch acts; on a
+machine with a GPU only with --no-op-offload (-nopo), since otherwise a large batch's host weights may run on
+the GPU (llama.cpp's op offload) and prompts take the eager decoder. With a GPU holding the attention (-ngl 99
+-ot exps=CPU) prompts run the eager decoder too, and a ubatch of 512 uploads the CPU experts and multiplies
+them on the GPU (scheduler.wants_offload), so the switch should make no difference there; the run says which
+prompt step ran and how many bytes each repetition uploaded.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("-ot", "--override-tensor", action="append", default=[])
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
+    p.add_argument("-nopo", "--no-op-offload", action="store_true", help="never upload host weights for an op")
     a = p.parse_args(argv)
 
     import torch
@@ -47,10 +52,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     m = hybridmoe.load(a.model, n_gpu_layers=a.n_gpu_layers, override_tensor=a.override_tensor or None,
                        ctx_size=a.n_prompt + 8, ubatch_size=a.ubatch_size, batch_size=max(2048, a.ubatch_size),
-                       threads=a.threads)
+                       threads=a.threads, op_offload=not a.no_op_offload)
     threads = a.threads or torch.get_num_threads()
     print(f"{a.model}: loaded in {time.perf_counter() - t0:.1f} s; -ngl {a.n_gpu_layers} "
-          f"{' '.join('-ot ' + o for o in a.override_tensor)} -t {threads} pp{a.n_prompt}, {a.repetitions} reps "
+          f"{' '.join('-ot ' + o for o in a.override_tensor)}{' -nopo' if a.no_op_offload else ''} -t {threads} pp{a.n_prompt}, {a.repetitions} reps "
           f"a mode, CPU {cpu.simd()} / tiles {cpu.tile_mode()}", flush=True)
     once = prepare_test(m, a.n_prompt, 0, 0, seed=1)
     modes = {"exact": True, "bf16": False}

@@ -1,10 +1,14 @@
-"""The static decode step refuses, up front, placements whose CUDA graph capture would fail at run time.
+"""Which static step runs where (runtime/steps/).
+
+The static decode step refuses, up front, placements whose CUDA graph capture would fail at run time.
 
 On an H100 the GPU fuzzer (benchmarks/gpu_fuzz.py) saw "CUDA graph capture failed (Cannot copy between CPU and
 CUDA tensors during CUDA graph capture unless the CPU tensor is pinned)" in 10 cases: every one had GPU-resident
 experts of a type with no GPU kernel (IQ4_KS, IQ2_KT, ...), whose torch reference dequantizer copies its tables
 from host memory inside the step. gpu_decode.graph_blocker names such placements; StaticDecoder raises
-NotApplicable for them (with one warning), so the eager decoder runs and no capture is tried."""
+NotApplicable for them (with one warning), so the eager decoder runs and no capture is tried.
+
+All-CPU placements run prompts in the C step only where no GPU may take their ops (op offload)."""
 from pathlib import Path
 
 import pytest
@@ -73,3 +77,33 @@ def test_blocked_placement_decodes_eagerly_without_a_failed_capture(caplog):
     _, cpu = run(n_gpu_layers=0)
     # bf16 activations and dequantized weights on the GPU against the CPU's float32 / int8 paths
     assert float((gpu - cpu).norm() / cpu.norm()) < 6e-2
+
+
+@pytest.mark.parametrize("op_offload", [True, False])
+def test_all_cpu_prompts_leave_op_offload_to_a_gpu(op_offload, monkeypatch):
+    """-ngl 0 with a (fake) GPU: as in llama.cpp, a large batch's host weights may run on the GPU (here forced by
+    -op all,1), so prompts take the eager decoder and upload; with --no-op-offload, or no GPU, the C prompt step
+    (hm_prompt_step) runs them on the CPU. Decode steps are all-CPU either way."""
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    m = hybridmoe.load("synth:tiny", n_gpu_layers=0, ctx_size=128, offload_policy="all,1", op_offload=op_offload)
+    kv = m.new_cache(128)
+    m.forward(torch.arange(3, 67), 0, kv)
+    m.forward(torch.tensor([5]), 64, kv)
+    prompt, decode = m._steps["prompt"][1], m._steps["decode"][1]
+    assert type(decode).__name__ == "CpuDecoder"
+    if op_offload:
+        assert prompt is None and m.stats.uploads["bytes"] > 0
+    else:
+        assert type(prompt).__name__ == "CpuDecoder" and m.stats.uploads["bytes"] == 0
+    m.set_policy("all,0")                                # no op left to a GPU: the C prompt step again
+    m.forward(torch.arange(3, 40), 65, kv)
+    assert type(m._steps["prompt"][1]).__name__ == "CpuDecoder"
+
+
+def test_all_cpu_prompts_without_a_gpu_take_the_c_step(monkeypatch):
+    monkeypatch.delenv("HYBRIDMOE_FAKE_GPUS", raising=False)
+    m = hybridmoe.load("synth:tiny", ctx_size=128)
+    if m.sched.main_gpu is not None:
+        pytest.skip("a GPU is present")
+    m.forward(torch.arange(3, 67), 0, m.new_cache(128))
+    assert type(m._steps["prompt"][1]).__name__ == "CpuDecoder"
