@@ -72,7 +72,7 @@ def test_blocked_placement_decodes_eagerly_without_a_failed_capture(caplog):
     with caplog.at_level("WARNING", logger="hybridmoe"):
         m, gpu = run(n_gpu_layers=99)
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert "capture" not in text.replace("decode steps run without CUDA graphs", ""), text
+    assert "CUDA graph capture" not in text, text        # warn_fallback's "CUDA graph capture ... failed"
     assert m._steps["decode"][1] is None                 # refused up front: the eager decoder ran
     _, cpu = run(n_gpu_layers=0)
     # bf16 activations and dequantized weights on the GPU against the CPU's float32 / int8 paths
