@@ -211,7 +211,7 @@ def test_long_prompts_match_float32_transformers(q, hf_moe, gguf_of):
 # tokens (see the module docstring): at most 3% of the rows, and top-1 (up to near ties) on 97%.
 GPU_MEDIAN = 22 ** 0.5 * 2.0 ** -8 / 3 ** 0.5
 GPU_FAR, GPU_FAR_SHARE, GPU_TOP1 = 4 * GPU_MEDIAN, 0.03, 0.97
-GPU_PLACEMENTS = {"all-gpu": dict(n_gpu_layers=99), "exps-cpu": dict(n_gpu_layers=99, override_tensor=["exps=CPU"])}
+GPU_PLACEMENTS = {"all-gpu": {"n_gpu_layers": 99}, "exps-cpu": {"n_gpu_layers": 99, "override_tensor": ["exps=CPU"]}}
 
 
 @pytest.mark.gpu
