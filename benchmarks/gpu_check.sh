@@ -16,7 +16,7 @@ for s in "$@"; do
     # placements the static decode step refuses instead of failing its capture
     longprompt) HYBRIDMOE_CACHE=/tmp/hm-test timeout 540 python3 -m pytest -q -m gpu tests/test_prompt_precision.py \
                   tests/test_static_steps.py -p no:cacheprovider -s --tb=short 2>&1 \
-                  | grep -E "^(F32|F16|BF16|Q[0-9]_[0-9K]) |passed|failed|Error|assert" | tail -60 ;;
+                  | grep -E "(F32|F16|BF16|Q[0-9]_[0-9K]) (all-gpu|exps-cpu)|passed|failed|Error|assert" | tail -60 ;;
     # issue 25: the exact CPU prompt path against the bf16 tiles, interleaved on one loaded model (prompt_cost.py);
     # all on the CPU (hm_prompt_step; -nopo, else -ngl 0 may offload a prompt's ops to the GPU), then hybrid (the
     # eager decoder; a 512-token ubatch uploads the CPU experts)
