@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     cpu.set_exact(True)
     step = m._steps.get("prompt", (None, None))[1]
     print(f"\nprompt step: {type(step).__name__ if step is not None else 'eager decoder'}; uploaded per rep: "
-          + ", ".join(f"{k} {up[k] / a.repetitions / 2**20:.0f} MiB" for k in modes))
+          + ", ".join(f"{k} {up[k] / a.repetitions / 2**20:.2f} MiB" for k in modes))
     print("\n| mode | pp t/s (median) | best | t/s per CPU-second (median) | exact / bf16 (median) |")
     print("| --- | ---: | ---: | ---: | ---: |")
     med = {k: statistics.median(v) for k, v in wall.items()}
