@@ -10,10 +10,6 @@ for s in "$@"; do
   echo "=============== $s"
   case $s in
     gputests) HYBRIDMOE_CACHE=/tmp/hm-test timeout 420 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
-    quantgpu) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/quant -p no:cacheprovider --tb=short 2>&1 | tail -8 ;;
-    fault) timeout 150 python3 -u benchmarks/fault_repro.py /tmp 2>&1 | tail -30 ;;
-    runtime) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \
-               -p no:cacheprovider --tb=short 2>&1 | tail -12 ;;
     # issue 25: 300- and 1,000-token prompts on the GPU against transformers (the per-case error lines), and the
     # placements the static decode step refuses instead of failing its capture
     longprompt) HYBRIDMOE_CACHE=/tmp/hm-test timeout 540 python3 -m pytest -q -m gpu tests/test_prompt_precision.py \
@@ -26,5 +22,9 @@ for s in "$@"; do
                 timeout 300 python3 benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 0 -nopo -p 512 -r 2 2>&1 | tail -14
                 timeout 200 python3 benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU -p 512 -r 2 \
                   2>&1 | tail -14 ;;
+    quantgpu) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/quant -p no:cacheprovider --tb=short 2>&1 | tail -8 ;;
+    fault) timeout 150 python3 -u benchmarks/fault_repro.py /tmp 2>&1 | tail -30 ;;
+    runtime) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \
+               -p no:cacheprovider --tb=short 2>&1 | tail -12 ;;
   esac
 done
