@@ -96,6 +96,33 @@ def test_no_capture_fails_on_a_gpu(name, caplog):
     assert float((gpu - cpu).norm() / cpu.norm()) < 6e-2
 
 
+@pytest.mark.gpu
+def test_captured_prompt_step_takes_float32_matrices(tmp_path, caplog):
+    """On a real GPU, Q4_0 experts with F32 attention, output and embedding, all on the GPU: the static prompt
+    step multiplies each F32 matrix in float32 (its input rows cast to it) instead of failing at its first use
+    on bf16 rows against float32 weights; full ubatches replay their graph; the logits match the CPU's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from hybridmoe.formats.gguf_write import write_gguf
+    from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
+    from hybridmoe.runtime.steps.gpu_prefill import StaticPrefill
+    from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
+    cfg, _, _ = preset_config("tiny-wide")
+    path = str(tmp_path / "q4_0-f32.gguf")
+    md = {"general.name": "q4_0 experts, f32 others", "general.type": "model", **config_metadata(cfg),
+          **builtin_vocab_metadata(cfg.n_vocab)}
+    write_gguf(path, cfg.arch, md, synth_tensors(cfg, GGMLType.Q4_0, GGMLType.F32, seed=3))
+    ids = [(13 * i + 5) % 1000 for i in range(48)]
+    with caplog.at_level("WARNING", logger="hybridmoe"):
+        m = hybridmoe.load(path, n_gpu_layers=99, ctx_size=64, ubatch_size=16)
+        gpu = m.logits(ids)
+    assert "static prompt step" not in "\n".join(r.getMessage() for r in caplog.records)
+    step = m._steps["prompt"][1]
+    assert isinstance(step, StaticPrefill) and step.worked and (16, True) in step.graphs
+    cpu = hybridmoe.load(path, n_gpu_layers=0, ctx_size=64).logits(ids)
+    assert float((gpu - cpu).norm() / cpu.norm()) < 3e-2
+
+
 @pytest.mark.parametrize("op_offload", [True, False])
 def test_all_cpu_prompts_leave_op_offload_to_a_gpu(op_offload, monkeypatch):
     """-ngl 0 with a (fake) GPU: as in llama.cpp, a large batch's host weights may run on the GPU (here forced by
