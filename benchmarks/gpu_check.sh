@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU-machine call: GPU tests (incl. ik's quant files on a real GPU), issue 25's fault repro, a short bench.
+# One GPU-machine call: GPU tests (incl. ik's quant files on a real GPU), issue 25's fault repro, a short bench,
+# long prompts on the GPU (longprompt), the exact CPU prompt path's cost (promptcost). Usage: bash benchmarks/gpu_check.sh SECTION...
 # Needs the quant vectors beside the repository: run_gpu copies them in as .gpu_testdata when present.
 source benchmarks/device_setup.sh
 set +e
@@ -9,6 +10,18 @@ for s in "$@"; do
   echo "=============== $s"
   case $s in
     gputests) HYBRIDMOE_CACHE=/tmp/hm-test timeout 420 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
+    # issue 25: 300- and 1,000-token prompts on the GPU against transformers (the per-case error lines), and the
+    # placements the static decode step refuses instead of failing its capture
+    longprompt) HYBRIDMOE_CACHE=/tmp/hm-test timeout 540 python3 -m pytest -q -m gpu tests/test_prompt_precision.py \
+                  tests/test_static_steps.py -p no:cacheprovider -s --tb=short 2>&1 \
+                  | grep -E "(F32|F16|BF16|Q[0-9]_[0-9K]) (all-gpu|exps-cpu)|passed|failed|Error|assert" | tail -60 ;;
+    # issue 25: the exact CPU prompt path against the bf16 tiles, interleaved on one loaded model (prompt_cost.py);
+    # all on the CPU (hm_prompt_step; -nopo, else -ngl 0 may offload a prompt's ops to the GPU), then hybrid (the
+    # eager decoder; a 512-token ubatch uploads the CPU experts)
+    promptcost) ( time python3 -m hybridmoe.cli synth qwen3-30b-a3b ) 2>&1 | tail -4
+                timeout 300 python3 benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 0 -nopo -p 512 -r 2 2>&1 | tail -14
+                timeout 200 python3 benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU -p 512 -r 2 \
+                  2>&1 | tail -14 ;;
     quantgpu) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/quant -p no:cacheprovider --tb=short 2>&1 | tail -8 ;;
     fault) timeout 150 python3 -u benchmarks/fault_repro.py /tmp 2>&1 | tail -30 ;;
     types) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_dequant_types.py tests/test_mixes.py \

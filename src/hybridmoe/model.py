@@ -145,6 +145,8 @@ class Model:
         self.sched.fused_moe = fused_moe
         for up in self.sched._uploaders.values():
             up.forget()
+        if hasattr(self, "_steps"):              # (set at load, after this first call)
+            self._steps.pop("prompt", None)      # an all-CPU prompt step depends on whether ops may offload
 
     @property
     def stats(self):
