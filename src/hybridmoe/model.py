@@ -285,8 +285,12 @@ class Model:
 
     def _batch_step(self, items):
         """The CPU batch step (runtime/steps/cpu_decode.py) when every weight and every item's cache is on the
-        CPU and it covers the model; else None."""
+        CPU and it covers the model; else None. Batches with prompt chunks take the eager path where a GPU may
+        take host weights' ops (op offload, as build_step decides for prompts)."""
         if not self.runtime.graphs or not self.decoder.static_decode or self._batch is False:
+            return None
+        from .runtime.steps import may_offload
+        if any(int(t.shape[0]) > 1 for t, _, _ in items) and may_offload(self):
             return None
         if self._batch is None:
             kv0 = items[0][2]

@@ -11,7 +11,7 @@ def build_step(model, kv, which: str) -> DecodeStep | PromptStep | None:
     may take their ops: as in llama.cpp, `-ngl 0` with a GPU uploads a large batch's host weights to it (op
     offload, the scheduler's decision per op), which the C step would skip."""
     steps = []
-    if all(d.kind == "cpu" for d in kv.devs) and (which != "prompt" or not _may_offload(model)):
+    if all(d.kind == "cpu" for d in kv.devs) and (which != "prompt" or not may_offload(model)):
         from .cpu_decode import CpuDecoder
         steps.append(CpuDecoder)
     if which == "prompt":
@@ -28,7 +28,7 @@ def build_step(model, kv, which: str) -> DecodeStep | PromptStep | None:
     return None
 
 
-def _may_offload(model) -> bool:
+def may_offload(model) -> bool:
     """Whether the scheduler may run a host weight's op on a GPU (a GPU is present and -op / --no-op-offload
     leave some op to it)."""
     sched = model.sched
