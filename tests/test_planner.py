@@ -374,7 +374,7 @@ def test_plan_suggest_prints_runnable_flags(capsys):
     for (label, tg, pp), flags in zip(heads, flag_lines):
         rc2, out2 = run_plan(model + shlex.split(flags), capsys)
         assert rc2 == 0, out2.out[-400:]                      # fits
-        m = re.search(r"^predicted \(roofline bound, rates from rig panchovix-7gpu\): TG ([\d.]+) t/s.*PP (\d+) t/s",
+        m = re.search(r"^predicted \(roofline: no calibrated costs, rates from rig panchovix-7gpu\): TG ([\d.]+) t/s.*PP (\d+) t/s",
                       out2.out, re.M)
         assert m and (m[1], m[2]) == (tg, pp)
         for dev in ("CUDA0", "CUDA6"):
@@ -403,7 +403,7 @@ def test_plan_predicted_line_needs_rates(tmp_path, monkeypatch, capsys):
     import torch
     save_rates(Rates(ram_read_bw=50e9, cpu_bf16_flops=1e12, threads=torch.get_num_threads(), host="test"))
     rc, out = run_plan(argv, capsys)
-    assert rc == 0 and "predicted (roofline bound, rates from this machine's calibration" in out.out
+    assert rc == 0 and "predicted (roofline: no calibrated costs, rates from this machine's calibration" in out.out
     rc, out = run_plan(argv + ["--json"], capsys)
     doc = json.loads(out.out)
     assert doc["predicted"]["tg_ts"] > 0 and doc["rig"] is None

@@ -60,6 +60,7 @@ class Prediction:
     decode_kind: str = ""          # "cpu" | "graph" | "eager"
     prompt_kind: str = ""
     only_active: bool = False      # uploads send only the routed experts (-ooae auto's choice)
+    uploaded_bytes: float = 0.0    # host expert bytes uploaded over the pp test
     calibrated: bool = False       # the rates carry calibrated costs
 
     def request_seconds(self, n_prompt: int, n_gen: int) -> float:
@@ -147,8 +148,11 @@ def _static_model(p: Placement) -> bool:
     return cfg.arch != "deepseek2" and cfg.arch != "gpt-oss" and getattr(cfg, "expert_gating", "softmax") == "softmax"
 
 
-def decode_kind(p: Placement, layers: list[_Layer]) -> str:
-    """Which decode step the runtime builds (runtime/steps/__init__.build_step), by its constructors' checks."""
+def decode_kind(p: Placement, layers: list[_Layer], graphs: bool = True) -> str:
+    """Which decode step the runtime builds (runtime/steps/__init__.build_step), by its constructors' checks;
+    graphs=False (the runtime's `graphs` option off): none, the eager decoder runs."""
+    if not graphs:
+        return "eager"
     head_dev = _head(p)[0]
     devs = {d for n, d in p.device_of.items() if n != "token_embd.weight" or "output.weight" not in p.tensors}
     if not _static_model(p):
@@ -165,9 +169,9 @@ def decode_kind(p: Placement, layers: list[_Layer]) -> str:
     return "graph"
 
 
-def prompt_kind(p: Placement, layers: list[_Layer]) -> str:
+def prompt_kind(p: Placement, layers: list[_Layer], graphs: bool = True) -> str:
     """"cpu" (hm_prompt_step), "graph" (every weight on one GPU: StaticPrefill) or "eager"."""
-    kind = decode_kind(p, layers)
+    kind = decode_kind(p, layers, graphs)
     if kind == "cpu":
         return "cpu"
     devs = {d for n, d in p.device_of.items() if n != "token_embd.weight" or "output.weight" not in p.tensors}
@@ -246,11 +250,11 @@ def _share(p: Placement, layers: list[_Layer], rates, kind: str) -> tuple[int, i
     return (g, k) if g else None
 
 
-def decode_terms(p: Placement, layers: list[_Layer], rates, n_gen: int, n_depth: int = 0):
+def decode_terms(p: Placement, layers: list[_Layer], rates, n_gen: int, n_depth: int = 0, graphs: bool = True):
     """(seconds per token, terms per token, kind, share) of a decode step at the mean position of the test."""
     c, cfg = Costs(rates), p.cfg
     k = cfg.n_expert_used
-    kind = decode_kind(p, layers)
+    kind = decode_kind(p, layers, graphs)
     share = _share(p, layers, rates, kind)
     g = share[0] if share else 0
     kvb = kv_token_bytes(cfg, p.opts) if cfg.n_layer else 0.0
@@ -364,14 +368,15 @@ def _offload_gpu(p: Placement, x_dev: str, T: int) -> str | None:
     return gpus[o.main_gpu].name if o.main_gpu < len(gpus) else gpus[0].name
 
 
-def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: int, n_depth: int = 0):
+def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: int, n_depth: int = 0,
+                 graphs: bool = True):
     """(seconds, terms, kind, uploaded layers, only-active) of a prompt of n_prompt tokens in ubatches of ub."""
     c, cfg = Costs(rates), p.cfg
-    kind = prompt_kind(p, layers)
+    kind = prompt_kind(p, layers, graphs)
     kvb = kv_token_bytes(cfg, p.opts) if cfg.n_layer else 0.0
     t = _Terms()
     uploaded: set[int] = set()
-    few_any = False
+    few_any, moved = False, 0.0
     gpus = [d.name for d in p.gpus]
     main = gpus[p.opts.main_gpu] if gpus and p.opts.main_gpu < len(gpus) else (gpus[0] if gpus else "CPU")
     done = 0
@@ -434,6 +439,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             ups[L.il] = run
             uploaded.add(L.il)
             few_any |= few
+            moved += up
             u = up / rates.h2d(run)
             comp = exp / c.gpu(run, "moe_flops")
             hidden = c.gpu(run, "upload_overlap") * min(u, comp) if pre else 0.0
@@ -443,15 +449,15 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
         if kind == "eager":
             t.add("crossings", _path_seconds(p, rates, T, ups)[0])
         done += T
-    return sum(t.values()), t, kind, sorted(uploaded), few_any
+    return sum(t.values()), t, kind, sorted(uploaded), few_any, moved
 
 
 # ----------------------------------------------------------------------------------------- predict
 
 def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128, ubatch: int | None = None,
-            n_depth: int = 0) -> Prediction:
+            n_depth: int = 0, graphs: bool = True) -> Prediction:
     """TG (n_gen tokens at depth n_depth) and PP (n_prompt tokens in ubatches of `ubatch`, default the
-    placement's -ub) as the runtime would run them on these rates."""
+    placement's -ub) as the runtime would run them on these rates; graphs=False: with its static steps off."""
     p, cfg = placement, placement.cfg
     ub = ubatch or p.opts.ubatch_size
     layers = _layers(p)
@@ -460,8 +466,8 @@ def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128,
     tgb = tg_bound(model_work(p.tensors, p.device_of, cfg), cfg, kv_devices, rates, max(n_gen, 1), n_depth, kvb)
     up_targets = upload_targets(p.tensors, p.device_of, p.attn_device,
                                 p.gpus[p.opts.main_gpu].name if p.gpus and p.opts.main_gpu < len(p.gpus) else None)
-    per_tok, tg_t, dkind, share = decode_terms(p, layers, rates, max(n_gen, 1), n_depth)
-    pp_s, pp_t, pkind, ups, few = prompt_terms(p, layers, rates, max(n_prompt, 1), ub, n_depth)
+    per_tok, tg_t, dkind, share = decode_terms(p, layers, rates, max(n_gen, 1), n_depth, graphs)
+    pp_s, pp_t, pkind, ups, few, moved = prompt_terms(p, layers, rates, max(n_prompt, 1), ub, n_depth, graphs)
     targets = {n: g for n, g in up_targets.items() if _layer_index(n) in ups}
     ppb = pp_bound(model_work(p.tensors, p.device_of, cfg, targets), cfg, kv_devices, rates, max(n_prompt, 1), ub,
                    n_depth, kvb)
@@ -470,7 +476,7 @@ def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128,
     crossings = len(_token_path(p, {})[0]) - 1 + _token_path(p, {})[1]
     return Prediction(n / (per_tok * n) if per_tok > 0 else math.inf, max(n_prompt, 1) / pp_s if pp_s > 0 else math.inf,
                       tgb, ppb, n_gen, n_prompt, ub, ups, crossings, share, tg_terms, dict(pp_t), dkind, pkind, few,
-                      Costs(rates).calibrated)
+                      moved, Costs(rates).calibrated)
 
 
 def _layer_index(name: str) -> int | None:

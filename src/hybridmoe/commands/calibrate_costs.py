@@ -1,0 +1,307 @@
+"""`hybridmoe calibrate`'s second half: the costs that are not bandwidth (perf/costs.py), measured here because
+measuring them runs the runtime (perf/ never imports runtime/; the planner only reads the results).
+
+1. Micro-benchmarks of the C expert kernel: its fixed cost per call (T=1 on weights that stay in cache) and the
+   rate it streams a decode step's experts from RAM (T=1 over a pool of layers far larger than L3).
+2. The runtime's own steps on two calibration models that differ only in their number of layers (2 and 6;
+   --quick: 1 and 3, small shapes): the full models have Qwen3-30B-A3B's layer (hidden 2048, 32/4 heads of
+   128, 128 experts of 768, 8 used; Q4_0 experts, Q8_0 the rest) and a small vocabulary. Per placement
+   (`-ngl 0`; per GPU `-ngl 99` with and without graphs, and `-ngl 99 -ot exps=CPU`), a decode step and a
+   prompt ubatch are timed on both; the difference per layer and the intercept, minus what placement/predict.py
+   computes for the same placement from the rates alone, are the per-layer and per-step costs. So the
+   calibration models are predicted exactly by construction, and other models through their bytes and FLOPs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from ..perf.costs import fit_line, floor_or_scale
+
+FULL = dict(arch="qwen3moe", n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_vocab=8192, n_ctx_train=8192,
+            rms_eps=1e-6, rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=768)
+QUICK = dict(arch="qwen3moe", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_vocab=1024, n_ctx_train=4096,
+             rms_eps=1e-6, rope_base=1e6, n_expert=16, n_expert_used=4, n_ff_exp=256)
+CALIB_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------- the C kernel alone
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def kernel_costs(quick: bool = False) -> dict[str, float]:
+    """{"call_s", "stream_bw"} of the C expert kernel at T=1 (Q4_0), or {} without it."""
+    try:
+        from ..kernels import cpu as k
+        if not k.available():
+            return {}
+    except ImportError:
+        return {}
+    from ..quant.ref import random_blocks
+    from ..quant.types import GGMLType
+    q = GGMLType.Q4_0
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 256, generator=g)
+    small = [random_blocks(q, (8, 64, 256), g), random_blocks(q, (8, 64, 256), g), random_blocks(q, (8, 256, 64), g)]
+    ids = torch.tensor([[0, 1]], dtype=torch.int32)
+    wts = torch.full((1, 2), 0.5)
+    call = min(_median_time(lambda: k.moe_ffn(x, ids, wts, *small, q, q), 200) for _ in range(3))
+    # streaming: a pool of layers far larger than L3 (full: 12 layers of 32 Qwen3-30B-A3B experts, 1 GB; quick:
+    # 256 MB), 8 random experts of one layer a call, layer after layer, as a decode step reads them
+    E, F, H, used = 32, 768, 2048, 8
+    n_layers = 3 if quick else 12
+    base = [random_blocks(q, (E, F, H), g), random_blocks(q, (E, F, H), g), random_blocks(q, (E, H, F), g)]
+    pool = [[w.clone() for w in base] for _ in range(n_layers)]
+    per_expert = sum(w[0].numel() for w in base)
+    xs = torch.randn(1, H, generator=g)
+    w8 = torch.full((1, used), 1.0 / used)
+    picks = [torch.randperm(E, generator=g)[:used].to(torch.int32)[None] for _ in range(4 * n_layers)]
+
+    def sweep():
+        for i, ids_ in enumerate(picks):
+            lay = pool[i % n_layers]
+            k.moe_ffn(xs, ids_, w8, lay[0], lay[1], lay[2], q, q)
+    secs = min(_median_time(sweep, 2 if quick else 3) for _ in range(2))
+    stream = used * per_expert * len(picks) / max(secs - len(picks) * call, 1e-9)
+    return {"call_s": call, "stream_bw": stream}
+
+
+# ---------------------------------------------------------------------------------- calibration models
+
+def calibration_model(n_layer: int, quick: bool) -> str:
+    """Path of a calibration model (written once into $HYBRIDMOE_CACHE/models)."""
+    import tempfile
+
+    from .. import env
+    from ..config import ModelConfig
+    from ..formats.gguf_write import write_gguf
+    from ..models.synth import config_metadata
+    from ..models.tensors import default_qtype, tensor_shapes
+    from ..quant.ref import random_blocks
+    from ..quant.types import GGMLType
+    from ..text.builtin_vocab import builtin_vocab_metadata
+    shape = QUICK if quick else FULL
+    d = env.cache_dir() / "models"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"calibration-{'quick' if quick else 'full'}-{n_layer}-v{CALIB_VERSION}.gguf"
+    if path.exists():
+        return str(path)
+    cfg = ModelConfig(**shape, n_layer=n_layer, qk_norm=True, rope_neox=True, name=f"calibration-{n_layer}")
+    gen = torch.Generator().manual_seed(1234)
+    made: dict = {}
+
+    def make(name, s, qt):
+        if len(s) == 1:
+            return lambda: (1.0 + 0.1 * torch.randn(s, generator=gen)).float().view(torch.uint8)
+        scale = 1.0 if "token_embd" in name else 0.02
+
+        def blocks():
+            key = (tuple(s), int(qt), scale)         # one random tensor per shape, reused by every layer
+            if key not in made:
+                made[key] = random_blocks(qt, s, gen, scale=scale)
+            return made[key]
+        return blocks
+    tensors = []
+    for name, s in tensor_shapes(cfg):
+        qt = default_qtype(name, s, GGMLType.Q4_0, GGMLType.Q8_0)
+        tensors.append((name, s, qt, make(name, s, qt)))
+    md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg),
+          **builtin_vocab_metadata(cfg.n_vocab)}
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".part")
+    os.close(fd)
+    try:
+        write_gguf(tmp, cfg.arch, md, tensors)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------- timing the runtime
+
+def _time_tg(model, n: int, reps: int) -> float:
+    """Seconds per decode step (n steps from position 0), median of reps after a warm-up."""
+    from .bench import prepare_test
+    once = prepare_test(model, 0, n, 0, 7)
+    return _median_time(lambda: once(n), reps) / n
+
+
+def _time_pp(model, T: int, reps: int) -> float:
+    """Seconds of one ubatch of T tokens at position 0."""
+    from .bench import prepare_test
+    model.options.ubatch_size = T
+    model.options.batch_size = max(model.options.batch_size, T)
+    once = prepare_test(model, T, 0, 0, 11)
+    once(0)                                     # a second untimed run: a full ubatch is captured at its second
+    return _median_time(lambda: once(0), reps)
+
+
+def _eager(model, on: bool):
+    model.runtime.graphs = not on
+    model._steps = {}
+
+
+def _with(rates, costs):
+    return dataclasses.replace(rates, costs={k: dict(v) for k, v in costs.items()})
+
+
+def _fit(measured: tuple[float, float], modelled: tuple[float, float], layers: tuple[int, int]):
+    """(per-layer floor, per-step floor) from two models' measured and modelled seconds."""
+    sm, im = fit_line(layers[0], measured[0], layers[1], measured[1])
+    sr, ir = fit_line(layers[0], modelled[0], layers[1], modelled[1])
+    return max(sm - sr, 0.0), max(im - ir, 0.0)
+
+
+class _Run:
+    """The calibration models loaded with one placement, and predict() on them."""
+
+    def __init__(self, paths, layers, **placement):
+        import hybridmoe
+        self.layers = layers
+        self.models = [hybridmoe.load(p, ctx_size=4096, check_fit=False, **placement) for p in paths]
+
+    def close(self):
+        self.models = []
+        import gc
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def predict(self, rates, costs, **kw):
+        from ..placement.predict import predict
+        return [predict(m.placement, _with(rates, costs), graphs=m.runtime.graphs, **kw) for m in self.models]
+
+
+def measure_costs(rates, quick: bool = False, progress=None) -> dict:
+    """The costs dict (perf/costs.py) for this machine; `rates` are its calibrated rates."""
+    say = progress or (lambda msg: None)
+    reps = 2 if quick else 3
+    n_tg = 8 if quick else 32
+    T1, T2 = (64, 256) if quick else (512, 2048)
+    layers = (1, 3) if quick else (2, 6)
+    costs: dict = {"cpu": {}}
+    say("CPU expert kernel: call cost and streaming rate")
+    costs["cpu"].update(kernel_costs(quick))
+    say("calibration models")
+    paths = [calibration_model(n, quick) for n in layers]
+
+    say("all on the CPU (-ngl 0)")
+    run = _Run(paths, layers, n_gpu_layers=0)
+    try:
+        c = costs["cpu"]
+        c.update(decode_layer_s=0.0, decode_token_s=0.0)
+        meas = tuple(_time_tg(m, n_tg, reps) for m in run.models)
+        mod = tuple(1 / p.tg for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
+        c["decode_layer_s"], c["decode_token_s"] = _fit(meas, mod, layers)
+        c.update(prompt_layer_s=0.0, prompt_scale=1.0, prompt_ubatch_s=0.0)
+        meas = tuple(_time_pp(m, T1, reps) for m in run.models)
+        mod = tuple(T1 / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
+        sm, _ = fit_line(layers[0], meas[0], layers[1], meas[1])
+        sr, _ = fit_line(layers[0], mod[0], layers[1], mod[1])
+        c["prompt_layer_s"], c["prompt_scale"] = floor_or_scale(sm, sr)
+        mod = tuple(T1 / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
+        c["prompt_ubatch_s"] = _fit(meas, mod, layers)[1]
+    finally:
+        run.close()
+
+    gpus = []
+    if torch.cuda.is_available():
+        seen = set()
+        for i in range(torch.cuda.device_count()):
+            name = torch.cuda.get_device_properties(i).name
+            if name not in seen:                 # GPUs of one model share their costs (perf.costs.Costs)
+                seen.add(name)
+                gpus.append(i)
+    for i in gpus:
+        dev = f"CUDA{i}"
+        g = costs[dev] = {}
+        say(f"{dev}: every weight on the GPU (-ngl 99)")
+        run = _Run(paths, layers, n_gpu_layers=99, split_mode="none", main_gpu=i)
+        try:
+            for eager in (False, True):
+                lk, tk = ("eager_decode_layer_s", "eager_token_s") if eager else ("decode_layer_s", "decode_token_s")
+                g.update({lk: 0.0, tk: 0.0})
+                for m in run.models:
+                    _eager(m, eager)
+                meas = tuple(_time_tg(m, n_tg, reps) for m in run.models)
+                mod = tuple(1 / p.tg for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
+                g[lk], g[tk] = _fit(meas, mod, layers)
+            # the captured prompt step at two ubatch sizes: a per-layer floor and the MoE kernels' FLOP rate
+            for m in run.models:
+                _eager(m, False)
+            g.update(prompt_layer_s=0.0, prompt_ubatch_s=0.0, moe_flops=math.inf)
+            slopes, icpts = [], []
+            for T in (T1, T2):
+                meas = tuple(_time_pp(m, T, reps) for m in run.models)
+                mod = tuple(T / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T, ubatch=T))
+                sm, im = fit_line(layers[0], meas[0], layers[1], meas[1])
+                sr, ir = fit_line(layers[0], mod[0], layers[1], mod[1])
+                slopes.append(sm - sr)
+                icpts.append(im - ir)
+            cfg = run.models[0].cfg
+            ef = [2.0 * 3 * cfg.n_ff_exp * cfg.n_embd * cfg.n_expert_used * T for T in (T1, T2)]   # expert FLOPs
+            if slopes[1] > slopes[0]:
+                g["moe_flops"] = (ef[1] - ef[0]) / (slopes[1] - slopes[0])
+            else:
+                g["moe_flops"] = rates.flops(dev)
+            g["prompt_layer_s"] = max(slopes[0] - ef[0] / g["moe_flops"], 0.0)
+            g["prompt_ubatch_s"] = max(statistics.fmean(icpts), 0.0)
+            # the eager prompt path (placements no captured step covers)
+            for m in run.models:
+                _eager(m, True)
+            g.update(eager_prompt_layer_s=0.0, eager_ubatch_s=0.0)
+            meas = tuple(_time_pp(m, T1, reps) for m in run.models)
+            mod = tuple(T1 / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
+            g["eager_prompt_layer_s"], g["eager_ubatch_s"] = _fit(meas, mod, layers)
+        finally:
+            run.close()
+
+        say(f"{dev}: experts in RAM (-ngl 99 -ot exps=CPU)")
+        run = _Run(paths, layers, n_gpu_layers=99, split_mode="none", main_gpu=i, override_tensor=["exps=CPU"])
+        old = os.environ.get("HYBRIDMOE_DECODE_SHARE")
+        os.environ["HYBRIDMOE_DECODE_SHARE"] = "0"          # the hand-off alone; the share is modelled apart
+        try:
+            g["handoff_s"] = 0.0
+            meas = tuple(_time_tg(m, n_tg, reps) for m in run.models)
+            mod = tuple(1 / p.tg for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
+            g["handoff_s"] = _fit(meas, mod, layers)[0]
+            # uploads, every expert a layer ahead (forced, so the measurement does not depend on the policy)
+            for m in run.models:
+                m.set_policy("moe_up_gate,1,mul_mat_id,1", False, True)
+            g.update(upload_overlap=0.0, upload_layer_s=0.0)
+            preds = run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1)
+            if all(len(p.uploaded_layers) == n for p, n in zip(preds, layers)):
+                meas = tuple(_time_pp(m, T1, reps) for m in run.models)
+                serial = tuple(T1 / p.pp for p in preds)
+                g["upload_overlap"] = 1.0
+                hidden = tuple(T1 / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
+                sm, _ = fit_line(layers[0], meas[0], layers[1], meas[1])
+                s0, _ = fit_line(layers[0], serial[0], layers[1], serial[1])
+                s1, _ = fit_line(layers[0], hidden[0], layers[1], hidden[1])
+                ov = (s0 - sm) / (s0 - s1) if s0 > s1 else 1.0
+                g["upload_overlap"] = min(max(ov, 0.0), 1.0)
+                g["upload_layer_s"] = max(sm - (s0 - g["upload_overlap"] * (s0 - s1)), 0.0)
+            else:
+                del g["upload_overlap"], g["upload_layer_s"]   # the rates say uploads never pay here
+        finally:
+            if old is None:
+                del os.environ["HYBRIDMOE_DECODE_SHARE"]
+            else:
+                os.environ["HYBRIDMOE_DECODE_SHARE"] = old
+            run.close()
+    costs["_calibration"] = {"layers": list(layers), "ubatches": [T1, T2], "decode_steps": n_tg, "quick": quick}
+    return costs
