@@ -3,7 +3,7 @@ measuring them runs the runtime (perf/ never imports runtime/; the planner only 
 
 1. Micro-benchmarks of the C expert kernel: its fixed cost per call (T=1 on weights that stay in cache) and the
    rate it streams a decode step's experts from RAM (T=1 over a pool of layers far larger than L3).
-2. The runtime's own steps on two calibration models that differ only in their number of layers (2 and 6;
+2. The runtime's own steps on two calibration models that differ only in their number of layers (2 and 8;
    --quick: 1 and 3, small shapes): the full models have Qwen3-30B-A3B's layer (hidden 2048, 32/4 heads of
    128, 128 experts of 768, 8 used; Q4_0 experts, Q8_0 the rest) and a small vocabulary. Per placement
    (`-ngl 0`; per GPU `-ngl 99` with and without graphs, and `-ngl 99 -ot exps=CPU`), a decode step and a
@@ -22,6 +22,7 @@ import time
 import torch
 
 from ..perf.costs import fit_line, floor_or_scale
+from ..perf.roofline import touched_fraction
 
 FULL = dict(arch="qwen3moe", n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_vocab=8192, n_ctx_train=8192,
             rms_eps=1e-6, rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=768)
@@ -59,16 +60,17 @@ def kernel_costs(quick: bool = False) -> dict[str, float]:
     ids = torch.tensor([[0, 1]], dtype=torch.int32)
     wts = torch.full((1, 2), 0.5)
     call = min(_median_time(lambda: k.moe_ffn(x, ids, wts, *small, q, q), 200) for _ in range(3))
-    # streaming: a pool of layers far larger than L3 (full: 12 layers of 32 Qwen3-30B-A3B experts, 1 GB; quick:
-    # 256 MB), 8 random experts of one layer a call, layer after layer, as a decode step reads them
+    # streaming: a pool of layers far larger than L3 (full: 48 layers of 32 Qwen3-30B-A3B experts, 4 GB, so that
+    # a 300 MiB L3 holds under a tenth of it; quick: 256 MB), 8 random experts of one layer a call, layer after
+    # layer, as a decode step reads them
     E, F, H, used = 32, 768, 2048, 8
-    n_layers = 3 if quick else 12
+    n_layers = 3 if quick else 48
     base = [random_blocks(q, (E, F, H), g), random_blocks(q, (E, F, H), g), random_blocks(q, (E, H, F), g)]
     pool = [[w.clone() for w in base] for _ in range(n_layers)]
     per_expert = sum(w[0].numel() for w in base)
     xs = torch.randn(1, H, generator=g)
     w8 = torch.full((1, used), 1.0 / used)
-    picks = [torch.randperm(E, generator=g)[:used].to(torch.int32)[None] for _ in range(4 * n_layers)]
+    picks = [torch.randperm(E, generator=g)[:used].to(torch.int32)[None] for _ in range(2 * n_layers)]
 
     def sweep():
         for i, ids_ in enumerate(picks):
@@ -192,7 +194,7 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
     reps = 2 if quick else 3
     n_tg = 8 if quick else 32
     T1, T2 = (64, 256) if quick else (512, 2048)
-    layers = (1, 3) if quick else (2, 6)
+    layers = (1, 3) if quick else (2, 8)
     costs: dict = {"cpu": {}}
     say("CPU expert kernel: call cost and streaming rate")
     costs["cpu"].update(kernel_costs(quick))
@@ -245,14 +247,19 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
                 _eager(m, False)
             g.update(prompt_layer_s=0.0, prompt_ubatch_s=0.0, moe_flops=math.inf)
             slopes, icpts = [], []
+            cfg = run.models[0].cfg
+            exp_bytes = sum(t.nbytes for n, t in run.models[0].file.tensors.items() if n.startswith("blk.0.")
+                            and "_exps." in n)
             for T in (T1, T2):
                 meas = tuple(_time_pp(m, T, reps) for m in run.models)
                 mod = tuple(T / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T, ubatch=T))
                 sm, im = fit_line(layers[0], meas[0], layers[1], meas[1])
                 sr, ir = fit_line(layers[0], mod[0], layers[1], mod[1])
-                slopes.append(sm - sr)
+                # with moe_flops infinite the modelled experts are their bytes at gpu_bw: taken out again, so
+                # the residual is floor + FLOPs / moe_flops
+                frac = touched_fraction(T, cfg.n_expert, cfg.n_expert_used)
+                slopes.append(sm - sr + exp_bytes * frac / rates.read_bw(dev))
                 icpts.append(im - ir)
-            cfg = run.models[0].cfg
             ef = [2.0 * 3 * cfg.n_ff_exp * cfg.n_embd * cfg.n_expert_used * T for T in (T1, T2)]   # expert FLOPs
             if slopes[1] > slopes[0]:
                 g["moe_flops"] = (ef[1] - ef[0]) / (slopes[1] - slopes[0])
