@@ -372,7 +372,7 @@ def test_plan_suggest_prints_runnable_flags(capsys):
     flag_lines = [ln.strip() for ln in text.splitlines() if ln.startswith("  -ngl ")]
     assert heads and len(heads) == len(flag_lines)
     for (label, tg, pp), flags in zip(heads, flag_lines):
-        rc2, out2 = run_plan(model + shlex.split(flags), capsys)
+        rc2, out2 = run_plan(model + shlex.split(flags) + ["-p", "4096"], capsys)   # --suggest predicts pp4096
         assert rc2 == 0, out2.out[-400:]                      # fits
         m = re.search(r"^predicted \(roofline: no calibrated costs, rates from rig panchovix-7gpu\): TG ([\d.]+) t/s.*PP (\d+) t/s",
                       out2.out, re.M)
