@@ -63,9 +63,9 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     g.add_argument("--top", type=int, default=4, metavar="N", help="how many suggestions to print (default 4)")
     g.add_argument("--headroom", type=float, default=0.0, metavar="GIB",
                    help="GiB to keep free on every GPU beyond the estimate of compute buffers (default 0)")
-    g.add_argument("-p", "--n-prompt", type=_positive, default=None, metavar="N",
+    g.add_argument("-p", "--n-prompt", type=_positives, default=None, metavar="N[,N..]",
                    help="prompt tokens the PP prediction is for (pp N in ubatches of -ub; default 512, as bench; "
-                   "--suggest: 4096, where larger ubatches can pay)")
+                   "--suggest: 4096, where larger ubatches can pay); --check runs each of a comma list")
     g.add_argument("-n", "--n-gen", type=_positive, default=128, metavar="N",
                    help="generated tokens the TG prediction is for (tg N at depth 0; default 128, as bench)")
     g.add_argument("--check", action="store_true",
@@ -74,6 +74,10 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     g.add_argument("-r", "--repetitions", type=_positive, default=3, metavar="N",
                    help="--check: timed runs per test (default 3)")
     return parser
+
+
+def _positives(s: str) -> list[int]:
+    return [_positive(x) for x in s.split(",")]
 
 
 def _positive(s: str) -> int:
@@ -199,8 +203,8 @@ def main(args: argparse.Namespace) -> int:
     side over the available RAM ends with "does not fit in RAM" and what to do, but exits 0: mmap runs it, slowly."""
     cfg, tensors = load_records(args.model)
     opts = options_from_args(args)
-    if args.n_prompt is None:
-        args.n_prompt = 4096 if args.suggest else 512
+    args.n_prompts = args.n_prompt or [4096 if args.suggest else 512]
+    args.n_prompt = args.n_prompts[0]
     devices, rates, rig, source = _machine(args)
     if args.suggest:
         if args.check:

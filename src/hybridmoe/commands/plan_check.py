@@ -24,27 +24,26 @@ def _step_kind(model, which: str) -> str:
     return STEP_KINDS.get(type(step).__name__, "eager") if step is not None else "eager"
 
 
-def measure(model_path: str, opts, n_prompt: int, n_gen: int, reps: int) -> list[dict]:
-    """bench's tests on this placement: [{"test", "n_prompt", "n_gen", "samples_ns", "uploaded_bytes",
-    "step", "share"}]."""
+def measure(model_path: str, opts, n_prompts: list[int], n_gen: int, reps: int) -> list[dict]:
+    """bench's tests on this placement (pp of each n_prompts, then tg n_gen): [{"test", "n_prompt", "n_gen",
+    "samples_ns", "uploaded_bytes", "step", "share"}]."""
     import hybridmoe
 
-    from .bench import prepare_test, run_tests
+    from .bench import run_tests
     kw = dataclasses.asdict(opts)
-    kw["ctx_size"] = max(kw.get("ctx_size") or 0, n_prompt + n_gen + 1)
+    kw["ctx_size"] = max(kw.get("ctx_size") or 0, max(n_prompts) + n_gen + 1)
     model = hybridmoe.load(model_path, **kw)
     threads = torch.get_num_threads()
     config = {"b": opts.batch_size, "ub": opts.ubatch_size, "t": None, "op": None, "ooae": "auto", "fmoe": True}
     out = []
     try:
-        for i, (n_p, n_g) in enumerate(t for t in ((n_prompt, 0), (0, n_gen)) if sum(t)):
+        for i, (n_p, n_g) in enumerate([(n, 0) for n in n_prompts] + ([(0, n_gen)] if n_gen else [])):
             (samples, up), = run_tests(model, [config], n_p, n_g, 0, reps, 1234 + i, threads, lambda: None, False)
             which = "prompt" if n_p else "decode"
             g, k = model.decode_share()
             out.append({"test": f"pp{n_p}" if n_p else f"tg{n_g}", "n_prompt": n_p, "n_gen": n_g,
                         "samples_ns": samples, "uploaded_bytes": up, "step": _step_kind(model, which),
                         "share": [g, k] if not n_p else None})
-        del prepare_test
     finally:
         del model
         import gc
@@ -54,10 +53,12 @@ def measure(model_path: str, opts, n_prompt: int, n_gen: int, reps: int) -> list
     return out
 
 
-def compare(pred, runs: list[dict]) -> list[dict]:
-    """One record per test: predicted and measured t/s and seconds, their ratio, the prediction's terms."""
+def compare(preds: dict, runs: list[dict]) -> list[dict]:
+    """One record per test: predicted and measured t/s and seconds, their ratio, the prediction's terms.
+    preds: n_prompt -> the prediction for pp{n_prompt} (and, any of them, tg)."""
     rows = []
     for r in runs:
+        pred = preds[r["n_prompt"]] if r["n_prompt"] else next(iter(preds.values()))
         n_tok = r["n_prompt"] + r["n_gen"]
         ts = [n_tok * 1e9 / s for s in r["samples_ns"]]
         meas = statistics.fmean(ts)
@@ -131,9 +132,10 @@ def run_check(args, placement, rates, source: str, predict_fn) -> int:
     if rates is None:
         raise HybridMoeError("--check compares with this machine's calibration: run `hybridmoe calibrate` first")
     placement.check_fits()
-    pred = predict_fn(placement, rates, n_prompt=args.n_prompt, n_gen=args.n_gen)
-    runs = measure(args.model, placement.opts, args.n_prompt, args.n_gen, max(args.repetitions, 1))
-    rows = compare(pred, runs)
+    preds = {n: predict_fn(placement, rates, n_prompt=n, n_gen=args.n_gen) for n in args.n_prompts}
+    pred = preds[args.n_prompts[0]]
+    runs = measure(args.model, placement.opts, args.n_prompts, args.n_gen, max(args.repetitions, 1))
+    rows = compare(preds, runs)
     flags = opts_flags(placement.opts)
     if args.json:
         print(json.dumps({"model": args.model, "flags": flags, "rates": source, "calibrated": pred.calibrated,
