@@ -196,6 +196,7 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
     T1, T2 = (64, 256) if quick else (512, 2048)
     layers = (1, 3) if quick else (2, 8)
     costs: dict = {"cpu": {}}
+    measured: dict = {}                          # what was timed, seconds per model (kept for checking the fit)
     say("CPU expert kernel: call cost and streaming rate")
     costs["cpu"].update(kernel_costs(quick))
     say("calibration models")
@@ -206,11 +207,11 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
     try:
         c = costs["cpu"]
         c.update(decode_layer_s=0.0, decode_token_s=0.0)
-        meas = tuple(_time_tg(m, n_tg, reps) for m in run.models)
+        meas = measured["cpu_decode_s"] = tuple(_time_tg(m, n_tg, reps) for m in run.models)
         mod = tuple(1 / p.tg for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
         c["decode_layer_s"], c["decode_token_s"] = _fit(meas, mod, layers)
         c.update(prompt_layer_s=0.0, prompt_scale=1.0, prompt_ubatch_s=0.0)
-        meas = tuple(_time_pp(m, T1, reps) for m in run.models)
+        meas = measured["cpu_prompt_s"] = tuple(_time_pp(m, T1, reps) for m in run.models)
         mod = tuple(T1 / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
         sm, _ = fit_line(layers[0], meas[0], layers[1], meas[1])
         sr, _ = fit_line(layers[0], mod[0], layers[1], mod[1])
@@ -239,7 +240,7 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
                 g.update({lk: 0.0, tk: 0.0})
                 for m in run.models:
                     _eager(m, eager)
-                meas = tuple(_time_tg(m, n_tg, reps) for m in run.models)
+                meas = measured[f"{dev}_{lk}"] = tuple(_time_tg(m, n_tg, reps) for m in run.models)
                 mod = tuple(1 / p.tg for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
                 g[lk], g[tk] = _fit(meas, mod, layers)
             # the captured prompt step at two ubatch sizes: a per-layer floor and the MoE kernels' FLOP rate
@@ -251,7 +252,7 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
             exp_bytes = sum(t.nbytes for n, t in run.models[0].file.tensors.items() if n.startswith("blk.0.")
                             and "_exps." in n)
             for T in (T1, T2):
-                meas = tuple(_time_pp(m, T, reps) for m in run.models)
+                meas = measured[f"{dev}_prompt_{T}_s"] = tuple(_time_pp(m, T, reps) for m in run.models)
                 mod = tuple(T / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T, ubatch=T))
                 sm, im = fit_line(layers[0], meas[0], layers[1], meas[1])
                 sr, ir = fit_line(layers[0], mod[0], layers[1], mod[1])
@@ -271,7 +272,7 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
             for m in run.models:
                 _eager(m, True)
             g.update(eager_prompt_layer_s=0.0, eager_ubatch_s=0.0)
-            meas = tuple(_time_pp(m, T1, reps) for m in run.models)
+            meas = measured[f"{dev}_eager_prompt_s"] = tuple(_time_pp(m, T1, reps) for m in run.models)
             mod = tuple(T1 / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
             g["eager_prompt_layer_s"], g["eager_ubatch_s"] = _fit(meas, mod, layers)
         finally:
@@ -283,7 +284,7 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
         os.environ["HYBRIDMOE_DECODE_SHARE"] = "0"          # the hand-off alone; the share is modelled apart
         try:
             g["handoff_s"] = 0.0
-            meas = tuple(_time_tg(m, n_tg, reps) for m in run.models)
+            meas = measured[f"{dev}_handoff_decode_s"] = tuple(_time_tg(m, n_tg, reps) for m in run.models)
             mod = tuple(1 / p.tg for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
             g["handoff_s"] = _fit(meas, mod, layers)[0]
             # uploads, every expert a layer ahead (forced, so the measurement does not depend on the policy)
@@ -292,7 +293,7 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
             g.update(upload_overlap=0.0, upload_layer_s=0.0)
             preds = run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1)
             if all(len(p.uploaded_layers) == n for p, n in zip(preds, layers)):
-                meas = tuple(_time_pp(m, T1, reps) for m in run.models)
+                meas = measured[f"{dev}_upload_prompt_s"] = tuple(_time_pp(m, T1, reps) for m in run.models)
                 serial = tuple(T1 / p.pp for p in preds)
                 g["upload_overlap"] = 1.0
                 hidden = tuple(T1 / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
@@ -310,5 +311,6 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
             else:
                 os.environ["HYBRIDMOE_DECODE_SHARE"] = old
             run.close()
-    costs["_calibration"] = {"layers": list(layers), "ubatches": [T1, T2], "decode_steps": n_tg, "quick": quick}
+    costs["_calibration"] = {"layers": list(layers), "ubatches": [T1, T2], "decode_steps": n_tg, "quick": quick,
+                             "models": paths, "measured": {k: list(v) for k, v in measured.items()}}
     return costs
