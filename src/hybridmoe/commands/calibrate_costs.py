@@ -142,12 +142,12 @@ def _time_tg(model, n: int, reps: int) -> float:
     return _median_time(lambda: once(n), reps) / n
 
 
-def _time_pp(model, T: int, reps: int) -> float:
-    """Seconds of one ubatch of T tokens at position 0."""
+def _time_pp(model, T: int, reps: int, depth: int = 0) -> float:
+    """Seconds of one ubatch of T tokens at position `depth` (the cache filled before, untimed)."""
     from .bench import prepare_test
     model.options.ubatch_size = T
     model.options.batch_size = max(model.options.batch_size, T)
-    once = prepare_test(model, T, 0, 0, 11)
+    once = prepare_test(model, T, 0, depth, 11)
     once(0)                                     # a second untimed run: a full ubatch is captured at its second
     return _median_time(lambda: once(0), reps)
 
@@ -188,12 +188,42 @@ class _Run:
         return [predict(m.placement, _with(rates, costs), graphs=m.runtime.graphs, **kw) for m in self.models]
 
 
+def _attn_flops(cfg, T: int, depth: int) -> float:
+    """Attention score FLOPs of one layer for a ubatch of T tokens after `depth` cached ones (as predict counts)."""
+    return 4.0 * cfg.n_head * cfg.head_dim * (T * depth + T * (T + 1) / 2)
+
+
+class _Fitter:
+    """Times the runtime on the calibration models and fits costs against predict() on the same placement."""
+
+    def __init__(self, run, rates, costs, reps, n_tg, measured):
+        self.run, self.rates, self.costs, self.reps, self.n_tg, self.measured = run, rates, costs, reps, n_tg, measured
+        self.layers = run.layers
+
+    def tg(self, label: str) -> tuple[tuple, tuple]:
+        """(measured, modelled) seconds per decode step of each model."""
+        meas = self.measured[label] = tuple(_time_tg(m, self.n_tg, self.reps) for m in self.run.models)
+        mod = tuple(1 / p.tg for p in self.run.predict(self.rates, self.costs, n_gen=self.n_tg))
+        return meas, mod
+
+    def pp(self, label: str, T: int, depth: int = 0) -> tuple[float, float, float, float]:
+        """(measured per-layer, modelled per-layer, measured intercept, modelled intercept) seconds of a ubatch."""
+        meas = self.measured[f"{label}_{T}_d{depth}"] = tuple(_time_pp(m, T, self.reps, depth)
+                                                              for m in self.run.models)
+        mod = tuple(T / p.pp for p in self.run.predict(self.rates, self.costs, n_gen=self.n_tg, n_prompt=T,
+                                                        ubatch=T, n_depth=depth))
+        (l1, l2) = self.layers
+        sm, im = fit_line(l1, meas[0], l2, meas[1])
+        sr, ir = fit_line(l1, mod[0], l2, mod[1])
+        return sm, sr, im, ir
+
+
 def measure_costs(rates, quick: bool = False, progress=None) -> dict:
     """The costs dict (perf/costs.py) for this machine; `rates` are its calibrated rates."""
     say = progress or (lambda msg: None)
-    reps = 2 if quick else 3
+    reps = 1 if quick else 3
     n_tg = 8 if quick else 32
-    T1, T2 = (64, 256) if quick else (512, 2048)
+    T1, T2, D = (64, 256, 128) if quick else (512, 2048, 2048)
     layers = (1, 3) if quick else (2, 8)
     costs: dict = {"cpu": {}}
     measured: dict = {}                          # what was timed, seconds per model (kept for checking the fit)
@@ -205,19 +235,22 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
     say("all on the CPU (-ngl 0)")
     run = _Run(paths, layers, n_gpu_layers=0)
     try:
+        f = _Fitter(run, rates, costs, reps, n_tg, measured)
+        cfg = run.models[0].cfg
         c = costs["cpu"]
         c.update(decode_layer_s=0.0, decode_token_s=0.0)
-        meas = measured["cpu_decode_s"] = tuple(_time_tg(m, n_tg, reps) for m in run.models)
-        mod = tuple(1 / p.tg for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
-        c["decode_layer_s"], c["decode_token_s"] = _fit(meas, mod, layers)
-        c.update(prompt_layer_s=0.0, prompt_scale=1.0, prompt_ubatch_s=0.0)
-        meas = measured["cpu_prompt_s"] = tuple(_time_pp(m, T1, reps) for m in run.models)
-        mod = tuple(T1 / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
-        sm, _ = fit_line(layers[0], meas[0], layers[1], meas[1])
-        sr, _ = fit_line(layers[0], mod[0], layers[1], mod[1])
-        c["prompt_layer_s"], c["prompt_scale"] = floor_or_scale(sm, sr)
-        mod = tuple(T1 / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
-        c["prompt_ubatch_s"] = _fit(meas, mod, layers)[1]
+        c["decode_layer_s"], c["decode_token_s"] = _fit(*f.tg("cpu_decode_s"), layers)
+        # a ubatch at depth 0 and one after D cached tokens: the per-layer floor (or a factor on the modelled
+        # compute, where the step beats it) and the attention's rate, with attention left out of the model
+        c.update(prompt_layer_s=0.0, prompt_scale=1.0, prompt_ubatch_s=0.0, attn_flops=math.inf)
+        s0, r0, i0, j0 = f.pp("cpu_prompt_s", T1)
+        sD, rD, _, _ = f.pp("cpu_prompt_s", T1, D)
+        a0, aD = _attn_flops(cfg, T1, 0), _attn_flops(cfg, T1, D)
+        extra = (sD - rD) - (s0 - r0)
+        c["attn_flops"] = (aD - a0) / extra if extra > 0 else rates.cpu_bf16_flops
+        c["attn_flops"] = max(c["attn_flops"], 2 * a0 / s0)   # noise: at depth 0 attention is under half a layer
+        c["prompt_layer_s"], c["prompt_scale"] = floor_or_scale(s0 - a0 / c["attn_flops"], r0)
+        c["prompt_ubatch_s"] = max(i0 - j0 * c["prompt_scale"], 0.0)
     finally:
         run.close()
 
@@ -235,46 +268,53 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
         say(f"{dev}: every weight on the GPU (-ngl 99)")
         run = _Run(paths, layers, n_gpu_layers=99, split_mode="none", main_gpu=i)
         try:
+            f = _Fitter(run, rates, costs, reps, n_tg, measured)
+            cfg = run.models[0].cfg
+            exp_bytes = sum(t.nbytes for n, t in run.models[0].file.tensors.items()
+                            if n.startswith("blk.0.") and "_exps." in n)
             for eager in (False, True):
                 lk, tk = ("eager_decode_layer_s", "eager_token_s") if eager else ("decode_layer_s", "decode_token_s")
                 g.update({lk: 0.0, tk: 0.0})
                 for m in run.models:
                     _eager(m, eager)
-                meas = measured[f"{dev}_{lk}"] = tuple(_time_tg(m, n_tg, reps) for m in run.models)
-                mod = tuple(1 / p.tg for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
-                g[lk], g[tk] = _fit(meas, mod, layers)
-            # the captured prompt step at two ubatch sizes: a per-layer floor and the MoE kernels' FLOP rate
+                g[lk], g[tk] = _fit(*f.tg(f"{dev}_{lk}"), layers)
+            # the captured prompt step at two ubatch sizes and at depth: a per-layer floor, the MoE kernels' and
+            # the attention's FLOP rates (three equations: residual = floor + expert FLOPs / moe_flops + attention
+            # FLOPs / attn_flops); the modelled experts at moe_flops = inf are their bytes, taken out again
             for m in run.models:
                 _eager(m, False)
-            g.update(prompt_layer_s=0.0, prompt_ubatch_s=0.0, moe_flops=math.inf)
-            slopes, icpts = [], []
-            cfg = run.models[0].cfg
-            exp_bytes = sum(t.nbytes for n, t in run.models[0].file.tensors.items() if n.startswith("blk.0.")
-                            and "_exps." in n)
-            for T in (T1, T2):
-                meas = measured[f"{dev}_prompt_{T}_s"] = tuple(_time_pp(m, T, reps) for m in run.models)
-                mod = tuple(T / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T, ubatch=T))
-                sm, im = fit_line(layers[0], meas[0], layers[1], meas[1])
-                sr, ir = fit_line(layers[0], mod[0], layers[1], mod[1])
-                # with moe_flops infinite the modelled experts are their bytes at gpu_bw: taken out again, so
-                # the residual is floor + FLOPs / moe_flops
+            g.update(prompt_layer_s=0.0, prompt_ubatch_s=0.0, moe_flops=math.inf, attn_flops=math.inf)
+
+            def residual(T, depth, label):
+                sm, sr, im, ir = f.pp(label, T, depth)
                 frac = touched_fraction(T, cfg.n_expert, cfg.n_expert_used)
-                slopes.append(sm - sr + exp_bytes * frac / rates.read_bw(dev))
-                icpts.append(im - ir)
+                return sm - sr + exp_bytes * frac / rates.read_bw(dev), im - ir
+            r1, c1 = residual(T1, 0, f"{dev}_prompt_s")
+            r2, c2 = residual(T2, 0, f"{dev}_prompt_s")
+            r3, _ = residual(T1, D, f"{dev}_prompt_s")
             ef = [2.0 * 3 * cfg.n_ff_exp * cfg.n_embd * cfg.n_expert_used * T for T in (T1, T2)]   # expert FLOPs
-            if slopes[1] > slopes[0]:
-                g["moe_flops"] = (ef[1] - ef[0]) / (slopes[1] - slopes[0])
-            else:
-                g["moe_flops"] = rates.flops(dev)
-            g["prompt_layer_s"] = max(slopes[0] - ef[0] / g["moe_flops"], 0.0)
-            g["prompt_ubatch_s"] = max(statistics.fmean(icpts), 0.0)
-            # the eager prompt path (placements no captured step covers)
+            at = [_attn_flops(cfg, T1, 0), _attn_flops(cfg, T2, 0), _attn_flops(cfg, T1, D)]
+            inv_a = (r3 - r1) / (at[2] - at[0])
+            if inv_a <= 0:
+                inv_a = 1 / rates.flops(dev)
+            inv_a = min(inv_a, 0.5 * r1 / at[0])             # noise: at depth 0 attention is under half a layer
+            inv_m = (r2 - r1 - (at[1] - at[0]) * inv_a) / (ef[1] - ef[0])
+            if inv_m <= 0:
+                inv_m = 1 / rates.flops(dev)
+            g["attn_flops"], g["moe_flops"] = 1 / inv_a, 1 / inv_m
+            g["prompt_layer_s"] = max(r1 - ef[0] * inv_m - at[0] * inv_a, 0.0)
+            g["prompt_ubatch_s"] = max((c1 + c2) / 2, 0.0)
+            # the eager prompt path (placements no captured step covers): its floors and its attention's rate
             for m in run.models:
                 _eager(m, True)
-            g.update(eager_prompt_layer_s=0.0, eager_ubatch_s=0.0)
-            meas = measured[f"{dev}_eager_prompt_s"] = tuple(_time_pp(m, T1, reps) for m in run.models)
-            mod = tuple(T1 / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
-            g["eager_prompt_layer_s"], g["eager_ubatch_s"] = _fit(meas, mod, layers)
+            g.update(eager_prompt_layer_s=0.0, eager_ubatch_s=0.0, eager_attn_flops=math.inf)
+            s0, r0, i0, j0 = f.pp(f"{dev}_eager_prompt_s", T1)
+            sD, rD, _, _ = f.pp(f"{dev}_eager_prompt_s", T1, D)
+            extra = (sD - rD) - (s0 - r0)
+            g["eager_attn_flops"] = (at[2] - at[0]) / extra if extra > 0 else rates.flops(dev)
+            g["eager_attn_flops"] = max(g["eager_attn_flops"], 2 * at[0] / max(s0 - r0, 1e-9))
+            g["eager_prompt_layer_s"] = max(s0 - r0 - at[0] / g["eager_attn_flops"], 0.0)
+            g["eager_ubatch_s"] = max(i0 - j0, 0.0)
         finally:
             run.close()
 
@@ -283,23 +323,19 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
         old = os.environ.get("HYBRIDMOE_DECODE_SHARE")
         os.environ["HYBRIDMOE_DECODE_SHARE"] = "0"          # the hand-off alone; the share is modelled apart
         try:
+            f = _Fitter(run, rates, costs, reps, n_tg, measured)
             g["handoff_s"] = 0.0
-            meas = measured[f"{dev}_handoff_decode_s"] = tuple(_time_tg(m, n_tg, reps) for m in run.models)
-            mod = tuple(1 / p.tg for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
-            g["handoff_s"] = _fit(meas, mod, layers)[0]
+            g["handoff_s"] = _fit(*f.tg(f"{dev}_handoff_decode_s"), layers)[0]
             # uploads, every expert a layer ahead (forced, so the measurement does not depend on the policy)
             for m in run.models:
                 m.set_policy("moe_up_gate,1,mul_mat_id,1", False, True)
             g.update(upload_overlap=0.0, upload_layer_s=0.0)
             preds = run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1)
             if all(len(p.uploaded_layers) == n for p, n in zip(preds, layers)):
-                meas = measured[f"{dev}_upload_prompt_s"] = tuple(_time_pp(m, T1, reps) for m in run.models)
-                serial = tuple(T1 / p.pp for p in preds)
+                sm, s0, _, _ = f.pp(f"{dev}_upload_prompt_s", T1)           # modelled: nothing hidden
                 g["upload_overlap"] = 1.0
-                hidden = tuple(T1 / p.pp for p in run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1))
-                sm, _ = fit_line(layers[0], meas[0], layers[1], meas[1])
-                s0, _ = fit_line(layers[0], serial[0], layers[1], serial[1])
-                s1, _ = fit_line(layers[0], hidden[0], layers[1], hidden[1])
+                hid = run.predict(rates, costs, n_prompt=T1, ubatch=T1)        # modelled: all of it hidden
+                s1 = fit_line(layers[0], T1 / hid[0].pp, layers[1], T1 / hid[1].pp)[0]
                 ov = (s0 - sm) / (s0 - s1) if s0 > s1 else 1.0
                 g["upload_overlap"] = min(max(ov, 0.0), 1.0)
                 g["upload_layer_s"] = max(sm - (s0 - g["upload_overlap"] * (s0 - s1)), 0.0)
@@ -311,6 +347,6 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
             else:
                 os.environ["HYBRIDMOE_DECODE_SHARE"] = old
             run.close()
-    costs["_calibration"] = {"layers": list(layers), "ubatches": [T1, T2], "decode_steps": n_tg, "quick": quick,
-                             "models": paths, "measured": {k: list(v) for k, v in measured.items()}}
+    costs["_calibration"] = {"layers": list(layers), "ubatches": [T1, T2], "depth": D, "decode_steps": n_tg,
+                             "quick": quick, "models": paths, "measured": {k: list(v) for k, v in measured.items()}}
     return costs

@@ -17,6 +17,7 @@ Keys (seconds unless named otherwise):
        prompt_layer_s     the all-CPU prompt step (hm_prompt_step), per layer and ubatch beyond its FLOPs
        prompt_scale       factor on that step's FLOP time where it ran faster than the calibrated rates
        prompt_ubatch_s    per ubatch
+       attn_flops         FLOP/s of its attention over cached keys (fitted from a ubatch at depth 0 and deeper)
   GPU  decode_layer_s     a layer of the captured decode step (graph replay), beyond its bytes at gpu_bw
        decode_token_s     per decode step: the graph launches, Python, the head beyond its bytes
        eager_decode_layer_s, eager_token_s      the same for the eager decoder (placements no graph covers)
@@ -25,6 +26,8 @@ Keys (seconds unless named otherwise):
        prompt_layer_s     a layer of the captured prompt step, beyond its FLOPs
        moe_flops          FLOP/s the GPU's grouped MoE kernels reach on a prompt (fitted at two ubatch sizes)
        prompt_ubatch_s    per captured ubatch
+       attn_flops         FLOP/s of the captured step's attention (fitted as the CPU's)
+       eager_attn_flops   FLOP/s of the eager path's attention
        eager_prompt_layer_s, eager_ubatch_s     a layer / a ubatch of the eager prompt path (Python, launches)
        upload_overlap     share (0..1) of the smaller of a layer's upload and its compute hidden by the other
                           when uploads run a layer ahead (prefetch), as measured
@@ -36,11 +39,11 @@ overlap full and the streaming rate the RAM's read rate: the model degrades to t
 from __future__ import annotations
 
 CPU_KEYS = ("call_s", "stream_bw", "decode_layer_s", "decode_token_s", "prompt_layer_s", "prompt_scale",
-            "prompt_ubatch_s")
+            "prompt_ubatch_s", "attn_flops")
 GPU_KEYS = ("decode_layer_s", "decode_token_s", "eager_decode_layer_s", "eager_token_s", "handoff_s",
-            "prompt_layer_s", "moe_flops", "prompt_ubatch_s", "eager_prompt_layer_s", "eager_ubatch_s",
-            "upload_overlap", "upload_layer_s")
-RATE_KEYS = ("stream_bw", "moe_flops")        # bytes/s or FLOP/s; the others are seconds or factors
+            "prompt_layer_s", "moe_flops", "prompt_ubatch_s", "attn_flops", "eager_prompt_layer_s", "eager_ubatch_s",
+            "eager_attn_flops", "upload_overlap", "upload_layer_s")
+RATE_KEYS = ("stream_bw", "moe_flops", "attn_flops", "eager_attn_flops")   # bytes/s or FLOP/s; others: s or factors
 
 
 class Costs:
@@ -61,6 +64,8 @@ class Costs:
             return float(v)
         if key == "stream_bw":
             return self.rates.ram_read_bw
+        if key == "attn_flops":
+            return self.rates.cpu_bf16_flops
         return 1.0 if key == "prompt_scale" else 0.0
 
     def _gpu_entry(self, dev: str) -> dict:
@@ -76,7 +81,7 @@ class Costs:
         v = self._gpu_entry(dev).get(key)
         if v is not None:
             return float(v)
-        if key == "moe_flops":
+        if key in ("moe_flops", "attn_flops", "eager_attn_flops"):
             return self.rates.flops(dev)
         if key == "handoff_s":
             return self.rates.sync(dev)

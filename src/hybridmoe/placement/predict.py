@@ -332,13 +332,20 @@ def _flops(L: _Layer, cfg, T: int, p0: int) -> tuple[dict, float, float]:
     return dense, attn, exp
 
 
-def _gpu_compute(c: Costs, rates, dev: str, dense_flops: float, dense_bytes: float, attn: float) -> float:
-    return max(dense_flops / rates.flops(dev), dense_bytes / rates.read_bw(dev)) + attn / rates.flops(dev)
+def _gpu_compute(rates, dev: str, dense_flops: float, dense_bytes: float) -> float:
+    return max(dense_flops / rates.flops(dev), dense_bytes / rates.read_bw(dev))
 
 
 def _cpu_compute(c: Costs, rates, T: int, flops: float, exp_flops: float, nbytes: float) -> float:
     work = flops / rates.cpu_bf16_flops + (exp_flops / rates.cpu_expert_flops(T) if exp_flops else 0.0)
     return max(c.cpu("prompt_scale") * work, nbytes / c.cpu("stream_bw"))
+
+
+def _attention(c: Costs, dev: str, flops: float, kind: str) -> tuple[str, float]:
+    """(term, seconds) of a ubatch's attention scores at the rate calibrated for the step that runs them."""
+    if dev == "CPU":
+        return "CPU attention", flops / c.cpu("attn_flops")
+    return "GPU attention", flops / c.gpu(dev, "attn_flops" if kind == "graph" else "eager_attn_flops")
 
 
 def _upload_plan(p: Placement, L: _Layer, rates, T: int, x_dev: str, prefetched: bool):
@@ -397,8 +404,9 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             frac = touched_fraction(T, cfg.n_expert, cfg.n_expert_used) if cfg.n_expert else 1.0
             if kind == "cpu":
                 t.add("CPU layer floors", c.cpu("prompt_layer_s"))
-                t.add("CPU compute", _cpu_compute(c, rates, T, sum(dense.values()) + attn, exp,
+                t.add("CPU compute", _cpu_compute(c, rates, T, sum(dense.values()), exp,
                                                   sum(L.dense.values()) + L.exp_bytes * frac + kv_bytes))
+                t.add(*_attention(c, "CPU", attn, kind))
                 continue
             A = L.attn
             if kind == "graph":
@@ -407,12 +415,22 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
                 t.add("layer floors (eager)", c.gpu(A, "eager_prompt_layer_s"))
             else:
                 t.add("CPU layer floors", c.cpu("prompt_layer_s"))
+            t.add(*_attention(c, A, attn, kind))
             for d, fl in dense.items():
                 nb = L.dense.get(d, 0) + (kv_bytes if d == L.kv else 0)
-                if d == "CPU":
-                    t.add("CPU compute", _cpu_compute(c, rates, T, fl + (attn if d == A else 0), 0.0, nb))
+                if d != "CPU":
+                    t.add("GPU compute", _gpu_compute(rates, d, fl, nb))
+                    continue
+                # host matrices (a layer -ngl left on the CPU): the scheduler uploads them for a batch when the
+                # upload and the GPU's matmul beat the CPU (Scheduler.linear: one decision per matrix; here for
+                # the layer's matrices together)
+                gpu = _offload_gpu(p, A, T)
+                if gpu is not None and rates.offload_pays("mul_mat", T, L.dense[d], n_params=L.params[d], gpu=gpu):
+                    t.add("PCIe uploads", L.dense[d] / rates.h2d(gpu))
+                    t.add("GPU compute", _gpu_compute(rates, gpu, fl, L.dense[d]))
+                    moved += L.dense[d]
                 else:
-                    t.add("GPU compute", _gpu_compute(c, rates, d, fl, nb, attn if d == A else 0.0))
+                    t.add("CPU compute", _cpu_compute(c, rates, T, fl, 0.0, nb))
             if L.exps is None:
                 continue
             if L.exps not in ("CPU", "split"):
