@@ -91,7 +91,7 @@ def test_each_calibrated_cost_enters_its_term(qwen30, monkeypatch):
     cal = predict(p, _with_costs(rates, dict(call_s=10e-6, stream_bw=70e9), gpu), n_prompt=1024, n_gen=64)
     n, L, ubatches = 64, cfg.n_layer, 2
     tg = cal.tg_terms
-    assert tg["GPU layer floors"] == pytest.approx(n * L * 30e-6)
+    assert tg["GPU layer floors"] == pytest.approx(n * (L - 24) * 30e-6)     # CPU-expert layers: in the hand-off
     assert tg["step overhead"] == pytest.approx(n * 400e-6)
     assert tg["hand-offs"] == pytest.approx(n * 24 * 50e-6)
     assert tg["CPU kernel calls"] == pytest.approx(n * 24 * 10e-6)
@@ -229,3 +229,23 @@ def test_plan_rig_answers_discussion_532(capsys):
     rc, out = run_plan(["-m", "catalog:deepseek-r1:IQ4_KS_R4", "--rig", "desktop-24gb", "--suggest", "--top", "1"],
                        capsys)
     assert rc == 0 and "#1 best TG" in out.out and "paged from disk" in out.out      # 340 GiB in 89 GiB of RAM
+
+
+def test_rig_costs_enter_the_prediction(tmp_path, qwen30):
+    """A rig file with the costs `calibrate --json` prints predicts with them; malformed costs are a clear error."""
+    from hybridmoe.errors import HybridMoeError
+    with open(read_rig("h200-rig").path, encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["costs"] = {"cpu": {"call_s": 1e-5}, "CUDA0": {"handoff_s": 1e-4, "decode_layer_s": 5e-5}}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(doc))
+    rig = read_rig(str(path))
+    assert rig.rates.costs["CUDA0"]["handoff_s"] == 1e-4
+    cfg, tensors = qwen30
+    p = plan_placement(tensors, cfg, options_from_argv(["-ngl", "99", "-ot", "exps=CPU"]), rig.devices)
+    pred = predict(p, rig.rates, n_gen=16)
+    assert pred.calibrated and pred.tg_terms["hand-offs"] == pytest.approx(16 * cfg.n_layer * 1e-4)
+    doc["costs"] = {"cpu": 3}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(HybridMoeError, match="costs must map"):
+        read_rig(str(path))

@@ -21,8 +21,9 @@ Keys (seconds unless named otherwise):
   GPU  decode_layer_s     a layer of the captured decode step (graph replay), beyond its bytes at gpu_bw
        decode_token_s     per decode step: the graph launches, Python, the head beyond its bytes
        eager_decode_layer_s, eager_token_s      the same for the eager decoder (placements no graph covers)
-       handoff_s          one CPU-expert layer's hand-off in the captured step (GPU -> CPU kernel -> GPU),
-                          beyond the kernel's call_s and streaming time
+       handoff_s          one CPU-expert layer in the captured step beyond its bytes, the kernel's call_s and
+                          its streaming time: the GPU segment it ends (graph replay) and the hand-off (GPU ->
+                          CPU kernel -> GPU); such a layer pays this instead of decode_layer_s
        prompt_layer_s     a layer of the captured prompt step, beyond its FLOPs
        moe_flops          FLOP/s the GPU's grouped MoE kernels reach on a prompt (fitted at two ubatch sizes)
        prompt_ubatch_s    per captured ubatch

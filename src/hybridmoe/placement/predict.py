@@ -288,7 +288,10 @@ def decode_terms(p: Placement, layers: list[_Layer], rates, n_gen: int, n_depth:
     for L in layers:
         A = L.attn
         if kind == "graph":
-            t.add("GPU layer floors", c.gpu(A, "decode_layer_s"))
+            # a layer whose experts are in RAM ends a GPU segment: its floor is in the hand-off's cost (the
+            # segment's graph, the router's row to the CPU kernel and its result back), measured together
+            if L.exps != "CPU":
+                t.add("GPU layer floors", c.gpu(A, "decode_layer_s"))
             if prev is not None and prev != A:
                 t.add("crossings", _crossing_seconds(rates, prev, A, cfg.n_embd * 4))
             prev = A
@@ -305,7 +308,7 @@ def decode_terms(p: Placement, layers: list[_Layer], rates, n_gen: int, n_depth:
         if L.exps == "CPU":
             t.add("CPU kernel calls", c.cpu("call_s"))
             if kind == "graph":
-                t.add("hand-offs", c.gpu(A, "handoff_s") + (0.0 if polled else rates.sync(A)))
+                t.add("hand-offs", c.gpu(A, "handoff_s") + (0.0 if polled else rates.sync(A)))   # segment + hand-off
             if g:
                 cpu_s = (k - g) * e / (SHARE_CPU_EFFICIENCY * c.cpu("stream_bw"))
                 gpu_s = g * e / (SHARE_BUS_EFFICIENCY * rates.h2d(A)) + g * e / SHARE_GPU_KERNEL_BW
