@@ -249,3 +249,26 @@ def test_rig_costs_enter_the_prediction(tmp_path, qwen30):
     path.write_text(json.dumps(doc))
     with pytest.raises(HybridMoeError, match="costs must map"):
         read_rig(str(path))
+
+
+@pytest.mark.slow
+def test_gpu_cost_fits_run_on_fake_gpus(monkeypatch):
+    """The GPU half of the calibration on a fake GPU (CPU-backed: the placement logic and fits run, no GPU kernel,
+    so the values mean nothing): every GPU cost is fitted, finite and non-negative, the overlap a share, and the
+    upload fit runs where the rates say uploads pay."""
+    import math
+
+    from hybridmoe.commands.calibrate_costs import measure_costs
+    from hybridmoe.perf.costs import GPU_KEYS
+    from hybridmoe.perf.rates import Rates
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1")          # nothing is saved: the session's cache holds the models
+    rates = Rates(ram_read_bw=20e9, cpu_bf16_flops=0.3e12, threads=2, h2d_bw={"CUDA0": 20e9},
+                  gpu_bw={"CUDA0": 200e9}, gpu_bf16_flops={"CUDA0": 50e12}, sync_latency={"CUDA0": 2e-5},
+                  gpu_names={"CUDA0": "fake"})
+    costs = measure_costs(rates, quick=True, gpus=[0])
+    g = costs["CUDA0"]
+    assert set(g) == set(GPU_KEYS)
+    assert all(math.isfinite(v) and v >= 0 for v in g.values()) and 0 <= g["upload_overlap"] <= 1
+    assert g["moe_flops"] > 0 and g["attn_flops"] > 0 and g["eager_attn_flops"] > 0
+    measured = costs["_calibration"]["measured"]
+    assert {"cpu_decode_s", "CUDA0_decode_layer_s", "CUDA0_handoff_decode_s"} <= set(measured)

@@ -188,6 +188,18 @@ class _Run:
         return [predict(m.placement, _with(rates, costs), graphs=m.runtime.graphs, **kw) for m in self.models]
 
 
+def _gpu_models() -> list[int]:
+    """One CUDA GPU of each model: GPUs of one model share their costs (perf.costs.Costs)."""
+    out, seen = [], set()
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            name = torch.cuda.get_device_properties(i).name
+            if name not in seen:
+                seen.add(name)
+                out.append(i)
+    return out
+
+
 def _attn_flops(cfg, T: int, depth: int) -> float:
     """Attention score FLOPs of one layer for a ubatch of T tokens after `depth` cached ones (as predict counts)."""
     return 4.0 * cfg.n_head * cfg.head_dim * (T * depth + T * (T + 1) / 2)
@@ -218,8 +230,9 @@ class _Fitter:
         return sm, sr, im, ir
 
 
-def measure_costs(rates, quick: bool = False, progress=None) -> dict:
-    """The costs dict (perf/costs.py) for this machine; `rates` are its calibrated rates."""
+def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | None = None) -> dict:
+    """The costs dict (perf/costs.py) for this machine; `rates` are its calibrated rates. gpus: indices of the
+    GPUs to measure (default: one of each CUDA model present; tests pass fake GPUs to run the fitting)."""
     say = progress or (lambda msg: None)
     reps = 1 if quick else 3
     n_tg = 8 if quick else 32
@@ -254,14 +267,8 @@ def measure_costs(rates, quick: bool = False, progress=None) -> dict:
     finally:
         run.close()
 
-    gpus = []
-    if torch.cuda.is_available():
-        seen = set()
-        for i in range(torch.cuda.device_count()):
-            name = torch.cuda.get_device_properties(i).name
-            if name not in seen:                 # GPUs of one model share their costs (perf.costs.Costs)
-                seen.add(name)
-                gpus.append(i)
+    if gpus is None:
+        gpus = _gpu_models()
     for i in gpus:
         dev = f"CUDA{i}"
         g = costs[dev] = {}
