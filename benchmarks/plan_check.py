@@ -66,18 +66,21 @@ def table(rows: list[tuple[str, dict]]) -> list[str]:
     return out
 
 
-def section_table(model: str, placements, prompts: str, reps: int) -> None:
+def section_rows(model: str, placements, prompts: str, reps: int) -> list[tuple[str, dict]]:
     rows = []
     for label, argv in placements:
         r = 1 if argv[:2] == ["-ngl", "0"] else reps           # the CPU's pp4096 takes seconds a repetition
         for t in check(model, argv, prompts, r):
             rows.append((label, t))
         print(f"done: {label}", file=sys.stderr, flush=True)
-    print("\n".join(table(rows)), flush=True)
+    return rows
 
 
 def section_suggest(model: str, reps: int, vram_gib: float) -> None:
     import torch
+    if not torch.cuda.is_available():
+        print("suggest: skipped, no GPU (it benches suggestions for a simulated smaller one)")
+        return
     free, _ = torch.cuda.mem_get_info(0)
     headroom = max(free / 2**30 - vram_gib, 0.0)
     doc = hm(["plan", "-m", model, "--suggest", "--top", "3", "-p", "512", "-n", "128", "--headroom",
@@ -121,18 +124,20 @@ def main() -> int:
     if cal:
         print(f"calibration: {cal.get('host')} {cal.get('measured_at')}; costs: "
               f"{json.dumps({k: v for k, v in cal.get('costs', {}).items() if not k.startswith('_')})}\n")
+    rows = []
     for s in sections:
-        print(f"\n## {s}\n", flush=True)
         if s == "one":
             extra = ["-sm", "none"] if n_gpu > 1 else []
-            section_table(args.model, [(label, argv + extra) for label, argv in ONE], "512,4096", args.repetitions)
+            rows += section_rows(args.model, [(label, argv + extra) for label, argv in ONE], "512,4096",
+                                 args.repetitions)
+        elif s == "two" and n_gpu < 2:
+            print("two: skipped, fewer than two GPUs")
         elif s == "two":
-            if n_gpu < 2:
-                print("skipped: fewer than two GPUs")
-                continue
-            section_table(args.model, TWO, "512", args.repetitions)
-        elif s == "suggest":
-            section_suggest(args.model, args.repetitions, args.vram_gib)
+            rows += section_rows(args.model, TWO, "512", args.repetitions)
+    if rows:                                                   # one table for the placements
+        print("\n".join(table(rows)), flush=True)
+    if "suggest" in sections:
+        section_suggest(args.model, args.repetitions, args.vram_gib)
     return 0
 
 
