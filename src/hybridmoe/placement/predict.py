@@ -353,7 +353,8 @@ def _attention(c: Costs, dev: str, flops: float, kind: str) -> tuple[str, float]
 
 def _upload_plan(p: Placement, L: _Layer, rates, T: int, x_dev: str, prefetched: bool):
     """Mirror of Scheduler.moe for a CPU-expert layer in a ubatch of T tokens: (GPU it runs on or None, bytes
-    uploaded, whether the upload ran a layer ahead (overlapped), whether only the routed experts moved)."""
+    uploaded, whether the upload ran a layer ahead (overlapped), whether the routing is concentrated (at most
+    half the experts: only those move unless the layer was prefetched, and the next layer is not prefetched))."""
     E, k = p.cfg.n_expert, p.cfg.n_expert_used
     run = _offload_gpu(p, x_dev, T)
     if run is None:
@@ -363,8 +364,8 @@ def _upload_plan(p: Placement, L: _Layer, rates, T: int, x_dev: str, prefetched:
     if not rates.offload_pays("moe_up_gate", T, L.exp_bytes, E, k, gpu=run, n_params=L.exp_params,
                               n_active=n_active, prefetched=prefetched):
         return None, 0, False, False
-    if prefetched:
-        return run, L.exp_bytes, True, False
+    if prefetched:                             # sent whole a layer ahead; a concentrated routing still stops
+        return run, L.exp_bytes, True, few     # the next layer's prefetch
     return run, L.exp_bytes * (n_active / E if few else 1.0), False, few
 
 
@@ -387,6 +388,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
     t = _Terms()
     uploaded: set[int] = set()
     few_any, moved = False, 0.0
+    first_moe = min((L.il for L in layers if L.exps is not None), default=-1)
     gpus = [d.name for d in p.gpus]
     main = gpus[p.opts.main_gpu] if gpus and p.opts.main_gpu < len(gpus) else (gpus[0] if gpus else "CPU")
     done = 0
@@ -399,7 +401,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             t.add("ubatch overhead", c.gpu(main, "prompt_ubatch_s"))
         else:
             t.add("ubatch overhead (eager)", c.gpu(main, "eager_ubatch_s") if gpus else c.cpu("prompt_ubatch_s"))
-        prefetch, first, prev_il = False, True, -2
+        prefetch, prev_il = False, -2
         ups: dict[int, str] = {}
         for L in layers:
             dense, attn, exp = _flops(L, cfg, T, p0)
@@ -444,9 +446,8 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
                 continue
             if prev_il != L.il - 1:
                 prefetch = False                     # the scheduler prefetches only the next layer
-            if first:                                # begin_forward: the first layer's upload is decided
-                first = False                        # without its routing, and starts before attention
-                gpu0 = _offload_gpu(p, A, T)
+            if L.il == first_moe:                    # begin_forward: the first MoE layer's upload is decided
+                gpu0 = _offload_gpu(p, A, T)         # without its routing, and starts before attention
                 prefetch = gpu0 is not None and rates.offload_pays(
                     "moe_up_gate", T, L.exp_bytes, cfg.n_expert, cfg.n_expert_used, gpu=gpu0,
                     n_params=L.exp_params)
@@ -459,7 +460,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
                 continue
             ups[L.il] = run
             uploaded.add(L.il)
-            few_any |= few
+            few_any |= few and not pre
             moved += up
             u = up / rates.h2d(run)
             comp = exp / c.gpu(run, "moe_flops")
