@@ -292,7 +292,7 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
                 _eager(m, False)
             g.update(prompt_layer_s=0.0, prompt_ubatch_s=0.0, moe_flops=math.inf, attn_flops=math.inf)
 
-            def residual(T, depth, label):
+            def residual(T, depth, label, f=f, cfg=cfg, exp_bytes=exp_bytes, dev=dev):
                 sm, sr, im, ir = f.pp(label, T, depth)
                 frac = touched_fraction(T, cfg.n_expert, cfg.n_expert_used)
                 return sm - sr + exp_bytes * frac / rates.read_bw(dev), im - ir

@@ -75,7 +75,7 @@ def compare(preds: dict, runs: list[dict]) -> list[dict]:
         if is_pp:
             row["uploaded_bytes"] = {"predicted": pred.uploaded_bytes, "measured": r["uploaded_bytes"]}
         else:
-            g, k = pred.share or (0, 0)
+            g = pred.share[0] if pred.share else 0
             row["decode_share"] = {"predicted": g, "measured": r["share"][0] if r["share"] else 0}
         rows.append(row)
     return rows
