@@ -272,3 +272,37 @@ def test_gpu_cost_fits_run_on_fake_gpus(monkeypatch):
     assert g["moe_flops"] > 0 and g["attn_flops"] > 0 and g["eager_attn_flops"] > 0
     measured = costs["_calibration"]["measured"]
     assert {"cpu_decode_s", "CUDA0_decode_layer_s", "CUDA0_handoff_decode_s"} <= set(measured)
+
+
+def test_calibration_fits_recover_known_costs(monkeypatch):
+    """The fitting algebra alone: with the runtime's timings replaced by predict() under known costs (fake GPU,
+    quick calibration models), measure_costs gives those costs back: per-layer and per-step floors, the MoE and
+    attention rates, the hand-off, the upload overlap."""
+    from hybridmoe.commands import calibrate_costs as cc
+    from hybridmoe.perf.rates import Rates
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1")
+    rates = Rates(ram_read_bw=20e9, cpu_bf16_flops=0.3e12, threads=2, h2d_bw={"CUDA0": 20e9},
+                  gpu_bw={"CUDA0": 200e9}, gpu_bf16_flops={"CUDA0": 50e12}, sync_latency={"CUDA0": 2e-5},
+                  gpu_names={"CUDA0": "fake"}, cpu_moe_flops={"32": 0.05e12, "512": 0.2e12})
+    true = {"cpu": {"call_s": 9e-6, "stream_bw": 15e9, "decode_layer_s": 40e-6, "decode_token_s": 300e-6,
+                    "prompt_layer_s": 2e-3, "prompt_scale": 1.0, "prompt_ubatch_s": 1e-3, "attn_flops": 0.1e12},
+            "CUDA0": {"decode_layer_s": 50e-6, "decode_token_s": 400e-6, "eager_decode_layer_s": 300e-6,
+                      "eager_token_s": 2e-3, "handoff_s": 70e-6, "prompt_layer_s": 60e-6, "moe_flops": 0.05e12,
+                      "prompt_ubatch_s": 1e-3, "attn_flops": 2e12, "eager_prompt_layer_s": 500e-6,
+                      "eager_ubatch_s": 3e-3, "eager_attn_flops": 1e12, "upload_overlap": 0.6,
+                      "upload_layer_s": 0.0}}
+    truth = dataclasses.replace(rates, costs=true)
+
+    def tg(model, n, reps):
+        return 1 / predict(model.placement, truth, n_gen=n, graphs=model.runtime.graphs).tg
+
+    def pp(model, T, reps, depth=0):
+        return T / predict(model.placement, truth, n_prompt=T, ubatch=T, n_depth=depth,
+                           graphs=model.runtime.graphs).pp
+    monkeypatch.setattr(cc, "_time_tg", tg)
+    monkeypatch.setattr(cc, "_time_pp", pp)
+    monkeypatch.setattr(cc, "kernel_costs", lambda quick: {"call_s": 9e-6, "stream_bw": 15e9})
+    got = cc.measure_costs(rates, quick=True, gpus=[0])
+    for dev in ("cpu", "CUDA0"):
+        for k, v in true[dev].items():
+            assert got[dev][k] == pytest.approx(v, rel=1e-6, abs=1e-12), (dev, k)
