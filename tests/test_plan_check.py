@@ -225,7 +225,8 @@ def test_plan_rig_answers_discussion_532(capsys):
     first = sugs[0]["predicted"]
     assert first["tg_limit"] == "CPU experts" and first["n_prompt"] == 4096
     _, tensors = catalog_model("deepseek-r1:IQ4_KS_R4")
-    assert {t.qtype.name for n, t in tensors.items() if "_exps." in n} == {"IQ4_KS_R4"}
+    exps = {n.split(".")[2]: t.qtype.name for n, t in tensors.items() if "_exps." in n}
+    assert exps == {"ffn_gate_exps": "IQ4_KS_R4", "ffn_up_exps": "IQ4_KS_R4", "ffn_down_exps": "IQ5_KS_R4"}
     rc, out = run_plan(["-m", "catalog:deepseek-r1:IQ4_KS_R4", "--rig", "desktop-24gb", "--suggest", "--top", "1"],
                        capsys)
     assert rc == 0 and "#1 best TG" in out.out and "paged from disk" in out.out      # 340 GiB in 89 GiB of RAM
