@@ -13,5 +13,13 @@ for s in "$@"; do
     fault) timeout 150 python3 -u benchmarks/fault_repro.py /tmp 2>&1 | tail -30 ;;
     runtime) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \
                -p no:cacheprovider --tb=short 2>&1 | tail -12 ;;
+    # issue 27: forward_batch on a real GPU (its GPU test prints max |logit diff| batched vs alone), then decode
+    # steps of B sequences at once on synth:tiny and on the 30B shape, all on the GPU and with experts on the CPU
+    batch) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q -s tests/test_batch.py -p no:cacheprovider \
+             --tb=short 2>&1 | grep -E "max \|logit|passed|failed|Error" ;
+           timeout 120 python3 -u benchmarks/batch_decode.py -m synth:tiny -ngl 99 --batch 1,4,16,64 2>&1 | tail -7 ;
+           timeout 500 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --steps 8 2>&1 | tail -10 ;
+           timeout 500 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU --steps 8 \
+             --batch 1,2,4,8,16 2>&1 | tail -8 ;;
   esac
 done
