@@ -26,6 +26,11 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def _put_all(items):
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class Slot:
     """One sequence's place: its KV cache (made at first use), the job it runs, when it was last used."""
 
@@ -67,6 +72,8 @@ class Batcher:
                  budget: int | None = None, on_finished=None):
         self.model, self.n_ctx, self.unified, self.similarity = model, n_ctx, unified, similarity
         self.slots = [Slot(i, n_ctx if unified else n_ctx // n_slots) for i in range(n_slots)]
+        if self.slots[0].n_ctx != model.options.ctx_size and getattr(model, "_free_cache", None) is not None:
+            model.take_cache()               # the model's own -c cache (the warm-up's) is not a slot's: let it go
         self.budget = budget or model.options.ubatch_size
         self.on_finished = on_finished or (lambda job: None)
         self.cond = threading.Condition()
@@ -79,6 +86,7 @@ class Batcher:
         self.counts = dict(decodes=0, busy_slots=0, batch_sequences=0, batch_tokens=0, expert_steps=0,
                            distinct_experts=0)
         self.last_batch: dict = {}
+        self.outbox: list = []               # (job, item) written this step, delivered in one event loop call
 
     @property
     def n_ctx_slot(self) -> int:
@@ -140,6 +148,7 @@ class Batcher:
                         self.slots[sid].n_tasks -= 1
             if self.order:
                 self._step()
+            self._deliver()
         # shutting down: every job ends (cancelled), queued tasks fail
         for job in list(self.order):
             self._end(job)
@@ -150,6 +159,23 @@ class Batcher:
             self._end(job)
         for _, _, fut in tasks:
             fut.cancel()
+        self._deliver()
+
+    def _deliver(self):
+        """What the jobs wrote since the last call, to their queues on their event loops: one wake-up of each
+        loop a step, not one a token."""
+        out = list(self.outbox)
+        self.outbox.clear()                           # the jobs hold this list
+        by_loop: dict = {}
+        for job, item in out:
+            by_loop.setdefault(job.loop, []).append((job.queue, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:                      # the event loop is gone (server shut down)
+                for job, _ in out:
+                    if job.loop is loop:
+                        job.cancel.set()
 
     def _pick(self, job):
         """The idle slot for this job, or None (call with the lock held)."""
@@ -185,7 +211,7 @@ class Batcher:
                     continue
                 break
             self.waiting.remove(job)
-            slot.job, job.slot = job, slot
+            slot.job, job.slot, job.outbox = job, slot, self.outbox
             slot.last_used = time.monotonic()
             used += job.reserved
             try:
@@ -255,7 +281,7 @@ class Batcher:
                 outs = batched([(torch.tensor(t, dtype=torch.long), j.pos, j.kv) for j, t in items], all_logits=False)
                 last = getattr(model.stats, "last_batch", None) or {}
                 self.last_batch = dict(last)
-                if "distinct_experts" in last:
+                if last.get("distinct_experts") is not None:        # None: a model without experts
                     self.counts["expert_steps"] += 1
                     self.counts["distinct_experts"] += last["distinct_experts"]
                 return [o[-1] for o in outs]

@@ -78,8 +78,12 @@ class Job:
         self.in_prompt = True
         self.todo: list[int] = []             # tokens to run next: the rest of the prompt, or the last sampled one
         self.pos = 0                          # where they go in the cache
+        self.outbox: list | None = None       # set by the batcher: (job, item) pairs it delivers after each step
 
     def _emit(self, item):
+        if self.outbox is not None:          # the batcher delivers a step's items together
+            self.outbox.append((self, item))
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:                 # the event loop is gone (server shut down)

@@ -70,8 +70,12 @@ class ResponseWriter:
                 if not done:
                     continue
                 item = get.result()
-                if item[0] in ("text", "reasoning", "logprobs"):
+                while item[0] in ("text", "reasoning", "logprobs"):
                     {"text": parts, "reasoning": thoughts, "logprobs": logprobs}[item[0]].append(item[1])
+                    if job.queue.empty():
+                        break
+                    item = job.queue.get_nowait()        # what came meanwhile, without a wait each
+                if item[0] in ("text", "reasoning", "logprobs"):
                     get = asyncio.ensure_future(job.queue.get())
                     continue
                 if item[0] == "error":               # a third item: the status (422: the model computed NaN/inf)
