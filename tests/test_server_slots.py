@@ -105,6 +105,25 @@ def test_concurrent_requests_are_batched_and_match_sequential(srv, client):
     assert any(any(p for p, _ in s) and not all(p for p, _ in s) for s in steps), "no prompt chunk shared a step"
 
 
+def test_logprobs_penalties_and_grammar_per_sequence_in_a_batch(srv, client):
+    """Each sequence of a batch keeps its own logprobs, penalties, logit bias and grammar: the same answers
+    as one at a time."""
+    kinds = [dict(logprobs=True, top_logprobs=3), dict(frequency_penalty=1.5, presence_penalty=0.5),
+             dict(logit_bias={"5": -100, "7": 50}), dict(extra_body={"grammar": 'root ::= [a-z ]{4,20} "."'}),
+             dict(extra_body={"repeat_penalty": 1.3, "repeat_last_n": 8})]
+
+    def one(i):
+        kw = dict(kinds[i % len(kinds)])
+        kw["extra_body"] = {"cache_prompt": False, **kw.get("extra_body", {})}
+        r = client.chat.completions.create(model="t", messages=[{"role": "user", "content": STORIES[i]}],
+                                           max_tokens=16, temperature=0, **kw)
+        lp = r.choices[0].logprobs
+        return r.choices[0].message.content, lp.model_dump() if lp else None
+    alone = [one(i) for i in range(8)]
+    assert alone[0][1]["content"][0]["top_logprobs"] and re.fullmatch(r"[a-z ]{4,20}\.", alone[3][0])
+    assert together([lambda i=i: one(i) for i in range(8)]) == alone
+
+
 def test_a_long_prompt_is_spread_over_steps_while_others_decode(srv, client, http):
     """A 300-token prompt arriving while a stream generates runs in chunks of at most -ub tokens less the
     decode tokens, and the stream keeps getting a token every step meanwhile."""
