@@ -163,7 +163,9 @@ def _check_eager_batch(m, ctx=128, tol=FAKE_TOL):
     extra = _prompts([5], seed=12)[0]
     pieces = [torch.tensor([int(r[-1].argmax())]) for r in ref]
     pieces[2] = extra                                   # a prompt chunk next to decode tokens
-    items = lambda kvs: [(t, p.shape[0], kv) for t, p, kv in zip(pieces, prompts, kvs)]  # noqa: E731
+
+    def items(kvs):
+        return [(t, p.shape[0], kv) for t, p, kv in zip(pieces, prompts, kvs)]
     got = m.forward_batch(items(kb), True)
     ref = _per_item(m, items(kr), True)
     for g, r in zip(got, ref):

@@ -120,37 +120,39 @@ class Decoder:
 
     def forward_batch(self, items, all_logits: bool = False) -> torch.Tensor:
         """items [(tokens [T_i], pos0_i, kv_i)] -> logits of every item's tokens, item after item ([sum T_i,
-        n_vocab]), or of each item's last token ([B, n_vocab]), float32, where the output layer ran. The layer loop runs over the items' tokens laid end to end:
-        the norms, projections and experts see one batch (the scheduler decides offloads from its size and
-        routing); attention runs per item on its own cache at its own positions."""
+        n_vocab]), or of each item's last token ([B, n_vocab]), float32, where the output layer ran. The layer
+        loop runs over the items' tokens laid end to end: the norms, projections and experts see one batch (the
+        scheduler decides offloads from its size and routing); attention runs per item on its own cache at its
+        own positions."""
         cfg, s = self.cfg, self.sched
         sizes = [int(t.shape[0]) for t, _, _ in items]
         x = s.embed(self.token_embd, torch.cat([t for t, _, _ in items]))   # [sum T, H]
         s.begin_forward(sum(sizes))
         positions = [torch.arange(p, p + T) for (_, p, _), T in zip(items, sizes)]
+        starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]                # item j: rows starts[j]..starts[j+1]
         kvs = [kv for _, _, kv in items]
         ropes = [{} for _ in items]                                         # per item: device -> (cos, sin)
         rope = {}                                                           # the same for all tokens together
         for layer in self.layers:
-            x = s.add(x, self.attention_batch(layer, x, sizes, positions, kvs, ropes, rope))
+            x = s.add(x, self.attention_batch(layer, x, starts, positions, kvs, ropes, rope))
             x = s.add(x, self.ffn(layer, x))
         if not all_logits:
-            x = s.tag(x[torch.tensor(sizes).cumsum(0) - 1], s.dev_of(x))    # each item's last token
+            x = s.tag(x[torch.tensor(starts[1:], device=x.device) - 1], s.dev_of(x))   # each item's last token
         x = s.norm(x, self.output_norm, cfg.rms_eps)
         return s.linear(x, self.output).float()
 
-    def attention_batch(self, L: Layer, x, sizes, positions, kvs, ropes, rope):
+    def attention_batch(self, L: Layer, x, starts, positions, kvs, ropes, rope):
         """attention() of the items whose rows x holds in turn: q/k/v, their norms and RoPE (each token at its
         own position) and the output projection once for all rows, the cache write and attention per item.
         Items run one by one through attention() where it has its own path (MLA, a GPU prompt's fused kernel,
         another architecture's attention)."""
         cfg, s = self.cfg, self.sched
         dev = kvs[0].device(L.i)
-        per_item = (len(sizes) == 1 or L.mla or type(self).attention is not Decoder.attention
-                    or any(kv.device(L.i).name != dev.name for kv in kvs)
-                    or (dev.torch_device.type == "cuda" and L.attn_qkv is not None and max(sizes) > 1
-                        and gpu_kernels() is not None and any(kv.plain(L.i) for kv in kvs)))
-        xd, starts = s.dev_of(x), [0, *torch.tensor(sizes).cumsum(0).tolist()]
+        gpu_prompt = dev.torch_device.type == "cuda" and L.attn_qkv is not None and gpu_kernels() is not None \
+            and any(len(p) > 1 and kv.plain(L.i) for p, kv in zip(positions, kvs))      # attention_gpu's case
+        per_item = (len(kvs) == 1 or L.mla or type(self).attention is not Decoder.attention or gpu_prompt
+                    or any(kv.device(L.i).name != dev.name for kv in kvs))
+        xd = s.dev_of(x)
         if per_item:
             outs = [self.attention(L, s.tag(x[a:b], xd), pos, kv, r)
                     for a, b, pos, kv, r in zip(starts, starts[1:], positions, kvs, ropes)]
@@ -166,7 +168,11 @@ class Decoder:
         with s.stats.op("attention", dev):
             for a, b, pos, kv in zip(starts, starts[1:], positions, kvs):
                 keys, values = kv.update(L.i, int(pos[0]), k[a:b], v[a:b])  # [n_kv, P+T, D]
-                outs.append(attend(q[a:b], keys, values, int(pos[0])))
+                if keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16):
+                    # SDPA on the cache's own dtype: attend() would copy every key and value to bf16 first
+                    outs.append(attend_gpu(q[a:b].transpose(0, 1).to(keys.dtype), keys, values, int(pos[0])))
+                else:
+                    outs.append(attend(q[a:b], keys, values, int(pos[0])))
         return s.linear(s.tag(torch.cat(outs), dev), L.attn_output)
 
     def qkv(self, L, x, kv: KVCache):

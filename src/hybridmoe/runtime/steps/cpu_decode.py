@@ -72,9 +72,10 @@ def _lib():
 
 
 class CpuDecoder:
-    """The static steps of an all-CPU placement: step(token, pos) -> logits [1, n_vocab] (decode) and
-    forward(tokens, pos0, all_logits) (a prompt chunk, hm_prompt_step): every token's values computed by the
-    same arithmetic either way, so a prompt split anywhere, or decoded token by token, gives the same logits."""
+    """The static steps of an all-CPU placement: step(token, pos) -> logits [1, n_vocab] (decode),
+    forward(tokens, pos0, all_logits) (a prompt chunk, hm_prompt_step) and forward_batch(items) (several
+    sequences, each on its own cache, hm_batch_step): every token's values computed by the same arithmetic
+    each way, so a prompt split anywhere, decoded token by token or batched with others gives the same logits."""
 
     def __init__(self, model, kv):
         dec, cfg, sched = model.decoder, model.cfg, model.sched
