@@ -100,6 +100,11 @@ class Batcher:
 
     def submit(self, job):
         with self.cond:
+            if self.closed:                          # shutting down: it ends at once, cancelled (a 503)
+                job.cancel.set()
+                job.finish()
+                job.done.set()
+                return
             self._start()
             self.waiting.append(job)
             self.cond.notify()
