@@ -525,7 +525,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
                            "<|fim_middle|> or the file's tokenizer.ggml.fim_*_token_id): /infill needs a code model "
                            "trained for it", "not_supported", type_="not_supported_error")
         params = GenParams(body, chat=False, native=True)
-        ids = await encode(infill_tokens, body, tok, state.n_ctx, params.max_tokens)
+        ids = await encode(infill_tokens, body, tok, state.n_ctx_slot, params.max_tokens)
         return await state.respond(request, "native", ids, params)
 
     async def prompt_tokens(body) -> list[int]:
