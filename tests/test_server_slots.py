@@ -4,6 +4,7 @@ synth:tiny on the CPU. Concurrent requests share batched steps and must give wha
 the slot whose cache shares their prompt; slots are listed, saved, restored and erased one by one."""
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -71,6 +72,23 @@ def together(fns) -> list:
         if isinstance(r, BaseException):
             raise r
     return out
+
+
+@contextlib.contextmanager
+def slow_steps(srv, seconds=0.01):
+    """Every step of the server's batcher takes at least `seconds` (synth:tiny's take ~0.1 ms): a generation
+    then lasts long enough to look at."""
+    b = srv.state.batcher
+    forward = b._forward
+
+    def slow(items):
+        time.sleep(seconds)
+        return forward(items)
+    b._forward = slow
+    try:
+        yield
+    finally:
+        b._forward = forward
 
 
 def greedy(client, text, n=24, temperature=0, **kw):
@@ -189,7 +207,8 @@ def test_slots_list_and_props(srv, http):
     props = http.get("/props").json()
     assert props["total_slots"] == NP and props["default_generation_settings"]["n_ctx"] == N_CTX // NP
     body = {"prompt": "Once upon a time", "n_predict": 300, "ignore_eos": True, "stream": True, "id_slot": 2}
-    with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", "/completion", json=body) as r:
+    with slow_steps(srv), httpx.Client(base_url=srv.url, timeout=60) as c, \
+            c.stream("POST", "/completion", json=body) as r:
         lines = r.iter_lines()
         first = json.loads(next(x for x in lines if x.startswith("data: "))[6:])
         assert first["id_slot"] == 2
@@ -288,10 +307,12 @@ def test_cancelled_streams_free_their_slots(srv, http, client):
     """Clients that leave mid-stream free their slots at the next step; the server goes on serving."""
     body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     for _ in range(2):
-        with httpx.Client(base_url=srv.url, timeout=60) as c:
+        with slow_steps(srv), httpx.Client(base_url=srv.url, timeout=60) as c:
             streams = [c.stream("POST", "/v1/completions", json=body) for _ in range(NP)]
-            for r in [s.__enter__() for s in streams]:
-                next(r.iter_lines())
+            lines = [s.__enter__().iter_lines() for s in streams]     # kept: a dropped iterator closes its stream
+            for it in lines:
+                next(it)
+            assert all(s["is_processing"] for s in http.get("/slots").json())
             for s in streams:
                 s.__exit__(None, None, None)
         deadline = time.monotonic() + 20
@@ -299,6 +320,40 @@ def test_cancelled_streams_free_their_slots(srv, http, client):
             assert time.monotonic() < deadline, "slots stayed busy after their clients left"
             time.sleep(0.05)
     assert greedy(client, "Still there?", n=4)
+
+
+def test_a_waiting_request_whose_client_left_is_dropped(srv, http):
+    """With every slot busy a request waits (requests_deferred); when its client leaves it is dropped from
+    the queue at the next step, not when a slot frees."""
+    import socket
+
+    def deferred():
+        text = http.get("/metrics").text
+        return float(re.search(r"^llamacpp:requests_deferred (\S+)$", text, re.M).group(1))
+    body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with slow_steps(srv), httpx.Client(base_url=srv.url, timeout=60) as c:
+        streams = [c.stream("POST", "/v1/completions", json=body) for _ in range(NP)]
+        try:
+            lines = [st.__enter__().iter_lines() for st in streams]   # kept: a dropped iterator closes its stream
+            for it in lines:
+                next(it)
+            raw = json.dumps({"prompt": "hi", "max_tokens": 4}).encode()
+            host, port = srv.url[len("http://"):].rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=30) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+                deadline = time.monotonic() + 20
+                while deferred() != 1:
+                    assert time.monotonic() < deadline, "the request did not wait for a slot"
+                    time.sleep(0.02)
+            deadline = time.monotonic() + 20                # the client left; the slots are all still busy
+            while deferred() != 0:
+                assert time.monotonic() < deadline, "the request stayed queued after its client left"
+                time.sleep(0.05)
+            assert all(s["is_processing"] for s in http.get("/slots").json())
+        finally:
+            for st in streams:
+                st.__exit__(None, None, None)
 
 
 MIXED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

@@ -203,11 +203,10 @@ class Batcher:
     def _admit(self):
         """Waiting jobs into idle slots, in arrival order (a job that names a busy slot lets others pass)."""
         used = sum(j.reserved for j in self.order)
+        for job in [j for j in self.waiting if j.cancel.is_set()]:     # their clients left while they waited
+            self.waiting.remove(job)
+            self._end(job)
         for job in list(self.waiting):
-            if job.cancel.is_set():
-                self.waiting.remove(job)
-                self._end(job)
-                continue
             if self.unified and self.order and used + job.reserved > self.n_ctx:
                 break                                 # the shared context is taken: wait for a job to end
             slot = self._pick(job)
