@@ -417,3 +417,25 @@ def test_64_clients_mixed_requests(srv, client):
     together([lambda k=k: one_client(k) for k in range(64)])
     assert not fails, fails[:5]
     assert not wrong, wrong[:3]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [dict(n_gpu_layers=99), dict(n_gpu_layers=99, override_tensor=["exps=CPU"])],
+                         ids=["ngl99", "exps-cpu"])
+def test_gpu_slots_answer_concurrent_requests(opts, capsys):
+    """-np 4 on a real GPU: 8 concurrent greedy chats all answered, in batched steps; prints how many texts
+    equal their sequential ones (a GPU batch rounds differently: docs/server.md)."""
+    model = hybridmoe.load("synth:tiny-wide", ctx_size=N_CTX, **opts)
+    gen = serving(create_app(model, alias="t", n_parallel=NP), model)
+    srv = next(gen)
+    try:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
+            seq = [greedy(c, s, extra_body={"cache_prompt": False}) for s in STORIES]
+            got = together([lambda s=s: greedy(c, s, extra_body={"cache_prompt": False}) for s in STORIES])
+        b = srv.state.batcher
+        assert all(got) and b.counts["batch_sequences"] > b.counts["decodes"]
+        with capsys.disabled():
+            print(f"\n{opts}: {sum(a == g for a, g in zip(seq, got))}/{len(seq)} concurrent texts equal the "
+                  f"sequential ones; {b.counts['batch_sequences'] / b.counts['decodes']:.2f} sequences a step")
+    finally:
+        gen.close()
