@@ -80,6 +80,8 @@ def _served(m, prompts, starts, chunk, n_new, ctx):
             if done[j] >= prompts[j].shape[0]:
                 toks[j].append(int(out[-1].argmax()))
         step += 1
+    for kv, p, t in zip(kvs, prompts, toks):             # each cache records its own tokens (the prompt cache)
+        assert kv.tokens == p.tolist() + t[:-1]
     # the alone run computes the last generated token's logits too; the server stops before it
     return [torch.cat(r) for r in rows], toks
 
@@ -103,6 +105,7 @@ def test_cpu_batch_is_bit_identical_to_each_sequence_alone(types, tmp_path):
 
 
 @needs_c
+@pytest.mark.slow
 def test_cpu_batch_many_sequences_and_long_contexts():
     """20 sequences decoding together (their attention partials take two waves), one of them past 2,048
     positions (runs of 64 positions, not 32): each bit-identical to its own decode steps."""

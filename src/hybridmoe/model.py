@@ -191,8 +191,9 @@ class Model:
         and experts run over all items' tokens together (each expert the batch needs read once), attention per
         item on its own cache; T_i may differ (decode tokens next to a prompt chunk). With every weight and
         cache on the CPU each item's logits are bit-identical to forward's alone (hm_batch_step); elsewhere they
-        differ as the kernels' batch sizes make them (docs/server.md). Afterwards stats.last_batch holds the
-        batch's sequences, tokens and distinct experts."""
+        differ as the kernels' batch sizes make them (docs/server.md). The work space grows with sum T_i: the
+        caller bounds it, as llama-server's -b / -ub bound a step's tokens. Afterwards stats.last_batch holds
+        the batch's sequences, tokens and distinct experts."""
         if not items:
             return []
         self._check_batch(items)
