@@ -31,9 +31,9 @@ for s in "$@"; do
            timeout 200 python3 -u benchmarks/serve_load.py --concurrency 1 -- -m synth:qwen3-30b-a3b -ngl 99 -np 1 \
              2>&1 | tail -3 ;;
     serveload_cpu) python3 -c "import openai" || { echo "serve_load.py needs the openai package"; continue; }
-           timeout 280 python3 -u benchmarks/serve_load.py --concurrency 1,4,8,16 --rounds 2 -- \
+           timeout 260 python3 -u benchmarks/serve_load.py --concurrency 1,4,8,16 --rounds 2 -- \
              -m synth:qwen3-30b-a3b -ngl 99 --n-cpu-moe 24 2>&1 | tail -7 ;
-           timeout 280 python3 -u benchmarks/serve_load.py --concurrency 1,4,8 --rounds 2 -- \
+           timeout 260 python3 -u benchmarks/serve_load.py --concurrency 1,4,8 --rounds 2 -- \
              -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU 2>&1 | tail -6 ;;
   esac
 done
