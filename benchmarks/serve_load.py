@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -177,4 +178,6 @@ def main():
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # `timeout` sends SIGTERM: exit through main's `finally`, which stops the server (and frees its GPU memory)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()
