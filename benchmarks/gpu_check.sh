@@ -38,5 +38,19 @@ for s in "$@"; do
            timeout 500 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --steps 8 2>&1 | tail -10 ;
            timeout 500 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU --steps 8 \
              --batch 1,2,4,8,16 2>&1 | tail -8 ;;
+    # issue 27: `hybridmoe serve -np N` under openai clients (benchmarks/serve_load.py); each line loads the 30B
+    # shape once. serveload: all on the GPU (target: 16 clients >= 6x one); serveload_cpu: --n-cpu-moe 24 and
+    # -ot exps=CPU (target: 8 clients >= 1.8x one; at 4 no stream below 1/3 of its alone speed). The last
+    # line of each is one client on an -np 1 server: the single-stream baseline without slot switches.
+    serveload) python3 -c "import openai" || { echo "serve_load.py needs the openai package"; continue; }
+           timeout 280 python3 -u benchmarks/serve_load.py --concurrency 1,4,16,64 --rounds 2 -- \
+             -m synth:qwen3-30b-a3b -ngl 99 2>&1 | tail -8 ;
+           timeout 200 python3 -u benchmarks/serve_load.py --concurrency 1 -- -m synth:qwen3-30b-a3b -ngl 99 -np 1 \
+             2>&1 | tail -3 ;;
+    serveload_cpu) python3 -c "import openai" || { echo "serve_load.py needs the openai package"; continue; }
+           timeout 260 python3 -u benchmarks/serve_load.py --concurrency 1,4,8,16 --rounds 2 -- \
+             -m synth:qwen3-30b-a3b -ngl 99 --n-cpu-moe 24 2>&1 | tail -7 ;
+           timeout 260 python3 -u benchmarks/serve_load.py --concurrency 1,4,8 --rounds 2 -- \
+             -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU 2>&1 | tail -6 ;;
   esac
 done

@@ -676,7 +676,7 @@ def test_seed_command_lines_paste_into_serve_and_run(capsys):
     kw = runtime_kwargs(a)
     assert kw["n_gpu_layers"] == 100 and kw["override_tensor"][-1] == "exps=CPU" and kw["fused_moe"] is True
     assert kw["ctx_size"] == 65536 and kw["cache_type_k"] == "q8_0" and kw["threads"] == 56
-    assert "--parallel is accepted" in capsys.readouterr().err
+    assert a.parallel == 1 and "--parallel is accepted" not in capsys.readouterr().err   # serve's slots (-np)
     b = p.parse_args(["run", *shlex.split(deepseek)])
     kw = runtime_kwargs(b)
     assert kw["n_gpu_layers"] == 63 and kw["ubatch_size"] == 4096
