@@ -144,3 +144,39 @@ def test_model_batch_decode_matches_alone(ctk, monkeypatch):
             assert int(g.argmax()) == int(w.argmax())
         nxt = [int(w.argmax()) for w in want]
     assert calls and set(calls) == {3}          # the batch kernel ran, once per layer per step, for all rows
+
+
+def test_batch_decode_step_matches_eager(monkeypatch):
+    """synth:tiny all on one GPU: the batched decode step (runtime/steps/gpu_batch.py; captured per bucket on a
+    real GPU, its kernels run eagerly on a fake one) against the eager batched path: 3 sequences (bucket 4, one
+    padded row), then 2 of them (bucket 2), each at its own position, then each sequence alone."""
+    import hybridmoe
+    from conftest import top1_agreement
+    from hybridmoe.runtime.steps.gpu_batch import BatchDecode
+    real = _fake_gpu_or_real(monkeypatch)
+    prompts = [IDS[:5], IDS[5:17], IDS[17:18]]
+    outs, steps = [], []
+    for graphs in (True, False):
+        m = hybridmoe.load("synth:tiny", ctx_size=64, graphs=graphs, n_gpu_layers=99)
+        kvs = [m.new_cache(64) for _ in prompts]
+        for p, kv in zip(prompts, kvs):
+            m.forward(torch.tensor(p), 0, kv)
+        pos = [len(p) for p in prompts]
+        nxt = [IDS[20 + j] for j in range(3)]
+        got = []
+        for step in range(5):
+            live = [0, 1, 2] if step < 3 else [0, 2]
+            rows = m.forward_batch([(torch.tensor([nxt[j]]), pos[j], kvs[j]) for j in live])
+            got.append(torch.cat(rows))
+            assert m.stats.last_batch["sequences"] == len(live)
+            for j, r in zip(live, rows):
+                nxt[j], pos[j] = int(r.argmax()), pos[j] + 1
+        got.append(torch.cat([m.forward(torch.tensor([nxt[j]]), pos[j], kvs[j]) for j in range(3)]))
+        outs.append(torch.cat(got))
+        steps.append(m._batch)
+    assert isinstance(steps[0], BatchDecode) and sorted(steps[0].buckets) == [2, 4]
+    assert not isinstance(steps[1], BatchDecode)
+    if real:
+        assert rel_l2(outs[0], outs[1]) <= 1e-2 and top1_agreement(outs[0], outs[1]) >= 0.9
+    else:
+        assert rel_l2(outs[0], outs[1]) <= 5e-3
