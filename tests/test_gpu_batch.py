@@ -139,7 +139,8 @@ def test_model_batch_decode_matches_alone(ctk, monkeypatch):
                 for t, p, kv in zip(nxt, prompts, alone)]
         got = m.forward_batch([(torch.tensor([t]), len(p) + step, kv) for t, p, kv in zip(nxt, prompts, batched)])
         for w, g in zip(want, got):
-            tol = 1e-2 if real else (1e-5 if ctk == "f32" else 5e-3)
+            print(f"{ctk} cache, step {step}: rel L2 batched vs alone {rel_l2(g, w):.2e}")
+            tol = 1e-2 if real else (1e-5 if ctk == "f32" else 1e-4)   # f16: q rounded to the cache dtype
             assert rel_l2(g, w) < tol
             assert int(g.argmax()) == int(w.argmax())
         nxt = [int(w.argmax()) for w in want]
@@ -176,7 +177,9 @@ def test_batch_decode_step_matches_eager(monkeypatch):
         steps.append(m._batch)
     assert isinstance(steps[0], BatchDecode) and sorted(steps[0].buckets) == [2, 4]
     assert not isinstance(steps[1], BatchDecode)
-    if real:
+    print(f"batched decode step vs eager batch: rel L2 {rel_l2(outs[0], outs[1]):.2e}")
+    if real:                                     # each bucket's second batch replayed its captured graph
+        assert all(b["graph"] is not None for b in steps[0].buckets.values())
         assert rel_l2(outs[0], outs[1]) <= 1e-2 and top1_agreement(outs[0], outs[1]) >= 0.9
     else:
-        assert rel_l2(outs[0], outs[1]) <= 5e-3
+        assert rel_l2(outs[0], outs[1]) <= 1e-4          # q rounded to the f16 cache dtype in the kernel
