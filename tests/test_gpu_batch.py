@@ -151,8 +151,9 @@ def test_batch_decode_step_matches_eager(monkeypatch):
     """synth:tiny all on one GPU: the batched decode step (runtime/steps/gpu_batch.py; captured per bucket on a
     real GPU, its kernels run eagerly on a fake one) against the eager batched path: 3 sequences (bucket 4, one
     padded row), then 2 of them (bucket 2), each at its own position, then each sequence alone."""
-    import hybridmoe
     from conftest import top1_agreement
+
+    import hybridmoe
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode
     real = _fake_gpu_or_real(monkeypatch)
     prompts = [IDS[:5], IDS[5:17], IDS[17:18]]

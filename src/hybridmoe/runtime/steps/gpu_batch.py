@@ -68,11 +68,12 @@ class BatchDecode(StaticPrefill):
             td, cfg = self.dev.torch_device, self.cfg
             n_layer = len(self.layers)
             _, n_split = ga.n_splits(self.n_ctx)
-            buf = self.buckets[B] = dict(
-                x=torch.zeros(B, cfg.n_embd, device=td), pos=torch.full((B,), -1, dtype=torch.int64, device=td),
-                offs=torch.zeros(n_layer, 2, B, dtype=torch.int64, device=td),
-                ids=torch.zeros(n_layer, B, cfg.n_expert_used or 1, dtype=torch.int64, device=td),
-                parts=ga.split_buffers(B, cfg.n_head, cfg.head_dim, n_split, td), graph=None, logits=None)
+            buf = self.buckets[B] = {
+                "x": torch.zeros(B, cfg.n_embd, device=td),
+                "pos": torch.full((B,), -1, dtype=torch.int64, device=td),
+                "offs": torch.zeros(n_layer, 2, B, dtype=torch.int64, device=td),         # [layer, (k, v), row]
+                "ids": torch.zeros(n_layer, B, cfg.n_expert_used or 1, dtype=torch.int64, device=td),
+                "parts": ga.split_buffers(B, cfg.n_head, cfg.head_dim, n_split, td), "graph": None, "logits": None}
         return buf
 
     # -- the prompt step's layer loop, with these hooks --------------------------------------------------------
