@@ -196,24 +196,30 @@ class Decoder:
             rows = torch.cat([s.move(s.linear(h, getattr(L, w), bias(w)), dev)
                               for w in ("attn_q", "attn_k", "attn_v")], -1)
         key = ("batch", dev.name)
-        if key not in rope:                                                 # once per forward: positions, tables
+        if key not in rope:
+            # once per forward and device: positions, rope tables, and every layer's cache offsets (k then v
+            # of each sequence) from one anchor, the first of those layers' key caches
             td = dev.torch_device
             pos = torch.tensor([int(p[0]) for p in positions], dtype=torch.int64).to(td, non_blocking=True)
             cos, sin = context_rope_tables(kvs[0].n_ctx, cfg.head_dim, cfg.rope_base, cfg.rope_neox, td)
-            rope[key] = (pos, cos, sin, max(int(p[0]) for p in positions) + 1)
-        pos, cos, sin, n_keys = rope[key]
-        kcs, vcs = [kv.k[L.i] for kv in kvs], [kv.v[L.i] for kv in kvs]
-        anchor = kcs[0]
-        offs = torch.tensor(ga.cache_offsets(anchor, kcs + vcs), dtype=torch.int64).to(dev.torch_device,
-                                                                                        non_blocking=True)
+            here = [i for i in range(cfg.n_layer) if kvs[0].device(i).name == dev.name]
+            anchor = kvs[0].k[here[0]]
+            table = [ga.cache_offsets(anchor, [kv.k[i] for kv in kvs] + [kv.v[i] for kv in kvs]) for i in here]
+            offs = torch.tensor(table, dtype=torch.int64).to(td, non_blocking=True)     # [layers here, 2B]
+            rope[key] = (pos, cos, sin, max(int(p[0]) for p in positions) + 1, anchor,
+                         {i: offs[r] for r, i in enumerate(here)})
+        pos, cos, sin, n_keys, anchor, offs = rope[key]
+        offs = offs[L.i]
+        vcs = [kv.v[L.i] for kv in kvs]
         B = len(kvs)
         qn, kn = ((s.small(L.attn_q_norm, dev), s.small(L.attn_k_norm, dev)) if L.attn_q_norm is not None
                   else (None, None))
         real = dev.torch_device.type == "cuda"
         with s.stats.op("attention", dev):
-            q = ga.qk_rope_cache_batch(rows, qn, kn, cos, sin, pos, anchor, offs[:B], offs[B:], anchor.shape,
+            kshape = kvs[0].k[L.i].shape
+            q = ga.qk_rope_cache_batch(rows, qn, kn, cos, sin, pos, anchor, offs[:B], offs[B:], kshape,
                                        vcs[0].shape, cfg.n_head, cfg.rms_eps, cfg.rope_neox, q_dtype=anchor.dtype)
-            o = ga.attention_batch(q, anchor, offs[:B], offs[B:], pos, anchor.shape, vcs[0].shape,
+            o = ga.attention_batch(q, anchor, offs[:B], offs[B:], pos, kshape, vcs[0].shape,
                                    cfg.head_dim ** -0.5, n_keys, out_dtype=torch.bfloat16 if real else torch.float32)
         return s.linear(s.tag(o, dev), L.attn_output)
 
