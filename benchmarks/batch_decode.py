@@ -11,7 +11,9 @@ greedy token. Usage (placement flags as `hybridmoe run` takes them):
 
 Columns: B; ms a step; aggregate tokens/s; per-sequence tokens/s; aggregate over the alone speed; distinct
 experts a step (mean over MoE layers; the experts a step reads, against B x k for B sequences read apart);
---loop: the same B sequences decoded one forward at a time (what a server without batching does).
+--loop: the same B sequences decoded one forward at a time (what a server without batching does); step: the path
+that ran the batch (CpuDecoder, BatchDecode[bucket graph|eager]: runtime/steps/gpu_batch.py, or eager).
+--no-graphs times the eager batched decoder instead.
 """
 from __future__ import annotations
 
@@ -67,6 +69,20 @@ def _time_steps(m, kvs, toks, pos, steps, batched: bool, repeat: int):
     return best, (sum(distinct) / len(distinct) if distinct else float("nan"))
 
 
+def _step_name(m, B: int) -> str:
+    """Which path ran B sequences' steps: the CPU batch step, the GPU one (its bucket, and whether a captured
+    graph replayed), or the eager decoder; one sequence takes Model.forward's own step."""
+    step = m._batch
+    if B == 1 or not step:
+        return "forward" if B == 1 else "eager"
+    buckets = getattr(step, "buckets", None)
+    if buckets is None:
+        return type(step).__name__
+    from hybridmoe.runtime.steps.gpu_batch import bucket
+    b = bucket(min(B, 64))
+    return f"{type(step).__name__}[{b}{' graph' if buckets.get(b, {}).get('graph') is not None else ' eager'}]"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p, model_default="synth:tiny")
@@ -91,7 +107,7 @@ def main():
     alone, _ = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=False, repeat=args.repeat)
     print(f"alone (Model.forward): {alone * 1e3:.2f} ms a step, {1 / alone:.1f} t/s")
     hdr = f"{'B':>4} {'ms/step':>9} {'agg t/s':>9} {'seq t/s':>9} {'x alone':>8} {'distinct':>9} {'of B*k':>7}"
-    print(hdr + (f" {'loop t/s':>9}" if args.loop else ""))
+    print(hdr + (f" {'loop t/s':>9}" if args.loop else "") + "  step")
     for B in sizes:
         kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
         dt, distinct = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=True, repeat=args.repeat)
@@ -101,7 +117,7 @@ def main():
             kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
             lt, _ = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=False, repeat=args.repeat)
             line += f" {B / lt:>9.1f}"
-        print(line, flush=True)
+        print(line + "  " + _step_name(m, B), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU-machine call: GPU tests (incl. ik's quant files on a real GPU), issue 25's fault repro, a short bench,
-# long prompts on the GPU (longprompt), the exact CPU prompt path's cost (promptcost). Usage: bash benchmarks/gpu_check.sh SECTION...
+# long prompts on the GPU (longprompt), the exact CPU prompt path's cost (promptcost), batched decode (batch, gpubatch). Usage: bash benchmarks/gpu_check.sh SECTION...
 # Needs the quant vectors beside the repository: run_gpu copies them in as .gpu_testdata when present.
 source benchmarks/device_setup.sh
 set +e
@@ -52,5 +52,14 @@ for s in "$@"; do
              -m synth:qwen3-30b-a3b -ngl 99 --n-cpu-moe 24 2>&1 | tail -7 ;
            timeout 260 python3 -u benchmarks/serve_load.py --concurrency 1,4,8 --rounds 2 -- \
              -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU 2>&1 | tail -6 ;;
+    # issue 27 point 3: the batched decode kernels and the captured step per bucket against torch and the eager
+    # batched path (tests/test_gpu_batch.py), then B sequences a step on the 30B shape all on the GPU: the step
+    # column says BatchDecode[bucket graph] where the graph replayed; --no-graphs gives the eager batch for comparison
+    gpubatch) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_batch.py -p no:cacheprovider \
+                --tb=short 2>&1 | tail -12 ;
+              timeout 120 python3 -u benchmarks/batch_decode.py -m synth:tiny -ngl 99 --batch 1,3,4,16,64 2>&1 | tail -7 ;
+              timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --steps 8 2>&1 | tail -10 ;
+              timeout 300 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --no-graphs --steps 4 \
+                --repeat 2 --batch 1,4,16 2>&1 | tail -6 ;;
   esac
 done

@@ -285,24 +285,31 @@ class Model:
 
     def _batch_step(self, items):
         """The CPU batch step (runtime/steps/cpu_decode.py) when every weight and every item's cache is on the
-        CPU and it covers the model; else None. Batches with prompt chunks take the eager path where a GPU may
+        CPU and it covers the model, the GPU one (runtime/steps/gpu_batch.py) for decode tokens when every weight
+        and cache is on one GPU; else None. Batches with prompt chunks take the eager path where a GPU may
         take host weights' ops (op offload, as build_step decides for prompts)."""
         if not self.runtime.graphs or not self.decoder.static_decode or self._batch is False:
             return None
         from .runtime.steps import may_offload
         if any(int(t.shape[0]) > 1 for t, _, _ in items) and may_offload(self):
             return None
+        single = all(int(t.shape[0]) == 1 for t, _, _ in items)
         if self._batch is None:
             kv0 = items[0][2]
-            if not all(d.kind == "cpu" for d in kv0.devs):
-                return None
             from .runtime.steps.base import NotApplicable
-            from .runtime.steps.cpu_decode import CpuDecoder
+            if all(d.kind == "cpu" for d in kv0.devs):
+                from .runtime.steps.cpu_decode import CpuDecoder as Step
+            elif single:                                 # decode tokens on a GPU: runtime/steps/gpu_batch.py
+                from .runtime.steps.gpu_batch import BatchDecode as Step
+            else:
+                return None
             try:
-                self._batch = CpuDecoder(self, kv0)
+                self._batch = Step(self, kv0)
             except NotApplicable:
                 self._batch = False
                 return None
+        if getattr(self._batch, "single_tokens", False) and (not single or len(items) == 1):
+            return None                                  # (one sequence alone: the static decode step)
         return self._batch if all(self._batch.accepts(kv) for _, _, kv in items) else None
 
     def _nonfinite_message(self, tokens: torch.Tensor, pos0: int, kv: KVCache) -> str:
