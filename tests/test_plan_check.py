@@ -113,6 +113,7 @@ def test_floor_or_scale():
     assert floor_or_scale(3.0, 2.0) == (1.0, 1.0)
     assert floor_or_scale(1.0, 2.0) == (0.0, 0.5)
     assert floor_or_scale(1.0, 0.0) == (1.0, 1.0)
+    assert floor_or_scale(-1e-4, 2.0) == floor_or_scale(0.0, 2.0) == (0.0, 1.0)   # a noisy fit: the model stands
 
 
 def test_costs_fall_back_to_the_roofline_and_share_by_gpu_name():

@@ -261,7 +261,8 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
         a0, aD = _attn_flops(cfg, T1, 0), _attn_flops(cfg, T1, D)
         extra = (sD - rD) - (s0 - r0)
         c["attn_flops"] = (aD - a0) / extra if extra > 0 else rates.cpu_bf16_flops
-        c["attn_flops"] = max(c["attn_flops"], 2 * a0 / s0)   # noise: at depth 0 attention is under half a layer
+        if s0 > 0:                                  # noise: at depth 0 attention is under half a layer
+            c["attn_flops"] = max(c["attn_flops"], 2 * a0 / s0)
         c["prompt_layer_s"], c["prompt_scale"] = floor_or_scale(s0 - a0 / c["attn_flops"], r0)
         c["prompt_ubatch_s"] = max(i0 - j0 * c["prompt_scale"], 0.0)
     finally:
@@ -302,9 +303,8 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
             ef = [2.0 * 3 * cfg.n_ff_exp * cfg.n_embd * cfg.n_expert_used * T for T in (T1, T2)]   # expert FLOPs
             at = [_attn_flops(cfg, T1, 0), _attn_flops(cfg, T2, 0), _attn_flops(cfg, T1, D)]
             inv_a = (r3 - r1) / (at[2] - at[0])
-            if inv_a <= 0:
-                inv_a = 1 / rates.flops(dev)
-            inv_a = min(inv_a, 0.5 * r1 / at[0])             # noise: at depth 0 attention is under half a layer
+            cap = 0.5 * r1 / at[0]                           # noise: at depth 0 attention is under half a layer
+            inv_a = min(inv_a, cap) if inv_a > 0 and cap > 0 else 1 / rates.flops(dev)   # (no signal: the rate)
             inv_m = (r2 - r1 - (at[1] - at[0]) * inv_a) / (ef[1] - ef[0])
             if inv_m <= 0:
                 inv_m = 1 / rates.flops(dev)

@@ -97,12 +97,15 @@ def fit_line(x1: float, y1: float, x2: float, y2: float) -> tuple[float, float]:
 
 def floor_or_scale(measured: float, modelled: float) -> tuple[float, float]:
     """(floor, scale) with measured = floor + scale * modelled: the floor where the runtime is slower than the
-    modelled work (scale 1), the factor where it is faster (floor 0)."""
+    modelled work (scale 1), the factor where it is faster (floor 0). A measured time that is not positive (a
+    fit over noisy timings) resolves nothing: the modelled work stands (0, 1)."""
+    if measured <= 0:
+        return 0.0, 1.0
     if modelled <= 0:
         return max(measured, 0.0), 1.0
     if measured >= modelled:
         return measured - modelled, 1.0
-    return 0.0, max(measured, 0.0) / modelled
+    return 0.0, measured / modelled
 
 
 def format_costs(costs: dict) -> list[str]:
