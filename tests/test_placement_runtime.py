@@ -248,7 +248,7 @@ def test_static_decode_over_two_gpus_matches_eager(ts, ot, preset, monkeypatch):
     ([r"blk\.1\.ffn_down_exps=CUDA0", "exps=CPU"],
      "blk 1: experts split across devices (gate on CPU, up on CPU, down on CUDA0)", "runs eagerly"),
     ([r"blk\.1\.ffn_.*_exps=CUDA0"], "", ""), ([r"blk\.0\.ffn.=CUDA1", "ffn.*=CPU"], "", "")])
-def test_plan_warns_where_the_static_decode_step_refuses(ot, why, warning, monkeypatch):
+def test_two_gpus_plan_warns_where_the_static_decode_step_refuses(ot, why, warning, monkeypatch):
     """plan's warning (placement/core.py) and the step (kernels/decode_layout.py's rule) agree: the layout the
     step refuses, for that reason, is the one plan warns about; issue 521's gate/up split is refused too and
     has a warning of its own."""

@@ -140,16 +140,18 @@ class StaticDecoder:
         self.out_norm = sched.small(dec.output_norm, self.out_dev)
         self.out8 = self.fast and gd.can_gemv8([dec.output])                 # the head by dp4a too
         self.w_out = dec.output.raw if self.out8 else dec.output.cached(self.cdt)
-        # per GPU: the position, rope tables for every position of the cache, and the hand-off buffers
+        # per GPU: the position, rope tables for every position of the cache (where attention runs), and the
+        # hand-off buffers
         H, k = cfg.n_embd, cfg.n_expert_used
-        self.ds = {}
+        self.ds, attn_gpus = {}, {d.name for d in self.ldev}
         for name, d in devs.items():
             td = d.torch_device
             z = lambda *shape, td=td: torch.zeros(*shape, device=td)                             # noqa: E731
-            cos, sin = context_rope_tables(kv.n_ctx, cfg.head_dim, cfg.rope_base, cfg.rope_neox, td)
+            cos, sin = context_rope_tables(kv.n_ctx, cfg.head_dim, cfg.rope_base, cfg.rope_neox, td) \
+                if name in attn_gpus else (None, None)
             self.ds[name] = SimpleNamespace(
                 pos=torch.zeros(1, dtype=torch.long, device=td), cos=cos, sin=sin,
-                kpos=torch.arange(kv.n_ctx, device=td),
+                kpos=torch.arange(kv.n_ctx, device=td) if name in attn_gpus else None,
                 resid=z(1, H), moe_in=z(1, H), packed=z(1, H + 2 * k), xin=z(1, H), xmove=z(1, H))
         first = self.ds[self.ldev[0].name]
         self.x_in = first.xin
