@@ -12,6 +12,8 @@ for s in "${@:-tests table}"; do
   echo "=============== $t"
   case $t in
     tests) timeout 240 python3 -m pytest -q -m gpu tests/test_placement_runtime.py tests/test_gpu_decode.py \
+             -p no:cacheprovider --tb=short 2>&1 | tail -15
+           timeout 300 python3 -m pytest -q tests/test_placement_runtime.py -k two_gpus \
              -p no:cacheprovider --tb=short 2>&1 | tail -15 ;;
     table) hm calibrate 2>&1 | tail -4
            ( time hm synth qwen3-30b-a3b ) 2>&1 | tail -4
@@ -20,10 +22,14 @@ for s in "${@:-tests table}"; do
              '-ngl 99 -ts 1/1 --n-cpu-moe 24' \
              '-ngl 99 -ts 1/1 -ot exps=CPU' \
              '-ngl 99 -ts 1/1 -ot blk\.[0-7]\.ffn_gate_exps=CUDA0 -ot blk\.[0-7]\.ffn_(up|down)_exps=CUDA1 -ot exps=CPU' \
-             '-ngl 99 -ts 1/1 -ot blk\.[0-7]\.ffn_.*_exps=CUDA1 -ot exps=CPU' 2> ${OUT:-/tmp}/multi_gpu.stderr; tail -5 ${OUT:-/tmp}/multi_gpu.stderr ;;
+             '-ngl 99 -ts 1/1 -ot blk\.[0-7]\.ffn_.*_exps=CUDA1 -ot exps=CPU' \
+             '-ngl 99 -ts 1/1 -ot blk\.([0-9]|1[01])\.ffn.=CUDA0 -ot blk\.(1[2-9]|2[0-3])\.ffn.=CUDA1 -ot ffn.*=CPU' \
+             2> ${OUT:-/tmp}/multi_gpu.stderr; tail -5 ${OUT:-/tmp}/multi_gpu.stderr ;;
     bench) hm synth qwen3-30b-a3b 2>&1 | tail -1
            for P in '-ngl 99 -ts 1/1' '-ngl 99 -ts 1/1 --n-cpu-moe 24' '-ngl 99 -ts 1/1 -ot exps=CPU' \
                     '-ngl 99 -ts 1/1 -ot blk\.[0-7]\.ffn_.*_exps=CUDA1 -ot exps=CPU' \
+                    '-ngl 99 -ts 1/1 -ot blk\.([0-9]|1[01])\.ffn.=CUDA0 -ot blk\.(1[2-9]|2[0-3])\.ffn.=CUDA1 -ot ffn.*=CPU' \
+                    '-ngl 99 -ts 1/1 -ot blk\.(2[4-9]|3[01])\.ffn_.*_exps=CUDA0 -ot exps=CPU' \
                     '-ngl 99 -ts 1/1 -ot blk\.[0-7]\.ffn_gate_exps=CUDA0 -ot blk\.[0-7]\.ffn_(up|down)_exps=CUDA1 -ot exps=CPU'; do
              echo "### hybridmoe bench -m synth:qwen3-30b-a3b $P -p 512 -n 128 -r 2"
              read -ra A <<< "$P"

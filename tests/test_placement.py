@@ -686,14 +686,27 @@ def test_seed_command_lines_paste_into_serve_and_run(capsys):
 
 
 
-def test_experts_on_another_gpu_than_their_attention_are_warned(monkeypatch, dsr1):
-    """The captured decode step runs a layer's experts on its attention's GPU or on the CPU; other layouts decode
-    eagerly (3.8 t/s against 49.5 on two H100s), and plan says so, naming the layers and the way out."""
-    cfg, t = dsr1
+def test_ffn_layouts_the_captured_step_cannot_run_are_warned(monkeypatch, qwen235, dsr1):
+    """The captured decode step runs a layer's FFN on its experts' GPU (another GPU than its attention's too) or
+    hands the experts to the CPU; plan warns only where a layer's FFN matrices are on several devices (the step
+    would copy a large matrix every token, so the whole model decodes eagerly), naming the layers."""
+    cfg, t = qwen235
     devs = fake(monkeypatch, "200GiB,200GiB")
-    eager = lambda p: [w for w in p.warnings if "runs eagerly" in w]              # noqa: E731
+    eager = lambda flags, c=cfg, t=t: [w for w in plan_placement(t, c, parse(flags), devs).warnings     # noqa: E731
+                                       if "runs eagerly" in w]
     p = plan_placement(t, cfg, parse(r'-ngl 999 -ts 1,1 -ot "blk\.(3|4)\.ffn_.*_exps=CUDA1" -ot exps=CPU'), devs)
-    assert p.attn_device(3) == p.attn_device(4) == "CUDA0"
-    assert eager(p) == [eager(p)[0]] and eager(p)[0].startswith("blk 3-4: experts on CUDA1, attention on CUDA0")
-    assert eager(plan_placement(t, cfg, parse("-ngl 999 -ts 1,1 -ot exps=CPU"), devs)) == []
-    assert eager(plan_placement(t, cfg, parse("-ngl 999 -ts 1,1"), devs)) == []
+    assert p.attn_device(3) == p.attn_device(4) == "CUDA0" and p.device_of["blk.3.ffn_up_exps.weight"] == "CUDA1"
+    assert not [w for w in p.warnings if "runs eagerly" in w]
+    for ok in ("-ngl 999 -ts 1,1 -ot exps=CPU", "-ngl 999 -ts 1,1",
+               r'-ngl 999 -ts 1,1 -ot "blk\.([0-9]|1[0-9])\.ffn.=CUDA1" -ot "blk\.(2[0-9])\.ffn.=CUDA0" -ot "ffn.*=CPU"'):
+        assert eager(ok) == [], ok
+    got = eager(r'-ngl 999 -ts 1,1 -ot "blk\.(3|4)\.ffn_down_exps=CUDA1" -ot exps=CPU')
+    assert got == [got[0]] and got[0].startswith("blk 3-4: experts split across devices (gate on CPU, up on CPU, "
+                                                 "down on CUDA1)")
+    # issue 521's gate/up split: its own warning (the fused pair), not this one
+    split = plan_placement(t, cfg, parse(r'-ngl 999 -ts 1,1 -ot "blk\.3\.ffn_gate_exps=CUDA0" '
+                                         r'-ot "blk\.3\.ffn_(up|down)_exps=CUDA1" -ot exps=CPU'), devs)
+    assert [w for w in split.warnings if "issue 521" in w] and not [w for w in split.warnings if "runs eagerly" in w]
+    # MLA decodes eagerly on every layout: nothing to warn about the layout there
+    dcfg, dt = dsr1
+    assert eager(r'-ngl 999 -ts 1,1 -ot "blk\.(3|4)\.ffn_down_exps=CUDA1" -ot exps=CPU', dcfg, dt) == []

@@ -40,6 +40,7 @@ from ..formats.names import (
     layers_text,
     tensor_kind,
 )
+from ..kernels.decode_layout import DENSE, EXPS, SHEXP, ffn_part_device
 from ..quant.types import GGMLType
 from .options import (  # noqa: F401 (re-exported)
     KV_TYPE_BYTES,
@@ -469,23 +470,27 @@ def _split_pair_warnings(p: Placement) -> list[str]:
 
 
 def _expert_device_warnings(p: Placement) -> list[str]:
-    """A layer's experts on a GPU other than its attention's device: the captured decode step (one CUDA graph
-    per run of layers on one GPU, runtime/steps/gpu_decode.py) runs a layer's experts on its attention's GPU or
-    on the CPU, so such a layout decodes eagerly, every op a launch and every hand-off synchronous."""
-    groups: dict[tuple, list[int]] = {}
+    """Layers whose FFN the captured decode step cannot run where it is placed (kernels/decode_layout.py: the
+    rule the step itself asks), so the whole model decodes eagerly, every op a launch and every hand-off
+    synchronous. Experts on another GPU than their attention are fine (the layer's FFN part runs there); a
+    gate/up pair on two devices is _split_pair_warnings' (issue 521); layers on the CPU are -ngl's choice. MLA
+    models (deepseek2) decode eagerly on any layout, so none is warned about there."""
+    groups: dict[str, list[int]] = {}
+    if p.cfg.kv_lora_rank:
+        return []
     for il in sorted(p._by_layer):
-        exps = [p.layer_tensor(il, n) for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
-        devs = {p.device_of[n] for n in exps if n is not None}
         attn = p.attn_device(il)
-        if len(devs) == 1 and (ed := next(iter(devs))) != "CPU" and ed != attn:
-            groups.setdefault((ed, attn), []).append(il)
-    out = []
-    for (ed, attn), layers in groups.items():
-        out.append(f"blk {layers_text(layers)}: experts on {ed}, attention on {attn}; decode cannot use the captured "
-                   f"step and runs eagerly (measured on two H100s with the other experts on the CPU: 3.8 t/s "
-                   f"against 49.5 with every expert on the CPU). Put these layers on {ed} (-ts) or their experts "
-                   f"on {attn} or the CPU")
-    return out
+        dev_of = {n: p.device_of[t] for n in EXPS + DENSE + SHEXP if (t := p.layer_tensor(il, n)) is not None}
+        big = EXPS if EXPS[0] in dev_of else DENSE
+        if attn == "CPU" or not dev_of or dev_of.get(big[0]) != dev_of.get(big[1]):
+            continue
+        dev, why = ffn_part_device(dev_of, attn)
+        if dev is None:
+            groups.setdefault(why, []).append(il)
+    return [f"blk {layers_text(layers)}: {why}; decode cannot use the captured step and runs eagerly, op by op "
+            f"(on two H100s an eager decode ran 3.8 t/s where the captured step with those experts on the CPU ran "
+            f"49.5: docs/benchmarks.md). "
+            f"Keep each layer's FFN matrices on one device" for why, layers in groups.items()]
 
 
 def _memory_warnings(p: Placement) -> list[str]:

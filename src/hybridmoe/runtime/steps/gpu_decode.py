@@ -1,10 +1,14 @@
 """Token generation with static shapes, GPU segments captured as CUDA graphs.
 
 Python launching ~50 small kernels per layer costs more than the GPU work of a decode step. Here one
-step is: the GPU runs layers up to the next layer whose experts live in host RAM or that runs on another
-GPU (one graph replay), hands the normed hidden state and the router's choice to the CPU in one copy (or
-the residual to the next GPU), the CPU kernel computes the experts, one copy brings the result back, and
-the next graph continues. With all experts on one GPU the whole step is one replay.
+step is: the GPU runs layers up to the next layer whose experts live in host RAM or up to the next part
+that runs on another GPU (one graph replay), hands the normed hidden state and the router's choice to the
+CPU in one copy (or the residual to the next GPU), the CPU kernel computes the experts, one copy brings the
+result back, and the next graph continues. With all experts on one GPU the whole step is one replay.
+
+A layer is two parts: attention on its attention's GPU, the FFN (norm, router, experts) where its experts
+or dense FFN weights are (kernels/decode_layout.py), so experts placed per GPU with -ot (llama.cpp users'
+`blk.N.ffn.=CUDAk` rules) run in the graphs too; the residual crosses GPUs inside the layer there.
 
 Static shapes: the position is a device tensor, read by the kernels. Two versions of a layer: the fused
 Triton kernels (kernels/gpu_decode.py, ~10 launches; attention reads the cache up to the position), and
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 
 from ... import env
 from ...errors import HybridMoeError, warn, warn_fallback
+from ...kernels import decode_layout as dl
 from ...kernels import gpu_decode as gd
 from ...perf.roofline import decode_share
 from ...quant.types import GGMLType
@@ -93,10 +98,12 @@ def _expert_shapes(exps) -> tuple:
 
 
 class _Seg:
-    """Layers a..b-1 on one device; kind: "cpu" (layer b-1's experts go to the CPU), "move" (layer b runs on
-    another GPU) or "out" (the output head follows)."""
+    """Parts a..b-1 on one device (part u: layer u // 2's attention if u is even, its FFN if odd); kind: "cpu"
+    (the experts of `layer`, the last one, go to the CPU), "move" (part b runs on another GPU) or "out" (the
+    output head follows)."""
     def __init__(self, a, b, dev, kind):
         self.a, self.b, self.dev, self.kind = a, b, dev, kind
+        self.layer = (b - 1) // 2
 
 
 class StaticDecoder:
@@ -107,11 +114,12 @@ class StaticDecoder:
             raise NotApplicable("multi-head latent attention (deepseek2) decodes eagerly")
         if kv.type_k == "q8_0" or kv.type_v == "q8_0":
             raise NotApplicable("q8_0 KV cache")
-        # every layer's attention, norms, router, dense FFN and KV cache on one GPU (its experts there or on
-        # the CPU); the output head on a GPU too
+        # each layer's attention and KV cache on one GPU, its FFN part on one GPU (or its experts on the CPU, with
+        # the router on the attention's GPU); the output head on a GPU too
         self.ldev = [L.attn_q.device for L in dec.layers]
         self.out_dev = dec.output.device
-        devs = {d.name: d for d in self.ldev + [self.out_dev]}
+        self.fdev = [self._ffn_device(L, d) for L, d in zip(dec.layers, self.ldev)]    # each layer's FFN part
+        devs = {d.name: d for d in self.ldev + self.fdev + [self.out_dev]}
         if any(d.kind != "cuda" for d in devs.values()):
             raise NotApplicable("a layer's attention or the output is not on a GPU")
         self.dev = self.out_dev
@@ -130,35 +138,31 @@ class StaticDecoder:
         self.layers = []
         for i, L in enumerate(dec.layers):
             dev = self.ldev[i]
-            small = lambda w, dev=dev: sched.small(w, dev)                                       # noqa: E731
-            wq = lambda w, dev=dev: w.cached(self.cdt) if w.device.name == dev.name else None    # noqa: E731
-            for w in (L.attn_q, L.attn_k, L.attn_v, L.attn_output, L.attn_norm, L.ffn_norm):
+            for w in (L.attn_q, L.attn_k, L.attn_v, L.attn_output):
                 if w.device.name != dev.name:
                     raise NotApplicable(f"{w.name} is on {w.device.name}, its layer's attention on {dev.name}")
             if kv.device(i).name != dev.name:
                 raise NotApplicable(f"layer {i}: KV cache on {kv.device(i).name}, attention on {dev.name}")
-            lay = dict(attn_norm=small(L.attn_norm), ffn_norm=small(L.ffn_norm),
-                       q_norm=small(L.attn_q_norm) if L.attn_q_norm is not None else None,
-                       k_norm=small(L.attn_k_norm) if L.attn_k_norm is not None else None)
+            if getattr(L, "ffn_gate_shexp", None) is not None:
+                raise NotApplicable("shared experts decode eagerly")
+            fdev = self.fdev[i]
+            small = lambda w, d: sched.small(w, d) if w is not None else None                   # noqa: E731
+            lay = dict(attn_norm=small(L.attn_norm, dev), ffn_norm=small(L.ffn_norm, fdev),
+                       q_norm=small(L.attn_q_norm, dev), k_norm=small(L.attn_k_norm, dev))
             qkv = [L.attn_qkv] if L.attn_qkv is not None else [L.attn_q, L.attn_k, L.attn_v]
             if self.fast and gd.can_gemv8(qkv) and gd.can_gemv8([L.attn_output]):   # dp4a from the Q8_0/Q4_0
                 lay.update(qkv8=[w.raw for w in qkv], o8=[L.attn_output.raw],         # bytes (split rows): half
                            nqkv=sum(w.shape[0] for w in qkv), q8type=(qkv[0].qtype, L.attn_output.qtype))
             else:                                                                 # the bytes of bf16
-                lay.update(wqkv=wq(qkv[0]) if len(qkv) == 1 else torch.cat([wq(w) for w in qkv]),
-                           wo=wq(L.attn_output))
+                lay.update(wqkv=qkv[0].cached(self.cdt) if len(qkv) == 1 else
+                           torch.cat([w.cached(self.cdt) for w in qkv]), wo=L.attn_output.cached(self.cdt))
             if L.ffn_gate_inp is None:
-                if not all(w.device.name == dev.name for w in (L.ffn_gate, L.ffn_up, L.ffn_down)):
-                    raise NotApplicable("dense FFN off its layer's GPU")
-                lay.update(dense=(wq(L.ffn_gate), wq(L.ffn_up), wq(L.ffn_down)))
+                lay.update(dense=tuple(w.cached(self.cdt) for w in (L.ffn_gate, L.ffn_up, L.ffn_down)))
             else:
                 exps = (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
-                where = {w.device.name for w in exps}
-                if L.ffn_gate_inp.device.name != dev.name or len(where) != 1 or \
-                        where not in ({dev.name}, {"CPU"}):
-                    raise NotApplicable(f"layer {L.i}: router or experts split across devices")
-                lay.update(router=L.ffn_gate_inp.cached(torch.float32 if L.ffn_gate_inp.qtype == GGMLType.F32
-                                                        else self.cdt),
+                r, rdt = L.ffn_gate_inp, torch.float32 if L.ffn_gate_inp.qtype == GGMLType.F32 else self.cdt
+                # the router is small (n_expert rows): copied once to the FFN part's GPU when it is elsewhere
+                lay.update(router=r.cached(rdt) if r.device.name == fdev.name else r.dequant(rdt).to(fdev.torch_device),
                            exps=exps, cpu_experts=exps[0].device.kind == "cpu")
             self.layers.append(lay)
         if self.capture:
@@ -171,16 +175,18 @@ class StaticDecoder:
         self.out_norm = sched.small(dec.output_norm, self.out_dev)
         self.out8 = self.fast and gd.can_gemv8([dec.output])                 # the head by dp4a too
         self.w_out = dec.output.raw if self.out8 else dec.output.cached(self.cdt)
-        # per GPU: the position, rope tables for every position of the cache, and the hand-off buffers
+        # per GPU: the position, rope tables for every position of the cache (where attention runs), and the
+        # hand-off buffers
         H, k = cfg.n_embd, cfg.n_expert_used
-        self.ds = {}
+        self.ds, attn_gpus = {}, {d.name for d in self.ldev}
         for name, d in devs.items():
             td = d.torch_device
             z = lambda *shape, td=td: torch.zeros(*shape, device=td)                             # noqa: E731
-            cos, sin = context_rope_tables(kv.n_ctx, cfg.head_dim, cfg.rope_base, cfg.rope_neox, td)
+            cos, sin = context_rope_tables(kv.n_ctx, cfg.head_dim, cfg.rope_base, cfg.rope_neox, td) \
+                if name in attn_gpus else (None, None)
             self.ds[name] = SimpleNamespace(
                 pos=torch.zeros(1, dtype=torch.long, device=td), cos=cos, sin=sin,
-                kpos=torch.arange(kv.n_ctx, device=td),
+                kpos=torch.arange(kv.n_ctx, device=td) if name in attn_gpus else None,
                 resid=z(1, H), moe_in=z(1, H), packed=z(1, H + 2 * k), xin=z(1, H), xmove=z(1, H))
         first = self.ds[self.ldev[0].name]
         self.x_in = first.xin
@@ -193,20 +199,33 @@ class StaticDecoder:
         self.h_moe = torch.zeros(1, H, pin_memory=pin)
         self.h_logits = torch.zeros(1, cfg.n_vocab, pin_memory=pin)
         self.h_ids = torch.zeros(1, k, dtype=torch.int32)
-        # segments: runs of layers on one GPU that end at a CPU-expert layer, a change of GPU, or the output
+        # segments: runs of parts (unit u: layer u // 2's attention for even u, its FFN for odd u) on one GPU that
+        # end at a CPU-expert layer, a change of GPU (between layers or inside one), or the output
+        udev = [d for pair in zip(self.ldev, self.fdev) for d in pair]
         self.segments, a = [], 0
-        for i, lay in enumerate(self.layers):
-            nxt = self.ldev[i + 1] if i + 1 < cfg.n_layer else self.out_dev
-            if lay.get("cpu_experts"):
-                self.segments.append(_Seg(a, i + 1, self.ldev[i], "cpu"))
-                a = i + 1
-            elif nxt.name != self.ldev[i].name:
-                self.segments.append(_Seg(a, i + 1, self.ldev[i], "move"))
-                a = i + 1
-        self.segments.append(_Seg(a, cfg.n_layer, self.out_dev, "out"))
+        for u, dev in enumerate(udev):
+            nxt = udev[u + 1] if u + 1 < len(udev) else self.out_dev
+            if u % 2 and self.layers[u // 2].get("cpu_experts"):
+                self.segments.append(_Seg(a, u + 1, dev, "cpu"))
+                a = u + 1
+            elif nxt.name != dev.name:
+                self.segments.append(_Seg(a, u + 1, dev, "move"))
+                a = u + 1
+        self.segments.append(_Seg(a, len(udev), self.out_dev, "out"))
         self.hk = self._handoff(len(devs))
         self.graphs = None
         self.worked = False                             # a step has run (the model falls back before that)
+
+    @staticmethod
+    def _ffn_device(L, attn):
+        """The device of layer L's FFN part (kernels/decode_layout.py, the rule the planner warns by): the GPU of
+        its experts or dense FFN, or its attention's GPU where the experts are in host RAM (the CPU hand-off)."""
+        big = dl.EXPS if L.ffn_gate_inp is not None else dl.DENSE
+        ws = {n: getattr(L, n, None) for n in big + dl.SHEXP}
+        dev, why = dl.ffn_part_device({n: w.device.name for n, w in ws.items() if w is not None}, attn.name)
+        if dev is None:
+            raise NotApplicable(f"layer {L.i}: {why}")
+        return attn if dev == "CPU" else ws[big[0]].device
 
     def _handoff(self, n_devices: int):
         """Pinned buffers, flags and per-layer C calls for the polled hand-off of experts to the CPU (step), or
@@ -224,7 +243,7 @@ class StaticDecoder:
                              step=torch.zeros(1, dtype=torch.int32, device=td), n=0, slot={}, calls=[], bytes=0,
                              share=self._decode_share(cpu_segs), share_bytes=0)
         for j, s in enumerate(cpu_segs):
-            g, u, d = self.layers[self.segments[s].b - 1]["exps"]
+            g, u, d = self.layers[self.segments[s].layer]["exps"]
             try:
                 hk.calls.append(kern.handoff_call(g.raw, u.raw, d.raw, g.qtype, d.qtype, hk.packed[j], hk.out[j],
                                                   hk.ready[j], hk.done[j], self.sched.n_threads,
@@ -238,7 +257,7 @@ class StaticDecoder:
         if hk.share:             # the GPU's copies of its experts: one buffer per expert shape, used layer by layer
             hk.stage = {}
             for s in cpu_segs:
-                key = _expert_shapes(self.layers[self.segments[s].b - 1]["exps"])
+                key = _expert_shapes(self.layers[self.segments[s].layer]["exps"])
                 if key not in hk.stage:
                     hk.stage[key] = [torch.empty(hk.share, *shape, dtype=torch.uint8, device=td) for shape in key]
             hk.lids = torch.arange(hk.share, dtype=torch.int32, device=td)[None]
@@ -253,7 +272,7 @@ class StaticDecoder:
         that variable also forces a count. Otherwise the count that balances the two sides at the calibrated
         rates (roofline.decode_share)."""
         k = self.cfg.n_expert_used
-        exps = [self.layers[self.segments[s].b - 1]["exps"] for s in cpu_segs]
+        exps = [self.layers[self.segments[s].layer]["exps"] for s in cpu_segs]
         if k < 2 or not all(gd.supports(g.qtype, u.qtype, d.qtype) and gd.share_layout_ok(
                 (g.qtype, u.qtype, d.qtype), [w.raw[0].numel() for w in (g, u, d)]) and all(
                 is_pinned(w.raw) and gd.stage_words(w.raw) is not None for w in (g, u, d)) for g, u, d in exps):
@@ -322,15 +341,13 @@ class StaticDecoder:
         return x + X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d), None
 
     # -- the step with the fused kernels: ~10 launches a layer ------------------------------------------
-    def _layer_fast(self, i, lay, x, addend, wait=None, publish=None, extra=None):
-        """Layer i on x (+ addend: rows to add first, the CPU experts' output or the k weighted GPU expert
-        rows; wait: addend is in pinned memory, ready when the host sets a flag, see add_rms_norm; extra:
-        rows on the GPU to add as well, its decode share of the CPU layer before). Returns (x, addend for
-        the next layer, whether the CPU takes the experts from the GPU's packed buffer, with the residual in
-        its resid buffer). publish: (host row, flag, step) where the router hands that buffer to the CPU
-        itself (the polled hand-off)."""
+    def _attn_fast(self, i, lay, x, addend, wait=None, extra=None):
+        """Layer i's attention part on x (+ addend: rows to add first, the CPU experts' output or the k weighted
+        GPU expert rows; wait: addend is in pinned memory, ready when the host sets a flag, see add_rms_norm;
+        extra: rows on the GPU to add as well, its decode share of the CPU layer before). Returns (x, the
+        attention output row to add to it)."""
         cfg = self.cfg
-        eps, H, k = cfg.rms_eps, cfg.n_embd, cfg.n_expert_used
+        eps, H = cfg.rms_eps, cfg.n_embd
         ds = self.ds[self.ldev[i].name]
         x_sum = torch.empty_like(x) if addend is not None else None
         xq = gd.x8_buffers(x.shape[0], H, x.device) if "qkv8" in lay else None
@@ -349,18 +366,28 @@ class StaticDecoder:
         o = gd.attention(None, kc, vc, ds.pos, cfg.head_dim ** -0.5, out_dtype=self.cdt,   # q/k norm + RoPE +
                          rope=(qkv, lay["q_norm"], lay["k_norm"], ds.cos, ds.sin, cfg.n_head, eps,  # KV write
                                cfg.rope_neox), q8_out=oq)                                         # fused in
+        if "o8" in lay:
+            return x, gd.gemv8(oq if merge8 else gd.quant_x8(o), lay["o8"], lay["q8type"][1], o.shape[1],
+                               hb.new_empty(1, H))
+        return x, o @ lay["wo"].t()
+
+    def _ffn_fast(self, i, lay, x, ob, publish=None):
+        """Layer i's FFN part on x (+ ob: the attention's output row; None where the residual came from another
+        GPU with it added). Returns (x, addend for the next part, whether the CPU takes the experts from the
+        GPU's packed buffer, with the residual in its resid buffer). publish: (host row, flag, step) where the
+        router hands that buffer to the CPU itself (the polled hand-off)."""
+        cfg = self.cfg
+        eps, H, k = cfg.rms_eps, cfg.n_embd, cfg.n_expert_used
+        ds = self.ds[self.fdev[i].name]
         cpu = bool(lay.get("cpu_experts"))
-        x2 = ds.resid if cpu else torch.empty_like(x)
+        x2 = ds.resid if cpu else torch.empty_like(x) if ob is not None else None
         exps = None if cpu or "dense" in lay else lay["exps"]
         xq = gd.x8_buffers(x.shape[0], H, x.device) if exps and exps[0].split else None   # the MoE's int8 x
         router = lay.get("router")
         h2 = torch.empty_like(x, dtype=router.dtype) if router is not None and router.dtype != x.dtype else None
-        if "o8" in lay:
-            ob = gd.gemv8(oq if merge8 else gd.quant_x8(o), lay["o8"], lay["q8type"][1], o.shape[1], hb.new_empty(1, H))
-        else:
-            ob = o @ lay["wo"].t()
         _, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=ob, x_out=x2,
                                h_out=ds.packed[:, :H] if cpu else None, q8_out=xq, h2_out=h2)
+        x2 = x if x2 is None else x2
         if "dense" in lay:
             g, u, d = lay["dense"]
             hc = h.to(self.cdt)
@@ -400,13 +427,16 @@ class StaticDecoder:
             extra = hk.gout if hk.share else None
         # the polled hand-off: the router of the segment's last layer writes [h | weights | ids] for the CPU
         pub = (hk.packed[hk.slot[s]], hk.ready[hk.slot[s]], hk.step) if hk is not None and s in hk.slot else None
-        for i in range(seg.a, seg.b):
-            x, addend, to_cpu = self._layer_fast(i, self.layers[i], x, addend, wait, pub if i == seg.b - 1 else None,
-                                                 extra)
+        for u in range(seg.a, seg.b):
+            i, lay = u // 2, self.layers[u // 2]
+            if u % 2 == 0:
+                x, addend = self._attn_fast(i, lay, x, addend, wait, extra)
+            else:
+                x, addend, to_cpu = self._ffn_fast(i, lay, x, addend, pub if u == seg.b - 1 else None)
+                if to_cpu:
+                    return
             wait = extra = None
-            if to_cpu:
-                return
-        if seg.kind == "move":                        # the residual (with the last layer's FFN rows) leaves
+        if seg.kind == "move":                        # the residual (with the last part's output rows) leaves
             xmove = self.ds[seg.dev.name].xmove
             if addend is None:
                 xmove.copy_(x)
@@ -427,9 +457,11 @@ class StaticDecoder:
             return self._segment_fast(s)
         seg = self.segments[s]                                            # single GPU (checked in __init__)
         x = self.x_in if seg.a == 0 else self.resid + self.moe_in
-        for i in range(seg.a, seg.b):
-            lay = self.layers[i]
-            x = x + self._attention(i, lay, x)
+        for u in range(seg.a, seg.b):
+            lay = self.layers[u // 2]
+            if u % 2 == 0:
+                x = x + self._attention(u // 2, lay, x)
+                continue
             x, packed = self._ffn(lay, x)
             if packed is not None:
                 self.packed.copy_(packed)
@@ -499,7 +531,7 @@ class StaticDecoder:
                 self.graphs[s + 1].replay()            # waits on the GPU for the call below
                 rc = hk.calls[hk.slot[s]](hk.n)
                 if rc:
-                    b = self.segments[s].b - 1
+                    b = self.segments[s].layer
                     raise RuntimeError(f"layer {b}: the router chose an expert id that is not an expert (a NaN "
                                        f"in the hidden state?)" if rc == -1 else
                                        f"layer {b}: the GPU did not hand over the CPU experts' input in 30 s")
@@ -555,7 +587,7 @@ class StaticDecoder:
             there = self.ds[nxt.name]
             if seg.kind == "cpu":                                         # layer b-1's experts on the CPU
                 self.h_packed.copy_(here.packed)                          # D2H waits for the segment
-                self._cpu_experts(seg.b - 1, st, seg.dev.name, nxt.name)
+                self._cpu_experts(seg.layer, st, seg.dev.name, nxt.name)
                 there.moe_in.copy_(self.h_moe, non_blocking=True)
                 if nxt.name != seg.dev.name:
                     there.xin.copy_(here.resid, non_blocking=True)
