@@ -54,14 +54,27 @@
 /* ggml type ids */
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
-    T_IQ4_NL = 20, T_BF16 = 30, T_MXFP4 = 39,
+    T_IQ4_NL = 20, T_BF16 = 30, T_MXFP4 = 39, T_Q2_K = 10, T_Q3_K = 11, T_IQ4_XS = 23,
 };
 
 /* dense type index used by the kernel tables */
-enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I_MXFP4, N_TYPES };
+enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I_MXFP4, I_IQ4_XS, I_Q3_K, I_Q2_K,
+       N_TYPES };
 /* M(type index) for every type: one case of a per-type switch each */
 #define EACH_TYPE(M) M(I_F32) M(I_F16) M(I_BF16) M(I_Q4_0) M(I_Q8_0) M(I_Q4_K) M(I_Q5_K) M(I_Q6_K) M(I_IQ4_NL) \
-    M(I_MXFP4)
+    M(I_MXFP4) M(I_IQ4_XS) M(I_Q3_K) M(I_Q2_K)
+
+/* The "x types" (IQ4_XS, Q3_K, Q2_K): 256-element super-blocks whose weights are w = S_i (u - X_OFF) - M_i,
+ * u an unsigned byte (IQ4_XS: its table's integer + 128; Q3_K: 3 bits; Q2_K: 2 bits), S_i and M_i (Q2_K only)
+ * per 16-element sub-block i. One scale routine (x_scales) and one unpacker per width (x_u32, x_u64) give
+ * every path its values: fp32 (w = fma(u, S, X_OFF S), or S u - M: ggml's roundings), the integer path
+ * (the u bytes straight into vpdpbusd) and the dequantizer. */
+#define IS_X(ti) ((ti) >= I_IQ4_XS)
+#define X_OFF(ti) ((ti) == I_IQ4_XS ? 128 : (ti) == I_Q3_K ? 4 : 0)
+#define X_OFF_SH(ti) ((ti) == I_IQ4_XS ? 7 : (ti) == I_Q3_K ? 2 : 0)   /* log2 X_OFF */
+#define X_MIN(ti) ((ti) == I_Q2_K)
+/* types in 256-element super-blocks */
+#define IS_K(ti) (((ti) >= I_Q4_K && (ti) <= I_Q6_K) || IS_X(ti))
 
 typedef struct {
     int id;   /* ggml id */
@@ -74,6 +87,7 @@ static const tinfo TINFO[N_TYPES] = {
     [I_Q4_0] = {T_Q4_0, 32, 18},    [I_Q8_0] = {T_Q8_0, 32, 34}, [I_Q4_K] = {T_Q4_K, 256, 144},
     [I_Q5_K] = {T_Q5_K, 256, 176},  [I_Q6_K] = {T_Q6_K, 256, 210},
     [I_IQ4_NL] = {T_IQ4_NL, 32, 18}, [I_MXFP4] = {T_MXFP4, 32, 17},
+    [I_IQ4_XS] = {T_IQ4_XS, 256, 136}, [I_Q3_K] = {T_Q3_K, 256, 110}, [I_Q2_K] = {T_Q2_K, 256, 84},
 };
 
 static int type_index(int id) {
@@ -87,6 +101,7 @@ static inline int64_t row_bytes(int ti, int64_t n) { return n / TINFO[ti].qk * T
 static const float KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static const float KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static const float KV_Q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+static const uint8_t KU8_IQ4NL[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 /* ------------------------------------------------------------------ scalar helpers */
 
@@ -123,6 +138,43 @@ static inline void k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
+/* the per-16 scales S and mins M (zero but for Q2_K) of x-type super-block b, as ggml computes them */
+static inline void x_scales(int ti, const uint8_t *b, float *S, float *M) {
+    for (int i = 0; i < 16; i++) M[i] = 0.0f;
+    if (ti == I_IQ4_XS) {
+        const float d = fp16_to_f32(rd16(b));
+        const int sh = rd16(b + 2);
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls = ((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (((sh >> 2 * ib) & 3) << 4);
+            S[2 * ib] = S[2 * ib + 1] = d * (float)(ls - 32);
+        }
+    } else if (ti == I_Q3_K) {
+        const float d = fp16_to_f32(rd16(b + 108));
+        const uint8_t *sc = b + 96;
+        for (int i = 0; i < 16; i++) {
+            const int lo = i < 8 ? sc[i] & 0xF : sc[i - 8] >> 4, hi = (sc[8 + i % 4] >> 2 * (i / 4)) & 3;
+            S[i] = d * (float)((lo | hi << 4) - 32);
+        }
+    } else {   /* Q2_K */
+        const float d = fp16_to_f32(rd16(b + 80)), dm = fp16_to_f32(rd16(b + 82));
+        for (int i = 0; i < 16; i++) {
+            S[i] = d * (float)(b[i] & 0xF);
+            M[i] = dm * (float)(b[i] >> 4);
+        }
+    }
+}
+
+/* element e (0..255) of x-type super-block b as its unsigned byte u */
+static inline int x_value(int ti, const uint8_t *b, int e) {
+    if (ti == I_IQ4_XS) {
+        const int q = b[8 + 16 * (e / 32) + e % 16];
+        return KU8_IQ4NL[e % 32 < 16 ? q & 0xF : q >> 4];
+    }
+    const int n = e / 128, j = e % 128 / 32, l = e % 32;
+    const int v = (b[(ti == I_Q3_K ? 32 : 16) + 32 * n + l] >> 2 * j) & 3;
+    return ti == I_Q3_K ? v | ((b[l] >> (4 * n + j)) & 1) << 2 : v;
+}
+
 /* float -> bf16, round to nearest even (quiet NaN kept) */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t b; memcpy(&b, &f, 4);
@@ -141,6 +193,14 @@ static void deq_scalar(int ti, const uint8_t *row, int64_t off, int n, float *ou
     case I_BF16: for (int i = 0; i < n; i++) out[i] = bf16_to_f32(rd16(row + (off + i) * 2)); return;
     }
     for (int o = 0; o < n; o += qk, b += ts, out += qk) {
+        if (IS_X(ti)) {   /* S (u - off) and S u - M: one rounding each as in ggml (S u is exact) */
+            float S[16], M[16];
+            x_scales(ti, b, S, M);
+            for (int e = 0; e < 256; e++)
+                out[e] = X_MIN(ti) ? S[e / 16] * (float)x_value(ti, b, e) - M[e / 16]
+                                   : S[e / 16] * (float)(x_value(ti, b, e) - X_OFF(ti));
+            continue;
+        }
         switch (ti) {
         case I_Q4_0: case I_IQ4_NL: case I_MXFP4: {
             const float *kv = ti == I_Q4_0 ? KV_Q4_0 : ti == I_IQ4_NL ? KV_IQ4NL : KV_MXFP4;
@@ -243,8 +303,6 @@ static void kern_generic(int ti, int R, int NT, const uint8_t *const *w, const u
         }
 }
 
-#define IS_K(ti) ((ti) == I_Q4_K || (ti) == I_Q5_K || (ti) == I_Q6_K)
-
 /* the block holding 32-element unit `unit` of a row */
 HM_INLINE const uint8_t *unit_block(const int ti, const uint8_t *row, int64_t unit) {
     if (ti == I_F32 || ti == I_F16 || ti == I_BF16) return row + unit * 32 * TINFO[ti].ts;
@@ -284,12 +342,14 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
 #define KTABLE(NAME, P, FN) \
     KSHAPES(P, FN, I_F32) KSHAPES(P, FN, I_F16) KSHAPES(P, FN, I_BF16) KSHAPES(P, FN, I_Q4_0) \
     KSHAPES(P, FN, I_Q8_0) KSHAPES(P, FN, I_Q4_K) KSHAPES(P, FN, I_Q5_K) KSHAPES(P, FN, I_Q6_K) \
-    KSHAPES(P, FN, I_IQ4_NL) KSHAPES(P, FN, I_MXFP4) \
+    KSHAPES(P, FN, I_IQ4_NL) KSHAPES(P, FN, I_MXFP4) KSHAPES(P, FN, I_IQ4_XS) KSHAPES(P, FN, I_Q3_K) \
+    KSHAPES(P, FN, I_Q2_K) \
     static const kern_fn NAME[N_TYPES][5][5] = { \
         [I_F32] = KTROW(P, I_F32), [I_F16] = KTROW(P, I_F16), [I_BF16] = KTROW(P, I_BF16), \
         [I_Q4_0] = KTROW(P, I_Q4_0), [I_Q8_0] = KTROW(P, I_Q8_0), [I_Q4_K] = KTROW(P, I_Q4_K), \
         [I_Q5_K] = KTROW(P, I_Q5_K), [I_Q6_K] = KTROW(P, I_Q6_K), [I_IQ4_NL] = KTROW(P, I_IQ4_NL), \
-        [I_MXFP4] = KTROW(P, I_MXFP4), };
+        [I_MXFP4] = KTROW(P, I_MXFP4), [I_IQ4_XS] = KTROW(P, I_IQ4_XS), [I_Q3_K] = KTROW(P, I_Q3_K), \
+        [I_Q2_K] = KTROW(P, I_Q2_K), };
 
 #if HM_AVX2
 
@@ -308,7 +368,11 @@ __attribute__((constructor)) static void init_f16_table(void) {
 typedef struct { float s[16], m[16]; } kscale;
 
 HM_INLINE void prep_k(const int ti, const uint8_t *b, kscale *ks) {
-    if (ti == I_Q4_K || ti == I_Q5_K) {
+    if (IS_X(ti)) {   /* w = fma(u, s, -m): m = off s (exact) or Q2_K's min */
+        float M[16];
+        x_scales(ti, b, ks->s, M);
+        for (int i = 0; i < 16; i++) ks->m[i] = (float)X_OFF(ti) * ks->s[i] + M[i];
+    } else if (ti == I_Q4_K || ti == I_Q5_K) {
         /* unpack the 12 packed bytes into 8 scales and 8 mins at once (SWAR on 32-bit words) */
         uint32_t a, c, e;
         memcpy(&a, b + 4, 4); memcpy(&c, b + 8, 4); memcpy(&e, b + 12, 4);
@@ -337,6 +401,27 @@ HM_INLINE void prep_k(const int ti, const uint8_t *b, kscale *ks) {
 static const int8_t KV8_Q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 static const int8_t KV8_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static const int8_t KV8_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* unit u (32 elements) of x-type super-block b as unsigned bytes (16-bit shifts: the masks drop what crosses
+ * bytes) */
+HM_INLINE __m256i x_u32(const int ti, const uint8_t *b, const int u) {
+    if (ti == I_IQ4_XS) {
+        const __m128i m0f = _mm_set1_epi8(0x0F), tab = _mm_loadu_si128((const __m128i *)KU8_IQ4NL);
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * u));
+        return _mm256_set_m128i(_mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(qs, 4), m0f)),
+                                _mm_shuffle_epi8(tab, _mm_and_si128(qs, m0f)));
+    }
+    const int n = u >> 2, j = u & 3;
+    __m256i q = _mm256_loadu_si256((const __m256i *)(b + (ti == I_Q3_K ? 32 : 16) + 32 * n));
+    q = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3));
+    if (ti == I_Q3_K) {   /* bit 4n + j of hmask[l] -> bit 2 */
+        const int k = 4 * n + j;
+        __m256i h = _mm256_loadu_si256((const __m256i *)b);
+        h = k >= 2 ? _mm256_srli_epi16(h, k - 2) : _mm256_slli_epi16(h, 2 - k);
+        q = _mm256_or_si256(q, _mm256_and_si256(h, _mm256_set1_epi8(4)));
+    }
+    return q;
+}
 
 /* 32 bytes -> 4 x 8 floats, as signed or unsigned integers */
 HM_INLINE void bytes_to_ps(__m256i v, int sgn, __m256 *w) {
@@ -404,6 +489,11 @@ HM_INLINE void unpack32_avx2(const int ti, const uint8_t *b, const int u, const 
             w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[2 * u + i / 2]), _mm256_set1_ps(ks->m[2 * u + i / 2]));
         return;
     }
+    case I_IQ4_XS: case I_Q3_K: case I_Q2_K:
+        bytes_to_ps(x_u32(ti, b, u), 0, w);
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[2 * u + i / 2]), _mm256_set1_ps(ks->m[2 * u + i / 2]));
+        return;
     }
 }
 
@@ -570,6 +660,14 @@ HM_INLINE void unpack32(const int ti, const uint8_t *b, const int u, const kscal
         /* s * (q - 32) with one rounding, as ggml's d * sc * (q - 32) */
         *w0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(qa), _mm512_set1_ps(ks->s[2 * u]), _mm512_set1_ps(ks->m[2 * u]));
         *w1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(qb), _mm512_set1_ps(ks->s[2 * u + 1]), _mm512_set1_ps(ks->m[2 * u + 1]));
+        return;
+    }
+    case I_IQ4_XS: case I_Q3_K: case I_Q2_K: {
+        const __m256i q = x_u32(ti, b, u);
+        *w0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q))),
+                              _mm512_set1_ps(ks->s[2 * u]), _mm512_set1_ps(ks->m[2 * u]));
+        *w1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1))),
+                              _mm512_set1_ps(ks->s[2 * u + 1]), _mm512_set1_ps(ks->m[2 * u + 1]));
         return;
     }
     }
@@ -859,6 +957,9 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
  *     two chains, b ascending; the result is acc - accm.
  * - Q6_K (sub-block i of 16, S_i = d sc_i, v = q - 32):
  *     I_i = sum v X over the 16, acc = fma((float)I_i, S_i * xs_(i/2), acc).
+ * - x types (IQ4_XS, Q3_K, Q2_K; sub-block i of 16, v = u - X_OFF, S_i, M_i as x_scales):
+ *     I_i = sum v X over the 16, acc = fma((float)I_i, S_i * xs_(i/2), acc), Q2_K: accm = fma(M_i, sx16_i, accm)
+ *     (sx16_i = xs sum X over the 16, quant_x8's sx16); the result is acc - accm.
  * One chain per (row, token) over the blocks in order: the integers are exact however a kernel sums them
  * (lanes, tiles), and the float steps are the same few roundings in the same order everywhere.
  */
@@ -917,6 +1018,22 @@ static float cdot_ref(int ti, const uint8_t *row, int64_t K, const xq8 *q) {
         return acc;
     }
     float accm = 0.0f;
+    if (IS_X(ti)) {
+        for (int64_t s = 0; s < K / 256; s++) {
+            const uint8_t *b = row + s * TINFO[ti].ts;
+            float S[16], M[16];
+            x_scales(ti, b, S, M);
+            for (int i = 0; i < 16; i++) {
+                const int64_t e0 = 256 * s + 16 * i;
+                int32_t I = 0;
+                for (int l = 0; l < 16; l++)
+                    I += (x_value(ti, b, 16 * i + l) - X_OFF(ti)) * (256 * q->q1[e0 + l] + q->q2[e0 + l]);
+                acc = fmaf((float)I, S[i] * q->xsb[e0 / 32], acc);
+                if (X_MIN(ti)) accm = fmaf(M[i], q->sx16[e0 / 16], accm);
+            }
+        }
+        return acc - accm;
+    }
     for (int64_t s = 0; s < K / 256; s++) {
         const uint8_t *b = row + s * TINFO[ti].ts;
         float S[16], M[16];
@@ -939,6 +1056,8 @@ static float cdot_ref(int ti, const uint8_t *row, int64_t K, const xq8 *q) {
 #define GF_HI 0x1020408000000000ull
 #define GF_BIT(k) ((uint64_t)(1u << (k)) << 24)
 #define GF_2BITS(k) (GF_BIT(k) | (uint64_t)(1u << ((k) + 1)) << 16)   /* bits k, k+1 -> bits 4, 5 */
+#define GF_2LOW(k) ((uint64_t)(1u << (k)) << 56 | (uint64_t)(1u << ((k) + 1)) << 48)   /* bits k, k+1 -> 0, 1 */
+#define GF_TO2(k) ((uint64_t)(1u << (k)) << 40)                                       /* bit k -> bit 2 */
 
 typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res);
 /* an integer-path kernel FN(ti, R, ...) for every type and R of 1, 2, 4 rows, and the table NAME[type][R] */
@@ -960,7 +1079,6 @@ typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t
 #define IS_B32(ti) ((ti) == I_Q4_0 || (ti) == I_IQ4_NL || (ti) == I_MXFP4)
 #define B32_SHIFT(ti) ((ti) == I_IQ4_NL ? 4 : (ti) == I_MXFP4 ? 1 : 0)          /* offsets 128, 16, 8 */
 #define B32_QS(ti) ((ti) == I_MXFP4 ? 1 : 2)                                   /* where the nibbles start */
-static const uint8_t KU8_IQ4NL[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 static const uint8_t KU8_MXFP4[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
 #if HM_AVX2
 static float g_e8m0[256];                 /* MXFP4's block scales */
@@ -973,7 +1091,7 @@ __attribute__((constructor)) static void init_e8m0_table(void) {
 
 static int q8_type(int ti, int64_t K) {
     return K % 64 == 0 && (INT8_512 || INT8_256) &&
-           (IS_B32(ti) || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K || (ti == I_Q8_0 && INT8_512));
+           (IS_B32(ti) || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K || ((ti == I_Q8_0 || IS_X(ti)) && INT8_512));
 }
 
 #if HM_VNNI
@@ -1013,6 +1131,29 @@ HM_INLINE __m512i qc_dot(__m512i u, __m512i x1, __m512i x2) {
     return g_xterms > 1 ? _mm512_dpbusd_epi32(a, u, x2) : a;
 }
 
+/* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order */
+HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c) {
+    if (ti == I_IQ4_XS) {   /* blocks 2c, 2c + 1: [qs0, qs0, qs1, qs1] -> [lo0, hi0, lo1, hi1], then the table */
+        const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
+        __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + 8 + 32 * c)));
+        q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b + 24 + 32 * c)));
+        q = _mm512_gf2p8affine_epi64_epi8(q, mq40, 0);
+        return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KU8_IQ4NL)), q);
+    }
+    /* units 2(c&1), 2(c&1) + 1 of half c/2: the same 32 bytes of 2-bit fields, bit pairs j0, j0 + 1 */
+    const int n = c >> 1, j0 = 2 * (c & 1);
+    const __m512i m2 = _mm512_set_epi64(GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2),
+        GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0));
+    const __m512i q = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+        (const __m256i *)(b + (ti == I_Q3_K ? 32 : 16) + 32 * n))), m2, 0);
+    if (ti != I_Q3_K) return q;
+    const int k = 4 * n + j0;   /* hmask bits k, k + 1 -> bit 2 */
+    const __m512i mh = _mm512_set_epi64(GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1),
+                                        GF_TO2(k), GF_TO2(k), GF_TO2(k), GF_TO2(k));
+    return _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(
+        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b)), mh, 0));
+}
+
 /* res[r * NT + t] = cdot_ref(row w[r], token xq[t]) for R rows (1, 2 or 4) and NT tokens (1-4), bit for bit:
  * the weights of a step are unpacked once for all NT tokens; per token the rows' lane sums are reduced to
  * block sums (rows4_lanes) and the float chain runs over the rows in an xmm (one lane a row). */
@@ -1050,6 +1191,46 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
                                                  _mm_set1_epi32(QC_OFF(ti) * q->sxi[b + 1]));
                 acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(i0), _mm_mul_ps(dw0, _mm_set1_ps(q->xsb[b])), acc[t]);
                 acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(i1), _mm_mul_ps(dw1, _mm_set1_ps(q->xsb[b + 1])), acc[t]);
+            }
+        } else if (IS_X(ti)) {
+            /* scales (and Q2_K's mins) as [sub-block i][row] */
+            float Sm[16][4] __attribute__((aligned(64))), Mm[16][4] __attribute__((aligned(64)));
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                float S[16], M[16];
+                if (r < R) x_scales(ti, w[r] + o, S, M);
+                for (int i = 0; i < 16; i++) {
+                    Sm[i][r] = r < R ? S[i] : 0.0f;
+                    Mm[i][r] = r < R ? M[i] : 0.0f;
+                }
+            }
+            if (X_MIN(ti))
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++)
+                    for (int i = 0; i < 16; i++)
+                        accm[t] = _mm_fmadd_ps(_mm_load_ps(Mm[i]), _mm_set1_ps(xq[t]->sx16[e / 16 + i]), accm[t]);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const int64_t j = e + 64 * c;
+                __m512i qv[4];
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) qv[r] = x_u64(ti, w[r] + o, c);
+                const __m512 sv = _mm512_load_ps(&Sm[4 * c][0]);   /* [sub-block 4c + L][row] */
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++) {
+                    const xq8 *q = xq[t];
+                    const __m512i x1 = _mm512_load_si512(q->q1 + j), x2 = _mm512_load_si512(q->q2 + j);
+                    __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
+                                             R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                    if (X_OFF(ti))
+                        l4 = _mm512_sub_epi32(l4, _mm512_slli_epi32(_mm512_load_si512(q->sxi4 + j / 4), X_OFF_SH(ti)));
+                    const __m512 f = _mm512_cvtepi32_ps(l4);
+                    const __m512 sc = _mm512_mul_ps(sv, _mm512_load_ps(q->xs + 16 * (j / 64)));
+                    acc[t] = _mm_fmadd_ps(_mm512_castps512_ps128(f), _mm512_castps512_ps128(sc), acc[t]);
+                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 1), _mm512_extractf32x4_ps(sc, 1), acc[t]);
+                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 2), _mm512_extractf32x4_ps(sc, 2), acc[t]);
+                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 3), _mm512_extractf32x4_ps(sc, 3), acc[t]);
+                }
             }
         } else if (ti == I_Q6_K) {
             float Sm[16][4] __attribute__((aligned(64)));
@@ -1172,10 +1353,11 @@ typedef void (*kqc_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_
     {0, kqc_##TI##_2_1, kqc_##TI##_2_2, kqc_##TI##_2_3, kqc_##TI##_2_4}, {0}, \
     {0, kqc_##TI##_4_1, kqc_##TI##_4_2, kqc_##TI##_4_3, kqc_##TI##_4_4} }
 KQCSHAPES(I_Q4_0) KQCSHAPES(I_Q8_0) KQCSHAPES(I_Q4_K) KQCSHAPES(I_Q5_K) KQCSHAPES(I_Q6_K) KQCSHAPES(I_IQ4_NL)
-KQCSHAPES(I_MXFP4)
+KQCSHAPES(I_MXFP4) KQCSHAPES(I_IQ4_XS) KQCSHAPES(I_Q3_K) KQCSHAPES(I_Q2_K)
 static const kqc_fn KQC[N_TYPES][5][5] = {
     [I_Q4_0] = KQCROW(I_Q4_0), [I_Q8_0] = KQCROW(I_Q8_0), [I_Q4_K] = KQCROW(I_Q4_K), [I_Q5_K] = KQCROW(I_Q5_K),
-    [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4), };
+    [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4),
+    [I_IQ4_XS] = KQCROW(I_IQ4_XS), [I_Q3_K] = KQCROW(I_Q3_K), [I_Q2_K] = KQCROW(I_Q2_K), };
 #endif /* HM_VNNI */
 
 #if HM_AVXVNNI
@@ -1308,7 +1490,8 @@ KQTABLE(KQTAB2, kq2, kern_q8_256)
 #define INT8_DEFAULT_256_ ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_Q5_K) | (1u << I_Q6_K) | (1u << I_MXFP4))
 /* AVX-512 VNNI: every quantized type, Q8_0 and IQ4_NL too, so that every batch size computes the canonical
  * integer products (cdot_ref): prompts then give the same results however they are split. */
-#define INT8_DEFAULT_512 (INT8_DEFAULT_256_ | (1u << I_Q8_0) | (1u << I_IQ4_NL))
+#define INT8_DEFAULT_512 (INT8_DEFAULT_256_ | (1u << I_Q8_0) | (1u << I_IQ4_NL) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
+                          (1u << I_Q2_K))
 /* AVX-VNNI (dev VM, 1 thread, T=1, GB/s fp32 -> integer): Q4_0 7.2 -> 12.4, Q4_K 7.3 -> 11.2, Q5_K 8.4 -> 11.6,
  * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
  * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
@@ -2584,7 +2767,7 @@ static int canon_type(int ti, int64_t K) {
  * path (the canonical products) */
 static int tile_q8(int mode, int ti, int64_t K) {
 #if HM_AMX8
-    return mode == TILE_AMX && QC_MULTI && (INT8_MASK >> ti & 1) && q8_type(ti, K);
+    return mode == TILE_AMX && QC_MULTI && (INT8_MASK >> ti & 1) && q8_type(ti, K) && !IS_X(ti);
 #else
     (void)mode; (void)ti; (void)K;
     return 0;
