@@ -1154,6 +1154,54 @@ HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c) {
         _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b)), mh, 0));
 }
 
+/* x_scales of super-block b in vectors: S (and M, Q2_K's mins) of the 16 sub-blocks, the same floats */
+HM_INLINE void x_scales16(const int ti, const uint8_t *b, __m512 *S, __m512 *M) {
+    if (ti == I_Q2_K) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0F);
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b + 80)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4))));
+        *M = _mm512_mul_ps(_mm512_set1_ps(F16(b + 82)),
+                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4))));
+        return;
+    }
+    *M = _mm512_setzero_ps();
+    if (ti == I_Q3_K) {
+        /* low 4 bits: s[i] & 15 (i < 8), s[i - 8] >> 4; bits 4-5: bits 2(i/4) of s[8 + i%4] */
+        const __m128i x = _mm_loadl_epi64((const __m128i *)(b + 96)), m4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4));
+        uint32_t hw;
+        memcpy(&hw, b + 104, 4);
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)hw), _mm_setr_epi32(0, 2, 4, 6)),
+                                         _mm_set1_epi8(3));
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b + 108)), _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
+        return;
+    }
+    /* IQ4_XS: 8 scales of 32, each twice: low 4 bits from the nibbles at b + 4, bits 4-5 from the u16 at b + 2 */
+    uint32_t lw;
+    memcpy(&lw, b + 4, 4);
+    const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi16(_mm_set1_epi16((short)rd16(b + 2)),
+                                                    _mm_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14)), _mm_set1_epi16(3));
+    const __m256i ls = _mm256_sub_epi32(_mm256_cvtepu16_epi32(_mm_or_si128(lo, _mm_slli_epi16(hi, 4))), _mm256_set1_epi32(32));
+    const __m512 s8 = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(ls)));
+    *S = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), s8);
+}
+
+/* 4 rows' 16 values v[r] -> o[c] = [values 4c..4c+3 of rows 0-3]: lane 4L + r holds v[r][4c + L] */
+HM_INLINE void rows4_T(const __m512 *v, __m512 *o) {
+    const __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
+    const __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
+    const __m512 u0 = _mm512_shuffle_ps(t0, t2, 0x44), u1 = _mm512_shuffle_ps(t0, t2, 0xEE);
+    const __m512 u2 = _mm512_shuffle_ps(t1, t3, 0x44), u3 = _mm512_shuffle_ps(t1, t3, 0xEE);
+    const __m512 v0 = _mm512_shuffle_f32x4(u0, u1, 0x44), v1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
+    const __m512 v2 = _mm512_shuffle_f32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_f32x4(u2, u3, 0xEE);
+    o[0] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+    o[1] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+    o[2] = _mm512_shuffle_f32x4(v2, v3, 0x88);
+    o[3] = _mm512_shuffle_f32x4(v2, v3, 0xDD);
+}
+
 /* res[r * NT + t] = cdot_ref(row w[r], token xq[t]) for R rows (1, 2 or 4) and NT tokens (1-4), bit for bit:
  * the weights of a step are unpacked once for all NT tokens; per token the rows' lane sums are reduced to
  * block sums (rows4_lanes) and the float chain runs over the rows in an xmm (one lane a row). */
@@ -1194,28 +1242,31 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
             }
         } else if (IS_X(ti)) {
             /* scales (and Q2_K's mins) as [sub-block i][row] */
-            float Sm[16][4] __attribute__((aligned(64))), Mm[16][4] __attribute__((aligned(64)));
+            __m512 Sr[4], Mr[4], Sc[4], Mc[4];
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
-                float S[16], M[16];
-                if (r < R) x_scales(ti, w[r] + o, S, M);
-                for (int i = 0; i < 16; i++) {
-                    Sm[i][r] = r < R ? S[i] : 0.0f;
-                    Mm[i][r] = r < R ? M[i] : 0.0f;
-                }
+                if (r < R) x_scales16(ti, w[r] + o, &Sr[r], &Mr[r]);
+                else Sr[r] = Mr[r] = _mm512_setzero_ps();
             }
-            if (X_MIN(ti))
+            rows4_T(Sr, Sc);
+            if (X_MIN(ti)) {
+                float Mm[16][4] __attribute__((aligned(64)));
+                rows4_T(Mr, Mc);
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) _mm512_store_ps(Mm[4 * c], Mc[c]);
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++)
+#pragma GCC unroll 16
                     for (int i = 0; i < 16; i++)
                         accm[t] = _mm_fmadd_ps(_mm_load_ps(Mm[i]), _mm_set1_ps(xq[t]->sx16[e / 16 + i]), accm[t]);
+            }
 #pragma GCC unroll 4
             for (int c = 0; c < 4; c++) {
                 const int64_t j = e + 64 * c;
                 __m512i qv[4];
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) qv[r] = x_u64(ti, w[r] + o, c);
-                const __m512 sv = _mm512_load_ps(&Sm[4 * c][0]);   /* [sub-block 4c + L][row] */
+                const __m512 sv = Sc[c];                            /* [sub-block 4c + L][row] */
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++) {
                     const xq8 *q = xq[t];
