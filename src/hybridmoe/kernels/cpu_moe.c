@@ -54,25 +54,36 @@
 /* ggml type ids */
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
-    T_IQ4_NL = 20, T_BF16 = 30, T_MXFP4 = 39, T_Q2_K = 10, T_Q3_K = 11, T_IQ4_XS = 23,
+    T_IQ4_NL = 20, T_BF16 = 30, T_MXFP4 = 39, T_Q2_K = 10, T_Q3_K = 11, T_IQ4_XS = 23, T_IQ2_K = 137, T_IQ3_K = 138,
+    T_IQ4_K = 139, T_IQ4_KS = 144,
 };
 
 /* dense type index used by the kernel tables */
 enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I_MXFP4, I_IQ4_XS, I_Q3_K, I_Q2_K,
-       N_TYPES };
+       I_IQ4_KS, I_IQ4_K, I_IQ3_K, I_IQ2_K, N_TYPES };
 /* M(type index) for every type: one case of a per-type switch each */
 #define EACH_TYPE(M) M(I_F32) M(I_F16) M(I_BF16) M(I_Q4_0) M(I_Q8_0) M(I_Q4_K) M(I_Q5_K) M(I_Q6_K) M(I_IQ4_NL) \
-    M(I_MXFP4) M(I_IQ4_XS) M(I_Q3_K) M(I_Q2_K)
+    M(I_MXFP4) M(I_IQ4_XS) M(I_Q3_K) M(I_Q2_K) M(I_IQ4_KS) M(I_IQ4_K) M(I_IQ3_K) M(I_IQ2_K)
 
-/* The "x types" (IQ4_XS, Q3_K, Q2_K): 256-element super-blocks whose weights are w = S_i (u - X_OFF) - M_i,
- * u an unsigned byte (IQ4_XS: its table's integer + 128; Q3_K: 3 bits; Q2_K: 2 bits), S_i and M_i (Q2_K only)
- * per 16-element sub-block i. One scale routine (x_scales) and one unpacker per width (x_u32, x_u64) give
- * every path its values: fp32 (w = fma(u, S, X_OFF S), or S u - M: ggml's roundings), the integer path
- * (the u bytes straight into vpdpbusd) and the dequantizer. */
+/* The "x types" (IQ4_XS, Q3_K, Q2_K and ik_llama.cpp's IQ4_KS, IQ4_K, IQ3_K, IQ2_K): 256-element super-blocks
+ * whose weights are w = S_i (u - X_OFF) - M_i, u an unsigned byte, S_i and M_i (Q2_K only) per 16-element
+ * sub-block i. u is an index q (4 bits in nibbles, or 2 bits in crumbs plus a third from a bit plane) or a
+ * table's value at q + X_OFF (XTAB: two tables, a per-sub-block "extra" bit picks one). One scale routine
+ * (x_scales) and one unpacker per width (x_u32, x_u64) give every path its values: fp32 (w = fma(u, S, X_OFF S),
+ * or S u - M: ggml's roundings), the integer path (the u bytes straight into vpdpbusd) and the dequantizer.
+ * IQ4_KS rows begin with a float32 scale (X_HDR bytes) that the row's super-blocks share. */
 #define IS_X(ti) ((ti) >= I_IQ4_XS)
-#define X_OFF(ti) ((ti) == I_IQ4_XS ? 128 : (ti) == I_Q3_K ? 4 : 0)
-#define X_OFF_SH(ti) ((ti) == I_IQ4_XS ? 7 : (ti) == I_Q3_K ? 2 : 0)   /* log2 X_OFF */
+#define X_OFF_SH(ti) ((ti) == I_Q3_K ? 2 : (ti) == I_Q2_K ? 0 : (ti) == I_IQ3_K ? 6 : (ti) == I_IQ2_K ? 5 : 7)
+#define X_OFF(ti) ((ti) == I_Q2_K ? 0 : 1 << X_OFF_SH(ti))
 #define X_MIN(ti) ((ti) == I_Q2_K)
+#define X_HDR(ti) ((ti) == I_IQ4_KS ? 4 : 0)
+#define X_NIB(ti) ((ti) == I_IQ4_XS || (ti) == I_IQ4_KS || (ti) == I_IQ4_K)      /* q in nibbles, else crumbs */
+#define X_QS(ti) ((ti) == I_IQ4_K ? 16 : (ti) == I_Q3_K ? 32 : (ti) == I_Q2_K ? 16 : (ti) == I_IQ3_K ? 14 : \
+                  (ti) == I_IQ2_K ? 12 : 8)                                      /* where the q bits start */
+#define X_QH(ti) ((ti) == I_Q3_K ? 0 : 78)                       /* Q3_K, IQ3_K: the third bit's planes */
+#define X_3BIT(ti) ((ti) == I_Q3_K || (ti) == I_IQ3_K)
+#define X_TAB(ti) ((ti) != I_Q3_K && (ti) != I_Q2_K)             /* u from XTAB */
+#define X_EXTRA(ti) ((ti) >= I_IQ4_KS)                           /* a table per sub-block */
 /* types in 256-element super-blocks */
 #define IS_K(ti) (((ti) >= I_Q4_K && (ti) <= I_Q6_K) || IS_X(ti))
 
@@ -80,6 +91,7 @@ typedef struct {
     int id;   /* ggml id */
     int qk;   /* elements per block */
     int ts;   /* bytes per block */
+    int hdr;  /* bytes of a row's header */
 } tinfo;
 
 static const tinfo TINFO[N_TYPES] = {
@@ -88,6 +100,8 @@ static const tinfo TINFO[N_TYPES] = {
     [I_Q5_K] = {T_Q5_K, 256, 176},  [I_Q6_K] = {T_Q6_K, 256, 210},
     [I_IQ4_NL] = {T_IQ4_NL, 32, 18}, [I_MXFP4] = {T_MXFP4, 32, 17},
     [I_IQ4_XS] = {T_IQ4_XS, 256, 136}, [I_Q3_K] = {T_Q3_K, 256, 110}, [I_Q2_K] = {T_Q2_K, 256, 84},
+    [I_IQ4_KS] = {T_IQ4_KS, 256, 136, 4}, [I_IQ4_K] = {T_IQ4_K, 256, 144}, [I_IQ3_K] = {T_IQ3_K, 256, 110},
+    [I_IQ2_K] = {T_IQ2_K, 256, 76},
 };
 
 static int type_index(int id) {
@@ -96,12 +110,24 @@ static int type_index(int id) {
     return -1;
 }
 
-static inline int64_t row_bytes(int ti, int64_t n) { return n / TINFO[ti].qk * TINFO[ti].ts; }
+static inline int64_t blk_bytes(int ti, int64_t n) { return n / TINFO[ti].qk * TINFO[ti].ts; }
+static inline int64_t row_bytes(int ti, int64_t n) { return TINFO[ti].hdr + blk_bytes(ti, n); }
 
 static const float KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static const float KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static const float KV_Q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 static const uint8_t KU8_IQ4NL[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+/* the x types' u tables (value + X_OFF), [extra bit][q] */
+static const uint8_t XTAB[N_TYPES][2][16] __attribute__((aligned(16))) = {
+    [I_IQ4_XS] = {{1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241},
+                  {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241}},
+    [I_IQ4_KS] = {{1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241},
+                  {5, 28, 49, 67, 83, 97, 110, 122, 133, 145, 157, 170, 185, 201, 221, 245}},
+    [I_IQ4_K] = {{1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241},
+                 {5, 28, 49, 67, 83, 97, 110, 122, 133, 145, 157, 170, 185, 201, 221, 245}},
+    [I_IQ3_K] = {{1, 24, 41, 54, 65, 77, 92, 111}, {5, 28, 45, 58, 69, 81, 96, 115}},
+    [I_IQ2_K] = {{1, 19, 33, 49}, {6, 24, 38, 54}},
+};
 
 /* ------------------------------------------------------------------ scalar helpers */
 
@@ -138,41 +164,68 @@ static inline void k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
-/* the per-16 scales S and mins M (zero but for Q2_K) of x-type super-block b, as ggml computes them */
-static inline void x_scales(int ti, const uint8_t *b, float *S, float *M) {
+/* the scale in an x-type row's header (IQ4_KS), else 1 */
+static inline float x_rowscale(int ti, const uint8_t *row) {
+    float d = 1.0f;
+    if (X_HDR(ti)) memcpy(&d, row, 4);
+    return d;
+}
+
+/* the per-16 scales S and mins M (zero but for Q2_K) of x-type super-block b (rd: x_rowscale), as ggml
+ * computes them */
+static inline void x_scales(int ti, const uint8_t *b, float rd, float *S, float *M) {
     for (int i = 0; i < 16; i++) M[i] = 0.0f;
-    if (ti == I_IQ4_XS) {
-        const float d = fp16_to_f32(rd16(b));
-        const int sh = rd16(b + 2);
-        for (int ib = 0; ib < 8; ib++) {
-            const int ls = ((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (((sh >> 2 * ib) & 3) << 4);
-            S[2 * ib] = S[2 * ib + 1] = d * (float)(ls - 32);
+    const float d = fp16_to_f32(rd16(b));
+    for (int i = 0; i < 16; i++) {
+        const int lo = (b[(ti == I_IQ4_K ? 8 : ti == I_IQ3_K ? 6 : 4) + i / 2] >> 4 * (i % 2)) & 0xF;
+        switch (ti) {
+        case I_IQ4_XS: {
+            const int ib = i / 2, ls = ((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (((rd16(b + 2) >> 2 * ib) & 3) << 4);
+            S[i] = d * (float)(ls - 32);
+            break;
         }
-    } else if (ti == I_Q3_K) {
-        const float d = fp16_to_f32(rd16(b + 108));
-        const uint8_t *sc = b + 96;
-        for (int i = 0; i < 16; i++) {
-            const int lo = i < 8 ? sc[i] & 0xF : sc[i - 8] >> 4, hi = (sc[8 + i % 4] >> 2 * (i / 4)) & 3;
-            S[i] = d * (float)((lo | hi << 4) - 32);
+        case I_Q3_K: {
+            const uint8_t *sc = b + 96;
+            const int l4 = i < 8 ? sc[i] & 0xF : sc[i - 8] >> 4, hi = (sc[8 + i % 4] >> 2 * (i / 4)) & 3;
+            S[i] = fp16_to_f32(rd16(b + 108)) * (float)((l4 | hi << 4) - 32);
+            break;
         }
-    } else {   /* Q2_K */
-        const float d = fp16_to_f32(rd16(b + 80)), dm = fp16_to_f32(rd16(b + 82));
-        for (int i = 0; i < 16; i++) {
-            S[i] = d * (float)(b[i] & 0xF);
-            M[i] = dm * (float)(b[i] >> 4);
+        case I_Q2_K:
+            S[i] = fp16_to_f32(rd16(b + 80)) * (float)(b[i] & 0xF);
+            M[i] = fp16_to_f32(rd16(b + 82)) * (float)(b[i] >> 4);
+            break;
+        case I_IQ4_KS: S[i] = rd * (float)((b[i / 2] & 254) - 127); break;
+        case I_IQ4_K: S[i] = d * (float)((lo | ((b[4 + i / 4] >> 2 * (i % 4)) & 3) << 4) - 32); break;
+        case I_IQ3_K: S[i] = d * (float)((2 * lo + 1) * ((rd16(b + 4) >> i) & 1 ? -1 : 1)); break;
+        case I_IQ2_K: S[i] = d * (float)(lo - 8); break;
         }
     }
 }
 
-/* element e (0..255) of x-type super-block b as its unsigned byte u */
-static inline int x_value(int ti, const uint8_t *b, int e) {
-    if (ti == I_IQ4_XS) {
-        const int q = b[8 + 16 * (e / 32) + e % 16];
-        return KU8_IQ4NL[e % 32 < 16 ? q & 0xF : q >> 4];
+/* bit i: sub-block i (of 16 elements) takes table 1 of XTAB */
+static inline int x_extra16(int ti, const uint8_t *b) {
+    if (ti == I_IQ4_KS) {
+        int m = 0;
+        for (int k = 0; k < 8; k++) m |= (b[k] & 1) * 3 << 2 * k;
+        return m;
+    }
+    return X_EXTRA(ti) ? rd16(b + 2) : 0;
+}
+
+/* element e (0..255) of x-type super-block b: its index q, and its unsigned byte u */
+static inline int x_q(int ti, const uint8_t *b, int e) {
+    if (X_NIB(ti)) {
+        const int q = b[X_QS(ti) + 16 * (e / 32) + e % 16];
+        return e % 32 < 16 ? q & 0xF : q >> 4;
     }
     const int n = e / 128, j = e % 128 / 32, l = e % 32;
-    const int v = (b[(ti == I_Q3_K ? 32 : 16) + 32 * n + l] >> 2 * j) & 3;
-    return ti == I_Q3_K ? v | ((b[l] >> (4 * n + j)) & 1) << 2 : v;
+    const int v = (b[X_QS(ti) + 32 * n + l] >> 2 * j) & 3;
+    return X_3BIT(ti) ? v | ((b[X_QH(ti) + l] >> (4 * n + j)) & 1) << 2 : v;
+}
+
+static inline int x_value(int ti, const uint8_t *b, int e) {
+    const int q = x_q(ti, b, e);
+    return X_TAB(ti) ? XTAB[ti][(x_extra16(ti, b) >> (e / 16)) & 1][q] : q;
 }
 
 /* float -> bf16, round to nearest even (quiet NaN kept) */
@@ -186,7 +239,8 @@ static inline uint16_t f32_to_bf16(float f) {
  * out. Same float operations as ggml's reference dequantizers, so bit-exact with them. */
 static void deq_scalar(int ti, const uint8_t *row, int64_t off, int n, float *out) {
     const int qk = TINFO[ti].qk, ts = TINFO[ti].ts;
-    const uint8_t *b = row + off / qk * ts;
+    const uint8_t *b = row + TINFO[ti].hdr + off / qk * ts;
+    const float rd = IS_X(ti) ? x_rowscale(ti, row) : 1.0f;
     switch (ti) {
     case I_F32: memcpy(out, row + off * 4, (size_t)n * 4); return;
     case I_F16: for (int i = 0; i < n; i++) out[i] = fp16_to_f32(rd16(row + (off + i) * 2)); return;
@@ -195,7 +249,7 @@ static void deq_scalar(int ti, const uint8_t *row, int64_t off, int n, float *ou
     for (int o = 0; o < n; o += qk, b += ts, out += qk) {
         if (IS_X(ti)) {   /* S (u - off) and S u - M: one rounding each as in ggml (S u is exact) */
             float S[16], M[16];
-            x_scales(ti, b, S, M);
+            x_scales(ti, b, rd, S, M);
             for (int e = 0; e < 256; e++)
                 out[e] = X_MIN(ti) ? S[e / 16] * (float)x_value(ti, b, e) - M[e / 16]
                                    : S[e / 16] * (float)(x_value(ti, b, e) - X_OFF(ti));
@@ -343,13 +397,15 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
     KSHAPES(P, FN, I_F32) KSHAPES(P, FN, I_F16) KSHAPES(P, FN, I_BF16) KSHAPES(P, FN, I_Q4_0) \
     KSHAPES(P, FN, I_Q8_0) KSHAPES(P, FN, I_Q4_K) KSHAPES(P, FN, I_Q5_K) KSHAPES(P, FN, I_Q6_K) \
     KSHAPES(P, FN, I_IQ4_NL) KSHAPES(P, FN, I_MXFP4) KSHAPES(P, FN, I_IQ4_XS) KSHAPES(P, FN, I_Q3_K) \
-    KSHAPES(P, FN, I_Q2_K) \
+    KSHAPES(P, FN, I_Q2_K) KSHAPES(P, FN, I_IQ4_KS) KSHAPES(P, FN, I_IQ4_K) KSHAPES(P, FN, I_IQ3_K) \
+    KSHAPES(P, FN, I_IQ2_K) \
     static const kern_fn NAME[N_TYPES][5][5] = { \
         [I_F32] = KTROW(P, I_F32), [I_F16] = KTROW(P, I_F16), [I_BF16] = KTROW(P, I_BF16), \
         [I_Q4_0] = KTROW(P, I_Q4_0), [I_Q8_0] = KTROW(P, I_Q8_0), [I_Q4_K] = KTROW(P, I_Q4_K), \
         [I_Q5_K] = KTROW(P, I_Q5_K), [I_Q6_K] = KTROW(P, I_Q6_K), [I_IQ4_NL] = KTROW(P, I_IQ4_NL), \
         [I_MXFP4] = KTROW(P, I_MXFP4), [I_IQ4_XS] = KTROW(P, I_IQ4_XS), [I_Q3_K] = KTROW(P, I_Q3_K), \
-        [I_Q2_K] = KTROW(P, I_Q2_K), };
+        [I_Q2_K] = KTROW(P, I_Q2_K), [I_IQ4_KS] = KTROW(P, I_IQ4_KS), [I_IQ4_K] = KTROW(P, I_IQ4_K), \
+        [I_IQ3_K] = KTROW(P, I_IQ3_K), [I_IQ2_K] = KTROW(P, I_IQ2_K), };
 
 #if HM_AVX2
 
@@ -367,10 +423,10 @@ __attribute__((constructor)) static void init_f16_table(void) {
  * (Q4_K/Q5_K), or for 16-element sub-block j (Q6_K, 16 of each, m = 32 s). */
 typedef struct { float s[16], m[16]; } kscale;
 
-HM_INLINE void prep_k(const int ti, const uint8_t *b, kscale *ks) {
+HM_INLINE void prep_k(const int ti, const uint8_t *b, float rd, kscale *ks) {
     if (IS_X(ti)) {   /* w = fma(u, s, -m): m = off s (exact) or Q2_K's min */
         float M[16];
-        x_scales(ti, b, ks->s, M);
+        x_scales(ti, b, rd, ks->s, M);
         for (int i = 0; i < 16; i++) ks->m[i] = (float)X_OFF(ti) * ks->s[i] + M[i];
     } else if (ti == I_Q4_K || ti == I_Q5_K) {
         /* unpack the 12 packed bytes into 8 scales and 8 mins at once (SWAR on 32-bit words) */
@@ -405,22 +461,26 @@ static const int8_t KV8_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4,
 /* unit u (32 elements) of x-type super-block b as unsigned bytes (16-bit shifts: the masks drop what crosses
  * bytes) */
 HM_INLINE __m256i x_u32(const int ti, const uint8_t *b, const int u) {
-    if (ti == I_IQ4_XS) {
-        const __m128i m0f = _mm_set1_epi8(0x0F), tab = _mm_loadu_si128((const __m128i *)KU8_IQ4NL);
-        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 8 + 16 * u));
-        return _mm256_set_m128i(_mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(qs, 4), m0f)),
-                                _mm_shuffle_epi8(tab, _mm_and_si128(qs, m0f)));
+    __m256i q;
+    if (X_NIB(ti)) {
+        const __m128i m0f = _mm_set1_epi8(0x0F), qs = _mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 16 * u));
+        q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m0f), _mm_and_si128(qs, m0f));
+    } else {
+        const int n = u >> 2, j = u & 3;
+        q = _mm256_loadu_si256((const __m256i *)(b + X_QS(ti) + 32 * n));
+        q = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3));
+        if (X_3BIT(ti)) {   /* bit 4n + j of qh[l] -> bit 2 */
+            const int k = 4 * n + j;
+            __m256i h = _mm256_loadu_si256((const __m256i *)(b + X_QH(ti)));
+            h = k >= 2 ? _mm256_srli_epi16(h, k - 2) : _mm256_slli_epi16(h, 2 - k);
+            q = _mm256_or_si256(q, _mm256_and_si256(h, _mm256_set1_epi8(4)));
+        }
     }
-    const int n = u >> 2, j = u & 3;
-    __m256i q = _mm256_loadu_si256((const __m256i *)(b + (ti == I_Q3_K ? 32 : 16) + 32 * n));
-    q = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3));
-    if (ti == I_Q3_K) {   /* bit 4n + j of hmask[l] -> bit 2 */
-        const int k = 4 * n + j;
-        __m256i h = _mm256_loadu_si256((const __m256i *)b);
-        h = k >= 2 ? _mm256_srli_epi16(h, k - 2) : _mm256_slli_epi16(h, 2 - k);
-        q = _mm256_or_si256(q, _mm256_and_si256(h, _mm256_set1_epi8(4)));
-    }
-    return q;
+    if (!X_TAB(ti)) return q;
+    const int ex = x_extra16(ti, b) >> 2 * u;   /* the tables of this unit's two sub-blocks */
+    const __m256i tab = _mm256_set_m128i(_mm_load_si128((const __m128i *)XTAB[ti][(ex >> 1) & 1]),
+                                         _mm_load_si128((const __m128i *)XTAB[ti][ex & 1]));
+    return _mm256_shuffle_epi8(tab, q);
 }
 
 /* 32 bytes -> 4 x 8 floats, as signed or unsigned integers */
@@ -489,7 +549,7 @@ HM_INLINE void unpack32_avx2(const int ti, const uint8_t *b, const int u, const 
             w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[2 * u + i / 2]), _mm256_set1_ps(ks->m[2 * u + i / 2]));
         return;
     }
-    case I_IQ4_XS: case I_Q3_K: case I_Q2_K:
+    case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K:
         bytes_to_ps(x_u32(ti, b, u), 0, w);
         for (int i = 0; i < 4; i++)
             w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[2 * u + i / 2]), _mm256_set1_ps(ks->m[2 * u + i / 2]));
@@ -509,18 +569,25 @@ HM_INLINE void kern_avx2(const int ti, const int R, const int NT, const uint8_t 
     const int sup = IS_K(ti) ? 8 : 1;
     const int step = (ti == I_F32 || ti == I_F16 || ti == I_BF16) ? 32 * TINFO[ti].ts : TINFO[ti].ts;
     const pfreg pr = pf_regions(R, w, pf);
+    const uint8_t *wb[4];                 /* where the blocks start (x types: after a row header) */
+    float rd[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        wb[r] = w[r] + TINFO[ti].hdr;
+        rd[r] = IS_X(ti) ? x_rowscale(ti, w[r]) : 1.0f;
+    }
     const int64_t rb = K / (32 * sup) * step;
     kscale ks[4];
     for (int64_t o = 0, e0 = 0; o < rb; o += step, e0 += 32 * sup) {
         prefetch_step(pr, o, step);
         if (IS_K(ti))
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+            for (int r = 0; r < R; r++) prep_k(ti, wb[r] + o, rd[r], &ks[r]);
 #pragma GCC unroll 8
         for (int u = 0; u < sup; u++) {
             __m256 wv[4][4];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) unpack32_avx2(ti, w[r] + o, u, &ks[r], wv[r]);
+            for (int r = 0; r < R; r++) unpack32_avx2(ti, wb[r] + o, u, &ks[r], wv[r]);
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++)
 #pragma GCC unroll 4
@@ -557,12 +624,14 @@ static inline __m128i bf16_pack8(__m256 v) {
 }
 
 /* one row of K elements -> fp32 or bf16 */
-static void deq_row_avx2(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf16) {
+static void deq_row_avx2(int wi, const uint8_t *row, int64_t k0, int64_t K, void *dst, int to_bf16) {
+    const float rd = IS_X(wi) ? x_rowscale(wi, row) : 1.0f;
+    row += TINFO[wi].hdr + blk_bytes(wi, k0);
 #define DEQ2_CASE(TI) case TI: \
     for (int64_t g = 0; g < K / 32; g += IS_K(TI) ? 8 : 1) { \
         const uint8_t *b = unit_block(TI, row, g); \
         kscale ks; \
-        if (IS_K(TI)) prep_k(TI, b, &ks); \
+        if (IS_K(TI)) prep_k(TI, b, rd, &ks); \
         for (int u = 0; u < (IS_K(TI) ? 8 : 1); u++) { \
             __m256 wv[4]; \
             unpack32_avx2(TI, b, u, &ks, wv); \
@@ -662,7 +731,7 @@ HM_INLINE void unpack32(const int ti, const uint8_t *b, const int u, const kscal
         *w1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(qb), _mm512_set1_ps(ks->s[2 * u + 1]), _mm512_set1_ps(ks->m[2 * u + 1]));
         return;
     }
-    case I_IQ4_XS: case I_Q3_K: case I_Q2_K: {
+    case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K: {
         const __m256i q = x_u32(ti, b, u);
         *w0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q))),
                               _mm512_set1_ps(ks->s[2 * u]), _mm512_set1_ps(ks->m[2 * u]));
@@ -685,13 +754,20 @@ HM_INLINE void kern_avx(const int ti, const int R, const int NT, const uint8_t *
      * advance by the same offset o */
     const int step = (ti == I_F32 || ti == I_F16 || ti == I_BF16) ? 32 * TINFO[ti].ts : TINFO[ti].ts;
     const pfreg pr = pf_regions(R, w, pf);
+    const uint8_t *wb[4];                 /* where the blocks start (x types: after a row header) */
+    float rd[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        wb[r] = w[r] + TINFO[ti].hdr;
+        rd[r] = IS_X(ti) ? x_rowscale(ti, w[r]) : 1.0f;
+    }
     const int64_t rb = K / (32 * sup) * step;
     kscale ks[4];
     for (int64_t o = 0, e0 = 0; o < rb; o += step, e0 += 32 * sup) {
         prefetch_step(pr, o, step);
         if (IS_K(ti)) {
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+            for (int r = 0; r < R; r++) prep_k(ti, wb[r] + o, rd[r], &ks[r]);
             /* read the scales back from memory: broadcasts from memory are load-port work,
              * broadcasts from registers would compete with the permutes for shuffle ports */
             __asm__ volatile("" : : "r"(ks) : "memory");
@@ -700,7 +776,7 @@ HM_INLINE void kern_avx(const int ti, const int R, const int NT, const uint8_t *
         for (int u = 0; u < sup; u++) {
             __m512 wv[4][2];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) unpack32(ti, w[r] + o, u, &ks[r], &wv[r][0], &wv[r][1]);
+            for (int r = 0; r < R; r++) unpack32(ti, wb[r] + o, u, &ks[r], &wv[r][0], &wv[r][1]);
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {
                 __m512 xa = _mm512_loadu_ps(x[t] + e0 + 32 * u), xb = _mm512_loadu_ps(x[t] + e0 + 32 * u + 16);
@@ -957,7 +1033,7 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
  *     two chains, b ascending; the result is acc - accm.
  * - Q6_K (sub-block i of 16, S_i = d sc_i, v = q - 32):
  *     I_i = sum v X over the 16, acc = fma((float)I_i, S_i * xs_(i/2), acc).
- * - x types (IQ4_XS, Q3_K, Q2_K; sub-block i of 16, v = u - X_OFF, S_i, M_i as x_scales):
+ * - x types (IQ4_XS, Q3_K, Q2_K, IQ4_KS, IQ4_K, IQ3_K, IQ2_K; sub-block i of 16, v = u - X_OFF, S_i, M_i as x_scales):
  *     I_i = sum v X over the 16, acc = fma((float)I_i, S_i * xs_(i/2), acc), Q2_K: accm = fma(M_i, sx16_i, accm)
  *     (sx16_i = xs sum X over the 16, quant_x8's sx16); the result is acc - accm.
  * One chain per (row, token) over the blocks in order: the integers are exact however a kernel sums them
@@ -1019,10 +1095,11 @@ static float cdot_ref(int ti, const uint8_t *row, int64_t K, const xq8 *q) {
     }
     float accm = 0.0f;
     if (IS_X(ti)) {
+        const float rd = x_rowscale(ti, row);
         for (int64_t s = 0; s < K / 256; s++) {
-            const uint8_t *b = row + s * TINFO[ti].ts;
+            const uint8_t *b = row + TINFO[ti].hdr + s * TINFO[ti].ts;
             float S[16], M[16];
-            x_scales(ti, b, S, M);
+            x_scales(ti, b, rd, S, M);
             for (int i = 0; i < 16; i++) {
                 const int64_t e0 = 256 * s + 16 * i;
                 int32_t I = 0;
@@ -1131,40 +1208,74 @@ HM_INLINE __m512i qc_dot(__m512i u, __m512i x1, __m512i x2) {
     return g_xterms > 1 ? _mm512_dpbusd_epi32(a, u, x2) : a;
 }
 
-/* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order */
-HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c) {
-    if (ti == I_IQ4_XS) {   /* blocks 2c, 2c + 1: [qs0, qs0, qs1, qs1] -> [lo0, hi0, lo1, hi1], then the table */
+/* x_extra16 in a few vector ops */
+HM_INLINE int x_extra16v(const int ti, const uint8_t *b) {
+    if (ti != I_IQ4_KS) return X_EXTRA(ti) ? rd16(b + 2) : 0;
+    /* bit 0 of the 8 scale bytes, each twice (a scale covers two sub-blocks of 16) */
+    const unsigned m = (unsigned)_mm_movemask_epi8(_mm_slli_epi16(_mm_loadl_epi64((const __m128i *)b), 7)) & 0xFF;
+#if defined(__BMI2__)
+    return (int)(_pdep_u32(m, 0x5555u) * 3);
+#else
+    int r = 0;
+    for (int k = 0; k < 8; k++) r |= (int)((m >> k) & 1) * 3 << 2 * k;
+    return r;
+#endif
+}
+
+/* 4 bits -> a byte mask of the 128-bit lanes they stand for */
+HM_INLINE __mmask64 lanes_mask(unsigned b4) {
+    return (((uint64_t)(b4 & 1) | (uint64_t)(b4 & 2) << 15 | (uint64_t)(b4 & 4) << 30 | (uint64_t)(b4 & 8) << 45) *
+            0xFFFFu);
+}
+
+/* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order (ex: x_extra16) */
+HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int ex) {
+    __m512i q;
+    if (X_NIB(ti)) {   /* 32-blocks 2c, 2c + 1: [qs0, qs0, qs1, qs1] -> nibbles [lo0, hi0, lo1, hi1] */
         const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
-        __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + 8 + 32 * c)));
-        q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b + 24 + 32 * c)));
+        q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 32 * c)));
+        q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 16 + 32 * c)));
         q = _mm512_gf2p8affine_epi64_epi8(q, mq40, 0);
-        return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)KU8_IQ4NL)), q);
+    } else {
+        /* units 2(c&1), 2(c&1) + 1 of half c/2: the same 32 bytes of 2-bit fields, bit pairs j0, j0 + 1 */
+        const int n = c >> 1, j0 = 2 * (c & 1);
+        const __m512i m2 = _mm512_set_epi64(GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2),
+            GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0));
+        q = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QS(ti) + 32 * n))), m2, 0);
+        if (X_3BIT(ti)) {
+            const int k = 4 * n + j0;   /* qh bits k, k + 1 -> bit 2 */
+            const __m512i mh = _mm512_set_epi64(GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1),
+                                                GF_TO2(k), GF_TO2(k), GF_TO2(k), GF_TO2(k));
+            q = _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + X_QH(ti)))), mh, 0));
+        }
     }
-    /* units 2(c&1), 2(c&1) + 1 of half c/2: the same 32 bytes of 2-bit fields, bit pairs j0, j0 + 1 */
-    const int n = c >> 1, j0 = 2 * (c & 1);
-    const __m512i m2 = _mm512_set_epi64(GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2),
-        GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0));
-    const __m512i q = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
-        (const __m256i *)(b + (ti == I_Q3_K ? 32 : 16) + 32 * n))), m2, 0);
-    if (ti != I_Q3_K) return q;
-    const int k = 4 * n + j0;   /* hmask bits k, k + 1 -> bit 2 */
-    const __m512i mh = _mm512_set_epi64(GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1),
-                                        GF_TO2(k), GF_TO2(k), GF_TO2(k), GF_TO2(k));
-    return _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(
-        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)b)), mh, 0));
+    if (!X_TAB(ti)) return q;
+    const __m512i u = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)XTAB[ti][0])), q);
+    if (!X_EXTRA(ti)) return u;
+    return _mm512_mask_shuffle_epi8(u, lanes_mask((unsigned)(ex >> 4 * c) & 0xF),
+                                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)XTAB[ti][1])), q);
+}
+
+/* 8 bytes of nibbles -> the 16 nibbles in order (low, high of byte 0, ...) as int32 */
+HM_INLINE __m512i nibbles16(const uint8_t *p) {
+    const __m128i x = _mm_loadl_epi64((const __m128i *)p), m4 = _mm_set1_epi8(0x0F);
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
 }
 
 /* x_scales of super-block b in vectors: S (and M, Q2_K's mins) of the 16 sub-blocks, the same floats */
-HM_INLINE void x_scales16(const int ti, const uint8_t *b, __m512 *S, __m512 *M) {
-    if (ti == I_Q2_K) {
+HM_INLINE void x_scales16(const int ti, const uint8_t *b, const float rd, __m512 *S, __m512 *M) {
+    *M = _mm512_setzero_ps();
+    switch (ti) {
+    case I_Q2_K: {
         const __m128i v = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0F);
         *S = _mm512_mul_ps(_mm512_set1_ps(F16(b + 80)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4))));
         *M = _mm512_mul_ps(_mm512_set1_ps(F16(b + 82)),
                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4))));
         return;
     }
-    *M = _mm512_setzero_ps();
-    if (ti == I_Q3_K) {
+    case I_Q3_K: {
         /* low 4 bits: s[i] & 15 (i < 8), s[i - 8] >> 4; bits 4-5: bits 2(i/4) of s[8 + i%4] */
         const __m128i x = _mm_loadl_epi64((const __m128i *)(b + 96)), m4 = _mm_set1_epi8(0x0F);
         const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4));
@@ -1176,16 +1287,46 @@ HM_INLINE void x_scales16(const int ti, const uint8_t *b, __m512 *S, __m512 *M) 
         *S = _mm512_mul_ps(_mm512_set1_ps(F16(b + 108)), _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
         return;
     }
-    /* IQ4_XS: 8 scales of 32, each twice: low 4 bits from the nibbles at b + 4, bits 4-5 from the u16 at b + 2 */
-    uint32_t lw;
-    memcpy(&lw, b + 4, 4);
-    const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
-    const __m128i hi = _mm_and_si128(_mm_srlv_epi16(_mm_set1_epi16((short)rd16(b + 2)),
-                                                    _mm_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14)), _mm_set1_epi16(3));
-    const __m256i ls = _mm256_sub_epi32(_mm256_cvtepu16_epi32(_mm_or_si128(lo, _mm_slli_epi16(hi, 4))), _mm256_set1_epi32(32));
-    const __m512 s8 = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(ls)));
-    *S = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), s8);
+    case I_IQ4_K: {   /* bits 4-5: bits 2(i%4) of sh[i/4] */
+        uint32_t hw;
+        memcpy(&hw, b + 4, 4);
+        const __m512i sh = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)hw),
+                                                                 _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(sh, _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
+                                                                                      0, 2, 4, 6)), _mm512_set1_epi32(3));
+        const __m512i ls = _mm512_or_si512(nibbles16(b + 8), _mm512_slli_epi32(hi, 4));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+        return;
+    }
+    case I_IQ3_K: {   /* (2 ls + 1), negated where bit i of the u16 at b + 4 is set */
+        const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(nibbles16(b + 6), 1), _mm512_set1_epi32(1));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(
+            _mm512_mask_sub_epi32(v, (__mmask16)rd16(b + 4), _mm512_setzero_si512(), v)));
+        return;
+    }
+    case I_IQ2_K:
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles16(b + 4), _mm512_set1_epi32(8))));
+        return;
+    }
+    /* IQ4_XS, IQ4_KS: 8 scales of 32, each twice */
+    __m256 s8;
+    if (ti == I_IQ4_KS) {
+        const __m256i ls = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_loadl_epi64((const __m128i *)b),
+                                                                               _mm_set1_epi8((char)254))),
+                                            _mm256_set1_epi32(127));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(ls));
+    } else {   /* IQ4_XS: low 4 bits from the nibbles at b + 4, bits 4-5 from the u16 at b + 2 */
+        uint32_t lw;
+        memcpy(&lw, b + 4, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi16(_mm_set1_epi16((short)rd16(b + 2)),
+                                                        _mm_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14)), _mm_set1_epi16(3));
+        const __m256i ls = _mm256_sub_epi32(_mm256_cvtepu16_epi32(_mm_or_si128(lo, _mm_slli_epi16(hi, 4))),
+                                            _mm256_set1_epi32(32));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(ls));
+    }
+    *S = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(s8));
 }
 
 /* 4 rows' 16 values v[r] -> o[c] = [values 4c..4c+3 of rows 0-3]: lane 4L + r holds v[r][4c + L] */
@@ -1243,10 +1384,15 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
         } else if (IS_X(ti)) {
             /* scales (and Q2_K's mins) as [sub-block i][row] */
             __m512 Sr[4], Mr[4], Sc[4], Mc[4];
+            int ex[4];
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
-                if (r < R) x_scales16(ti, w[r] + o, &Sr[r], &Mr[r]);
-                else Sr[r] = Mr[r] = _mm512_setzero_ps();
+                if (r < R) {
+                    x_scales16(ti, w[r] + TINFO[ti].hdr + o, X_HDR(ti) ? x_rowscale(ti, w[r]) : 1.0f, &Sr[r], &Mr[r]);
+                    ex[r] = x_extra16v(ti, w[r] + TINFO[ti].hdr + o);
+                } else {
+                    Sr[r] = Mr[r] = _mm512_setzero_ps();
+                }
             }
             rows4_T(Sr, Sc);
             if (X_MIN(ti)) {
@@ -1265,7 +1411,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
                 const int64_t j = e + 64 * c;
                 __m512i qv[4];
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) qv[r] = x_u64(ti, w[r] + o, c);
+                for (int r = 0; r < R; r++) qv[r] = x_u64(ti, w[r] + TINFO[ti].hdr + o, c, ex[r]);
                 const __m512 sv = Sc[c];                            /* [sub-block 4c + L][row] */
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++) {
@@ -1287,7 +1433,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
             float Sm[16][4] __attribute__((aligned(64)));
             kscale ks[4];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, 1.0f, &ks[r]);
             for (int i = 0; i < 16; i++)
                 for (int r = 0; r < 4; r++) Sm[i][r] = r < R ? ks[r].s[i] : 0.0f;
             const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -1327,7 +1473,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
         } else {                                          /* Q4_K, Q5_K: 8 sub-blocks of 32 */
             kscale ks[4];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, 1.0f, &ks[r]);
             /* scales and mins as [sub-block j][row]: lanes 4j + r */
             float Sj[8][4] __attribute__((aligned(64))), Mj[8][4] __attribute__((aligned(64)));
             {
@@ -1404,11 +1550,14 @@ typedef void (*kqc_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_
     {0, kqc_##TI##_2_1, kqc_##TI##_2_2, kqc_##TI##_2_3, kqc_##TI##_2_4}, {0}, \
     {0, kqc_##TI##_4_1, kqc_##TI##_4_2, kqc_##TI##_4_3, kqc_##TI##_4_4} }
 KQCSHAPES(I_Q4_0) KQCSHAPES(I_Q8_0) KQCSHAPES(I_Q4_K) KQCSHAPES(I_Q5_K) KQCSHAPES(I_Q6_K) KQCSHAPES(I_IQ4_NL)
-KQCSHAPES(I_MXFP4) KQCSHAPES(I_IQ4_XS) KQCSHAPES(I_Q3_K) KQCSHAPES(I_Q2_K)
+KQCSHAPES(I_MXFP4) KQCSHAPES(I_IQ4_XS) KQCSHAPES(I_Q3_K) KQCSHAPES(I_Q2_K) KQCSHAPES(I_IQ4_KS) KQCSHAPES(I_IQ4_K)
+KQCSHAPES(I_IQ3_K) KQCSHAPES(I_IQ2_K)
 static const kqc_fn KQC[N_TYPES][5][5] = {
     [I_Q4_0] = KQCROW(I_Q4_0), [I_Q8_0] = KQCROW(I_Q8_0), [I_Q4_K] = KQCROW(I_Q4_K), [I_Q5_K] = KQCROW(I_Q5_K),
     [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4),
-    [I_IQ4_XS] = KQCROW(I_IQ4_XS), [I_Q3_K] = KQCROW(I_Q3_K), [I_Q2_K] = KQCROW(I_Q2_K), };
+    [I_IQ4_XS] = KQCROW(I_IQ4_XS), [I_Q3_K] = KQCROW(I_Q3_K), [I_Q2_K] = KQCROW(I_Q2_K),
+    [I_IQ4_KS] = KQCROW(I_IQ4_KS), [I_IQ4_K] = KQCROW(I_IQ4_K), [I_IQ3_K] = KQCROW(I_IQ3_K),
+    [I_IQ2_K] = KQCROW(I_IQ2_K), };
 #endif /* HM_VNNI */
 
 #if HM_AVXVNNI
@@ -1458,7 +1607,7 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
             kscale ks[4];
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                prep_k(ti, w[r] + o, &ks[r]);
+                prep_k(ti, w[r] + o, 1.0f, &ks[r]);
                 accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m), _mm256_loadu_ps(xq->sx16 + e / 16), accm[r]);
                 accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m + 8), _mm256_loadu_ps(xq->sx16 + e / 16 + 8),
                                           accm[r]);
@@ -1493,7 +1642,7 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
             kscale ks[4];
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                prep_k(ti, w[r] + o, &ks[r]);
+                prep_k(ti, w[r] + o, 1.0f, &ks[r]);
                 accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m), sx, accm[r]);   /* the mins */
             }
 #pragma GCC unroll 4
@@ -1542,7 +1691,7 @@ KQTABLE(KQTAB2, kq2, kern_q8_256)
 /* AVX-512 VNNI: every quantized type, Q8_0 and IQ4_NL too, so that every batch size computes the canonical
  * integer products (cdot_ref): prompts then give the same results however they are split. */
 #define INT8_DEFAULT_512 (INT8_DEFAULT_256_ | (1u << I_Q8_0) | (1u << I_IQ4_NL) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
-                          (1u << I_Q2_K))
+                          (1u << I_Q2_K) | (1u << I_IQ4_KS) | (1u << I_IQ4_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K))
 /* AVX-VNNI (dev VM, 1 thread, T=1, GB/s fp32 -> integer): Q4_0 7.2 -> 12.4, Q4_K 7.3 -> 11.2, Q5_K 8.4 -> 11.6,
  * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
  * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
@@ -2125,12 +2274,14 @@ static inline void store_bf16x32(uint16_t *p, __m512 lo, __m512 hi) {
 /* ------------------------------------------------------------------ dequantize
  * rows [nrows, row_bytes(K)] -> dst [nrows, K] as bf16 (to_bf16 = 1) or fp32; dst rows are
  * ldd elements apart. Used by the large-batch path (dequantize, then a bf16 GEMM). */
-static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf16) {
+static void deq_row(int wi, const uint8_t *row, int64_t k0, int64_t K, void *dst, int to_bf16) {
 #if HM_AVX2
-    if (g_simd == 1) { deq_row_avx2(wi, row, K, dst, to_bf16); return; }
+    if (g_simd == 1) { deq_row_avx2(wi, row, k0, K, dst, to_bf16); return; }
 #endif
 #if HM_AVX512
     if (g_simd == 2) {
+        const float rd = IS_X(wi) ? x_rowscale(wi, row) : 1.0f;
+        row += TINFO[wi].hdr + blk_bytes(wi, k0);
         float *df = (float *)dst;
         uint16_t *db = (uint16_t *)dst;
         if (wi == I_Q4_K && to_bf16) {   /* two units share each 32 bytes of nibbles: extend them once */
@@ -2138,7 +2289,7 @@ static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf1
             for (int64_t g = 0; g < K / 256; g++) {
                 const uint8_t *b = row + g * TINFO[I_Q4_K].ts;
                 kscale ks;
-                prep_k(I_Q4_K, b, &ks);
+                prep_k(I_Q4_K, b, 1.0f, &ks);
                 for (int p = 0; p < 4; p++) {
                     const __m512i qa = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 + 32 * p)));
                     const __m512i qb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 32 * p)));
@@ -2157,7 +2308,7 @@ static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf1
             for (int64_t g = 0; g < K / 32; g += IS_K(TI) ? 8 : 1) { \
                 const uint8_t *b = unit_block(TI, row, g); \
                 kscale ks; \
-                if (IS_K(TI)) prep_k(TI, b, &ks); \
+                if (IS_K(TI)) prep_k(TI, b, rd, &ks); \
                 for (int u = 0; u < (IS_K(TI) ? 8 : 1); u++) { \
                     __m512 w0, w1; \
                     unpack32(TI, b, u, &ks, &w0, &w1); \
@@ -2176,10 +2327,10 @@ static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf1
     for (int64_t off = 0; off < K; off += CHUNK) {
         const int n = (int)(K - off < CHUNK ? K - off : CHUNK);
         if (to_bf16) {
-            deq_scalar(wi, row, off, n, buf);
+            deq_scalar(wi, row, k0 + off, n, buf);
             for (int i = 0; i < n; i++) ((uint16_t *)dst)[off + i] = f32_to_bf16(buf[i]);
         } else {
-            deq_scalar(wi, row, off, n, (float *)dst + off);
+            deq_scalar(wi, row, k0 + off, n, (float *)dst + off);
         }
     }
 }
@@ -2202,7 +2353,7 @@ int hm_dequant(const uint8_t *w, const uint8_t *w2, int wtype, int64_t nrows, in
             for (; rp < r1 && rp <= r + lead; rp++)
                 prefetch_range(rp < nrows ? w + rp * rb : w2 + (rp - nrows) * rb, rb);
             const uint8_t *src = r < nrows ? w + r * rb : w2 + (r - nrows) * rb;
-            deq_row(wi, src, K, (char *)dst + r * ldd * esz, to_bf16);
+            deq_row(wi, src, 0, K, (char *)dst + r * ldd * esz, to_bf16);
         }
     }
     return 0;
@@ -2492,10 +2643,10 @@ static void tile_step(int mode, int ti, const uint8_t *w0, const uint8_t *w1, in
                       const uint32_t *B, int64_t bstride, int nb, uint16_t *Ac, float *C, pfq *pq) {
     const int64_t passes = (K + TILE_KC - 1) / TILE_KC, lines = (pfq_left(pq) + passes - 1) / passes;
     for (int64_t k0 = 0; k0 < K; k0 += TILE_KC) {
-        const int64_t kc = K - k0 < TILE_KC ? K - k0 : TILE_KC, bo = row_bytes(ti, k0);
+        const int64_t kc = K - k0 < TILE_KC ? K - k0 : TILE_KC;
         for (int m = 0; m < 32; m++) {
             pfq_run(pq, (lines + 63) / 64);
-            deq_row(ti, (m < 16 ? w0 + m * rb : w1 + (m - 16) * rb) + bo, kc, Ac + m * TILE_LDA, 1);
+            deq_row(ti, m < 16 ? w0 + m * rb : w1 + (m - 16) * rb, k0, kc, Ac + m * TILE_LDA, 1);
         }
         tile_product(mode, Ac, Ac + 16 * TILE_LDA, TILE_LDA, B + k0 / 2 * 16, bstride, nb, kc, C, k0 > 0, pq,
                      lines / 2);
@@ -2645,7 +2796,7 @@ static void a8_unpack_row(int ti, const uint8_t *row, int64_t k0, int64_t kc, in
     for (int64_t e = 0; e < kc; e += 256) {
         const uint8_t *b = row + (k0 + e) / 256 * ts;
         kscale ks;
-        prep_k(ti, b, &ks);
+        prep_k(ti, b, 1.0f, &ks);
         if (ti == I_Q6_K) {
             const __m512i m4 = _mm512_set1_epi8(0x0F), o32 = _mm512_set1_epi8(32);
             for (int i = 0; i < 16; i++) ws[(e / 16 + i) * 32] = ks.s[i];
