@@ -21,7 +21,7 @@ from hybridmoe.quant.random_blocks import random_blocks
 from hybridmoe.quant.types import GGMLType as G
 from hybridmoe.quant.types import row_bytes
 
-NEW = [G.IQ4_XS, G.Q3_K, G.Q2_K, G.IQ4_KS, G.IQ4_K, G.IQ3_K, G.IQ2_K]
+NEW = [G.IQ4_XS, G.Q3_K, G.Q2_K, G.IQ4_KS, G.IQ4_K, G.IQ3_K, G.IQ2_K, G.IQ5_K, G.IQ2_KS]
 BAND = {"fp32": 2e-5, "int": 2e-4, "tile": 1.5e-2}
 VECTORS = Path("/work/shared/testdata/quant-vectors")
 

@@ -55,35 +55,41 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
     T_IQ4_NL = 20, T_BF16 = 30, T_MXFP4 = 39, T_Q2_K = 10, T_Q3_K = 11, T_IQ4_XS = 23, T_IQ2_K = 137, T_IQ3_K = 138,
-    T_IQ4_K = 139, T_IQ4_KS = 144,
+    T_IQ4_K = 139, T_IQ4_KS = 144, T_IQ5_K = 140, T_IQ2_KS = 145,
 };
 
 /* dense type index used by the kernel tables */
 enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I_MXFP4, I_IQ4_XS, I_Q3_K, I_Q2_K,
-       I_IQ4_KS, I_IQ4_K, I_IQ3_K, I_IQ2_K, N_TYPES };
+       I_IQ4_KS, I_IQ4_K, I_IQ3_K, I_IQ2_K, I_IQ5_K, I_IQ2_KS, N_TYPES };
 /* M(type index) for every type: one case of a per-type switch each */
 #define EACH_TYPE(M) M(I_F32) M(I_F16) M(I_BF16) M(I_Q4_0) M(I_Q8_0) M(I_Q4_K) M(I_Q5_K) M(I_Q6_K) M(I_IQ4_NL) \
-    M(I_MXFP4) M(I_IQ4_XS) M(I_Q3_K) M(I_Q2_K) M(I_IQ4_KS) M(I_IQ4_K) M(I_IQ3_K) M(I_IQ2_K)
+    M(I_MXFP4) M(I_IQ4_XS) M(I_Q3_K) M(I_Q2_K) M(I_IQ4_KS) M(I_IQ4_K) M(I_IQ3_K) M(I_IQ2_K) \
+    M(I_IQ5_K) M(I_IQ2_KS)
 
-/* The "x types" (IQ4_XS, Q3_K, Q2_K and ik_llama.cpp's IQ4_KS, IQ4_K, IQ3_K, IQ2_K): 256-element super-blocks
- * whose weights are w = S_i (u - X_OFF) - M_i, u an unsigned byte, S_i and M_i (Q2_K only) per 16-element
- * sub-block i. u is an index q (4 bits in nibbles, or 2 bits in crumbs plus a third from a bit plane) or a
- * table's value at q + X_OFF (XTAB: two tables, a per-sub-block "extra" bit picks one). One scale routine
+/* The "x types" (IQ4_XS, Q3_K, Q2_K and ik_llama.cpp's IQ4_KS, IQ4_K, IQ3_K, IQ2_K, IQ5_K, IQ2_KS): 256-element
+ * super-blocks whose weights are w = S_i (u - X_OFF) - M_i, u an unsigned byte, S_i and M_i (Q2_K only) per
+ * 16-element sub-block i. u is an index q (4 bits in nibbles, 2 bits in crumbs plus a third from a bit plane, or
+ * IQ5_K's nibbles plus a fifth bit) or a table's value at q + X_OFF (XTAB: two tables, a per-sub-block "extra" bit
+ * picks one). One scale routine
  * (x_scales) and one unpacker per width (x_u32, x_u64) give every path its values: fp32 (w = fma(u, S, X_OFF S),
  * or S u - M: ggml's roundings), the integer path (the u bytes straight into vpdpbusd) and the dequantizer.
- * IQ4_KS rows begin with a float32 scale (X_HDR bytes) that the row's super-blocks share. */
+ * IQ4_KS rows begin with a float32 scale, IQ2_KS rows with an fp16 one (X_HDR bytes), that the row's super-blocks
+ * share. */
 #define IS_X(ti) ((ti) >= I_IQ4_XS)
-#define X_OFF_SH(ti) ((ti) == I_Q3_K ? 2 : (ti) == I_Q2_K ? 0 : (ti) == I_IQ3_K ? 6 : (ti) == I_IQ2_K ? 5 : 7)
+#define X_OFF_SH(ti) ((ti) == I_Q3_K ? 2 : (ti) == I_Q2_K ? 0 : (ti) == I_IQ3_K ? 6 : \
+                      ((ti) == I_IQ2_K || (ti) == I_IQ2_KS) ? 5 : 7)
 #define X_OFF(ti) ((ti) == I_Q2_K ? 0 : 1 << X_OFF_SH(ti))
 #define X_MIN(ti) ((ti) == I_Q2_K)
-#define X_HDR(ti) ((ti) == I_IQ4_KS ? 4 : 0)
+#define X_HDR(ti) ((ti) == I_IQ4_KS ? 4 : (ti) == I_IQ2_KS ? 2 : 0)
 #define X_NIB(ti) ((ti) == I_IQ4_XS || (ti) == I_IQ4_KS || (ti) == I_IQ4_K)      /* q in nibbles, else crumbs */
-#define X_QS(ti) ((ti) == I_IQ4_K ? 16 : (ti) == I_Q3_K ? 32 : (ti) == I_Q2_K ? 16 : (ti) == I_IQ3_K ? 14 : \
-                  (ti) == I_IQ2_K ? 12 : 8)                                      /* where the q bits start */
-#define X_QH(ti) ((ti) == I_Q3_K ? 0 : 78)                       /* Q3_K, IQ3_K: the third bit's planes */
+#define X_NIB64(ti) ((ti) == I_IQ5_K)          /* per 64: 32 bytes, low nibbles first, high nibbles next */
+#define X_QS(ti) (((ti) == I_IQ4_K || (ti) == I_IQ5_K) ? 16 : (ti) == I_Q3_K ? 32 : (ti) == I_Q2_K ? 16 : \
+                  (ti) == I_IQ3_K ? 14 : (ti) == I_IQ2_K ? 12 : (ti) == I_IQ2_KS ? 6 : 8)   /* where q starts */
+#define X_QH(ti) ((ti) == I_Q3_K ? 0 : (ti) == I_IQ5_K ? 144 : 78)  /* Q3_K, IQ3_K, IQ5_K: the top bit's planes */
 #define X_3BIT(ti) ((ti) == I_Q3_K || (ti) == I_IQ3_K)
 #define X_TAB(ti) ((ti) != I_Q3_K && (ti) != I_Q2_K)             /* u from XTAB */
 #define X_EXTRA(ti) ((ti) >= I_IQ4_KS)                           /* a table per sub-block */
+#define X_NIBQ(ti) (X_NIB(ti) || X_NIB64(ti))
 /* types in 256-element super-blocks */
 #define IS_K(ti) (((ti) >= I_Q4_K && (ti) <= I_Q6_K) || IS_X(ti))
 
@@ -101,7 +107,7 @@ static const tinfo TINFO[N_TYPES] = {
     [I_IQ4_NL] = {T_IQ4_NL, 32, 18}, [I_MXFP4] = {T_MXFP4, 32, 17},
     [I_IQ4_XS] = {T_IQ4_XS, 256, 136}, [I_Q3_K] = {T_Q3_K, 256, 110}, [I_Q2_K] = {T_Q2_K, 256, 84},
     [I_IQ4_KS] = {T_IQ4_KS, 256, 136, 4}, [I_IQ4_K] = {T_IQ4_K, 256, 144}, [I_IQ3_K] = {T_IQ3_K, 256, 110},
-    [I_IQ2_K] = {T_IQ2_K, 256, 76},
+    [I_IQ2_K] = {T_IQ2_K, 256, 76}, [I_IQ5_K] = {T_IQ5_K, 256, 176}, [I_IQ2_KS] = {T_IQ2_KS, 256, 70, 2},
 };
 
 static int type_index(int id) {
@@ -118,7 +124,7 @@ static const float KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -
 static const float KV_Q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 static const uint8_t KU8_IQ4NL[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 /* the x types' u tables (value + X_OFF), [extra bit][q] */
-static const uint8_t XTAB[N_TYPES][2][16] __attribute__((aligned(16))) = {
+static const uint8_t XTAB[N_TYPES][2][32] __attribute__((aligned(16))) = {
     [I_IQ4_XS] = {{1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241},
                   {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241}},
     [I_IQ4_KS] = {{1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241},
@@ -127,6 +133,11 @@ static const uint8_t XTAB[N_TYPES][2][16] __attribute__((aligned(16))) = {
                  {5, 28, 49, 67, 83, 97, 110, 122, 133, 145, 157, 170, 185, 201, 221, 245}},
     [I_IQ3_K] = {{1, 24, 41, 54, 65, 77, 92, 111}, {5, 28, 45, 58, 69, 81, 96, 115}},
     [I_IQ2_K] = {{1, 19, 33, 49}, {6, 24, 38, 54}},
+    [I_IQ2_KS] = {{1, 19, 33, 49}, {6, 24, 38, 54}},
+    [I_IQ5_K] = {{2, 14, 25, 36, 45, 54, 63, 71, 78, 85, 92, 98, 104, 110, 116, 122,
+                  127, 133, 139, 145, 151, 157, 164, 171, 179, 187, 196, 205, 215, 225, 237, 249},
+                 {4, 16, 27, 38, 47, 56, 65, 73, 80, 87, 94, 100, 106, 112, 118, 124,
+                  129, 135, 141, 147, 153, 159, 166, 173, 181, 189, 198, 207, 217, 227, 239, 251}},
 };
 
 /* ------------------------------------------------------------------ scalar helpers */
@@ -167,7 +178,8 @@ static inline void k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
 /* the scale in an x-type row's header (IQ4_KS), else 1 */
 static inline float x_rowscale(int ti, const uint8_t *row) {
     float d = 1.0f;
-    if (X_HDR(ti)) memcpy(&d, row, 4);
+    if (X_HDR(ti) == 4) memcpy(&d, row, 4);
+    if (X_HDR(ti) == 2) d = fp16_to_f32(rd16(row));
     return d;
 }
 
@@ -198,22 +210,35 @@ static inline void x_scales(int ti, const uint8_t *b, float rd, float *S, float 
         case I_IQ4_K: S[i] = d * (float)((lo | ((b[4 + i / 4] >> 2 * (i % 4)) & 3) << 4) - 32); break;
         case I_IQ3_K: S[i] = d * (float)((2 * lo + 1) * ((rd16(b + 4) >> i) & 1 ? -1 : 1)); break;
         case I_IQ2_K: S[i] = d * (float)(lo - 8); break;
+        case I_IQ5_K: S[i] = d * (float)((((b[8 + i / 2] >> 4 * (i % 2)) & 0xF) | ((b[4 + i / 4] >> 2 * (i % 4)) & 3) << 4) - 32);
+            break;
+        case I_IQ2_KS: {
+            const int s = i / 2, ls = ((b[2 + s / 2] >> 4 * (s % 2)) & 0xF) | ((rd16(b) >> (8 + s)) & 1) << 4;
+            S[i] = rd * (float)(ls - 16);
+            break;
+        }
         }
     }
 }
 
 /* bit i: sub-block i (of 16 elements) takes table 1 of XTAB */
 static inline int x_extra16(int ti, const uint8_t *b) {
-    if (ti == I_IQ4_KS) {
-        int m = 0;
+    int m = 0;
+    if (ti == I_IQ4_KS)
         for (int k = 0; k < 8; k++) m |= (b[k] & 1) * 3 << 2 * k;
-        return m;
-    }
-    return X_EXTRA(ti) ? rd16(b + 2) : 0;
+    else if (ti == I_IQ2_KS)
+        for (int k = 0; k < 8; k++) m |= (b[0] >> k & 1) * 3 << 2 * k;
+    else
+        m = X_EXTRA(ti) ? rd16(b + 2) : 0;
+    return m;
 }
 
 /* element e (0..255) of x-type super-block b: its index q, and its unsigned byte u */
 static inline int x_q(int ti, const uint8_t *b, int e) {
+    if (X_NIB64(ti)) {
+        const int q = b[X_QS(ti) + 32 * (e / 64) + e % 32];
+        return (e % 64 < 32 ? q & 0xF : q >> 4) | ((b[X_QH(ti) + e % 32] >> (e / 32)) & 1) << 4;
+    }
     if (X_NIB(ti)) {
         const int q = b[X_QS(ti) + 16 * (e / 32) + e % 16];
         return e % 32 < 16 ? q & 0xF : q >> 4;
@@ -398,14 +423,15 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
     KSHAPES(P, FN, I_Q8_0) KSHAPES(P, FN, I_Q4_K) KSHAPES(P, FN, I_Q5_K) KSHAPES(P, FN, I_Q6_K) \
     KSHAPES(P, FN, I_IQ4_NL) KSHAPES(P, FN, I_MXFP4) KSHAPES(P, FN, I_IQ4_XS) KSHAPES(P, FN, I_Q3_K) \
     KSHAPES(P, FN, I_Q2_K) KSHAPES(P, FN, I_IQ4_KS) KSHAPES(P, FN, I_IQ4_K) KSHAPES(P, FN, I_IQ3_K) \
-    KSHAPES(P, FN, I_IQ2_K) \
+    KSHAPES(P, FN, I_IQ2_K) KSHAPES(P, FN, I_IQ5_K) KSHAPES(P, FN, I_IQ2_KS) \
     static const kern_fn NAME[N_TYPES][5][5] = { \
         [I_F32] = KTROW(P, I_F32), [I_F16] = KTROW(P, I_F16), [I_BF16] = KTROW(P, I_BF16), \
         [I_Q4_0] = KTROW(P, I_Q4_0), [I_Q8_0] = KTROW(P, I_Q8_0), [I_Q4_K] = KTROW(P, I_Q4_K), \
         [I_Q5_K] = KTROW(P, I_Q5_K), [I_Q6_K] = KTROW(P, I_Q6_K), [I_IQ4_NL] = KTROW(P, I_IQ4_NL), \
         [I_MXFP4] = KTROW(P, I_MXFP4), [I_IQ4_XS] = KTROW(P, I_IQ4_XS), [I_Q3_K] = KTROW(P, I_Q3_K), \
         [I_Q2_K] = KTROW(P, I_Q2_K), [I_IQ4_KS] = KTROW(P, I_IQ4_KS), [I_IQ4_K] = KTROW(P, I_IQ4_K), \
-        [I_IQ3_K] = KTROW(P, I_IQ3_K), [I_IQ2_K] = KTROW(P, I_IQ2_K), };
+        [I_IQ3_K] = KTROW(P, I_IQ3_K), [I_IQ2_K] = KTROW(P, I_IQ2_K), [I_IQ5_K] = KTROW(P, I_IQ5_K), \
+        [I_IQ2_KS] = KTROW(P, I_IQ2_KS), };
 
 #if HM_AVX2
 
@@ -462,6 +488,21 @@ static const int8_t KV8_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4,
  * bytes) */
 HM_INLINE __m256i x_u32(const int ti, const uint8_t *b, const int u) {
     __m256i q;
+    if (X_NIB64(ti)) {   /* nibble u&1 of 32 bytes, bit u of qh[l] -> bit 4 */
+        const __m256i qs = _mm256_loadu_si256((const __m256i *)(b + X_QS(ti) + 32 * (u >> 1)));
+        q = _mm256_and_si256(u & 1 ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
+        __m256i h = _mm256_loadu_si256((const __m256i *)(b + X_QH(ti)));
+        h = u <= 4 ? _mm256_slli_epi16(h, 4 - u) : _mm256_srli_epi16(h, u - 4);
+        q = _mm256_or_si256(q, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+        const int ex = x_extra16(ti, b) >> 2 * u;
+        /* 32-entry tables: two vpshufb and a blend on bit 4 */
+        const uint8_t *t0 = XTAB[ti][ex & 1], *t1 = XTAB[ti][(ex >> 1) & 1];
+        const __m256i lo = _mm256_set_m128i(_mm_load_si128((const __m128i *)t1), _mm_load_si128((const __m128i *)t0));
+        const __m256i hi = _mm256_set_m128i(_mm_load_si128((const __m128i *)(t1 + 16)),
+                                            _mm_load_si128((const __m128i *)(t0 + 16)));
+        const __m256i sel = _mm256_cmpeq_epi8(_mm256_and_si256(q, _mm256_set1_epi8(0x10)), _mm256_set1_epi8(0x10));
+        return _mm256_blendv_epi8(_mm256_shuffle_epi8(lo, q), _mm256_shuffle_epi8(hi, q), sel);
+    }
     if (X_NIB(ti)) {
         const __m128i m0f = _mm_set1_epi8(0x0F), qs = _mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 16 * u));
         q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m0f), _mm_and_si128(qs, m0f));
@@ -550,6 +591,7 @@ HM_INLINE void unpack32_avx2(const int ti, const uint8_t *b, const int u, const 
         return;
     }
     case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K:
+    case I_IQ5_K: case I_IQ2_KS:
         bytes_to_ps(x_u32(ti, b, u), 0, w);
         for (int i = 0; i < 4; i++)
             w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[2 * u + i / 2]), _mm256_set1_ps(ks->m[2 * u + i / 2]));
@@ -731,7 +773,8 @@ HM_INLINE void unpack32(const int ti, const uint8_t *b, const int u, const kscal
         *w1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(qb), _mm512_set1_ps(ks->s[2 * u + 1]), _mm512_set1_ps(ks->m[2 * u + 1]));
         return;
     }
-    case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K: {
+    case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K:
+    case I_IQ5_K: case I_IQ2_KS: {
         const __m256i q = x_u32(ti, b, u);
         *w0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q))),
                               _mm512_set1_ps(ks->s[2 * u]), _mm512_set1_ps(ks->m[2 * u]));
@@ -1210,9 +1253,10 @@ HM_INLINE __m512i qc_dot(__m512i u, __m512i x1, __m512i x2) {
 
 /* x_extra16 in a few vector ops */
 HM_INLINE int x_extra16v(const int ti, const uint8_t *b) {
-    if (ti != I_IQ4_KS) return X_EXTRA(ti) ? rd16(b + 2) : 0;
-    /* bit 0 of the 8 scale bytes, each twice (a scale covers two sub-blocks of 16) */
-    const unsigned m = (unsigned)_mm_movemask_epi8(_mm_slli_epi16(_mm_loadl_epi64((const __m128i *)b), 7)) & 0xFF;
+    if (ti != I_IQ4_KS && ti != I_IQ2_KS) return X_EXTRA(ti) ? rd16(b + 2) : 0;
+    /* per 32 (IQ4_KS: bit 0 of the 8 scale bytes; IQ2_KS: the low byte at b), each twice for the sub-blocks of 16 */
+    const unsigned m = ti == I_IQ2_KS ? b[0] :
+        (unsigned)_mm_movemask_epi8(_mm_slli_epi16(_mm_loadl_epi64((const __m128i *)b), 7)) & 0xFF;
 #if defined(__BMI2__)
     return (int)(_pdep_u32(m, 0x5555u) * 3);
 #else
@@ -1231,6 +1275,23 @@ HM_INLINE __mmask64 lanes_mask(unsigned b4) {
 /* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order (ex: x_extra16) */
 HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int ex) {
     __m512i q;
+    if (X_NIB64(ti)) {   /* [qs, qs] -> [low nibbles, high nibbles], bits 2c, 2c + 1 of qh -> bit 4 */
+        const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
+        const __m512i mh = _mm512_set_epi64(GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1),
+                                            GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c));
+        q = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QS(ti) + 32 * c))), mqk, 0);
+        q = _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QH(ti)))), mh, 0));
+        /* 32-entry tables, two per extra bit: four vpshufb, merged by bit 4 and the lanes' extra bits */
+        const __mmask64 h = _mm512_test_epi8_mask(q, _mm512_set1_epi8(0x10)), e = lanes_mask((unsigned)(ex >> 4 * c) & 0xF);
+#define XT(k, o) _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(XTAB[ti][k] + (o))))
+        __m512i u = _mm512_shuffle_epi8(XT(0, 0), q);
+        u = _mm512_mask_shuffle_epi8(u, h & ~e, XT(0, 16), q);
+        u = _mm512_mask_shuffle_epi8(u, ~h & e, XT(1, 0), q);
+        return _mm512_mask_shuffle_epi8(u, h & e, XT(1, 16), q);
+#undef XT
+    }
     if (X_NIB(ti)) {   /* 32-blocks 2c, 2c + 1: [qs0, qs0, qs1, qs1] -> nibbles [lo0, hi0, lo1, hi1] */
         const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
         q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 32 * c)));
@@ -1287,7 +1348,7 @@ HM_INLINE void x_scales16(const int ti, const uint8_t *b, const float rd, __m512
         *S = _mm512_mul_ps(_mm512_set1_ps(F16(b + 108)), _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
         return;
     }
-    case I_IQ4_K: {   /* bits 4-5: bits 2(i%4) of sh[i/4] */
+    case I_IQ4_K: case I_IQ5_K: {   /* bits 4-5: bits 2(i%4) of sh[i/4] */
         uint32_t hw;
         memcpy(&hw, b + 4, 4);
         const __m512i sh = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)hw),
@@ -1308,9 +1369,19 @@ HM_INLINE void x_scales16(const int ti, const uint8_t *b, const float rd, __m512
         *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles16(b + 4), _mm512_set1_epi32(8))));
         return;
     }
-    /* IQ4_XS, IQ4_KS: 8 scales of 32, each twice */
+    /* IQ4_XS, IQ4_KS, IQ2_KS: 8 scales of 32, each twice */
     __m256 s8;
-    if (ti == I_IQ4_KS) {
+    if (ti == I_IQ2_KS) {   /* nibbles at b + 2, bit 4 from bits 8-15 of the u16 at b */
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(rd16(b)),
+                                                              _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)),
+                                            _mm256_set1_epi32(1));
+        uint32_t lw;
+        memcpy(&lw, b + 2, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(16));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(ls));
+    } else if (ti == I_IQ4_KS) {
         const __m256i ls = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_loadl_epi64((const __m128i *)b),
                                                                                _mm_set1_epi8((char)254))),
                                             _mm256_set1_epi32(127));
@@ -1551,13 +1622,13 @@ typedef void (*kqc_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_
     {0, kqc_##TI##_4_1, kqc_##TI##_4_2, kqc_##TI##_4_3, kqc_##TI##_4_4} }
 KQCSHAPES(I_Q4_0) KQCSHAPES(I_Q8_0) KQCSHAPES(I_Q4_K) KQCSHAPES(I_Q5_K) KQCSHAPES(I_Q6_K) KQCSHAPES(I_IQ4_NL)
 KQCSHAPES(I_MXFP4) KQCSHAPES(I_IQ4_XS) KQCSHAPES(I_Q3_K) KQCSHAPES(I_Q2_K) KQCSHAPES(I_IQ4_KS) KQCSHAPES(I_IQ4_K)
-KQCSHAPES(I_IQ3_K) KQCSHAPES(I_IQ2_K)
+KQCSHAPES(I_IQ3_K) KQCSHAPES(I_IQ2_K) KQCSHAPES(I_IQ5_K) KQCSHAPES(I_IQ2_KS)
 static const kqc_fn KQC[N_TYPES][5][5] = {
     [I_Q4_0] = KQCROW(I_Q4_0), [I_Q8_0] = KQCROW(I_Q8_0), [I_Q4_K] = KQCROW(I_Q4_K), [I_Q5_K] = KQCROW(I_Q5_K),
     [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4),
     [I_IQ4_XS] = KQCROW(I_IQ4_XS), [I_Q3_K] = KQCROW(I_Q3_K), [I_Q2_K] = KQCROW(I_Q2_K),
     [I_IQ4_KS] = KQCROW(I_IQ4_KS), [I_IQ4_K] = KQCROW(I_IQ4_K), [I_IQ3_K] = KQCROW(I_IQ3_K),
-    [I_IQ2_K] = KQCROW(I_IQ2_K), };
+    [I_IQ2_K] = KQCROW(I_IQ2_K), [I_IQ5_K] = KQCROW(I_IQ5_K), [I_IQ2_KS] = KQCROW(I_IQ2_KS), };
 #endif /* HM_VNNI */
 
 #if HM_AVXVNNI
@@ -1691,7 +1762,8 @@ KQTABLE(KQTAB2, kq2, kern_q8_256)
 /* AVX-512 VNNI: every quantized type, Q8_0 and IQ4_NL too, so that every batch size computes the canonical
  * integer products (cdot_ref): prompts then give the same results however they are split. */
 #define INT8_DEFAULT_512 (INT8_DEFAULT_256_ | (1u << I_Q8_0) | (1u << I_IQ4_NL) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
-                          (1u << I_Q2_K) | (1u << I_IQ4_KS) | (1u << I_IQ4_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K))
+                          (1u << I_Q2_K) | (1u << I_IQ4_KS) | (1u << I_IQ4_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K) | \
+                          (1u << I_IQ5_K) | (1u << I_IQ2_KS))
 /* AVX-VNNI (dev VM, 1 thread, T=1, GB/s fp32 -> integer): Q4_0 7.2 -> 12.4, Q4_K 7.3 -> 11.2, Q5_K 8.4 -> 11.6,
  * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
  * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
