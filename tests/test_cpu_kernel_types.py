@@ -164,3 +164,34 @@ def test_tile_passes_with_row_headers(q):
         assert rel_l2(cpu.qmatmul(x, w, q, 2304, impl="tile"), ref) < BAND["tile"]
     finally:
         cpu.set_exact(prev)
+
+
+def test_interleaved_rows_repack_to_their_base_type():
+    """_R4 / _R8 rows whose base type has kernels are repacked (hm_deinterleave) exactly as the reference
+    deinterleaves them; the kernels then read them as the base type."""
+    from hybridmoe.quant.dequant import SUPPORTED, deinterleave
+    g = torch.Generator().manual_seed(9)
+    done = []
+    for q in SUPPORTED:
+        base = cpu.kernel_type(q)
+        if base is None or base == q:
+            continue
+        w = random_blocks(q, 16, 512, g)
+        got, gt = cpu.plain_rows(w, q, 512)
+        ref, rt = deinterleave(w, q, 512)
+        assert gt == rt and torch.equal(got, ref), q.name
+        done.append(q.name)
+    assert {"IQ4_KS_R4", "IQ4_K_R4", "IQ4_XS_R8", "Q3_K_R4", "Q2_K_R4"} <= set(done)
+
+
+def test_ik_files_have_no_slow_tensors():
+    """ik_llama.cpp's files of these types (IQ4_K_R4 repacked at load) leave nothing on the slow path, and an
+    all-CPU model of each matches its file's reference dequantization (tests/quant/test_quant_files.py runs
+    every placement)."""
+    import hybridmoe
+    files = VECTORS / "files"
+    if not files.exists():
+        pytest.skip(f"no ik_llama.cpp files at {files}")
+    for name in ("IQ4_KS", "IQ4_K_R4", "Q3_K", "Q2_K", "IQ4_XS"):
+        m = hybridmoe.load(str(files / f"q-{name}.gguf"), ctx_size=64)
+        assert m.slow_tensors() == {}, name

@@ -245,19 +245,20 @@ class Model:
     def slow_tensors(self) -> dict[str, list[str]]:
         """Type name -> tensors of that type, for types no fast kernel reads yet: they compute through the
         reference dequantizer (correct, slow)."""
-        from .kernels.cpu import KERNEL_TYPES
+        from .kernels.cpu import kernel_type
         out: dict[str, list[str]] = {}
         for info in self.file.tensors.values():
-            if len(info.shape) > 1 and int(info.qtype) not in KERNEL_TYPES:
+            if len(info.shape) > 1 and kernel_type(info.qtype) is None:
                 out.setdefault(info.qtype.name, []).append(info.name)
         return out
 
     def _warn_slow_types(self) -> None:
+        from .kernels.cpu import kernel_names
         slow = self.slow_tensors()
         if slow:
             what = ", ".join(f"{len(v)} {t}" for t, v in sorted(slow.items()))
             warn(f"{what} tensors have no fast kernel yet: they run through the reference dequantizer (slow); "
-                 f"the fast kernels read F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4")
+                 f"the fast kernels read {kernel_names()}")
 
     def _step_for(self, which: str, kv):
         """The static "decode" or "prompt" step of this cache, built at its first use (one cache at a time keeps

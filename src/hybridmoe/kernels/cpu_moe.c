@@ -4217,6 +4217,48 @@ int hm_prompt_step(const hm_dmodel *m, const int64_t *tokens, int64_t T, int64_t
 
 int hm_type_supported(int id) { return type_index(id) >= 0; }
 
+/* An _R4 / _R8 tensor's rows back to its base type's rows (the inverse of ik_llama.cpp's repacking, -rtr), so
+ * they take the base type's kernels. src: ngroups groups of R interleaved rows (R hdr-byte row headers, then nb
+ * chunks of R bb-byte blocks); each chunk is a fixed bit permutation of the R base blocks, given as gather
+ * tables (quant/ref_interleaved.py derives them from the packing code): whole bytes out[cj] = in[cs], and runs
+ * of bits seg[i] = {dst byte, src byte, right shift, mask, left shift}: out[d] |= ((in[s] >> r) & m) << l.
+ * dst: the rows in order, hdr + nb * bb bytes each. */
+int hm_deinterleave(const uint8_t *src, uint8_t *dst, int64_t ngroups, int R, int64_t nb, int bb, int hdr,
+                    const int64_t *cj, const int64_t *cs, int64_t ncj, const int64_t *seg, int64_t nseg,
+                    int nthreads) {
+    if (ngroups < 0 || R < 1 || nb < 1 || bb < 1 || hdr < 0) return -1;
+    const int64_t rb = hdr + nb * bb, gb = (int64_t)R * rb;
+    const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+    int bad = 0;
+#pragma omp parallel num_threads(nth)
+    {
+        uint8_t *out = malloc((size_t)R * bb);
+        if (!out) {
+#pragma omp atomic write
+            bad = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < ngroups; g++) {
+            if (!out) continue;
+            const uint8_t *in = src + g * gb;
+            uint8_t *rows = dst + g * gb;
+            for (int r = 0; r < R; r++) memcpy(rows + r * rb, in + r * hdr, (size_t)hdr);
+            for (int64_t k = 0; k < nb; k++) {
+                const uint8_t *x = in + (int64_t)R * hdr + k * R * bb;
+                memset(out, 0, (size_t)R * bb);
+                for (int64_t i = 0; i < ncj; i++) out[cj[i]] = x[cs[i]];
+                for (int64_t i = 0; i < nseg; i++) {
+                    const int64_t *sg = seg + 5 * i;
+                    out[sg[0]] |= (uint8_t)(((x[sg[1]] >> sg[2]) & sg[3]) << sg[4]);
+                }
+                for (int r = 0; r < R; r++) memcpy(rows + r * rb + hdr + k * bb, out + r * bb, (size_t)bb);
+            }
+        }
+        free(out);
+    }
+    return bad ? -2 : 0;
+}
+
 /* whether single-token rows of this ggml type take the integer path now (this CPU, path and setting) */
 int hm_int8_type(int id) {
     const int ti = type_index(id);
