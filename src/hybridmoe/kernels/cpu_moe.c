@@ -89,7 +89,8 @@ enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I
 #define X_3BIT(ti) ((ti) == I_Q3_K || (ti) == I_IQ3_K)
 #define X_TAB(ti) ((ti) != I_Q3_K && (ti) != I_Q2_K)             /* u from XTAB */
 #define X_EXTRA(ti) ((ti) >= I_IQ4_KS)                           /* a table per sub-block */
-#define X_NIBQ(ti) (X_NIB(ti) || X_NIB64(ti))
+/* types whose int8 tiles take signed values and a scale per 16 elements (no mins) */
+#define SB16(ti) ((ti) == I_Q6_K || (IS_X(ti) && !X_MIN(ti)))
 /* types in 256-element super-blocks */
 #define IS_K(ti) (((ti) >= I_Q4_K && (ti) <= I_Q6_K) || IS_X(ti))
 
@@ -2869,6 +2870,18 @@ static void a8_unpack_row(int ti, const uint8_t *row, int64_t k0, int64_t kc, in
         const uint8_t *b = row + (k0 + e) / 256 * ts;
         kscale ks;
         prep_k(ti, b, 1.0f, &ks);
+        if (IS_X(ti)) {   /* u - X_OFF, scales per 16 */
+            const uint8_t *xb = row + TINFO[ti].hdr + (k0 + e) / 256 * ts;
+            float S[16] __attribute__((aligned(64)));
+            __m512 Sv, Mv;
+            x_scales16(ti, xb, X_HDR(ti) ? x_rowscale(ti, row) : 1.0f, &Sv, &Mv);
+            _mm512_store_ps(S, Sv);
+            for (int i = 0; i < 16; i++) ws[(e / 16 + i) * 32] = S[i];
+            const int ex = x_extra16v(ti, xb);
+            for (int c = 0; c < 4; c++)
+                _mm512_storeu_si512(A + e + 64 * c, _mm512_sub_epi8(x_u64(ti, xb, c, ex), _mm512_set1_epi8((char)X_OFF(ti))));
+            continue;
+        }
         if (ti == I_Q6_K) {
             const __m512i m4 = _mm512_set1_epi8(0x0F), o32 = _mm512_set1_epi8(32);
             for (int i = 0; i < 16; i++) ws[(e / 16 + i) * 32] = ks.s[i];
@@ -2925,7 +2938,7 @@ static void a8_unpack_row(int ti, const uint8_t *row, int64_t k0, int64_t kc, in
  * the operand tiles instead, the sums single: 10% slower in the model, 2026-11-25.) */
 static void a8_chain(int ti, const int8_t *A, const float *ws, const uint8_t *tb, int64_t K, int64_t k0, int64_t kc,
                      float *c, int acc_in, pfq *pq, int64_t per) {
-    const int q6 = ti == I_Q6_K, us = ti == I_Q4_K || ti == I_Q5_K;
+    const int q6 = SB16(ti), us = ti == I_Q4_K || ti == I_Q5_K;
     const int two = g_xterms > 1;                          /* one term: q2 = 0, its tiles skipped */
     const int8_t *B1 = (const int8_t *)tb, *B2 = B1 + 16 * K;
     const float *xs = (const float *)(tb + 32 * K);
@@ -3041,7 +3054,7 @@ static int canon_type(int ti, int64_t K) {
  * path (the canonical products) */
 static int tile_q8(int mode, int ti, int64_t K) {
 #if HM_AMX8
-    return mode == TILE_AMX && QC_MULTI && (INT8_MASK >> ti & 1) && q8_type(ti, K) && !IS_X(ti);
+    return mode == TILE_AMX && QC_MULTI && (INT8_MASK >> ti & 1) && q8_type(ti, K) && !X_MIN(ti);
 #else
     (void)mode; (void)ti; (void)K;
     return 0;
@@ -3078,7 +3091,7 @@ static int tile_mm_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, in
     {
         const int tid = omp_get_thread_num();
         const a8_bufs bf = a8_layout(scr + (size_t)tid * scratch, K, TG);
-        amx8_config(wi == I_Q6_K);
+        amx8_config(SB16(wi));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             qrows_quant(&xr, t, x + t * K, bf.xq);
@@ -3165,7 +3178,7 @@ static int moe_tile_q8(const float *x, int64_t T, int64_t H, const int32_t *ids,
             pack_tb(xb + b * tbx, &xr, ptok + i0, cn < 16 ? (int)cn : 16);
         }
         /* ---- stage 1: units (expert, TILE_S1_STEPS x 16 rows of F), claimed one ahead (as moe_tile_act) */
-        amx8_config(gi == I_Q6_K);
+        amx8_config(SB16(gi));
         {
             int64_t u = claim(&ctr1), un = claim(&ctr1);
             if (u < NU) {
@@ -3224,7 +3237,7 @@ static int moe_tile_q8(const float *x, int64_t T, int64_t H, const int32_t *ids,
             pack_tb(hb + b * tbh, &hr, pidx + i0, cn < 16 ? (int)cn : 16);
         }
         /* ---- stage 2: units of TILE_S2_ROWS rows of H, every active expert in ascending order */
-        amx8_config(di == I_Q6_K);
+        amx8_config(SB16(di));
         {
             int64_t v = claim(&ctr2), vn = claim(&ctr2);
             if (v < NV && na > 0) {
