@@ -22,6 +22,8 @@ from hybridmoe.quant.types import GGMLType as G
 from hybridmoe.quant.types import row_bytes
 
 NEW = [G.IQ4_XS, G.Q3_K, G.Q2_K, G.IQ4_KS, G.IQ4_K, G.IQ3_K, G.IQ2_K, G.IQ5_K, G.IQ2_KS]
+# the CI suite runs these; the rest are marked slow (-m "not gpu" without slow skips them)
+FAST = {G.IQ4_XS, G.Q2_K, G.IQ4_KS}
 BAND = {"fp32": 2e-5, "int": 2e-4, "tile": 1.5e-2}
 VECTORS = Path("/work/shared/testdata/quant-vectors")
 
@@ -46,6 +48,11 @@ def simd(request):
         yield cpu.simd()
     finally:
         cpu.set_simd(prev)
+
+
+def sweep(types):
+    """types as parameters, those outside FAST marked slow"""
+    return [q if q in FAST else pytest.param(q, marks=pytest.mark.slow, id=q.name) for q in types]
 
 
 def band(q):
@@ -109,9 +116,10 @@ def test_moe_ffn(q, dq, T, simd):
     assert rel_l2(out, ref) < max(band(q), band(dq))
 
 
-@pytest.mark.parametrize("q", NEW, **ids_)
+@pytest.mark.parametrize("q", sweep([G.IQ4_XS, G.Q3_K, G.Q2_K, G.IQ4_KS, G.IQ5_K]), **ids_)
 def test_large_batches(q):
-    """The large-batch paths (bf16 tiles, dequantize + GEMM, or the canonical streaming kernel)."""
+    """The large-batch paths (bf16 tiles, dequantize + GEMM, or the canonical products), one type of each
+    layout (nibbles, crumbs with a bit plane, crumbs with mins, a row header, 5 bits)."""
     E, H, F, T = 8, 512, 256, 64
     g = torch.Generator().manual_seed(3)
     gate, up, down = experts(q, E, H, F, g)
@@ -127,7 +135,7 @@ def test_large_batches(q):
         assert rel_l2(cpu.qmatmul(x, wq, q, H, impl=impl), ref) < BAND["tile"], impl
 
 
-@pytest.mark.parametrize("q", NEW, **ids_)
+@pytest.mark.parametrize("q", sweep(NEW), **ids_)
 def test_any_batch_gives_the_same_bits(q):
     """Where the canonical integer products run (AVX-512 VNNI): 40 tokens, 7 at a time and one at a time give
     the same bits as the scalar reference of the canonical form; moe_ffn likewise for 80 tokens split 33 + 47."""
@@ -166,7 +174,8 @@ def test_tile_passes_with_row_headers(q):
         cpu.set_exact(prev)
 
 
-def test_interleaved_rows_repack_to_their_base_type():
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_interleaved_rows_repack_to_their_base_type(every):
     """_R4 / _R8 rows whose base type has kernels are repacked (hm_deinterleave) exactly as the reference
     deinterleaves them; the kernels then read them as the base type."""
     from hybridmoe.quant.dequant import SUPPORTED, deinterleave
@@ -174,14 +183,14 @@ def test_interleaved_rows_repack_to_their_base_type():
     done = []
     for q in SUPPORTED:
         base = cpu.kernel_type(q)
-        if base is None or base == q:
+        if base is None or base == q or not (every or q.name in ("IQ4_KS_R4", "IQ4_K_R4", "IQ4_XS_R8", "Q3_K_R4")):
             continue
         w = random_blocks(q, 16, 512, g)
         got, gt = cpu.plain_rows(w, q, 512)
         ref, rt = deinterleave(w, q, 512)
         assert gt == rt and torch.equal(got, ref), q.name
         done.append(q.name)
-    assert {"IQ4_KS_R4", "IQ4_K_R4", "IQ4_XS_R8", "Q3_K_R4", "Q2_K_R4"} <= set(done)
+    assert {"IQ4_KS_R4", "IQ4_K_R4", "IQ4_XS_R8", "Q3_K_R4"} <= set(done)
 
 
 def test_ik_files_have_no_slow_tensors():
