@@ -55,16 +55,16 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
     T_IQ4_NL = 20, T_BF16 = 30, T_MXFP4 = 39, T_Q2_K = 10, T_Q3_K = 11, T_IQ4_XS = 23, T_IQ2_K = 137, T_IQ3_K = 138,
-    T_IQ4_K = 139, T_IQ4_KS = 144, T_IQ5_K = 140, T_IQ2_KS = 145,
+    T_IQ4_K = 139, T_IQ4_KS = 144, T_IQ5_K = 140, T_IQ2_KS = 145, T_IQ2_KL = 157,
 };
 
 /* dense type index used by the kernel tables */
 enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I_MXFP4, I_IQ4_XS, I_Q3_K, I_Q2_K,
-       I_IQ4_KS, I_IQ4_K, I_IQ3_K, I_IQ2_K, I_IQ5_K, I_IQ2_KS, N_TYPES };
+       I_IQ4_KS, I_IQ4_K, I_IQ3_K, I_IQ2_K, I_IQ5_K, I_IQ2_KS, I_IQ2_KL, N_TYPES };
 /* M(type index) for every type: one case of a per-type switch each */
 #define EACH_TYPE(M) M(I_F32) M(I_F16) M(I_BF16) M(I_Q4_0) M(I_Q8_0) M(I_Q4_K) M(I_Q5_K) M(I_Q6_K) M(I_IQ4_NL) \
     M(I_MXFP4) M(I_IQ4_XS) M(I_Q3_K) M(I_Q2_K) M(I_IQ4_KS) M(I_IQ4_K) M(I_IQ3_K) M(I_IQ2_K) \
-    M(I_IQ5_K) M(I_IQ2_KS)
+    M(I_IQ5_K) M(I_IQ2_KS) M(I_IQ2_KL)
 
 /* The "x types" (IQ4_XS, Q3_K, Q2_K and ik_llama.cpp's IQ4_KS, IQ4_K, IQ3_K, IQ2_K, IQ5_K, IQ2_KS): 256-element
  * super-blocks whose weights are w = S_i (u - X_OFF) - M_i, u an unsigned byte, S_i and M_i (Q2_K only) per
@@ -77,18 +77,25 @@ enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I
  * share. */
 #define IS_X(ti) ((ti) >= I_IQ4_XS)
 #define X_OFF_SH(ti) ((ti) == I_Q3_K ? 2 : (ti) == I_Q2_K ? 0 : (ti) == I_IQ3_K ? 6 : \
-                      ((ti) == I_IQ2_K || (ti) == I_IQ2_KS) ? 5 : 7)
+                      ((ti) == I_IQ2_K || (ti) == I_IQ2_KS) ? 5 : (ti) == I_IQ2_KL ? 6 : 7)
 #define X_OFF(ti) ((ti) == I_Q2_K ? 0 : 1 << X_OFF_SH(ti))
 #define X_MIN(ti) ((ti) == I_Q2_K)
-#define X_HDR(ti) ((ti) == I_IQ4_KS ? 4 : (ti) == I_IQ2_KS ? 2 : 0)
+#define X_HDR(ti) ((ti) == I_IQ4_KS ? 4 : ((ti) == I_IQ2_KS || (ti) == I_IQ2_KL) ? 2 : 0)
 #define X_NIB(ti) ((ti) == I_IQ4_XS || (ti) == I_IQ4_KS || (ti) == I_IQ4_K)      /* q in nibbles, else crumbs */
 #define X_NIB64(ti) ((ti) == I_IQ5_K)          /* per 64: 32 bytes, low nibbles first, high nibbles next */
 #define X_QS(ti) (((ti) == I_IQ4_K || (ti) == I_IQ5_K) ? 16 : (ti) == I_Q3_K ? 32 : (ti) == I_Q2_K ? 16 : \
                   (ti) == I_IQ3_K ? 14 : (ti) == I_IQ2_K ? 12 : (ti) == I_IQ2_KS ? 6 : 8)   /* where q starts */
 #define X_QH(ti) ((ti) == I_Q3_K ? 0 : (ti) == I_IQ5_K ? 144 : 78)  /* Q3_K, IQ3_K, IQ5_K: the top bit's planes */
 #define X_3BIT(ti) ((ti) == I_Q3_K || (ti) == I_IQ3_K)
-#define X_TAB(ti) ((ti) != I_Q3_K && (ti) != I_Q2_K)             /* u from XTAB */
-#define X_EXTRA(ti) ((ti) >= I_IQ4_KS)                           /* a table per sub-block */
+#define X_TAB(ti) ((ti) != I_Q3_K && (ti) != I_Q2_K && (ti) != I_IQ2_KL)    /* u from XTAB */
+#define X_EXTRA(ti) ((ti) >= I_IQ4_KS && (ti) != I_IQ2_KL)                    /* a table per sub-block */
+/* IQ2_KL: a 5-bit index per pair of weights (nibbles of 16-byte runs, bit s of qh[l] on top) into 32 pairs of
+ * values: u of both, + 64, as one u16 */
+#define X_PAIRS(ti) ((ti) == I_IQ2_KL)
+static const uint16_t KL_PAIRS[32] __attribute__((aligned(64))) = {
+    0x2901, 0x4d01, 0x0118, 0x3618, 0x4d18, 0x6f18, 0x1829, 0x2929, 0x4129, 0x4d29, 0x5c29, 0x0136, 0x4136, 0x4d36,
+    0x6f36, 0x2941, 0x3641, 0x4141, 0x4d41, 0x5c41, 0x184d, 0x294d, 0x364d, 0x414d, 0x4d4d, 0x015c, 0x295c, 0x415c,
+    0x5c5c, 0x6f5c, 0x296f, 0x4d6f};
 /* types whose int8 tiles take signed values and a scale per 16 elements (no mins) */
 #define SB16(ti) ((ti) == I_Q6_K || (IS_X(ti) && !X_MIN(ti)))
 /* types in 256-element super-blocks */
@@ -109,6 +116,7 @@ static const tinfo TINFO[N_TYPES] = {
     [I_IQ4_XS] = {T_IQ4_XS, 256, 136}, [I_Q3_K] = {T_Q3_K, 256, 110}, [I_Q2_K] = {T_Q2_K, 256, 84},
     [I_IQ4_KS] = {T_IQ4_KS, 256, 136, 4}, [I_IQ4_K] = {T_IQ4_K, 256, 144}, [I_IQ3_K] = {T_IQ3_K, 256, 110},
     [I_IQ2_K] = {T_IQ2_K, 256, 76}, [I_IQ5_K] = {T_IQ5_K, 256, 176}, [I_IQ2_KS] = {T_IQ2_KS, 256, 70, 2},
+    [I_IQ2_KL] = {T_IQ2_KL, 256, 86, 2},
 };
 
 static int type_index(int id) {
@@ -218,6 +226,11 @@ static inline void x_scales(int ti, const uint8_t *b, float rd, float *S, float 
             S[i] = rd * (float)(ls - 16);
             break;
         }
+        case I_IQ2_KL: {   /* nibble s/4 of byte s%4, bits 2s of the u16 at b */
+            const int s = i / 2, ls = ((b[2 + s % 4] >> 4 * (s / 4)) & 0xF) | ((rd16(b) >> 2 * s) & 3) << 4;
+            S[i] = rd * (float)(ls - 32);
+            break;
+        }
         }
     }
 }
@@ -250,6 +263,11 @@ static inline int x_q(int ti, const uint8_t *b, int e) {
 }
 
 static inline int x_value(int ti, const uint8_t *b, int e) {
+    if (X_PAIRS(ti)) {
+        const int s = e / 32, l = e % 32 / 2;
+        const int idx = ((b[6 + 16 * (s / 2) + l] >> 4 * (s % 2)) & 0xF) | ((b[70 + l] >> s) & 1) << 4;
+        return (KL_PAIRS[idx] >> 8 * (e % 2)) & 0xFF;
+    }
     const int q = x_q(ti, b, e);
     return X_TAB(ti) ? XTAB[ti][(x_extra16(ti, b) >> (e / 16)) & 1][q] : q;
 }
@@ -424,7 +442,7 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
     KSHAPES(P, FN, I_Q8_0) KSHAPES(P, FN, I_Q4_K) KSHAPES(P, FN, I_Q5_K) KSHAPES(P, FN, I_Q6_K) \
     KSHAPES(P, FN, I_IQ4_NL) KSHAPES(P, FN, I_MXFP4) KSHAPES(P, FN, I_IQ4_XS) KSHAPES(P, FN, I_Q3_K) \
     KSHAPES(P, FN, I_Q2_K) KSHAPES(P, FN, I_IQ4_KS) KSHAPES(P, FN, I_IQ4_K) KSHAPES(P, FN, I_IQ3_K) \
-    KSHAPES(P, FN, I_IQ2_K) KSHAPES(P, FN, I_IQ5_K) KSHAPES(P, FN, I_IQ2_KS) \
+    KSHAPES(P, FN, I_IQ2_K) KSHAPES(P, FN, I_IQ5_K) KSHAPES(P, FN, I_IQ2_KS) KSHAPES(P, FN, I_IQ2_KL) \
     static const kern_fn NAME[N_TYPES][5][5] = { \
         [I_F32] = KTROW(P, I_F32), [I_F16] = KTROW(P, I_F16), [I_BF16] = KTROW(P, I_BF16), \
         [I_Q4_0] = KTROW(P, I_Q4_0), [I_Q8_0] = KTROW(P, I_Q8_0), [I_Q4_K] = KTROW(P, I_Q4_K), \
@@ -432,7 +450,7 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
         [I_MXFP4] = KTROW(P, I_MXFP4), [I_IQ4_XS] = KTROW(P, I_IQ4_XS), [I_Q3_K] = KTROW(P, I_Q3_K), \
         [I_Q2_K] = KTROW(P, I_Q2_K), [I_IQ4_KS] = KTROW(P, I_IQ4_KS), [I_IQ4_K] = KTROW(P, I_IQ4_K), \
         [I_IQ3_K] = KTROW(P, I_IQ3_K), [I_IQ2_K] = KTROW(P, I_IQ2_K), [I_IQ5_K] = KTROW(P, I_IQ5_K), \
-        [I_IQ2_KS] = KTROW(P, I_IQ2_KS), };
+        [I_IQ2_KS] = KTROW(P, I_IQ2_KS), [I_IQ2_KL] = KTROW(P, I_IQ2_KL), };
 
 #if HM_AVX2
 
@@ -489,6 +507,12 @@ static const int8_t KV8_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4,
  * bytes) */
 HM_INLINE __m256i x_u32(const int ti, const uint8_t *b, const int u) {
     __m256i q;
+    if (X_PAIRS(ti)) {   /* sub-block u: 16 pairs */
+        uint16_t pr[16] __attribute__((aligned(32)));
+        for (int l = 0; l < 16; l++)
+            pr[l] = KL_PAIRS[((b[6 + 16 * (u / 2) + l] >> 4 * (u % 2)) & 0xF) | ((b[70 + l] >> u) & 1) << 4];
+        return _mm256_load_si256((const __m256i *)pr);
+    }
     if (X_NIB64(ti)) {   /* nibble u&1 of 32 bytes, bit u of qh[l] -> bit 4 */
         const __m256i qs = _mm256_loadu_si256((const __m256i *)(b + X_QS(ti) + 32 * (u >> 1)));
         q = _mm256_and_si256(u & 1 ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
@@ -592,7 +616,7 @@ HM_INLINE void unpack32_avx2(const int ti, const uint8_t *b, const int u, const 
         return;
     }
     case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K:
-    case I_IQ5_K: case I_IQ2_KS:
+    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL:
         bytes_to_ps(x_u32(ti, b, u), 0, w);
         for (int i = 0; i < 4; i++)
             w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[2 * u + i / 2]), _mm256_set1_ps(ks->m[2 * u + i / 2]));
@@ -775,7 +799,7 @@ HM_INLINE void unpack32(const int ti, const uint8_t *b, const int u, const kscal
         return;
     }
     case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K:
-    case I_IQ5_K: case I_IQ2_KS: {
+    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL: {
         const __m256i q = x_u32(ti, b, u);
         *w0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q))),
                               _mm512_set1_ps(ks->s[2 * u]), _mm512_set1_ps(ks->m[2 * u]));
@@ -1276,6 +1300,16 @@ HM_INLINE __mmask64 lanes_mask(unsigned b4) {
 /* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order (ex: x_extra16) */
 HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int ex) {
     __m512i q;
+    if (X_PAIRS(ti)) {   /* sub-blocks 2c, 2c + 1: 32 pair indices -> 32 u16 of two u each (vpermw) */
+        const __m128i m4 = _mm_set1_epi8(0x0F), b4 = _mm_set1_epi8(0x10);
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6 + 16 * c));
+        const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 70));
+        const __m128i i0 = _mm_or_si128(_mm_and_si128(qs, m4), _mm_and_si128(_mm_slli_epi16(_mm_srli_epi16(qh, 2 * c), 4), b4));
+        const __m128i i1 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), m4),
+                                        _mm_and_si128(_mm_slli_epi16(_mm_srli_epi16(qh, 2 * c + 1), 4), b4));
+        const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(i1, i0));
+        return _mm512_permutexvar_epi16(idx, _mm512_load_si512((const void *)KL_PAIRS));
+    }
     if (X_NIB64(ti)) {   /* [qs, qs] -> [low nibbles, high nibbles], bits 2c, 2c + 1 of qh -> bit 4 */
         const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
         const __m512i mh = _mm512_set_epi64(GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1),
@@ -1370,9 +1404,19 @@ HM_INLINE void x_scales16(const int ti, const uint8_t *b, const float rd, __m512
         *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles16(b + 4), _mm512_set1_epi32(8))));
         return;
     }
-    /* IQ4_XS, IQ4_KS, IQ2_KS: 8 scales of 32, each twice */
+    /* IQ4_XS, IQ4_KS, IQ2_KS, IQ2_KL: 8 scales of 32, each twice */
     __m256 s8;
-    if (ti == I_IQ2_KS) {   /* nibbles at b + 2, bit 4 from bits 8-15 of the u16 at b */
+    if (ti == I_IQ2_KL) {   /* nibble s/4 of byte 2 + s%4, bits 4-5 from bits 2s of the u16 at b */
+        uint32_t lw;
+        memcpy(&lw, b + 2, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(rd16(b)),
+                                                              _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                            _mm256_set1_epi32(3));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(
+            _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32))));
+    } else if (ti == I_IQ2_KS) {   /* nibbles at b + 2, bit 4 from bits 8-15 of the u16 at b */
         const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(rd16(b)),
                                                               _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)),
                                             _mm256_set1_epi32(1));
@@ -1623,13 +1667,14 @@ typedef void (*kqc_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_
     {0, kqc_##TI##_4_1, kqc_##TI##_4_2, kqc_##TI##_4_3, kqc_##TI##_4_4} }
 KQCSHAPES(I_Q4_0) KQCSHAPES(I_Q8_0) KQCSHAPES(I_Q4_K) KQCSHAPES(I_Q5_K) KQCSHAPES(I_Q6_K) KQCSHAPES(I_IQ4_NL)
 KQCSHAPES(I_MXFP4) KQCSHAPES(I_IQ4_XS) KQCSHAPES(I_Q3_K) KQCSHAPES(I_Q2_K) KQCSHAPES(I_IQ4_KS) KQCSHAPES(I_IQ4_K)
-KQCSHAPES(I_IQ3_K) KQCSHAPES(I_IQ2_K) KQCSHAPES(I_IQ5_K) KQCSHAPES(I_IQ2_KS)
+KQCSHAPES(I_IQ3_K) KQCSHAPES(I_IQ2_K) KQCSHAPES(I_IQ5_K) KQCSHAPES(I_IQ2_KS) KQCSHAPES(I_IQ2_KL)
 static const kqc_fn KQC[N_TYPES][5][5] = {
     [I_Q4_0] = KQCROW(I_Q4_0), [I_Q8_0] = KQCROW(I_Q8_0), [I_Q4_K] = KQCROW(I_Q4_K), [I_Q5_K] = KQCROW(I_Q5_K),
     [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4),
     [I_IQ4_XS] = KQCROW(I_IQ4_XS), [I_Q3_K] = KQCROW(I_Q3_K), [I_Q2_K] = KQCROW(I_Q2_K),
     [I_IQ4_KS] = KQCROW(I_IQ4_KS), [I_IQ4_K] = KQCROW(I_IQ4_K), [I_IQ3_K] = KQCROW(I_IQ3_K),
-    [I_IQ2_K] = KQCROW(I_IQ2_K), [I_IQ5_K] = KQCROW(I_IQ5_K), [I_IQ2_KS] = KQCROW(I_IQ2_KS), };
+    [I_IQ2_K] = KQCROW(I_IQ2_K), [I_IQ5_K] = KQCROW(I_IQ5_K), [I_IQ2_KS] = KQCROW(I_IQ2_KS),
+    [I_IQ2_KL] = KQCROW(I_IQ2_KL), };
 #endif /* HM_VNNI */
 
 #if HM_AVXVNNI
@@ -1764,7 +1809,7 @@ KQTABLE(KQTAB2, kq2, kern_q8_256)
  * integer products (cdot_ref): prompts then give the same results however they are split. */
 #define INT8_DEFAULT_512 (INT8_DEFAULT_256_ | (1u << I_Q8_0) | (1u << I_IQ4_NL) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
                           (1u << I_Q2_K) | (1u << I_IQ4_KS) | (1u << I_IQ4_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K) | \
-                          (1u << I_IQ5_K) | (1u << I_IQ2_KS))
+                          (1u << I_IQ5_K) | (1u << I_IQ2_KS) | (1u << I_IQ2_KL))
 /* AVX-VNNI (dev VM, 1 thread, T=1, GB/s fp32 -> integer): Q4_0 7.2 -> 12.4, Q4_K 7.3 -> 11.2, Q5_K 8.4 -> 11.6,
  * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
  * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
