@@ -21,7 +21,7 @@ from hybridmoe.quant.random_blocks import random_blocks
 from hybridmoe.quant.types import GGMLType as G
 from hybridmoe.quant.types import row_bytes
 
-NEW = [G.IQ4_XS, G.Q3_K, G.Q2_K, G.IQ4_KS, G.IQ4_K, G.IQ3_K, G.IQ2_K, G.IQ5_K, G.IQ2_KS, G.IQ2_KL]
+NEW = [G.IQ4_XS, G.Q3_K, G.Q2_K, G.IQ4_KS, G.IQ4_K, G.IQ3_K, G.IQ2_K, G.IQ5_K, G.IQ2_KS, G.IQ2_KL, G.IQ3_XXS]
 # the CI suite runs these; the rest are marked slow (-m "not gpu" without slow skips them)
 FAST = {G.IQ4_XS, G.Q2_K, G.IQ4_KS}
 BAND = {"fp32": 2e-5, "int": 2e-4, "tile": 1.5e-2}
@@ -201,6 +201,6 @@ def test_ik_files_have_no_slow_tensors():
     files = VECTORS / "files"
     if not files.exists():
         pytest.skip(f"no ik_llama.cpp files at {files}")
-    for name in ("IQ4_KS", "IQ4_K_R4", "Q3_K", "Q2_K", "IQ4_XS", "IQ2_KL"):
+    for name in ("IQ4_KS", "IQ4_K_R4", "Q3_K", "Q2_K", "IQ4_XS", "IQ2_KL", "IQ3_XXS"):
         m = hybridmoe.load(str(files / f"q-{name}.gguf"), ctx_size=64)
         assert m.slow_tensors() == {}, name

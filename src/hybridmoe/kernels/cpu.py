@@ -37,7 +37,7 @@ KERNEL_TYPES = frozenset(int(t) for t in (
     GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K,
     GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.MXFP4, GGMLType.IQ4_XS, GGMLType.Q3_K,
     GGMLType.Q2_K, GGMLType.IQ4_KS, GGMLType.IQ4_K, GGMLType.IQ3_K, GGMLType.IQ2_K, GGMLType.IQ5_K, GGMLType.IQ2_KS,
-    GGMLType.IQ2_KL))
+    GGMLType.IQ2_KL, GGMLType.IQ3_XXS))
 
 
 def kernel_type(qtype) -> GGMLType | None:

@@ -55,16 +55,16 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
     T_IQ4_NL = 20, T_BF16 = 30, T_MXFP4 = 39, T_Q2_K = 10, T_Q3_K = 11, T_IQ4_XS = 23, T_IQ2_K = 137, T_IQ3_K = 138,
-    T_IQ4_K = 139, T_IQ4_KS = 144, T_IQ5_K = 140, T_IQ2_KS = 145, T_IQ2_KL = 157,
+    T_IQ4_K = 139, T_IQ4_KS = 144, T_IQ5_K = 140, T_IQ2_KS = 145, T_IQ2_KL = 157, T_IQ3_XXS = 18,
 };
 
 /* dense type index used by the kernel tables */
 enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I_MXFP4, I_IQ4_XS, I_Q3_K, I_Q2_K,
-       I_IQ4_KS, I_IQ4_K, I_IQ3_K, I_IQ2_K, I_IQ5_K, I_IQ2_KS, I_IQ2_KL, N_TYPES };
+       I_IQ4_KS, I_IQ4_K, I_IQ3_K, I_IQ2_K, I_IQ5_K, I_IQ2_KS, I_IQ2_KL, I_IQ3_XXS, N_TYPES };
 /* M(type index) for every type: one case of a per-type switch each */
 #define EACH_TYPE(M) M(I_F32) M(I_F16) M(I_BF16) M(I_Q4_0) M(I_Q8_0) M(I_Q4_K) M(I_Q5_K) M(I_Q6_K) M(I_IQ4_NL) \
     M(I_MXFP4) M(I_IQ4_XS) M(I_Q3_K) M(I_Q2_K) M(I_IQ4_KS) M(I_IQ4_K) M(I_IQ3_K) M(I_IQ2_K) \
-    M(I_IQ5_K) M(I_IQ2_KS) M(I_IQ2_KL)
+    M(I_IQ5_K) M(I_IQ2_KS) M(I_IQ2_KL) M(I_IQ3_XXS)
 
 /* The "x types" (IQ4_XS, Q3_K, Q2_K and ik_llama.cpp's IQ4_KS, IQ4_K, IQ3_K, IQ2_K, IQ5_K, IQ2_KS): 256-element
  * super-blocks whose weights are w = S_i (u - X_OFF) - M_i, u an unsigned byte, S_i and M_i (Q2_K only) per
@@ -77,7 +77,7 @@ enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I
  * share. */
 #define IS_X(ti) ((ti) >= I_IQ4_XS)
 #define X_OFF_SH(ti) ((ti) == I_Q3_K ? 2 : (ti) == I_Q2_K ? 0 : (ti) == I_IQ3_K ? 6 : \
-                      ((ti) == I_IQ2_K || (ti) == I_IQ2_KS) ? 5 : (ti) == I_IQ2_KL ? 6 : 7)
+                      ((ti) == I_IQ2_K || (ti) == I_IQ2_KS) ? 5 : ((ti) == I_IQ2_KL || (ti) == I_IQ3_XXS) ? 6 : 7)
 #define X_OFF(ti) ((ti) == I_Q2_K ? 0 : 1 << X_OFF_SH(ti))
 #define X_MIN(ti) ((ti) == I_Q2_K)
 #define X_HDR(ti) ((ti) == I_IQ4_KS ? 4 : ((ti) == I_IQ2_KS || (ti) == I_IQ2_KL) ? 2 : 0)
@@ -87,11 +87,48 @@ enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I
                   (ti) == I_IQ3_K ? 14 : (ti) == I_IQ2_K ? 12 : (ti) == I_IQ2_KS ? 6 : 8)   /* where q starts */
 #define X_QH(ti) ((ti) == I_Q3_K ? 0 : (ti) == I_IQ5_K ? 144 : 78)  /* Q3_K, IQ3_K, IQ5_K: the top bit's planes */
 #define X_3BIT(ti) ((ti) == I_Q3_K || (ti) == I_IQ3_K)
-#define X_TAB(ti) ((ti) != I_Q3_K && (ti) != I_Q2_K && (ti) != I_IQ2_KL)    /* u from XTAB */
-#define X_EXTRA(ti) ((ti) >= I_IQ4_KS && (ti) != I_IQ2_KL)                    /* a table per sub-block */
+#define X_TAB(ti) ((ti) != I_Q3_K && (ti) != I_Q2_K && (ti) != I_IQ2_KL && (ti) != I_IQ3_XXS)   /* u from XTAB */
+#define X_EXTRA(ti) ((ti) >= I_IQ4_KS && (ti) != I_IQ2_KL && (ti) != I_IQ3_XXS)             /* a table per sub-block */
+/* IQ3_XXS: a byte per 4 weights indexes a grid of magnitudes, 7-bit sign codes (the 8th sign: their parity) per 8 */
+#define X_GRID(ti) ((ti) == I_IQ3_XXS)
 /* IQ2_KL: a 5-bit index per pair of weights (nibbles of 16-byte runs, bit s of qh[l] on top) into 32 pairs of
  * values: u of both, + 64, as one u16 */
 #define X_PAIRS(ti) ((ti) == I_IQ2_KL)
+/* IQ3_XXS's grid (ggml's iq3xxs_grid): 4 magnitudes a byte */
+static const uint32_t IQ3XXS_GRID[256] __attribute__((aligned(64))) = {
+    0x04040404, 0x04040414, 0x04040424, 0x04040c0c, 0x04040c1c, 0x04040c3e, 0x04041404, 0x04041414,
+    0x04041c0c, 0x04042414, 0x04043e1c, 0x04043e2c, 0x040c040c, 0x040c041c, 0x040c0c04, 0x040c0c14,
+    0x040c140c, 0x040c142c, 0x040c1c04, 0x040c1c14, 0x040c240c, 0x040c2c24, 0x040c3e04, 0x04140404,
+    0x04140414, 0x04140424, 0x04140c0c, 0x04141404, 0x04141414, 0x04141c0c, 0x04141c1c, 0x04141c3e,
+    0x04142c0c, 0x04142c3e, 0x04143e2c, 0x041c040c, 0x041c043e, 0x041c0c04, 0x041c0c14, 0x041c142c,
+    0x041c3e04, 0x04240c1c, 0x04241c3e, 0x04242424, 0x04242c3e, 0x04243e1c, 0x04243e2c, 0x042c040c,
+    0x042c043e, 0x042c1c14, 0x042c2c14, 0x04341c2c, 0x04343424, 0x043e0c04, 0x043e0c24, 0x043e0c34,
+    0x043e241c, 0x043e340c, 0x0c04040c, 0x0c04041c, 0x0c040c04, 0x0c040c14, 0x0c04140c, 0x0c04141c,
+    0x0c041c04, 0x0c041c14, 0x0c041c24, 0x0c04243e, 0x0c042c04, 0x0c0c0404, 0x0c0c0414, 0x0c0c0c0c,
+    0x0c0c1404, 0x0c0c1414, 0x0c14040c, 0x0c14041c, 0x0c140c04, 0x0c140c14, 0x0c14140c, 0x0c141c04,
+    0x0c143e14, 0x0c1c0404, 0x0c1c0414, 0x0c1c1404, 0x0c1c1c0c, 0x0c1c2434, 0x0c1c3434, 0x0c24040c,
+    0x0c24042c, 0x0c242c04, 0x0c2c1404, 0x0c2c1424, 0x0c2c2434, 0x0c2c3e0c, 0x0c34042c, 0x0c3e1414,
+    0x0c3e2404, 0x14040404, 0x14040414, 0x14040c0c, 0x14040c1c, 0x14041404, 0x14041414, 0x14041434,
+    0x14041c0c, 0x14042414, 0x140c040c, 0x140c041c, 0x140c042c, 0x140c0c04, 0x140c0c14, 0x140c140c,
+    0x140c1c04, 0x140c341c, 0x140c343e, 0x140c3e04, 0x14140404, 0x14140414, 0x14140c0c, 0x14140c3e,
+    0x14141404, 0x14141414, 0x14141c3e, 0x14142404, 0x14142c2c, 0x141c040c, 0x141c0c04, 0x141c0c24,
+    0x141c3e04, 0x141c3e24, 0x14241c2c, 0x14242c1c, 0x142c041c, 0x142c143e, 0x142c240c, 0x142c3e24,
+    0x143e040c, 0x143e041c, 0x143e0c34, 0x143e242c, 0x1c04040c, 0x1c040c04, 0x1c040c14, 0x1c04140c,
+    0x1c04141c, 0x1c042c04, 0x1c04342c, 0x1c043e14, 0x1c0c0404, 0x1c0c0414, 0x1c0c1404, 0x1c0c1c0c,
+    0x1c0c2424, 0x1c0c2434, 0x1c14040c, 0x1c14041c, 0x1c140c04, 0x1c14142c, 0x1c142c14, 0x1c143e14,
+    0x1c1c0c0c, 0x1c1c1c1c, 0x1c241c04, 0x1c24243e, 0x1c243e14, 0x1c2c0404, 0x1c2c0434, 0x1c2c1414,
+    0x1c2c2c2c, 0x1c340c24, 0x1c341c34, 0x1c34341c, 0x1c3e1c1c, 0x1c3e3404, 0x24040424, 0x24040c3e,
+    0x24041c2c, 0x24041c3e, 0x24042c1c, 0x24042c3e, 0x240c3e24, 0x24141404, 0x24141c3e, 0x24142404,
+    0x24143404, 0x24143434, 0x241c043e, 0x241c242c, 0x24240424, 0x24242c0c, 0x24243424, 0x242c142c,
+    0x242c241c, 0x242c3e04, 0x243e042c, 0x243e0c04, 0x243e0c14, 0x243e1c04, 0x2c040c14, 0x2c04240c,
+    0x2c043e04, 0x2c0c0404, 0x2c0c0434, 0x2c0c1434, 0x2c0c2c2c, 0x2c140c24, 0x2c141c14, 0x2c143e14,
+    0x2c1c0414, 0x2c1c2c1c, 0x2c240c04, 0x2c24141c, 0x2c24143e, 0x2c243e14, 0x2c2c0414, 0x2c2c1c0c,
+    0x2c342c04, 0x2c3e1424, 0x2c3e2414, 0x34041424, 0x34042424, 0x34042434, 0x34043424, 0x340c140c,
+    0x340c340c, 0x34140c3e, 0x34143424, 0x341c1c04, 0x341c1c34, 0x34242424, 0x342c042c, 0x342c2c14,
+    0x34341c1c, 0x343e041c, 0x343e140c, 0x3e04041c, 0x3e04042c, 0x3e04043e, 0x3e040c04, 0x3e041c14,
+    0x3e042c14, 0x3e0c1434, 0x3e0c2404, 0x3e140c14, 0x3e14242c, 0x3e142c14, 0x3e1c0404, 0x3e1c0c2c,
+    0x3e1c1c1c, 0x3e1c3404, 0x3e24140c, 0x3e24240c, 0x3e2c0404, 0x3e2c0414, 0x3e2c1424, 0x3e341c04,
+};
 static const uint16_t KL_PAIRS[32] __attribute__((aligned(64))) = {
     0x2901, 0x4d01, 0x0118, 0x3618, 0x4d18, 0x6f18, 0x1829, 0x2929, 0x4129, 0x4d29, 0x5c29, 0x0136, 0x4136, 0x4d36,
     0x6f36, 0x2941, 0x3641, 0x4141, 0x4d41, 0x5c41, 0x184d, 0x294d, 0x364d, 0x414d, 0x4d4d, 0x015c, 0x295c, 0x415c,
@@ -116,7 +153,7 @@ static const tinfo TINFO[N_TYPES] = {
     [I_IQ4_XS] = {T_IQ4_XS, 256, 136}, [I_Q3_K] = {T_Q3_K, 256, 110}, [I_Q2_K] = {T_Q2_K, 256, 84},
     [I_IQ4_KS] = {T_IQ4_KS, 256, 136, 4}, [I_IQ4_K] = {T_IQ4_K, 256, 144}, [I_IQ3_K] = {T_IQ3_K, 256, 110},
     [I_IQ2_K] = {T_IQ2_K, 256, 76}, [I_IQ5_K] = {T_IQ5_K, 256, 176}, [I_IQ2_KS] = {T_IQ2_KS, 256, 70, 2},
-    [I_IQ2_KL] = {T_IQ2_KL, 256, 86, 2},
+    [I_IQ2_KL] = {T_IQ2_KL, 256, 86, 2}, [I_IQ3_XXS] = {T_IQ3_XXS, 256, 98},
 };
 
 static int type_index(int id) {
@@ -226,6 +263,12 @@ static inline void x_scales(int ti, const uint8_t *b, float rd, float *S, float 
             S[i] = rd * (float)(ls - 16);
             break;
         }
+        case I_IQ3_XXS: {
+            uint32_t aux;
+            memcpy(&aux, b + 66 + 4 * (i / 2), 4);
+            S[i] = d * ((float)(aux >> 28) + 0.5f) * 0.5f;
+            break;
+        }
         case I_IQ2_KL: {   /* nibble s/4 of byte s%4, bits 2s of the u16 at b */
             const int s = i / 2, ls = ((b[2 + s % 4] >> 4 * (s / 4)) & 0xF) | ((rd16(b) >> 2 * s) & 3) << 4;
             S[i] = rd * (float)(ls - 32);
@@ -262,7 +305,19 @@ static inline int x_q(int ti, const uint8_t *b, int e) {
     return X_3BIT(ti) ? v | ((b[X_QH(ti) + l] >> (4 * n + j)) & 1) << 2 : v;
 }
 
+/* the 8 sign bits of IQ3_XXS's code k (0..3) of sub-block s: the code, its parity on top */
+static inline int xxs_signs(const uint8_t *b, int s, int k) {
+    uint32_t aux;
+    memcpy(&aux, b + 66 + 4 * s, 4);
+    const int c = (aux >> 7 * k) & 127;
+    return c | (__builtin_popcount(c) & 1) << 7;
+}
+
 static inline int x_value(int ti, const uint8_t *b, int e) {
+    if (X_GRID(ti)) {
+        const int g = (IQ3XXS_GRID[b[2 + e / 4]] >> 8 * (e % 4)) & 0xFF;
+        return xxs_signs(b, e / 32, e % 32 / 8) >> (e % 8) & 1 ? 64 - g : 64 + g;
+    }
     if (X_PAIRS(ti)) {
         const int s = e / 32, l = e % 32 / 2;
         const int idx = ((b[6 + 16 * (s / 2) + l] >> 4 * (s % 2)) & 0xF) | ((b[70 + l] >> s) & 1) << 4;
@@ -443,6 +498,7 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
     KSHAPES(P, FN, I_IQ4_NL) KSHAPES(P, FN, I_MXFP4) KSHAPES(P, FN, I_IQ4_XS) KSHAPES(P, FN, I_Q3_K) \
     KSHAPES(P, FN, I_Q2_K) KSHAPES(P, FN, I_IQ4_KS) KSHAPES(P, FN, I_IQ4_K) KSHAPES(P, FN, I_IQ3_K) \
     KSHAPES(P, FN, I_IQ2_K) KSHAPES(P, FN, I_IQ5_K) KSHAPES(P, FN, I_IQ2_KS) KSHAPES(P, FN, I_IQ2_KL) \
+    KSHAPES(P, FN, I_IQ3_XXS) \
     static const kern_fn NAME[N_TYPES][5][5] = { \
         [I_F32] = KTROW(P, I_F32), [I_F16] = KTROW(P, I_F16), [I_BF16] = KTROW(P, I_BF16), \
         [I_Q4_0] = KTROW(P, I_Q4_0), [I_Q8_0] = KTROW(P, I_Q8_0), [I_Q4_K] = KTROW(P, I_Q4_K), \
@@ -450,7 +506,7 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
         [I_MXFP4] = KTROW(P, I_MXFP4), [I_IQ4_XS] = KTROW(P, I_IQ4_XS), [I_Q3_K] = KTROW(P, I_Q3_K), \
         [I_Q2_K] = KTROW(P, I_Q2_K), [I_IQ4_KS] = KTROW(P, I_IQ4_KS), [I_IQ4_K] = KTROW(P, I_IQ4_K), \
         [I_IQ3_K] = KTROW(P, I_IQ3_K), [I_IQ2_K] = KTROW(P, I_IQ2_K), [I_IQ5_K] = KTROW(P, I_IQ5_K), \
-        [I_IQ2_KS] = KTROW(P, I_IQ2_KS), [I_IQ2_KL] = KTROW(P, I_IQ2_KL), };
+        [I_IQ2_KS] = KTROW(P, I_IQ2_KS), [I_IQ2_KL] = KTROW(P, I_IQ2_KL), [I_IQ3_XXS] = KTROW(P, I_IQ3_XXS), };
 
 #if HM_AVX2
 
@@ -507,6 +563,11 @@ static const int8_t KV8_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4,
  * bytes) */
 HM_INLINE __m256i x_u32(const int ti, const uint8_t *b, const int u) {
     __m256i q;
+    if (X_GRID(ti)) {
+        uint8_t v[32] __attribute__((aligned(32)));
+        for (int e = 0; e < 32; e++) v[e] = (uint8_t)x_value(ti, b, 32 * u + e);
+        return _mm256_load_si256((const __m256i *)v);
+    }
     if (X_PAIRS(ti)) {   /* sub-block u: 16 pairs */
         uint16_t pr[16] __attribute__((aligned(32)));
         for (int l = 0; l < 16; l++)
@@ -616,7 +677,7 @@ HM_INLINE void unpack32_avx2(const int ti, const uint8_t *b, const int u, const 
         return;
     }
     case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K:
-    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL:
+    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL: case I_IQ3_XXS:
         bytes_to_ps(x_u32(ti, b, u), 0, w);
         for (int i = 0; i < 4; i++)
             w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[2 * u + i / 2]), _mm256_set1_ps(ks->m[2 * u + i / 2]));
@@ -799,7 +860,7 @@ HM_INLINE void unpack32(const int ti, const uint8_t *b, const int u, const kscal
         return;
     }
     case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K:
-    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL: {
+    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL: case I_IQ3_XXS: {
         const __m256i q = x_u32(ti, b, u);
         *w0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q))),
                               _mm512_set1_ps(ks->s[2 * u]), _mm512_set1_ps(ks->m[2 * u]));
@@ -1300,6 +1361,14 @@ HM_INLINE __mmask64 lanes_mask(unsigned b4) {
 /* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order (ex: x_extra16) */
 HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int ex) {
     __m512i q;
+    if (X_GRID(ti)) {   /* sub-blocks 2c, 2c + 1: 16 grid entries (vpgatherdd), then 64 +- the magnitude */
+        const __m512i g = _mm512_i32gather_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c))),
+                                                 (const void *)IQ3XXS_GRID, 4);
+        uint64_t neg = 0;
+        for (int k = 0; k < 8; k++) neg |= (uint64_t)xxs_signs(b, 2 * c + k / 4, k % 4) << 8 * k;
+        const __m512i o = _mm512_set1_epi8(64);
+        return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
+    }
     if (X_PAIRS(ti)) {   /* sub-blocks 2c, 2c + 1: 32 pair indices -> 32 u16 of two u each (vpermw) */
         const __m128i m4 = _mm_set1_epi8(0x0F), b4 = _mm_set1_epi8(0x10);
         const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6 + 16 * c));
@@ -1404,9 +1473,13 @@ HM_INLINE void x_scales16(const int ti, const uint8_t *b, const float rd, __m512
         *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles16(b + 4), _mm512_set1_epi32(8))));
         return;
     }
-    /* IQ4_XS, IQ4_KS, IQ2_KS, IQ2_KL: 8 scales of 32, each twice */
+    /* IQ4_XS, IQ4_KS, IQ2_KS, IQ2_KL, IQ3_XXS: 8 scales of 32, each twice */
     __m256 s8;
-    if (ti == I_IQ2_KL) {   /* nibble s/4 of byte 2 + s%4, bits 4-5 from bits 2s of the u16 at b */
+    if (ti == I_IQ3_XXS) {   /* d (ls + 0.5) 0.5, ls the top 4 bits of each sub-block's u32 */
+        const __m256 ls = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + 66)), 28));
+        s8 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_add_ps(ls, _mm256_set1_ps(0.5f))),
+                           _mm256_set1_ps(0.5f));
+    } else if (ti == I_IQ2_KL) {   /* nibble s/4 of byte 2 + s%4, bits 4-5 from bits 2s of the u16 at b */
         uint32_t lw;
         memcpy(&lw, b + 2, 4);
         const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
@@ -1667,14 +1740,14 @@ typedef void (*kqc_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_
     {0, kqc_##TI##_4_1, kqc_##TI##_4_2, kqc_##TI##_4_3, kqc_##TI##_4_4} }
 KQCSHAPES(I_Q4_0) KQCSHAPES(I_Q8_0) KQCSHAPES(I_Q4_K) KQCSHAPES(I_Q5_K) KQCSHAPES(I_Q6_K) KQCSHAPES(I_IQ4_NL)
 KQCSHAPES(I_MXFP4) KQCSHAPES(I_IQ4_XS) KQCSHAPES(I_Q3_K) KQCSHAPES(I_Q2_K) KQCSHAPES(I_IQ4_KS) KQCSHAPES(I_IQ4_K)
-KQCSHAPES(I_IQ3_K) KQCSHAPES(I_IQ2_K) KQCSHAPES(I_IQ5_K) KQCSHAPES(I_IQ2_KS) KQCSHAPES(I_IQ2_KL)
+KQCSHAPES(I_IQ3_K) KQCSHAPES(I_IQ2_K) KQCSHAPES(I_IQ5_K) KQCSHAPES(I_IQ2_KS) KQCSHAPES(I_IQ2_KL) KQCSHAPES(I_IQ3_XXS)
 static const kqc_fn KQC[N_TYPES][5][5] = {
     [I_Q4_0] = KQCROW(I_Q4_0), [I_Q8_0] = KQCROW(I_Q8_0), [I_Q4_K] = KQCROW(I_Q4_K), [I_Q5_K] = KQCROW(I_Q5_K),
     [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4),
     [I_IQ4_XS] = KQCROW(I_IQ4_XS), [I_Q3_K] = KQCROW(I_Q3_K), [I_Q2_K] = KQCROW(I_Q2_K),
     [I_IQ4_KS] = KQCROW(I_IQ4_KS), [I_IQ4_K] = KQCROW(I_IQ4_K), [I_IQ3_K] = KQCROW(I_IQ3_K),
     [I_IQ2_K] = KQCROW(I_IQ2_K), [I_IQ5_K] = KQCROW(I_IQ5_K), [I_IQ2_KS] = KQCROW(I_IQ2_KS),
-    [I_IQ2_KL] = KQCROW(I_IQ2_KL), };
+    [I_IQ2_KL] = KQCROW(I_IQ2_KL), [I_IQ3_XXS] = KQCROW(I_IQ3_XXS), };
 #endif /* HM_VNNI */
 
 #if HM_AVXVNNI
@@ -1809,7 +1882,8 @@ KQTABLE(KQTAB2, kq2, kern_q8_256)
  * integer products (cdot_ref): prompts then give the same results however they are split. */
 #define INT8_DEFAULT_512 (INT8_DEFAULT_256_ | (1u << I_Q8_0) | (1u << I_IQ4_NL) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
                           (1u << I_Q2_K) | (1u << I_IQ4_KS) | (1u << I_IQ4_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K) | \
-                          (1u << I_IQ5_K) | (1u << I_IQ2_KS) | (1u << I_IQ2_KL))
+                          (1u << I_IQ5_K) | (1u << I_IQ2_KS) | (1u << I_IQ2_KL) | \
+                          (1u << I_IQ3_XXS))
 /* AVX-VNNI (dev VM, 1 thread, T=1, GB/s fp32 -> integer): Q4_0 7.2 -> 12.4, Q4_K 7.3 -> 11.2, Q5_K 8.4 -> 11.6,
  * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
  * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
