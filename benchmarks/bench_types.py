@@ -6,10 +6,12 @@ hidden 2048, expert width 768, random valid blocks), as a markdown table.
   probe) right before and after each row; the target is >= 75% at T=1;
 - the prompt rate at T=512 (GFLOP/s of the expert products), and its ratio to Q4_0's in the same run.
 
-Layers of expert tensors are rotated so the weights come from RAM, not cache.
+Layers of expert tensors are rotated so the weights come from RAM, not cache. --cpu-time (one thread, timed by
+its CPU time) is for shared machines, where other programs' load makes wall-clock rates and the read probe noise:
+the GB/s it gives are a core's, to hold against a core's share of the read bandwidth.
 
     python benchmarks/bench_types.py [--types Q4_0,IQ4_XS,Q3_K,Q2_K] [--threads N] [--layers L] [--repeat R]
-        [--batches 1,8,512] [--simd avx2|generic] [--fp32]
+        [--batches 1,8,512] [--simd avx2|generic] [--fp32] [--cpu-time]
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def routes(T: int, g: torch.Generator, n: int = 8):
     return out
 
 
-def time_layer(layers, q, T, g, nth, calls):
+def time_layer(layers, q, T, g, nth, calls, clock=time.perf_counter):
     """Seconds per call (best of 3 rounds) and the weight bytes a call reads."""
     x = torch.randn(T, H, generator=g)
     rs = routes(T, g)
@@ -52,11 +54,11 @@ def time_layer(layers, q, T, g, nth, calls):
     cpu.moe_ffn(x, *rs[0], *layers[0], q, q, nth, out)
     best = float("inf")
     for _ in range(3):
-        t = time.perf_counter()
+        t = clock()
         for i in range(calls):
             ids, w = rs[i % len(rs)]
             cpu.moe_ffn(x, ids, w, *layers[i % len(layers)], q, q, nth, out)
-        best = min(best, (time.perf_counter() - t) / calls)
+        best = min(best, (clock() - t) / calls)
     return best, nbytes
 
 
@@ -69,7 +71,11 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=1, help="bracketed attempts per row; the best share is kept")
     ap.add_argument("--simd", default=None, choices=["avx2", "generic"], help="run a lower vector path")
     ap.add_argument("--fp32", action="store_true", help="fp32 activations only (integer path off)")
+    ap.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time (shared machines)")
     a = ap.parse_args(argv)
+    if a.cpu_time:
+        a.threads = 1
+    clock = time.thread_time if a.cpu_time else time.perf_counter
     torch.set_num_threads(a.threads)
     if a.simd:
         cpu.set_simd(a.simd)
@@ -80,7 +86,7 @@ def main(argv=None):
         types.insert(0, GGMLType.Q4_0)                 # the prompt rate's reference
     batches = [int(b) for b in a.batches.split(",")]
     print(f"kernel: {cpu.simd()}{' (fp32 activations)' if a.fp32 else ''}, tile products: {cpu.tile_mode()}, "
-          f"threads {a.threads}, layers {a.layers}")
+          f"threads {a.threads}, layers {a.layers}{', CPU time' if a.cpu_time else ''}")
     g = torch.Generator().manual_seed(0)
     res = {}
     for q in types:
@@ -92,7 +98,7 @@ def main(argv=None):
             best = None
             for _ in range(a.repeat):
                 bw0 = ram_read_now(2)
-                dt, nbytes = time_layer(layers, q, T, g, a.threads, calls)
+                dt, nbytes = time_layer(layers, q, T, g, a.threads, calls, clock)
                 bw = (bw0 + ram_read_now(2)) / 2
                 if best is None or nbytes / dt / bw > best[1] / best[0] / best[2]:
                     best = (dt, nbytes, bw)
