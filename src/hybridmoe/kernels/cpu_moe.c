@@ -1365,7 +1365,20 @@ HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int e
         const __m512i g = _mm512_i32gather_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c))),
                                                  (const void *)IQ3XXS_GRID, 4);
         uint64_t neg = 0;
+#if defined(__BMI2__)
+        {   /* the 8 codes (7 bits each, 4 in each sub-block's u32) spread to bytes, each byte's parity on top */
+            uint32_t a0, a1;
+            memcpy(&a0, b + 66 + 8 * c, 4);
+            memcpy(&a1, b + 70 + 8 * c, 4);
+            const uint64_t codes = _pdep_u64(a0, 0x7F7F7F7Full) | _pdep_u64(a1, 0x7F7F7F7Full) << 32;
+            uint64_t p = codes ^ (codes >> 4);
+            p ^= p >> 2;
+            p ^= p >> 1;
+            neg = codes | (p & 0x0101010101010101ull) << 7;
+        }
+#else
         for (int k = 0; k < 8; k++) neg |= (uint64_t)xxs_signs(b, 2 * c + k / 4, k % 4) << 8 * k;
+#endif
         const __m512i o = _mm512_set1_epi8(64);
         return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
     }
