@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU-machine call: GPU tests (incl. ik's quant files on a real GPU), issue 25's fault repro, a short bench.
+# One GPU-machine call: GPU tests (incl. ik's quant files on a real GPU), issue 25's fault repro, a short bench,
+# long prompts on the GPU (longprompt), the exact CPU prompt path's cost (promptcost), batched decode (batch, gpubatch). Usage: bash benchmarks/gpu_check.sh SECTION...
 # Needs the quant vectors beside the repository: run_gpu copies them in as .gpu_testdata when present.
 source benchmarks/device_setup.sh
 set +e
@@ -9,9 +10,56 @@ for s in "$@"; do
   echo "=============== $s"
   case $s in
     gputests) HYBRIDMOE_CACHE=/tmp/hm-test timeout 420 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --tb=short 2>&1 | tail -25 ;;
+    # issue 25: 300- and 1,000-token prompts on the GPU against transformers (the per-case error lines), and the
+    # placements the static decode step refuses instead of failing its capture
+    longprompt) HYBRIDMOE_CACHE=/tmp/hm-test timeout 540 python3 -m pytest -q -m gpu tests/test_prompt_precision.py \
+                  tests/test_static_steps.py -p no:cacheprovider -s --tb=short 2>&1 \
+                  | grep -E "(F32|F16|BF16|Q[0-9]_[0-9K]) (all-gpu|exps-cpu)|passed|failed|Error|assert" | tail -60 ;;
+    # issue 25: the exact CPU prompt path against the bf16 tiles, interleaved on one loaded model (prompt_cost.py);
+    # all on the CPU (hm_prompt_step; -nopo, else -ngl 0 may offload a prompt's ops to the GPU), then hybrid (the
+    # eager decoder; a 512-token ubatch uploads the CPU experts)
+    promptcost) ( time python3 -m hybridmoe.cli synth qwen3-30b-a3b ) 2>&1 | tail -4
+                timeout 300 python3 benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 0 -nopo -p 512 -r 2 2>&1 | tail -14
+                timeout 200 python3 benchmarks/prompt_cost.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU -p 512 -r 2 \
+                  2>&1 | tail -14 ;;
     quantgpu) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/quant -p no:cacheprovider --tb=short 2>&1 | tail -8 ;;
     fault) timeout 150 python3 -u benchmarks/fault_repro.py /tmp 2>&1 | tail -30 ;;
+    types) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_dequant_types.py tests/test_mixes.py \
+             tests/quant/test_random_blocks.py -p no:cacheprovider --tb=short 2>&1 | tail -12 ;;
+    typesdq) timeout 300 python3 benchmarks/bench_gpu_dequant.py dequant --json ${OUT:-/tmp}/bench_gpu_dequant_dq.json 2>&1 | tail -25 ;;
+    typespp) timeout 560 python3 benchmarks/bench_gpu_dequant.py pp --layers 12 --json ${OUT:-/tmp}/bench_gpu_dequant_pp.json 2>&1 | tail -12 ;;
     runtime) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_decode.py tests/test_placement_runtime.py \
                -p no:cacheprovider --tb=short 2>&1 | tail -12 ;;
+    # issue 27: forward_batch on a real GPU (its GPU test prints max |logit diff| batched vs alone), then decode
+    # steps of B sequences at once on synth:tiny and on the 30B shape, all on the GPU and with experts on the CPU
+    batch) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q -s tests/test_batch.py -p no:cacheprovider \
+             --tb=short 2>&1 | grep -E "max \|logit|passed|failed|Error" ;
+           timeout 120 python3 -u benchmarks/batch_decode.py -m synth:tiny -ngl 99 --batch 1,4,16,64 2>&1 | tail -7 ;
+           timeout 500 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --steps 8 2>&1 | tail -10 ;
+           timeout 500 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU --steps 8 \
+             --batch 1,2,4,8,16 2>&1 | tail -8 ;;
+    # issue 27: `hybridmoe serve -np N` under openai clients (benchmarks/serve_load.py); each line loads the 30B
+    # shape once. serveload: all on the GPU (target: 16 clients >= 6x one); serveload_cpu: --n-cpu-moe 24 and
+    # -ot exps=CPU (target: 8 clients >= 1.8x one; at 4 no stream below 1/3 of its alone speed). The last
+    # line of each is one client on an -np 1 server: the single-stream baseline without slot switches.
+    serveload) python3 -c "import openai" || { echo "serve_load.py needs the openai package"; continue; }
+           timeout 280 python3 -u benchmarks/serve_load.py --concurrency 1,4,16,64 --rounds 2 -- \
+             -m synth:qwen3-30b-a3b -ngl 99 2>&1 | tail -8 ;
+           timeout 200 python3 -u benchmarks/serve_load.py --concurrency 1 -- -m synth:qwen3-30b-a3b -ngl 99 -np 1 \
+             2>&1 | tail -3 ;;
+    serveload_cpu) python3 -c "import openai" || { echo "serve_load.py needs the openai package"; continue; }
+           timeout 260 python3 -u benchmarks/serve_load.py --concurrency 1,4,8,16 --rounds 2 -- \
+             -m synth:qwen3-30b-a3b -ngl 99 --n-cpu-moe 24 2>&1 | tail -7 ;
+           timeout 260 python3 -u benchmarks/serve_load.py --concurrency 1,4,8 --rounds 2 -- \
+             -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU 2>&1 | tail -6 ;;
+    # issue 27 point 3: the batched decode kernels and the captured step per bucket against torch and the eager
+    # batched path (tests/test_gpu_batch.py), then B sequences a step on the 30B shape all on the GPU: the step
+    # column says BatchDecode[bucket graph] where the graph replayed; --no-graphs gives the eager batch for comparison
+    gpubatch) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_batch.py -p no:cacheprovider \
+                --tb=short 2>&1 | tail -12 ;
+              timeout 120 python3 -u benchmarks/batch_decode.py -m synth:tiny -ngl 99 --batch 1,3,4,16,64 2>&1 | tail -7 ;
+              timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --steps 8 2>&1 | tail -10 ;
+              timeout 300 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --no-graphs --steps 4 \
+                --repeat 2 --batch 1,4,16 2>&1 | tail -6 ;;
   esac
 done

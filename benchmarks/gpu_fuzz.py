@@ -18,15 +18,20 @@ tests/test_gpu_fuzz.py checks that on fake GPUs, up to the KV cache's rounding.
 Every seed runs in its own process (its cases in sequence, as a server would load models one after the
 other), so a CUDA fault, a crash or a hang ends only that process: the parent records the case as a fault
 with its seed and the exact repro command, and goes on with the seed's remaining cases in a new process.
+--workers processes run at once (default: half the cores, at most 8 a GPU), the CPU threads split between
+them; each sees the GPUs (--gpus, default all visible) through CUDA_VISIBLE_DEVICES, its first one taken
+round-robin over them, so single-GPU cases spread over every card. With two GPUs or more, a seed sees one
+GPU or all of them (by the seed, as --fake draws one fake GPU or two), so -ts and CUDA1 placements are drawn
+and run on real cards too.
 
-    python benchmarks/gpu_fuzz.py [--cases 300] [--seed S] [--time-limit 330] [--workers 3] [--json OUT]
+    python benchmarks/gpu_fuzz.py [--cases 300] [--seed S] [--time-limit 480] [--workers W] [--gpus 0,1] [--json OUT]
     python benchmarks/gpu_fuzz.py --one SEED [--case K | --from K --to K]   # a seed's cases, in this process
     python benchmarks/gpu_fuzz.py --fake --cases 20                         # fake GPUs (CPU-backed), here
 
-On the GPU machine (one call of ~6 minutes; the full log and the records come back under $OUT):
+On the GPU machine (one call of at most ~9 minutes; the full log and the records come back under $OUT):
 
     source benchmarks/device_setup.sh; set +e
-    python3 benchmarks/gpu_fuzz.py --json $OUT/gpu_fuzz.json > $OUT/gpu_fuzz.log 2>&1
+    timeout 580 python3 benchmarks/gpu_fuzz.py --json $OUT/gpu_fuzz.json > $OUT/gpu_fuzz.log 2>&1
     sed -n '/## gpu_fuzz summary/,$p' $OUT/gpu_fuzz.log
 
 The summary ends with markdown tables (worst errors per weight type and per placement kind) for
@@ -59,7 +64,7 @@ EXPERT_TYPES = {"Q4_0": 5, "Q8_0": 3, "Q4_K": 4, "Q5_K": 2, "Q6_K": 2, "F16": 1,
                 "IQ4_XS": 1, "Q3_K": 1, "IQ4_KS": 1, "IQ2_KT": 1}
 OTHER_TYPES = {"Q8_0": 5, "Q4_0": 3, "Q4_K": 2, "Q5_K": 1, "Q6_K": 2, "F16": 1, "BF16": 1, "F32": 2,
                "IQ4_XS": 1, "Q3_K": 1, "IQ4_KS": 1, "IQ2_KT": 1}
-REF_ONLY = ("IQ4_XS", "Q3_K", "IQ4_KS", "IQ2_KT")      # no fast kernel: the reference dequantizer everywhere
+REF_ONLY = ("IQ4_XS", "Q3_K", "IQ4_KS", "IQ2_KT")      # no CPU kernel: the reference dequantizer on the CPU
 BLOCK = {"Q4_0": 32, "Q8_0": 32, "F16": 32, "BF16": 32, "F32": 32}   # others: 256
 
 # Tolerances per weight type: (rel L2 of all prompt / decode logits, worst single row's rel L2, top-1).
@@ -504,9 +509,10 @@ def _heartbeat(period: float = 2.0):
     threading.Thread(target=run, daemon=True).start()
 
 
-def repro_command(seed: int, first: int | None, last: int | None, a) -> str:
-    """The command that runs this process's cases again, up to and including the one that failed."""
-    cmd = f"python benchmarks/gpu_fuzz.py --one {seed}"
+def repro_command(seed: int, first: int | None, last: int | None, a, cuda: str | None = None) -> str:
+    """The command that runs this process's cases again, up to and including the one that failed (on the GPUs
+    it saw, `cuda`, where the parent chose them)."""
+    cmd = (f"CUDA_VISIBLE_DEVICES={cuda} " if cuda is not None else "") + f"python benchmarks/gpu_fuzz.py --one {seed}"
     if first:
         cmd += f" --from {first}"
     if last is not None:
@@ -575,7 +581,9 @@ def worker(a) -> int:
         rec = {"seed": a.one, "case": k, "kind": case["kind"], "label": case_label(case), "model": model_label(spec),
                    "types": model_types(spec), "expert_type": spec["expert_type"], "other_type": spec["other_type"],
                    "n_prompt": P, "opts": case["opts"], "share_env": case["share"], "graphs": case["graphs"],
-                   "split": case["split"], "pre": case["pre"], "repro": repro_command(a.one, first, k + 1, a)}
+                   "split": case["split"], "pre": case["pre"], "n_gpus": n_gpus,
+                   "repro": repro_command(a.one, first, k + 1, a, os.environ.get("CUDA_VISIBLE_DEVICES")
+                                          if a.events and not a.fake else None)}
         del col.lines[:]
         t1 = time.perf_counter()
         if a.inject_fault and k == 1:                   # the parent's fault handling, tested
@@ -615,10 +623,36 @@ def worker(a) -> int:
 
 # ------------------------------------------------------------------------------------------- the parent
 
+def gpu_list(a) -> list[str]:
+    """The GPUs the workers use: --gpus (a count or a comma list of ids), else CUDA_VISIBLE_DEVICES, else every
+    GPU nvidia-smi lists; none with --fake. (The parent stays free of torch and CUDA.)"""
+    if a.fake:
+        return []
+    if a.gpus:
+        return [str(i) for i in range(int(a.gpus))] if a.gpus.isdigit() else [g for g in a.gpus.split(",") if g]
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if seen is not None:
+        return [g for g in seen.split(",") if g.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def gpus_for(seed: int, slot: int, gpus: list[str]) -> str | None:
+    """CUDA_VISIBLE_DEVICES of a worker process: its first GPU round-robin by `slot`; one GPU or all of them
+    by the seed (the same count whenever the seed's cases run again, so they draw the same placements)."""
+    if not gpus:
+        return None
+    n = len(gpus) if len(gpus) > 1 and random.Random(f"gpus-{seed}").random() < 0.5 else 1
+    return ",".join(gpus[(slot + j) % len(gpus)] for j in range(n))
+
+
 class Proc:
     """One worker process: a seed's cases [first, last)."""
-    def __init__(self, seed, first, last, a, q, deadline, threads, wd):
-        self.seed, self.first, self.last = seed, first, last
+    def __init__(self, seed, first, last, a, q, deadline, threads, wd, cuda=None):
+        self.seed, self.first, self.last, self.cuda = seed, first, last, cuda
         self.cur, self.since, self.planned, self.where = None, time.time(), False, ""
         os.makedirs(wd, exist_ok=True)
         self.errfile = open(os.path.join(wd, f"stderr-{first}.txt"), "w+")  # noqa: SIM115 - the process's life
@@ -630,6 +664,8 @@ class Proc:
             (["--inject-error"] if a.inject_error else []) + \
             (["--inject-fault", a.inject_fault] if a.inject_fault else [])
         env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if cuda is not None:
+            env["CUDA_VISIBLE_DEVICES"] = cuda
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.errfile, text=True, env=env,
                                   start_new_session=True)
         self.eof = threading.Event()
@@ -666,19 +702,24 @@ def parent(a) -> int:
     base = a.seed if a.seed is not None else int(time.time()) % 1_000_000
     deadline = t_start + a.time_limit
     hard = deadline + a.grace
-    workers = a.workers or (1 if a.fake else 3)
+    gpus = gpu_list(a)
+    cores = os.cpu_count() or 2
+    # a case is mostly Python launching small kernels, one core a process: half the cores run workers (the
+    # 16-core H100 machine: 8, each a case ~4 s plus ~7 s a process to start, build and run its oracle)
+    workers = a.workers or (1 if a.fake else max(1, min(cores // 2, 8 * max(1, len(gpus)))))
     # torch's threads and the C kernels' OpenMP threads both spin between regions: oversubscribed cores collapse
     # (issue 25's thread collapse; 25x slower cases on a loaded 2-core machine), so half the cores at most
-    threads = a.threads or (1 if a.fake else max(1, (os.cpu_count() or 2) // (2 * workers)))
+    threads = a.threads or (1 if a.fake else max(1, cores // (2 * workers)))
     print(f"gpu_fuzz: seed {base}, {a.cases} cases, {workers} worker(s) x {threads} threads, time limit "
-          f"{a.time_limit:.0f} s{' (fake GPUs)' if a.fake else ''}", flush=True)
+          f"{a.time_limit:.0f} s{' (fake GPUs)' if a.fake else ''}"
+          f"{', GPUs ' + ','.join(gpus) if gpus else ''}", flush=True)
     root = tempfile.mkdtemp(prefix="gpu-fuzz-")
     q: queue.Queue = queue.Queue()
     records: list[dict] = []
     n_gpus: dict[int, int] = {}
     todo: list[tuple[int, int, int]] = []              # (seed, first, last) to (re)start after a fault
     active: list[Proc] = []
-    assigned, next_seed = 0, base
+    assigned, next_seed, started = 0, base, 0
 
     def fault(pr: Proc, status: str, why: str):
         k = pr.cur
@@ -686,7 +727,7 @@ def parent(a) -> int:
         rec = {"seed": pr.seed, "case": k, "kind": "(model build)", "status": status, "error": why,
                "stderr": pr.stderr_tail(), "where": pr.where, "types": model_types(spec), "model": model_label(spec),
                "expert_type": spec["expert_type"], "other_type": spec["other_type"], "n_prompt": spec["n_prompt"],
-               "repro": repro_command(pr.seed, pr.first, k + 1 if k is not None else None, a)}
+               "repro": repro_command(pr.seed, pr.first, k + 1 if k is not None else None, a, pr.cuda)}
         if k is not None:
             c = draw_case(pr.seed, k, spec, n_gpus.get(pr.seed, 1))
             rec.update(kind=c["kind"], label=case_label(c), opts=c["opts"], graphs=c["graphs"])
@@ -726,7 +767,7 @@ def parent(a) -> int:
             pr.cur = None
 
     def _loop():
-        nonlocal assigned, next_seed
+        nonlocal assigned, next_seed, started
         while True:
             now = time.time()
             while len(active) < workers and now < deadline and (todo or assigned < a.cases):
@@ -738,7 +779,9 @@ def parent(a) -> int:
                     seed, first, last = next_seed, 0, n
                     assigned += n
                     next_seed += 1
-                active.append(Proc(seed, first, last, a, q, deadline, threads, os.path.join(root, str(seed))))
+                active.append(Proc(seed, first, last, a, q, deadline, threads, os.path.join(root, str(seed)),
+                                   gpus_for(seed, started, gpus)))
+                started += 1
             if not active:
                 break
             ended = [pr for pr in active if pr.p.poll() is not None and pr.eof.is_set()]
@@ -770,7 +813,7 @@ def parent(a) -> int:
                         if pr.cur is not None:
                             print(f"  cut {pr.seed}:{pr.cur} at the time limit", flush=True)
                             records.append({"seed": pr.seed, "case": pr.cur, "status": "unfinished",
-                                                "repro": repro_command(pr.seed, pr.first, pr.cur + 1, a)})
+                                                "repro": repro_command(pr.seed, pr.first, pr.cur + 1, a, pr.cuda)})
                     else:
                         fault(pr, "hang", f"no progress for {now - pr.since:.0f} s, in {pr.where or '?'}")
     try:
@@ -781,7 +824,8 @@ def parent(a) -> int:
                 pr.kill()
     wall = time.time() - t_start
     shutil.rmtree(root, ignore_errors=True)            # the models (a repro builds its seed's again)
-    text = summary(records, base, wall, a)
+    text = summary(records, base, wall, a, f"{workers} workers x {threads} threads"
+                   + (f", GPUs {','.join(gpus)}" if gpus else ""))
     print(text, flush=True)
     if a.json:
         with open(a.json, "w") as fh:
@@ -789,13 +833,14 @@ def parent(a) -> int:
     return 1 if any(r["status"] not in ("ok", "unfinished") for r in records) else 0
 
 
-def summary(records: list[dict], base: int, wall: float, a) -> str:
+def summary(records: list[dict], base: int, wall: float, a, how: str = "") -> str:
     done = [r for r in records if r["status"] in ("ok", "out-of-tolerance")]
     faults = [r for r in records if r["status"] in ("crash", "hang", "error")]
     tol = [r for r in records if r["status"] == "out-of-tolerance"]
     seeds = sorted({r["seed"] for r in records})
     head = (f"seed {base} ({len(seeds)} models, seeds {seeds[0] if seeds else '-'}..{seeds[-1] if seeds else '-'}), "
-            f"{len(done) + len(faults)} cases in {wall:.0f} s{' on fake GPUs' if a.fake else ''}: "
+            f"{len(done) + len(faults)} cases in {wall:.0f} s{' on fake GPUs' if a.fake else ''}"
+            f"{' (' + how + ')' if how else ''}: "
             f"{len(faults)} faults, {len(tol)} out of tolerance, "
             f"{sum(r['status'] == 'unfinished' for r in records)} cut at the time limit")
     L = ["", "## gpu_fuzz summary", "", head, ""]
@@ -856,6 +901,7 @@ def summary(records: list[dict], base: int, wall: float, a) -> str:
     def cache(r):
         o = r.get("opts") or {}
         return [f"cache {o.get('cache_type_k', 'f16')}/{o.get('cache_type_v', 'f16')}",
+                f"{r.get('n_gpus', '?')} GPU(s) seen",
                 "graphs" if r.get("graphs", True) else "no graphs",
                 f"decode step {r.get('decode_step', '?')}", f"prompt step {r.get('prompt_step', '?')}"]
     L += table("option / path", cache) + [""]
@@ -867,12 +913,16 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", type=int, default=300, help="cases (placements) to run in all (default 300)")
     p.add_argument("--seed", type=int, default=None, help="first model seed (default: from the clock)")
-    p.add_argument("--time-limit", type=float, default=330.0, help="start no case after this many seconds (330)")
+    p.add_argument("--time-limit", type=float, default=480.0, help="start no case after this many seconds (480: "
+                   "with the grace, the cut cases and the summary, one 600 s call)")
     p.add_argument("--grace", type=float, default=20.0, help="seconds past the time limit before running cases "
                    "are cut (20)")
-    p.add_argument("--workers", type=int, default=None, help="processes at a time (default 3; 1 with --fake)")
+    p.add_argument("--workers", type=int, default=None, help="processes at a time (default: half the cores, at most "
+                   "8 a GPU; 1 with --fake)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default cores / 2 / workers; "
                    "1 with --fake)")
+    p.add_argument("--gpus", default=None, help="GPUs for the workers: a count or ids (0,1); default "
+                   "CUDA_VISIBLE_DEVICES or every GPU nvidia-smi lists")
     p.add_argument("--case-timeout", type=float, default=120.0, help="a case running longer is a hang (120 s)")
     p.add_argument("--startup-timeout", type=float, default=180.0, help="imports + model build + oracle (180 s)")
     p.add_argument("--fake", action="store_true", help="fake GPUs (CPU-backed): HYBRIDMOE_FAKE_GPUS, else one or two "

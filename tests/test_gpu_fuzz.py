@@ -64,3 +64,26 @@ def test_injected_error_and_crash_are_reported(runs):
     assert by[1]["repro"].startswith("python benchmarks/gpu_fuzz.py --one 1 ")
     assert by[1]["repro"] in out
     assert by[2]["status"] == "ok"                      # the seed's last case, in a new process
+
+
+def test_workers_spread_over_the_gpus():
+    """CUDA_VISIBLE_DEVICES of the worker processes: the first GPU round-robin over the slots; a seed sees one
+    GPU or all of them, the same count on every restart (its cases draw placements by that count); --gpus
+    takes a count or ids; --fake uses none."""
+    sys.path.insert(0, str(FUZZ.parent))
+    import gpu_fuzz as g
+    gpus = ["0", "1"]
+    seen = [g.gpus_for(seed, slot, gpus) for slot, seed in enumerate(range(40))]
+    assert {s.split(",")[0] for s in seen[0::2]} == {"0"} and {s.split(",")[0] for s in seen[1::2]} == {"1"}
+    counts = [len(s.split(",")) for s in seen]
+    assert set(counts) == {1, 2}
+    assert all(len(g.gpus_for(seed, 7, gpus).split(",")) == n for seed, n in zip(range(40), counts))
+    assert g.gpus_for(3, 5, ["0"]) == "0" and g.gpus_for(3, 5, []) is None
+
+    class A:
+        fake, gpus = False, "2"
+    assert g.gpu_list(A()) == ["0", "1"]
+    A.gpus = "1,3"
+    assert g.gpu_list(A()) == ["1", "3"]
+    A.fake = True
+    assert g.gpu_list(A()) == []

@@ -231,31 +231,48 @@ def _active_expert_bytes(tensors, cfg):
 
 @pytest.mark.parametrize("key", ["dsr1", "qwen235"])
 def test_all_experts_on_cpu_is_bound_by_ram_bandwidth(cases, key):
+    """Uncalibrated (rig files without costs), the prediction is the runtime's steps at the rates alone: the
+    active experts' bytes over RAM bandwidth, each GPU's non-expert bytes over its bandwidth, and the
+    hand-offs (captured step) or crossings (eager step) between them."""
     cfg, tensors, devices, rates, _ = cases[key]
     p = plan_placement(tensors, cfg, options_from_argv(["-ngl", "99", "--cpu-moe"]), devices)
     pred = predict(p, rates)
     per_token = 1 / pred.tg
+    assert per_token == pytest.approx(sum(pred.tg_terms.values()) / pred.n_gen, rel=1e-9)
     # by hand: the active experts' bytes over RAM bandwidth, plus each GPU's non-expert bytes over its bandwidth
     cpu_s = _active_expert_bytes(tensors, cfg) / rates.ram_read_bw
     gpu_s = sum(t.nbytes / rates.read_bw(p.device_of[n]) for n, t in tensors.items()
                 if p.device_of[n] != "CPU" and len(t.shape) > 1)
     assert pred.tg_bound.terms["CPU read"] / pred.n_gen == pytest.approx(cpu_s, rel=0.10)
-    assert per_token == pytest.approx(cpu_s + gpu_s, rel=0.10)
+    assert pred.tg_terms["CPU experts"] / pred.n_gen == pytest.approx(cpu_s, rel=1e-6)
     assert pred.tg <= rates.ram_read_bw / _active_expert_bytes(tensors, cfg)
-    assert pred.tg_bound.limit == "CPU read"
-    # crossings: each MoE layer goes GPU -> CPU -> GPU, the input comes from and the logits go to the host, and
-    # layer boundaries between GPUs go through the host; each end of a copy pays half a sync round trip and
-    # the hidden state (fp32) over its PCIe link
+    assert pred.tg_bound.limit == "CPU read" and pred.tg_limit == "CPU experts"
     moe = [il for il in range(cfg.n_layer) if p.layer_tensor(il, "ffn_up_exps")]
     bounds = [(a, b) for a, b in zip(p.layer_device, p.layer_device[1:]) if a != b]
-    assert pred.crossings == 2 * len(moe) + 2 + len(bounds)
     hid = cfg.n_embd * 4
 
     def end(d):
         return rates.sync(d) / 2 + hid / rates.h2d(d)
+    if pred.decode_kind == "graph":
+        # qwen3moe: the captured step; each CPU-expert layer hands off (several GPUs: the synchronous hand-off,
+        # the calibrated hand-off (uncalibrated: a sync round trip) plus a sync), GPU to GPU through the host
+        assert key == "qwen235"
+        assert pred.tg_terms["hand-offs"] / pred.n_gen == pytest.approx(
+            sum(2 * rates.sync(p.attn_device(il)) for il in moe), rel=1e-6)
+        assert pred.tg_terms["crossings"] / pred.n_gen == pytest.approx(sum(end(a) + end(b) for a, b in bounds),
+                                                                        rel=1e-6)
+        extra = pred.tg_terms["hand-offs"] + pred.tg_terms["crossings"] + pred.tg_terms.get("KV cache", 0)
+        assert per_token == pytest.approx(cpu_s + gpu_s + extra / pred.n_gen, rel=0.05)
+        return
+    # deepseek2 (MLA): the eager step; each MoE layer goes GPU -> CPU -> GPU, the input comes from and the logits
+    # go to the host, and layer boundaries between GPUs go through the host; each end of a copy pays half a sync
+    # round trip and the hidden state (fp32) over its PCIe link
+    assert pred.decode_kind == "eager" and key == "dsr1"
+    assert pred.crossings == 2 * len(moe) + 2 + len(bounds)
     hand = sum(2 * end(p.layer_device[il]) for il in moe) + sum(end(a) + end(b) for a, b in bounds) \
         + end(p.layer_device[0]) + end(p.output_device)
-    assert pred.tg_bound.terms["crossings"] / pred.n_gen == pytest.approx(hand, rel=0.02)
+    assert pred.tg_terms["crossings"] / pred.n_gen == pytest.approx(hand, rel=0.02)
+    assert per_token == pytest.approx(cpu_s + gpu_s + pred.tg_terms["crossings"] / pred.n_gen, rel=0.05)
 
 
 @pytest.mark.parametrize("key", ["dsr1", "qwen235"])
@@ -287,7 +304,9 @@ def test_pp_uploads_when_they_pay():
                                                              "-b", "4096"]), devices)
         pred = predict(p, rates)
         assert len(pred.uploaded_layers) == cfg.n_layer and pred.pp_bound.limit == "PCIe CUDA0"
-        assert pred.pp == pytest.approx(ub * rates.h2d_bw["CUDA0"] / host, rel=0.05)
+        # a layer's upload, a layer ahead, hides its GPU compute; attention and the crossings come on top
+        assert pred.pp == pytest.approx(ub * rates.h2d_bw["CUDA0"] / host, rel=0.10)
+        assert pred.pp < ub * rates.h2d_bw["CUDA0"] / host and pred.pp_limit == "PCIe uploads"
         no_up = predict(plan_placement(tensors, cfg, p.opts.replace(op_offload=False), devices), rates)
         assert not no_up.uploaded_layers and no_up.pp < pred.pp and no_up.pp_bound.limit.startswith("CPU")
     # decode: about 1.02 GB of active experts per token over 95 GB/s, the GPU side and crossings small
@@ -353,9 +372,9 @@ def test_plan_suggest_prints_runnable_flags(capsys):
     flag_lines = [ln.strip() for ln in text.splitlines() if ln.startswith("  -ngl ")]
     assert heads and len(heads) == len(flag_lines)
     for (label, tg, pp), flags in zip(heads, flag_lines):
-        rc2, out2 = run_plan(model + shlex.split(flags), capsys)
+        rc2, out2 = run_plan(model + shlex.split(flags) + ["-p", "4096"], capsys)   # --suggest predicts pp4096
         assert rc2 == 0, out2.out[-400:]                      # fits
-        m = re.search(r"^predicted \(roofline bound, rates from rig panchovix-7gpu\): TG ([\d.]+) t/s.*PP (\d+) t/s",
+        m = re.search(r"^predicted \(roofline: no calibrated costs, rates from rig panchovix-7gpu\): TG ([\d.]+) t/s.*PP (\d+) t/s",
                       out2.out, re.M)
         assert m and (m[1], m[2]) == (tg, pp)
         for dev in ("CUDA0", "CUDA6"):
@@ -384,7 +403,7 @@ def test_plan_predicted_line_needs_rates(tmp_path, monkeypatch, capsys):
     import torch
     save_rates(Rates(ram_read_bw=50e9, cpu_bf16_flops=1e12, threads=torch.get_num_threads(), host="test"))
     rc, out = run_plan(argv, capsys)
-    assert rc == 0 and "predicted (roofline bound, rates from this machine's calibration" in out.out
+    assert rc == 0 and "predicted (roofline: no calibrated costs, rates from this machine's calibration" in out.out
     rc, out = run_plan(argv + ["--json"], capsys)
     doc = json.loads(out.out)
     assert doc["predicted"]["tg_ts"] > 0 and doc["rig"] is None
@@ -423,21 +442,29 @@ def test_decode_share_override(monkeypatch):
             forced_share(8)
 
 
-def test_prediction_adds_the_decode_share_where_it_runs():
-    """One GPU with the experts in pinned host memory: the prediction also gives TG with the decode share,
-    the CPU-expert layers' active bytes leaving RAM by both paths (k - g at the RAM's rate, g over PCIe), so
-    by hand from the same rates. None with --no-op-offload (no pinned arena) or experts on several GPUs."""
-    from hybridmoe.perf.roofline import decode_share
+def test_prediction_adds_the_decode_share_where_it_runs(monkeypatch):
+    """One GPU with the experts in pinned host memory: the predicted TG is the decode share's, the CPU-expert
+    layers' active bytes leaving RAM by both paths (k - g by the CPU at its share of the RAM's rate, g over
+    PCIe and the GPU's kernels), so by hand from the same rates. No share with --no-op-offload (no pinned
+    arena), with every expert on the GPU, or where HYBRIDMOE_DECODE_SHARE=0."""
+    from hybridmoe.perf.roofline import SHARE_BUS_EFFICIENCY, SHARE_CPU_EFFICIENCY, SHARE_GPU_KERNEL_BW, decode_share
     cfg, tensors = catalog_model("qwen3-30b-a3b")
     devices, rates = load_rig("h200-rig")
     p = plan_placement(tensors, cfg, options_from_argv(["-ngl", "99", "-ot", "exps=CPU"]), devices)
     pred = predict(p, rates)
-    ts, g, k = pred.share
+    g, k = pred.share
     e = _active_expert_bytes(tensors, cfg) / cfg.n_expert_used / cfg.n_layer       # one expert of one layer
     assert g == decode_share(k, e, rates, "CUDA0") and 0 < g < k
-    saved = cfg.n_layer * (k * e / rates.ram_read_bw - max((k - g) * e / rates.ram_read_bw, g * e / rates.h2d("CUDA0")))
-    assert 1 / ts == pytest.approx(1 / pred.tg - saved, rel=1e-6) and ts > pred.tg
-    assert f"with the decode share, {g} of {k} experts over PCIe" in pred.line()
+    cpu = (k - g) * e / (SHARE_CPU_EFFICIENCY * rates.ram_read_bw)
+    gpu = g * e / (SHARE_BUS_EFFICIENCY * rates.h2d("CUDA0")) + g * e / SHARE_GPU_KERNEL_BW
+    assert pred.tg_terms["CPU experts"] / pred.n_gen == pytest.approx(cfg.n_layer * cpu, rel=1e-6)
+    assert pred.tg_terms.get("decode share (GPU side longer)", 0) / pred.n_gen == pytest.approx(
+        cfg.n_layer * max(gpu - cpu, 0), rel=1e-6, abs=1e-12)
+    assert f"decode share: {g} of {k} experts over PCIe" in pred.line()
+    monkeypatch.setenv("HYBRIDMOE_DECODE_SHARE", "0")
+    no_share = predict(p, rates)
+    monkeypatch.delenv("HYBRIDMOE_DECODE_SHARE")
+    assert no_share.share is None and no_share.tg < pred.tg
     off = plan_placement(tensors, cfg, options_from_argv(["-ngl", "99", "-ot", "exps=CPU", "--no-op-offload"]), devices)
     assert predict(off, rates).share is None
     gpu_only = plan_placement(tensors, cfg, options_from_argv(["-ngl", "99"]), devices)

@@ -250,7 +250,7 @@ def test_prompt_cache_reuses_the_shared_prefix(srv, client, ref):
     first = [{"role": "user", "content": "Name three rivers."}]
     r1 = client.chat.completions.create(model=ALIAS, messages=first, temperature=0, max_tokens=12)
     ids1 = chat_ids(ref, first)
-    held = list(srv.model._free_cache.tokens)               # what the server's cache holds now
+    held = list(srv.state.batcher.slots[0].tokens)               # what the server's cache holds now
     assert held[:len(ids1)] == ids1 and len(held) == len(ids1) + r1.usage.completion_tokens - 1
     turn = first + [{"role": "assistant", "content": r1.choices[0].message.content},
                     {"role": "user", "content": "And three mountains?"}]
@@ -560,11 +560,23 @@ def hermes(srv, monkeypatch):
 def script_reply(monkeypatch, text):
     """The model writes `text` (its tokens, through the real detokenizer and the server's pipeline): a model
     with random weights never writes a tool call of its own."""
-    import hybridmoe.serve.jobs as server  # Job._run looks generate_ids up there
+    from hybridmoe.serve.jobs import Job
+    begin = Job.begin
 
-    def scripted(model, ids, n, sampler, timings, **kw):
-        yield from model.tokenizer.encode(text, add_special=False)[:n]
-    monkeypatch.setattr(server, "generate_ids", scripted)
+    class Scripted:                           # the text's tokens, then an end-of-generation token
+        def __init__(self, tok):
+            self.ids = iter([*tok.encode(text, add_special=False), min(tok.eos_ids)])
+
+        def __call__(self, logits):
+            return next(self.ids)
+
+        def accept(self, token):
+            pass
+
+    def scripted_begin(job, model, kv):
+        begin(job, model, kv)
+        job.sampler = Scripted(model.tokenizer)
+    monkeypatch.setattr(Job, "begin", scripted_begin)
 
 
 def test_tool_call_splitter_holds_back_from_the_first_tag():
@@ -1091,7 +1103,8 @@ def test_metrics(srv, http):
     assert after["requests_total"] == before["requests_total"] + 1
     assert after["tokens_predicted_total"] - before["tokens_predicted_total"] == r["usage"]["completion_tokens"]
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == r["timings"]["prompt_n"]
-    assert after["kv_cache_tokens"] == r["usage"]["total_tokens"] and 0 < after["kv_cache_usage_ratio"] < 1
+    # the cache holds the prompt and the reply but its last token (sampled, never run)
+    assert after["kv_cache_tokens"] == r["usage"]["total_tokens"] - 1 and 0 < after["kv_cache_usage_ratio"] < 1
     assert after["prompt_seconds_total"] > before["prompt_seconds_total"] and after["requests_processing"] == 0
     text = http.get("/metrics").text
     assert "# TYPE llamacpp:prompt_tokens_total counter" in text and text.endswith("\n")
@@ -1341,7 +1354,8 @@ def test_serve_command(srv, tmp_path):
             check_error(c.get("/metrics", headers={"Authorization": "Bearer sekret"}), 501, "--metrics")
             second = {"Authorization": "Bearer second-key"}                   # from --api-key-file
             assert c.get("/slots", headers=second).json() == [{"id": 0, "id_task": -1, "n_ctx": 128,
-                                                                "speculative": False, "is_processing": False}]
+                                                                "speculative": False, "is_processing": False,
+                                                                "n_cached": 0, "n_prompt_tokens": 0, "n_decoded": 0}]
             r = c.post("/v1/completions", headers=second, json={"prompt": "hi", "temperature": 0})   # -n 3
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
             r = c.post("/v1/messages", headers={"x-api-key": "sekret"},      # Anthropic's clients' header

@@ -71,7 +71,6 @@ class Model:
         self.options, self.runtime = options, runtime
         self.file = open_gguf(self.path)
         self.cfg = self._validate(runtime.check_tensors)
-        self._warn_slow_types()
         from .text.tokenizer import Tokenizer
         self.tokenizer = Tokenizer.from_metadata(self.file.metadata, self.path, n_vocab=self.cfg.n_vocab)
         if not options.ctx_size:                              # -c 0: the training context, as llama.cpp
@@ -82,6 +81,7 @@ class Model:
         devs = list_devices()
         self.devices = {d.name: d for d in devs}
         self.placement = plan_placement(self.file.tensors, self.cfg, options, devs)
+        self._warn_slow_types()
         for w in dict.fromkeys(self.placement.warnings):      # -ngl without a GPU, split pairs, RAM over, ...
             warn(w)
         if runtime.check_fit:
@@ -100,6 +100,7 @@ class Model:
         self.set_policy(runtime.offload_policy, runtime.offload_only_active_experts, runtime.fused_moe)
         self.decoder = build_decoder(self.cfg, self.weights, self.sched)
         self._steps = {}                                      # "decode" / "prompt" -> (cache, its static step)
+        self._batch = None                                    # forward_batch's CPU step (False: none applies)
         self._free_cache = None
         self.load_seconds = time.perf_counter() - t0
 
@@ -144,6 +145,8 @@ class Model:
         self.sched.fused_moe = fused_moe
         for up in self.sched._uploaders.values():
             up.forget()
+        if hasattr(self, "_steps"):              # (set at load, after this first call)
+            self._steps.pop("prompt", None)      # an all-CPU prompt step depends on whether ops may offload
 
     @property
     def stats(self):
@@ -181,6 +184,133 @@ class Model:
             raise NonFiniteError(self._nonfinite_message(tokens, pos0, kv))
         kv.end_write(pos0, tokens.tolist())
         return out
+
+    @torch.inference_mode()
+    def forward_batch(self, items, all_logits: bool = False) -> list[torch.Tensor]:
+        """Several sequences in one pass: items [(tokens [T_i] int64, pos0_i, kv_i)], each kv_i a different cache
+        (one per server slot, from new_cache). Returns what forward(tokens_i, pos0_i, kv_i, all_logits) would
+        for each item ([T_i, n_vocab], or the last token's [1, n_vocab]; float32 on the CPU), but the projections
+        and experts run over all items' tokens together (each expert the batch needs read once), attention per
+        item on its own cache; T_i may differ (decode tokens next to a prompt chunk). With every weight and
+        cache on the CPU each item's logits are bit-identical to forward's alone (hm_batch_step); elsewhere they
+        differ as the kernels' batch sizes make them (docs/server.md). The work space grows with sum T_i: the
+        caller bounds it, as llama-server's -b / -ub bound a step's tokens. Afterwards stats.last_batch holds
+        the batch's sequences, tokens and distinct experts."""
+        if not items:
+            return []
+        self._check_batch(items)
+        for tokens, pos0, kv in items:
+            kv.begin_write(pos0, int(tokens.shape[0]))
+        t0 = time.perf_counter()
+        out, routed = self._forward_batch(items, all_logits)          # [sum T_i or B, n_vocab]
+        if self.runtime.profile:
+            self.stats.wall[0] += time.perf_counter() - t0
+        sizes = [int(t.shape[0]) for t, _, _ in items]
+        outs = list(out.split(sizes if all_logits else 1))
+        if not bool(torch.isfinite(out).all()):
+            j = next(j for j, o in enumerate(outs) if not bool(torch.isfinite(o).all()))
+            raise NonFiniteError(self._nonfinite_message(*items[j]))
+        for tokens, pos0, kv in items:
+            kv.end_write(pos0, tokens.tolist())
+        self.stats.last_batch = {"sequences": len(items), "tokens": sum(sizes),
+                                 "distinct_experts": sum(routed.values()) / len(routed) if routed else None,
+                                 "distinct_per_layer": routed}
+        return outs
+
+    def _check_batch(self, items):
+        """A clear error for a batch forward_batch can't run, before any cache is touched."""
+        seen = set()
+        for j, item in enumerate(items):
+            if not (isinstance(item, (tuple, list)) and len(item) == 3):
+                raise HybridMoeError(f"forward_batch item {j}: expected (tokens, pos0, kv), got {type(item).__name__}")
+            tokens, pos0, kv = item
+            if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.shape[0] < 1 or \
+                    tokens.is_floating_point():
+                raise HybridMoeError(f"forward_batch item {j}: tokens must be a non-empty 1-D integer tensor")
+            if not isinstance(kv, KVCache) or id(kv) in seen:
+                raise HybridMoeError(f"forward_batch item {j}: each item needs its own KV cache (model.new_cache)")
+            seen.add(id(kv))
+            if int(pos0) < 0:
+                raise HybridMoeError(f"forward_batch item {j}: position {pos0} is negative")
+            kv.check_fits(int(pos0), int(tokens.shape[0]))
+        n = self.cfg.n_vocab
+        ids = torch.cat([t for t, _, _ in items])
+        if int(ids.min()) < 0 or int(ids.max()) >= n:
+            j = next(j for j, (t, _, _) in enumerate(items) if int(t.min()) < 0 or int(t.max()) >= n)
+            raise HybridMoeError(f"forward_batch item {j}: a token id is not in the vocabulary (0..{n - 1})")
+
+    def _forward_batch(self, items, all_logits: bool):
+        """(logits of the batch's rows on the CPU, item after item, {MoE layer: distinct experts the batch routed
+        to}) by the CPU batch step where it applies, else the eager decoder over the whole batch (a single item:
+        forward's own path)."""
+        step = self._batch_step(items)
+        if step is not None:
+            try:
+                out, distinct = step.forward_batch(items, all_logits)
+            except Exception as e:                      # noqa: BLE001 - first use only, then eager for good
+                if step.worked:
+                    raise
+                from .errors import warn_fallback
+                warn_fallback("the CPU batch step", e, "running batches with the eager path")
+                self._batch = False
+            else:
+                step.worked = True
+                return out, {i: distinct[i] for i in self._moe_layers()}
+        self.sched.routing = {}
+        try:
+            if len(items) == 1:
+                tokens, pos0, kv = items[0]
+                out = self._forward(tokens, int(pos0), kv, all_logits)
+            else:
+                # a sliding-window ring holds one ubatch of new tokens: a longer chunk runs on its own, split
+                alone = {j for j, (t, _, kv) in enumerate(items) if t.shape[0] > kv.ubatch and any(kv.windows)}
+                rest = [it for j, it in enumerate(items) if j not in alone]
+                out = self.decoder.forward_batch([(t, int(p), kv) for t, p, kv in rest], all_logits).to("cpu") \
+                    if rest else None
+                if alone:
+                    rows = list(out.split([t.shape[0] if all_logits else 1 for t, _, _ in rest])) if rest else []
+                    rows.reverse()
+                    out = torch.cat([self._forward(t, int(p), kv, all_logits) if j in alone else rows.pop()
+                                     for j, (t, p, kv) in enumerate(items)])
+            routing = self.sched.routing
+        finally:
+            self.sched.routing = None
+        if not routing and len(items) == 1 and items[0][0].shape[0] == 1:
+            k = self.cfg.n_expert_used                  # a static decode step: one token routes to k experts
+            return out, {i: k for i in self._moe_layers()}
+        return out, {i: int(torch.unique(ids).numel()) for i, ids in routing.items()}
+
+    def _moe_layers(self) -> list[int]:
+        return [L.i for L in self.decoder.layers if L.ffn_gate_inp is not None]
+
+    def _batch_step(self, items):
+        """The CPU batch step (runtime/steps/cpu_decode.py) when every weight and every item's cache is on the
+        CPU and it covers the model, the GPU one (runtime/steps/gpu_batch.py) for decode tokens when every weight
+        and cache is on one GPU; else None. Batches with prompt chunks take the eager path where a GPU may
+        take host weights' ops (op offload, as build_step decides for prompts)."""
+        if not self.runtime.graphs or not self.decoder.static_decode or self._batch is False:
+            return None
+        from .runtime.steps import may_offload
+        if any(int(t.shape[0]) > 1 for t, _, _ in items) and may_offload(self):
+            return None
+        single = all(int(t.shape[0]) == 1 for t, _, _ in items)
+        if self._batch is None:
+            kv0 = items[0][2]
+            from .runtime.steps.base import NotApplicable
+            if all(d.kind == "cpu" for d in kv0.devs):
+                from .runtime.steps.cpu_decode import CpuDecoder as Step
+            elif single:                                 # decode tokens on a GPU: runtime/steps/gpu_batch.py
+                from .runtime.steps.gpu_batch import BatchDecode as Step
+            else:
+                return None
+            try:
+                self._batch = Step(self, kv0)
+            except NotApplicable:
+                self._batch = False
+                return None
+        if getattr(self._batch, "single_tokens", False) and (not single or len(items) == 1):
+            return None                                  # (one sequence alone: the static decode step)
+        return self._batch if all(self._batch.accepts(kv) for _, _, kv in items) else None
 
     def _nonfinite_message(self, tokens: torch.Tensor, pos0: int, kv: KVCache) -> str:
         """Why the logits were not finite: the first layer whose output is not, found by running the tokens
@@ -243,22 +373,31 @@ class Model:
         return out
 
     def slow_tensors(self) -> dict[str, list[str]]:
-        """Type name -> tensors of that type, for types no fast kernel reads yet: they compute through the
-        reference dequantizer (correct, slow)."""
+        """Type name -> tensors of that type that no fast kernel reads yet where they live: they compute through
+        the reference dequantizer (correct, slow). On a real GPU, the one-pass dequantizing kernels count; on the
+        CPU, the C kernels (an _R4 / _R8 type's through its base type: repacked at load)."""
         from .kernels.cpu import kernel_type
+        from .kernels.gpu_dequant import has_kernel
         out: dict[str, list[str]] = {}
         for info in self.file.tensors.values():
-            if len(info.shape) > 1 and kernel_type(info.qtype) is None:
-                out.setdefault(info.qtype.name, []).append(info.name)
+            if len(info.shape) < 2 or kernel_type(info.qtype) is not None:
+                continue
+            dev = self.devices.get(self.placement.device_of.get(info.name, "CPU"))
+            if dev is not None and dev.kind == "cuda" and not dev.fake and has_kernel(info.qtype):
+                continue
+            out.setdefault(info.qtype.name, []).append(info.name)
         return out
 
     def _warn_slow_types(self) -> None:
         from .kernels.cpu import kernel_names
+        from .kernels.gpu_dequant import kernel_types
         slow = self.slow_tensors()
         if slow:
             what = ", ".join(f"{len(v)} {t}" for t, v in sorted(slow.items()))
+            cpu = kernel_names()
+            gpu = ", ".join(t.name for t in kernel_types())
             warn(f"{what} tensors have no fast kernel yet: they run through the reference dequantizer (slow); "
-                 f"the fast kernels read {kernel_names()}")
+                 f"the fast kernels read {cpu}" + (f" (on a GPU also {gpu})" if gpu else ""))
 
     def _step_for(self, which: str, kv):
         """The static "decode" or "prompt" step of this cache, built at its first use (one cache at a time keeps

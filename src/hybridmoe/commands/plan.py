@@ -63,7 +63,27 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     g.add_argument("--top", type=int, default=4, metavar="N", help="how many suggestions to print (default 4)")
     g.add_argument("--headroom", type=float, default=0.0, metavar="GIB",
                    help="GiB to keep free on every GPU beyond the estimate of compute buffers (default 0)")
+    g.add_argument("-p", "--n-prompt", type=_positives, default=None, metavar="N[,N..]",
+                   help="prompt tokens the PP prediction is for (pp N in ubatches of -ub; default 512, as bench; "
+                   "--suggest: 4096, where larger ubatches can pay); --check runs each of a comma list")
+    g.add_argument("-n", "--n-gen", type=_positive, default=128, metavar="N",
+                   help="generated tokens the TG prediction is for (tg N at depth 0; default 128, as bench)")
+    g.add_argument("--check", action="store_true",
+                   help="run bench's pp/tg tests on this placement here and print predicted vs measured, with each "
+                   "term of the prediction (needs `hybridmoe calibrate`)")
+    g.add_argument("-r", "--repetitions", type=_positive, default=3, metavar="N",
+                   help="--check: timed runs per test (default 3)")
     return parser
+
+
+def _positives(s: str) -> list[int]:
+    return [_positive(x) for x in s.split(",")]
+
+
+def _positive(s: str) -> int:
+    if not s.strip().isdigit() or int(s) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {s!r}")
+    return int(s)
 
 
 def _short_description(text: str) -> str:
@@ -82,8 +102,10 @@ def format_suggestions(sugs: list[Suggestion], objective: str) -> str:
     cfg = first.placement.cfg
     total = sum(t.nbytes for t in first.placement.tensors.values())
     out = [f"model: {getattr(cfg, 'name', '') or cfg.arch} ({cfg.arch}, {cfg.n_layer} layers, {fmt_bytes(total)})",
-           f"objective: {objective}; predictions are roofline bounds (tg{first.prediction.n_gen} at depth 0, "
-           f"pp{first.prediction.n_prompt}); memory as `hybridmoe plan` counts it"]
+           f"objective: {objective}; predictions: the runtime's steps on the rates, "
+           + ("with calibrated costs" if first.prediction.calibrated else "without calibrated costs (roofline)")
+           + f" (tg{first.prediction.n_gen} at depth 0, pp{first.prediction.n_prompt}); memory as `hybridmoe plan` "
+           "counts it"]
     for i, s in enumerate(sugs, 1):
         out += ["", f"#{i} {s.label}: TG {s.tg:.1f} t/s, PP {s.pp:.0f} t/s" + (f"   ({s.note})" if s.note else ""),
                 f"  {s.flags}", f"  predicted: {s.prediction.line()}"]
@@ -122,10 +144,13 @@ def _machine(args):
 
 def _prediction_doc(pred, source: str) -> dict:
     return {"tg_ts": pred.tg, "pp_ts": pred.pp, "n_gen": pred.n_gen, "n_prompt": pred.n_prompt,
-            "ubatch": pred.ubatch, "tg_limit": pred.tg_bound.limit, "pp_limit": pred.pp_bound.limit,
-            "tg_detail": pred.tg_bound.detail(), "pp_detail": pred.pp_bound.detail(),
-            "uploaded_layers": pred.uploaded_layers, "crossings_per_token": pred.crossings, "rates": source,
-            "tg_share_ts": pred.share[0] if pred.share else None}
+            "ubatch": pred.ubatch, "tg_limit": pred.tg_limit, "pp_limit": pred.pp_limit,
+            "tg_terms_s": pred.tg_terms, "pp_terms_s": pred.pp_terms, "decode_step": pred.decode_kind,
+            "prompt_step": pred.prompt_kind, "calibrated": pred.calibrated,
+            "tg_bound_ts": pred.tg_bound.ts, "pp_bound_ts": pred.pp_bound.ts,
+            "uploaded_layers": pred.uploaded_layers, "uploaded_bytes": pred.uploaded_bytes,
+            "only_active": pred.only_active, "crossings_per_token": pred.crossings, "rates": source,
+            "decode_share": list(pred.share) if pred.share else None}
 
 
 def _ignored_flags(args) -> list[str]:
@@ -153,7 +178,7 @@ def _suggest(args, cfg, tensors, opts, devices, rates, rig, source) -> int:
     if args.headroom < 0:
         raise HybridMoeError(f"--headroom {args.headroom:g}: give GiB >= 0")
     sugs = suggest(tensors, cfg, devices, rates, opts, objective=args.objective, count=max(args.top, 1),
-                   headroom=int(args.headroom * (1 << 30)))
+                   headroom=int(args.headroom * (1 << 30)), n_prompt=args.n_prompt, n_gen=args.n_gen)
     if args.json:
         print(json.dumps({"rig": rig.name if rig else None, "rates": source, "objective": args.objective,
                           "suggestions": [{"label": s.label, "note": s.note, "flags": s.flags, "argv": s.argv,
@@ -178,11 +203,19 @@ def main(args: argparse.Namespace) -> int:
     side over the available RAM ends with "does not fit in RAM" and what to do, but exits 0: mmap runs it, slowly."""
     cfg, tensors = load_records(args.model)
     opts = options_from_args(args)
+    args.n_prompts = args.n_prompt or [4096 if args.suggest else 512]
+    args.n_prompt = args.n_prompts[0]
     devices, rates, rig, source = _machine(args)
     if args.suggest:
+        if args.check:
+            raise HybridMoeError("--check measures one placement: give its flags without --suggest (see "
+                                 "benchmarks/plan_check.sh for checking suggestions)")
         return _suggest(args, cfg, tensors, opts, devices, rates, rig, source)
     placement = plan_placement(tensors, cfg, opts, devices)
-    pred = predict(placement, rates) if rates is not None else None
+    if args.check:
+        from .plan_check import run_check
+        return run_check(args, placement, rates, source, predict)
+    pred = predict(placement, rates, n_prompt=args.n_prompt, n_gen=args.n_gen) if rates is not None else None
     problem = None
     try:
         placement.check_fits()
@@ -203,7 +236,8 @@ def main(args: argparse.Namespace) -> int:
         for name in args.explain:
             print(placement.explain(name))
         if pred:
-            print(f"\npredicted (roofline bound, rates from {source}): {pred.line()}")
+            what = "calibrated costs" if pred.calibrated else "roofline: no calibrated costs"
+            print(f"\npredicted ({what}, rates from {source}): {pred.line()}")
         ram = placement.ram_shortfall()
         if ram:                     # it still runs (mmap pages from disk): said, but exit status 0 for it alone
             print(f"\ndoes not fit in RAM: {ram}")

@@ -50,6 +50,17 @@ def setup_arg_parser(p):
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level; 'warning' hides the request log (default: %(default)s)")
     add_runtime_args(p)
+    # -np / --parallel act here: they replace the no-op compatibility flags the placement options register
+    g = p.add_argument_group("slots and continuous batching (llama-server's)", conflict_handler="resolve")
+    g.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                   help="slots: requests generated at once, batched step by step (continuous batching), each slot "
+                        "with its own KV cache of -c / N tokens (default: %(default)s)")
+    g.add_argument("-kvu", "--kv-unified", action="store_true",
+                   help="every slot may use the whole -c; the requests running at once share it (each slot's "
+                        "cache is allocated at the full size when first used)")
+    g.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.5, metavar="F",
+                   help="a request goes to the idle slot whose cached prompt it shares more than this fraction of "
+                        "(the longest such prefix), else to the least recently used (default: %(default)s; 0: off)")
     add_template_args(p)
     add_warmup_arg(p)
 
@@ -132,6 +143,10 @@ def main(args) -> int:
     api_key = api_keys(args)
     if args.n_predict == 0 or args.n_predict < -1:
         raise HybridMoeError(f"-n {args.n_predict}: give a positive number of tokens, or -1 for no limit")
+    if args.parallel < 1:
+        raise HybridMoeError(f"-np {args.parallel}: give at least 1 slot")
+    if not 0 <= args.slot_prompt_similarity <= 1:
+        raise HybridMoeError(f"--slot-prompt-similarity {args.slot_prompt_similarity}: give a number from 0 to 1")
     sock = bind(args.host, args.port)
     try:
         model = hybridmoe.load(args.model, **runtime_kwargs(args))
@@ -141,11 +156,15 @@ def main(args) -> int:
         warmup(model, args)
         app = create_app(model, args.alias, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
                          reasoning_format=args.reasoning_format, metrics=args.metrics,
-                         slot_save_path=slot_folder(args.slot_save_path), template_defaults=template_kwargs)
+                         slot_save_path=slot_folder(args.slot_save_path), template_defaults=template_kwargs,
+                         n_parallel=args.parallel, kv_unified=args.kv_unified,
+                         slot_similarity=args.slot_prompt_similarity)
         state = app.state.hybridmoe
         state.n_predict = args.n_predict
         url = url_of(sock)
-        print(f"model {state.name!r}, context {state.n_ctx} tokens; server is listening on {url}  "
+        n_slots = len(state.batcher.slots)
+        slots = f" in {n_slots} slots ({state.n_ctx_slot} each)" if n_slots > 1 else ""
+        print(f"model {state.name!r}, context {state.n_ctx} tokens{slots}; server is listening on {url}  "
               f"(OpenAI base_url: {url}/v1)", flush=True)
         if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
             warn("listening beyond this machine without --api-key: anyone who can reach the port "

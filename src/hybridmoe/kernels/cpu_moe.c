@@ -3887,7 +3887,7 @@ static inline void axpy_rows(float *acc, const float *e, const float *v, int64_t
  * each block of ATT_SB positions is converted to float32 once for the group, scored for one head at a time,
  * and added in with one rescale per block (an online softmax by blocks); att_merge combines the runs per
  * head. The runs depend only on P, so a query's result is the same in a decode step (attend1) and in a
- * prompt (attend_many): both run these two functions. */
+ * prompt or a batch (attend_batch): both run these two functions. */
 static void att_runs(int64_t P, int64_t *nch, int64_t *CH) {
     int64_t ch = ATT_SB;                          /* runs of ATT_SB 2^s positions, aligned: blocks never straddle */
     while ((P + ch - 1) / ch > ATT_MAXCH) ch *= 2;
@@ -4164,45 +4164,64 @@ int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *
     return 0;
 }
 
-/* ------------------------------------------------------------------ prompt step on the CPU
+/* ------------------------------------------------------------------ prompt and batch steps on the CPU
  *
- * hm_prompt_step: T tokens at positions pos0.. through the model hm_decode_step runs, every token's values
- * computed by the same arithmetic as hm_decode_step computes them for that token alone: the same norms,
- * RoPE, cache writes and attention per token (att_task / att_merge, whose runs depend on the position only),
+ * hm_batch_step: the tokens of several sequences (each a prompt chunk or a decode token, each with its own
+ * cache and positions) through the model hm_decode_step runs; hm_prompt_step is its one-sequence case.
+ * Every token's values are computed by the same arithmetic as hm_decode_step computes them for that token
+ * alone: the same norms, RoPE, cache writes and attention per token (att_task / att_merge, whose runs depend on the position only),
  * the same routing, and products that are canonical per (row, token) (the integer path's cdot_ref, or the
  * fp32 kernels for float types), whichever kernel runs them (the streaming kernels, or the int8 AMX tiles for
- * many tokens). So a prompt split anywhere, or decoded token by token, gives the same logits, bit for bit.
- * The work is batched: one call per matrix for all T tokens (every weight byte read once a call), the
- * experts once per layer, attention over all (query, KV head, run) tasks of a group of queries at once. */
+ * many tokens). So a prompt split anywhere, decoded token by token, or batched with other sequences gives the
+ * same logits, bit for bit. The work is batched: one call per matrix for all tokens (every weight byte read once
+ * a call), the experts once per layer, attention over all (query, KV head, run) tasks of groups of queries. */
 #ifndef PQ_BYTES
 #define PQ_BYTES (2 << 20)    /* the partials of a group of queries sharing each converted key/value block */
 #endif
 
 typedef struct { float *x, *h, *y, *y2, *q, *k, *v, *att, *rl, *g, *u, *wts, *part; int32_t *ids; } pr_bufs;
 
-static int64_t pr_layout(const hm_dmodel *m, int64_t T, uint8_t *base, pr_bufs *b) {
+/* One sequence of a batch: T tokens at positions pos0.. of its own cache, kc[l] / vc[l] layer l's [nkv, slots, D]
+ * (NULL: the caches the model's layers name, m->slots of them) */
+typedef struct { int64_t T, pos0, slots; void *const *kc, *const *vc; } hm_seq;
+
+/* A group of queries of one sequence that attend together (attend_batch): nt queries from token tq (position
+ * pos), runs of CH positions, nrun runs for the last; their partials at part + off, QS floats a query */
+typedef struct { int64_t s, tq, pos, nt, CH, nrun, QS, off, task0; } att_group;
+
+/* partials' floats: one query's at most, PQ_BYTES' worth, or for batches of several sequences up to 16 queries
+ * at most runs (so a decode step of many sequences attends in few parallel regions) */
+static int64_t part_floats(const hm_dmodel *m, int64_t nseq) {
+    const int64_t QS1 = m->nh * ATT_MAXCH * (m->D + 2), many = (nseq < 16 ? nseq : 16) * QS1;
+    return many > PQ_BYTES / 4 ? many : PQ_BYTES / 4;
+}
+
+static int64_t pr_layout(const hm_dmodel *m, int64_t T, int64_t nseq, uint8_t *base, pr_bufs *b, att_group **gr) {
     const int64_t H = m->H, nq = m->nh * m->D, nk = m->nkv * m->D, F = m->n_ff > 0 ? m->n_ff : 1;
-    const int64_t QS1 = m->nh * ATT_MAXCH * (m->D + 2);   /* one query's partials at most */
-    const int64_t n[14] = {T * H, T * H, T * H, T * H, T * nq, T * nk, T * nk, T * nq, T * (m->E > 0 ? m->E : 1),
-                           T * F, T * F, T * (m->k > 0 ? m->k : 1), QS1 > PQ_BYTES / 4 ? QS1 : PQ_BYTES / 4,
-                           T * (m->k > 0 ? m->k : 1)};
+    const int64_t n[15] = {T * H, T * H, T * H, T * H, T * nq, T * nk, T * nk, T * nq, T * (m->E > 0 ? m->E : 1),
+                           T * F, T * F, T * (m->k > 0 ? m->k : 1), part_floats(m, nseq),
+                           T * (m->k > 0 ? m->k : 1), T * (int64_t)sizeof(att_group) / 4 + 1};
     float **dst[13] = {&b->x, &b->h, &b->y, &b->y2, &b->q, &b->k, &b->v, &b->att, &b->rl, &b->g, &b->u, &b->wts,
                        &b->part};
     int64_t off = 0;
-    for (int i = 0; i < 14; i++) {
+    for (int i = 0; i < 15; i++) {
         if (base) {
             if (i < 13) *dst[i] = (float *)(base + off);
-            else b->ids = (int32_t *)(base + off);
+            else if (i == 13) b->ids = (int32_t *)(base + off);
+            else *gr = (att_group *)(base + off);
         }
         off += (n[i] * 4 + 63) & ~(int64_t)63;
     }
     return off + 64;
 }
 
-int64_t hm_prompt_scratch(const hm_dmodel *m, int64_t T) {
+/* scratch bytes of hm_batch_step for T tokens of nseq sequences in all */
+int64_t hm_batch_scratch(const hm_dmodel *m, int64_t T, int64_t nseq) {
     pr_bufs b;
-    return pr_layout(m, T, NULL, &b);
+    return pr_layout(m, T, nseq, NULL, &b, NULL);
 }
+
+int64_t hm_prompt_scratch(const hm_dmodel *m, int64_t T) { return hm_batch_scratch(m, T, 1); }
 
 /* out [T][N] = x [T][K] . the rows of W: hm_tile_mm from mm_tile_t tokens (the int8 tiles for a type they take,
  * the streaming kernels' values for the other canonical types, the bf16 tiles only with hm_set_exact(0)), else
@@ -4214,72 +4233,127 @@ static int pr_mm(const hm_dmodel *m, const float *x, int64_t T, int64_t K, const
     return hm_qmatmul(x, T, K, W->w, W->type, W->rows, out, nth);
 }
 
-/* Attention of queries [0, T) (q rows nq apart, at positions pos0 + t) -> o rows: each query's runs and
- * blocks are att_task's (the same updates in the same order), but a group of queries with the same run length
- * shares each block of converted keys and values: tasks (KV head, run), each run's blocks in order, every
- * query that reaches a block updated by it. */
-static void attend_many(const hm_dmodel *m, const hm_dlayer *L, const float *q, int64_t T, int64_t pos0, float *part,
-                        float *o, int nth) {
-    const int64_t nq = m->nh * m->D, nkv = m->nkv, G = m->nh / m->nkv, D = m->D, W = D + 2;
-    for (int64_t t0 = 0; t0 < T;) {
-        /* a group: queries with one run length, their partials (nrun runs each) within the PQ_BYTES budget */
-        int64_t nch0, CH;
-        att_runs(pos0 + t0 + 1, &nch0, &CH);
-        int64_t nt = 1;
-        while (t0 + nt < T) {
-            int64_t n2, c2;
-            att_runs(pos0 + t0 + nt + 1, &n2, &c2);
-            if (c2 != CH || (nt + 1) * m->nh * n2 * W * 4 > PQ_BYTES) break;
-            nt++;
+/* The attention groups of a batch: per sequence, its queries in order, a group while they share a run length
+ * and their partials stay within PQ_BYTES (one query alone may take more). Returns how many. */
+static int64_t att_groups(const hm_dmodel *m, const hm_seq *seqs, int64_t nseq, att_group *gr) {
+    const int64_t W = m->D + 2;
+    int64_t ng = 0, tq = 0;
+    for (int64_t s = 0; s < nseq; s++) {
+        const int64_t pos0 = seqs[s].pos0, T = seqs[s].T;
+        for (int64_t t0 = 0; t0 < T;) {
+            int64_t nch0, CH;
+            att_runs(pos0 + t0 + 1, &nch0, &CH);
+            int64_t nt = 1;
+            while (t0 + nt < T) {
+                int64_t n2, c2;
+                att_runs(pos0 + t0 + nt + 1, &n2, &c2);
+                if (c2 != CH || (nt + 1) * m->nh * n2 * W * 4 > PQ_BYTES) break;
+                nt++;
+            }
+            const int64_t nrun = (pos0 + t0 + nt + CH - 1) / CH;
+            const att_group g = {s, tq + t0, pos0 + t0, nt, CH, nrun, m->nh * nrun * W, 0, 0};
+            gr[ng++] = g;
+            t0 += nt;
         }
-        const int64_t Pmax = pos0 + t0 + nt, nrun = (Pmax + CH - 1) / CH, QS = m->nh * nrun * W;
+        tq += T;
+    }
+    return ng;
+}
+
+/* Attention of every query of a batch (q rows nq apart; sequence s's queries at positions pos0_s + t against its
+ * own cache) -> o rows. Each query's runs and blocks are att_task's (the same updates in the same order: its
+ * result depends on its position alone), but a group of queries with the same run length shares each block of
+ * converted keys and values: tasks (group, KV head, run), each run's blocks in order, every query of the group
+ * that reaches a block updated by it. Groups run in waves whose partials fit the buffer (npart floats). */
+static void attend_batch(const hm_dmodel *m, const hm_dlayer *L, int64_t l, const hm_seq *seqs, att_group *gr,
+                         int64_t ng, const float *q, float *part, int64_t npart, float *o, int nth) {
+    const int64_t nq = m->nh * m->D, nkv = m->nkv, G = m->nh / m->nkv, D = m->D, W = D + 2;
+    for (int64_t j0 = 0; j0 < ng;) {
+        int64_t j1 = j0, used = 0, ntask = 0, nmerge = 0;
+        while (j1 < ng && (j1 == j0 || used + gr[j1].nt * gr[j1].QS <= npart)) {
+            gr[j1].off = used;
+            gr[j1].task0 = ntask;
+            used += gr[j1].nt * gr[j1].QS;
+            ntask += nkv * gr[j1].nrun;
+            nmerge += gr[j1].nt * m->nh;
+            j1++;
+        }
 #pragma omp parallel num_threads(nth)
         {
             float kf[ATT_SB * DEC_MAXD] __attribute__((aligned(64))), vf[ATT_SB * DEC_MAXD];
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t u = 0; u < nkv * nrun; u++) {
-                const int64_t g = u / nrun, c = u % nrun, p0 = c * CH;
-                int64_t i0 = p0 - pos0 - t0;                  /* the first query that reaches this run: P > p0 */
+            for (int64_t u = 0; u < ntask; u++) {
+                int64_t j = j0;
+                while (j + 1 < j1 && gr[j + 1].task0 <= u) j++;
+                const att_group *a = gr + j;
+                const hm_seq *sq = seqs + a->s;
+                hm_dlayer Ls = *L;
+                hm_dmodel ms = *m;
+                if (sq->kc) { Ls.kc = sq->kc[l]; Ls.vc = sq->vc[l]; ms.slots = sq->slots; }
+                const int64_t v = u - a->task0, g = v / a->nrun, c = v % a->nrun, p0 = c * a->CH;
+                const int64_t Pmax = a->pos + a->nt;
+                float *pg = part + a->off;
+                int64_t i0 = p0 - a->pos;                      /* the first query that reaches this run: P > p0 */
                 i0 = i0 < 0 ? 0 : i0;
-                for (int64_t i = i0; i < nt; i++) {
-                    const int64_t P = pos0 + t0 + i + 1, nch = (P + CH - 1) / CH;
-                    att_init(m, part + i * QS + (g * nch + c) * G * W);
+                for (int64_t i = i0; i < a->nt; i++) {
+                    const int64_t P = a->pos + i + 1, nch = (P + a->CH - 1) / a->CH;
+                    att_init(&ms, pg + i * a->QS + (g * nch + c) * G * W);
                 }
-                const int64_t p1 = p0 + CH < Pmax ? p0 + CH : Pmax;
+                const int64_t p1 = p0 + a->CH < Pmax ? p0 + a->CH : Pmax;
                 for (int64_t b = p0; b < p1; b += ATT_SB) {
                     const int64_t n = p1 - b < ATT_SB ? p1 - b : ATT_SB;
-                    att_load(m, L, g, b, n, kf, vf);
-                    int64_t i1 = b - pos0 - t0;
-                    for (int64_t i = i1 < i0 ? i0 : i1; i < nt; i++) {
-                        const int64_t P = pos0 + t0 + i + 1, nch = (P + CH - 1) / CH;
+                    att_load(&ms, &Ls, g, b, n, kf, vf);
+                    const int64_t i1 = b - a->pos;
+                    for (int64_t i = i1 < i0 ? i0 : i1; i < a->nt; i++) {
+                        const int64_t P = a->pos + i + 1, nch = (P + a->CH - 1) / a->CH;
                         const int64_t e = P < b + n ? P - b : n;   /* the query sees positions < P */
-                        att_block(m, q + (t0 + i) * nq + g * G * D, e, kf, vf, part + i * QS + (g * nch + c) * G * W);
+                        att_block(&ms, q + (a->tq + i) * nq + g * G * D, e, kf, vf,
+                                  pg + i * a->QS + (g * nch + c) * G * W);
                     }
                 }
             }
 #pragma omp for schedule(static)
-            for (int64_t u = 0; u < nt * m->nh; u++) {
-                const int64_t i = u / m->nh, hh = u % m->nh, P = pos0 + t0 + i + 1;
-                att_merge(m, part + i * QS, (P + CH - 1) / CH, hh, o + (t0 + i) * nq + hh * D);
+            for (int64_t u = 0; u < nmerge; u++) {
+                int64_t j = j0, r = u;
+                while (r >= gr[j].nt * m->nh) { r -= gr[j].nt * m->nh; j++; }
+                const att_group *a = gr + j;
+                const int64_t i = r / m->nh, hh = r % m->nh, P = a->pos + i + 1;
+                att_merge(m, part + a->off + i * a->QS, (P + a->CH - 1) / a->CH, hh, o + (a->tq + i) * nq + hh * D);
             }
         }
-        t0 += nt;
+        j0 = j1;
     }
 }
 
-/* A prompt chunk: tokens [T] at positions pos0.. (keys and values written to the cache), logits of every token
- * (all = 1: [T][n_vocab]) or of the last ([n_vocab]). cs / sn: RoPE cos and sin [T][D] of the positions.
- * scratch: hm_prompt_scratch(m, T) bytes. times as hm_decode_step's. Returns 0; -1 for a token or position out
- * of range; a kernel's error otherwise. */
-int hm_prompt_step(const hm_dmodel *m, const int64_t *tokens, int64_t T, int64_t pos0, const float *cs,
-                   const float *sn, float *logits, int all, uint8_t *scratch, double *times) {
-    const int64_t H = m->H, D = m->D, nh = m->nh, nkv = m->nkv, nq = nh * D, nk = nkv * D, S = m->slots;
+/* A batch of sequences, each with its own cache and positions: tokens [sum T] (sequence after sequence), keys
+ * and values written to each sequence's cache, logits of every token (all = 1: [sum T][n_vocab]) or of each
+ * sequence's last ([nseq][n_vocab]). Every token's values are those hm_decode_step computes for it alone (the
+ * same norms, RoPE, cache writes and attention per token; products canonical per (row, token) whichever kernel
+ * runs them), so a sequence gets the same logits, bit for bit, alone or batched, in a prompt split anywhere or
+ * decoded token by token. The work is batched: one call per matrix for all tokens (every weight byte read once a
+ * call), the experts once per layer over every token's choice, attention as (group, KV head, run) tasks.
+ * cs / sn: RoPE cos and sin [sum T][D] of each token's position. scratch: hm_batch_scratch(m, sum T, nseq)
+ * bytes. times as hm_decode_step's. distinct (NULL: not wanted): per layer, how many different experts the batch
+ * routed to (0 for a layer without routed experts). Returns 0; -1 for a token, position or sequence out of
+ * range; a kernel's error otherwise. */
+int hm_batch_step(const hm_dmodel *m, const int64_t *tokens, const hm_seq *seqs, int64_t nseq, const float *cs,
+                  const float *sn, float *logits, int all, uint8_t *scratch, double *times, int32_t *distinct) {
+    const int64_t H = m->H, D = m->D, nh = m->nh, nkv = m->nkv, nq = nh * D, nk = nkv * D;
     const int nth = m->nthreads > 0 ? m->nthreads : omp_get_max_threads();
-    if (T < 1 || pos0 < 0 || pos0 + T > S || D > DEC_MAXD) return -1;
+    if (nseq < 1 || D > DEC_MAXD) return -1;
+    int64_t T = 0;
+    for (int64_t s = 0; s < nseq; s++) {
+        const hm_seq *sq = seqs + s;
+        const int64_t S = sq->kc ? sq->slots : m->slots;
+        if (sq->T < 1 || sq->pos0 < 0 || sq->pos0 + sq->T > S || (sq->kc && !sq->vc)) return -1;
+        T += sq->T;
+    }
     for (int64_t t = 0; t < T; t++)
         if (tokens[t] < 0 || tokens[t] >= m->embd.rows) return -1;
     pr_bufs b;
-    pr_layout(m, T, scratch, &b);
+    att_group *gr = NULL;
+    pr_layout(m, T, nseq, scratch, &b, &gr);
+    const int64_t npart = part_floats(m, nseq), ng = att_groups(m, seqs, nseq, gr);
     double tm = times ? hm_now() : 0;
 #define LAP(i) do { if (times) { const double t1 = hm_now(); times[i] += t1 - tm; tm = t1; } } while (0)
 #define UNTIMED() do { if (times) tm = hm_now(); } while (0)
@@ -4295,20 +4369,25 @@ int hm_prompt_step(const hm_dmodel *m, const int64_t *tokens, int64_t T, int64_t
         if (!rc) rc = pr_mm(m, b.h, T, H, &L->v, b.v, nth);
         LAP(0);
         if (rc) break;
-        for (int64_t t = 0; t < T; t++) {
-            float *q = b.q + t * nq, *k = b.k + t * nk, *v = b.v + t * nk;
-            const int64_t pos = pos0 + t;
-            for (int64_t i = 0; L->q_norm && i < nh; i++) rmsnorm(q + i * D, L->q_norm, D, m->eps, q + i * D);
-            for (int64_t i = 0; L->k_norm && i < nkv; i++) rmsnorm(k + i * D, L->k_norm, D, m->eps, k + i * D);
-            rope_heads(q, nh, D, cs + t * D, sn + t * D, m->neox);
-            rope_heads(k, nkv, D, cs + t * D, sn + t * D, m->neox);
-            for (int64_t g = 0; g < nkv; g++) {
-                kv_store(m->kv_type, L->kc, (g * S + pos) * D, D, k + g * D);
-                kv_store(m->kv_type, L->vc, (g * S + pos) * D, D, v + g * D);
+        for (int64_t s = 0, t = 0; s < nseq; s++) {
+            const hm_seq *sq = seqs + s;
+            void *kc = sq->kc ? sq->kc[l] : L->kc, *vc = sq->kc ? sq->vc[l] : L->vc;
+            const int64_t S = sq->kc ? sq->slots : m->slots;
+            for (int64_t i = 0; i < sq->T; i++, t++) {
+                float *q = b.q + t * nq, *k = b.k + t * nk, *v = b.v + t * nk;
+                const int64_t pos = sq->pos0 + i;
+                for (int64_t j = 0; L->q_norm && j < nh; j++) rmsnorm(q + j * D, L->q_norm, D, m->eps, q + j * D);
+                for (int64_t j = 0; L->k_norm && j < nkv; j++) rmsnorm(k + j * D, L->k_norm, D, m->eps, k + j * D);
+                rope_heads(q, nh, D, cs + t * D, sn + t * D, m->neox);
+                rope_heads(k, nkv, D, cs + t * D, sn + t * D, m->neox);
+                for (int64_t g = 0; g < nkv; g++) {
+                    kv_store(m->kv_type, kc, (g * S + pos) * D, D, k + g * D);
+                    kv_store(m->kv_type, vc, (g * S + pos) * D, D, v + g * D);
+                }
             }
         }
         UNTIMED();
-        attend_many(m, L, b.q, T, pos0, b.part, b.att, nth);
+        attend_batch(m, L, l, seqs, gr, ng, b.q, b.part, npart, b.att, nth);
         LAP(1);
         rc = pr_mm(m, b.att, T, nq, &L->o, b.y, nth);
         LAP(0);
@@ -4316,6 +4395,7 @@ int hm_prompt_step(const hm_dmodel *m, const int64_t *tokens, int64_t T, int64_t
         for (int64_t i = 0; i < T * H; i++) b.x[i] += b.y[i];
         for (int64_t t = 0; t < T; t++) rmsnorm(b.x + t * H, L->ffn_norm, H, m->eps, b.h + t * H);
         float *ffo = b.y;
+        if (distinct) distinct[l] = 0;
         if (L->router.rows) {
             const int64_t E = L->router.rows, k = m->k;
             UNTIMED();
@@ -4324,6 +4404,17 @@ int hm_prompt_step(const hm_dmodel *m, const int64_t *tokens, int64_t T, int64_t
             if (rc) break;
             for (int64_t t = 0; t < T; t++)
                 route_softmax(b.rl + t * E, E, k, m->norm_topk, m->wscale, b.ids + t * k, b.wts + t * k);
+            if (distinct) {
+                uint64_t seen[64] = {0};                   /* E <= 4096: the experts counted once each */
+                int32_t n = 0;
+                for (int64_t i = 0; i < T * k; i++) {
+                    const int32_t e = b.ids[i];
+                    if (e < 0 || e >= 4096 || (seen[e >> 6] >> (e & 63) & 1)) continue;
+                    seen[e >> 6] |= 1ull << (e & 63);
+                    n++;
+                }
+                distinct[l] = n;
+            }
             UNTIMED();
             rc = (m->moe_tile_t > 0 && T >= m->moe_tile_t ? moe_tile_act : moe_ffn_act)(
                 b.h, T, H, b.ids, b.wts, k, L->gate_exps.w, L->up_exps.w, L->gate_exps.type, m->n_ff_exp, E,
@@ -4348,14 +4439,25 @@ int hm_prompt_step(const hm_dmodel *m, const int64_t *tokens, int64_t T, int64_t
         for (int64_t i = 0; i < T * H; i++) b.x[i] += b.y[i];
     }
     if (rc) return rc;
-    const int64_t t0 = all ? 0 : T - 1, nt = T - t0;
-    for (int64_t t = t0; t < T; t++) rmsnorm(b.x + t * H, m->out_norm, H, m->eps, b.h + t * H);
+    int64_t nt = 0;                                        /* the rows wanted, normed into b.h in order */
+    for (int64_t s = 0, t = 0; s < nseq; t += seqs[s].T, s++)
+        for (int64_t i = all ? 0 : seqs[s].T - 1; i < seqs[s].T; i++, nt++)
+            rmsnorm(b.x + (t + i) * H, m->out_norm, H, m->eps, b.h + nt * H);
     UNTIMED();
-    rc = pr_mm(m, b.h + t0 * H, nt, H, &m->head, logits, nth);
+    rc = pr_mm(m, b.h, nt, H, &m->head, logits, nth);
     LAP(0);
 #undef LAP
 #undef UNTIMED
     return rc;
+}
+
+/* A prompt chunk of one sequence in the model's own cache: hm_batch_step with one sequence. tokens [T] at
+ * positions pos0..; logits of every token (all = 1: [T][n_vocab]) or of the last ([n_vocab]). scratch:
+ * hm_prompt_scratch(m, T) bytes. */
+int hm_prompt_step(const hm_dmodel *m, const int64_t *tokens, int64_t T, int64_t pos0, const float *cs,
+                   const float *sn, float *logits, int all, uint8_t *scratch, double *times) {
+    const hm_seq one = {T, pos0, m->slots, NULL, NULL};
+    return hm_batch_step(m, tokens, &one, 1, cs, sn, logits, all, scratch, times, NULL);
 }
 
 /* ------------------------------------------------------------------ info */

@@ -6,7 +6,9 @@ the other matrices Q8_0):
   experts Q4_K, with ffn_down_exps Q6_K on llama.cpp's "more bits" layers (first and last eighth, every
   third in between); attention and shared experts Q8_0; dense FFN Q4_K (down Q6_K on the same layers);
   token_embd Q4_K; output Q6_K; norms, biases and the router (ffn_gate_inp) F32.
-`with_types` (or "NAME:EXPERT_TYPE[:OTHER_TYPE]") retypes experts and/or the other matrices.
+`with_types` (or "NAME:EXPERT_TYPE[:OTHER_TYPE]") retypes experts and/or the other matrices;
+"NAME:MIX" types every tensor by one of models/mixes.py's per-tensor recipes of published files
+(e.g. deepseek-r1:UD-Q2_K_XL, deepseek-r1:IQ4_KS_R4, qwen3-30b-a3b:Q3_K_XL).
 
 deepseek2 is not an architecture ModelConfig can run, so its config is a PlanConfig: a ModelConfig with
 the extra fields placement needs (MLA's kv_lora_rank and rope dims size its KV cache).
@@ -19,6 +21,7 @@ from ..config import ARCHITECTURES, ModelConfig
 from ..errors import HybridMoeError
 from ..formats.gguf import TensorInfo, tensor_info_from_shape
 from ..quant.types import GGMLType, block_size
+from .mixes import find_mix, mix_names, mix_type
 from .tensors import tensor_shapes
 
 T = GGMLType
@@ -141,7 +144,8 @@ def _type(t) -> GGMLType | None:
     try:
         return GGMLType[str(t).upper()]
     except KeyError:
-        raise HybridMoeError(f"unknown ggml type {t!r} (e.g. Q4_K, Q6_K, Q8_0, Q4_0, BF16)") from None
+        raise HybridMoeError(f"unknown ggml type {t!r} (e.g. Q4_K, Q6_K, Q8_0, Q4_0, BF16; or a mix: "
+                             f"{', '.join(mix_names())})") from None
 
 
 def with_types(tensors: dict[str, TensorInfo], expert=None, other=None) -> dict[str, TensorInfo]:
@@ -174,18 +178,24 @@ def catalog_names() -> list[str]:
 
 
 def catalog_model(name: str, expert=None, other=None) -> tuple[ModelConfig, dict[str, TensorInfo]]:
-    """(config, tensor records) of a catalog model; `name` may carry types: 'deepseek-r1:Q3_K[:Q8_0]'."""
+    """(config, tensor records) of a catalog model; `name` may carry types, 'deepseek-r1:Q3_K[:Q8_0]', or a
+    mix, 'deepseek-r1:UD-Q2_K_XL'."""
     key, *types = name.strip().lower().split(":")
     if len(types) > 2:
-        raise HybridMoeError(f"catalog model {name!r}: write NAME[:EXPERT_TYPE[:OTHER_TYPE]]")
+        raise HybridMoeError(f"catalog model {name!r}: write NAME[:EXPERT_TYPE[:OTHER_TYPE]] or NAME:MIX")
     key = ALIASES.get(key, key)
     if key not in CATALOG:
         raise HybridMoeError(f"no catalog model {key!r}; known: {', '.join(CATALOG)}")
-    expert = expert or (types[0] if types else None)
-    other = other or (types[1] if len(types) > 1 else None)
+    mix = find_mix(types[0]) if len(types) == 1 and not expert and not other else None
+    if not mix:
+        expert = expert or (types[0] if types else None)
+        other = other or (types[1] if len(types) > 1 else None)
     cfg = CATALOG[key]()
     shapes = deepseek2_shapes(cfg) if cfg.arch == "deepseek2" else tensor_shapes(cfg)
-    typed = gpt_oss_type if cfg.arch == "gpt-oss" else (lambda n, s: q4_k_m_type(n, s, cfg.n_layer))
+    if mix:
+        typed = (lambda n, s: mix_type(mix, n, s))
+    else:
+        typed = gpt_oss_type if cfg.arch == "gpt-oss" else (lambda n, s: q4_k_m_type(n, s, cfg.n_layer))
     tensors = {n: _record(n, s, typed(n, s)) for n, s in shapes}
     if expert or other:
         tensors = with_types(tensors, expert, other)

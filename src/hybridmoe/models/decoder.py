@@ -16,7 +16,9 @@ from ..config import ModelConfig
 from ..runtime.kvcache import KVCache
 from ..runtime.ops import (
     apply_rope,
+    context_rope_tables,
     cpu_has,
+    gpu_batch_kernels,
     gpu_kernels,
     rms_norm,
     rope_tables,
@@ -117,6 +119,109 @@ class Decoder:
             x = x[-1:]
         x = s.norm(x, self.output_norm, cfg.rms_eps)
         return s.linear(x, self.output).float()
+
+    def forward_batch(self, items, all_logits: bool = False) -> torch.Tensor:
+        """items [(tokens [T_i], pos0_i, kv_i)] -> logits of every item's tokens, item after item ([sum T_i,
+        n_vocab]), or of each item's last token ([B, n_vocab]), float32, where the output layer ran. The layer
+        loop runs over the items' tokens laid end to end: the norms, projections and experts see one batch (the
+        scheduler decides offloads from its size and routing); attention runs per item on its own cache at its
+        own positions."""
+        cfg, s = self.cfg, self.sched
+        sizes = [int(t.shape[0]) for t, _, _ in items]
+        x = s.embed(self.token_embd, torch.cat([t for t, _, _ in items]))   # [sum T, H]
+        s.begin_forward(sum(sizes))
+        positions = [torch.arange(p, p + T) for (_, p, _), T in zip(items, sizes)]
+        starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]                # item j: rows starts[j]..starts[j+1]
+        kvs = [kv for _, _, kv in items]
+        ropes = [{} for _ in items]                                         # per item: device -> (cos, sin)
+        rope = {}                                                           # the same for all tokens together
+        for layer in self.layers:
+            x = s.add(x, self.attention_batch(layer, x, starts, positions, kvs, ropes, rope))
+            x = s.add(x, self.ffn(layer, x))
+        if not all_logits:
+            x = s.tag(x[torch.tensor(starts[1:], device=x.device) - 1], s.dev_of(x))   # each item's last token
+        x = s.norm(x, self.output_norm, cfg.rms_eps)
+        return s.linear(x, self.output).float()
+
+    def attention_batch(self, L: Layer, x, starts, positions, kvs, ropes, rope):
+        """attention() of the items whose rows x holds in turn: q/k/v, their norms and RoPE (each token at its
+        own position) and the output projection once for all rows, the cache write and attention per item.
+        Items run one by one through attention() where it has its own path (MLA, a GPU prompt's fused kernel,
+        another architecture's attention)."""
+        cfg, s = self.cfg, self.sched
+        dev = kvs[0].device(L.i)
+        gpu_prompt = dev.torch_device.type == "cuda" and L.attn_qkv is not None and gpu_kernels() is not None \
+            and any(len(p) > 1 and kv.plain(L.i) for p, kv in zip(positions, kvs))      # attention_gpu's case
+        per_item = (len(kvs) == 1 or L.mla or type(self).attention is not Decoder.attention or gpu_prompt
+                    or any(kv.device(L.i).name != dev.name for kv in kvs))
+        if not per_item and all(len(p) == 1 for p in positions):
+            ga = gpu_batch_kernels(dev)
+            if ga is not None and all(kv.slots[L.i] == kv.n_ctx for kv in kvs) and \
+                    ga.batch_caches_ok([kv.k[L.i] for kv in kvs], [kv.v[L.i] for kv in kvs]):
+                return self.attention_decode_batch(L, x, positions, kvs, rope, ga)
+        xd = s.dev_of(x)
+        if per_item:
+            outs = [self.attention(L, s.tag(x[a:b], xd), pos, kv, r)
+                    for a, b, pos, kv, r in zip(starts, starts[1:], positions, kvs, ropes)]
+            odev = s.dev_of(outs[0])
+            return s.tag(torch.cat([s.move(o, odev) for o in outs]), odev)
+        q, k, v, dev = self.qkv(L, x, kvs[0])
+        if L.attn_q_norm is not None:
+            q = rms_norm(q, s.small(L.attn_q_norm, dev), cfg.rms_eps)
+            k = rms_norm(k, s.small(L.attn_k_norm, dev), cfg.rms_eps)
+        cos, sin = self.rope_for(rope, dev, torch.cat(positions))
+        q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
+        outs = []
+        with s.stats.op("attention", dev):
+            for a, b, pos, kv in zip(starts, starts[1:], positions, kvs):
+                keys, values = kv.update(L.i, int(pos[0]), k[a:b], v[a:b])  # [n_kv, P+T, D]
+                if keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16):
+                    # SDPA on the cache's own dtype: attend() would copy every key and value to bf16 first
+                    outs.append(attend_gpu(q[a:b].transpose(0, 1).to(keys.dtype), keys, values, int(pos[0])))
+                else:
+                    outs.append(attend(q[a:b], keys, values, int(pos[0])))
+        return s.linear(s.tag(torch.cat(outs), dev), L.attn_output)
+
+    def attention_decode_batch(self, L: Layer, x, positions, kvs, rope: dict, ga):
+        """attention_batch() of B single tokens on a GPU: the qkv projection for all rows, then one launch for
+        q/k norms, RoPE and every sequence's cache write, and two for the attention of each row over its own
+        cache (kernels/gpu_batch_attention.py; was a few launches per sequence)."""
+        cfg, s = self.cfg, self.sched
+        dev = kvs[0].device(L.i)
+        h = s.norm(x, L.attn_norm, cfg.rms_eps)
+        bias = lambda w: getattr(L, w + "_b", None)                          # noqa: E731
+        if L.attn_qkv is not None:
+            rows = s.move(s.linear(h, L.attn_qkv, bias("attn_qkv"), f32=False), dev)
+        else:
+            rows = torch.cat([s.move(s.linear(h, getattr(L, w), bias(w)), dev)
+                              for w in ("attn_q", "attn_k", "attn_v")], -1)
+        key = ("batch", dev.name)
+        if key not in rope:
+            # once per forward and device: positions, rope tables, and every layer's cache offsets (k then v
+            # of each sequence) from one anchor, the first of those layers' key caches
+            td = dev.torch_device
+            pos = torch.tensor([int(p[0]) for p in positions], dtype=torch.int64).to(td, non_blocking=True)
+            cos, sin = context_rope_tables(kvs[0].n_ctx, cfg.head_dim, cfg.rope_base, cfg.rope_neox, td)
+            here = [i for i in range(cfg.n_layer) if kvs[0].device(i).name == dev.name]
+            anchor = kvs[0].k[here[0]]
+            table = [ga.cache_offsets(anchor, [kv.k[i] for kv in kvs] + [kv.v[i] for kv in kvs]) for i in here]
+            offs = torch.tensor(table, dtype=torch.int64).to(td, non_blocking=True)     # [layers here, 2B]
+            rope[key] = (pos, cos, sin, max(int(p[0]) for p in positions) + 1, anchor,
+                         {i: offs[r] for r, i in enumerate(here)})
+        pos, cos, sin, n_keys, anchor, offs = rope[key]
+        offs = offs[L.i]
+        vcs = [kv.v[L.i] for kv in kvs]
+        B = len(kvs)
+        qn, kn = ((s.small(L.attn_q_norm, dev), s.small(L.attn_k_norm, dev)) if L.attn_q_norm is not None
+                  else (None, None))
+        real = dev.torch_device.type == "cuda"
+        with s.stats.op("attention", dev):
+            kshape = kvs[0].k[L.i].shape
+            q = ga.qk_rope_cache_batch(rows, qn, kn, cos, sin, pos, anchor, offs[:B], offs[B:], kshape,
+                                       vcs[0].shape, cfg.n_head, cfg.rms_eps, cfg.rope_neox, q_dtype=anchor.dtype)
+            o = ga.attention_batch(q, anchor, offs[:B], offs[B:], pos, kshape, vcs[0].shape,
+                                   cfg.head_dim ** -0.5, n_keys, out_dtype=torch.bfloat16 if real else torch.float32)
+        return s.linear(s.tag(o, dev), L.attn_output)
 
     def qkv(self, L, x, kv: KVCache):
         """The attention input of layer L: normed x projected to q [T, n_head, D] and k, v [T, n_kv, D] on

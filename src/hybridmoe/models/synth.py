@@ -15,9 +15,17 @@ from ..config import ModelConfig
 from ..errors import HybridMoeError
 from ..formats.gguf_write import write_gguf
 from ..quant.types import GGMLType
+from .mixes import mix_type
 from .tensors import default_qtype, tensor_shapes
 
 SYNTH_VERSION = 3
+
+_QWEN3_30B = dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_vocab=151936,
+                  n_ctx_train=40960, rms_eps=1e-6, rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=768)
+_TINY_256 = dict(arch="qwen3moe", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_vocab=1024,
+                 n_ctx_train=4096, rms_eps=1e-6, rope_base=1e6, n_expert=8, n_expert_used=2, n_ff_exp=256)
+# preset mix names -> models/mixes.py's
+_MIX = {"q3_k_mix": "q3_k_xl"}
 
 PRESETS = {
     # a few MB: qwen3moe with 8 experts, 2 used; shapes keep every row a multiple of 32 for Q4_0/Q8_0
@@ -37,6 +45,12 @@ PRESETS = {
                                n_vocab=151936, n_ctx_train=40960, rms_eps=1e-6, rope_base=1e6, n_expert=128,
                                n_expert_used=8, n_ff_exp=768, expert_type=GGMLType.Q4_K,
                                other_type=GGMLType.Q8_0),
+    # the same shape in the per-tensor mixes of the files users run (models/mixes.py says what each holds):
+    # IQ4_KS (ik_llama.cpp; 15.99 GiB), a UD-Q3_K_XL-like K-quant mix (14.03 GiB), IQ2_KT (trellis; 8.81 GiB),
+    # IQ4_XS (mainline; 15.90 GiB)
+    **{f"qwen3-30b-a3b-{m}": dict(_QWEN3_30B, mix=m) for m in ("iq4_ks", "q3_k_mix", "iq2_kt", "iq4_xs")},
+    # and tiny, with every row a multiple of 256 (the block of these types)
+    **{f"tiny-{m}": dict(_TINY_256, mix=m) for m in ("iq4_ks", "q3_k_mix", "iq2_kt", "iq4_xs")},
     # DeepSeek V3's layout, tiny: MLA, a dense first layer, shared expert, sigmoid routing in 2 groups
     "tiny-deepseek2": dict(arch="deepseek2", n_layer=2, n_embd=64, n_head=4, n_head_kv=4, head_dim=64,
                            n_vocab=1024, n_ctx_train=4096, rms_eps=1e-6, rope_base=1e4, n_ff=128, n_expert=8,
@@ -44,6 +58,13 @@ PRESETS = {
                            v_head_dim=32, n_layer_dense_lead=1, n_expert_shared=1, expert_gating="sigmoid",
                            expert_weights_scale=2.5, n_expert_groups=2, n_group_used=1,
                            expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
+    # the same with rows of 256 for the experts, in ubergarm's DeepSeek-R1 IQ4_KS_R4 mix (interleaved experts)
+    "tiny-deepseek2-iq4_ks_r4": dict(arch="deepseek2", n_layer=2, n_embd=256, n_head=4, n_head_kv=4, head_dim=64,
+                                     n_vocab=1024, n_ctx_train=4096, rms_eps=1e-6, rope_base=1e4, n_ff=128,
+                                     n_expert=8, n_expert_used=2, n_ff_exp=256, q_lora_rank=32, kv_lora_rank=32,
+                                     rope_dim=32, v_head_dim=32, n_layer_dense_lead=1, n_expert_shared=1,
+                                     expert_gating="sigmoid", expert_weights_scale=2.5, n_expert_groups=2,
+                                     n_group_used=1, mix="iq4_ks_r4"),
     # gpt-oss's layout, tiny: biased attention with sinks, a sliding window of 8 on the even layers, YaRN,
     # a biased router (softmax over the top-k) and biased clamped-SwiGLU experts
     "tiny-gpt-oss": dict(arch="gpt-oss", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_vocab=1024,
@@ -64,11 +85,24 @@ def cache_dir() -> str:
     return str(env.cache_dir() / "models")
 
 
+def preset_mix(name: str) -> str | None:
+    """The per-tensor type mix (models/mixes.py) of a preset, or None (experts one type, the rest another)."""
+    m = PRESETS[name].get("mix") if name in PRESETS else None
+    return _MIX.get(m, m)
+
+
 def preset_config(name: str) -> tuple[ModelConfig, GGMLType, GGMLType]:
+    """(config, expert type, other type); for a mix preset, the types its mix gives blk.1's ffn_up_exps and
+    attn_q (the mix itself: preset_mix)."""
     if name not in PRESETS:
         raise HybridMoeError(f"unknown synthetic preset {name!r}; presets: {', '.join(PRESETS)}")
     p = dict(PRESETS[name])
-    et, ot = p.pop("expert_type"), p.pop("other_type")
+    mix = preset_mix(name)
+    p.pop("mix", None)
+    if mix:
+        et, ot = mix_type(mix, "blk.1.ffn_up_exps.weight", (2, 2)), mix_type(mix, "blk.1.attn_q.weight", (2, 2))
+    else:
+        et, ot = p.pop("expert_type"), p.pop("other_type")
     qwen = p["arch"] in ("qwen3", "qwen3moe")
     cfg = ModelConfig(**p, qk_norm=qwen, rope_neox=qwen or p["arch"] == "gpt-oss", name=f"synth-{name}")
     return cfg, et, ot
@@ -112,12 +146,14 @@ def config_metadata(cfg: ModelConfig) -> dict:
     return md
 
 
-def synth_tensors(cfg: ModelConfig, expert_type, other_type, seed: int):
-    from ..quant.ref import random_blocks
+def synth_tensors(cfg: ModelConfig, expert_type, other_type, seed: int, mix: str | None = None):
+    """(name, shape, type, make) of every tensor: types from `mix` (models/mixes.py) when given, else experts
+    `expert_type` and the other matrices `other_type`; random weights of a trained layer's magnitude."""
+    from ..quant.random_blocks import random_tensor
     gen = torch.Generator().manual_seed(seed)
     out = []
     for name, shape in tensor_shapes(cfg):
-        qt = default_qtype(name, shape, expert_type, other_type)
+        qt = mix_type(mix, name, shape) if mix else default_qtype(name, shape, expert_type, other_type)
         if name.endswith(".bias") or "attn_sinks" in name:
             # biases small around 0; sinks of order 1, so that they take a visible share of the softmax
             sc = 0.5 if "attn_sinks" in name else 0.02
@@ -133,7 +169,7 @@ def synth_tensors(cfg: ModelConfig, expert_type, other_type, seed: int):
                 # 512-token prompt to 8-30 of 128 experts (a trained router spreads it over all of them);
                 # at 0.02 / 48 every layer keeps all 128 busy (measured on the qwen3-30b-a3b shape)
                 scale /= cfg.n_layer
-            make = (lambda s=shape, q=qt, sc=scale: random_blocks(q, s, gen, scale=sc))
+            make = (lambda s=shape, q=qt, sc=scale: random_tensor(q, s, gen, scale=sc))
         out.append((name, shape, qt, make))
     return out
 
@@ -143,7 +179,7 @@ def write_synth(name: str, path: str):
     cfg, et, ot = preset_config(name)
     md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg),
           **builtin_vocab_metadata(cfg.n_vocab)}
-    write_gguf(path, cfg.arch, md, synth_tensors(cfg, et, ot, seed=1234))
+    write_gguf(path, cfg.arch, md, synth_tensors(cfg, et, ot, seed=1234, mix=preset_mix(name)))
 
 
 def ensure_synth(name: str) -> str:

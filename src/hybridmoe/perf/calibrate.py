@@ -227,6 +227,8 @@ def save_rates(rates: Rates) -> Path:
     old = entries.get(str(rates.threads))
     if rates.quick and isinstance(old, dict) and not old.get("quick", True):
         return path                                   # a full measurement is worth more than a quick one
+    if not rates.costs and isinstance(old, dict) and old.get("costs"):
+        rates.costs = old["costs"]                    # rates alone (bench --roofline) keep the measured costs
     entries[str(rates.threads)] = rates.to_dict()
     data = {"version": CACHE_VERSION, "host": rates.host, "gpus": _gpu_signature(), "by_threads": entries}
     path.parent.mkdir(parents=True, exist_ok=True)

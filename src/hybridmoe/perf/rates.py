@@ -21,6 +21,7 @@ class Rates:
     sync_latency: dict[str, float] = field(default_factory=dict)    # GPU name -> seconds per round trip
     gpu_names: dict[str, str] = field(default_factory=dict)         # "CUDA0" -> "NVIDIA H200"
     cpu_moe_flops: dict[str, float] = field(default_factory=dict)   # "32"/"512" tokens -> FLOP/s, CPU expert kernel
+    costs: dict = field(default_factory=dict)  # what the runtime spends beyond bandwidth (perf/costs.py)
     ram_probe_bytes: int = 0                # size of the tensor ram_read_bw was read from
     host: str = ""
     quick: bool = False
@@ -87,4 +88,7 @@ class Rates:
             lines.append(f"  {g} ({self.gpu_names.get(g, '?')}): H2D pinned {self.h2d_bw[g] / 1e9:.1f} GB/s, "
                          f"device copy {self.gpu_bw[g] / 1e9:.0f} GB/s, bf16 {self.gpu_bf16_flops[g] / 1e12:.0f} "
                          f"TFLOP/s, sync round trip {self.sync_latency[g] * 1e6:.1f} us")
+        if self.costs:
+            from .costs import format_costs
+            lines += format_costs(self.costs)
         return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Planner: where each tensor should go on a rig, as llama.cpp flags, with predicted TG and PP.
 
-`suggest()` searches placements that llama.cpp's flags can express and ranks them by a roofline prediction:
+`suggest()` searches placements that llama.cpp's flags can express and ranks them by predict.py's model:
 - Layout: `-ngl` (all layers plus output when they fit, else fewer) and `-ts` with exact layer counts, so each
   GPU holds a contiguous range of layers with their attention, norms, router, shared experts and KV cache.
   Inside a GPU's range, a layer is *full* (its routed experts on that GPU too) or *host* (its experts in RAM:
@@ -12,9 +12,8 @@
   GPUs fastest first (by measured or declared memory bandwidth) while everything fits. Memory is counted as
   placement.py counts it (weights, KV cache, compute buffers, upload staging), then each candidate is
   re-planned from its own flags, which must give the same device map and fit.
-- Prediction (`predict`, also for any given placement): roofline.model_work + tg_bound / pp_bound, plus device
-  crossings per token (half a measured sync round trip and the activation copy per crossing). Host experts are
-  uploaded for prompt processing per layer when `Rates.offload_pays` says so, as the scheduler decides.
+- Prediction (`predict.predict`, also for any given placement): the runtime's decode and prompt steps mirrored
+  term by term on the calibrated rates and costs (perf/costs.py); uncalibrated, the roofline.
 Objectives: "tg" (decode t/s), "pp" (prefill t/s), "balanced" (least time for a request of `workload`
 prompt and generated tokens).
 """
@@ -29,166 +28,20 @@ from ..devices import Device
 from ..errors import PlacementError
 from ..formats.gguf import TensorInfo
 from ..formats.names import layer_of, layers_regex
-from ..perf.roofline import Bound, model_work, pp_bound, tg_bound, upload_targets
 from .core import (
     Placement,
     PlacementOptions,
     add_placement_args,
     dense_copy_bytes,
-    kv_token_bytes,
     options_from_args,
     plan_placement,
 )
+from .predict import EXPERT_SHORTS, Prediction, predict
 
 OBJECTIVES = ("tg", "pp", "balanced")
 UB_CHOICES = (512, 1024, 2048, 4096)          # ubatch sizes tried at or above the one asked for
 EXPS_OT = r"\.ffn_(up|down|gate)_exps"
-EXPERT_SHORTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 DEFAULTS = PlacementOptions()
-
-
-# ----------------------------------------------------------------------------------------- prediction
-
-@dataclass
-class Prediction:
-    tg: float                  # decoded tokens/s at depth 0 (tg{n_gen})
-    pp: float                  # prompt tokens/s for n_prompt tokens in ubatches of `ubatch` (pp{n_prompt})
-    tg_bound: Bound
-    pp_bound: Bound
-    n_gen: int
-    n_prompt: int
-    ubatch: int
-    uploaded_layers: list[int]     # layers whose host experts are uploaded to a GPU during prompt processing
-    crossings: int                 # device changes per decoded token
-    share: tuple | None = None     # (TG t/s, g, k) with the decode share: the GPU reads g of k experts over PCIe
-
-    def request_seconds(self, n_prompt: int, n_gen: int) -> float:
-        return n_prompt / self.pp + n_gen / self.tg
-
-    def line(self) -> str:
-        up = f"; host experts of {len(self.uploaded_layers)} layers uploaded" if self.uploaded_layers else ""
-        sh = (f"; {self.share[0]:.1f} with the decode share, {self.share[1]} of {self.share[2]} experts over PCIe"
-              if self.share else "")
-        return (f"TG {self.tg:.1f} t/s (tg{self.n_gen}, limit {self.tg_bound.limit}{sh}), "
-                f"PP {self.pp:.0f} t/s (pp{self.n_prompt} at -ub {self.ubatch}, limit {self.pp_bound.limit}{up})")
-
-
-def _with_term(b: Bound, key: str, secs: float) -> Bound:
-    terms = dict(b.terms)
-    if secs > 0:
-        terms[key] = terms.get(key, 0.0) + secs
-    return Bound(b.seconds + secs, b.tokens, max(terms, key=terms.get) if terms else b.limit, terms)
-
-
-def _crossing_seconds(rates, a: str, b: str, nbytes: float) -> float:
-    """A copy from device a to b: each GPU end pays half a sync round trip and its PCIe link (GPU to GPU goes
-    through the host)."""
-    return sum(rates.sync(d) / 2 + nbytes / rates.h2d(d) for d in (a, b) if d != "CPU")
-
-
-def _token_path(p: Placement, expert_dev: dict[int, str]) -> tuple[list[str], int]:
-    """Devices one token's activations visit in order (input, each layer's ops, logits back to the host), and
-    the extra crossings of split gate/up pairs. expert_dev: layer -> GPU its host experts run on (uploaded)."""
-    dev = p.device_of
-    path = [dev.get("token_embd.weight", "CPU")]
-    extra = 0
-    for il in range(p.cfg.n_layer):
-        def at(short):
-            n = p.layer_tensor(il, short)
-            return None if n is None else dev[n]
-        seq = [at("attn_norm"), p.attn_device(il), at("ffn_norm"), at("ffn_gate_inp")]
-        exps = [at(s) for s in EXPERT_SHORTS]
-        if il in expert_dev:
-            exps = [expert_dev[il] if e is not None else None for e in exps]
-        elif exps[0] is not None and exps[1] is not None and exps[0] != exps[1]:
-            extra += 1                  # the gate output moves to down's device for the SiLU product
-        seq += exps + [at("ffn_up_shexp"), at("ffn_up")]
-        seq = [d for d in seq if d is not None]
-        residual = at("ffn_norm") or p.attn_device(il)
-        seq.append(residual if residual != "CPU" else seq[-1])     # the residual add runs on a GPU side
-        path += seq
-    out = dev.get("output.weight", dev.get("token_embd.weight", "CPU"))
-    path += [out, "CPU"]
-    return [d for i, d in enumerate(path) if i == 0 or d != path[i - 1]], extra
-
-
-def _path_seconds(p: Placement, rates, n_tokens: int, expert_dev: dict[int, str]) -> tuple[float, int]:
-    path, extra = _token_path(p, expert_dev)
-    nb = n_tokens * p.cfg.n_embd * 4
-    secs = sum(_crossing_seconds(rates, a, b, nb) for a, b in zip(path, path[1:]))
-    if extra:
-        gpu = next((d for d in path if d != "CPU"), "CPU")
-        secs += extra * _crossing_seconds(rates, gpu, "CPU", nb)
-    return secs, len(path) - 1 + extra
-
-
-def _uploads(p: Placement, rates, ubatch: int) -> dict[int, str]:
-    """Layer -> GPU for the layers whose host experts the scheduler would upload for a batch of `ubatch`."""
-    gpus, o, cfg = p.gpus, p.opts, p.cfg
-    if not o.op_offload or not gpus or o.main_gpu >= len(gpus) or not cfg.n_expert:
-        return {}
-    targets = upload_targets(p.tensors, p.device_of, p.attn_device, gpus[o.main_gpu].name)
-    out = {}
-    for il in range(cfg.n_layer):
-        names = [p.layer_tensor(il, s) for s in EXPERT_SHORTS]
-        if any(n is None or n not in targets for n in names):
-            continue                      # split experts run unfused, where they live
-        nbytes = sum(p.tensors[n].nbytes for n in names)
-        n_params = sum(p.tensors[n].n_elements for n in names)
-        gpu = targets[names[0]]
-        if rates.offload_pays("moe_up_gate", ubatch, nbytes, cfg.n_expert, cfg.n_expert_used, gpu=gpu,
-                              n_params=n_params):
-            out[il] = gpu
-    return out
-
-
-def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128) -> Prediction:
-    """Roofline TG (n_gen tokens at depth 0) and PP (n_prompt tokens, ubatch from the placement's options)."""
-    p, cfg = placement, placement.cfg
-    ub = p.opts.ubatch_size
-    kv_devices = [p.kv_device(i) for i in range(cfg.n_layer)]
-    kvb = kv_token_bytes(cfg, p.opts) if cfg.n_layer else 0.0
-    tg = tg_bound(model_work(p.tensors, p.device_of, cfg), cfg, kv_devices, rates, n_gen, 0, kvb)
-    per_token, n_cross = _path_seconds(p, rates, 1, {})
-    tg = _with_term(tg, "crossings", n_gen * per_token)
-    ups = _uploads(p, rates, ub)
-    targets = {n: g for il, g in ups.items() for n in (p.layer_tensor(il, s) for s in EXPERT_SHORTS)}
-    pp = pp_bound(model_work(p.tensors, p.device_of, cfg, targets), cfg, kv_devices, rates, n_prompt, ub, 0, kvb)
-    cross = 0.0
-    for start in range(0, n_prompt, ub):
-        cross += _path_seconds(p, rates, min(ub, n_prompt - start), ups)[0]
-    pp = _with_term(pp, "crossings", cross)
-    share = _decode_share(p, rates, tg, n_gen)
-    return Prediction(tg.ts, pp.ts, tg, pp, n_gen, n_prompt, ub, sorted(ups), n_cross, share)
-
-
-def _decode_share(p: Placement, rates, tg: Bound, n_gen: int) -> tuple | None:
-    """(TG t/s, g, k) where the decode step would run the decode share (runtime/steps/gpu_decode.py): one GPU holds
-    everything but host experts, which are pinned (op offload on) and of a type its kernels read; each
-    CPU-expert layer's active bytes then leave RAM by two paths, k - g experts at the RAM's read rate and g
-    over the GPU's link (roofline.decode_share's g), instead of all k at the RAM's rate. None elsewhere."""
-    from ..kernels.gpu_decode import share_layout_ok
-    from ..perf.roofline import decode_share
-    cfg, gpus = p.cfg, {d for d in p.device_of.values() if d != "CPU"}
-    k, E = cfg.n_expert_used, cfg.n_expert
-    if not p.opts.op_offload or len(gpus) != 1 or not E or k < 2:
-        return None
-    gpu = next(iter(gpus))
-    saved, g = 0.0, 0
-    for il in range(cfg.n_layer):
-        names = [p.layer_tensor(il, s) for s in EXPERT_SHORTS]
-        infos = [p.tensors.get(n) for n in names if n is not None]
-        if len(infos) != 3 or any(p.device_of[n] != "CPU" for n in names):
-            continue
-        per = [t.nbytes // E for t in infos]
-        if not share_layout_ok([t.qtype for t in infos], per):
-            return None
-        e = sum(per)
-        g = decode_share(k, e, rates, gpu)
-        saved += k * e / rates.ram_read_bw - max((k - g) * e / rates.ram_read_bw, g * e / rates.h2d(gpu))
-    if not g or saved <= 0:
-        return None
-    return n_gen / (tg.seconds - n_gen * saved), g, k
 
 
 # ----------------------------------------------------------------------------------------- suggestions

@@ -48,6 +48,7 @@ _HEADER = {2: F16, 4: F32, 8: F32}
 # Base rows whose geometry differs from ggml_table's: the mainline Q8_K block that Q8_K_R8 repacks.
 _BASE_GEOMETRY = {"Q8_K_R8": (256, 292, 0)}
 _FLOATS = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
+_FLOATS_BY_NAME = {t.name: dt for t, dt in _FLOATS.items()}
 _SAMPLE_VALUES = 1 << 16          # values dequantized to find the factor
 
 
@@ -97,9 +98,9 @@ class _Layout:
         for off, fmt, rel in _BLOCK_FIELDS[self.name]:
             if fmt == IQ1M:
                 bits = _field_bytes(mag * rel * f, F16).view(torch.int16).reshape(k, self.nb).int()
-                for k in range(4):
-                    hi = blocks[..., off + 1 + 2 * k]
-                    blocks[..., off + 1 + 2 * k] = (hi & 0x0F) | (((bits >> (4 * k)) & 0xF) << 4).to(torch.uint8)
+                for j in range(4):
+                    hi = blocks[..., off + 1 + 2 * j]
+                    blocks[..., off + 1 + 2 * j] = (hi & 0x0F) | (((bits >> (4 * j)) & 0xF) << 4).to(torch.uint8)
             else:
                 b = _field_bytes(mag * rel * f, fmt)
                 blocks[..., off:off + b.shape[1]] = b.reshape(k, self.nb, -1)
@@ -127,9 +128,6 @@ def _interleaved_build(qtype: GGMLType, n_rows: int, n_cols: int, g: torch.Gener
         raw[:, :R * hdr] = _field_bytes(mag[:k] * f, _HEADER[hdr]).reshape(k // R, R * hdr)
         return raw.reshape(k, rb)
     return build
-
-
-_FLOATS_BY_NAME = {t.name: dt for t, dt in _FLOATS.items()}
 
 
 def _rms(raw: torch.Tensor, qtype: GGMLType, n_cols: int) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,15 @@ def gpu_kernels():
     is slow, and CPU-only runs never need it)."""
     from ..kernels import gpu_decode as gd
     return gd if gd.available() else None
+
+
+def gpu_batch_kernels(dev):
+    """kernels/gpu_batch_attention.py where its kernels can run on Device dev: a GPU with Triton installed, or
+    a fake GPU under Triton's interpreter (TRITON_INTERPRET=1); else None."""
+    if not dev.is_gpu or (dev.fake and os.environ.get("TRITON_INTERPRET") != "1"):
+        return None
+    from ..kernels import gpu_batch_attention as ga
+    return ga if ga.available() else None
 
 
 def cpu_has(flag: str) -> bool:

@@ -63,6 +63,7 @@ class Scheduler:
         self._uploaders = {}                      # GPU name -> Uploader
         self._recent = {}                         # (id(src), device) -> (src, copy): the last few copies
         self.expert_layers = {}
+        self.routing = None                       # layer -> ids [T, k] of this forward, where a caller asks for them
 
     # -- devices -------------------------------------------------------------------------------------
     def dev_of(self, t: torch.Tensor):
@@ -231,6 +232,8 @@ class Scheduler:
 
     def moe(self, x, ids, wts, gate: QTensor, up: QTensor, down: QTensor, layer: int) -> torch.Tensor:
         """Routed experts. ids/wts [T, k]. Returns [T, H] on the device the experts ran on."""
+        if self.routing is not None:
+            self.routing[layer] = ids
         T = x.shape[0]
         E, k = gate.shape[0], ids.shape[1]
         if not (self.fused_moe and gate.device.name == up.device.name == down.device.name):
@@ -313,6 +316,8 @@ class Scheduler:
         upload or prefetch here), computed by experts.moe_biased. Gate, up and down on different devices:
         each matmul with its weights."""
         gate, up, down = ws
+        if self.routing is not None:
+            self.routing[layer] = ids
         if not (self.fused_moe and gate.device.name == up.device.name == down.device.name):
             return self._moe_biased_unfused(x, ids, wts, ws, bs, alpha, limit)
         dev = run = gate.device

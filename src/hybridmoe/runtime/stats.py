@@ -23,6 +23,9 @@ class Stats:
         self.cpu_expert_seconds = 0.0
         self.gpu_share_bytes = 0                          # host expert bytes a GPU read over the bus (decode share)
         self.wall = [0.0, 0.0]                            # profiled forward seconds: [batches, single tokens]
+        # the last Model.forward_batch: sequences, tokens, distinct_experts (mean over MoE layers of the experts
+        # the batch routed to; None where the step that ran does not report its routing), distinct_per_layer
+        self.last_batch = None
 
     @contextmanager
     def op(self, kind: str, device, sync=None):

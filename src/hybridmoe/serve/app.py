@@ -10,9 +10,10 @@
 
 (/models, /chat/completions and /completions answer too, as in llama-server.)
 
-The model is not thread-safe, so every generation runs on one worker thread, in arrival order; the event
-loop only parses requests, tokenizes (in a helper thread) and relays text, so it stays responsive while a
-generation runs. A streaming client that goes away cancels its generation after the current token, and
+The model is not thread-safe, so every generation runs on one generation thread (batching.py): `-np N`
+slots, each with its own KV cache, whose sequences advance together, one batched step at a time; the event
+loop only parses requests, tokenizes (in a helper thread) and relays text, so it stays responsive while
+generations run. A streaming client that goes away cancels its generation after the current token, and
 so does a non-streaming one (polled every 0.25 s). Requests are untrusted: the body is capped
 (8 MiB by default), every field is type-checked, the prompt must fit the context, max_tokens is capped to
 what the context has left, and every bad request gets OpenAI's error shape
@@ -24,7 +25,6 @@ their streams (anthropic.py: Anthropic's).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import hmac
 import logging
@@ -46,7 +46,9 @@ from ..errors import HybridMoeError
 from ..text.replies import THINK_OPEN, is_harmony, template_takes_tools
 from . import anthropic as anthropic_api
 from . import slots as server_slots
+from .batching import Batcher
 from .jobs import Job
+from .metrics import prometheus
 from .requests import (
     DEFAULT_SAMPLING,
     ApiError,
@@ -102,100 +104,71 @@ class _CatchAll:
 
 
 class ServerState(ResponseWriter):
-    """The model, its one worker thread and what the endpoints share."""
+    """The model, its slots and generation thread (batching.Batcher) and what the endpoints share."""
 
     def __init__(self, model, alias: str | None, api_key: str | list[str] | None, max_body_bytes: int, max_queue: int,
-                 reasoning_format: str = "auto", metrics: bool = False, slot_save_path: str | None = None):
+                 reasoning_format: str = "auto", metrics: bool = False, slot_save_path: str | None = None,
+                 n_parallel: int = 1, kv_unified: bool = False, slot_similarity: float = 0.5):
         self.model = model
         self.metrics = metrics
         self.slot_save_path = slot_save_path
         self.n_predict = -1                        # serve -n: the reply's limit when a request sets none
         # llama-server's /metrics counters, summed over finished generations
         self.totals = dict(prompt_tokens=0, prompt_seconds=0.0, predicted_tokens=0, predicted_seconds=0.0,
-                           decodes=0, requests=0, kv_tokens=0)
+                           requests=0)
         self.reasoning_format = reasoning_format
         self.name = alias or os.path.basename(model.path)
         self.api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])   # any one opens
         self.max_body_bytes = max_body_bytes
         self.max_queue = max_queue
         self.created = int(time.time())
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self.active: set[Job] = set()
         self.last_job: Job | None = None          # for tests and debugging
         self.jobs_started = 0
+        self.batcher = Batcher(model, n_parallel, self.n_ctx, slot_similarity, kv_unified, on_finished=self._finished)
 
     @property
     def n_ctx(self) -> int:
+        """The whole context (-c), which the slots share."""
         return self.model.options.ctx_size
 
-    def _run_on_generation_thread(self, fn, *args) -> concurrent.futures.Future:
-        """fn(model, *args) on the one generation thread, after what is queued there (call with _lock held)."""
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridmoe-gen")
-        return self._executor.submit(fn, self.model, *args)
+    @property
+    def n_ctx_slot(self) -> int:
+        """One slot's context: -c / -np (all of it with --kv-unified)."""
+        return self.batcher.n_ctx_slot
 
     def submit(self, job: Job):
         with self._lock:
-            self.active.add(job)
             self.last_job = job
             self.jobs_started += 1
-            fut = self._run_on_generation_thread(job.run)
-        fut.add_done_callback(lambda _: self._finished(job))
+        self.batcher.submit(job)
 
-    async def exclusive(self, fn, *args):
-        """fn(model, *args) on the generation thread, after the generations already queued (it then has the
-        model's cache to itself); its result."""
-        with self._lock:
-            fut = self._run_on_generation_thread(fn, *args)
-        return await asyncio.wrap_future(fut)
+    async def slot_task(self, sid: int, fn, *args):
+        """fn(model, slot, *args) on the generation thread once slot `sid` is idle; its result."""
+        return await asyncio.wrap_future(self.batcher.call(sid, fn, *args))
 
     def _finished(self, job: Job):
+        if job.info is None:
+            return
+        t = job.info["timings"]
         with self._lock:
-            self.active.discard(job)
-            if job.info is None:
-                return
-            t, u = job.info["timings"], job.info["usage"]
             add = dict(prompt_tokens=t["prompt_n"], prompt_seconds=t["prompt_ms"] / 1e3, requests=1,
-                       predicted_tokens=t["predicted_n"], predicted_seconds=t["predicted_ms"] / 1e3,
-                       decodes=t["predicted_n"])
+                       predicted_tokens=t["predicted_n"], predicted_seconds=t["predicted_ms"] / 1e3)
             for k, v in add.items():
                 self.totals[k] += v
-            self.totals["kv_tokens"] = u["total_tokens"]      # what the cache holds now
 
     def prometheus(self) -> str:
         """llama-server's /metrics (its metric names, so its dashboards work), Prometheus text format."""
+        b = self.batcher
+        busy, waiting = b.busy()
         with self._lock:
-            c, busy = dict(self.totals), len(self.active)
-        rows = [
-            ("prompt_tokens_total", "counter", "Number of prompt tokens processed.", c["prompt_tokens"]),
-            ("prompt_seconds_total", "counter", "Prompt process time", c["prompt_seconds"]),
-            ("tokens_predicted_total", "counter", "Number of generation tokens processed.", c["predicted_tokens"]),
-            ("tokens_predicted_seconds_total", "counter", "Predict process time", c["predicted_seconds"]),
-            ("n_decode_total", "counter", "Decode steps (one per generated token).", c["decodes"]),
-            ("requests_total", "counter", "Generations finished.", c["requests"]),
-            ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
-             c["prompt_tokens"] / c["prompt_seconds"] if c["prompt_seconds"] else 0.0),
-            ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
-             c["predicted_tokens"] / c["predicted_seconds"] if c["predicted_seconds"] else 0.0),
-            ("kv_cache_tokens", "gauge", "KV-cache tokens.", c["kv_tokens"]),
-            ("kv_cache_usage_ratio", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-             c["kv_tokens"] / self.n_ctx),
-            ("requests_processing", "gauge", "Number of requests processing.", min(busy, 1)),
-            ("requests_deferred", "gauge", "Number of requests deferred.", max(busy - 1, 0)),
-        ]
-        out = []
-        for name, kind, help_, v in rows:
-            out += [f"# HELP llamacpp:{name} {help_}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {v}"]
-        return "\n".join(out) + "\n"
+            totals = dict(self.totals)
+        kv_tokens = sum(len(s.tokens) for s in b.slots)
+        kv_size = b.n_ctx if b.unified else sum(s.n_ctx for s in b.slots)
+        return prometheus(totals, dict(b.counts), dict(b.last_batch), busy, waiting, kv_tokens, kv_size)
 
     def close(self):
-        with self._lock:
-            for job in list(self.active):
-                job.cancel.set()
-            if self._executor is not None:
-                self._executor.shutdown(wait=False)   # queued jobs still run: they see cancel and end at once
-                self._executor = None
+        self.batcher.close()
 
     def check_auth(self, request: Request):
         if not self.api_keys:
@@ -209,7 +182,7 @@ class ServerState(ResponseWriter):
 
     def check_prompt(self, ids: list[int], params: GenParams, param: str) -> int:
         """The number of tokens this request may generate."""
-        n, n_ctx = len(ids), self.n_ctx
+        n, n_ctx = len(ids), self.n_ctx_slot
         if n == 0:
             raise _bad("the prompt is empty after tokenization; send a non-empty prompt", param)
         if n >= n_ctx:
@@ -217,10 +190,12 @@ class ServerState(ResponseWriter):
             suggest = -(-want // 256) * 256
             train = self.model.cfg.n_ctx_train
             over = n - n_ctx + 1
-            raise ApiError(400, f"the prompt has {n} tokens but the context size is {n_ctx}: {over} "
+            slots = len(self.batcher.slots)
+            per = f" per slot (-c {self.n_ctx} / -np {slots})" if n_ctx != self.n_ctx else ""
+            raise ApiError(400, f"the prompt has {n} tokens but the context size is {n_ctx}{per}: {over} "
                            f"token{'s' if over != 1 else ''} too many (at least one token must be left for the "
                            f"reply); shorten the prompt "
-                           f"or restart the server with a larger context, e.g. -c {suggest} "
+                           f"or restart the server with a larger context, e.g. -c {suggest * (self.n_ctx // n_ctx)} "
                            f"(the model was trained with {train})", "context_length_exceeded", param)
         left = n_ctx - n
         limit = params.max_tokens or (self.n_predict if self.n_predict > 0 else None)
@@ -238,8 +213,13 @@ class ServerState(ResponseWriter):
                        f"{', with ignore_eos banning the end-of-generation tokens' if params.ignore_eos else ''}): "
                        f"nothing could be generated; leave at least one token allowed", "logit_bias")
         bind_grammar(params, self.model.tokenizer)
-        if len(self.active) >= self.max_queue:
-            raise ApiError(503, f"the server is busy: {len(self.active)} requests are running or waiting; "
+        if params.id_slot >= len(self.batcher.slots):
+            raise _bad(f"'id_slot' is {params.id_slot}, but this server has {len(self.batcher.slots)} slot"
+                       f"{'s' if len(self.batcher.slots) > 1 else ''} (0..{len(self.batcher.slots) - 1}; -1: any)",
+                       "id_slot")
+        busy, waiting = self.batcher.busy()
+        if busy + waiting >= self.max_queue:
+            raise ApiError(503, f"the server is busy: {busy + waiting} requests are running or waiting; "
                            f"retry later", "server_busy", type_="server_error")
         job = Job(asyncio.get_running_loop(), ids, max_tokens, params)
         self.submit(job)
@@ -260,14 +240,22 @@ class ServerState(ResponseWriter):
 def create_app(model, alias: str | None = None, *, api_key: str | list[str] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE,
                reasoning_format: str = "auto", metrics: bool = False, slot_save_path: str | None = None,
-               template_defaults: dict | None = None) -> FastAPI:
+               template_defaults: dict | None = None, n_parallel: int = 1, kv_unified: bool = False,
+               slot_similarity: float = 0.5) -> FastAPI:
     """The FastAPI app serving `model` (a loaded hybridmoe.Model). metrics: serve GET /metrics. slot_save_path:
-    the folder for POST /slots/0?action=save|restore. template_defaults: chat template variables for every
-    request (its own chat_template_kwargs win)."""
+    the folder for POST /slots/ID?action=save|restore. template_defaults: chat template variables for every
+    request (its own chat_template_kwargs win). n_parallel: slots (-np), each with -c / n_parallel of the
+    context, or all of it with kv_unified; slot_similarity: llama-server's --slot-prompt-similarity."""
     if not model.options.ctx_size:
         # -c 0 means the training context; the decoder's caches read options.ctx_size directly
         model.options.ctx_size = model.cfg.n_ctx_train
-    state = ServerState(model, alias, api_key, max_body_bytes, max_queue, reasoning_format, metrics, slot_save_path)
+    if n_parallel < 1 or (not kv_unified and model.options.ctx_size // n_parallel < 2):
+        raise HybridMoeError(f"-np {n_parallel}: give from 1 to {model.options.ctx_size // 2} slots for -c "
+                             f"{model.options.ctx_size} (each gets -c / -np tokens; --kv-unified: all of them)")
+    if not 0 <= slot_similarity <= 1:
+        raise HybridMoeError(f"--slot-prompt-similarity {slot_similarity}: give a number from 0 to 1 (0: off)")
+    state = ServerState(model, alias, api_key, max_body_bytes, max_queue, reasoning_format, metrics, slot_save_path,
+                        n_parallel, kv_unified, slot_similarity)
     tok = model.tokenizer
 
     @contextlib.asynccontextmanager
@@ -351,9 +339,10 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
     @app.get("/props")
     async def props(request: Request):
         state.check_auth(request)
-        return {"model_alias": state.name, "model_path": model.path, "n_ctx": state.n_ctx, "total_slots": 1,
-                "chat_template": tok.chat_template or "", "build_info": f"hybridmoe {__version__}",
-                "default_generation_settings": {"n_ctx": state.n_ctx, "params": dict(DEFAULT_SAMPLING)}}
+        return {"model_alias": state.name, "model_path": model.path, "n_ctx": state.n_ctx,
+                "total_slots": len(state.batcher.slots), "chat_template": tok.chat_template or "",
+                "build_info": f"hybridmoe {__version__}",
+                "default_generation_settings": {"n_ctx": state.n_ctx_slot, "params": dict(DEFAULT_SAMPLING)}}
 
     async def encode(fn, *args):
         try:
@@ -383,27 +372,37 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
 
     @app.get("/slots")
     async def slots_state(request: Request):
-        """llama-server's slot list: this server's one slot, its context and whether it is generating."""
+        """llama-server's slot list: each slot's context, whether it is generating, what its cache holds."""
         state.check_auth(request)
-        return [{"id": 0, "id_task": -1, "n_ctx": state.n_ctx, "speculative": False,
-                 "is_processing": bool(state.active)}]
+        out = []
+        for s in state.batcher.slots:
+            job = s.job
+            out.append({"id": s.id, "id_task": id(job) & 0x7FFFFFFF if job is not None else -1, "n_ctx": s.n_ctx,
+                        "speculative": False, "is_processing": job is not None, "n_cached": len(s.tokens),
+                        "n_prompt_tokens": len(job.ids) if job is not None else 0,
+                        "n_decoded": job.n_generated if job is not None else 0})
+        return out
 
     @app.post("/slots/{slot_id}")
     async def slots(request: Request, slot_id: str, action: str = ""):
-        """llama-server's slot actions: save the KV cache to a file, restore it, erase it (serve/slots.py)."""
+        """llama-server's slot actions: save a slot's KV cache to a file, restore it, erase it (serve/slots.py);
+        each waits until its slot is idle."""
         state.check_auth(request)
-        if slot_id != "0":
-            raise _bad(f"no slot {slot_id!r}: this server has one, 0", "id_slot")
+        n = len(state.batcher.slots)
+        if not (slot_id.isascii() and slot_id.isdigit() and int(slot_id) < n):
+            has = "one, 0" if n == 1 else f"{n}, 0..{n - 1}"
+            raise _bad(f"no slot {slot_id!r}: this server has {has}", "id_slot")
         if action not in ("save", "restore", "erase"):
             raise _bad(f"'action' must be save, restore or erase, got {action!r}", "action")
         if action == "erase":
-            return await state.exclusive(server_slots.erase)
+            return await state.slot_task(int(slot_id), lambda m, s: server_slots.erase(m, s))
         if state.slot_save_path is None:
             raise ApiError(501, "slots cannot be saved or restored: start the server with --slot-save-path DIR",
                            "not_supported", type_="not_supported_error")
         body = await _read_json(request, state.max_body_bytes)
-        return await state.exclusive(server_slots.save if action == "save" else server_slots.restore,
-                                     state.slot_save_path, body)
+        fn = server_slots.save if action == "save" else server_slots.restore
+        folder = state.slot_save_path
+        return await state.slot_task(int(slot_id), lambda m, s: fn(m, folder, body, s))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -526,7 +525,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
                            "<|fim_middle|> or the file's tokenizer.ggml.fim_*_token_id): /infill needs a code model "
                            "trained for it", "not_supported", type_="not_supported_error")
         params = GenParams(body, chat=False, native=True)
-        ids = await encode(infill_tokens, body, tok, state.n_ctx, params.max_tokens)
+        ids = await encode(infill_tokens, body, tok, state.n_ctx_slot, params.max_tokens)
         return await state.respond(request, "native", ids, params)
 
     async def prompt_tokens(body) -> list[int]:

@@ -1,7 +1,8 @@
-"""The server's generations: a `Job` runs one on the generation worker thread (app.ServerState owns that
-thread and its queue, in arrival order) and sends what it writes to the event loop, piece by piece
-('text', 'reasoning', 'logprobs'), then ('end', info) or ('error', message). `StopMatcher` cuts the text at
-the request's stop sequences.
+"""The server's generations: a `Job` is one request's generation, advanced step by step on the generation
+thread (batching.Batcher: a slot's KV cache, a chunk of its prompt or one token a step, batched with the
+other slots' sequences); it sends what it writes to the event loop, piece by piece ('text', 'reasoning',
+'logprobs'), then ('end', info) or ('error', message[, status]). `StopMatcher` cuts the text at the
+request's stop sequences.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 import torch
 
 from ..errors import NonFiniteError
-from ..generate import Sampler, Timings, generate_ids
+from ..generate import Sampler, Timings
 from ..text.replies import ReplySplitter, held_prefix
 from .requests import GenParams
 
@@ -54,14 +55,18 @@ class StopMatcher:
 
 
 class Job:
-    """One generation. `run` executes on the worker thread and sends ('text', str), then
-    ('end', info) or ('error', message), to `queue` on the event loop."""
+    """One generation. The batcher calls `begin` when the job gets a slot, then each step runs `next_tokens`
+    at `pos` in the slot's cache and gives the last logits to `advance`, until it returns True; then `finish`
+    (or `fail`). What it writes goes to `queue` on the event loop: ('text', str) ..., then ('end', info) or
+    ('error', message, status). The same sampling, stop and reply-splitting steps as generate.generate_ids."""
 
     def __init__(self, loop, ids: list[int], max_tokens: int, params: GenParams):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.ids, self.max_tokens, self.params = ids, max_tokens, params
+        self.id_slot = getattr(params, "id_slot", -1)     # the slot asked for (-1: any)
+        self.slot = None                      # the batching.Slot it runs in, once admitted
         self.n_generated = 0
         self.tool_calls: list[dict] = []
         self.info: dict | None = None         # what the "end" item carries
@@ -69,89 +74,123 @@ class Job:
         self.cancelled = False
         self.done = threading.Event()
         self.timings = Timings()              # filled as it runs (n_cached once the prompt ran)
+        self.t_start = time.perf_counter()
+        self.in_prompt = True
+        self.todo: list[int] = []             # tokens to run next: the rest of the prompt, or the last sampled one
+        self.pos = 0                          # where they go in the cache
+        self.outbox: list | None = None       # set by the batcher: (job, item) pairs it delivers after each step
 
     def _emit(self, item):
+        if self.outbox is not None:          # the batcher delivers a step's items together
+            self.outbox.append((self, item))
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:                 # the event loop is gone (server shut down)
             self.cancel.set()
 
-    def run(self, model):
-        try:
-            self._run(model)
-        except NonFiniteError as e:              # the model computed NaN/inf: this request fails, the server stays up
-            self._emit(("error", str(e), 422))
-        except Exception as e:                   # a bug or a device failure, reported to the one client
-            log.exception("generation failed")
-            self._emit(("error", f"generation failed: {type(e).__name__}: {e}"))
-        finally:
-            self.done.set()
+    @property
+    def reserved(self) -> int:
+        """Cache positions this generation may fill: its prompt and its reply's limit."""
+        return len(self.ids) + self.max_tokens
 
-    def _run(self, model):
-        t_start = time.perf_counter()
-        timings = self.timings
-        finish = "length"
-        stop_word = ""
-        p = self.params
-        if not self.cancel.is_set():
-            tok = model.tokenizer
-            eos = tok.eos_ids
-            settings = p.sampling
-            if p.ignore_eos and eos:         # end-of-generation tokens can never be sampled
-                settings = dataclasses.replace(settings, logit_bias={**settings.logit_bias,
-                                                                     **{e: float("-inf") for e in eos}})
-            sampler = Sampler(settings, p.constraint(tok))
-            detok = tok.stream()
-            stops = StopMatcher(p.stops)
-            split = ReplySplitter(tools=bool(p.tools), reasoning=p.reasoning_format not in (None, "none"),
-                                  think_opened=p.think_opened, harmony=p.harmony)
+    # ---------------------------------------------------------------- on the generation thread
+    def begin(self, model, kv):
+        """The job got a slot whose cache is `kv`: its sampler, and the prompt from the end of the prefix the
+        cache already holds (llama-server's prompt cache)."""
+        self.t_start = time.perf_counter()
+        p, tok = self.params, model.tokenizer
+        self.kv, self.eos = kv, tok.eos_ids
+        settings = p.sampling
+        if p.ignore_eos and self.eos:        # end-of-generation tokens can never be sampled
+            settings = dataclasses.replace(settings, logit_bias={**settings.logit_bias,
+                                                                 **{e: float("-inf") for e in self.eos}})
+        self.sampler = Sampler(settings, p.constraint(tok))
+        self.detok = tok.stream()
+        self.stops = StopMatcher(p.stops)
+        self.split = ReplySplitter(tools=bool(p.tools), reasoning=p.reasoning_format not in (None, "none"),
+                                   think_opened=p.think_opened, harmony=p.harmony)
+        self.finish_kind, self.hit, self.left = "length", False, self.max_tokens
+        n_cached = kv.reusable_prefix(self.ids) if p.cache_prompt else 0
+        self.sampler.start(self.ids)
+        self.timings.n_cached, self.timings.n_prompt = n_cached, len(self.ids) - n_cached
+        self.todo, self.pos = self.ids[n_cached:], n_cached
 
-            def send(text):
-                for part in split.feed(text):
-                    self._emit(part)
-            hit = False
-            n_top = p.logprobs
+    def next_tokens(self, budget: int) -> list[int]:
+        """What this step runs: a chunk of at most `budget` prompt tokens, or the token sampled last."""
+        return self.todo[:budget] if self.in_prompt else self.todo
 
-            def on_logits(logits, token):             # the model's own distribution, before sampling settings
-                lp = torch.log_softmax(logits.float(), -1)
-                top = torch.topk(lp, n_top) if n_top else None
-                self._emit(("logprobs", (token, float(lp[token]),
-                                         [(int(i), float(v)) for v, i in zip(*top)] if top else [])))
-            gen = generate_ids(model, self.ids, self.max_tokens, sampler, timings,
-                               cache_prompt=p.cache_prompt,
-                               on_logits=on_logits if n_top is not None else None)
-            try:
-                for t in gen:
-                    if self.cancel.is_set():
-                        break
-                    if t in eos and not p.ignore_eos:
-                        finish = "stop"
-                        break
-                    self.n_generated += 1
-                    text, hit = stops.feed(detok.add(t))
-                    send(text)
-                    if hit:
-                        finish = "stop"
-                        break
-            finally:
-                gen.close()
-            if not hit and not self.cancel.is_set():
-                text, hit = stops.feed(detok.flush())
-                if hit:
+    def advance(self, n_ran: int, logits) -> bool:
+        """The step ran n_ran tokens of `next_tokens`; `logits` [n_vocab] are the last one's. Samples when the
+        prompt is done; True when the generation is over."""
+        self.pos += n_ran
+        del self.todo[:n_ran]
+        now = time.perf_counter()
+        if self.in_prompt:
+            if self.todo:
+                return False
+            self.in_prompt = False
+            self.timings.t_prompt = now - self.t_start
+            self.t_gen = now
+        else:
+            self.timings.n_eval += 1
+            self.timings.t_eval = now - self.t_gen
+        return self._sample(logits)
+
+    def _sample(self, logits) -> bool:
+        if self.cancel.is_set():
+            return True
+        t = self.sampler(logits)
+        self.timings.n_generated += 1
+        self.sampler.accept(t)
+        if self.params.logprobs is not None:        # the model's own distribution, before sampling settings
+            lp = torch.log_softmax(logits.float(), -1)
+            n_top = self.params.logprobs
+            top = torch.topk(lp, n_top) if n_top else None
+            self._emit(("logprobs", (t, float(lp[t]), [(int(i), float(v)) for v, i in zip(*top)] if top else [])))
+        self.left -= 1
+        if t in self.eos and not self.params.ignore_eos:
+            self.finish_kind = "stop"
+            return True
+        self.n_generated += 1
+        text, self.hit = self.stops.feed(self.detok.add(t))
+        self._send(text)
+        if self.hit:
+            self.finish_kind = "stop"
+            return True
+        if self.left <= 0 or self.pos >= self.kv.n_ctx:
+            return True
+        self.todo = [t]
+        return False
+
+    def _send(self, text):
+        for part in self.split.feed(text):
+            self._emit(part)
+
+    def finish(self):
+        """The generation is over (or cancelled, or never began): the held-back text, then the end item."""
+        finish, stop_word = "length", ""
+        cancelled = self.cancel.is_set()
+        if hasattr(self, "sampler"):
+            finish = self.finish_kind
+            if not self.hit and not cancelled:
+                text, self.hit = self.stops.feed(self.detok.flush())
+                if self.hit:
                     finish = "stop"
                 else:
-                    text += stops.flush()
-                send(text)
-            stop_word = stops.word
-            if not self.cancel.is_set():
-                for part in split.finish():
+                    text += self.stops.flush()
+                self._send(text)
+            stop_word = self.stops.word
+            if not cancelled:
+                for part in self.split.finish():
                     self._emit(part)
-                self.tool_calls = split.tool_calls
+                self.tool_calls = self.split.tool_calls
                 if self.tool_calls:
                     finish = "tool_calls"
-        self.cancelled = self.cancel.is_set()
-        self.finish_reason = None if self.cancelled else finish
-        total_ms = (time.perf_counter() - t_start) * 1e3
+        self.cancelled = cancelled
+        self.finish_reason = None if cancelled else finish
+        timings = self.timings
+        total_ms = (time.perf_counter() - self.t_start) * 1e3
         prompt_ms = timings.t_prompt * 1e3
         predicted_ms = max(total_ms - prompt_ms, 0.0) if self.n_generated else 0.0
         n_p, n_g = timings.n_prompt, self.n_generated
@@ -159,6 +198,7 @@ class Job:
             "finish_reason": self.finish_reason,
             "stop_word": stop_word,
             "tool_calls": self.tool_calls,
+            "id_slot": self.slot.id if self.slot is not None else 0,
             "usage": {"prompt_tokens": len(self.ids), "completion_tokens": n_g,
                       "total_tokens": len(self.ids) + n_g},
             "timings": {
@@ -172,3 +212,11 @@ class Job:
             },
         }
         self._emit(("end", self.info))
+
+    def fail(self, exc: BaseException):
+        """The model or the sampler failed for this generation: an error item for its one client."""
+        if isinstance(exc, NonFiniteError):      # the model computed NaN/inf: this request fails, the server stays up
+            self._emit(("error", str(exc), 422))
+        else:                                    # a bug or a device failure
+            log.error("generation failed", exc_info=exc)
+            self._emit(("error", f"generation failed: {type(exc).__name__}: {exc}", 500))

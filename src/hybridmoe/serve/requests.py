@@ -245,6 +245,9 @@ class GenParams:
         self.ignore_eos = _opt_bool(body, "ignore_eos")
         # llama-server's prompt cache: start after the prefix shared with the previous generation
         self.cache_prompt = _opt_bool(body, "cache_prompt", True)
+        # llama-server's id_slot: the slot to run in (-1: the one whose cache shares most of the prompt, else the
+        # least recently used); checked against the server's slots by the app
+        self.id_slot = _opt_int(body, "id_slot", -1, lo=-1, hi=2**31 - 1)
         # what we cannot do is refused, not silently ignored
         # llama-server's reasoning formats: "deepseek" (= "auto") splits <think>...</think> off as
         # reasoning_content; "none" leaves it in the content. None: the server's --reasoning-format.

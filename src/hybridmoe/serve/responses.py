@@ -70,8 +70,12 @@ class ResponseWriter:
                 if not done:
                     continue
                 item = get.result()
-                if item[0] in ("text", "reasoning", "logprobs"):
+                while item[0] in ("text", "reasoning", "logprobs"):
                     {"text": parts, "reasoning": thoughts, "logprobs": logprobs}[item[0]].append(item[1])
+                    if job.queue.empty():
+                        break
+                    item = job.queue.get_nowait()        # what came meanwhile, without a wait each
+                if item[0] in ("text", "reasoning", "logprobs"):
                     get = asyncio.ensure_future(job.queue.get())
                     continue
                 if item[0] == "error":               # a third item: the status (422: the model computed NaN/inf)
@@ -110,7 +114,7 @@ class ResponseWriter:
         """llama-server's /completion result (the last event of its stream, with the content streamed)."""
         p, u = job.params, info["usage"]
         s = p.sampling
-        out = {"index": 0, "content": text, "id_slot": 0, "stop": True, "model": self.name,
+        out = {"index": 0, "content": text, "id_slot": info.get("id_slot", 0), "stop": True, "model": self.name,
                "tokens_predicted": u["completion_tokens"], "tokens_evaluated": u["prompt_tokens"],
                "generation_settings": {
                    "n_predict": p.max_tokens or -1, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
@@ -132,7 +136,8 @@ class ResponseWriter:
             while True:
                 item = await job.queue.get()
                 if item[0] in ("text", "logprobs"):
-                    e = {"index": 0, "content": item[1] if item[0] == "text" else "", "id_slot": 0, "stop": False}
+                    e = {"index": 0, "content": item[1] if item[0] == "text" else "",
+                         "id_slot": job.slot.id if job.slot is not None else 0, "stop": False}
                     if item[0] == "logprobs":
                         e["completion_probabilities"] = self._logprobs("native", [item[1]])
                     yield _sse_data(e)

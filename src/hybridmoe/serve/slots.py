@@ -1,5 +1,5 @@
-"""llama-server's slot persistence (`--slot-save-path`, POST /slots/0?action=save|restore|erase): the KV
-cache of what the server last ran, saved to a safetensors file and put back later, so a long prompt (an
+"""llama-server's slot persistence (`--slot-save-path`, POST /slots/ID?action=save|restore|erase): the KV
+cache of what a slot last ran, saved to a safetensors file and put back later, so a long prompt (an
 agent's system prompt, a document) is not prefilled again after a restart or another conversation. The file
 records the tokens the cache holds, the cache's layout, the model and a SHA-256 of each tensor's bytes; a file
 that does not match them, or whose keys and values are not finite numbers, is refused before anything is
@@ -45,12 +45,22 @@ def _model_id(model) -> dict:
             "n_layer": model.cfg.n_layer}
 
 
-def save(model, folder: str, body) -> dict:
-    """Runs on the generation thread: the model's cache (nothing else is using it) to a file."""
+def _take(model, slot):
+    """The cache to save, restore or erase: the slot's (a batching.Slot), else the model's own."""
+    return slot.cache(model) if slot is not None else model.take_cache()
+
+
+def _give(model, slot, kv):
+    if slot is None:
+        model.return_cache(kv)
+
+
+def save(model, folder: str, body, slot=None) -> dict:
+    """Runs on the generation thread while the slot is idle: its cache (the model's, without a slot) to a file."""
     from safetensors.torch import save_file
     name, path = _path(folder, body)
     t0 = time.perf_counter()
-    kv = model.take_cache()
+    kv = _take(model, slot)
     try:
         if not kv.tokens:
             raise _bad("the cache is empty: run a prompt first", "filename")
@@ -59,25 +69,26 @@ def save(model, folder: str, body) -> dict:
                 "model": json.dumps(_model_id(model)),
                 "sha256": json.dumps({k: _digest(t) for k, t in tensors.items()})}
     finally:
-        model.return_cache(kv)
+        _give(model, slot, kv)
     tmp = path + ".tmp"
     try:
         save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, path)
     except OSError as e:
         raise ApiError(500, f"cannot write {name}: {e.strerror}", "slot_save_failed", type_="server_error") from None
-    return {"id_slot": 0, "filename": name, "n_saved": len(tokens), "n_written": os.path.getsize(path),
+    return {"id_slot": slot.id if slot is not None else 0, "filename": name, "n_saved": len(tokens),
+            "n_written": os.path.getsize(path),
             "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
 
 
-def restore(model, folder: str, body) -> dict:
-    """Runs on the generation thread: a saved file back into the model's cache."""
+def restore(model, folder: str, body, slot=None) -> dict:
+    """Runs on the generation thread while the slot is idle: a saved file back into its cache."""
     from safetensors import SafetensorError, safe_open
     name, path = _path(folder, body)
     if not os.path.isfile(path):
         raise ApiError(404, f"no saved slot {name!r}", "not_found", type_="not_found_error")
     t0 = time.perf_counter()
-    kv = model.take_cache()
+    kv = _take(model, slot)
     held = list(kv.tokens), kv.hi
     try:
         with safe_open(path, "pt") as f:
@@ -118,16 +129,17 @@ def restore(model, folder: str, body) -> dict:
             raise _bad(f"{name} is not a restorable saved slot: {e}", "filename") from None
         raise
     finally:
-        model.return_cache(kv)
-    return {"id_slot": 0, "filename": name, "n_restored": len(tokens), "n_read": os.path.getsize(path),
+        _give(model, slot, kv)
+    return {"id_slot": slot.id if slot is not None else 0, "filename": name, "n_restored": len(tokens),
+            "n_read": os.path.getsize(path),
             "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
 
 
-def erase(model) -> dict:
-    kv = model.take_cache()
+def erase(model, slot=None) -> dict:
+    kv = _take(model, slot)
     try:
         n = len(kv.tokens)
         kv.tokens.clear()
     finally:
-        model.return_cache(kv)
-    return {"id_slot": 0, "n_erased": n}
+        _give(model, slot, kv)
+    return {"id_slot": slot.id if slot is not None else 0, "n_erased": n}

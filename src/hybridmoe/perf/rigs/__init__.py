@@ -4,10 +4,12 @@ A rig is JSON (see the files beside this module):
     {"name": ..., "description": ..., "source": "measured | spec-sheet values ...", "gpu_reserve_gib": 0.5,
      "cpu": {"name", "threads", "ram_gib", "ram_read_gbps", "bf16_tflops", ["ram_free_gib"]},
      "gpus": [{"name", "memory_gib", "hbm_gbps", "bf16_tflops", "h2d_gbps", ["sync_latency_us", "free_gib",
-               "pcie"]}, ...]}
+               "pcie"]}, ...], ["costs": {"cpu": {...}, "CUDA0": {...}}]}
 Bandwidths are decimal GB/s, sizes binary GiB. A GPU's free memory is `free_gib`, else memory_gib minus the
 rig's gpu_reserve_gib (CUDA context). The devices are marked fake (nothing can be loaded on them: their torch
 device is `meta`) and described as the rig's; the rates are a perf.rates.Rates whose host is `rig:NAME`.
+`costs` (optional) are measured costs that are not bandwidth (perf/costs.py), as `hybridmoe calibrate --json`
+prints them; without them the planner predicts the runtime's steps at the rates alone.
 """
 from __future__ import annotations
 
@@ -126,6 +128,11 @@ def read_rig(path_or_name: str) -> Rig:
         rates.gpu_bf16_flops[dev] = g["bf16_tflops"] * 1e12
         rates.h2d_bw[dev] = g["h2d_gbps"] * 1e9
         rates.sync_latency[dev] = _num(g, "sync_latency_us", where_g, 0, 0) * 1e-6
+    costs = doc.get("costs", {})                 # optional: measured costs, as `hybridmoe calibrate --json` prints
+    if not isinstance(costs, dict) or not all(isinstance(v, dict) for v in costs.values()):
+        raise HybridMoeError(f"rig {name}: costs must map \"cpu\" / \"CUDA0\".. to objects of numbers "
+                             "(as `hybridmoe calibrate --json` prints them)")
+    rates.costs = {k: dict(v) for k, v in costs.items()}
     notes = [str(n) for n in doc.get("notes", [])] if isinstance(doc.get("notes", []), list) else []
     return Rig(name, str(doc.get("description", "")), str(doc.get("source", "unstated")), devices, rates, notes,
                where)

@@ -7,9 +7,11 @@ from .base import DecodeStep, NotApplicable, PromptStep
 def build_step(model, kv, which: str) -> DecodeStep | PromptStep | None:
     """The static "decode" or "prompt" step for this model and cache, or None where none applies. With the cache
     and every weight on the CPU, one kind of step serves both (cpu_decode.CpuDecoder: hm_decode_step and
-    hm_prompt_step), so that prompts and decode steps compute every token alike."""
+    hm_prompt_step), so that prompts and decode steps compute every token alike; for prompts only where no GPU
+    may take their ops: as in llama.cpp, `-ngl 0` with a GPU uploads a large batch's host weights to it (op
+    offload, the scheduler's decision per op), which the C step would skip."""
     steps = []
-    if all(d.kind == "cpu" for d in kv.devs):
+    if all(d.kind == "cpu" for d in kv.devs) and (which != "prompt" or not may_offload(model)):
         from .cpu_decode import CpuDecoder
         steps.append(CpuDecoder)
     if which == "prompt":
@@ -24,3 +26,10 @@ def build_step(model, kv, which: str) -> DecodeStep | PromptStep | None:
         except NotApplicable:
             pass
     return None
+
+
+def may_offload(model) -> bool:
+    """Whether the scheduler may run a host weight's op on a GPU (a GPU is present and -op / --no-op-offload
+    leave some op to it)."""
+    sched = model.sched
+    return sched.main_gpu is not None and any(v is not False for v in sched.policy.values())

@@ -11,6 +11,7 @@ static step, graphs.py) runs.
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -40,6 +41,10 @@ class _Model(ctypes.Structure):
                 ("scratch", c_vp), ("moe_tile_t", c_i32), ("mm_tile_t", c_i32)]
 
 
+class _Seq(ctypes.Structure):
+    _fields_ = [("T", c_i64), ("pos0", c_i64), ("slots", c_i64), ("kc", c_vp), ("vc", c_vp)]
+
+
 _KV_TYPES = {"f32": int(GGMLType.F32), "f16": int(GGMLType.F16), "bf16": int(GGMLType.BF16)}
 _ROPE_BLOCK = 256                                   # positions per cached block of cos/sin
 
@@ -57,14 +62,20 @@ def _lib():
         lib.hm_prompt_scratch.restype = c_i64
         lib.hm_prompt_step.argtypes = [ctypes.POINTER(_Model), c_vp, c_i64, c_i64, c_vp, c_vp, c_vp, c_i32, c_vp, c_vp]
         lib.hm_prompt_step.restype = c_i32
+        lib.hm_batch_scratch.argtypes = [ctypes.POINTER(_Model), c_i64, c_i64]
+        lib.hm_batch_scratch.restype = c_i64
+        lib.hm_batch_step.argtypes = [ctypes.POINTER(_Model), c_vp, ctypes.POINTER(_Seq), c_i64, c_vp, c_vp, c_vp,
+                                      c_i32, c_vp, c_vp, c_vp]
+        lib.hm_batch_step.restype = c_i32
         lib._decode_ready = True
     return lib
 
 
 class CpuDecoder:
-    """The static steps of an all-CPU placement: step(token, pos) -> logits [1, n_vocab] (decode) and
-    forward(tokens, pos0, all_logits) (a prompt chunk, hm_prompt_step): every token's values computed by the
-    same arithmetic either way, so a prompt split anywhere, or decoded token by token, gives the same logits."""
+    """The static steps of an all-CPU placement: step(token, pos) -> logits [1, n_vocab] (decode),
+    forward(tokens, pos0, all_logits) (a prompt chunk, hm_prompt_step) and forward_batch(items) (several
+    sequences, each on its own cache, hm_batch_step): every token's values computed by the same arithmetic
+    each way, so a prompt split anywhere, decoded token by token or batched with others gives the same logits."""
 
     def __init__(self, model, kv):
         dec, cfg, sched = model.decoder, model.cfg, model.sched
@@ -154,7 +165,12 @@ class CpuDecoder:
         self.times = (ctypes.c_double * 3)()
         self.rope = (-_ROPE_BLOCK - 1, None)      # (first position, (cos, sin)) of the cached block
         self.worked = False
+        self._ptrs = weakref.WeakKeyDictionary()      # cache -> its per-layer K and V addresses (forward_batch)
         ek = [L for L in dec.layers if L.ffn_gate_inp is not None]
+        # bytes of one routed expert per layer (0: no routed experts), for a batch's distinct experts
+        self.layer_expert_bytes = [(L.ffn_gate_exps.nbytes + L.ffn_up_exps.nbytes + L.ffn_down_exps.nbytes)
+                                   // L.ffn_gate_exps.shape[0] if L.ffn_gate_inp is not None else 0
+                                   for L in dec.layers]
         # bytes the routed experts read a token: k experts of each MoE layer
         self.expert_bytes = sum(cfg.n_expert_used * (L.ffn_gate_exps.nbytes + L.ffn_up_exps.nbytes +
                                                      L.ffn_down_exps.nbytes) // L.ffn_gate_exps.shape[0] for L in ek)
@@ -204,12 +220,68 @@ class CpuDecoder:
         rc = self.lib.hm_prompt_step(self.mp, ids.data_ptr(), T, pos0, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                                      int(all_logits), self.prompt_scratch.data_ptr(), t)
         if rc:
-            why = {-1: "a token, position or shape out of range", -2: "no memory for a kernel's workspace"}
-            raise RuntimeError(f"the CPU prompt step failed: {why.get(rc, f'kernel error {rc}')}")
-        st = self.sched.stats
+            raise RuntimeError(f"the CPU prompt step failed: {_why(rc)}")
+        self._account(T, self.expert_bytes)
+        return out
+
+    def accepts(self, kv) -> bool:
+        """Whether a batch may hold this cache: on the CPU, of this step's cache type, no sliding-window ring."""
+        return self._seq_ptrs(kv) is not None
+
+    def _seq_ptrs(self, kv):
+        """(keys, values): arrays of the cache's per-layer buffer addresses, made once per cache (its buffers are
+        allocated once and never move); None for a cache the step can't take."""
+        if kv not in self._ptrs:
+            n = self.cfg.n_layer
+            ok = (kv.type_k == kv.type_v == self.kv.type_k and all(s == kv.n_ctx for s in kv.slots)
+                  and all(d.kind == "cpu" for d in kv.devs) and len(kv.k) == n)
+            self._ptrs[kv] = ((c_vp * n)(*[t.data_ptr() for t in kv.k]),
+                              (c_vp * n)(*[t.data_ptr() for t in kv.v])) if ok else None
+        return self._ptrs[kv]
+
+    def forward_batch(self, items, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """Several sequences in one pass (hm_batch_step): items [(tokens [T_i], pos0_i, kv_i)], each cache one
+        accepts() takes. Returns (logits of every item's tokens, item after item, [sum T_i, n_vocab], or of each
+        item's last token, [B, n_vocab]; per layer the number of distinct experts the batch routed to, 0 for
+        layers without routed experts). Each item's logits are bit-identical to forward / step on its cache
+        alone."""
+        B = len(items)
+        seqs = (_Seq * B)()
+        ids, cos, sin = [], [], []
+        for j, (tokens, pos0, kv) in enumerate(items):
+            T = int(tokens.shape[0])
+            kv.check_fits(pos0, T)
+            kc, vc = self._seq_ptrs(kv)
+            seqs[j].T, seqs[j].pos0, seqs[j].slots = T, pos0, kv.n_ctx
+            seqs[j].kc, seqs[j].vc = ctypes.addressof(kc), ctypes.addressof(vc)
+            ids.append(tokens.to(torch.int64))
+            for t in range(T):
+                c, s_ = self._cos_sin(pos0 + t)
+                cos.append(c)
+                sin.append(s_)
+        ids = torch.cat(ids).contiguous()                 # ids out of the vocabulary: hm_batch_step refuses them
+        n = int(ids.shape[0])
+        cos, sin = torch.stack(cos).contiguous(), torch.stack(sin).contiguous()
+        need = self.lib.hm_batch_scratch(self.mp, n, B)
+        if self.prompt_scratch is None or self.prompt_scratch.numel() < need:
+            self.prompt_scratch = torch.empty(need, dtype=torch.uint8)
+        out = torch.empty(n if all_logits else B, self.n_vocab, dtype=torch.float32)
+        distinct = torch.zeros(self.cfg.n_layer, dtype=torch.int32)
+        self.m.nthreads = self.sched.n_threads or torch.get_num_threads()
+        rc = self.lib.hm_batch_step(self.mp, ids.data_ptr(), seqs, B, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                                    int(all_logits), self.prompt_scratch.data_ptr(), self.times, distinct.data_ptr())
+        if rc:
+            raise RuntimeError(f"the CPU batch step failed: {_why(rc)}")
+        distinct = distinct.tolist()
+        self._account(n, sum(d * b for d, b in zip(distinct, self.layer_expert_bytes)))
+        return out, distinct
+
+    def _account(self, n_tokens: int, expert_bytes: int):
+        """The stats of one call: a forward of n_tokens, the expert bytes it read, the C timers' op seconds."""
+        st, t = self.sched.stats, self.times
         st.forwards += 1
-        st.tokens += T
-        st.cpu_expert_bytes += self.expert_bytes
+        st.tokens += n_tokens
+        st.cpu_expert_bytes += expert_bytes
         st.cpu_expert_seconds += t[2]
         for i, (op, calls) in enumerate((("mul_mat", self.gemvs), ("attention", self.cfg.n_layer),
                                          ("moe_up_gate", self.n_moe))):
@@ -218,31 +290,23 @@ class CpuDecoder:
                 rec[0] += calls
                 rec[1] += t[i] if st.profile else 0.0
             t[i] = 0.0
-        return out
 
     def step(self, token: int, pos: int) -> torch.Tensor:
         """One decode step: the KV cache gets position pos; returns logits [1, n_vocab] float32."""
         self.kv.check_fits(pos, 1)
         if not 0 <= token < self.m.embd.rows:
             raise ValueError(f"token id {token} is not in the vocabulary (0..{self.m.embd.rows - 1})")
-        st = self.sched.stats
         cos, sin = self._cos_sin(pos)
         out = torch.empty(1, self.n_vocab, dtype=torch.float32)
         t = self.times
         self.m.nthreads = self.sched.n_threads or torch.get_num_threads()     # bench -t changes it between runs
         rc = self.lib.hm_decode_step(self.mp, token, pos, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t)
         if rc:
-            why = {-1: "a token, position or shape out of range", -2: "no memory for the expert kernel's workspace"}
-            raise RuntimeError(f"the CPU decode step failed: {why.get(rc, f'kernel error {rc}')}")
-        st.forwards += 1
-        st.tokens += 1
-        st.cpu_expert_bytes += self.expert_bytes
-        st.cpu_expert_seconds += t[2]
-        for i, (op, calls) in enumerate((("mul_mat", self.gemvs), ("attention", self.cfg.n_layer),
-                                         ("moe_up_gate", self.n_moe))):
-            if calls:
-                rec = st.ops[(op, "CPU")]
-                rec[0] += calls
-                rec[1] += t[i] if st.profile else 0.0
-            t[i] = 0.0
+            raise RuntimeError(f"the CPU decode step failed: {_why(rc)}")
+        self._account(1, self.expert_bytes)
         return out
+
+
+def _why(rc: int) -> str:
+    return {-1: "a token, position or shape out of range",
+            -2: "no memory for a kernel's workspace"}.get(rc, f"kernel error {rc}")

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import env
-from ...errors import HybridMoeError, warn_fallback
+from ...errors import HybridMoeError, warn, warn_fallback
 from ...kernels import gpu_decode as gd
 from ...perf.roofline import decode_share
 from ...quant.types import GGMLType
@@ -57,6 +57,34 @@ def forced_share(k: int) -> int | None:
         raise HybridMoeError(f"HYBRIDMOE_DECODE_SHARE={forced!r}: give how many of each CPU layer's {k} experts "
                              f"the GPU runs in a decode step (0 turns the share off), or unset it")
     return min(int(forced), k - 1)
+
+
+_FLOAT = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+_WARNED: set[str] = set()              # graph_blocker reasons already told the user (once a process each)
+
+
+def graph_blocker(model) -> str | None:
+    """Why a decode step of this placement can't be captured as CUDA graphs, or None where it can.
+
+    GPU-resident experts that neither the fused MoE kernels (gd.supports) nor a one-pass Triton dequantizer
+    (gpu_dequant.has_kernel) read go through the torch reference dequantizers inside the step, and those build
+    their lookup tables and shift vectors with torch.tensor on the host: a copy from pageable memory, which a
+    capture refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor
+    is pinned"). Float experts (F32, F16, BF16) are views: no copy. Experts on the CPU run outside the graphs."""
+    from ...kernels.gpu_dequant import has_kernel
+    for L in model.decoder.layers:
+        if L.ffn_gate_inp is None:
+            continue
+        exps = (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
+        on = sorted({w.device.name for w in exps if w.device.kind == "cuda"})
+        if not on or gd.supports(*(w.qtype for w in exps)):
+            continue
+        slow = sorted({w.qtype.name for w in exps if w.device.kind == "cuda" and w.qtype not in _FLOAT
+                       and not has_kernel(w.qtype)})
+        if slow:
+            return (f"layer {L.i}: experts of {'/'.join(slow)} on {', '.join(on)} have no GPU kernel; their reference "
+                    f"dequantizer copies tables from host memory, which a CUDA graph can't capture")
+    return None
 
 
 def _expert_shapes(exps) -> tuple:
@@ -133,6 +161,13 @@ class StaticDecoder:
                                                         else self.cdt),
                            exps=exps, cpu_experts=exps[0].device.kind == "cpu")
             self.layers.append(lay)
+        if self.capture:
+            why = graph_blocker(model)
+            if why is not None:                         # refused up front: a capture would fail at run time
+                if why not in _WARNED:
+                    _WARNED.add(why)
+                    warn(f"decode steps run without CUDA graphs: {why}")
+                raise NotApplicable(why)
         self.out_norm = sched.small(dec.output_norm, self.out_dev)
         self.out8 = self.fast and gd.can_gemv8([dec.output])                 # the head by dp4a too
         self.w_out = dec.output.raw if self.out8 else dec.output.cached(self.cdt)

@@ -92,26 +92,28 @@ class StaticPrefill:
     # -- one ubatch, as kernels ----------------------------------------------------------------------------
     def _forward(self, x, all_logits: bool):
         """x [T, H] float32 on the GPU (the embeddings) -> logits [T or 1, n_vocab] float32."""
-        cfg, kv, cdt, w = self.cfg, self.kv, self.cdt, self._cached
-        eps, nh, nkv, D, k = cfg.rms_eps, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_expert_used
+        cfg, cdt, w = self.cfg, self.cdt, self._cached
+        eps, k = cfg.rms_eps, cfg.n_expert_used
+
+        def mm(h, t):                    # h @ W^T in W's dtype (F32 weights stay float32), back in h's dtype
+            wt = w(t)
+            return (h.to(wt.dtype) @ wt.t()).to(h.dtype)
         addend = None                    # the previous layer's FFN output, added by the next norm
         for i, lay in enumerate(self.layers):
             xs, h = gd.add_rms_norm(x, lay["attn_norm"], eps, b=addend,
                                     x_out=torch.empty_like(x) if addend is not None else None, h_dtype=cdt)
             x = xs if addend is not None else x
-            qkv = h @ w(lay["wqkv"]).t()
-            kc, vc = kv.k[i], kv.v[i]
-            q = gd.qk_rope_cache(qkv, lay["q_norm"], lay["k_norm"], self.cos, self.sin, self.pos, kc, vc, nh, nkv,
-                                 D, eps, cfg.rope_neox, q_dtype=kc.dtype if cdt != torch.float32 else cdt)
-            o = gd.attention_prefill(q, kc, vc, self.pos, D ** -0.5, out_dtype=cdt)
-            x, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=o @ w(lay["wo"]).t(), x_out=torch.empty_like(x))
+            qkv = mm(h, lay["wqkv"])
+            o = self._attention(i, lay, qkv)
+            x, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=mm(o, lay["wo"]), x_out=torch.empty_like(x))
             if "dense" in lay:
-                g, u, d = (w(t) for t in lay["dense"])
+                g, u, d = lay["dense"]
                 hc = h.to(cdt)
-                addend = ((F.silu(hc @ g.t()) * (hc @ u.t())) @ d.t()).float()
+                addend = mm(F.silu(mm(hc, g)) * mm(hc, u), d).float()
                 continue
             r = w(lay["router"])
             wts, ids = gd.router_topk(h.to(r.dtype) @ r.t(), k, cfg.norm_topk_prob)
+            self._routed(i, ids)
             if cfg.expert_weights_scale != 1.0:
                 wts = wts * cfg.expert_weights_scale
             g, u, d = lay["exps"]
@@ -119,7 +121,21 @@ class StaticPrefill:
         if not all_logits:
             x, addend = x[-1:], addend[-1:]
         _, h = gd.add_rms_norm(x, self.out_norm, eps, b=addend, h_dtype=cdt)
-        return (h @ w(self.model.decoder.output).t()).float()
+        head = w(self.model.decoder.output)
+        return (h.to(head.dtype) @ head.t()).float()
+
+    def _attention(self, i: int, lay: dict, qkv):
+        """Layer i's attention of the rows' fused qkv [T, (nh + 2 nkv) D]: q/k norms, RoPE, the cache write and
+        causal attention at positions pos.. -> [T, nh * D] in the compute dtype (runtime/steps/gpu_batch.py
+        replaces it with one sequence per row)."""
+        cfg, cdt, kc, vc = self.cfg, self.cdt, self.kv.k[i], self.kv.v[i]
+        q = gd.qk_rope_cache(qkv, lay["q_norm"], lay["k_norm"], self.cos, self.sin, self.pos, kc, vc, cfg.n_head,
+                             cfg.n_head_kv, cfg.head_dim, cfg.rms_eps, cfg.rope_neox,
+                             q_dtype=kc.dtype if cdt != torch.float32 else cdt)
+        return gd.attention_prefill(q, kc, vc, self.pos, cfg.head_dim ** -0.5, out_dtype=cdt)
+
+    def _routed(self, i: int, ids):
+        """Sees layer i's router choice [T, k] (the batch step keeps it, to count the experts a batch reads)."""
 
     # -- running ---------------------------------------------------------------------------------------
     def _capture(self, key):

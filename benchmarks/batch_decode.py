@@ -1,0 +1,124 @@
+"""Decode steps of several sequences at once (Model.forward_batch): aggregate and per-sequence tokens/s at each
+batch size, the distinct experts a step activates, against one sequence decoding alone (Model.forward: the
+static decode step where the placement has one).
+
+Each sequence has its own cache holding a prompt of --prompt random tokens; a step gives every sequence one
+greedy token. Usage (placement flags as `hybridmoe run` takes them):
+
+    python3 benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99
+    python3 benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU --batch 1,2,4,8
+    python3 benchmarks/batch_decode.py -m synth:tiny --loop          # also time a per-sequence loop
+
+Columns: B; ms a step; aggregate tokens/s; per-sequence tokens/s; aggregate over the alone speed; distinct
+experts a step (mean over MoE layers; the experts a step reads, against B x k for B sequences read apart);
+--loop: the same B sequences decoded one forward at a time (what a server without batching does); step: the path
+that ran the batch (CpuDecoder, BatchDecode[bucket graph|eager]: runtime/steps/gpu_batch.py, or eager).
+--no-graphs times the eager batched decoder instead.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import hybridmoe
+from hybridmoe.commands.common import add_model_args, add_runtime_args, runtime_kwargs
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _prefill(m, B, P, ctx, gen, chunk_tokens=2048):
+    """B caches, each holding P random tokens, filled a few sequences per forward_batch; the next token of each."""
+    kvs = [m.new_cache(ctx) for _ in range(B)]
+    prompts = [torch.randint(0, m.cfg.n_vocab, (P,), generator=gen) for _ in range(B)]
+    per = max(1, chunk_tokens // P)
+    nxt = []
+    for a in range(0, B, per):
+        outs = m.forward_batch([(prompts[j], 0, kvs[j]) for j in range(a, min(B, a + per))])
+        nxt += [int(o[-1].argmax()) for o in outs]
+    return kvs, nxt
+
+
+def _time_steps(m, kvs, toks, pos, steps, batched: bool, repeat: int):
+    """Seconds per step of `steps` greedy decode steps of every sequence (after one untimed step), the best of
+    `repeat` rounds (the machine may be shared); the mean distinct experts a step."""
+    def one(pos):
+        nonlocal toks
+        if batched:
+            outs = m.forward_batch([(torch.tensor([t]), pos, kv) for t, kv in zip(toks, kvs)])
+        else:
+            outs = [m.forward(torch.tensor([t]), pos, kv, all_logits=False) for t, kv in zip(toks, kvs)]
+        toks = [int(o[-1].argmax()) for o in outs]
+    one(pos)
+    pos += 1
+    distinct, best = [], float("inf")
+    for _ in range(repeat):
+        _sync()
+        t0 = time.perf_counter()
+        for s in range(steps):
+            one(pos + s)
+            if batched and m.stats.last_batch["distinct_experts"] is not None:
+                distinct.append(m.stats.last_batch["distinct_experts"])
+        _sync()
+        best = min(best, (time.perf_counter() - t0) / steps)
+        pos += steps
+    return best, (sum(distinct) / len(distinct) if distinct else float("nan"))
+
+
+def _step_name(m, B: int) -> str:
+    """Which path ran B sequences' steps: the CPU batch step, the GPU one (its bucket, and whether a captured
+    graph replayed), or the eager decoder; one sequence takes Model.forward's own step."""
+    step = m._batch
+    if B == 1 or not step:
+        return "forward" if B == 1 else "eager"
+    buckets = getattr(step, "buckets", None)
+    if buckets is None:
+        return type(step).__name__
+    from hybridmoe.runtime.steps.gpu_batch import bucket
+    b = bucket(min(B, 64))
+    return f"{type(step).__name__}[{b}{' graph' if buckets.get(b, {}).get('graph') is not None else ' eager'}]"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p, model_default="synth:tiny")
+    add_runtime_args(p)
+    p.add_argument("--batch", default="1,2,4,8,16,32,64", help="batch sizes (default %(default)s)")
+    p.add_argument("--prompt", type=int, default=128, help="tokens each cache holds before the steps")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
+    p.add_argument("--repeat", type=int, default=3, help="rounds of --steps; the best is reported")
+    p.add_argument("--loop", action="store_true", help="also time the per-sequence loop at each batch size")
+    args = p.parse_args()
+    sizes = [int(b) for b in args.batch.split(",")]
+    ctx = args.prompt + args.steps * args.repeat + 2
+    kw = runtime_kwargs(args)
+    kw["ctx_size"] = ctx
+    m = hybridmoe.load(args.model, **kw)
+    m.warmup()
+    gen = torch.Generator().manual_seed(0)
+    k = m.cfg.n_expert_used
+    print(f"{args.model}, {m.cfg.n_layer} layers, {m.cfg.n_expert} experts ({k} a token); prompt {args.prompt}, "
+          f"best of {args.repeat} x {args.steps} steps; devices: {', '.join(sorted(m.devices))}")
+    kvs, toks = _prefill(m, 1, args.prompt, ctx, gen)
+    alone, _ = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=False, repeat=args.repeat)
+    print(f"alone (Model.forward): {alone * 1e3:.2f} ms a step, {1 / alone:.1f} t/s")
+    hdr = f"{'B':>4} {'ms/step':>9} {'agg t/s':>9} {'seq t/s':>9} {'x alone':>8} {'distinct':>9} {'of B*k':>7}"
+    print(hdr + (f" {'loop t/s':>9}" if args.loop else "") + "  step")
+    for B in sizes:
+        kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
+        dt, distinct = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=True, repeat=args.repeat)
+        line = (f"{B:>4} {dt * 1e3:>9.2f} {B / dt:>9.1f} {1 / dt:>9.1f} {B / dt * alone:>8.2f} {distinct:>9.1f} "
+                f"{min(B * k, m.cfg.n_expert or 1):>7}")
+        if args.loop:
+            kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
+            lt, _ = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=False, repeat=args.repeat)
+            line += f" {B / lt:>9.1f}"
+        print(line + "  " + _step_name(m, B), flush=True)
+
+
+if __name__ == "__main__":
+    main()

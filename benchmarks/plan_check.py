@@ -1,0 +1,145 @@
+"""The planner's predictions against `bench` on this machine (issues 30 and 29): `plan --check` for a table of
+placements, and `plan --suggest`'s top three benched to see whether its ranking holds.
+
+    python3 benchmarks/plan_check.py [SECTION ...] [--model synth:qwen3-30b-a3b] [-r 2] [--vram-gib 12]
+
+Sections (default: one, two where two GPUs are visible, suggest):
+  one      issue 30's table: -ot exps=CPU, --n-cpu-moe 24, --n-cpu-moe 36, all on the GPU (-ngl 99), CPU only
+           (-ngl 0); pp512, pp4096 (at -ub 512) and tg128 each
+  two      issue 29's two-GPU placements: -ts 1/1 all on GPUs; -ts 1/1 --n-cpu-moe 24; -ot exps=CPU with the
+           attention split (-ts 1/1); pp512 and tg128
+  suggest  `plan --suggest --top 3` for a GPU of --vram-gib (the real GPU's free memory less --headroom, so the model
+           does not fit), each suggestion benched; is the measured order by TG and by PP the predicted one?
+Each placement runs in its own process (`hybridmoe plan ... --check --json`), after `hybridmoe calibrate`.
+Prints markdown tables: predicted vs measured t/s, their ratio, and the prediction's largest terms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+ONE = [("-ngl 99 -ot exps=CPU", ["-ngl", "99", "-ot", "exps=CPU"]),
+       ("-ngl 99 --n-cpu-moe 24", ["-ngl", "99", "--n-cpu-moe", "24"]),
+       ("-ngl 99 --n-cpu-moe 36", ["-ngl", "99", "--n-cpu-moe", "36"]),
+       ("-ngl 99", ["-ngl", "99"]),
+       ("-ngl 0 (CPU only)", ["-ngl", "0"])]
+TWO = [("-ts 1/1 (all on GPUs)", ["-ngl", "99", "-ts", "1/1"]),
+       ("-ts 1/1 --n-cpu-moe 24", ["-ngl", "99", "-ts", "1/1", "--n-cpu-moe", "24"]),
+       ("-ts 1/1 -ot exps=CPU (attention split)", ["-ngl", "99", "-ts", "1/1", "-ot", "exps=CPU"])]
+
+
+def hm(argv: list[str], timeout: int) -> dict | None:
+    cmd = [sys.executable, "-m", "hybridmoe.cli"] + argv
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"timed out ({timeout} s): {' '.join(argv)}", file=sys.stderr)
+        return None
+    if r.returncode != 0:
+        print(f"failed ({r.returncode}): {' '.join(argv)}\n{r.stderr[-1500:]}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout)
+
+
+def top_terms(terms: dict, n: int = 3) -> str:
+    total = sum(terms.values()) or 1.0
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in list(terms.items())[:n])
+
+
+def check(model: str, argv: list[str], prompts: str, reps: int, timeout: int = 420) -> list[dict]:
+    doc = hm(["plan", "-m", model] + argv + ["--check", "-p", prompts, "-n", "128", "-r", str(reps), "--json"],
+             timeout)
+    return doc["tests"] if doc else []
+
+
+def table(rows: list[tuple[str, dict]]) -> list[str]:
+    out = ["| placement | test | step (predicted / run) | predicted t/s | measured t/s | measured / predicted | "
+           "largest predicted terms |", "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+    for label, t in rows:
+        out.append(f"| `{label}` | {t['test']} | {t['step']['predicted']} / {t['step']['measured']} | "
+                   f"{t['predicted_ts']:.2f} | {t['measured_ts']:.2f} ± {t['stddev_ts']:.2f} | "
+                   f"{t['ratio']:.2f}{'' if 0.85 <= t['ratio'] <= 1.15 else ' (out)'} | {top_terms(t['terms'])} |")
+    within = sum(1 for _, t in rows if 0.85 <= t["ratio"] <= 1.15)
+    out.append(f"\n{within} of {len(rows)} within 0.85-1.15")
+    return out
+
+
+def section_rows(model: str, placements, prompts: str, reps: int) -> list[tuple[str, dict]]:
+    rows = []
+    for label, argv in placements:
+        r = 1 if argv[:2] == ["-ngl", "0"] else reps           # the CPU's pp4096 takes seconds a repetition
+        for t in check(model, argv, prompts, r):
+            rows.append((label, t))
+        print(f"done: {label}", file=sys.stderr, flush=True)
+    return rows
+
+
+def section_suggest(model: str, reps: int, vram_gib: float) -> None:
+    import torch
+    if not torch.cuda.is_available():
+        print("suggest: skipped, no GPU (it benches suggestions for a simulated smaller one)")
+        return
+    free, _ = torch.cuda.mem_get_info(0)
+    headroom = max(free / 2**30 - vram_gib, 0.0)
+    doc = hm(["plan", "-m", model, "--suggest", "--top", "3", "-p", "512", "-n", "128", "--headroom",
+              f"{headroom:.2f}", "--json"], 300)
+    if not doc:
+        return
+    rows = []
+    for s in doc["suggestions"]:
+        tests = {t["test"]: t for t in check(model, s["argv"], "512", reps)}
+        if "pp512" in tests and "tg128" in tests:
+            rows.append((s, tests["pp512"], tests["tg128"]))
+        print(f"done: {s['flags']}", file=sys.stderr, flush=True)
+    print(f"\n`plan --suggest --top 3` for a GPU of {vram_gib:g} GiB (--headroom {headroom:.1f} on this one):\n")
+    print("| # | suggestion | flags | predicted TG | measured TG | predicted PP | measured PP |")
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: |")
+    for i, (s, pp, tg) in enumerate(rows, 1):
+        print(f"| {i} | {s['label']} | `{s['flags']}` | {tg['predicted_ts']:.2f} | {tg['measured_ts']:.2f} | "
+              f"{pp['predicted_ts']:.0f} | {pp['measured_ts']:.0f} |")
+    for name, k in (("TG", 2), ("PP", 1)):
+        pred = sorted(range(len(rows)), key=lambda i: -rows[i][k]["predicted_ts"])
+        meas = sorted(range(len(rows)), key=lambda i: -rows[i][k]["measured_ts"])
+        same = pred == meas
+        print(f"\n{name} order predicted {[i + 1 for i in pred]}, measured {[i + 1 for i in meas]}: "
+              f"{'matches' if same else 'DIFFERS'}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sections", nargs="*", metavar="SECTION", help="one, two, suggest")
+    ap.add_argument("--model", default="synth:qwen3-30b-a3b")
+    ap.add_argument("-r", "--repetitions", type=int, default=2)
+    ap.add_argument("--vram-gib", type=float, default=12.0, help="the GPU --suggest plans for (default 12 GiB)")
+    args = ap.parse_args()
+    bad = [s for s in args.sections if s not in ("one", "two", "suggest")]
+    if bad:
+        ap.error(f"unknown section {bad[0]!r}: use one, two or suggest")
+    import torch
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    sections = args.sections or (["one"] + (["two"] if n_gpu >= 2 else []) + (["suggest"] if n_gpu else []))
+    cal = hm(["calibrate", "--cached", "--json"], 600)
+    if cal:
+        print(f"calibration: {cal.get('host')} {cal.get('measured_at')}; costs: "
+              f"{json.dumps({k: v for k, v in cal.get('costs', {}).items() if not k.startswith('_')})}\n")
+    rows = []
+    for s in sections:
+        if s == "one":
+            extra = ["-sm", "none"] if n_gpu > 1 else []
+            rows += section_rows(args.model, [(label, argv + extra) for label, argv in ONE], "512,4096",
+                                 args.repetitions)
+        elif s == "two" and n_gpu < 2:
+            print("two: skipped, fewer than two GPUs")
+        elif s == "two":
+            rows += section_rows(args.model, TWO, "512", args.repetitions)
+    if rows:                                                   # one table for the placements
+        print("\n".join(table(rows)), flush=True)
+    if "suggest" in sections:
+        section_suggest(args.model, args.repetitions, args.vram_gib)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

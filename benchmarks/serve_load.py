@@ -1,0 +1,183 @@
+"""Load test of `hybridmoe serve`: starts the server (every flag after `--` goes to it: model, placement, -np,
+-c, ...), drives it with the real `openai` client at several concurrencies, and prints a markdown table of
+aggregate tokens/s, latency (p50 / p99) and each stream's tokens/s (the server's `timings.predicted_per_second`
+of each request, decode only), with the batching the server's /metrics saw (sequences and distinct experts
+per step). Requests are greedy, with fixed prompts and `ignore_eos`, so every request generates exactly
+--max-tokens tokens.
+
+    python benchmarks/serve_load.py -- -m synth:tiny
+    python benchmarks/serve_load.py --concurrency 1,8 --max-tokens 64 -- -m synth:tiny -t 1
+    python benchmarks/serve_load.py -- -m synth:qwen3-30b-a3b -ngl 99 --n-cpu-moe 24
+
+Without -np among the server flags the server gets as many slots as the largest concurrency, and without -c
+a context of slots x (prompt + max tokens + 64).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+PROMPTS = ["Tell me a story about a dragon who lives in a cave by the sea.", "Name three rivers and where they flow.",
+           "What is the capital of France, and why?", "Write a poem about the sea and the wind over it.",
+           "Count from one to twenty in words.", "Why is the sky blue? Explain it to a child.",
+           "Describe a cat to someone who has never seen one.", "List five colours, five animals and five cities."]
+
+
+def start_server(flags: list[str], timeout: float) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "hybridmoe", "serve", "--port", "0", "--metrics", "--log-level", "warning", *flags]
+    print("server:", " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    found: list[str] = []
+
+    def read():
+        for line in p.stdout:
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                found.append(m.group(1))
+                return
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout)
+    if not found:
+        p.kill()
+        sys.exit(f"the server did not start within {timeout:.0f} s (exit code {p.poll()}); see its stderr above")
+    threading.Thread(target=lambda: [None for _ in p.stdout], daemon=True).start()   # keep its pipe drained
+    return p, found[0]
+
+
+def metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+:\w+) (\S+)$", text, re.M)}
+
+
+def run_level(url: str, conc: int, n_req: int, max_tokens: int, cache_prompt: bool) -> dict:
+    """conc clients, each sending requests one after another until n_req have been sent in all."""
+    import openai
+    lock = threading.Lock()
+    left = [n_req]
+    lat, per_stream, tokens, errors = [], [], [], []
+
+    def client(k):
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600) as c:
+            i = k
+            while True:
+                with lock:
+                    if left[0] <= 0:
+                        return
+                    left[0] -= 1
+                t0 = time.perf_counter()
+                try:
+                    r = c.completions.create(model="m", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
+                                             temperature=0, extra_body={"ignore_eos": True,
+                                                                        "cache_prompt": cache_prompt})
+                except Exception as e:          # noqa: BLE001 - counted and shown
+                    with lock:
+                        errors.append(f"{type(e).__name__}: {e}")
+                    continue
+                dt = time.perf_counter() - t0
+                with lock:
+                    lat.append(dt)
+                    tokens.append(r.usage.completion_tokens)
+                    per_stream.append(r.model_extra["timings"]["predicted_per_second"])
+                i += conc
+    before = metrics(url)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(conc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    after = metrics(url)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    steps = delta("llamacpp:n_decode_total")
+    lat.sort()
+    return {"conc": conc, "requests": len(lat), "errors": errors, "tokens": sum(tokens), "wall": wall,
+            "agg": sum(tokens) / wall, "p50": statistics.median(lat) if lat else 0.0,
+            "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0,
+            "stream_p50": statistics.median(per_stream) if per_stream else 0.0,
+            "stream_min": min(per_stream) if per_stream else 0.0,
+            "seq_per_step": delta("hybridmoe:batch_sequences_total") / steps if steps else 0.0,
+            "experts_per_step": (delta("hybridmoe:distinct_experts_total") / delta("hybridmoe:expert_steps_total")
+                                 if delta("hybridmoe:expert_steps_total") else None)}
+
+
+def main():
+    argv = sys.argv[1:]
+    flags = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, flags = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 usage="serve_load.py [options] -- SERVER FLAGS (-m MODEL ...)")
+    ap.add_argument("--concurrency", default="1,4,16,64", help="client counts, comma-separated (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="requests per client at each concurrency (at least 8 requests a level; default: %(default)s)")
+    ap.add_argument("--cache-prompt", action="store_true",
+                    help="let requests reuse a slot's cached prompt (default: every request runs its prompt)")
+    ap.add_argument("--start-timeout", type=float, default=1800, help="seconds to wait for the server to load")
+    ap.add_argument("--url", default=None, help="drive a server already running there instead of starting one")
+    a = ap.parse_args(argv)
+    try:
+        import openai  # noqa: F401
+    except ImportError:
+        sys.exit("serve_load.py needs the openai package (pip install openai)")
+    levels = [int(x) for x in a.concurrency.split(",")]
+    if not flags and a.url is None:
+        sys.exit("give the server's flags after --, e.g. serve_load.py -- -m synth:tiny")
+    if "-np" not in flags and "--parallel" not in flags:
+        flags += ["-np", str(max(levels))]
+    if "-c" not in flags and "--ctx-size" not in flags:
+        np_ = int(flags[flags.index("-np" if "-np" in flags else "--parallel") + 1])
+        flags += ["-c", str(np_ * (128 + a.max_tokens + 64))]
+    proc = None
+    url = a.url
+    if url is None:
+        proc, url = start_server(flags, a.start_timeout)
+    try:
+        rows = []
+        for conc in levels:
+            run_level(url, conc, conc, min(8, a.max_tokens), a.cache_prompt)         # warm-up: this batch size
+            r = run_level(url, conc, max(8, conc * a.rounds), a.max_tokens, a.cache_prompt)
+            rows.append(r)
+            print(f"concurrency {conc}: {r['agg']:.1f} tok/s aggregate, {len(r['errors'])} errors", file=sys.stderr,
+                  flush=True)
+            for e in r["errors"][:3]:
+                print("  ", e, file=sys.stderr)
+        base = rows[0]["agg"] if rows else 0.0
+        print(f"\n`serve_load.py` -- {' '.join(flags)}; {a.max_tokens} tokens a request, greedy, "
+              f"{'prompt cache on' if a.cache_prompt else 'every prompt run'}\n")
+        print("| clients | requests | errors | aggregate tok/s | vs 1st row | p50 latency s | p99 latency s | "
+              "stream tok/s p50 | stream tok/s min | seqs/step | experts/step |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            ex = f"{r['experts_per_step']:.1f}" if r["experts_per_step"] is not None else "-"
+            print(f"| {r['conc']} | {r['requests']} | {len(r['errors'])} | {r['agg']:.1f} | "
+                  f"{r['agg'] / base if base else 0:.2f}x | {r['p50']:.3f} | {r['p99']:.3f} | {r['stream_p50']:.1f} | "
+                  f"{r['stream_min']:.1f} | {r['seq_per_step']:.2f} | {ex} |")
+    finally:
+        if proc is not None:
+            proc.send_signal(2)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # `timeout` sends SIGTERM: exit through main's `finally`, which stops the server (and frees its GPU memory)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    main()

@@ -1,0 +1,359 @@
+"""`hybridmoe calibrate`'s second half: the costs that are not bandwidth (perf/costs.py), measured here because
+measuring them runs the runtime (perf/ never imports runtime/; the planner only reads the results).
+
+1. Micro-benchmarks of the C expert kernel: its fixed cost per call (T=1 on weights that stay in cache) and the
+   rate it streams a decode step's experts from RAM (T=1 over a pool of layers far larger than L3).
+2. The runtime's own steps on two calibration models that differ only in their number of layers (2 and 8;
+   --quick: 1 and 3, small shapes): the full models have Qwen3-30B-A3B's layer (hidden 2048, 32/4 heads of
+   128, 128 experts of 768, 8 used; Q4_0 experts, Q8_0 the rest) and a small vocabulary. Per placement
+   (`-ngl 0`; per GPU `-ngl 99` with and without graphs, and `-ngl 99 -ot exps=CPU`), a decode step and a
+   prompt ubatch are timed on both; the difference per layer and the intercept, minus what placement/predict.py
+   computes for the same placement from the rates alone, are the per-layer and per-step costs. So the
+   calibration models are predicted exactly by construction, and other models through their bytes and FLOPs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from ..perf.costs import fit_line, floor_or_scale
+from ..perf.roofline import touched_fraction
+
+FULL = dict(arch="qwen3moe", n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_vocab=8192, n_ctx_train=8192,
+            rms_eps=1e-6, rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=768)
+QUICK = dict(arch="qwen3moe", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_vocab=1024, n_ctx_train=4096,
+             rms_eps=1e-6, rope_base=1e6, n_expert=16, n_expert_used=4, n_ff_exp=256)
+CALIB_VERSION = 1
+
+
+# ---------------------------------------------------------------------------------- the C kernel alone
+
+def _median_time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def kernel_costs(quick: bool = False) -> dict[str, float]:
+    """{"call_s", "stream_bw"} of the C expert kernel at T=1 (Q4_0), or {} without it."""
+    try:
+        from ..kernels import cpu as k
+        if not k.available():
+            return {}
+    except ImportError:
+        return {}
+    from ..quant.ref import random_blocks
+    from ..quant.types import GGMLType
+    q = GGMLType.Q4_0
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 256, generator=g)
+    small = [random_blocks(q, (8, 64, 256), g), random_blocks(q, (8, 64, 256), g), random_blocks(q, (8, 256, 64), g)]
+    ids = torch.tensor([[0, 1]], dtype=torch.int32)
+    wts = torch.full((1, 2), 0.5)
+    call = min(_median_time(lambda: k.moe_ffn(x, ids, wts, *small, q, q), 200) for _ in range(3))
+    # streaming: a pool of layers far larger than L3 (full: 48 layers of 32 Qwen3-30B-A3B experts, 4 GB, so that
+    # a 300 MiB L3 holds under a tenth of it; quick: 256 MB), 8 random experts of one layer a call, layer after
+    # layer, as a decode step reads them
+    E, F, H, used = 32, 768, 2048, 8
+    n_layers = 3 if quick else 48
+    base = [random_blocks(q, (E, F, H), g), random_blocks(q, (E, F, H), g), random_blocks(q, (E, H, F), g)]
+    pool = [[w.clone() for w in base] for _ in range(n_layers)]
+    per_expert = sum(w[0].numel() for w in base)
+    xs = torch.randn(1, H, generator=g)
+    w8 = torch.full((1, used), 1.0 / used)
+    picks = [torch.randperm(E, generator=g)[:used].to(torch.int32)[None] for _ in range(2 * n_layers)]
+
+    def sweep():
+        for i, ids_ in enumerate(picks):
+            lay = pool[i % n_layers]
+            k.moe_ffn(xs, ids_, w8, lay[0], lay[1], lay[2], q, q)
+    secs = min(_median_time(sweep, 2 if quick else 3) for _ in range(2))
+    stream = used * per_expert * len(picks) / max(secs - len(picks) * call, 1e-9)
+    return {"call_s": call, "stream_bw": stream}
+
+
+# ---------------------------------------------------------------------------------- calibration models
+
+def calibration_model(n_layer: int, quick: bool) -> str:
+    """Path of a calibration model (written once into $HYBRIDMOE_CACHE/models)."""
+    import tempfile
+
+    from .. import env
+    from ..config import ModelConfig
+    from ..formats.gguf_write import write_gguf
+    from ..models.synth import config_metadata
+    from ..models.tensors import default_qtype, tensor_shapes
+    from ..quant.ref import random_blocks
+    from ..quant.types import GGMLType
+    from ..text.builtin_vocab import builtin_vocab_metadata
+    shape = QUICK if quick else FULL
+    d = env.cache_dir() / "models"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"calibration-{'quick' if quick else 'full'}-{n_layer}-v{CALIB_VERSION}.gguf"
+    if path.exists():
+        return str(path)
+    cfg = ModelConfig(**shape, n_layer=n_layer, qk_norm=True, rope_neox=True, name=f"calibration-{n_layer}")
+    gen = torch.Generator().manual_seed(1234)
+    made: dict = {}
+
+    def make(name, s, qt):
+        if len(s) == 1:
+            return lambda: (1.0 + 0.1 * torch.randn(s, generator=gen)).float().view(torch.uint8)
+        scale = 1.0 if "token_embd" in name else 0.02
+
+        def blocks():
+            key = (tuple(s), int(qt), scale)         # one random tensor per shape, reused by every layer
+            if key not in made:
+                made[key] = random_blocks(qt, s, gen, scale=scale)
+            return made[key]
+        return blocks
+    tensors = []
+    for name, s in tensor_shapes(cfg):
+        qt = default_qtype(name, s, GGMLType.Q4_0, GGMLType.Q8_0)
+        tensors.append((name, s, qt, make(name, s, qt)))
+    md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg),
+          **builtin_vocab_metadata(cfg.n_vocab)}
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".part")
+    os.close(fd)
+    try:
+        write_gguf(tmp, cfg.arch, md, tensors)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------- timing the runtime
+
+def _time_tg(model, n: int, reps: int) -> float:
+    """Seconds per decode step (n steps from position 0), median of reps after a warm-up."""
+    from .bench import prepare_test
+    once = prepare_test(model, 0, n, 0, 7)
+    return _median_time(lambda: once(n), reps) / n
+
+
+def _time_pp(model, T: int, reps: int, depth: int = 0) -> float:
+    """Seconds of one ubatch of T tokens at position `depth` (the cache filled before, untimed)."""
+    from .bench import prepare_test
+    model.options.ubatch_size = T
+    model.options.batch_size = max(model.options.batch_size, T)
+    once = prepare_test(model, T, 0, depth, 11)
+    once(0)                                     # a second untimed run: a full ubatch is captured at its second
+    return _median_time(lambda: once(0), reps)
+
+
+def _eager(model, on: bool):
+    model.runtime.graphs = not on
+    model._steps = {}
+
+
+def _with(rates, costs):
+    return dataclasses.replace(rates, costs={k: dict(v) for k, v in costs.items()})
+
+
+def _fit(measured: tuple[float, float], modelled: tuple[float, float], layers: tuple[int, int]):
+    """(per-layer floor, per-step floor) from two models' measured and modelled seconds."""
+    sm, im = fit_line(layers[0], measured[0], layers[1], measured[1])
+    sr, ir = fit_line(layers[0], modelled[0], layers[1], modelled[1])
+    return max(sm - sr, 0.0), max(im - ir, 0.0)
+
+
+class _Run:
+    """The calibration models loaded with one placement, and predict() on them."""
+
+    def __init__(self, paths, layers, **placement):
+        import hybridmoe
+        self.layers = layers
+        self.models = [hybridmoe.load(p, ctx_size=4096, check_fit=False, **placement) for p in paths]
+
+    def close(self):
+        self.models = []
+        import gc
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def predict(self, rates, costs, **kw):
+        from ..placement.predict import predict
+        return [predict(m.placement, _with(rates, costs), graphs=m.runtime.graphs, **kw) for m in self.models]
+
+
+def _gpu_models() -> list[int]:
+    """One CUDA GPU of each model: GPUs of one model share their costs (perf.costs.Costs)."""
+    out, seen = [], set()
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            name = torch.cuda.get_device_properties(i).name
+            if name not in seen:
+                seen.add(name)
+                out.append(i)
+    return out
+
+
+def _attn_flops(cfg, T: int, depth: int) -> float:
+    """Attention score FLOPs of one layer for a ubatch of T tokens after `depth` cached ones (as predict counts)."""
+    return 4.0 * cfg.n_head * cfg.head_dim * (T * depth + T * (T + 1) / 2)
+
+
+class _Fitter:
+    """Times the runtime on the calibration models and fits costs against predict() on the same placement."""
+
+    def __init__(self, run, rates, costs, reps, n_tg, measured):
+        self.run, self.rates, self.costs, self.reps, self.n_tg, self.measured = run, rates, costs, reps, n_tg, measured
+        self.layers = run.layers
+
+    def tg(self, label: str) -> tuple[tuple, tuple]:
+        """(measured, modelled) seconds per decode step of each model."""
+        meas = self.measured[label] = tuple(_time_tg(m, self.n_tg, self.reps) for m in self.run.models)
+        mod = tuple(1 / p.tg for p in self.run.predict(self.rates, self.costs, n_gen=self.n_tg))
+        return meas, mod
+
+    def pp(self, label: str, T: int, depth: int = 0) -> tuple[float, float, float, float]:
+        """(measured per-layer, modelled per-layer, measured intercept, modelled intercept) seconds of a ubatch."""
+        meas = self.measured[f"{label}_{T}_d{depth}"] = tuple(_time_pp(m, T, self.reps, depth)
+                                                              for m in self.run.models)
+        mod = tuple(T / p.pp for p in self.run.predict(self.rates, self.costs, n_gen=self.n_tg, n_prompt=T,
+                                                        ubatch=T, n_depth=depth))
+        (l1, l2) = self.layers
+        sm, im = fit_line(l1, meas[0], l2, meas[1])
+        sr, ir = fit_line(l1, mod[0], l2, mod[1])
+        return sm, sr, im, ir
+
+
+def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | None = None) -> dict:
+    """The costs dict (perf/costs.py) for this machine; `rates` are its calibrated rates. gpus: indices of the
+    GPUs to measure (default: one of each CUDA model present; tests pass fake GPUs to run the fitting)."""
+    say = progress or (lambda msg: None)
+    reps = 1 if quick else 3
+    n_tg = 8 if quick else 32
+    T1, T2, D = (64, 256, 128) if quick else (512, 2048, 2048)
+    layers = (1, 3) if quick else (2, 8)
+    costs: dict = {"cpu": {}}
+    measured: dict = {}                          # what was timed, seconds per model (kept for checking the fit)
+    say("CPU expert kernel: call cost and streaming rate")
+    costs["cpu"].update(kernel_costs(quick))
+    say("calibration models")
+    paths = [calibration_model(n, quick) for n in layers]
+
+    say("all on the CPU (-ngl 0)")
+    run = _Run(paths, layers, n_gpu_layers=0)
+    try:
+        f = _Fitter(run, rates, costs, reps, n_tg, measured)
+        cfg = run.models[0].cfg
+        c = costs["cpu"]
+        c.update(decode_layer_s=0.0, decode_token_s=0.0)
+        c["decode_layer_s"], c["decode_token_s"] = _fit(*f.tg("cpu_decode_s"), layers)
+        # a ubatch at depth 0 and one after D cached tokens: the per-layer floor (or a factor on the modelled
+        # compute, where the step beats it) and the attention's rate, with attention left out of the model
+        c.update(prompt_layer_s=0.0, prompt_scale=1.0, prompt_ubatch_s=0.0, attn_flops=math.inf)
+        s0, r0, i0, j0 = f.pp("cpu_prompt_s", T1)
+        sD, rD, _, _ = f.pp("cpu_prompt_s", T1, D)
+        a0, aD = _attn_flops(cfg, T1, 0), _attn_flops(cfg, T1, D)
+        extra = (sD - rD) - (s0 - r0)
+        c["attn_flops"] = (aD - a0) / extra if extra > 0 else rates.cpu_bf16_flops
+        c["attn_flops"] = max(c["attn_flops"], 2 * a0 / s0)   # noise: at depth 0 attention is under half a layer
+        c["prompt_layer_s"], c["prompt_scale"] = floor_or_scale(s0 - a0 / c["attn_flops"], r0)
+        c["prompt_ubatch_s"] = max(i0 - j0 * c["prompt_scale"], 0.0)
+    finally:
+        run.close()
+
+    if gpus is None:
+        gpus = _gpu_models()
+    for i in gpus:
+        dev = f"CUDA{i}"
+        g = costs[dev] = {}
+        say(f"{dev}: every weight on the GPU (-ngl 99)")
+        run = _Run(paths, layers, n_gpu_layers=99, split_mode="none", main_gpu=i)
+        try:
+            f = _Fitter(run, rates, costs, reps, n_tg, measured)
+            cfg = run.models[0].cfg
+            exp_bytes = sum(t.nbytes for n, t in run.models[0].file.tensors.items()
+                            if n.startswith("blk.0.") and "_exps." in n)
+            for eager in (False, True):
+                lk, tk = ("eager_decode_layer_s", "eager_token_s") if eager else ("decode_layer_s", "decode_token_s")
+                g.update({lk: 0.0, tk: 0.0})
+                for m in run.models:
+                    _eager(m, eager)
+                g[lk], g[tk] = _fit(*f.tg(f"{dev}_{lk}"), layers)
+            # the captured prompt step at two ubatch sizes and at depth: a per-layer floor, the MoE kernels' and
+            # the attention's FLOP rates (three equations: residual = floor + expert FLOPs / moe_flops + attention
+            # FLOPs / attn_flops); the modelled experts at moe_flops = inf are their bytes, taken out again
+            for m in run.models:
+                _eager(m, False)
+            g.update(prompt_layer_s=0.0, prompt_ubatch_s=0.0, moe_flops=math.inf, attn_flops=math.inf)
+
+            def residual(T, depth, label, f=f, cfg=cfg, exp_bytes=exp_bytes, dev=dev):
+                sm, sr, im, ir = f.pp(label, T, depth)
+                frac = touched_fraction(T, cfg.n_expert, cfg.n_expert_used)
+                return sm - sr + exp_bytes * frac / rates.read_bw(dev), im - ir
+            r1, c1 = residual(T1, 0, f"{dev}_prompt_s")
+            r2, c2 = residual(T2, 0, f"{dev}_prompt_s")
+            r3, _ = residual(T1, D, f"{dev}_prompt_s")
+            ef = [2.0 * 3 * cfg.n_ff_exp * cfg.n_embd * cfg.n_expert_used * T for T in (T1, T2)]   # expert FLOPs
+            at = [_attn_flops(cfg, T1, 0), _attn_flops(cfg, T2, 0), _attn_flops(cfg, T1, D)]
+            inv_a = (r3 - r1) / (at[2] - at[0])
+            if inv_a <= 0:
+                inv_a = 1 / rates.flops(dev)
+            inv_a = min(inv_a, 0.5 * r1 / at[0])             # noise: at depth 0 attention is under half a layer
+            inv_m = (r2 - r1 - (at[1] - at[0]) * inv_a) / (ef[1] - ef[0])
+            if inv_m <= 0:
+                inv_m = 1 / rates.flops(dev)
+            g["attn_flops"], g["moe_flops"] = 1 / inv_a, 1 / inv_m
+            g["prompt_layer_s"] = max(r1 - ef[0] * inv_m - at[0] * inv_a, 0.0)
+            g["prompt_ubatch_s"] = max((c1 + c2) / 2, 0.0)
+            # the eager prompt path (placements no captured step covers): its floors and its attention's rate
+            for m in run.models:
+                _eager(m, True)
+            g.update(eager_prompt_layer_s=0.0, eager_ubatch_s=0.0, eager_attn_flops=math.inf)
+            s0, r0, i0, j0 = f.pp(f"{dev}_eager_prompt_s", T1)
+            sD, rD, _, _ = f.pp(f"{dev}_eager_prompt_s", T1, D)
+            extra = (sD - rD) - (s0 - r0)
+            g["eager_attn_flops"] = (at[2] - at[0]) / extra if extra > 0 else rates.flops(dev)
+            g["eager_attn_flops"] = max(g["eager_attn_flops"], 2 * at[0] / max(s0 - r0, 1e-9))
+            g["eager_prompt_layer_s"] = max(s0 - r0 - at[0] / g["eager_attn_flops"], 0.0)
+            g["eager_ubatch_s"] = max(i0 - j0, 0.0)
+        finally:
+            run.close()
+
+        say(f"{dev}: experts in RAM (-ngl 99 -ot exps=CPU)")
+        run = _Run(paths, layers, n_gpu_layers=99, split_mode="none", main_gpu=i, override_tensor=["exps=CPU"])
+        old = os.environ.get("HYBRIDMOE_DECODE_SHARE")
+        os.environ["HYBRIDMOE_DECODE_SHARE"] = "0"          # the hand-off alone; the share is modelled apart
+        try:
+            f = _Fitter(run, rates, costs, reps, n_tg, measured)
+            g["handoff_s"] = 0.0
+            g["handoff_s"] = _fit(*f.tg(f"{dev}_handoff_decode_s"), layers)[0]
+            # uploads, every expert a layer ahead (forced, so the measurement does not depend on the policy)
+            for m in run.models:
+                m.set_policy("moe_up_gate,1,mul_mat_id,1", False, True)
+            g.update(upload_overlap=0.0, upload_layer_s=0.0)
+            preds = run.predict(rates, costs, n_gen=n_tg, n_prompt=T1, ubatch=T1)
+            if all(len(p.uploaded_layers) == n for p, n in zip(preds, layers)):
+                sm, s0, _, _ = f.pp(f"{dev}_upload_prompt_s", T1)           # modelled: nothing hidden
+                g["upload_overlap"] = 1.0
+                hid = run.predict(rates, costs, n_prompt=T1, ubatch=T1)        # modelled: all of it hidden
+                s1 = fit_line(layers[0], T1 / hid[0].pp, layers[1], T1 / hid[1].pp)[0]
+                ov = (s0 - sm) / (s0 - s1) if s0 > s1 else 1.0
+                g["upload_overlap"] = min(max(ov, 0.0), 1.0)
+                g["upload_layer_s"] = max(sm - (s0 - g["upload_overlap"] * (s0 - s1)), 0.0)
+            else:
+                del g["upload_overlap"], g["upload_layer_s"]   # the rates say uploads never pay here
+        finally:
+            if old is None:
+                del os.environ["HYBRIDMOE_DECODE_SHARE"]
+            else:
+                os.environ["HYBRIDMOE_DECODE_SHARE"] = old
+            run.close()
+    costs["_calibration"] = {"layers": list(layers), "ubatches": [T1, T2], "depth": D, "decode_steps": n_tg,
+                             "quick": quick, "models": paths, "measured": {k: list(v) for k, v in measured.items()}}
+    return costs
