@@ -374,12 +374,13 @@ class Model:
 
     def slow_tensors(self) -> dict[str, list[str]]:
         """Type name -> tensors of that type that no fast kernel reads yet where they live: they compute through
-        the reference dequantizer (correct, slow). On a real GPU, the one-pass dequantizing kernels count."""
-        from .kernels.cpu import KERNEL_TYPES
+        the reference dequantizer (correct, slow). On a real GPU, the one-pass dequantizing kernels count; on the
+        CPU, the C kernels (an _R4 / _R8 type's through its base type: repacked at load)."""
+        from .kernels.cpu import kernel_type
         from .kernels.gpu_dequant import has_kernel
         out: dict[str, list[str]] = {}
         for info in self.file.tensors.values():
-            if len(info.shape) < 2 or int(info.qtype) in KERNEL_TYPES:
+            if len(info.shape) < 2 or kernel_type(info.qtype) is not None:
                 continue
             dev = self.devices.get(self.placement.device_of.get(info.name, "CPU"))
             if dev is not None and dev.kind == "cuda" and not dev.fake and has_kernel(info.qtype):
@@ -388,12 +389,12 @@ class Model:
         return out
 
     def _warn_slow_types(self) -> None:
-        from .kernels.cpu import KERNEL_TYPES
+        from .kernels.cpu import kernel_names
         from .kernels.gpu_dequant import kernel_types
         slow = self.slow_tensors()
         if slow:
             what = ", ".join(f"{len(v)} {t}" for t, v in sorted(slow.items()))
-            cpu = ", ".join(GGMLType(t).name for t in sorted(KERNEL_TYPES))
+            cpu = kernel_names()
             gpu = ", ".join(t.name for t in kernel_types())
             warn(f"{what} tensors have no fast kernel yet: they run through the reference dequantizer (slow); "
                  f"the fast kernels read {cpu}" + (f" (on a GPU also {gpu})" if gpu else ""))

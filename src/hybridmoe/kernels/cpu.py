@@ -25,7 +25,8 @@ import torch.nn.functional as Fn
 
 from .. import env
 from ..errors import progress, warn
-from ..quant.dequant import dequantize
+from ..quant import ref_interleaved
+from ..quant.dequant import DEINTERLEAVE, dequantize, deinterleave
 from ..quant.types import GGMLType, row_bytes
 
 _SRC = Path(__file__).with_name("cpu_moe.c")
@@ -34,7 +35,67 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # Types the C kernel handles (ggml ids); others go to the torch reference.
 KERNEL_TYPES = frozenset(int(t) for t in (
     GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K,
-    GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.MXFP4))
+    GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.MXFP4, GGMLType.IQ4_XS, GGMLType.Q3_K,
+    GGMLType.Q2_K, GGMLType.IQ4_KS, GGMLType.IQ4_K, GGMLType.IQ3_K, GGMLType.IQ2_K, GGMLType.IQ5_K, GGMLType.IQ2_KS,
+    GGMLType.IQ2_KL, GGMLType.IQ3_XXS))
+
+
+def kernel_type(qtype) -> GGMLType | None:
+    """The type whose kernels compute rows of `qtype` on the CPU: itself where the C kernels read it, the base
+    type of an _R4 / _R8 type whose base they read (plain_rows repacks it at load), else None (the reference
+    dequantizer: slow)."""
+    q = GGMLType(qtype)
+    if int(q) in KERNEL_TYPES:
+        return q
+    base = DEINTERLEAVE.get(q)
+    return base[0] if base and int(base[0]) in KERNEL_TYPES else None
+
+
+def kernel_names() -> str:
+    """The types the CPU kernels read, for messages."""
+    return ", ".join(GGMLType(t).name for t in sorted(KERNEL_TYPES)) + " (and their _R4 / _R8 forms)"
+
+
+def plain_rows(raw: torch.Tensor, qtype, n_cols: int, n_threads=None) -> tuple[torch.Tensor, GGMLType]:
+    """Rows [..., row_bytes] of an _R4 / _R8 type whose base type has CPU kernels, repacked into the base type's
+    rows (new memory; the inverse of ik_llama.cpp's -rtr), and that type; other tensors as they are."""
+    q = GGMLType(qtype)
+    base = kernel_type(q)
+    if base is None or base == q:
+        return raw, q
+    lay = ref_interleaved.LAYOUTS[q.name]
+    lib = _load()
+    if lib is None or lay.to_base or q.name in ref_interleaved.RECODE:
+        return deinterleave(raw, q, n_cols)
+    flat = raw.contiguous().view(-1, raw.shape[-1])
+    if flat.dtype != torch.uint8 or flat.shape[0] % lay.rows or flat.shape[1] != row_bytes(q, n_cols):
+        raise ValueError(f"{q.name}: expected uint8 [k * {lay.rows}, {row_bytes(q, n_cols)}], got {tuple(raw.shape)}")
+    cj, cs, seg = _repack_tables(q.name)
+    out = torch.empty(raw.shape[:-1] + (row_bytes(base, n_cols),), dtype=torch.uint8)
+    rc = lib.hm_deinterleave(flat.data_ptr(), out.data_ptr(), flat.shape[0] // lay.rows, lay.rows,
+                             n_cols // lay.block, lay.bb, lay.hdr, cj.data_ptr(), cs.data_ptr(), cj.numel(),
+                             seg.data_ptr(), seg.shape[0], _threads(n_threads))
+    if rc:
+        raise MemoryError(f"repacking {q.name} rows failed ({rc})")
+    return out, base
+
+
+@functools.lru_cache(maxsize=None)
+def _repack_tables(name: str):
+    """ref_interleaved's gather tables of `name`, the bit gathers merged into runs: (cj, cs, seg [n, 5]) for
+    hm_deinterleave (a nibble moved is one run, not four bits)."""
+    cj, cs, bj, bsrc, bsh = (t.tolist() for t in ref_interleaved._perm(name, "cpu"))
+    seg = []
+    for d, srcs, shs in zip(bj, bsrc, bsh):
+        t = 0
+        while t < 8:
+            n = 1
+            while t + n < 8 and srcs[t + n] == srcs[t] and shs[t + n] == shs[t] + n:
+                n += 1
+            seg.append((d, srcs[t], shs[t], (1 << n) - 1, t))
+            t += n
+    return (torch.tensor(cj, dtype=torch.int64), torch.tensor(cs, dtype=torch.int64),
+            torch.tensor(seg, dtype=torch.int64).view(-1, 5))
 
 
 def _cpu_flags() -> str:
@@ -144,10 +205,11 @@ def _load():
         lib.hm_trace.argtypes, lib.hm_trace_get.argtypes = [i32], [vp]
         lib.hm_moe_handoff.argtypes = [vp, vp, ctypes.c_double, vp, i64, i64, i64, vp, vp, i32, i64, i64, vp, i32,
                                        vp, i32, i32]
+        lib.hm_deinterleave.argtypes = [vp, vp, i64, i32, i64, i32, i32, vp, vp, i64, vp, i64, i32]
         lib.hm_simd.restype = ctypes.c_char_p
         for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode,
                   lib.hm_qmatmul, lib.hm_tile_mm, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8,
-                  lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_set_act_terms, lib.hm_set_exact):
+                  lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_set_act_terms, lib.hm_set_exact, lib.hm_deinterleave):
             f.restype = i32
         lib.hm_set_exact(0 if env.get("HYBRIDMOE_CPU_PROMPT").lower() == "bf16" else 1)
         lib.hm_set_act_terms(1 if env.get("HYBRIDMOE_CPU_ACT_TERMS") == "1" else 2)

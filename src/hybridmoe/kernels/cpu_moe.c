@@ -54,19 +54,95 @@
 /* ggml type ids */
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
-    T_IQ4_NL = 20, T_BF16 = 30, T_MXFP4 = 39,
+    T_IQ4_NL = 20, T_BF16 = 30, T_MXFP4 = 39, T_Q2_K = 10, T_Q3_K = 11, T_IQ4_XS = 23, T_IQ2_K = 137, T_IQ3_K = 138,
+    T_IQ4_K = 139, T_IQ4_KS = 144, T_IQ5_K = 140, T_IQ2_KS = 145, T_IQ2_KL = 157, T_IQ3_XXS = 18,
 };
 
 /* dense type index used by the kernel tables */
-enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I_MXFP4, N_TYPES };
+enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I_MXFP4, I_IQ4_XS, I_Q3_K, I_Q2_K,
+       I_IQ4_KS, I_IQ4_K, I_IQ3_K, I_IQ2_K, I_IQ5_K, I_IQ2_KS, I_IQ2_KL, I_IQ3_XXS, N_TYPES };
 /* M(type index) for every type: one case of a per-type switch each */
 #define EACH_TYPE(M) M(I_F32) M(I_F16) M(I_BF16) M(I_Q4_0) M(I_Q8_0) M(I_Q4_K) M(I_Q5_K) M(I_Q6_K) M(I_IQ4_NL) \
-    M(I_MXFP4)
+    M(I_MXFP4) M(I_IQ4_XS) M(I_Q3_K) M(I_Q2_K) M(I_IQ4_KS) M(I_IQ4_K) M(I_IQ3_K) M(I_IQ2_K) \
+    M(I_IQ5_K) M(I_IQ2_KS) M(I_IQ2_KL) M(I_IQ3_XXS)
+
+/* The "x types" (IQ4_XS, Q3_K, Q2_K and ik_llama.cpp's IQ4_KS, IQ4_K, IQ3_K, IQ2_K, IQ5_K, IQ2_KS): 256-element
+ * super-blocks whose weights are w = S_i (u - X_OFF) - M_i, u an unsigned byte, S_i and M_i (Q2_K only) per
+ * 16-element sub-block i. u is an index q (4 bits in nibbles, 2 bits in crumbs plus a third from a bit plane, or
+ * IQ5_K's nibbles plus a fifth bit) or a table's value at q + X_OFF (XTAB: two tables, a per-sub-block "extra" bit
+ * picks one). One scale routine
+ * (x_scales) and one unpacker per width (x_u32, x_u64) give every path its values: fp32 (w = fma(u, S, X_OFF S),
+ * or S u - M: ggml's roundings), the integer path (the u bytes straight into vpdpbusd) and the dequantizer.
+ * IQ4_KS rows begin with a float32 scale, IQ2_KS rows with an fp16 one (X_HDR bytes), that the row's super-blocks
+ * share. */
+#define IS_X(ti) ((ti) >= I_IQ4_XS)
+#define X_OFF_SH(ti) ((ti) == I_Q3_K ? 2 : (ti) == I_Q2_K ? 0 : (ti) == I_IQ3_K ? 6 : \
+                      ((ti) == I_IQ2_K || (ti) == I_IQ2_KS) ? 5 : ((ti) == I_IQ2_KL || (ti) == I_IQ3_XXS) ? 6 : 7)
+#define X_OFF(ti) ((ti) == I_Q2_K ? 0 : 1 << X_OFF_SH(ti))
+#define X_MIN(ti) ((ti) == I_Q2_K)
+#define X_HDR(ti) ((ti) == I_IQ4_KS ? 4 : ((ti) == I_IQ2_KS || (ti) == I_IQ2_KL) ? 2 : 0)
+#define X_NIB(ti) ((ti) == I_IQ4_XS || (ti) == I_IQ4_KS || (ti) == I_IQ4_K)      /* q in nibbles, else crumbs */
+#define X_NIB64(ti) ((ti) == I_IQ5_K)          /* per 64: 32 bytes, low nibbles first, high nibbles next */
+#define X_QS(ti) (((ti) == I_IQ4_K || (ti) == I_IQ5_K) ? 16 : (ti) == I_Q3_K ? 32 : (ti) == I_Q2_K ? 16 : \
+                  (ti) == I_IQ3_K ? 14 : (ti) == I_IQ2_K ? 12 : (ti) == I_IQ2_KS ? 6 : 8)   /* where q starts */
+#define X_QH(ti) ((ti) == I_Q3_K ? 0 : (ti) == I_IQ5_K ? 144 : 78)  /* Q3_K, IQ3_K, IQ5_K: the top bit's planes */
+#define X_3BIT(ti) ((ti) == I_Q3_K || (ti) == I_IQ3_K)
+#define X_TAB(ti) ((ti) != I_Q3_K && (ti) != I_Q2_K && (ti) != I_IQ2_KL && (ti) != I_IQ3_XXS)   /* u from XTAB */
+#define X_EXTRA(ti) ((ti) >= I_IQ4_KS && (ti) != I_IQ2_KL && (ti) != I_IQ3_XXS)             /* a table per sub-block */
+/* IQ3_XXS: a byte per 4 weights indexes a grid of magnitudes, 7-bit sign codes (the 8th sign: their parity) per 8 */
+#define X_GRID(ti) ((ti) == I_IQ3_XXS)
+/* IQ2_KL: a 5-bit index per pair of weights (nibbles of 16-byte runs, bit s of qh[l] on top) into 32 pairs of
+ * values: u of both, + 64, as one u16 */
+#define X_PAIRS(ti) ((ti) == I_IQ2_KL)
+/* IQ3_XXS's grid (ggml's iq3xxs_grid): 4 magnitudes a byte */
+static const uint32_t IQ3XXS_GRID[256] __attribute__((aligned(64))) = {
+    0x04040404, 0x04040414, 0x04040424, 0x04040c0c, 0x04040c1c, 0x04040c3e, 0x04041404, 0x04041414,
+    0x04041c0c, 0x04042414, 0x04043e1c, 0x04043e2c, 0x040c040c, 0x040c041c, 0x040c0c04, 0x040c0c14,
+    0x040c140c, 0x040c142c, 0x040c1c04, 0x040c1c14, 0x040c240c, 0x040c2c24, 0x040c3e04, 0x04140404,
+    0x04140414, 0x04140424, 0x04140c0c, 0x04141404, 0x04141414, 0x04141c0c, 0x04141c1c, 0x04141c3e,
+    0x04142c0c, 0x04142c3e, 0x04143e2c, 0x041c040c, 0x041c043e, 0x041c0c04, 0x041c0c14, 0x041c142c,
+    0x041c3e04, 0x04240c1c, 0x04241c3e, 0x04242424, 0x04242c3e, 0x04243e1c, 0x04243e2c, 0x042c040c,
+    0x042c043e, 0x042c1c14, 0x042c2c14, 0x04341c2c, 0x04343424, 0x043e0c04, 0x043e0c24, 0x043e0c34,
+    0x043e241c, 0x043e340c, 0x0c04040c, 0x0c04041c, 0x0c040c04, 0x0c040c14, 0x0c04140c, 0x0c04141c,
+    0x0c041c04, 0x0c041c14, 0x0c041c24, 0x0c04243e, 0x0c042c04, 0x0c0c0404, 0x0c0c0414, 0x0c0c0c0c,
+    0x0c0c1404, 0x0c0c1414, 0x0c14040c, 0x0c14041c, 0x0c140c04, 0x0c140c14, 0x0c14140c, 0x0c141c04,
+    0x0c143e14, 0x0c1c0404, 0x0c1c0414, 0x0c1c1404, 0x0c1c1c0c, 0x0c1c2434, 0x0c1c3434, 0x0c24040c,
+    0x0c24042c, 0x0c242c04, 0x0c2c1404, 0x0c2c1424, 0x0c2c2434, 0x0c2c3e0c, 0x0c34042c, 0x0c3e1414,
+    0x0c3e2404, 0x14040404, 0x14040414, 0x14040c0c, 0x14040c1c, 0x14041404, 0x14041414, 0x14041434,
+    0x14041c0c, 0x14042414, 0x140c040c, 0x140c041c, 0x140c042c, 0x140c0c04, 0x140c0c14, 0x140c140c,
+    0x140c1c04, 0x140c341c, 0x140c343e, 0x140c3e04, 0x14140404, 0x14140414, 0x14140c0c, 0x14140c3e,
+    0x14141404, 0x14141414, 0x14141c3e, 0x14142404, 0x14142c2c, 0x141c040c, 0x141c0c04, 0x141c0c24,
+    0x141c3e04, 0x141c3e24, 0x14241c2c, 0x14242c1c, 0x142c041c, 0x142c143e, 0x142c240c, 0x142c3e24,
+    0x143e040c, 0x143e041c, 0x143e0c34, 0x143e242c, 0x1c04040c, 0x1c040c04, 0x1c040c14, 0x1c04140c,
+    0x1c04141c, 0x1c042c04, 0x1c04342c, 0x1c043e14, 0x1c0c0404, 0x1c0c0414, 0x1c0c1404, 0x1c0c1c0c,
+    0x1c0c2424, 0x1c0c2434, 0x1c14040c, 0x1c14041c, 0x1c140c04, 0x1c14142c, 0x1c142c14, 0x1c143e14,
+    0x1c1c0c0c, 0x1c1c1c1c, 0x1c241c04, 0x1c24243e, 0x1c243e14, 0x1c2c0404, 0x1c2c0434, 0x1c2c1414,
+    0x1c2c2c2c, 0x1c340c24, 0x1c341c34, 0x1c34341c, 0x1c3e1c1c, 0x1c3e3404, 0x24040424, 0x24040c3e,
+    0x24041c2c, 0x24041c3e, 0x24042c1c, 0x24042c3e, 0x240c3e24, 0x24141404, 0x24141c3e, 0x24142404,
+    0x24143404, 0x24143434, 0x241c043e, 0x241c242c, 0x24240424, 0x24242c0c, 0x24243424, 0x242c142c,
+    0x242c241c, 0x242c3e04, 0x243e042c, 0x243e0c04, 0x243e0c14, 0x243e1c04, 0x2c040c14, 0x2c04240c,
+    0x2c043e04, 0x2c0c0404, 0x2c0c0434, 0x2c0c1434, 0x2c0c2c2c, 0x2c140c24, 0x2c141c14, 0x2c143e14,
+    0x2c1c0414, 0x2c1c2c1c, 0x2c240c04, 0x2c24141c, 0x2c24143e, 0x2c243e14, 0x2c2c0414, 0x2c2c1c0c,
+    0x2c342c04, 0x2c3e1424, 0x2c3e2414, 0x34041424, 0x34042424, 0x34042434, 0x34043424, 0x340c140c,
+    0x340c340c, 0x34140c3e, 0x34143424, 0x341c1c04, 0x341c1c34, 0x34242424, 0x342c042c, 0x342c2c14,
+    0x34341c1c, 0x343e041c, 0x343e140c, 0x3e04041c, 0x3e04042c, 0x3e04043e, 0x3e040c04, 0x3e041c14,
+    0x3e042c14, 0x3e0c1434, 0x3e0c2404, 0x3e140c14, 0x3e14242c, 0x3e142c14, 0x3e1c0404, 0x3e1c0c2c,
+    0x3e1c1c1c, 0x3e1c3404, 0x3e24140c, 0x3e24240c, 0x3e2c0404, 0x3e2c0414, 0x3e2c1424, 0x3e341c04,
+};
+static const uint16_t KL_PAIRS[32] __attribute__((aligned(64))) = {
+    0x2901, 0x4d01, 0x0118, 0x3618, 0x4d18, 0x6f18, 0x1829, 0x2929, 0x4129, 0x4d29, 0x5c29, 0x0136, 0x4136, 0x4d36,
+    0x6f36, 0x2941, 0x3641, 0x4141, 0x4d41, 0x5c41, 0x184d, 0x294d, 0x364d, 0x414d, 0x4d4d, 0x015c, 0x295c, 0x415c,
+    0x5c5c, 0x6f5c, 0x296f, 0x4d6f};
+/* types whose int8 tiles take signed values and a scale per 16 elements (no mins) */
+#define SB16(ti) ((ti) == I_Q6_K || (IS_X(ti) && !X_MIN(ti)))
+/* types in 256-element super-blocks */
+#define IS_K(ti) (((ti) >= I_Q4_K && (ti) <= I_Q6_K) || IS_X(ti))
 
 typedef struct {
     int id;   /* ggml id */
     int qk;   /* elements per block */
     int ts;   /* bytes per block */
+    int hdr;  /* bytes of a row's header */
 } tinfo;
 
 static const tinfo TINFO[N_TYPES] = {
@@ -74,6 +150,10 @@ static const tinfo TINFO[N_TYPES] = {
     [I_Q4_0] = {T_Q4_0, 32, 18},    [I_Q8_0] = {T_Q8_0, 32, 34}, [I_Q4_K] = {T_Q4_K, 256, 144},
     [I_Q5_K] = {T_Q5_K, 256, 176},  [I_Q6_K] = {T_Q6_K, 256, 210},
     [I_IQ4_NL] = {T_IQ4_NL, 32, 18}, [I_MXFP4] = {T_MXFP4, 32, 17},
+    [I_IQ4_XS] = {T_IQ4_XS, 256, 136}, [I_Q3_K] = {T_Q3_K, 256, 110}, [I_Q2_K] = {T_Q2_K, 256, 84},
+    [I_IQ4_KS] = {T_IQ4_KS, 256, 136, 4}, [I_IQ4_K] = {T_IQ4_K, 256, 144}, [I_IQ3_K] = {T_IQ3_K, 256, 110},
+    [I_IQ2_K] = {T_IQ2_K, 256, 76}, [I_IQ5_K] = {T_IQ5_K, 256, 176}, [I_IQ2_KS] = {T_IQ2_KS, 256, 70, 2},
+    [I_IQ2_KL] = {T_IQ2_KL, 256, 86, 2}, [I_IQ3_XXS] = {T_IQ3_XXS, 256, 98},
 };
 
 static int type_index(int id) {
@@ -82,11 +162,29 @@ static int type_index(int id) {
     return -1;
 }
 
-static inline int64_t row_bytes(int ti, int64_t n) { return n / TINFO[ti].qk * TINFO[ti].ts; }
+static inline int64_t blk_bytes(int ti, int64_t n) { return n / TINFO[ti].qk * TINFO[ti].ts; }
+static inline int64_t row_bytes(int ti, int64_t n) { return TINFO[ti].hdr + blk_bytes(ti, n); }
 
 static const float KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static const float KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static const float KV_Q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+static const uint8_t KU8_IQ4NL[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+/* the x types' u tables (value + X_OFF), [extra bit][q] */
+static const uint8_t XTAB[N_TYPES][2][32] __attribute__((aligned(16))) = {
+    [I_IQ4_XS] = {{1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241},
+                  {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241}},
+    [I_IQ4_KS] = {{1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241},
+                  {5, 28, 49, 67, 83, 97, 110, 122, 133, 145, 157, 170, 185, 201, 221, 245}},
+    [I_IQ4_K] = {{1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241},
+                 {5, 28, 49, 67, 83, 97, 110, 122, 133, 145, 157, 170, 185, 201, 221, 245}},
+    [I_IQ3_K] = {{1, 24, 41, 54, 65, 77, 92, 111}, {5, 28, 45, 58, 69, 81, 96, 115}},
+    [I_IQ2_K] = {{1, 19, 33, 49}, {6, 24, 38, 54}},
+    [I_IQ2_KS] = {{1, 19, 33, 49}, {6, 24, 38, 54}},
+    [I_IQ5_K] = {{2, 14, 25, 36, 45, 54, 63, 71, 78, 85, 92, 98, 104, 110, 116, 122,
+                  127, 133, 139, 145, 151, 157, 164, 171, 179, 187, 196, 205, 215, 225, 237, 249},
+                 {4, 16, 27, 38, 47, 56, 65, 73, 80, 87, 94, 100, 106, 112, 118, 124,
+                  129, 135, 141, 147, 153, 159, 166, 173, 181, 189, 198, 207, 217, 227, 239, 251}},
+};
 
 /* ------------------------------------------------------------------ scalar helpers */
 
@@ -123,6 +221,112 @@ static inline void k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
+/* the scale in an x-type row's header (IQ4_KS), else 1 */
+static inline float x_rowscale(int ti, const uint8_t *row) {
+    float d = 1.0f;
+    if (X_HDR(ti) == 4) memcpy(&d, row, 4);
+    if (X_HDR(ti) == 2) d = fp16_to_f32(rd16(row));
+    return d;
+}
+
+/* the per-16 scales S and mins M (zero but for Q2_K) of x-type super-block b (rd: x_rowscale), as ggml
+ * computes them */
+static inline void x_scales(int ti, const uint8_t *b, float rd, float *S, float *M) {
+    for (int i = 0; i < 16; i++) M[i] = 0.0f;
+    const float d = fp16_to_f32(rd16(b));
+    for (int i = 0; i < 16; i++) {
+        const int lo = (b[(ti == I_IQ4_K ? 8 : ti == I_IQ3_K ? 6 : 4) + i / 2] >> 4 * (i % 2)) & 0xF;
+        switch (ti) {
+        case I_IQ4_XS: {
+            const int ib = i / 2, ls = ((b[4 + ib / 2] >> 4 * (ib % 2)) & 0xF) | (((rd16(b + 2) >> 2 * ib) & 3) << 4);
+            S[i] = d * (float)(ls - 32);
+            break;
+        }
+        case I_Q3_K: {
+            const uint8_t *sc = b + 96;
+            const int l4 = i < 8 ? sc[i] & 0xF : sc[i - 8] >> 4, hi = (sc[8 + i % 4] >> 2 * (i / 4)) & 3;
+            S[i] = fp16_to_f32(rd16(b + 108)) * (float)((l4 | hi << 4) - 32);
+            break;
+        }
+        case I_Q2_K:
+            S[i] = fp16_to_f32(rd16(b + 80)) * (float)(b[i] & 0xF);
+            M[i] = fp16_to_f32(rd16(b + 82)) * (float)(b[i] >> 4);
+            break;
+        case I_IQ4_KS: S[i] = rd * (float)((b[i / 2] & 254) - 127); break;
+        case I_IQ4_K: S[i] = d * (float)((lo | ((b[4 + i / 4] >> 2 * (i % 4)) & 3) << 4) - 32); break;
+        case I_IQ3_K: S[i] = d * (float)((2 * lo + 1) * ((rd16(b + 4) >> i) & 1 ? -1 : 1)); break;
+        case I_IQ2_K: S[i] = d * (float)(lo - 8); break;
+        case I_IQ5_K: S[i] = d * (float)((((b[8 + i / 2] >> 4 * (i % 2)) & 0xF) | ((b[4 + i / 4] >> 2 * (i % 4)) & 3) << 4) - 32);
+            break;
+        case I_IQ2_KS: {
+            const int s = i / 2, ls = ((b[2 + s / 2] >> 4 * (s % 2)) & 0xF) | ((rd16(b) >> (8 + s)) & 1) << 4;
+            S[i] = rd * (float)(ls - 16);
+            break;
+        }
+        case I_IQ3_XXS: {
+            uint32_t aux;
+            memcpy(&aux, b + 66 + 4 * (i / 2), 4);
+            S[i] = d * ((float)(aux >> 28) + 0.5f) * 0.5f;
+            break;
+        }
+        case I_IQ2_KL: {   /* nibble s/4 of byte s%4, bits 2s of the u16 at b */
+            const int s = i / 2, ls = ((b[2 + s % 4] >> 4 * (s / 4)) & 0xF) | ((rd16(b) >> 2 * s) & 3) << 4;
+            S[i] = rd * (float)(ls - 32);
+            break;
+        }
+        }
+    }
+}
+
+/* bit i: sub-block i (of 16 elements) takes table 1 of XTAB */
+static inline int x_extra16(int ti, const uint8_t *b) {
+    int m = 0;
+    if (ti == I_IQ4_KS)
+        for (int k = 0; k < 8; k++) m |= (b[k] & 1) * 3 << 2 * k;
+    else if (ti == I_IQ2_KS)
+        for (int k = 0; k < 8; k++) m |= (b[0] >> k & 1) * 3 << 2 * k;
+    else
+        m = X_EXTRA(ti) ? rd16(b + 2) : 0;
+    return m;
+}
+
+/* element e (0..255) of x-type super-block b: its index q, and its unsigned byte u */
+static inline int x_q(int ti, const uint8_t *b, int e) {
+    if (X_NIB64(ti)) {
+        const int q = b[X_QS(ti) + 32 * (e / 64) + e % 32];
+        return (e % 64 < 32 ? q & 0xF : q >> 4) | ((b[X_QH(ti) + e % 32] >> (e / 32)) & 1) << 4;
+    }
+    if (X_NIB(ti)) {
+        const int q = b[X_QS(ti) + 16 * (e / 32) + e % 16];
+        return e % 32 < 16 ? q & 0xF : q >> 4;
+    }
+    const int n = e / 128, j = e % 128 / 32, l = e % 32;
+    const int v = (b[X_QS(ti) + 32 * n + l] >> 2 * j) & 3;
+    return X_3BIT(ti) ? v | ((b[X_QH(ti) + l] >> (4 * n + j)) & 1) << 2 : v;
+}
+
+/* the 8 sign bits of IQ3_XXS's code k (0..3) of sub-block s: the code, its parity on top */
+static inline int xxs_signs(const uint8_t *b, int s, int k) {
+    uint32_t aux;
+    memcpy(&aux, b + 66 + 4 * s, 4);
+    const int c = (aux >> 7 * k) & 127;
+    return c | (__builtin_popcount(c) & 1) << 7;
+}
+
+static inline int x_value(int ti, const uint8_t *b, int e) {
+    if (X_GRID(ti)) {
+        const int g = (IQ3XXS_GRID[b[2 + e / 4]] >> 8 * (e % 4)) & 0xFF;
+        return xxs_signs(b, e / 32, e % 32 / 8) >> (e % 8) & 1 ? 64 - g : 64 + g;
+    }
+    if (X_PAIRS(ti)) {
+        const int s = e / 32, l = e % 32 / 2;
+        const int idx = ((b[6 + 16 * (s / 2) + l] >> 4 * (s % 2)) & 0xF) | ((b[70 + l] >> s) & 1) << 4;
+        return (KL_PAIRS[idx] >> 8 * (e % 2)) & 0xFF;
+    }
+    const int q = x_q(ti, b, e);
+    return X_TAB(ti) ? XTAB[ti][(x_extra16(ti, b) >> (e / 16)) & 1][q] : q;
+}
+
 /* float -> bf16, round to nearest even (quiet NaN kept) */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t b; memcpy(&b, &f, 4);
@@ -134,13 +338,22 @@ static inline uint16_t f32_to_bf16(float f) {
  * out. Same float operations as ggml's reference dequantizers, so bit-exact with them. */
 static void deq_scalar(int ti, const uint8_t *row, int64_t off, int n, float *out) {
     const int qk = TINFO[ti].qk, ts = TINFO[ti].ts;
-    const uint8_t *b = row + off / qk * ts;
+    const uint8_t *b = row + TINFO[ti].hdr + off / qk * ts;
+    const float rd = IS_X(ti) ? x_rowscale(ti, row) : 1.0f;
     switch (ti) {
     case I_F32: memcpy(out, row + off * 4, (size_t)n * 4); return;
     case I_F16: for (int i = 0; i < n; i++) out[i] = fp16_to_f32(rd16(row + (off + i) * 2)); return;
     case I_BF16: for (int i = 0; i < n; i++) out[i] = bf16_to_f32(rd16(row + (off + i) * 2)); return;
     }
     for (int o = 0; o < n; o += qk, b += ts, out += qk) {
+        if (IS_X(ti)) {   /* S (u - off) and S u - M: one rounding each as in ggml (S u is exact) */
+            float S[16], M[16];
+            x_scales(ti, b, rd, S, M);
+            for (int e = 0; e < 256; e++)
+                out[e] = X_MIN(ti) ? S[e / 16] * (float)x_value(ti, b, e) - M[e / 16]
+                                   : S[e / 16] * (float)(x_value(ti, b, e) - X_OFF(ti));
+            continue;
+        }
         switch (ti) {
         case I_Q4_0: case I_IQ4_NL: case I_MXFP4: {
             const float *kv = ti == I_Q4_0 ? KV_Q4_0 : ti == I_IQ4_NL ? KV_IQ4NL : KV_MXFP4;
@@ -243,8 +456,6 @@ static void kern_generic(int ti, int R, int NT, const uint8_t *const *w, const u
         }
 }
 
-#define IS_K(ti) ((ti) == I_Q4_K || (ti) == I_Q5_K || (ti) == I_Q6_K)
-
 /* the block holding 32-element unit `unit` of a row */
 HM_INLINE const uint8_t *unit_block(const int ti, const uint8_t *row, int64_t unit) {
     if (ti == I_F32 || ti == I_F16 || ti == I_BF16) return row + unit * 32 * TINFO[ti].ts;
@@ -284,12 +495,18 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
 #define KTABLE(NAME, P, FN) \
     KSHAPES(P, FN, I_F32) KSHAPES(P, FN, I_F16) KSHAPES(P, FN, I_BF16) KSHAPES(P, FN, I_Q4_0) \
     KSHAPES(P, FN, I_Q8_0) KSHAPES(P, FN, I_Q4_K) KSHAPES(P, FN, I_Q5_K) KSHAPES(P, FN, I_Q6_K) \
-    KSHAPES(P, FN, I_IQ4_NL) KSHAPES(P, FN, I_MXFP4) \
+    KSHAPES(P, FN, I_IQ4_NL) KSHAPES(P, FN, I_MXFP4) KSHAPES(P, FN, I_IQ4_XS) KSHAPES(P, FN, I_Q3_K) \
+    KSHAPES(P, FN, I_Q2_K) KSHAPES(P, FN, I_IQ4_KS) KSHAPES(P, FN, I_IQ4_K) KSHAPES(P, FN, I_IQ3_K) \
+    KSHAPES(P, FN, I_IQ2_K) KSHAPES(P, FN, I_IQ5_K) KSHAPES(P, FN, I_IQ2_KS) KSHAPES(P, FN, I_IQ2_KL) \
+    KSHAPES(P, FN, I_IQ3_XXS) \
     static const kern_fn NAME[N_TYPES][5][5] = { \
         [I_F32] = KTROW(P, I_F32), [I_F16] = KTROW(P, I_F16), [I_BF16] = KTROW(P, I_BF16), \
         [I_Q4_0] = KTROW(P, I_Q4_0), [I_Q8_0] = KTROW(P, I_Q8_0), [I_Q4_K] = KTROW(P, I_Q4_K), \
         [I_Q5_K] = KTROW(P, I_Q5_K), [I_Q6_K] = KTROW(P, I_Q6_K), [I_IQ4_NL] = KTROW(P, I_IQ4_NL), \
-        [I_MXFP4] = KTROW(P, I_MXFP4), };
+        [I_MXFP4] = KTROW(P, I_MXFP4), [I_IQ4_XS] = KTROW(P, I_IQ4_XS), [I_Q3_K] = KTROW(P, I_Q3_K), \
+        [I_Q2_K] = KTROW(P, I_Q2_K), [I_IQ4_KS] = KTROW(P, I_IQ4_KS), [I_IQ4_K] = KTROW(P, I_IQ4_K), \
+        [I_IQ3_K] = KTROW(P, I_IQ3_K), [I_IQ2_K] = KTROW(P, I_IQ2_K), [I_IQ5_K] = KTROW(P, I_IQ5_K), \
+        [I_IQ2_KS] = KTROW(P, I_IQ2_KS), [I_IQ2_KL] = KTROW(P, I_IQ2_KL), [I_IQ3_XXS] = KTROW(P, I_IQ3_XXS), };
 
 #if HM_AVX2
 
@@ -307,8 +524,12 @@ __attribute__((constructor)) static void init_f16_table(void) {
  * (Q4_K/Q5_K), or for 16-element sub-block j (Q6_K, 16 of each, m = 32 s). */
 typedef struct { float s[16], m[16]; } kscale;
 
-HM_INLINE void prep_k(const int ti, const uint8_t *b, kscale *ks) {
-    if (ti == I_Q4_K || ti == I_Q5_K) {
+HM_INLINE void prep_k(const int ti, const uint8_t *b, float rd, kscale *ks) {
+    if (IS_X(ti)) {   /* w = fma(u, s, -m): m = off s (exact) or Q2_K's min */
+        float M[16];
+        x_scales(ti, b, rd, ks->s, M);
+        for (int i = 0; i < 16; i++) ks->m[i] = (float)X_OFF(ti) * ks->s[i] + M[i];
+    } else if (ti == I_Q4_K || ti == I_Q5_K) {
         /* unpack the 12 packed bytes into 8 scales and 8 mins at once (SWAR on 32-bit words) */
         uint32_t a, c, e;
         memcpy(&a, b + 4, 4); memcpy(&c, b + 8, 4); memcpy(&e, b + 12, 4);
@@ -337,6 +558,57 @@ HM_INLINE void prep_k(const int ti, const uint8_t *b, kscale *ks) {
 static const int8_t KV8_Q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
 static const int8_t KV8_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static const int8_t KV8_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* unit u (32 elements) of x-type super-block b as unsigned bytes (16-bit shifts: the masks drop what crosses
+ * bytes) */
+HM_INLINE __m256i x_u32(const int ti, const uint8_t *b, const int u) {
+    __m256i q;
+    if (X_GRID(ti)) {
+        uint8_t v[32] __attribute__((aligned(32)));
+        for (int e = 0; e < 32; e++) v[e] = (uint8_t)x_value(ti, b, 32 * u + e);
+        return _mm256_load_si256((const __m256i *)v);
+    }
+    if (X_PAIRS(ti)) {   /* sub-block u: 16 pairs */
+        uint16_t pr[16] __attribute__((aligned(32)));
+        for (int l = 0; l < 16; l++)
+            pr[l] = KL_PAIRS[((b[6 + 16 * (u / 2) + l] >> 4 * (u % 2)) & 0xF) | ((b[70 + l] >> u) & 1) << 4];
+        return _mm256_load_si256((const __m256i *)pr);
+    }
+    if (X_NIB64(ti)) {   /* nibble u&1 of 32 bytes, bit u of qh[l] -> bit 4 */
+        const __m256i qs = _mm256_loadu_si256((const __m256i *)(b + X_QS(ti) + 32 * (u >> 1)));
+        q = _mm256_and_si256(u & 1 ? _mm256_srli_epi16(qs, 4) : qs, _mm256_set1_epi8(0x0F));
+        __m256i h = _mm256_loadu_si256((const __m256i *)(b + X_QH(ti)));
+        h = u <= 4 ? _mm256_slli_epi16(h, 4 - u) : _mm256_srli_epi16(h, u - 4);
+        q = _mm256_or_si256(q, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+        const int ex = x_extra16(ti, b) >> 2 * u;
+        /* 32-entry tables: two vpshufb and a blend on bit 4 */
+        const uint8_t *t0 = XTAB[ti][ex & 1], *t1 = XTAB[ti][(ex >> 1) & 1];
+        const __m256i lo = _mm256_set_m128i(_mm_load_si128((const __m128i *)t1), _mm_load_si128((const __m128i *)t0));
+        const __m256i hi = _mm256_set_m128i(_mm_load_si128((const __m128i *)(t1 + 16)),
+                                            _mm_load_si128((const __m128i *)(t0 + 16)));
+        const __m256i sel = _mm256_cmpeq_epi8(_mm256_and_si256(q, _mm256_set1_epi8(0x10)), _mm256_set1_epi8(0x10));
+        return _mm256_blendv_epi8(_mm256_shuffle_epi8(lo, q), _mm256_shuffle_epi8(hi, q), sel);
+    }
+    if (X_NIB(ti)) {
+        const __m128i m0f = _mm_set1_epi8(0x0F), qs = _mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 16 * u));
+        q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), m0f), _mm_and_si128(qs, m0f));
+    } else {
+        const int n = u >> 2, j = u & 3;
+        q = _mm256_loadu_si256((const __m256i *)(b + X_QS(ti) + 32 * n));
+        q = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3));
+        if (X_3BIT(ti)) {   /* bit 4n + j of qh[l] -> bit 2 */
+            const int k = 4 * n + j;
+            __m256i h = _mm256_loadu_si256((const __m256i *)(b + X_QH(ti)));
+            h = k >= 2 ? _mm256_srli_epi16(h, k - 2) : _mm256_slli_epi16(h, 2 - k);
+            q = _mm256_or_si256(q, _mm256_and_si256(h, _mm256_set1_epi8(4)));
+        }
+    }
+    if (!X_TAB(ti)) return q;
+    const int ex = x_extra16(ti, b) >> 2 * u;   /* the tables of this unit's two sub-blocks */
+    const __m256i tab = _mm256_set_m128i(_mm_load_si128((const __m128i *)XTAB[ti][(ex >> 1) & 1]),
+                                         _mm_load_si128((const __m128i *)XTAB[ti][ex & 1]));
+    return _mm256_shuffle_epi8(tab, q);
+}
 
 /* 32 bytes -> 4 x 8 floats, as signed or unsigned integers */
 HM_INLINE void bytes_to_ps(__m256i v, int sgn, __m256 *w) {
@@ -404,6 +676,12 @@ HM_INLINE void unpack32_avx2(const int ti, const uint8_t *b, const int u, const 
             w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[2 * u + i / 2]), _mm256_set1_ps(ks->m[2 * u + i / 2]));
         return;
     }
+    case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K:
+    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL: case I_IQ3_XXS:
+        bytes_to_ps(x_u32(ti, b, u), 0, w);
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[2 * u + i / 2]), _mm256_set1_ps(ks->m[2 * u + i / 2]));
+        return;
     }
 }
 
@@ -419,18 +697,25 @@ HM_INLINE void kern_avx2(const int ti, const int R, const int NT, const uint8_t 
     const int sup = IS_K(ti) ? 8 : 1;
     const int step = (ti == I_F32 || ti == I_F16 || ti == I_BF16) ? 32 * TINFO[ti].ts : TINFO[ti].ts;
     const pfreg pr = pf_regions(R, w, pf);
+    const uint8_t *wb[4];                 /* where the blocks start (x types: after a row header) */
+    float rd[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        wb[r] = w[r] + TINFO[ti].hdr;
+        rd[r] = IS_X(ti) ? x_rowscale(ti, w[r]) : 1.0f;
+    }
     const int64_t rb = K / (32 * sup) * step;
     kscale ks[4];
     for (int64_t o = 0, e0 = 0; o < rb; o += step, e0 += 32 * sup) {
         prefetch_step(pr, o, step);
         if (IS_K(ti))
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+            for (int r = 0; r < R; r++) prep_k(ti, wb[r] + o, rd[r], &ks[r]);
 #pragma GCC unroll 8
         for (int u = 0; u < sup; u++) {
             __m256 wv[4][4];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) unpack32_avx2(ti, w[r] + o, u, &ks[r], wv[r]);
+            for (int r = 0; r < R; r++) unpack32_avx2(ti, wb[r] + o, u, &ks[r], wv[r]);
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++)
 #pragma GCC unroll 4
@@ -467,12 +752,14 @@ static inline __m128i bf16_pack8(__m256 v) {
 }
 
 /* one row of K elements -> fp32 or bf16 */
-static void deq_row_avx2(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf16) {
+static void deq_row_avx2(int wi, const uint8_t *row, int64_t k0, int64_t K, void *dst, int to_bf16) {
+    const float rd = IS_X(wi) ? x_rowscale(wi, row) : 1.0f;
+    row += TINFO[wi].hdr + blk_bytes(wi, k0);
 #define DEQ2_CASE(TI) case TI: \
     for (int64_t g = 0; g < K / 32; g += IS_K(TI) ? 8 : 1) { \
         const uint8_t *b = unit_block(TI, row, g); \
         kscale ks; \
-        if (IS_K(TI)) prep_k(TI, b, &ks); \
+        if (IS_K(TI)) prep_k(TI, b, rd, &ks); \
         for (int u = 0; u < (IS_K(TI) ? 8 : 1); u++) { \
             __m256 wv[4]; \
             unpack32_avx2(TI, b, u, &ks, wv); \
@@ -572,6 +859,15 @@ HM_INLINE void unpack32(const int ti, const uint8_t *b, const int u, const kscal
         *w1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(qb), _mm512_set1_ps(ks->s[2 * u + 1]), _mm512_set1_ps(ks->m[2 * u + 1]));
         return;
     }
+    case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K:
+    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL: case I_IQ3_XXS: {
+        const __m256i q = x_u32(ti, b, u);
+        *w0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q))),
+                              _mm512_set1_ps(ks->s[2 * u]), _mm512_set1_ps(ks->m[2 * u]));
+        *w1 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1))),
+                              _mm512_set1_ps(ks->s[2 * u + 1]), _mm512_set1_ps(ks->m[2 * u + 1]));
+        return;
+    }
     }
 }
 
@@ -587,13 +883,20 @@ HM_INLINE void kern_avx(const int ti, const int R, const int NT, const uint8_t *
      * advance by the same offset o */
     const int step = (ti == I_F32 || ti == I_F16 || ti == I_BF16) ? 32 * TINFO[ti].ts : TINFO[ti].ts;
     const pfreg pr = pf_regions(R, w, pf);
+    const uint8_t *wb[4];                 /* where the blocks start (x types: after a row header) */
+    float rd[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        wb[r] = w[r] + TINFO[ti].hdr;
+        rd[r] = IS_X(ti) ? x_rowscale(ti, w[r]) : 1.0f;
+    }
     const int64_t rb = K / (32 * sup) * step;
     kscale ks[4];
     for (int64_t o = 0, e0 = 0; o < rb; o += step, e0 += 32 * sup) {
         prefetch_step(pr, o, step);
         if (IS_K(ti)) {
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+            for (int r = 0; r < R; r++) prep_k(ti, wb[r] + o, rd[r], &ks[r]);
             /* read the scales back from memory: broadcasts from memory are load-port work,
              * broadcasts from registers would compete with the permutes for shuffle ports */
             __asm__ volatile("" : : "r"(ks) : "memory");
@@ -602,7 +905,7 @@ HM_INLINE void kern_avx(const int ti, const int R, const int NT, const uint8_t *
         for (int u = 0; u < sup; u++) {
             __m512 wv[4][2];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) unpack32(ti, w[r] + o, u, &ks[r], &wv[r][0], &wv[r][1]);
+            for (int r = 0; r < R; r++) unpack32(ti, wb[r] + o, u, &ks[r], &wv[r][0], &wv[r][1]);
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {
                 __m512 xa = _mm512_loadu_ps(x[t] + e0 + 32 * u), xb = _mm512_loadu_ps(x[t] + e0 + 32 * u + 16);
@@ -859,6 +1162,9 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
  *     two chains, b ascending; the result is acc - accm.
  * - Q6_K (sub-block i of 16, S_i = d sc_i, v = q - 32):
  *     I_i = sum v X over the 16, acc = fma((float)I_i, S_i * xs_(i/2), acc).
+ * - x types (IQ4_XS, Q3_K, Q2_K, IQ4_KS, IQ4_K, IQ3_K, IQ2_K; sub-block i of 16, v = u - X_OFF, S_i, M_i as x_scales):
+ *     I_i = sum v X over the 16, acc = fma((float)I_i, S_i * xs_(i/2), acc), Q2_K: accm = fma(M_i, sx16_i, accm)
+ *     (sx16_i = xs sum X over the 16, quant_x8's sx16); the result is acc - accm.
  * One chain per (row, token) over the blocks in order: the integers are exact however a kernel sums them
  * (lanes, tiles), and the float steps are the same few roundings in the same order everywhere.
  */
@@ -917,6 +1223,23 @@ static float cdot_ref(int ti, const uint8_t *row, int64_t K, const xq8 *q) {
         return acc;
     }
     float accm = 0.0f;
+    if (IS_X(ti)) {
+        const float rd = x_rowscale(ti, row);
+        for (int64_t s = 0; s < K / 256; s++) {
+            const uint8_t *b = row + TINFO[ti].hdr + s * TINFO[ti].ts;
+            float S[16], M[16];
+            x_scales(ti, b, rd, S, M);
+            for (int i = 0; i < 16; i++) {
+                const int64_t e0 = 256 * s + 16 * i;
+                int32_t I = 0;
+                for (int l = 0; l < 16; l++)
+                    I += (x_value(ti, b, 16 * i + l) - X_OFF(ti)) * (256 * q->q1[e0 + l] + q->q2[e0 + l]);
+                acc = fmaf((float)I, S[i] * q->xsb[e0 / 32], acc);
+                if (X_MIN(ti)) accm = fmaf(M[i], q->sx16[e0 / 16], accm);
+            }
+        }
+        return acc - accm;
+    }
     for (int64_t s = 0; s < K / 256; s++) {
         const uint8_t *b = row + s * TINFO[ti].ts;
         float S[16], M[16];
@@ -939,6 +1262,8 @@ static float cdot_ref(int ti, const uint8_t *row, int64_t K, const xq8 *q) {
 #define GF_HI 0x1020408000000000ull
 #define GF_BIT(k) ((uint64_t)(1u << (k)) << 24)
 #define GF_2BITS(k) (GF_BIT(k) | (uint64_t)(1u << ((k) + 1)) << 16)   /* bits k, k+1 -> bits 4, 5 */
+#define GF_2LOW(k) ((uint64_t)(1u << (k)) << 56 | (uint64_t)(1u << ((k) + 1)) << 48)   /* bits k, k+1 -> 0, 1 */
+#define GF_TO2(k) ((uint64_t)(1u << (k)) << 40)                                       /* bit k -> bit 2 */
 
 typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res);
 /* an integer-path kernel FN(ti, R, ...) for every type and R of 1, 2, 4 rows, and the table NAME[type][R] */
@@ -960,7 +1285,6 @@ typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t
 #define IS_B32(ti) ((ti) == I_Q4_0 || (ti) == I_IQ4_NL || (ti) == I_MXFP4)
 #define B32_SHIFT(ti) ((ti) == I_IQ4_NL ? 4 : (ti) == I_MXFP4 ? 1 : 0)          /* offsets 128, 16, 8 */
 #define B32_QS(ti) ((ti) == I_MXFP4 ? 1 : 2)                                   /* where the nibbles start */
-static const uint8_t KU8_IQ4NL[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 static const uint8_t KU8_MXFP4[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
 #if HM_AVX2
 static float g_e8m0[256];                 /* MXFP4's block scales */
@@ -973,7 +1297,7 @@ __attribute__((constructor)) static void init_e8m0_table(void) {
 
 static int q8_type(int ti, int64_t K) {
     return K % 64 == 0 && (INT8_512 || INT8_256) &&
-           (IS_B32(ti) || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K || (ti == I_Q8_0 && INT8_512));
+           (IS_B32(ti) || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K || ((ti == I_Q8_0 || IS_X(ti)) && INT8_512));
 }
 
 #if HM_VNNI
@@ -1011,6 +1335,214 @@ HM_INLINE __m512i qc_b32(const int ti, const uint8_t *b0, const int ts) {
 HM_INLINE __m512i qc_dot(__m512i u, __m512i x1, __m512i x2) {
     const __m512i a = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x1), 8);
     return g_xterms > 1 ? _mm512_dpbusd_epi32(a, u, x2) : a;
+}
+
+/* x_extra16 in a few vector ops */
+HM_INLINE int x_extra16v(const int ti, const uint8_t *b) {
+    if (ti != I_IQ4_KS && ti != I_IQ2_KS) return X_EXTRA(ti) ? rd16(b + 2) : 0;
+    /* per 32 (IQ4_KS: bit 0 of the 8 scale bytes; IQ2_KS: the low byte at b), each twice for the sub-blocks of 16 */
+    const unsigned m = ti == I_IQ2_KS ? b[0] :
+        (unsigned)_mm_movemask_epi8(_mm_slli_epi16(_mm_loadl_epi64((const __m128i *)b), 7)) & 0xFF;
+#if defined(__BMI2__)
+    return (int)(_pdep_u32(m, 0x5555u) * 3);
+#else
+    int r = 0;
+    for (int k = 0; k < 8; k++) r |= (int)((m >> k) & 1) * 3 << 2 * k;
+    return r;
+#endif
+}
+
+/* 4 bits -> a byte mask of the 128-bit lanes they stand for */
+HM_INLINE __mmask64 lanes_mask(unsigned b4) {
+    return (((uint64_t)(b4 & 1) | (uint64_t)(b4 & 2) << 15 | (uint64_t)(b4 & 4) << 30 | (uint64_t)(b4 & 8) << 45) *
+            0xFFFFu);
+}
+
+/* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order (ex: x_extra16) */
+HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int ex) {
+    __m512i q;
+    if (X_GRID(ti)) {   /* sub-blocks 2c, 2c + 1: 16 grid entries (vpgatherdd), then 64 +- the magnitude */
+        const __m512i g = _mm512_i32gather_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c))),
+                                                 (const void *)IQ3XXS_GRID, 4);
+        uint64_t neg = 0;
+#if defined(__BMI2__)
+        {   /* the 8 codes (7 bits each, 4 in each sub-block's u32) spread to bytes, each byte's parity on top */
+            uint32_t a0, a1;
+            memcpy(&a0, b + 66 + 8 * c, 4);
+            memcpy(&a1, b + 70 + 8 * c, 4);
+            const uint64_t codes = _pdep_u64(a0, 0x7F7F7F7Full) | _pdep_u64(a1, 0x7F7F7F7Full) << 32;
+            uint64_t p = codes ^ (codes >> 4);
+            p ^= p >> 2;
+            p ^= p >> 1;
+            neg = codes | (p & 0x0101010101010101ull) << 7;
+        }
+#else
+        for (int k = 0; k < 8; k++) neg |= (uint64_t)xxs_signs(b, 2 * c + k / 4, k % 4) << 8 * k;
+#endif
+        const __m512i o = _mm512_set1_epi8(64);
+        return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
+    }
+    if (X_PAIRS(ti)) {   /* sub-blocks 2c, 2c + 1: 32 pair indices -> 32 u16 of two u each (vpermw) */
+        const __m128i m4 = _mm_set1_epi8(0x0F), b4 = _mm_set1_epi8(0x10);
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6 + 16 * c));
+        const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 70));
+        const __m128i i0 = _mm_or_si128(_mm_and_si128(qs, m4), _mm_and_si128(_mm_slli_epi16(_mm_srli_epi16(qh, 2 * c), 4), b4));
+        const __m128i i1 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), m4),
+                                        _mm_and_si128(_mm_slli_epi16(_mm_srli_epi16(qh, 2 * c + 1), 4), b4));
+        const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(i1, i0));
+        return _mm512_permutexvar_epi16(idx, _mm512_load_si512((const void *)KL_PAIRS));
+    }
+    if (X_NIB64(ti)) {   /* [qs, qs] -> [low nibbles, high nibbles], bits 2c, 2c + 1 of qh -> bit 4 */
+        const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
+        const __m512i mh = _mm512_set_epi64(GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1),
+                                            GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c));
+        q = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QS(ti) + 32 * c))), mqk, 0);
+        q = _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QH(ti)))), mh, 0));
+        /* 32-entry tables, two per extra bit: four vpshufb, merged by bit 4 and the lanes' extra bits */
+        const __mmask64 h = _mm512_test_epi8_mask(q, _mm512_set1_epi8(0x10)), e = lanes_mask((unsigned)(ex >> 4 * c) & 0xF);
+#define XT(k, o) _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(XTAB[ti][k] + (o))))
+        __m512i u = _mm512_shuffle_epi8(XT(0, 0), q);
+        u = _mm512_mask_shuffle_epi8(u, h & ~e, XT(0, 16), q);
+        u = _mm512_mask_shuffle_epi8(u, ~h & e, XT(1, 0), q);
+        return _mm512_mask_shuffle_epi8(u, h & e, XT(1, 16), q);
+#undef XT
+    }
+    if (X_NIB(ti)) {   /* 32-blocks 2c, 2c + 1: [qs0, qs0, qs1, qs1] -> nibbles [lo0, hi0, lo1, hi1] */
+        const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
+        q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 32 * c)));
+        q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 16 + 32 * c)));
+        q = _mm512_gf2p8affine_epi64_epi8(q, mq40, 0);
+    } else {
+        /* units 2(c&1), 2(c&1) + 1 of half c/2: the same 32 bytes of 2-bit fields, bit pairs j0, j0 + 1 */
+        const int n = c >> 1, j0 = 2 * (c & 1);
+        const __m512i m2 = _mm512_set_epi64(GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2),
+            GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0));
+        q = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QS(ti) + 32 * n))), m2, 0);
+        if (X_3BIT(ti)) {
+            const int k = 4 * n + j0;   /* qh bits k, k + 1 -> bit 2 */
+            const __m512i mh = _mm512_set_epi64(GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1),
+                                                GF_TO2(k), GF_TO2(k), GF_TO2(k), GF_TO2(k));
+            q = _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + X_QH(ti)))), mh, 0));
+        }
+    }
+    if (!X_TAB(ti)) return q;
+    const __m512i u = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)XTAB[ti][0])), q);
+    if (!X_EXTRA(ti)) return u;
+    return _mm512_mask_shuffle_epi8(u, lanes_mask((unsigned)(ex >> 4 * c) & 0xF),
+                                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)XTAB[ti][1])), q);
+}
+
+/* 8 bytes of nibbles -> the 16 nibbles in order (low, high of byte 0, ...) as int32 */
+HM_INLINE __m512i nibbles16(const uint8_t *p) {
+    const __m128i x = _mm_loadl_epi64((const __m128i *)p), m4 = _mm_set1_epi8(0x0F);
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+}
+
+/* x_scales of super-block b in vectors: S (and M, Q2_K's mins) of the 16 sub-blocks, the same floats */
+HM_INLINE void x_scales16(const int ti, const uint8_t *b, const float rd, __m512 *S, __m512 *M) {
+    *M = _mm512_setzero_ps();
+    switch (ti) {
+    case I_Q2_K: {
+        const __m128i v = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0F);
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b + 80)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4))));
+        *M = _mm512_mul_ps(_mm512_set1_ps(F16(b + 82)),
+                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4))));
+        return;
+    }
+    case I_Q3_K: {
+        /* low 4 bits: s[i] & 15 (i < 8), s[i - 8] >> 4; bits 4-5: bits 2(i/4) of s[8 + i%4] */
+        const __m128i x = _mm_loadl_epi64((const __m128i *)(b + 96)), m4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4));
+        uint32_t hw;
+        memcpy(&hw, b + 104, 4);
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)hw), _mm_setr_epi32(0, 2, 4, 6)),
+                                         _mm_set1_epi8(3));
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b + 108)), _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
+        return;
+    }
+    case I_IQ4_K: case I_IQ5_K: {   /* bits 4-5: bits 2(i%4) of sh[i/4] */
+        uint32_t hw;
+        memcpy(&hw, b + 4, 4);
+        const __m512i sh = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)hw),
+                                                                 _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(sh, _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
+                                                                                      0, 2, 4, 6)), _mm512_set1_epi32(3));
+        const __m512i ls = _mm512_or_si512(nibbles16(b + 8), _mm512_slli_epi32(hi, 4));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+        return;
+    }
+    case I_IQ3_K: {   /* (2 ls + 1), negated where bit i of the u16 at b + 4 is set */
+        const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(nibbles16(b + 6), 1), _mm512_set1_epi32(1));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(
+            _mm512_mask_sub_epi32(v, (__mmask16)rd16(b + 4), _mm512_setzero_si512(), v)));
+        return;
+    }
+    case I_IQ2_K:
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles16(b + 4), _mm512_set1_epi32(8))));
+        return;
+    }
+    /* IQ4_XS, IQ4_KS, IQ2_KS, IQ2_KL, IQ3_XXS: 8 scales of 32, each twice */
+    __m256 s8;
+    if (ti == I_IQ3_XXS) {   /* d (ls + 0.5) 0.5, ls the top 4 bits of each sub-block's u32 */
+        const __m256 ls = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + 66)), 28));
+        s8 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_add_ps(ls, _mm256_set1_ps(0.5f))),
+                           _mm256_set1_ps(0.5f));
+    } else if (ti == I_IQ2_KL) {   /* nibble s/4 of byte 2 + s%4, bits 4-5 from bits 2s of the u16 at b */
+        uint32_t lw;
+        memcpy(&lw, b + 2, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(rd16(b)),
+                                                              _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                            _mm256_set1_epi32(3));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(
+            _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32))));
+    } else if (ti == I_IQ2_KS) {   /* nibbles at b + 2, bit 4 from bits 8-15 of the u16 at b */
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(rd16(b)),
+                                                              _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)),
+                                            _mm256_set1_epi32(1));
+        uint32_t lw;
+        memcpy(&lw, b + 2, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(16));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(ls));
+    } else if (ti == I_IQ4_KS) {
+        const __m256i ls = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_loadl_epi64((const __m128i *)b),
+                                                                               _mm_set1_epi8((char)254))),
+                                            _mm256_set1_epi32(127));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(ls));
+    } else {   /* IQ4_XS: low 4 bits from the nibbles at b + 4, bits 4-5 from the u16 at b + 2 */
+        uint32_t lw;
+        memcpy(&lw, b + 4, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi16(_mm_set1_epi16((short)rd16(b + 2)),
+                                                        _mm_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14)), _mm_set1_epi16(3));
+        const __m256i ls = _mm256_sub_epi32(_mm256_cvtepu16_epi32(_mm_or_si128(lo, _mm_slli_epi16(hi, 4))),
+                                            _mm256_set1_epi32(32));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(ls));
+    }
+    *S = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(s8));
+}
+
+/* 4 rows' 16 values v[r] -> o[c] = [values 4c..4c+3 of rows 0-3]: lane 4L + r holds v[r][4c + L] */
+HM_INLINE void rows4_T(const __m512 *v, __m512 *o) {
+    const __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
+    const __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
+    const __m512 u0 = _mm512_shuffle_ps(t0, t2, 0x44), u1 = _mm512_shuffle_ps(t0, t2, 0xEE);
+    const __m512 u2 = _mm512_shuffle_ps(t1, t3, 0x44), u3 = _mm512_shuffle_ps(t1, t3, 0xEE);
+    const __m512 v0 = _mm512_shuffle_f32x4(u0, u1, 0x44), v1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
+    const __m512 v2 = _mm512_shuffle_f32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_f32x4(u2, u3, 0xEE);
+    o[0] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+    o[1] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+    o[2] = _mm512_shuffle_f32x4(v2, v3, 0x88);
+    o[3] = _mm512_shuffle_f32x4(v2, v3, 0xDD);
 }
 
 /* res[r * NT + t] = cdot_ref(row w[r], token xq[t]) for R rows (1, 2 or 4) and NT tokens (1-4), bit for bit:
@@ -1051,11 +1583,59 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
                 acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(i0), _mm_mul_ps(dw0, _mm_set1_ps(q->xsb[b])), acc[t]);
                 acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(i1), _mm_mul_ps(dw1, _mm_set1_ps(q->xsb[b + 1])), acc[t]);
             }
+        } else if (IS_X(ti)) {
+            /* scales (and Q2_K's mins) as [sub-block i][row] */
+            __m512 Sr[4], Mr[4], Sc[4], Mc[4];
+            int ex[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                if (r < R) {
+                    x_scales16(ti, w[r] + TINFO[ti].hdr + o, X_HDR(ti) ? x_rowscale(ti, w[r]) : 1.0f, &Sr[r], &Mr[r]);
+                    ex[r] = x_extra16v(ti, w[r] + TINFO[ti].hdr + o);
+                } else {
+                    Sr[r] = Mr[r] = _mm512_setzero_ps();
+                }
+            }
+            rows4_T(Sr, Sc);
+            if (X_MIN(ti)) {
+                float Mm[16][4] __attribute__((aligned(64)));
+                rows4_T(Mr, Mc);
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) _mm512_store_ps(Mm[4 * c], Mc[c]);
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++)
+#pragma GCC unroll 16
+                    for (int i = 0; i < 16; i++)
+                        accm[t] = _mm_fmadd_ps(_mm_load_ps(Mm[i]), _mm_set1_ps(xq[t]->sx16[e / 16 + i]), accm[t]);
+            }
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const int64_t j = e + 64 * c;
+                __m512i qv[4];
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) qv[r] = x_u64(ti, w[r] + TINFO[ti].hdr + o, c, ex[r]);
+                const __m512 sv = Sc[c];                            /* [sub-block 4c + L][row] */
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++) {
+                    const xq8 *q = xq[t];
+                    const __m512i x1 = _mm512_load_si512(q->q1 + j), x2 = _mm512_load_si512(q->q2 + j);
+                    __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
+                                             R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                    if (X_OFF(ti))
+                        l4 = _mm512_sub_epi32(l4, _mm512_slli_epi32(_mm512_load_si512(q->sxi4 + j / 4), X_OFF_SH(ti)));
+                    const __m512 f = _mm512_cvtepi32_ps(l4);
+                    const __m512 sc = _mm512_mul_ps(sv, _mm512_load_ps(q->xs + 16 * (j / 64)));
+                    acc[t] = _mm_fmadd_ps(_mm512_castps512_ps128(f), _mm512_castps512_ps128(sc), acc[t]);
+                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 1), _mm512_extractf32x4_ps(sc, 1), acc[t]);
+                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 2), _mm512_extractf32x4_ps(sc, 2), acc[t]);
+                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 3), _mm512_extractf32x4_ps(sc, 3), acc[t]);
+                }
+            }
         } else if (ti == I_Q6_K) {
             float Sm[16][4] __attribute__((aligned(64)));
             kscale ks[4];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, 1.0f, &ks[r]);
             for (int i = 0; i < 16; i++)
                 for (int r = 0; r < 4; r++) Sm[i][r] = r < R ? ks[r].s[i] : 0.0f;
             const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -1095,7 +1675,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
         } else {                                          /* Q4_K, Q5_K: 8 sub-blocks of 32 */
             kscale ks[4];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, &ks[r]);
+            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, 1.0f, &ks[r]);
             /* scales and mins as [sub-block j][row]: lanes 4j + r */
             float Sj[8][4] __attribute__((aligned(64))), Mj[8][4] __attribute__((aligned(64)));
             {
@@ -1172,10 +1752,15 @@ typedef void (*kqc_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_
     {0, kqc_##TI##_2_1, kqc_##TI##_2_2, kqc_##TI##_2_3, kqc_##TI##_2_4}, {0}, \
     {0, kqc_##TI##_4_1, kqc_##TI##_4_2, kqc_##TI##_4_3, kqc_##TI##_4_4} }
 KQCSHAPES(I_Q4_0) KQCSHAPES(I_Q8_0) KQCSHAPES(I_Q4_K) KQCSHAPES(I_Q5_K) KQCSHAPES(I_Q6_K) KQCSHAPES(I_IQ4_NL)
-KQCSHAPES(I_MXFP4)
+KQCSHAPES(I_MXFP4) KQCSHAPES(I_IQ4_XS) KQCSHAPES(I_Q3_K) KQCSHAPES(I_Q2_K) KQCSHAPES(I_IQ4_KS) KQCSHAPES(I_IQ4_K)
+KQCSHAPES(I_IQ3_K) KQCSHAPES(I_IQ2_K) KQCSHAPES(I_IQ5_K) KQCSHAPES(I_IQ2_KS) KQCSHAPES(I_IQ2_KL) KQCSHAPES(I_IQ3_XXS)
 static const kqc_fn KQC[N_TYPES][5][5] = {
     [I_Q4_0] = KQCROW(I_Q4_0), [I_Q8_0] = KQCROW(I_Q8_0), [I_Q4_K] = KQCROW(I_Q4_K), [I_Q5_K] = KQCROW(I_Q5_K),
-    [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4), };
+    [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4),
+    [I_IQ4_XS] = KQCROW(I_IQ4_XS), [I_Q3_K] = KQCROW(I_Q3_K), [I_Q2_K] = KQCROW(I_Q2_K),
+    [I_IQ4_KS] = KQCROW(I_IQ4_KS), [I_IQ4_K] = KQCROW(I_IQ4_K), [I_IQ3_K] = KQCROW(I_IQ3_K),
+    [I_IQ2_K] = KQCROW(I_IQ2_K), [I_IQ5_K] = KQCROW(I_IQ5_K), [I_IQ2_KS] = KQCROW(I_IQ2_KS),
+    [I_IQ2_KL] = KQCROW(I_IQ2_KL), [I_IQ3_XXS] = KQCROW(I_IQ3_XXS), };
 #endif /* HM_VNNI */
 
 #if HM_AVXVNNI
@@ -1225,7 +1810,7 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
             kscale ks[4];
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                prep_k(ti, w[r] + o, &ks[r]);
+                prep_k(ti, w[r] + o, 1.0f, &ks[r]);
                 accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m), _mm256_loadu_ps(xq->sx16 + e / 16), accm[r]);
                 accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m + 8), _mm256_loadu_ps(xq->sx16 + e / 16 + 8),
                                           accm[r]);
@@ -1260,7 +1845,7 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
             kscale ks[4];
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                prep_k(ti, w[r] + o, &ks[r]);
+                prep_k(ti, w[r] + o, 1.0f, &ks[r]);
                 accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m), sx, accm[r]);   /* the mins */
             }
 #pragma GCC unroll 4
@@ -1308,7 +1893,10 @@ KQTABLE(KQTAB2, kq2, kern_q8_256)
 #define INT8_DEFAULT_256_ ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_Q5_K) | (1u << I_Q6_K) | (1u << I_MXFP4))
 /* AVX-512 VNNI: every quantized type, Q8_0 and IQ4_NL too, so that every batch size computes the canonical
  * integer products (cdot_ref): prompts then give the same results however they are split. */
-#define INT8_DEFAULT_512 (INT8_DEFAULT_256_ | (1u << I_Q8_0) | (1u << I_IQ4_NL))
+#define INT8_DEFAULT_512 (INT8_DEFAULT_256_ | (1u << I_Q8_0) | (1u << I_IQ4_NL) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
+                          (1u << I_Q2_K) | (1u << I_IQ4_KS) | (1u << I_IQ4_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K) | \
+                          (1u << I_IQ5_K) | (1u << I_IQ2_KS) | (1u << I_IQ2_KL) | \
+                          (1u << I_IQ3_XXS))
 /* AVX-VNNI (dev VM, 1 thread, T=1, GB/s fp32 -> integer): Q4_0 7.2 -> 12.4, Q4_K 7.3 -> 11.2, Q5_K 8.4 -> 11.6,
  * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
  * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
@@ -1891,12 +2479,14 @@ static inline void store_bf16x32(uint16_t *p, __m512 lo, __m512 hi) {
 /* ------------------------------------------------------------------ dequantize
  * rows [nrows, row_bytes(K)] -> dst [nrows, K] as bf16 (to_bf16 = 1) or fp32; dst rows are
  * ldd elements apart. Used by the large-batch path (dequantize, then a bf16 GEMM). */
-static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf16) {
+static void deq_row(int wi, const uint8_t *row, int64_t k0, int64_t K, void *dst, int to_bf16) {
 #if HM_AVX2
-    if (g_simd == 1) { deq_row_avx2(wi, row, K, dst, to_bf16); return; }
+    if (g_simd == 1) { deq_row_avx2(wi, row, k0, K, dst, to_bf16); return; }
 #endif
 #if HM_AVX512
     if (g_simd == 2) {
+        const float rd = IS_X(wi) ? x_rowscale(wi, row) : 1.0f;
+        row += TINFO[wi].hdr + blk_bytes(wi, k0);
         float *df = (float *)dst;
         uint16_t *db = (uint16_t *)dst;
         if (wi == I_Q4_K && to_bf16) {   /* two units share each 32 bytes of nibbles: extend them once */
@@ -1904,7 +2494,7 @@ static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf1
             for (int64_t g = 0; g < K / 256; g++) {
                 const uint8_t *b = row + g * TINFO[I_Q4_K].ts;
                 kscale ks;
-                prep_k(I_Q4_K, b, &ks);
+                prep_k(I_Q4_K, b, 1.0f, &ks);
                 for (int p = 0; p < 4; p++) {
                     const __m512i qa = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 + 32 * p)));
                     const __m512i qb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 32 * p)));
@@ -1923,7 +2513,7 @@ static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf1
             for (int64_t g = 0; g < K / 32; g += IS_K(TI) ? 8 : 1) { \
                 const uint8_t *b = unit_block(TI, row, g); \
                 kscale ks; \
-                if (IS_K(TI)) prep_k(TI, b, &ks); \
+                if (IS_K(TI)) prep_k(TI, b, rd, &ks); \
                 for (int u = 0; u < (IS_K(TI) ? 8 : 1); u++) { \
                     __m512 w0, w1; \
                     unpack32(TI, b, u, &ks, &w0, &w1); \
@@ -1942,10 +2532,10 @@ static void deq_row(int wi, const uint8_t *row, int64_t K, void *dst, int to_bf1
     for (int64_t off = 0; off < K; off += CHUNK) {
         const int n = (int)(K - off < CHUNK ? K - off : CHUNK);
         if (to_bf16) {
-            deq_scalar(wi, row, off, n, buf);
+            deq_scalar(wi, row, k0 + off, n, buf);
             for (int i = 0; i < n; i++) ((uint16_t *)dst)[off + i] = f32_to_bf16(buf[i]);
         } else {
-            deq_scalar(wi, row, off, n, (float *)dst + off);
+            deq_scalar(wi, row, k0 + off, n, (float *)dst + off);
         }
     }
 }
@@ -1968,7 +2558,7 @@ int hm_dequant(const uint8_t *w, const uint8_t *w2, int wtype, int64_t nrows, in
             for (; rp < r1 && rp <= r + lead; rp++)
                 prefetch_range(rp < nrows ? w + rp * rb : w2 + (rp - nrows) * rb, rb);
             const uint8_t *src = r < nrows ? w + r * rb : w2 + (r - nrows) * rb;
-            deq_row(wi, src, K, (char *)dst + r * ldd * esz, to_bf16);
+            deq_row(wi, src, 0, K, (char *)dst + r * ldd * esz, to_bf16);
         }
     }
     return 0;
@@ -2258,10 +2848,10 @@ static void tile_step(int mode, int ti, const uint8_t *w0, const uint8_t *w1, in
                       const uint32_t *B, int64_t bstride, int nb, uint16_t *Ac, float *C, pfq *pq) {
     const int64_t passes = (K + TILE_KC - 1) / TILE_KC, lines = (pfq_left(pq) + passes - 1) / passes;
     for (int64_t k0 = 0; k0 < K; k0 += TILE_KC) {
-        const int64_t kc = K - k0 < TILE_KC ? K - k0 : TILE_KC, bo = row_bytes(ti, k0);
+        const int64_t kc = K - k0 < TILE_KC ? K - k0 : TILE_KC;
         for (int m = 0; m < 32; m++) {
             pfq_run(pq, (lines + 63) / 64);
-            deq_row(ti, (m < 16 ? w0 + m * rb : w1 + (m - 16) * rb) + bo, kc, Ac + m * TILE_LDA, 1);
+            deq_row(ti, m < 16 ? w0 + m * rb : w1 + (m - 16) * rb, k0, kc, Ac + m * TILE_LDA, 1);
         }
         tile_product(mode, Ac, Ac + 16 * TILE_LDA, TILE_LDA, B + k0 / 2 * 16, bstride, nb, kc, C, k0 > 0, pq,
                      lines / 2);
@@ -2411,7 +3001,19 @@ static void a8_unpack_row(int ti, const uint8_t *row, int64_t k0, int64_t kc, in
     for (int64_t e = 0; e < kc; e += 256) {
         const uint8_t *b = row + (k0 + e) / 256 * ts;
         kscale ks;
-        prep_k(ti, b, &ks);
+        prep_k(ti, b, 1.0f, &ks);
+        if (IS_X(ti)) {   /* u - X_OFF, scales per 16 */
+            const uint8_t *xb = row + TINFO[ti].hdr + (k0 + e) / 256 * ts;
+            float S[16] __attribute__((aligned(64)));
+            __m512 Sv, Mv;
+            x_scales16(ti, xb, X_HDR(ti) ? x_rowscale(ti, row) : 1.0f, &Sv, &Mv);
+            _mm512_store_ps(S, Sv);
+            for (int i = 0; i < 16; i++) ws[(e / 16 + i) * 32] = S[i];
+            const int ex = x_extra16v(ti, xb);
+            for (int c = 0; c < 4; c++)
+                _mm512_storeu_si512(A + e + 64 * c, _mm512_sub_epi8(x_u64(ti, xb, c, ex), _mm512_set1_epi8((char)X_OFF(ti))));
+            continue;
+        }
         if (ti == I_Q6_K) {
             const __m512i m4 = _mm512_set1_epi8(0x0F), o32 = _mm512_set1_epi8(32);
             for (int i = 0; i < 16; i++) ws[(e / 16 + i) * 32] = ks.s[i];
@@ -2468,7 +3070,7 @@ static void a8_unpack_row(int ti, const uint8_t *row, int64_t k0, int64_t kc, in
  * the operand tiles instead, the sums single: 10% slower in the model, 2026-11-25.) */
 static void a8_chain(int ti, const int8_t *A, const float *ws, const uint8_t *tb, int64_t K, int64_t k0, int64_t kc,
                      float *c, int acc_in, pfq *pq, int64_t per) {
-    const int q6 = ti == I_Q6_K, us = ti == I_Q4_K || ti == I_Q5_K;
+    const int q6 = SB16(ti), us = ti == I_Q4_K || ti == I_Q5_K;
     const int two = g_xterms > 1;                          /* one term: q2 = 0, its tiles skipped */
     const int8_t *B1 = (const int8_t *)tb, *B2 = B1 + 16 * K;
     const float *xs = (const float *)(tb + 32 * K);
@@ -2584,7 +3186,7 @@ static int canon_type(int ti, int64_t K) {
  * path (the canonical products) */
 static int tile_q8(int mode, int ti, int64_t K) {
 #if HM_AMX8
-    return mode == TILE_AMX && QC_MULTI && (INT8_MASK >> ti & 1) && q8_type(ti, K);
+    return mode == TILE_AMX && QC_MULTI && (INT8_MASK >> ti & 1) && q8_type(ti, K) && !X_MIN(ti);
 #else
     (void)mode; (void)ti; (void)K;
     return 0;
@@ -2621,7 +3223,7 @@ static int tile_mm_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, in
     {
         const int tid = omp_get_thread_num();
         const a8_bufs bf = a8_layout(scr + (size_t)tid * scratch, K, TG);
-        amx8_config(wi == I_Q6_K);
+        amx8_config(SB16(wi));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             qrows_quant(&xr, t, x + t * K, bf.xq);
@@ -2708,7 +3310,7 @@ static int moe_tile_q8(const float *x, int64_t T, int64_t H, const int32_t *ids,
             pack_tb(xb + b * tbx, &xr, ptok + i0, cn < 16 ? (int)cn : 16);
         }
         /* ---- stage 1: units (expert, TILE_S1_STEPS x 16 rows of F), claimed one ahead (as moe_tile_act) */
-        amx8_config(gi == I_Q6_K);
+        amx8_config(SB16(gi));
         {
             int64_t u = claim(&ctr1), un = claim(&ctr1);
             if (u < NU) {
@@ -2767,7 +3369,7 @@ static int moe_tile_q8(const float *x, int64_t T, int64_t H, const int32_t *ids,
             pack_tb(hb + b * tbh, &hr, pidx + i0, cn < 16 ? (int)cn : 16);
         }
         /* ---- stage 2: units of TILE_S2_ROWS rows of H, every active expert in ascending order */
-        amx8_config(di == I_Q6_K);
+        amx8_config(SB16(di));
         {
             int64_t v = claim(&ctr2), vn = claim(&ctr2);
             if (v < NV && na > 0) {
@@ -3861,6 +4463,48 @@ int hm_prompt_step(const hm_dmodel *m, const int64_t *tokens, int64_t T, int64_t
 /* ------------------------------------------------------------------ info */
 
 int hm_type_supported(int id) { return type_index(id) >= 0; }
+
+/* An _R4 / _R8 tensor's rows back to its base type's rows (the inverse of ik_llama.cpp's repacking, -rtr), so
+ * they take the base type's kernels. src: ngroups groups of R interleaved rows (R hdr-byte row headers, then nb
+ * chunks of R bb-byte blocks); each chunk is a fixed bit permutation of the R base blocks, given as gather
+ * tables (quant/ref_interleaved.py derives them from the packing code): whole bytes out[cj] = in[cs], and runs
+ * of bits seg[i] = {dst byte, src byte, right shift, mask, left shift}: out[d] |= ((in[s] >> r) & m) << l.
+ * dst: the rows in order, hdr + nb * bb bytes each. */
+int hm_deinterleave(const uint8_t *src, uint8_t *dst, int64_t ngroups, int R, int64_t nb, int bb, int hdr,
+                    const int64_t *cj, const int64_t *cs, int64_t ncj, const int64_t *seg, int64_t nseg,
+                    int nthreads) {
+    if (ngroups < 0 || R < 1 || nb < 1 || bb < 1 || hdr < 0) return -1;
+    const int64_t rb = hdr + nb * bb, gb = (int64_t)R * rb;
+    const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+    int bad = 0;
+#pragma omp parallel num_threads(nth)
+    {
+        uint8_t *out = malloc((size_t)R * bb);
+        if (!out) {
+#pragma omp atomic write
+            bad = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < ngroups; g++) {
+            if (!out) continue;
+            const uint8_t *in = src + g * gb;
+            uint8_t *rows = dst + g * gb;
+            for (int r = 0; r < R; r++) memcpy(rows + r * rb, in + r * hdr, (size_t)hdr);
+            for (int64_t k = 0; k < nb; k++) {
+                const uint8_t *x = in + (int64_t)R * hdr + k * R * bb;
+                memset(out, 0, (size_t)R * bb);
+                for (int64_t i = 0; i < ncj; i++) out[cj[i]] = x[cs[i]];
+                for (int64_t i = 0; i < nseg; i++) {
+                    const int64_t *sg = seg + 5 * i;
+                    out[sg[0]] |= (uint8_t)(((x[sg[1]] >> sg[2]) & sg[3]) << sg[4]);
+                }
+                for (int r = 0; r < R; r++) memcpy(rows + r * rb + hdr + k * bb, out + r * bb, (size_t)bb);
+            }
+        }
+        free(out);
+    }
+    return bad ? -2 : 0;
+}
 
 /* whether single-token rows of this ggml type take the integer path now (this CPU, path and setting) */
 int hm_int8_type(int id) {

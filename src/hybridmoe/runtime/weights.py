@@ -120,8 +120,12 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
         for name, info in model.tensors.items():
             dev = devices[placement.device_of[name]]
             raw = model.raw(info).view(byte_shape(info.shape, info.qtype))
-            split = False
+            split, qtype = False, info.qtype
             if dev.kind == "cpu":
+                if interleave(qtype) > 1 and len(info.shape) > 1:
+                    # _R4 / _R8 rows repacked into their base type's where the CPU kernels read that
+                    from ..kernels.cpu import plain_rows
+                    raw, qtype = plain_rows(raw, qtype, info.shape[-1])
                 if arena is not None and "_exps." in name:
                     raw = arena.take(raw)
                 elif pin_host and "_exps." in name:
@@ -131,7 +135,7 @@ def load_weights(model, placement, devices: dict[str, Device], pin_host: bool | 
                 if split_ok and (("_exps." in name and len(info.shape) == 3) or _DENSE_SPLIT.search(name)) \
                         and can_split(info.qtype, info.shape[-1]):
                     raw, split = split_rows(raw, info.qtype), True
-            out[name] = QTensor(name, raw, info.qtype, info.shape, dev, split)
+            out[name] = QTensor(name, raw, qtype, info.shape, dev, split)
             if copied(name):
                 bar.advance(info.nbytes)
     if arena is not None and pin_host and not arena.pin():
