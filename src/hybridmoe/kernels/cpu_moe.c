@@ -3171,24 +3171,36 @@ static void gv_range(const gv_part *p, const int64_t *start, int np, int64_t K, 
     }
 }
 
+/* the parts laid end to end: start [np + 1] (part i's rows from start[i]); returns whether any part takes x
+ * quantized (the integer path) */
+static int gv_starts(const gv_part *p, int np, int64_t *start) {
+    int q8 = 0;
+    start[0] = 0;
+    for (int i = 0; i < np; i++) { start[i + 1] = start[i] + p[i].n; q8 |= p[i].q8; }
+    return q8;
+}
+
+/* one thread's share of a product inside a parallel region: chunks of GV_CHUNK rows claimed from *ctr (0 at
+ * the start of the product, shared by the team) until none are left */
+static void gemv_team(const gv_part *p, const int64_t *start, int np, int64_t K, const float *x, const xq8 *xq,
+                      int64_t *ctr) {
+    const int64_t N = start[np], nc = (N + GV_CHUNK - 1) / GV_CHUNK;
+    int64_t cur = claim(ctr), nxt = claim(ctr);
+    for (int cold = 1; cur < nc; cold = 0, cur = nxt, nxt = claim(ctr)) {
+        int64_t g0, g1, n0, n1;
+        chunk_range(cur, GV_CHUNK, N, &g0, &g1);
+        chunk_range(nxt, GV_CHUNK, N, &n0, &n1);
+        gv_range(p, start, np, K, x, xq, g0, g1, n0, n1, cold);
+    }
+}
+
 /* out of each part = its rows . x (K columns); xq: room for x quantized (integer-path parts) */
 static void gemv_run(const gv_part *p, int np, int64_t K, const float *x, const xq8 *xq, int nth) {
-    int64_t start[5] = {0};
-    int q8 = 0;
-    for (int i = 0; i < np; i++) { start[i + 1] = start[i] + p[i].n; q8 |= p[i].q8; }
-    if (q8) quant_x8(x, 0, K / 32, xq);
-    const int64_t N = start[np], nc = (N + GV_CHUNK - 1) / GV_CHUNK;
+    int64_t start[5];
+    if (gv_starts(p, np, start)) quant_x8(x, 0, K / 32, xq);
     int64_t ctr = 0;
 #pragma omp parallel num_threads(nth)
-    {
-        int64_t cur = claim(&ctr), nxt = claim(&ctr);
-        for (int cold = 1; cur < nc; cold = 0, cur = nxt, nxt = claim(&ctr)) {
-            int64_t g0, g1, n0, n1;
-            chunk_range(cur, GV_CHUNK, N, &g0, &g1);
-            chunk_range(nxt, GV_CHUNK, N, &n0, &n1);
-            gv_range(p, start, np, K, x, xq, g0, g1, n0, n1, cold);
-        }
-    }
+    gemv_team(p, start, np, K, x, xq, &ctr);
 }
 
 static inline float dotf(const float *a, const float *b, int64_t n) {
@@ -3284,7 +3296,7 @@ static inline void axpy_rows(float *acc, const float *e, const float *v, int64_t
  * head g, run c of CH positions; att_runs) keep per query head of the group [max, sum, acc[D]] (att_task);
  * each block of ATT_SB positions is converted to float32 once for the group, scored for one head at a time,
  * and added in with one rescale per block (an online softmax by blocks); att_merge combines the runs per
- * head. The runs depend only on P, so a query's result is the same in a decode step (attend1) and in a
+ * head. The runs depend only on P, so a query's result is the same in a decode step (attn_block) and in a
  * prompt or a batch (attend_batch): both run these two functions. */
 static void att_runs(int64_t P, int64_t *nch, int64_t *CH) {
     int64_t ch = ATT_SB;                          /* runs of ATT_SB 2^s positions, aligned: blocks never straddle */
@@ -3423,23 +3435,6 @@ __attribute__((noinline)) static void att_merge(const hm_dmodel *m, const float 
     for (int64_t d = 0; d < D; d++) oh[d] *= il;
 }
 
-/* one query token (q [nh, D], roped) against positions [0, P) of layer L's cache -> o [nh, D] */
-static void attend1(const hm_dmodel *m, const hm_dlayer *L, const float *q, int64_t P, float *part, float *o,
-                    int nth) {
-    const int64_t nkv = m->nkv, G = m->nh / m->nkv, W = m->D + 2;
-    int64_t nch, CH;
-    att_runs(P, &nch, &CH);
-#pragma omp parallel num_threads(nth)
-    {
-        float kf[ATT_SB * DEC_MAXD] __attribute__((aligned(64))), vf[ATT_SB * DEC_MAXD];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < nkv * nch; t++)
-            att_task(m, L, q, P, t / nch, t % nch, CH, part + t * G * W, kf, vf);
-#pragma omp for schedule(static)
-        for (int64_t h = 0; h < m->nh; h++) att_merge(m, part, nch, h, o + h * m->D);
-    }
-}
-
 /* softmax over the router's E logits, the top k (ties: lower id), renormalized if asked, times scale */
 static void route_softmax(const float *l, int64_t E, int64_t k, int norm, float scale, int32_t *ids, float *w) {
     float mx = -INFINITY, sum = 0, sel = 0;
@@ -3481,13 +3476,78 @@ int64_t hm_decode_scratch(const hm_dmodel *m) {
     return dec_layout(m, NULL, &b);
 }
 
+/* A decode layer's first half in one parallel region: q/k/v = h W (h: x normed), their norms, RoPE and the cache
+ * write at pos (one thread), attention over positions [0, pos], y = att W_o, and with routed experts x += y,
+ * h = ffn_norm(x) and the router's logits rl = h W_r. Each step, and every value, is the one the separate
+ * calls (gemv_run, and the attention's att_task / att_merge) compute; the team only meets at barriers between them instead of entering a
+ * region for each (a region costs a wake-up of the workers, a barrier far less where they still spin).
+ * times (NULL: none): [0] += products, [1] += attention, from the stamps of thread 0 at the barriers. */
+static void attn_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b, int64_t pos, const float *cs,
+                       const float *sn, int nth, double *times) {
+    const int64_t H = m->H, D = m->D, nh = m->nh, nkv = m->nkv, nq = nh * D, nk = nkv * D, S = m->slots;
+    const int64_t G = nh / nkv, W = D + 2, P = pos + 1;
+    float *q = b->qkv, *k = b->qkv + nq, *v = b->qkv + nq + nk;
+    const gv_part pqkv[3] = {gv_mk(&L->q, H, q), gv_mk(&L->k, H, k), gv_mk(&L->v, H, v)};
+    const gv_part po = gv_mk(&L->o, nq, b->y), pr = gv_mk(&L->router, H, b->rl);
+    int64_t s_qkv[4], s_o[2], s_r[2], ctr[3] = {0, 0, 0};
+    const int q8_qkv = gv_starts(pqkv, 3, s_qkv), q8_o = gv_starts(&po, 1, s_o);
+    const int router = L->router.rows > 0, q8_r = router && gv_starts(&pr, 1, s_r);
+    int64_t nch, CH;
+    att_runs(P, &nch, &CH);
+    double t0 = times ? hm_now() : 0, t1 = t0, t2 = t0;
+    if (q8_qkv) quant_x8(b->h, 0, H / 32, &b->xq);
+#pragma omp parallel num_threads(nth)
+    {
+        gemv_team(pqkv, s_qkv, 3, H, b->h, &b->xq, &ctr[0]);
+#pragma omp barrier
+        if (times && omp_get_thread_num() == 0) t1 = hm_now();
+#pragma omp single
+        {
+            for (int64_t i = 0; L->q_norm && i < nh; i++) rmsnorm(q + i * D, L->q_norm, D, m->eps, q + i * D);
+            for (int64_t i = 0; L->k_norm && i < nkv; i++) rmsnorm(k + i * D, L->k_norm, D, m->eps, k + i * D);
+            rope_heads(q, nh, D, cs, sn, m->neox);
+            rope_heads(k, nkv, D, cs, sn, m->neox);
+            for (int64_t g = 0; g < nkv; g++) {
+                kv_store(m->kv_type, L->kc, (g * S + pos) * D, D, k + g * D);
+                kv_store(m->kv_type, L->vc, (g * S + pos) * D, D, v + g * D);
+            }
+        }
+        float kf[ATT_SB * DEC_MAXD] __attribute__((aligned(64))), vf[ATT_SB * DEC_MAXD];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < nkv * nch; t++)
+            att_task(m, L, q, P, t / nch, t % nch, CH, b->part + t * G * W, kf, vf);
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < nh; h++) att_merge(m, b->part, nch, h, b->att + h * D);
+#pragma omp single
+        {
+            if (times) t2 = hm_now();
+            if (q8_o) quant_x8(b->att, 0, nq / 32, &b->xq);
+        }
+        gemv_team(&po, s_o, 1, nq, b->att, &b->xq, &ctr[1]);
+        if (router) {
+#pragma omp barrier
+#pragma omp single
+            {
+                for (int64_t i = 0; i < H; i++) b->x[i] += b->y[i];
+                rmsnorm(b->x, L->ffn_norm, H, m->eps, b->h);
+                if (q8_r) quant_x8(b->h, 0, H / 32, &b->xq);
+            }
+            gemv_team(&pr, s_r, 1, H, b->h, &b->xq, &ctr[2]);
+        }
+    }
+    if (times) {
+        times[0] += (t1 - t0) + (hm_now() - t2);
+        times[1] += t2 - t1;
+    }
+}
+
 /* Decode one token at position pos: logits [n_vocab] = the model on token, its keys and values written to
  * the cache at pos. cs / sn: RoPE cos and sin [D] of pos. times (NULL: none) += seconds in matrix-vector
  * products [0], attention [1], routed experts [2]. Returns 0; -1 for a token or position out of range;
  * the expert kernel's error otherwise. Shapes and types are checked by the caller (cpu_decode.py). */
 int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *cs, const float *sn,
                    float *logits, double *times) {
-    const int64_t H = m->H, D = m->D, nh = m->nh, nkv = m->nkv, nq = nh * D, nk = nkv * D, S = m->slots;
+    const int64_t H = m->H, D = m->D, S = m->slots;
     const int nth = m->nthreads > 0 ? m->nthreads : omp_get_max_threads();
     if (token < 0 || token >= m->embd.rows || pos < 0 || pos >= S || D > DEC_MAXD) return -1;
     dec_bufs b;
@@ -3499,36 +3559,17 @@ int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *
     deq_scalar(ei, m->embd.w + token * row_bytes(ei, H), 0, (int)H, b.x);
     for (int64_t l = 0; l < m->n_layer; l++) {
         const hm_dlayer *L = m->layers + l;
-        float *q = b.qkv, *k = b.qkv + nq, *v = b.qkv + nq + nk;
         rmsnorm(b.x, L->attn_norm, H, m->eps, b.h);
-        const gv_part pqkv[3] = {gv_mk(&L->q, H, q), gv_mk(&L->k, H, k), gv_mk(&L->v, H, v)};
-        UNTIMED();
-        gemv_run(pqkv, 3, H, b.h, &b.xq, nth);
-        LAP(0);
-        for (int64_t i = 0; L->q_norm && i < nh; i++) rmsnorm(q + i * D, L->q_norm, D, m->eps, q + i * D);
-        for (int64_t i = 0; L->k_norm && i < nkv; i++) rmsnorm(k + i * D, L->k_norm, D, m->eps, k + i * D);
-        rope_heads(q, nh, D, cs, sn, m->neox);
-        rope_heads(k, nkv, D, cs, sn, m->neox);
-        for (int64_t g = 0; g < nkv; g++) {
-            kv_store(m->kv_type, L->kc, (g * S + pos) * D, D, k + g * D);
-            kv_store(m->kv_type, L->vc, (g * S + pos) * D, D, v + g * D);
+        attn_block(m, L, &b, pos, cs, sn, nth, times);   /* with routed experts: up to the router's logits */
+        if (!L->router.rows) {
+            for (int64_t i = 0; i < H; i++) b.x[i] += b.y[i];
+            rmsnorm(b.x, L->ffn_norm, H, m->eps, b.h);
         }
-        UNTIMED();
-        attend1(m, L, q, pos + 1, b.part, b.att, nth);
-        LAP(1);
-        const gv_part po = gv_mk(&L->o, nq, b.y);
-        gemv_run(&po, 1, nq, b.att, &b.xq, nth);
-        LAP(0);
-        for (int64_t i = 0; i < H; i++) b.x[i] += b.y[i];
-        rmsnorm(b.x, L->ffn_norm, H, m->eps, b.h);
         float *ffo = b.y;
         if (L->router.rows) {
             int32_t ids[64];
             float wts[64];
-            const gv_part pr = gv_mk(&L->router, H, b.rl);
             UNTIMED();
-            gemv_run(&pr, 1, H, b.h, &b.xq, nth);
-            LAP(0);
             route_softmax(b.rl, L->router.rows, m->k, m->norm_topk, m->wscale, ids, wts);
             UNTIMED();
             const int rc = moe_ffn_act(b.h, 1, H, ids, wts, m->k, L->gate_exps.w, L->up_exps.w, L->gate_exps.type,
