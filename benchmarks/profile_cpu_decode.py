@@ -9,7 +9,12 @@ products per kind (q/k/v, output, router, the head) through the same kernels, an
 random a layer), each with its bytes, GB/s and share of the RAM read rate measured now. Wall time and the
 process's CPU time are both given: on a loaded machine, CPU time / wall shows how much the threads ran.
 
-    python benchmarks/profile_cpu_decode.py [-m FILE] [-t 2] [-n 64] [--reps 20]
+    python benchmarks/profile_cpu_decode.py [-m FILE] [-t 2] [-n 64] [--reps 20] [--against SRC [--rounds 40]]
+
+--against SRC: instead, an A/B of the C step in one process: this tree's kernel library and the one built from
+another source tree (e.g. the commit before a change, `git archive BASE src | tar -x -C /tmp/base`), both
+called on the same model structs and cache, alternating every -n tokens for --rounds rounds; the median
+ratio of their times is robust to load that changes over seconds (both see it), unlike separate runs.
 
 Default file: the 4-layer Qwen3-30B-A3B slice of benchmarks/vs_llamacpp_cpu.py (Q4_0 experts).
 """
@@ -45,6 +50,8 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("-n", type=int, default=64, help="decode steps per measurement (default 64)")
     ap.add_argument("--reps", type=int, default=20, help="calls per part measured alone (default 20)")
+    ap.add_argument("--against", default=None, metavar="SRC", help="A/B the C step against SRC's kernel library")
+    ap.add_argument("--rounds", type=int, default=40, help="A/B rounds (default 40)")
     args = ap.parse_args()
     import hybridmoe
     from hybridmoe.kernels import cpu
@@ -60,6 +67,8 @@ def main() -> int:
     cfg, layers = m.cfg, m.decoder.layers
     kv = m.new_cache(args.n + 64)
     dec = CpuDecoder(m, kv)
+    if args.against:
+        return ab(dec, args)
     bw = ram_read_now(reps=3)
     print(f"{args.model}: {cfg.n_layer} layers, -t {T}, kernels {cpu.simd()}; RAM read now {bw / 1e9:.1f} GB/s")
 
@@ -142,6 +151,47 @@ def main() -> int:
           f"  CPU {c / s:.2f} cores")
     print(f"  parts alone: {total_b / 2**20:.1f} MiB in {total_s * 1e3:.3f} ms ({total_b / total_s / 1e9:.1f} GB/s); "
           f"the C step {step_s * 1e3:.3f} ms ({total_b / step_s / 1e9:.1f} GB/s)")
+    return 0
+
+
+def other_lib(src: str):
+    """The kernel library of the source tree src (built, or found in the kernel cache, by its own cpu.py)."""
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", "from hybridmoe.kernels import cpu; print(cpu._build())"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=src), check=True)
+    lib = ctypes.CDLL(r.stdout.strip().splitlines()[-1])
+    lib.hm_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
+    lib.hm_decode_step.restype = ctypes.c_int32
+    return lib
+
+
+def ab(dec, args) -> int:
+    """This tree's hm_decode_step against another tree's, alternating on the same structs and cache."""
+    other = other_lib(args.against)
+    out = torch.empty(1, dec.n_vocab)
+    times = (ctypes.c_double * 3)()
+    m = dec.model
+    kv = dec.kv
+    m.forward(torch.arange(1, 33), 0, kv, all_logits=False)
+
+    def run(lib):
+        t0 = time.perf_counter()
+        for i in range(args.n):
+            cos, sin = dec._cos_sin(32 + i)
+            if lib.hm_decode_step(dec.mp, 7 + i, 32 + i, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), times):
+                raise RuntimeError("hm_decode_step failed")
+        return (time.perf_counter() - t0) / args.n
+    ratios, a_t, b_t = [], [], []
+    for r in range(args.rounds):
+        pair = [(dec.lib, a_t), (other, b_t)]
+        for lib, acc in (pair if r % 2 else pair[::-1]):
+            acc.append(run(lib))
+        ratios.append(b_t[-1] / a_t[-1])
+    med = statistics.median
+    print(f"A/B of hm_decode_step, -t {args.threads}, {args.rounds} rounds of {args.n} tokens (positions 32..): "
+          f"this tree {1e3 * med(a_t):.3f} ms/token ({1 / med(a_t):.1f} t/s), {args.against} {1e3 * med(b_t):.3f} ms "
+          f"({1 / med(b_t):.1f} t/s); median of the rounds' ratios (theirs / ours) {med(ratios):.3f}, "
+          f"quartiles {statistics.quantiles(ratios, n=4)[0]:.3f} - {statistics.quantiles(ratios, n=4)[2]:.3f}")
     return 0
 
 

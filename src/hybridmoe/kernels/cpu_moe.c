@@ -1708,13 +1708,16 @@ static inline void run_chunks(stage_fn range, const moe_ctx *c, int64_t *ctr, in
     }
 }
 
-static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
-                       int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
-                       const uint8_t *down, int dtype, float *out, int nthreads, const moe_act *A) {
+/* The expert kernel's serial part: arguments checked, the workspace (this thread's) laid out, the pairs routed;
+ * *c the context its team runs (moe_team). Returns 0, 1 for no tokens (nothing to run), -1 for bad arguments,
+ * -2 without memory. */
+static int moe_prep(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
+                    int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                    const uint8_t *down, int dtype, float *out, const moe_act *A, moe_ctx *c) {
     const int gi = type_index(gtype), di = type_index(dtype);
     if (!moe_args_ok(gi, di, T, H, F, k, ids, E)) return -1;
     const int64_t P = T * k;
-    if (T == 0) return 0;
+    if (T == 0) return 1;
     const int64_t rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
     /* integer path for experts that see one token: x (and h) quantized once */
     const int q8g = (INT8_MASK >> gi & 1) && q8_type(gi, H);
@@ -1736,38 +1739,48 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
     char *hqm = xqm + (size_t)T * xqb;                                      /* [P] quantized h */
 
     const int na = route_pairs(ids, wts, P, k, E, slot, act, off, pos, ptok, pw);
-    const moe_ctx c = {.x = x, .pw = pw, .h = h, .out = out, .act = act, .ptok = ptok, .off = off, .gate = gate,
-                       .up = up, .down = down, .xqm = xqm, .hqm = hqm, .A = A, .T = T, .H = H, .F = F, .rbg = rbg,
-                       .rbd = rbd, .units = F / 2, .xqb = (int64_t)xqb, .hqb = (int64_t)hqb, .gi = gi, .di = di,
-                       .q8g = q8g, .q8d = q8d, .na = na};
-    /* stage-1 chunks: S1_CHUNK units (when h is quantized, F % 64 == 0, so chunks are 64-row aligned in
-     * every expert); stage-2 chunks: S2_CHUNK rows of H */
-    const int64_t U = (int64_t)na * c.units;
-    int64_t ctr1 = 0, ctr2 = 0;
+    *c = (moe_ctx){.x = x, .pw = pw, .h = h, .out = out, .act = act, .ptok = ptok, .off = off, .gate = gate,
+                   .up = up, .down = down, .xqm = xqm, .hqm = hqm, .A = A, .T = T, .H = H, .F = F, .rbg = rbg,
+                   .rbd = rbd, .units = F / 2, .xqb = (int64_t)xqb, .hqb = (int64_t)hqb, .gi = gi, .di = di,
+                   .q8g = q8g, .q8d = q8d, .na = na};
+    return 0;
+}
 
-    int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
-#pragma omp parallel num_threads(nth)
-    {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        HM_STAMP(tid, 0);
-        if (tid == 0) g_tr_n = nt < HM_TR_MAX ? nt : HM_TR_MAX;
-        if (q8g) {   /* ---- stage 0: quantize x */
-            int64_t t0, t1;
-            split(T, nt, tid, 1, &t0, &t1);
-            for (int64_t t = t0; t < t1; t++) {
-                xq8 q;
-                xq8_init(&q, xqm + t * xqb, H);
-                quant_x8(x + t * H, 0, H / 32, &q);
-            }
-#pragma omp barrier
+/* One thread's part of the expert kernel inside a parallel region (every thread of the team calls it, with
+ * ctr[2] shared and 0 at the start): x quantized, stage 1 in chunks of S1_CHUNK units (when h is quantized,
+ * F % 64 == 0, so chunks are 64-row aligned in every expert), a barrier, stage 2 in chunks of S2_CHUNK rows of H */
+static void moe_team(const moe_ctx *c, int64_t *ctr) {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    HM_STAMP(tid, 0);
+    if (tid == 0) g_tr_n = nt < HM_TR_MAX ? nt : HM_TR_MAX;
+    if (c->q8g) {   /* ---- stage 0: quantize x */
+        int64_t t0, t1;
+        split(c->T, nt, tid, 1, &t0, &t1);
+        for (int64_t t = t0; t < t1; t++) {
+            xq8 q;
+            xq8_init(&q, c->xqm + t * c->xqb, c->H);
+            quant_x8(c->x + t * c->H, 0, c->H / 32, &q);
         }
-        run_chunks(stage1_range, &c, &ctr1, S1_CHUNK, U);      /* ---- stage 1: chunks of units */
-        HM_STAMP(tid, 1);
 #pragma omp barrier
-        HM_STAMP(tid, 2);
-        run_chunks(stage2_range, &c, &ctr2, S2_CHUNK, H);      /* ---- stage 2: chunks of output rows */
-        HM_STAMP(tid, 3);
     }
+    run_chunks(stage1_range, c, &ctr[0], S1_CHUNK, (int64_t)c->na * c->units);   /* ---- stage 1 */
+    HM_STAMP(tid, 1);
+#pragma omp barrier
+    HM_STAMP(tid, 2);
+    run_chunks(stage2_range, c, &ctr[1], S2_CHUNK, c->H);                        /* ---- stage 2 */
+    HM_STAMP(tid, 3);
+}
+
+static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
+                       int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                       const uint8_t *down, int dtype, float *out, int nthreads, const moe_act *A) {
+    moe_ctx c;
+    const int rc = moe_prep(x, T, H, ids, wts, k, gate, up, gtype, F, E, down, dtype, out, A, &c);
+    if (rc) return rc > 0 ? 0 : rc;
+    int64_t ctr[2] = {0, 0};
+    const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+#pragma omp parallel num_threads(nth)
+    moe_team(&c, ctr);
     return 0;
 }
 
@@ -3476,13 +3489,16 @@ int64_t hm_decode_scratch(const hm_dmodel *m) {
     return dec_layout(m, NULL, &b);
 }
 
-/* A decode layer's first half in one parallel region: q/k/v = h W (h: x normed), their norms, RoPE and the cache
- * write at pos (one thread), attention over positions [0, pos], y = att W_o, and with routed experts x += y,
- * h = ffn_norm(x) and the router's logits rl = h W_r. Each step, and every value, is the one the separate
- * calls (gemv_run, and the attention's att_task / att_merge) compute; the team only meets at barriers between them instead of entering a
- * region for each (a region costs a wake-up of the workers, a barrier far less where they still spin).
- * times (NULL: none): [0] += products, [1] += attention, from the stamps of thread 0 at the barriers. */
-static void attn_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b, int64_t pos, const float *cs,
+/* A decode layer in one parallel region: q/k/v = h W (h: x normed), their norms, RoPE and the cache write at
+ * pos (one thread), attention over positions [0, pos], y = att W_o; with routed experts also x += y,
+ * h = ffn_norm(x), the router's logits rl = h W_r, the routing (one thread) and y = the routed experts of h.
+ * Each step, and every value, is the one the separate calls (gemv_run, the attention's att_task / att_merge,
+ * moe_ffn_act) compute; the team only meets at barriers between them instead of entering a region for each
+ * (entering one wakes the workers; on a machine whose cores other programs keep busy that cost up to ~0.3 ms
+ * a region with 2 threads, a barrier between phases less). times (NULL: none): [0] += products,
+ * [1] += attention, [2] += routed experts, from the stamps of the threads at the barriers. Returns 0, or
+ * the expert kernel's error. */
+static int layer_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b, int64_t pos, const float *cs,
                        const float *sn, int nth, double *times) {
     const int64_t H = m->H, D = m->D, nh = m->nh, nkv = m->nkv, nq = nh * D, nk = nkv * D, S = m->slots;
     const int64_t G = nh / nkv, W = D + 2, P = pos + 1;
@@ -3492,9 +3508,13 @@ static void attn_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b
     int64_t s_qkv[4], s_o[2], s_r[2], ctr[3] = {0, 0, 0};
     const int q8_qkv = gv_starts(pqkv, 3, s_qkv), q8_o = gv_starts(&po, 1, s_o);
     const int router = L->router.rows > 0, q8_r = router && gv_starts(&pr, 1, s_r);
-    int64_t nch, CH;
+    int64_t nch, CH, mctr[2] = {0, 0};
     att_runs(P, &nch, &CH);
-    double t0 = times ? hm_now() : 0, t1 = t0, t2 = t0;
+    int32_t ids[64];
+    float wts[64];
+    moe_ctx mc;
+    int rc = 0;
+    double t0 = times ? hm_now() : 0, t1 = t0, t2 = t0, t3 = t0, t4 = t0;
     if (q8_qkv) quant_x8(b->h, 0, H / 32, &b->xq);
 #pragma omp parallel num_threads(nth)
     {
@@ -3533,12 +3553,25 @@ static void attn_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b
                 if (q8_r) quant_x8(b->h, 0, H / 32, &b->xq);
             }
             gemv_team(&pr, s_r, 1, H, b->h, &b->xq, &ctr[2]);
+#pragma omp barrier
+#pragma omp single
+            {
+                if (times) t3 = hm_now();
+                route_softmax(b->rl, L->router.rows, m->k, m->norm_topk, m->wscale, ids, wts);
+                if (times) t4 = hm_now();
+                rc = moe_prep(b->h, 1, H, ids, wts, m->k, L->gate_exps.w, L->up_exps.w, L->gate_exps.type,
+                              m->n_ff_exp, L->router.rows, L->down_exps.w, L->down_exps.type, b->y, &ACT_SILU, &mc);
+            }
+            if (rc == 0) moe_team(&mc, mctr);
         }
     }
     if (times) {
-        times[0] += (t1 - t0) + (hm_now() - t2);
+        const double t5 = hm_now();
+        times[0] += (t1 - t0) + (router ? t3 - t2 : t5 - t2);
         times[1] += t2 - t1;
+        if (router) times[2] += t5 - t4;
     }
+    return rc < 0 ? rc : 0;
 }
 
 /* Decode one token at position pos: logits [n_vocab] = the model on token, its keys and values written to
@@ -3560,24 +3593,14 @@ int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *
     for (int64_t l = 0; l < m->n_layer; l++) {
         const hm_dlayer *L = m->layers + l;
         rmsnorm(b.x, L->attn_norm, H, m->eps, b.h);
-        attn_block(m, L, &b, pos, cs, sn, nth, times);   /* with routed experts: up to the router's logits */
-        if (!L->router.rows) {
-            for (int64_t i = 0; i < H; i++) b.x[i] += b.y[i];
-            rmsnorm(b.x, L->ffn_norm, H, m->eps, b.h);
-        }
+        const int rc = layer_block(m, L, &b, pos, cs, sn, nth, times);   /* with routed experts: y = theirs */
+        if (rc) return rc;
         float *ffo = b.y;
         if (L->router.rows) {
-            int32_t ids[64];
-            float wts[64];
-            UNTIMED();
-            route_softmax(b.rl, L->router.rows, m->k, m->norm_topk, m->wscale, ids, wts);
-            UNTIMED();
-            const int rc = moe_ffn_act(b.h, 1, H, ids, wts, m->k, L->gate_exps.w, L->up_exps.w, L->gate_exps.type,
-                                       m->n_ff_exp, L->router.rows, L->down_exps.w, L->down_exps.type, b.y, nth,
-                                       &ACT_SILU);
-            LAP(2);
-            if (rc) return rc;
             ffo = b.y2;
+        } else {
+            for (int64_t i = 0; i < H; i++) b.x[i] += b.y[i];
+            rmsnorm(b.x, L->ffn_norm, H, m->eps, b.h);
         }
         if (L->gate.rows) {
             const int64_t F = L->gate.rows;
