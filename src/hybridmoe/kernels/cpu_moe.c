@@ -3107,8 +3107,9 @@ int hm_tile_mode(int set) {
  * hm_decode_step: one token through a whole llama-style decoder (llama, qwen3, qwen3moe: RMSNorm, RoPE,
  * GQA attention over a f32/f16/bf16 KV cache, softmax-routed experts and/or a SwiGLU FFN), every weight in
  * host RAM, in one call from Python (runtime/steps/cpu_decode.py). The eager path spent ~18 ms a token of
- * Qwen3-30B-A3B in Python and small torch ops; here a layer is five parallel regions (q/k/v, attention,
- * output projection, router, experts) and a few loops over H on the calling thread.
+ * Qwen3-30B-A3B in Python and small torch ops; here a layer with routed experts is one parallel region
+ * (layer_block: q/k/v, attention, output projection, router and experts, one thread doing the norms, RoPE,
+ * cache write and routing between barriers) and a few loops over H on the calling thread.
  * Matrix-vector products: threads claim chunks of GV_CHUNK rows (of q, k and v together), each row by the
  * kernels hm_qmatmul uses (the integer path for the types hm_set_int8 names), prefetching ahead into the
  * next chunk as the MoE kernel does. Attention: flash-decoding, (KV head, run of positions) tasks with an
