@@ -2296,13 +2296,16 @@ static inline void run_chunks(stage_fn range, const moe_ctx *c, int64_t *ctr, in
     }
 }
 
-static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
-                       int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
-                       const uint8_t *down, int dtype, float *out, int nthreads, const moe_act *A) {
+/* The expert kernel's serial part: arguments checked, the workspace (this thread's) laid out, the pairs routed;
+ * *c the context its team runs (moe_team). Returns 0, 1 for no tokens (nothing to run), -1 for bad arguments,
+ * -2 without memory. */
+static int moe_prep(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
+                    int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                    const uint8_t *down, int dtype, float *out, const moe_act *A, moe_ctx *c) {
     const int gi = type_index(gtype), di = type_index(dtype);
     if (!moe_args_ok(gi, di, T, H, F, k, ids, E)) return -1;
     const int64_t P = T * k;
-    if (T == 0) return 0;
+    if (T == 0) return 1;
     const int64_t rbg = row_bytes(gi, H), rbd = row_bytes(di, F);
     /* integer path for experts that see one token: x (and h) quantized once */
     const int q8g = (INT8_MASK >> gi & 1) && q8_type(gi, H);
@@ -2324,38 +2327,48 @@ static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids,
     char *hqm = xqm + (size_t)T * xqb;                                      /* [P] quantized h */
 
     const int na = route_pairs(ids, wts, P, k, E, slot, act, off, pos, ptok, pw);
-    const moe_ctx c = {.x = x, .pw = pw, .h = h, .out = out, .act = act, .ptok = ptok, .off = off, .gate = gate,
-                       .up = up, .down = down, .xqm = xqm, .hqm = hqm, .A = A, .T = T, .H = H, .F = F, .rbg = rbg,
-                       .rbd = rbd, .units = F / 2, .xqb = (int64_t)xqb, .hqb = (int64_t)hqb, .gi = gi, .di = di,
-                       .q8g = q8g, .q8d = q8d, .na = na};
-    /* stage-1 chunks: S1_CHUNK units (when h is quantized, F % 64 == 0, so chunks are 64-row aligned in
-     * every expert); stage-2 chunks: S2_CHUNK rows of H */
-    const int64_t U = (int64_t)na * c.units;
-    int64_t ctr1 = 0, ctr2 = 0;
+    *c = (moe_ctx){.x = x, .pw = pw, .h = h, .out = out, .act = act, .ptok = ptok, .off = off, .gate = gate,
+                   .up = up, .down = down, .xqm = xqm, .hqm = hqm, .A = A, .T = T, .H = H, .F = F, .rbg = rbg,
+                   .rbd = rbd, .units = F / 2, .xqb = (int64_t)xqb, .hqb = (int64_t)hqb, .gi = gi, .di = di,
+                   .q8g = q8g, .q8d = q8d, .na = na};
+    return 0;
+}
 
-    int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
-#pragma omp parallel num_threads(nth)
-    {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        HM_STAMP(tid, 0);
-        if (tid == 0) g_tr_n = nt < HM_TR_MAX ? nt : HM_TR_MAX;
-        if (q8g) {   /* ---- stage 0: quantize x */
-            int64_t t0, t1;
-            split(T, nt, tid, 1, &t0, &t1);
-            for (int64_t t = t0; t < t1; t++) {
-                xq8 q;
-                xq8_init(&q, xqm + t * xqb, H);
-                quant_x8(x + t * H, 0, H / 32, &q);
-            }
-#pragma omp barrier
+/* One thread's part of the expert kernel inside a parallel region (every thread of the team calls it, with
+ * ctr[2] shared and 0 at the start): x quantized, stage 1 in chunks of S1_CHUNK units (when h is quantized,
+ * F % 64 == 0, so chunks are 64-row aligned in every expert), a barrier, stage 2 in chunks of S2_CHUNK rows of H */
+static void moe_team(const moe_ctx *c, int64_t *ctr) {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    HM_STAMP(tid, 0);
+    if (tid == 0) g_tr_n = nt < HM_TR_MAX ? nt : HM_TR_MAX;
+    if (c->q8g) {   /* ---- stage 0: quantize x */
+        int64_t t0, t1;
+        split(c->T, nt, tid, 1, &t0, &t1);
+        for (int64_t t = t0; t < t1; t++) {
+            xq8 q;
+            xq8_init(&q, c->xqm + t * c->xqb, c->H);
+            quant_x8(c->x + t * c->H, 0, c->H / 32, &q);
         }
-        run_chunks(stage1_range, &c, &ctr1, S1_CHUNK, U);      /* ---- stage 1: chunks of units */
-        HM_STAMP(tid, 1);
 #pragma omp barrier
-        HM_STAMP(tid, 2);
-        run_chunks(stage2_range, &c, &ctr2, S2_CHUNK, H);      /* ---- stage 2: chunks of output rows */
-        HM_STAMP(tid, 3);
     }
+    run_chunks(stage1_range, c, &ctr[0], S1_CHUNK, (int64_t)c->na * c->units);   /* ---- stage 1 */
+    HM_STAMP(tid, 1);
+#pragma omp barrier
+    HM_STAMP(tid, 2);
+    run_chunks(stage2_range, c, &ctr[1], S2_CHUNK, c->H);                        /* ---- stage 2 */
+    HM_STAMP(tid, 3);
+}
+
+static int moe_ffn_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
+                       int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                       const uint8_t *down, int dtype, float *out, int nthreads, const moe_act *A) {
+    moe_ctx c;
+    const int rc = moe_prep(x, T, H, ids, wts, k, gate, up, gtype, F, E, down, dtype, out, A, &c);
+    if (rc) return rc > 0 ? 0 : rc;
+    int64_t ctr[2] = {0, 0};
+    const int nth = nthreads > 0 ? nthreads : omp_get_max_threads();
+#pragma omp parallel num_threads(nth)
+    moe_team(&c, ctr);
     return 0;
 }
 
@@ -3696,8 +3709,9 @@ int hm_tile_mode(int set) {
  * hm_decode_step: one token through a whole llama-style decoder (llama, qwen3, qwen3moe: RMSNorm, RoPE,
  * GQA attention over a f32/f16/bf16 KV cache, softmax-routed experts and/or a SwiGLU FFN), every weight in
  * host RAM, in one call from Python (runtime/steps/cpu_decode.py). The eager path spent ~18 ms a token of
- * Qwen3-30B-A3B in Python and small torch ops; here a layer is five parallel regions (q/k/v, attention,
- * output projection, router, experts) and a few loops over H on the calling thread.
+ * Qwen3-30B-A3B in Python and small torch ops; here a layer with routed experts is one parallel region
+ * (layer_block: q/k/v, attention, output projection, router and experts, one thread doing the norms, RoPE,
+ * cache write and routing between barriers) and a few loops over H on the calling thread.
  * Matrix-vector products: threads claim chunks of GV_CHUNK rows (of q, k and v together), each row by the
  * kernels hm_qmatmul uses (the integer path for the types hm_set_int8 names), prefetching ahead into the
  * next chunk as the MoE kernel does. Attention: flash-decoding, (KV head, run of positions) tasks with an
@@ -3773,24 +3787,36 @@ static void gv_range(const gv_part *p, const int64_t *start, int np, int64_t K, 
     }
 }
 
+/* the parts laid end to end: start [np + 1] (part i's rows from start[i]); returns whether any part takes x
+ * quantized (the integer path) */
+static int gv_starts(const gv_part *p, int np, int64_t *start) {
+    int q8 = 0;
+    start[0] = 0;
+    for (int i = 0; i < np; i++) { start[i + 1] = start[i] + p[i].n; q8 |= p[i].q8; }
+    return q8;
+}
+
+/* one thread's share of a product inside a parallel region: chunks of GV_CHUNK rows claimed from *ctr (0 at
+ * the start of the product, shared by the team) until none are left */
+static void gemv_team(const gv_part *p, const int64_t *start, int np, int64_t K, const float *x, const xq8 *xq,
+                      int64_t *ctr) {
+    const int64_t N = start[np], nc = (N + GV_CHUNK - 1) / GV_CHUNK;
+    int64_t cur = claim(ctr), nxt = claim(ctr);
+    for (int cold = 1; cur < nc; cold = 0, cur = nxt, nxt = claim(ctr)) {
+        int64_t g0, g1, n0, n1;
+        chunk_range(cur, GV_CHUNK, N, &g0, &g1);
+        chunk_range(nxt, GV_CHUNK, N, &n0, &n1);
+        gv_range(p, start, np, K, x, xq, g0, g1, n0, n1, cold);
+    }
+}
+
 /* out of each part = its rows . x (K columns); xq: room for x quantized (integer-path parts) */
 static void gemv_run(const gv_part *p, int np, int64_t K, const float *x, const xq8 *xq, int nth) {
-    int64_t start[5] = {0};
-    int q8 = 0;
-    for (int i = 0; i < np; i++) { start[i + 1] = start[i] + p[i].n; q8 |= p[i].q8; }
-    if (q8) quant_x8(x, 0, K / 32, xq);
-    const int64_t N = start[np], nc = (N + GV_CHUNK - 1) / GV_CHUNK;
+    int64_t start[5];
+    if (gv_starts(p, np, start)) quant_x8(x, 0, K / 32, xq);
     int64_t ctr = 0;
 #pragma omp parallel num_threads(nth)
-    {
-        int64_t cur = claim(&ctr), nxt = claim(&ctr);
-        for (int cold = 1; cur < nc; cold = 0, cur = nxt, nxt = claim(&ctr)) {
-            int64_t g0, g1, n0, n1;
-            chunk_range(cur, GV_CHUNK, N, &g0, &g1);
-            chunk_range(nxt, GV_CHUNK, N, &n0, &n1);
-            gv_range(p, start, np, K, x, xq, g0, g1, n0, n1, cold);
-        }
-    }
+    gemv_team(p, start, np, K, x, xq, &ctr);
 }
 
 static inline float dotf(const float *a, const float *b, int64_t n) {
@@ -3886,7 +3912,7 @@ static inline void axpy_rows(float *acc, const float *e, const float *v, int64_t
  * head g, run c of CH positions; att_runs) keep per query head of the group [max, sum, acc[D]] (att_task);
  * each block of ATT_SB positions is converted to float32 once for the group, scored for one head at a time,
  * and added in with one rescale per block (an online softmax by blocks); att_merge combines the runs per
- * head. The runs depend only on P, so a query's result is the same in a decode step (attend1) and in a
+ * head. The runs depend only on P, so a query's result is the same in a decode step (attn_block) and in a
  * prompt or a batch (attend_batch): both run these two functions. */
 static void att_runs(int64_t P, int64_t *nch, int64_t *CH) {
     int64_t ch = ATT_SB;                          /* runs of ATT_SB 2^s positions, aligned: blocks never straddle */
@@ -4025,23 +4051,6 @@ __attribute__((noinline)) static void att_merge(const hm_dmodel *m, const float 
     for (int64_t d = 0; d < D; d++) oh[d] *= il;
 }
 
-/* one query token (q [nh, D], roped) against positions [0, P) of layer L's cache -> o [nh, D] */
-static void attend1(const hm_dmodel *m, const hm_dlayer *L, const float *q, int64_t P, float *part, float *o,
-                    int nth) {
-    const int64_t nkv = m->nkv, G = m->nh / m->nkv, W = m->D + 2;
-    int64_t nch, CH;
-    att_runs(P, &nch, &CH);
-#pragma omp parallel num_threads(nth)
-    {
-        float kf[ATT_SB * DEC_MAXD] __attribute__((aligned(64))), vf[ATT_SB * DEC_MAXD];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < nkv * nch; t++)
-            att_task(m, L, q, P, t / nch, t % nch, CH, part + t * G * W, kf, vf);
-#pragma omp for schedule(static)
-        for (int64_t h = 0; h < m->nh; h++) att_merge(m, part, nch, h, o + h * m->D);
-    }
-}
-
 /* softmax over the router's E logits, the top k (ties: lower id), renormalized if asked, times scale */
 static void route_softmax(const float *l, int64_t E, int64_t k, int norm, float scale, int32_t *ids, float *w) {
     float mx = -INFINITY, sum = 0, sel = 0;
@@ -4083,13 +4092,98 @@ int64_t hm_decode_scratch(const hm_dmodel *m) {
     return dec_layout(m, NULL, &b);
 }
 
+/* A decode layer in one parallel region: q/k/v = h W (h: x normed), their norms, RoPE and the cache write at
+ * pos (one thread), attention over positions [0, pos], y = att W_o; with routed experts also x += y,
+ * h = ffn_norm(x), the router's logits rl = h W_r, the routing (one thread) and y = the routed experts of h.
+ * Each step, and every value, is the one the separate calls (gemv_run, the attention's att_task / att_merge,
+ * moe_ffn_act) compute; the team only meets at barriers between them instead of entering a region for each
+ * (entering one wakes the workers; on a machine whose cores other programs keep busy that cost up to ~0.3 ms
+ * a region with 2 threads, a barrier between phases less). times (NULL: none): [0] += products,
+ * [1] += attention, [2] += routed experts, from the stamps of the threads at the barriers. Returns 0, or
+ * the expert kernel's error. */
+static int layer_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b, int64_t pos, const float *cs,
+                       const float *sn, int nth, double *times) {
+    const int64_t H = m->H, D = m->D, nh = m->nh, nkv = m->nkv, nq = nh * D, nk = nkv * D, S = m->slots;
+    const int64_t G = nh / nkv, W = D + 2, P = pos + 1;
+    float *q = b->qkv, *k = b->qkv + nq, *v = b->qkv + nq + nk;
+    const gv_part pqkv[3] = {gv_mk(&L->q, H, q), gv_mk(&L->k, H, k), gv_mk(&L->v, H, v)};
+    const gv_part po = gv_mk(&L->o, nq, b->y), pr = gv_mk(&L->router, H, b->rl);
+    int64_t s_qkv[4], s_o[2], s_r[2], ctr[3] = {0, 0, 0};
+    const int q8_qkv = gv_starts(pqkv, 3, s_qkv), q8_o = gv_starts(&po, 1, s_o);
+    const int router = L->router.rows > 0, q8_r = router && gv_starts(&pr, 1, s_r);
+    int64_t nch, CH, mctr[2] = {0, 0};
+    att_runs(P, &nch, &CH);
+    int32_t ids[64];
+    float wts[64];
+    moe_ctx mc;
+    int rc = 0;
+    double t0 = times ? hm_now() : 0, t1 = t0, t2 = t0, t3 = t0, t4 = t0;
+    if (q8_qkv) quant_x8(b->h, 0, H / 32, &b->xq);
+#pragma omp parallel num_threads(nth)
+    {
+        gemv_team(pqkv, s_qkv, 3, H, b->h, &b->xq, &ctr[0]);
+#pragma omp barrier
+        if (times && omp_get_thread_num() == 0) t1 = hm_now();
+#pragma omp single
+        {
+            for (int64_t i = 0; L->q_norm && i < nh; i++) rmsnorm(q + i * D, L->q_norm, D, m->eps, q + i * D);
+            for (int64_t i = 0; L->k_norm && i < nkv; i++) rmsnorm(k + i * D, L->k_norm, D, m->eps, k + i * D);
+            rope_heads(q, nh, D, cs, sn, m->neox);
+            rope_heads(k, nkv, D, cs, sn, m->neox);
+            for (int64_t g = 0; g < nkv; g++) {
+                kv_store(m->kv_type, L->kc, (g * S + pos) * D, D, k + g * D);
+                kv_store(m->kv_type, L->vc, (g * S + pos) * D, D, v + g * D);
+            }
+        }
+        float kf[ATT_SB * DEC_MAXD] __attribute__((aligned(64))), vf[ATT_SB * DEC_MAXD];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < nkv * nch; t++)
+            att_task(m, L, q, P, t / nch, t % nch, CH, b->part + t * G * W, kf, vf);
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < nh; h++) att_merge(m, b->part, nch, h, b->att + h * D);
+#pragma omp single
+        {
+            if (times) t2 = hm_now();
+            if (q8_o) quant_x8(b->att, 0, nq / 32, &b->xq);
+        }
+        gemv_team(&po, s_o, 1, nq, b->att, &b->xq, &ctr[1]);
+        if (router) {
+#pragma omp barrier
+#pragma omp single
+            {
+                for (int64_t i = 0; i < H; i++) b->x[i] += b->y[i];
+                rmsnorm(b->x, L->ffn_norm, H, m->eps, b->h);
+                if (q8_r) quant_x8(b->h, 0, H / 32, &b->xq);
+            }
+            gemv_team(&pr, s_r, 1, H, b->h, &b->xq, &ctr[2]);
+#pragma omp barrier
+#pragma omp single
+            {
+                if (times) t3 = hm_now();
+                route_softmax(b->rl, L->router.rows, m->k, m->norm_topk, m->wscale, ids, wts);
+                if (times) t4 = hm_now();
+                rc = moe_prep(b->h, 1, H, ids, wts, m->k, L->gate_exps.w, L->up_exps.w, L->gate_exps.type,
+                              m->n_ff_exp, L->router.rows, L->down_exps.w, L->down_exps.type, b->y, &ACT_SILU, &mc);
+            }
+            if (rc == 0) moe_team(&mc, mctr);
+        }
+    }
+    if (times) {
+        const double t5 = hm_now();
+        times[0] += (t1 - t0) + (router ? t3 - t2 : t5 - t2);
+        times[1] += t2 - t1;
+        if (router) times[2] += t5 - t4;
+    }
+    return rc < 0 ? rc : 0;
+}
+
 /* Decode one token at position pos: logits [n_vocab] = the model on token, its keys and values written to
  * the cache at pos. cs / sn: RoPE cos and sin [D] of pos. times (NULL: none) += seconds in matrix-vector
  * products [0], attention [1], routed experts [2]. Returns 0; -1 for a token or position out of range;
  * the expert kernel's error otherwise. Shapes and types are checked by the caller (cpu_decode.py). */
 int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *cs, const float *sn,
                    float *logits, double *times) {
-    const int64_t H = m->H, D = m->D, nh = m->nh, nkv = m->nkv, nq = nh * D, nk = nkv * D, S = m->slots;
+    const int64_t H = m->H, D = m->D, S = m->slots;
     const int nth = m->nthreads > 0 ? m->nthreads : omp_get_max_threads();
     if (token < 0 || token >= m->embd.rows || pos < 0 || pos >= S || D > DEC_MAXD) return -1;
     dec_bufs b;
@@ -4101,44 +4195,15 @@ int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *
     deq_scalar(ei, m->embd.w + token * row_bytes(ei, H), 0, (int)H, b.x);
     for (int64_t l = 0; l < m->n_layer; l++) {
         const hm_dlayer *L = m->layers + l;
-        float *q = b.qkv, *k = b.qkv + nq, *v = b.qkv + nq + nk;
         rmsnorm(b.x, L->attn_norm, H, m->eps, b.h);
-        const gv_part pqkv[3] = {gv_mk(&L->q, H, q), gv_mk(&L->k, H, k), gv_mk(&L->v, H, v)};
-        UNTIMED();
-        gemv_run(pqkv, 3, H, b.h, &b.xq, nth);
-        LAP(0);
-        for (int64_t i = 0; L->q_norm && i < nh; i++) rmsnorm(q + i * D, L->q_norm, D, m->eps, q + i * D);
-        for (int64_t i = 0; L->k_norm && i < nkv; i++) rmsnorm(k + i * D, L->k_norm, D, m->eps, k + i * D);
-        rope_heads(q, nh, D, cs, sn, m->neox);
-        rope_heads(k, nkv, D, cs, sn, m->neox);
-        for (int64_t g = 0; g < nkv; g++) {
-            kv_store(m->kv_type, L->kc, (g * S + pos) * D, D, k + g * D);
-            kv_store(m->kv_type, L->vc, (g * S + pos) * D, D, v + g * D);
-        }
-        UNTIMED();
-        attend1(m, L, q, pos + 1, b.part, b.att, nth);
-        LAP(1);
-        const gv_part po = gv_mk(&L->o, nq, b.y);
-        gemv_run(&po, 1, nq, b.att, &b.xq, nth);
-        LAP(0);
-        for (int64_t i = 0; i < H; i++) b.x[i] += b.y[i];
-        rmsnorm(b.x, L->ffn_norm, H, m->eps, b.h);
+        const int rc = layer_block(m, L, &b, pos, cs, sn, nth, times);   /* with routed experts: y = theirs */
+        if (rc) return rc;
         float *ffo = b.y;
         if (L->router.rows) {
-            int32_t ids[64];
-            float wts[64];
-            const gv_part pr = gv_mk(&L->router, H, b.rl);
-            UNTIMED();
-            gemv_run(&pr, 1, H, b.h, &b.xq, nth);
-            LAP(0);
-            route_softmax(b.rl, L->router.rows, m->k, m->norm_topk, m->wscale, ids, wts);
-            UNTIMED();
-            const int rc = moe_ffn_act(b.h, 1, H, ids, wts, m->k, L->gate_exps.w, L->up_exps.w, L->gate_exps.type,
-                                       m->n_ff_exp, L->router.rows, L->down_exps.w, L->down_exps.type, b.y, nth,
-                                       &ACT_SILU);
-            LAP(2);
-            if (rc) return rc;
             ffo = b.y2;
+        } else {
+            for (int64_t i = 0; i < H; i++) b.x[i] += b.y[i];
+            rmsnorm(b.x, L->ffn_norm, H, m->eps, b.h);
         }
         if (L->gate.rows) {
             const int64_t F = L->gate.rows;
