@@ -29,44 +29,9 @@ import subprocess
 import sys
 import time
 
+from slices import bytes_per_token, slice_model
+
 BUSY = "import time\nend = time.time() + {secs}\nwhile time.time() < end:\n    pass\n"
-
-
-def slice_model(path: str) -> str:
-    """A 4-layer Qwen3-30B-A3B-shaped model with a small vocabulary (written once)."""
-    if os.path.exists(path):
-        return path
-    import dataclasses
-
-    from hybridmoe.formats.gguf_write import write_gguf
-    from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
-    from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
-    cfg, et, ot = preset_config("qwen3-30b-a3b")
-    cfg = dataclasses.replace(cfg, n_layer=4, n_vocab=8192, name="contention-4l")
-    md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg),
-          **builtin_vocab_metadata(cfg.n_vocab)}
-    tmp = path + ".part"
-    print(f"writing {path} (once) ...", file=sys.stderr, flush=True)
-    write_gguf(tmp, cfg.arch, md, synth_tensors(cfg, et, ot, seed=1234))
-    os.replace(tmp, path)
-    return path
-
-
-def bytes_per_token(path: str) -> int:
-    """Weight bytes one decode step reads: every non-expert matrix, k/E of each expert tensor, one embedding row."""
-    from hybridmoe.formats.gguf import open_gguf
-    f = open_gguf(path)
-    arch = f.metadata["general.architecture"]
-    E, k = int(f.metadata.get(f"{arch}.expert_count", 0)), int(f.metadata.get(f"{arch}.expert_used_count", 0))
-    total = 0
-    for name, t in f.tensors.items():
-        if name == "token_embd.weight":
-            total += t.nbytes // t.shape[0]
-        elif "_exps" in name and E:
-            total += t.nbytes * k // E
-        else:
-            total += t.nbytes
-    return total
 
 
 def ram_bw() -> float:
@@ -171,7 +136,7 @@ def main() -> int:
         d = cache_dir() / "models"
         d.mkdir(parents=True, exist_ok=True)
         args.model = str(d / "contention-4l.gguf")
-        slice_model(args.model)
+        slice_model(args.model, 8192, "contention-4l")
     bpt = bytes_per_token(args.model)
     env = dict(os.environ)
     bw = args.ram_bw * 1e9 if args.ram_bw else ram_bw()

@@ -20,7 +20,6 @@ so that a change is measured against its base in the same run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import resource
@@ -28,45 +27,11 @@ import statistics
 import subprocess
 import sys
 
+from slices import bytes_per_token, slice_model
+
 # what an AVX2 CPU without AVX-512 / AVX-VNNI / AMX compiles: -march=native less those
 AVX2_CFLAGS = "-mno-avx512f -mno-avxvnni -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
-
-
-def slice_model(path: str, expert_type: str) -> str:
-    """A 4-layer Qwen3-30B-A3B-shaped model, vocabulary 32000, experts of `expert_type` (written once)."""
-    if os.path.exists(path):
-        return path
-    from hybridmoe.formats.gguf_write import write_gguf
-    from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
-    from hybridmoe.quant.types import GGMLType
-    from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
-    cfg, _, ot = preset_config("qwen3-30b-a3b")
-    cfg = dataclasses.replace(cfg, n_layer=4, n_vocab=32000, name=f"qwen3-30b-a3b-4l-{expert_type.lower()}")
-    md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg),
-          **builtin_vocab_metadata(cfg.n_vocab)}
-    tmp = path + ".part"
-    print(f"writing {path} (once) ...", file=sys.stderr, flush=True)
-    write_gguf(tmp, cfg.arch, md, synth_tensors(cfg, GGMLType[expert_type], ot, seed=1234))
-    os.replace(tmp, path)
-    return path
-
-
-def bytes_per_token(path: str) -> int:
-    """Weight bytes a decode step reads: every non-expert matrix, k/E of each expert tensor, one embedding row."""
-    from hybridmoe.formats.gguf import open_gguf
-    f = open_gguf(path)
-    arch = f.metadata["general.architecture"]
-    E, k = int(f.metadata.get(f"{arch}.expert_count", 0)), int(f.metadata.get(f"{arch}.expert_used_count", 0))
-    total = 0
-    for name, t in f.tensors.items():
-        if name == "token_embd.weight":
-            total += t.nbytes // t.shape[0]
-        elif "_exps" in name and E:
-            total += t.nbytes * k // E
-        else:
-            total += t.nbytes
-    return total
 
 
 def _children_cpu() -> float:
@@ -112,7 +77,8 @@ def main() -> int:
         from hybridmoe.env import cache_dir
         d = cache_dir() / "models"
         d.mkdir(parents=True, exist_ok=True)
-        args.model = slice_model(str(d / f"qwen3-30b-a3b-4l-{args.type.lower()}.gguf"), args.type)
+        args.model = slice_model(str(d / f"qwen3-30b-a3b-4l-{args.type.lower()}.gguf"), 32000,
+                                 f"qwen3-30b-a3b-4l-{args.type.lower()}", args.type)
     bpt = bytes_per_token(args.model)
 
     base = dict(os.environ)

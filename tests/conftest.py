@@ -45,6 +45,16 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def triton_test_device() -> str:
+    """Where tests of Triton kernels run: "cuda" with a GPU, "cpu" in Triton's interpreter (TRITON_INTERPRET=1);
+    otherwise the calling test module is skipped."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -3,24 +3,18 @@ decode through the model against each sequence decoded alone.
 
 They run on a GPU, or on the CPU in Triton's interpreter (`TRITON_INTERPRET=1 PYTHONPATH=src:/tmp/tritonpkg
 python -m pytest tests/test_gpu_batch.py`, with triton importable); otherwise they are skipped (CI has neither)."""
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel_l2
+from conftest import rel_l2, triton_test_device
 
 from hybridmoe.runtime.ops import apply_rope, rope_tables
 
 ga = pytest.importorskip("hybridmoe.kernels.gpu_batch_attention")
 if not ga.available():
     pytest.skip("triton is not installed", allow_module_level=True)
-if torch.cuda.is_available():
-    DEV = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEV = "cpu"
-else:
-    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEV = triton_test_device()
 
 
 def _caches(n, nkv, n_ctx, D, dt, g):

@@ -2,13 +2,12 @@
 
 They run on a GPU, or on the CPU in Triton's interpreter (`TRITON_INTERPRET=1 python -m pytest
 tests/test_gpu_decode.py`, with triton installed); otherwise they are skipped (CI has neither)."""
-import os
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel_l2
+from conftest import rel_l2, triton_test_device
 
 from hybridmoe.quant.ref import dequantize, random_blocks, split_rows
 from hybridmoe.quant.types import GGMLType
@@ -17,12 +16,7 @@ from hybridmoe.runtime.ops import apply_rope, rope_tables
 gd = pytest.importorskip("hybridmoe.kernels.gpu_decode")
 if not gd.available():
     pytest.skip("triton is not installed", allow_module_level=True)
-if torch.cuda.is_available():
-    DEV = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEV = "cpu"
-else:
-    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEV = triton_test_device()
 
 
 def _gen(seed):

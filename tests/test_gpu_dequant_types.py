@@ -6,10 +6,10 @@ They run on a GPU (bf16 equal to the reference's float32 rounded to nearest) or 
 interpreter (`TRITON_INTERPRET=1 python -m pytest tests/test_gpu_dequant_types.py`, with triton installed),
 whose float32 -> bf16 conversion truncates: there the kernel's bf16 equals the reference truncated, which
 also shows the float32 values are the same bits. Skipped otherwise (CI has neither)."""
-import os
 
 import pytest
 import torch
+from conftest import triton_test_device
 
 from hybridmoe.quant.dequant import dequantize
 from hybridmoe.quant.random_blocks import random_tensor
@@ -18,12 +18,7 @@ from hybridmoe.quant.types import GGMLType as T
 gdq = pytest.importorskip("hybridmoe.kernels.gpu_dequant")
 if gdq.triton is None:
     pytest.skip("triton is not installed", allow_module_level=True)
-if torch.cuda.is_available():
-    DEV = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEV = "cpu"
-else:
-    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEV = triton_test_device()
 
 TYPES = [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.IQ4_K, T.IQ5_K, T.IQ4_KS, T.IQ5_KS, T.IQ2_KT, T.IQ3_KT, T.IQ4_KT]
 SHAPES = [(1, 256), (3, 7, 512), (129, 256), (4, 32, 768)] + ([(5, 768, 2048)] if DEV == "cuda" else [])
