@@ -26,26 +26,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))          # hf_oracle: the transformers oracle
 
 
-def hf_model(d: str):
-    """tests/test_prompt_precision.py's hf_moe, saved in d."""
-    import torch
-    import transformers as tf
-    torch.manual_seed(0)
-    cfg = tf.Qwen3MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                            tie_word_embeddings=False, initializer_range=0.08, intermediate_size=256,
-                            moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                            rope_theta=1e6)
-    model = tf.Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    model.eval()
-    model.save_pretrained(d)
-    return d
-
-
 def metrics(ours, ref) -> dict:
     import torch
     ours, ref = ours.double(), ref.double()
@@ -93,7 +73,8 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in a.lengths.split(",")]
     ids = torch.randint(0, 512, (max(lengths),), generator=torch.Generator().manual_seed(1)).tolist()
     work = tempfile.mkdtemp(prefix="lcpp-precision-")
-    d = hf_model(os.path.join(work, "hf"))
+    from hf_oracle import make_long_prompt_moe
+    d = make_long_prompt_moe(os.path.join(work, "hf"))
     print(f"model: tests/test_prompt_precision.py's Qwen3-MoE; {a.threads} threads; hybridmoe {hybridmoe.__file__}")
     print("\n| type | KV cache | tokens | engine | whole rel L2 | per-row median | per-row 99th | top-1 |")
     print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: |")

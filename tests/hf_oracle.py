@@ -71,6 +71,27 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0):
     return model
 
 
+def make_long_prompt_moe(d: str) -> str:
+    """The long-prompt oracle of tests/test_prompt_precision.py (and benchmarks/llamacpp_precision.py): a tiny
+    random Qwen3-MoE with 256-wide rows (so the K-quants apply), 2,048 positions, norms perturbed from 1, saved
+    in d; returns d."""
+    import transformers as tf
+    torch.manual_seed(0)
+    cfg = tf.Qwen3MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                            tie_word_embeddings=False, initializer_range=0.08, intermediate_size=256,
+                            moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                            rope_theta=1e6)
+    model = tf.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:                      # norms start at 1 in HF: perturb them
+                p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(d)
+    return d
+
+
 def hf_logits(model, ids) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()

@@ -105,21 +105,10 @@ def test_experts_do_not_depend_on_the_batch(q, dq):
 @pytest.fixture(scope="module")
 def hf_moe(tmp_path_factory):
     """A tiny random Qwen3-MoE in transformers (rows 256 wide, 2,048 positions): its directory."""
-    tf = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from hf_oracle import make_long_prompt_moe
     d = str(tmp_path_factory.mktemp("hf-prompt"))
-    torch.manual_seed(0)
-    cfg = tf.Qwen3MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                            tie_word_embeddings=False, initializer_range=0.08, intermediate_size=256,
-                            moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                            rope_theta=1e6)
-    model = tf.Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:                      # norms start at 1 in HF: perturb them
-                p.add_(0.1 * torch.randn_like(p))
-    model.eval()
-    model.save_pretrained(d)
+    make_long_prompt_moe(d)
     with open(os.path.join(d, "config.json")) as f:
         assert json.load(f)["max_position_embeddings"] == 2048
     return d
