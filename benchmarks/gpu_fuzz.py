@@ -713,6 +713,13 @@ def parent(a) -> int:
     print(f"gpu_fuzz: seed {base}, {a.cases} cases, {workers} worker(s) x {threads} threads, time limit "
           f"{a.time_limit:.0f} s{' (fake GPUs)' if a.fake else ''}"
           f"{', GPUs ' + ','.join(gpus) if gpus else ''}", flush=True)
+    if not a.fake:
+        # the CPU kernels' build (about a minute) once here, before the workers start: each would otherwise wait
+        # for it inside its first case and pass for a hang
+        t0 = time.time()
+        r = subprocess.run([sys.executable, "-c", "from hybridmoe.kernels import cpu; assert cpu._load()"],
+                           env={**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")})
+        print(f"CPU kernels built in {time.time() - t0:.0f} s{'' if r.returncode == 0 else ' (failed)'}", flush=True)
     root = tempfile.mkdtemp(prefix="gpu-fuzz-")
     q: queue.Queue = queue.Queue()
     records: list[dict] = []

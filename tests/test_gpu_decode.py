@@ -85,7 +85,8 @@ def test_qk_rope_cache(neox, norm):
     assert not kc.any() and not vc.any()                     # nothing written elsewhere
 
 
-@pytest.mark.parametrize("neox,norm,T,pos0", [(True, True, 37, 5), (False, False, 64, 0), (False, True, 1, 20)])
+@pytest.mark.parametrize("neox,norm,T,pos0", [(True, True, 37, 5), (False, False, 64, 0), (False, True, 1, 20),
+                                             (True, True, 25, 1)])   # pos0 1: Triton passes it as a constant
 def test_qk_rope_cache_tokens(neox, norm, T, pos0):
     """A prompt's tokens at once (the eager prefill): q [nh, T, D] in the cache's dtype from strided qkv rows,
     rope tables holding the batch's positions only, keys and values written at pos0.. and nowhere else."""

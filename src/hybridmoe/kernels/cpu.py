@@ -10,6 +10,7 @@ warning. See docs/cpu-kernels.md for the design and measurements.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -151,22 +152,32 @@ def _build() -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"C compiler {cc!r} not found")
     out.parent.mkdir(parents=True, exist_ok=True)
+    # one builder at a time per key across processes (a server's workers, test or benchmark processes started
+    # together): the others wait for its file instead of each compiling the ~1-minute build at once
+    with open(out.with_suffix(".lock"), "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists():
+            return out
+        _compile(cc, cflags, src, out)
+    return out
+
+
+def _compile(cc: str, cflags: tuple, src: bytes, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     csrc = tmp[:-3] + ".c"            # the very bytes hashed above: a source edited meanwhile builds under its own key
     try:
         with open(csrc, "wb") as f:
             f.write(src)
-        with progress("compiling the CPU kernels (once, cached)", 1):     # ~10 s; a bar on a terminal only
+        with progress("compiling the CPU kernels (once, cached)", 1):     # about a minute; a bar on a terminal only
             r = subprocess.run([cc, *cflags, "-o", tmp, csrc, "-lm"], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)          # atomic: concurrent builders both end with a whole file
+        os.replace(tmp, out)          # atomic: a reader never sees half a file
     finally:
         for p in (tmp, csrc):
             if os.path.exists(p):
                 os.unlink(p)
-    return out
 
 
 def _load():

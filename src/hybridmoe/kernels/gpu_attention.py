@@ -31,7 +31,8 @@ if triton is not None:
         hd = tl.program_id(0)                          # q heads, then k heads
         t = tl.program_id(1) * BT + tl.arange(0, BT)
         tm = t < T
-        p0 = tl.load(pos).to(tl.int64) if POS_PTR else pos0.to(tl.int64)
+        # pos0 + a zero: Triton passes an int argument of value 1 as a constant, which has no .to()
+        p0 = tl.load(pos).to(tl.int64) if POS_PTR else pos0 + tl.zeros([], tl.int64)
         p = p0 + t
         i = tl.arange(0, D)
         row = qkv + t.to(tl.int64)[:, None] * qkv_stride
@@ -63,7 +64,10 @@ if triton is not None:
             r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
             x = x * r[:, None] * tl.load(w + d)[None, :]
             xp = xp * r[:, None] * tl.load(w + partner)[None, :]
-        return x * tl.load(cos_p + d[None, :]) + sign[None, :] * xp * tl.load(sin_p + d[None, :])
+        # masked: the rows past the last token of a block have no cos/sin row (past the table's end)
+        c = tl.load(cos_p + d[None, :], mask=rm, other=0)
+        s = tl.load(sin_p + d[None, :], mask=rm, other=0)
+        return x * c + sign[None, :] * xp * s
 
     @triton.jit
     def _attn_partial_kernel(q, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
