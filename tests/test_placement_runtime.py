@@ -407,7 +407,7 @@ def test_polled_handoff_matches_the_synchronous_one(opts, monkeypatch):
     outs = []
     for mode in ("poll", "sync"):
         monkeypatch.setenv("HYBRIDMOE_HANDOFF", mode)
-        m = hybridmoe.load("synth:tiny", ctx_size=64, **opts)
+        m = hybridmoe.load("synth:tiny", ctx_size=64, **opts, split_mode="none")
         kv = m.new_cache(64)
         m.forward(torch.tensor(IDS[:7]), 0, kv)
         outs.append(torch.cat([m.forward(torch.tensor([t]), 7 + i, kv) for i, t in enumerate(IDS[7:20])]))
@@ -426,7 +426,7 @@ def test_polled_handoff_matches_the_synchronous_one(opts, monkeypatch):
     assert rel_l2(outs[0], outs[1]) <= 1e-2
     assert top1_agreement(outs[0], outs[1]) >= 0.9
     monkeypatch.setenv("HYBRIDMOE_HANDOFF", "poll")
-    m = hybridmoe.load("synth:tiny", ctx_size=64, **opts)
+    m = hybridmoe.load("synth:tiny", ctx_size=64, **opts, split_mode="none")
     kv = m.new_cache(64)
     m.forward(torch.tensor(IDS[:7]), 0, kv)
     m.forward(torch.tensor([IDS[7]]), 7, kv)                 # a first step (a failing one falls back to eager)
@@ -474,7 +474,7 @@ def test_decode_share_matches_the_cpu_alone(kind, monkeypatch, tmp_path):
     outs = []
     for share in (0, 1):
         monkeypatch.setenv("HYBRIDMOE_DECODE_SHARE", str(share))
-        m = hybridmoe.load(path, ctx_size=64, **PLACEMENTS["ngl99-exps-cpu"])
+        m = hybridmoe.load(path, ctx_size=64, **PLACEMENTS["ngl99-exps-cpu"], split_mode="none")
         kv = m.new_cache(64)
         m.forward(torch.tensor(IDS[:7]), 0, kv)
         outs.append(torch.cat([m.forward(torch.tensor([t]), 7 + i, kv) for i, t in enumerate(IDS[7:20])]))
@@ -514,7 +514,8 @@ def test_split_gate_up_costs_one_extra_crossing(monkeypatch):
     monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
     counts = {}
     for name, ot in (("fused", [r"ffn_(up|down|gate)_exps=CPU"]), ("split", [r"ffn_(up|down)_exps=CPU"])):
-        m = hybridmoe.load("synth:tiny", ctx_size=64, n_gpu_layers=99, override_tensor=ot, graphs=False)
+        m = hybridmoe.load("synth:tiny", ctx_size=64, n_gpu_layers=99, override_tensor=ot, graphs=False,
+                           split_mode="none")
         kv = m.new_cache(64)
         m.forward(torch.tensor([5]), 0, kv)
         counts[name] = m.stats.crossings
@@ -547,14 +548,18 @@ def test_host_arena_holds_copies_and_frees_its_mapping():
     assert arena.buf.data_ptr() % hostmem.HUGE == 0
     with pytest.raises(ValueError, match="full"):
         arena.take(srcs[0])
-    mm = weakref.ref(arena._mm)
+    mm, start = weakref.ref(arena._mem), arena.buf.data_ptr()
+
+    def mapped():
+        with open("/proc/self/maps") as f:
+            return any(int(a, 16) <= start < int(b, 16) for a, b in (ln.split()[0].split("-") for ln in f))
     del arena
     gc.collect()
-    assert mm() is not None, "the views must keep the mapping alive"
+    assert mm() is not None and mapped(), "the views must keep the mapping alive"
     views[0].add_(1)                       # still writable memory
     del views, v                           # (v: the loop variable above)
     gc.collect()
-    assert mm() is None
+    assert mm() is None and not mapped()   # unmapped once the last view is gone
 
 
 def test_cpu_experts_live_in_the_arena(monkeypatch):

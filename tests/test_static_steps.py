@@ -114,7 +114,7 @@ def test_captured_prompt_step_takes_float32_matrices(tmp_path, caplog):
     write_gguf(path, cfg.arch, md, synth_tensors(cfg, GGMLType.Q4_0, GGMLType.F32, seed=3))
     ids = [(13 * i + 5) % 1000 for i in range(48)]
     with caplog.at_level("WARNING", logger="hybridmoe"):
-        m = hybridmoe.load(path, n_gpu_layers=99, ctx_size=64, ubatch_size=16)
+        m = hybridmoe.load(path, n_gpu_layers=99, ctx_size=64, ubatch_size=16, split_mode="none")   # one GPU
         gpu = m.logits(ids)
     assert "static prompt step" not in "\n".join(r.getMessage() for r in caplog.records)
     step = m._steps["prompt"][1]

@@ -4,7 +4,7 @@ import torch
 
 from hybridmoe.quant.dequant import SUPPORTED, dequantize
 from hybridmoe.quant.random_blocks import random_blocks, random_tensor
-from hybridmoe.quant.types import GGMLType, interleave, row_bytes
+from hybridmoe.quant.types import GGMLType, block_size, interleave, row_bytes
 
 # MXFP4's scales are powers of two: its RMS lands within a step of the asked one
 TOL = {GGMLType.MXFP4: 1.42, GGMLType.MXFP4_R8: 1.42}
@@ -33,6 +33,18 @@ def test_deterministic_given_the_generator(qtype):
     b = random_blocks(qtype, 16, 256, torch.Generator().manual_seed(11))
     c = random_blocks(qtype, 16, 256, torch.Generator().manual_seed(12))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda t: t.name)
+def test_a_single_block_dequantizes(qtype):
+    """One block alone (a one-row embedding lookup of a 256-wide model): its fields would be views at odd byte
+    offsets; the values are the block's in a larger tensor."""
+    n, k = block_size(qtype), interleave(qtype)
+    if n == 1 or qtype == GGMLType.IQ1_S_R4:          # rows of these are wider than one block
+        pytest.skip(f"{qtype.name}: a row is never one block")
+    raw = random_blocks(qtype, 2 * k, n, torch.Generator().manual_seed(5))
+    both = dequantize(raw, qtype, n)
+    assert torch.equal(dequantize(raw[:k].clone(), qtype, n), both[:k])
 
 
 def test_large_tensors_calibrate_on_a_sample():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import ref, ref_ik, ref_interleaved, ref_mainline, ref_trellis
-from .types import GGMLType, interleave, row_bytes
+from .types import GGMLType, block_size, interleave, row_bytes
 
 
 def _rows_table() -> dict:
@@ -62,4 +62,8 @@ def dequantize(raw: torch.Tensor, qtype, n_cols: int, dtype: torch.dtype = torch
         raise NotImplementedError(f"no reference dequantizer for {qtype.name}")
     if rows.shape[0] % interleave(qtype):
         raise ValueError(f"{qtype.name}: {rows.shape[0]} rows is not a multiple of {interleave(qtype)}")
+    if n_cols == block_size(qtype) and rows.shape[0] == interleave(qtype):
+        # a single block: its fields, sliced, would be contiguous views at odd byte offsets, which can't be
+        # viewed as 16- or 32-bit values; two copies make every slice a copy
+        return fn(rows.repeat(2, 1), n_cols)[:rows.shape[0]].to(dtype).reshape(*lead, n_cols)
     return fn(rows, n_cols).to(dtype).reshape(*lead, n_cols)

@@ -10,7 +10,9 @@ the weights stay memory-mapped unless HYBRIDMOE_HOST_ARENA=1 (weights.load_weigh
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import weakref
 
 import torch
@@ -41,11 +43,34 @@ def is_pinned(t: torch.Tensor) -> bool:
     return t.is_pinned()
 
 
-def _unregister(ptr: int) -> None:
-    _REGISTERED.pop(ptr, None)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _release(base: int, size: int, registered: list) -> None:
+    """An arena's end, when the last view of it is gone: its CUDA registration first, then its pages (a range
+    unmapped while registered stays registered, and the next mapping at that address can't be)."""
+    for ptr in registered:
+        _REGISTERED.pop(ptr, None)
+        try:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        except Exception:   # noqa: BLE001 - interpreter shutdown, CUDA torn down: nothing left to release
+            pass
+    _libc.munmap(base, size)
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a call that failed on purpose-free grounds (a refused
+    registration): left set, torch's next kernel-launch check would raise it as its own."""
     try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:   # interpreter shutdown, CUDA already torn down: nothing left to release
+        with open("/proc/self/maps") as f:
+            path = next((ln.split()[-1] for ln in f if "libcudart.so" in ln), None)
+        if path:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError):
         pass
 
 
@@ -55,17 +80,20 @@ class Arena:
 
     def __init__(self, nbytes: int, huge: bool = True):
         self.nbytes = max(int(nbytes), 1)
-        self._mm = mmap.mmap(-1, self.nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        size = self.nbytes + HUGE
+        base = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                          -1, 0)
+        if base in (None, ctypes.c_void_p(-1).value):
+            raise MemoryError(f"could not map {size} bytes of host memory ({os.strerror(ctypes.get_errno())})")
         self.huge = False
         if huge and hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise"):
-            try:
-                self._mm.madvise(mmap.MADV_HUGEPAGE)
-                self.huge = True
-            except OSError:
-                pass
-        whole = torch.frombuffer(self._mm, dtype=torch.uint8)
-        off = (-whole.data_ptr()) % HUGE
-        self.buf = whole[off:off + self.nbytes]
+            self.huge = _libc.madvise(base, size, mmap.MADV_HUGEPAGE) == 0
+        off = (-base) % HUGE
+        mem = (ctypes.c_uint8 * self.nbytes).from_address(base + off)
+        self._registered: list[int] = []
+        weakref.finalize(mem, _release, base, size, self._registered)      # when the last view is gone
+        self._mem = mem
+        self.buf = torch.frombuffer(mem, dtype=torch.uint8)
         self.used = 0
         self.pinned = False
 
@@ -87,10 +115,11 @@ class Arena:
         ptr = self.buf.data_ptr()
         err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)
         if int(err) != 0:
+            _clear_cuda_error()
             return False
         self.pinned = True
         _REGISTERED[ptr] = ptr + self.nbytes
-        weakref.finalize(self._mm, _unregister, ptr)   # when the last view of the mapping is gone
+        self._registered.append(ptr)
         return True
 
 
