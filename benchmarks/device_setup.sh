@@ -11,3 +11,6 @@ fi
 export PYTHONPATH="$PWD/src:/tmp/hm-site:${PYTHONPATH:-}"
 hm() { python3 -m hybridmoe.cli "$@"; }
 python3 -c "import torch, gguf, hybridmoe; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count())"
+# CPU kernels built on an earlier machine of the same kind (.carry/kcache, from a run's $OUT): the cache key
+# holds the source, the flags and the CPU's features, so a stale or foreign build is simply not found
+if [ -d .carry/kcache ]; then mkdir -p "$HYBRIDMOE_CACHE/kernels" && cp -n .carry/kcache/*.so "$HYBRIDMOE_CACHE/kernels/" 2>/dev/null || true; fi

@@ -15,7 +15,7 @@ for s in "$@"; do
     gpufiles) d=${OUT:-/tmp}/gpufiles; mkdir -p $d
               python3 -c "from hybridmoe.kernels import cpu; assert cpu._load()"
               grep -l "mark.gpu" tests/test_*.py tests/quant/test_*.py | xargs -P 3 -I{} sh -c \
-                'f={}; CUDA_LAUNCH_BLOCKING=1 OMP_NUM_THREADS=4 timeout 400 python3 -m pytest -q -m gpu $f \
+                'f={}; CUDA_LAUNCH_BLOCKING=1 OMP_NUM_THREADS=4 timeout 400 python3 -m pytest -q -s -m gpu $f \
                    -p no:cacheprovider --tb=long -rfE > '$d'/$(basename $f .py).log 2>&1; echo "$f rc $?"'
               grep -h -E "^(FAILED|ERROR)|passed|failed" $d/*.log | cut -c1-200
               tar czf $d.tgz -C $d . && rm -r $d ;;
