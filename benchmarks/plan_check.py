@@ -70,9 +70,11 @@ def section_rows(model: str, placements, prompts: str, reps: int) -> list[tuple[
     rows = []
     for label, argv in placements:
         r = 1 if argv[:2] == ["-ngl", "0"] else reps           # the CPU's pp4096 takes seconds a repetition
-        for t in check(model, argv, prompts, r):
-            rows.append((label, t))
+        got = [(label, t) for t in check(model, argv, prompts, r)]
+        rows += got
         print(f"done: {label}", file=sys.stderr, flush=True)
+        if got:                    # each placement's rows as they come: a run cut short keeps what it measured
+            print("\n".join(table(got)[2:-1]), file=sys.stderr, flush=True)
     return rows
 
 
