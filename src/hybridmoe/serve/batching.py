@@ -282,7 +282,9 @@ class Batcher:
         self.counts["batch_tokens"] += n_tok
         if len(items) > 1 and batched is not None:
             try:
-                outs = batched([(torch.tensor(t, dtype=torch.long), j.pos, j.kv) for j, t in items], all_logits=False)
+                # the step's tokens in one tensor, cut into the items' views (a decode step has one token an item)
+                ids = torch.tensor([x for _, t in items for x in t], dtype=torch.long).split([len(t) for _, t in items])
+                outs = batched([(t, j.pos, j.kv) for t, (j, _) in zip(ids, items)], all_logits=False)
                 last = getattr(model.stats, "last_batch", None) or {}
                 self.last_batch = dict(last)
                 if last.get("distinct_experts") is not None:        # None: a model without experts

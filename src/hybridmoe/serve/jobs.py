@@ -79,8 +79,22 @@ class Job:
         self.todo: list[int] = []             # tokens to run next: the rest of the prompt, or the last sampled one
         self.pos = 0                          # where they go in the cache
         self.outbox: list | None = None       # set by the batcher: (job, item) pairs it delivers after each step
+        # a non-streamed answer is read whole: its pieces wait here for the end item, so that its request's task
+        # is not woken every step (with several sequences batched, those wake-ups cost the event loop more than
+        # the step itself costs the generation thread)
+        self.held: list | None = None if params.stream else []
 
     def _emit(self, item):
+        if self.held is not None:
+            if item[0] in ("text", "reasoning", "logprobs"):
+                self.held.append(item)
+                return
+            held, self.held = self.held, []
+            for it in held:
+                self._post(it)
+        self._post(item)
+
+    def _post(self, item):
         if self.outbox is not None:          # the batcher delivers a step's items together
             self.outbox.append((self, item))
             return

@@ -200,6 +200,29 @@ class CpuDecoder:
             self.rope = (start, tabs)
         return tabs[0][pos - start], tabs[1][pos - start]
 
+    def _cos_sin_rows(self, pos: list[int]):
+        """cos, sin [len(pos), D/2] of these positions: a gather from each block of the cached tables they lie in
+        (one, mostly: a batch's decode tokens, a prompt chunk)."""
+        blocks: dict[int, list[int]] = {}
+        for i, p in enumerate(pos):
+            blocks.setdefault(p // _ROPE_BLOCK, []).append(i)
+        if not blocks:
+            self._cos_sin(0)
+            c, s = self.rope[1]
+            return c[:0], s[:0]
+        cos = sin = None
+        for b, rows in blocks.items():
+            self._cos_sin(b * _ROPE_BLOCK)
+            start, (c, s) = self.rope
+            idx = torch.tensor([pos[i] - start for i in rows])
+            if len(blocks) == 1:
+                return c[idx], s[idx]
+            if cos is None:
+                cos, sin = c.new_empty(len(pos), c.shape[1]), s.new_empty(len(pos), s.shape[1])
+            rows = torch.tensor(rows)
+            cos[rows], sin[rows] = c[idx], s[idx]
+        return cos, sin
+
     def forward(self, tokens: torch.Tensor, pos0: int, all_logits: bool = True) -> torch.Tensor:
         """A prompt chunk: logits [T, n_vocab] (or [1, n_vocab], the last token's), the cache written at
         pos0..pos0 + T - 1."""
@@ -211,9 +234,7 @@ class CpuDecoder:
         need = self.lib.hm_prompt_scratch(self.mp, T)
         if self.prompt_scratch is None or self.prompt_scratch.numel() < need:
             self.prompt_scratch = torch.empty(need, dtype=torch.uint8)
-        tabs = [self._cos_sin(pos0 + t) for t in range(T)]
-        cos = torch.stack([c for c, _ in tabs]).contiguous()
-        sin = torch.stack([s for _, s in tabs]).contiguous()
+        cos, sin = self._cos_sin_rows(list(range(pos0, pos0 + T)))
         out = torch.empty(T if all_logits else 1, self.n_vocab, dtype=torch.float32)
         t = self.times
         self.m.nthreads = self.sched.n_threads or torch.get_num_threads()
@@ -231,13 +252,14 @@ class CpuDecoder:
     def _seq_ptrs(self, kv):
         """(keys, values): arrays of the cache's per-layer buffer addresses, made once per cache (its buffers are
         allocated once and never move); None for a cache the step can't take."""
-        if kv not in self._ptrs:
+        ptrs = self._ptrs.get(kv, self)
+        if ptrs is self:
             n = self.cfg.n_layer
             ok = (kv.type_k == kv.type_v == self.kv.type_k and all(s == kv.n_ctx for s in kv.slots)
                   and all(d.kind == "cpu" for d in kv.devs) and len(kv.k) == n)
-            self._ptrs[kv] = ((c_vp * n)(*[t.data_ptr() for t in kv.k]),
-                              (c_vp * n)(*[t.data_ptr() for t in kv.v])) if ok else None
-        return self._ptrs[kv]
+            ptrs = self._ptrs[kv] = ((c_vp * n)(*[t.data_ptr() for t in kv.k]),
+                                     (c_vp * n)(*[t.data_ptr() for t in kv.v])) if ok else None
+        return ptrs
 
     def forward_batch(self, items, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:
         """Several sequences in one pass (hm_batch_step): items [(tokens [T_i], pos0_i, kv_i)], each cache one
@@ -247,21 +269,18 @@ class CpuDecoder:
         alone."""
         B = len(items)
         seqs = (_Seq * B)()
-        ids, cos, sin = [], [], []
+        pos = []
         for j, (tokens, pos0, kv) in enumerate(items):
             T = int(tokens.shape[0])
             kv.check_fits(pos0, T)
             kc, vc = self._seq_ptrs(kv)
             seqs[j].T, seqs[j].pos0, seqs[j].slots = T, pos0, kv.n_ctx
             seqs[j].kc, seqs[j].vc = ctypes.addressof(kc), ctypes.addressof(vc)
-            ids.append(tokens.to(torch.int64))
-            for t in range(T):
-                c, s_ = self._cos_sin(pos0 + t)
-                cos.append(c)
-                sin.append(s_)
-        ids = torch.cat(ids).contiguous()                 # ids out of the vocabulary: hm_batch_step refuses them
+            pos.extend(range(pos0, pos0 + T))
+        # ids out of the vocabulary: hm_batch_step refuses them
+        ids = torch.cat([t for t, _, _ in items]).to(torch.int64).contiguous()
         n = int(ids.shape[0])
-        cos, sin = torch.stack(cos).contiguous(), torch.stack(sin).contiguous()
+        cos, sin = self._cos_sin_rows(pos)
         need = self.lib.hm_batch_scratch(self.mp, n, B)
         if self.prompt_scratch is None or self.prompt_scratch.numel() < need:
             self.prompt_scratch = torch.empty(need, dtype=torch.uint8)
