@@ -68,13 +68,20 @@ class Sampler:
             logits[self.bias[0]] += self.bias[1]
         return logits
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits [n_vocab] float32 -> token id (greedy at temperature <= 0, as llama.cpp)."""
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the logits as they come (no penalties; a bias, if any, only bans tokens): the token is
+        their argmax unless that is banned or the constraint refuses it."""
+        return self.s.temperature <= 0 and not self.penalize and (self.bias is None or self.banned is not None)
+
+    def __call__(self, logits: torch.Tensor, top: int | None = None) -> int:
+        """logits [n_vocab] float32 -> token id (greedy at temperature <= 0, as llama.cpp). `top`: their argmax,
+        where the caller has it (a batch's rows take theirs in one op)."""
         s = self.s
         c = self.constraint
-        if s.temperature <= 0 and self.banned is not None and not self.penalize:
-            tok = int(torch.argmax(logits))
-            if tok not in self.banned and (c is None or c.allows(tok)):
+        if self.plain_greedy:
+            tok = int(torch.argmax(logits)) if top is None else top
+            if (self.banned is None or tok not in self.banned) and (c is None or c.allows(tok)):
                 return tok
         logits = self.adjust(logits)
         scaled = logits.float() / s.temperature if s.temperature > 0 else None

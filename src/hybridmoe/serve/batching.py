@@ -259,13 +259,18 @@ class Batcher:
         outs = self._forward(items)
         self.counts["decodes"] += 1
         self.counts["busy_slots"] += len(self.order)
-        for (job, toks), out in zip(items, outs):
+        # the greedy samplers' tokens: the argmax of their rows in one op, not one op a sequence
+        greedy = [k for k, ((job, toks), out) in enumerate(zip(items, outs))
+                  if not isinstance(out, BaseException) and job.greedy_after(len(toks))]
+        tops = dict(zip(greedy, torch.stack([outs[k] for k in greedy]).argmax(-1).tolist())) if len(greedy) > 1 \
+            else {}
+        for k, ((job, toks), out) in enumerate(zip(items, outs)):
             if isinstance(out, BaseException):
                 job.fail(out)
                 self._end(job, failed=True)
                 continue
             try:
-                over = job.advance(len(toks), out)
+                over = job.advance(len(toks), out, tops.get(k))
             except Exception as e:                   # noqa: BLE001 - a sampler or constraint failure
                 job.fail(e)
                 self._end(job, failed=True)

@@ -134,9 +134,13 @@ class Job:
         """What this step runs: a chunk of at most `budget` prompt tokens, or the token sampled last."""
         return self.todo[:budget] if self.in_prompt else self.todo
 
-    def advance(self, n_ran: int, logits) -> bool:
-        """The step ran n_ran tokens of `next_tokens`; `logits` [n_vocab] are the last one's. Samples when the
-        prompt is done; True when the generation is over."""
+    def greedy_after(self, n_ran: int) -> bool:
+        """Whether advance(n_ran, ...) samples, greedily from the logits as they are (Sampler.plain_greedy)."""
+        return (not self.in_prompt or n_ran == len(self.todo)) and self.sampler.plain_greedy
+
+    def advance(self, n_ran: int, logits, top: int | None = None) -> bool:
+        """The step ran n_ran tokens of `next_tokens`; `logits` [n_vocab] are the last one's (`top`: their argmax,
+        if the batcher took it). Samples when the prompt is done; True when the generation is over."""
         self.pos += n_ran
         del self.todo[:n_ran]
         now = time.perf_counter()
@@ -149,12 +153,12 @@ class Job:
         else:
             self.timings.n_eval += 1
             self.timings.t_eval = now - self.t_gen
-        return self._sample(logits)
+        return self._sample(logits, top)
 
-    def _sample(self, logits) -> bool:
+    def _sample(self, logits, top: int | None = None) -> bool:
         if self.cancel.is_set():
             return True
-        t = self.sampler(logits)
+        t = self.sampler(logits, top)
         self.timings.n_generated += 1
         self.sampler.accept(t)
         if self.params.logprobs is not None:        # the model's own distribution, before sampling settings

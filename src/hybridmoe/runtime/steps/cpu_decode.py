@@ -47,6 +47,11 @@ class _Seq(ctypes.Structure):
 
 _KV_TYPES = {"f32": int(GGMLType.F32), "f16": int(GGMLType.F16), "bf16": int(GGMLType.BF16)}
 _ROPE_BLOCK = 256                                   # positions per cached block of cos/sin
+# a model whose token reads less than this of weights runs its steps on one thread unless -t says otherwise:
+# its products are a few microseconds each, so threads mostly wait for each other at the kernels' barriers
+# (synth:tiny, 0.2 MB, on the 2-core dev VM: steps of 1 and 8 sequences 1.8x and 1.3x faster on one thread
+# than on two when the machine was idle, 8 sequences 10x when other work loaded it)
+SMALL_TOKEN_BYTES = 1 << 20
 
 
 def _lib():
@@ -175,10 +180,18 @@ class CpuDecoder:
         self.expert_bytes = sum(cfg.n_expert_used * (L.ffn_gate_exps.nbytes + L.ffn_up_exps.nbytes +
                                                      L.ffn_down_exps.nbytes) // L.ffn_gate_exps.shape[0] for L in ek)
         self.n_moe = len(ek)
+        routed = sum(L.ffn_gate_exps.nbytes + L.ffn_up_exps.nbytes + L.ffn_down_exps.nbytes for L in ek)
+        self.token_bytes = model.file.nbytes - routed + self.expert_bytes    # weights a token reads (about)
         # matrix-vector calls a token, counted as the eager path counts them: q/k/v (one), output, router,
         # the FFN's three, the head
         self.gemvs = sum(2 + (L.ffn_gate_inp is not None) + 3 * (L.ffn_gate_inp is None or L.ffn_gate_shexp is not None)
                          for L in dec.layers) + 1
+
+    def _threads(self) -> int:
+        """-t, else every core, but one for a small model (SMALL_TOKEN_BYTES)."""
+        if self.sched.n_threads:
+            return self.sched.n_threads
+        return 1 if self.token_bytes < SMALL_TOKEN_BYTES else torch.get_num_threads()
 
     def _check(self, w, cols):
         if w.device.kind != "cpu" or w.split:
@@ -237,7 +250,7 @@ class CpuDecoder:
         cos, sin = self._cos_sin_rows(list(range(pos0, pos0 + T)))
         out = torch.empty(T if all_logits else 1, self.n_vocab, dtype=torch.float32)
         t = self.times
-        self.m.nthreads = self.sched.n_threads or torch.get_num_threads()
+        self.m.nthreads = self._threads()
         rc = self.lib.hm_prompt_step(self.mp, ids.data_ptr(), T, pos0, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                                      int(all_logits), self.prompt_scratch.data_ptr(), t)
         if rc:
@@ -286,7 +299,7 @@ class CpuDecoder:
             self.prompt_scratch = torch.empty(need, dtype=torch.uint8)
         out = torch.empty(n if all_logits else B, self.n_vocab, dtype=torch.float32)
         distinct = torch.zeros(self.cfg.n_layer, dtype=torch.int32)
-        self.m.nthreads = self.sched.n_threads or torch.get_num_threads()
+        self.m.nthreads = self._threads()
         rc = self.lib.hm_batch_step(self.mp, ids.data_ptr(), seqs, B, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                                     int(all_logits), self.prompt_scratch.data_ptr(), self.times, distinct.data_ptr())
         if rc:
@@ -318,7 +331,7 @@ class CpuDecoder:
         cos, sin = self._cos_sin(pos)
         out = torch.empty(1, self.n_vocab, dtype=torch.float32)
         t = self.times
-        self.m.nthreads = self.sched.n_threads or torch.get_num_threads()     # bench -t changes it between runs
+        self.m.nthreads = self._threads()     # bench -t changes it between runs
         rc = self.lib.hm_decode_step(self.mp, token, pos, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t)
         if rc:
             raise RuntimeError(f"the CPU decode step failed: {_why(rc)}")
