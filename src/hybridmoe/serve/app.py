@@ -12,8 +12,8 @@
 
 The model is not thread-safe, so every generation runs on one generation thread (batching.py): `-np N`
 slots, each with its own KV cache, whose sequences advance together, one batched step at a time; the event
-loop only parses requests, tokenizes (in a helper thread) and relays text, so it stays responsive while
-generations run. A streaming client that goes away cancels its generation after the current token, and
+loop only parses requests, tokenizes (a long prompt in a helper thread) and relays text, so it stays
+responsive while generations run. A streaming client that goes away cancels its generation after the current token, and
 so does a non-streaming one (polled every 0.25 s). Requests are untrusted: the body is capped
 (8 MiB by default), every field is type-checked, the prompt must fit the context, max_tokens is capped to
 what the context has left, and every bad request gets OpenAI's error shape
