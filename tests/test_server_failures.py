@@ -290,6 +290,38 @@ def test_sampler_at_a_vanishing_temperature_or_top_p():
         assert s(logits) == int(logits.argmax())
 
 
+def test_greedy_sampler_given_the_argmax_takes_what_it_would_alone():
+    """Sampler(logits, top): the batcher hands greedy samplers their row's argmax (one op for the batch); the
+    token is the one the sampler picks from the logits alone, also when the argmax is banned (logit_bias false,
+    ignore_eos) or the constraint refuses it, and a sampler with penalties or a bias that is not a ban ignores it."""
+    from hybridmoe.generate import Sampler, SamplerSettings
+    logits = torch.randn(1000) * 5
+    top = int(logits.argmax())
+    second = int(logits.topk(2).indices[1])
+
+    class Refuses:                                   # a constraint that refuses the argmax
+        def allows(self, t):
+            return t != top
+
+        def best(self, lg):
+            lg = lg.clone()
+            lg[top] = float("-inf")
+            return int(lg.argmax())
+    cases = [(SamplerSettings(temperature=0), None, top),
+             (SamplerSettings(temperature=0, logit_bias={top: float("-inf")}), None, second),
+             (SamplerSettings(temperature=0, logit_bias={5: float("-inf")}), None, top),
+             (SamplerSettings(temperature=0), Refuses(), second),
+             (SamplerSettings(temperature=0, logit_bias={second: 100.0}), None, second),
+             (SamplerSettings(temperature=0, repeat_penalty=100.0), None, second)]
+    for settings, constraint, want in cases:
+        s = Sampler(settings, constraint)
+        if settings.repeat_penalty != 1:
+            s.start([top])
+        assert s(logits) == want and s(logits, top) == want, settings
+        assert s.plain_greedy == (settings.repeat_penalty == 1 and
+                                  all(b == float("-inf") for b in settings.logit_bias.values()))
+
+
 def test_logit_bias_that_bans_everything_is_refused(http, model):
     """A logit_bias that bans every token (llama-server's false) is a 400 at any temperature (also when
     ignore_eos bans the end-of-generation tokens it left); at temperature 0 a banned token is never
