@@ -218,6 +218,43 @@ class Model:
                                  "distinct_per_layer": routed}
         return outs
 
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list[KVCache]) -> torch.Tensor:
+        """forward_batch for one decode token a sequence, given as lists: token ids, their positions and the
+        sequences' caches (each its own). Returns their logits [B, n_vocab] (row j: what forward(tokens[j], pos[j],
+        kvs[j]) gives); a server's decode step, with less Python a sequence where the CPU batch step runs it."""
+        n = self.cfg.n_vocab
+        if not (len(tokens) == len(pos) == len(kvs)) or not tokens:
+            raise HybridMoeError("decode_batch: give as many tokens, positions and caches, at least one")
+        if len({id(kv) for kv in kvs}) != len(kvs):
+            raise HybridMoeError("decode_batch: each sequence needs its own KV cache (model.new_cache)")
+        for j, (t, p, kv) in enumerate(zip(tokens, pos, kvs)):
+            if not 0 <= t < n:
+                raise HybridMoeError(f"decode_batch item {j}: token id {t} is not in the vocabulary (0..{n - 1})")
+            if p < 0:
+                raise HybridMoeError(f"decode_batch item {j}: position {p} is negative")
+            kv.check_fits(p, 1)
+        step = self._batch if len(tokens) > 1 else None
+        if not step or not hasattr(step, "decode_batch") or not all(step.accepts(kv) for kv in kvs):
+            items = [(torch.tensor([t]), p, kv) for t, p, kv in zip(tokens, pos, kvs)]
+            return torch.cat(self.forward_batch(items))
+        for p, kv in zip(pos, kvs):
+            kv.begin_write(p, 1)
+        t0 = time.perf_counter()
+        out, distinct = step.decode_batch(tokens, pos, kvs)
+        if self.runtime.profile:
+            self.stats.wall[0] += time.perf_counter() - t0
+        if not all_finite(out):
+            j = next(j for j in range(len(tokens)) if not all_finite(out[j]))
+            raise NonFiniteError(self._nonfinite_message(torch.tensor([tokens[j]]), pos[j], kvs[j]))
+        for t, p, kv in zip(tokens, pos, kvs):
+            kv.end_write(p, [t])
+        routed = {i: distinct[i] for i in self._moe_layers()}
+        self.stats.last_batch = {"sequences": len(tokens), "tokens": len(tokens),
+                                 "distinct_experts": sum(routed.values()) / len(routed) if routed else None,
+                                 "distinct_per_layer": routed}
+        return out
+
     def _check_batch(self, items) -> list[list[int]]:
         """A clear error for a batch forward_batch can't run, before any cache is touched; each item's token ids
         (checked in Python: a decode step's few ids cost less so than as tensor ops)."""

@@ -136,7 +136,7 @@ class Job:
 
     def greedy_after(self, n_ran: int) -> bool:
         """Whether advance(n_ran, ...) samples, greedily from the logits as they are (Sampler.plain_greedy)."""
-        return (not self.in_prompt or n_ran == len(self.todo)) and self.sampler.plain_greedy
+        return (not self.in_prompt or n_ran == len(self.todo)) and getattr(self.sampler, "plain_greedy", False)
 
     def advance(self, n_ran: int, logits, top: int | None = None) -> bool:
         """The step ran n_ran tokens of `next_tokens`; `logits` [n_vocab] are the last one's (`top`: their argmax,
@@ -158,7 +158,7 @@ class Job:
     def _sample(self, logits, top: int | None = None) -> bool:
         if self.cancel.is_set():
             return True
-        t = self.sampler(logits, top)
+        t = self.sampler(logits) if top is None else self.sampler(logits, top)
         self.timings.n_generated += 1
         self.sampler.accept(t)
         if self.params.logprobs is not None:        # the model's own distribution, before sampling settings

@@ -171,6 +171,8 @@ class CpuDecoder:
         self.rope = (-_ROPE_BLOCK - 1, None)      # (first position, (cos, sin)) of the cached block
         self.worked = False
         self._ptrs = weakref.WeakKeyDictionary()      # cache -> its per-layer K and V addresses (forward_batch)
+        self._scratch_need: dict[int, int] = {}       # decode_batch: B -> scratch bytes
+        self._distinct = torch.zeros(cfg.n_layer, dtype=torch.int32)
         ek = [L for L in dec.layers if L.ffn_gate_inp is not None]
         # bytes of one routed expert per layer (0: no routed experts), for a batch's distinct experts
         self.layer_expert_bytes = [(L.ffn_gate_exps.nbytes + L.ffn_up_exps.nbytes + L.ffn_down_exps.nbytes)
@@ -306,6 +308,37 @@ class CpuDecoder:
             raise RuntimeError(f"the CPU batch step failed: {_why(rc)}")
         distinct = distinct.tolist()
         self._account(n, sum(d * b for d, b in zip(distinct, self.layer_expert_bytes)))
+        return out, distinct
+
+    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list) -> tuple[torch.Tensor, list[int]]:
+        """One decode token for each of B sequences (forward_batch's items of one token, with ids, positions and
+        caches as lists, that the caller checked: ids in the vocabulary, positions in their caches, caches that
+        accepts() takes): their logits [B, n_vocab] and per layer the distinct experts, as forward_batch gives
+        them, from the same hm_batch_step call, with less Python a sequence (the sequences' records built as one
+        int64 tensor, the RoPE rows in one gather)."""
+        B = len(tokens)
+        rows = []
+        for p, kv in zip(pos, kvs):
+            kc, vc = self._seq_ptrs(kv)
+            rows.append((1, p, kv.n_ctx, ctypes.addressof(kc), ctypes.addressof(vc)))
+        seqs = torch.tensor(rows, dtype=torch.int64)      # [B, 5]: _Seq's fields, 8 bytes each
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        cos, sin = self._cos_sin_rows(pos)
+        need = self._scratch_need.get(B)
+        if need is None:
+            need = self._scratch_need[B] = self.lib.hm_batch_scratch(self.mp, B, B)
+        if self.prompt_scratch is None or self.prompt_scratch.numel() < need:
+            self.prompt_scratch = torch.empty(need, dtype=torch.uint8)
+        out = torch.empty(B, self.n_vocab, dtype=torch.float32)
+        distinct = self._distinct
+        self.m.nthreads = self._threads()
+        rc = self.lib.hm_batch_step(self.mp, ids.data_ptr(), (_Seq * B).from_address(seqs.data_ptr()), B,
+                                    cos.data_ptr(), sin.data_ptr(), out.data_ptr(), 0, self.prompt_scratch.data_ptr(),
+                                    self.times, distinct.data_ptr())
+        if rc:
+            raise RuntimeError(f"the CPU batch step failed: {_why(rc)}")
+        distinct = distinct.tolist()
+        self._account(B, sum(d * b for d, b in zip(distinct, self.layer_expert_bytes)))
         return out, distinct
 
     def _account(self, n_tokens: int, expert_bytes: int):
