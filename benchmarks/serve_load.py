@@ -64,7 +64,8 @@ def metrics(url: str) -> dict[str, float]:
 def cpu_seconds(pid: int | None) -> float | None:
     """CPU seconds (user + system, every thread) process pid has used so far; None off Linux or without a pid."""
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, TypeError):
         return None
