@@ -3,8 +3,8 @@
 markdown table of aggregate tokens/s, latency (p50 / p99) and each stream's tokens/s (the server's
 `timings.predicted_per_second` of each request, decode only), with the batching the server's /metrics saw
 (sequences and distinct experts per step) and the server's CPU time a generated token (every thread of its
-process, Linux; on a shared machine it says more than the wall-clock rates). Requests are greedy, with fixed prompts and `ignore_eos`, so every
-request generates exactly --max-tokens tokens.
+process, Linux; on a shared machine it says more than the wall-clock rates). Requests are greedy, with fixed
+prompts and `ignore_eos`, so every request generates exactly --max-tokens tokens.
 
     python benchmarks/serve_load.py -- -m synth:tiny
     python benchmarks/serve_load.py --concurrency 1,8 --max-tokens 64 -- -m synth:tiny -t 1
