@@ -1,9 +1,10 @@
 """Load test of `hybridmoe serve`: starts the server (every flag after `--` goes to it: model, placement, -np,
--c, ...), drives it with the real `openai` client at several concurrencies, and prints a markdown table of
-aggregate tokens/s, latency (p50 / p99) and each stream's tokens/s (the server's `timings.predicted_per_second`
-of each request, decode only), with the batching the server's /metrics saw (sequences and distinct experts
-per step). Requests are greedy, with fixed prompts and `ignore_eos`, so every request generates exactly
---max-tokens tokens.
+-c, ...), drives it with the real `openai` client at several concurrencies (a process a client), and prints a
+markdown table of aggregate tokens/s, latency (p50 / p99) and each stream's tokens/s (the server's
+`timings.predicted_per_second` of each request, decode only), with the batching the server's /metrics saw
+(sequences and distinct experts per step) and the server's CPU time a generated token (every thread of its
+process, Linux; on a shared machine it says more than the wall-clock rates). Requests are greedy, with fixed
+prompts and `ignore_eos`, so every request generates exactly --max-tokens tokens.
 
     python benchmarks/serve_load.py -- -m synth:tiny
     python benchmarks/serve_load.py --concurrency 1,8 --max-tokens 64 -- -m synth:tiny -t 1
@@ -15,6 +16,7 @@ a context of slots x (prompt + max tokens + 64).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import re
 import signal
@@ -59,45 +61,95 @@ def metrics(url: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+:\w+) (\S+)$", text, re.M)}
 
 
-def run_level(url: str, conc: int, n_req: int, max_tokens: int, cache_prompt: bool) -> dict:
-    """conc clients, each sending requests one after another until n_req have been sent in all."""
-    import openai
-    lock = threading.Lock()
-    left = [n_req]
-    lat, per_stream, tokens, errors = [], [], [], []
+def cpu_seconds(pid: int | None) -> float | None:
+    """CPU seconds (user + system, every thread) process pid has used so far; None off Linux or without a pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
 
-    def client(k):
-        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600) as c:
-            i = k
-            while True:
-                with lock:
-                    if left[0] <= 0:
-                        return
-                    left[0] -= 1
-                t0 = time.perf_counter()
-                try:
-                    r = c.completions.create(model="m", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
-                                             temperature=0, extra_body={"ignore_eos": True,
-                                                                        "cache_prompt": cache_prompt})
-                except Exception as e:          # noqa: BLE001 - counted and shown
-                    with lock:
-                        errors.append(f"{type(e).__name__}: {e}")
-                    continue
-                dt = time.perf_counter() - t0
-                with lock:
-                    lat.append(dt)
-                    tokens.append(r.usage.completion_tokens)
-                    per_stream.append(r.model_extra["timings"]["predicted_per_second"])
-                i += conc
+
+def _client(url: str, k: int, conc: int, max_tokens: int, cache_prompt: bool, left, start, out):
+    """Client k: requests one after another while `left` (a shared count) lasts, each result to `out`:
+    ("ok", latency s, tokens, the server's per-stream tok/s) or ("error", text); then ("done",)."""
+    import openai
+    with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600) as c:
+        out.put(("ready",))
+        start.wait()
+        i = k
+        while True:
+            with left.get_lock():
+                if left.value <= 0:
+                    break
+                left.value -= 1
+            t0 = time.perf_counter()
+            try:
+                r = c.completions.create(model="m", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
+                                         temperature=0, extra_body={"ignore_eos": True,
+                                                                    "cache_prompt": cache_prompt})
+            except Exception as e:          # noqa: BLE001 - counted and shown
+                out.put(("error", f"{type(e).__name__}: {e}"))
+                continue
+            out.put(("ok", time.perf_counter() - t0, r.usage.completion_tokens,
+                     r.model_extra["timings"]["predicted_per_second"]))
+            i += conc
+    out.put(("done",))
+
+
+class _Count:
+    """multiprocessing.Value's interface for the clients as threads."""
+
+    def __init__(self, n: int):
+        self.value, self._lock = n, threading.Lock()
+
+    def get_lock(self):
+        return self._lock
+
+
+def run_level(url: str, conc: int, n_req: int, max_tokens: int, cache_prompt: bool, pid: int | None = None,
+              threads: bool = False) -> dict:
+    """conc clients, each sending requests one after another until n_req have been sent in all; pid: the
+    server's process, whose CPU time the level is charged. Each client is a process of its own, as separate
+    users are (the openai client's own Python, 1-2 ms a request, would otherwise queue on one GIL: 8 threads
+    of one process sent fewer requests a second than one); `threads`: threads of this process instead."""
+    if threads:
+        import queue
+        mk = threading.Thread
+        left, start, out = _Count(n_req), threading.Event(), queue.Queue()
+    else:
+        # fork: a client starts at once with openai imported (spawn where there is no fork)
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        mk = ctx.Process
+        left, start, out = ctx.Value("i", n_req), ctx.Event(), ctx.Queue()
+    workers = [mk(target=_client, args=(url, k, conc, max_tokens, cache_prompt, left, start, out), daemon=True)
+               for k in range(conc)]
+    for w in workers:
+        w.start()
+    for _ in workers:                        # every client has imported openai and made its client
+        assert out.get(timeout=300)[0] == "ready"
+    lat, per_stream, tokens, errors = [], [], [], []
     before = metrics(url)
+    cpu0 = cpu_seconds(pid)
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(conc)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    start.set()
+    done = 0
+    while done < conc:
+        item = out.get()
+        if item[0] == "done":
+            done += 1
+        elif item[0] == "error":
+            errors.append(item[1])
+        else:
+            lat.append(item[1])
+            tokens.append(item[2])
+            per_stream.append(item[3])
     wall = time.perf_counter() - t0
+    cpu1 = cpu_seconds(pid)
     after = metrics(url)
+    for w in workers:
+        w.join()
 
     def delta(name):
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -109,6 +161,8 @@ def run_level(url: str, conc: int, n_req: int, max_tokens: int, cache_prompt: bo
             "stream_p50": statistics.median(per_stream) if per_stream else 0.0,
             "stream_min": min(per_stream) if per_stream else 0.0,
             "seq_per_step": delta("hybridmoe:batch_sequences_total") / steps if steps else 0.0,
+            "cpu_ms_tok": 1e3 * (cpu1 - cpu0) / sum(tokens) if cpu0 is not None and cpu1 is not None and tokens
+            else None,
             "experts_per_step": (delta("hybridmoe:distinct_experts_total") / delta("hybridmoe:expert_steps_total")
                                  if delta("hybridmoe:expert_steps_total") else None)}
 
@@ -129,6 +183,8 @@ def main():
                     help="let requests reuse a slot's cached prompt (default: every request runs its prompt)")
     ap.add_argument("--start-timeout", type=float, default=1800, help="seconds to wait for the server to load")
     ap.add_argument("--url", default=None, help="drive a server already running there instead of starting one")
+    ap.add_argument("--client-threads", action="store_true",
+                    help="run the clients as threads of this process (default: a process each)")
     a = ap.parse_args(argv)
     try:
         import openai  # noqa: F401
@@ -149,8 +205,10 @@ def main():
     try:
         rows = []
         for conc in levels:
-            run_level(url, conc, conc, min(8, a.max_tokens), a.cache_prompt)         # warm-up: this batch size
-            r = run_level(url, conc, max(8, conc * a.rounds), a.max_tokens, a.cache_prompt)
+            run_level(url, conc, conc, min(8, a.max_tokens), a.cache_prompt,        # warm-up: this batch size
+                      threads=a.client_threads)
+            r = run_level(url, conc, max(8, conc * a.rounds), a.max_tokens, a.cache_prompt,
+                          proc.pid if proc is not None else None, a.client_threads)
             rows.append(r)
             print(f"concurrency {conc}: {r['agg']:.1f} tok/s aggregate, {len(r['errors'])} errors", file=sys.stderr,
                   flush=True)
@@ -160,13 +218,14 @@ def main():
         print(f"\n`serve_load.py` -- {' '.join(flags)}; {a.max_tokens} tokens a request, greedy, "
               f"{'prompt cache on' if a.cache_prompt else 'every prompt run'}\n")
         print("| clients | requests | errors | aggregate tok/s | vs 1st row | p50 latency s | p99 latency s | "
-              "stream tok/s p50 | stream tok/s min | seqs/step | experts/step |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "stream tok/s p50 | stream tok/s min | seqs/step | experts/step | server CPU ms/tok |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             ex = f"{r['experts_per_step']:.1f}" if r["experts_per_step"] is not None else "-"
+            cpu = f"{r['cpu_ms_tok']:.3f}" if r["cpu_ms_tok"] is not None else "-"
             print(f"| {r['conc']} | {r['requests']} | {len(r['errors'])} | {r['agg']:.1f} | "
                   f"{r['agg'] / base if base else 0:.2f}x | {r['p50']:.3f} | {r['p99']:.3f} | {r['stream_p50']:.1f} | "
-                  f"{r['stream_min']:.1f} | {r['seq_per_step']:.2f} | {ex} |")
+                  f"{r['stream_min']:.1f} | {r['seq_per_step']:.2f} | {ex} | {cpu} |")
     finally:
         if proc is not None:
             proc.send_signal(2)

@@ -439,3 +439,39 @@ def test_gpu_slots_answer_concurrent_requests(opts, capsys):
                   f"sequential ones; {b.counts['batch_sequences'] / b.counts['decodes']:.2f} sequences a step")
     finally:
         gen.close()
+
+
+def test_decode_batch_is_forward_batch_bit_for_bit(model):
+    """Model.decode_batch (the server's decode steps: ids, positions and caches as lists, logits [B, n_vocab])
+    gives forward_batch's logits bit for bit, step after step, and writes the caches alike; bad input is a
+    clear error before any cache is touched."""
+    from hybridmoe.errors import HybridMoeError
+    g = torch.Generator().manual_seed(1)
+    B = 5
+    prompts = [torch.randint(0, model.cfg.n_vocab, (3 + 4 * j,), generator=g) for j in range(B)]
+    runs = []
+    for _ in range(2):
+        kvs = [model.new_cache(256) for _ in range(B)]
+        outs = model.forward_batch([(p, 0, kv) for p, kv in zip(prompts, kvs)])
+        runs.append((kvs, [int(o[-1].argmax()) for o in outs], [len(p) for p in prompts]))
+    (ka, ta, pa), (kb, tb, pb) = runs
+    for _ in range(12):
+        oa = model.forward_batch([(torch.tensor([t]), p, kv) for t, p, kv in zip(ta, pa, ka)])
+        ob = model.decode_batch(tb, pb, kb)
+        assert ob.shape == (B, model.cfg.n_vocab)
+        assert all(torch.equal(a[-1], b) for a, b in zip(oa, ob))
+        assert model.stats.last_batch["sequences"] == B
+        ta, tb = [int(o[-1].argmax()) for o in oa], ob.argmax(-1).tolist()
+        pa, pb = [p + 1 for p in pa], [p + 1 for p in pb]
+    assert [kv.tokens for kv in ka] == [kv.tokens for kv in kb]
+    for i in range(model.cfg.n_layer):
+        assert all(torch.equal(a.k[i], b.k[i]) and torch.equal(a.v[i], b.v[i]) for a, b in zip(ka, kb))
+    held = [list(kv.tokens) for kv in kb]
+    for args, words in (((tb[:2] + [model.cfg.n_vocab], pb[:3], kb[:3]), "not in the vocabulary"),
+                        ((tb[:2], pb[:2], [kb[0], kb[0]]), "its own KV cache"),
+                        ((tb[:2], [pb[0], -1], kb[:2]), "negative"),
+                        ((tb[:2], [pb[0], 256], kb[:2]), "context is full"),
+                        ((tb[:2], pb[:1], kb[:2]), "as many")):
+        with pytest.raises(HybridMoeError, match=words):
+            model.decode_batch(*args)
+    assert [list(kv.tokens) for kv in kb] == held

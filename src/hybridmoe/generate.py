@@ -37,6 +37,10 @@ class Sampler:
         self.recent = collections.deque(maxlen=None if s.repeat_last_n < 0 else s.repeat_last_n)
         self.bias = (torch.tensor(list(s.logit_bias), dtype=torch.long),
                      torch.tensor(list(s.logit_bias.values()), dtype=torch.float32)) if s.logit_bias else None
+        # a bias that only bans tokens (ignore_eos bans the end-of-generation ones): greedy takes the argmax of
+        # the logits as they are when it is not banned (then it is the argmax of the biased ones too)
+        self.banned = {int(t) for t in s.logit_bias} if s.logit_bias and all(
+            b == float("-inf") for b in s.logit_bias.values()) else None
 
     def start(self, prompt_ids):
         """The context so far (the penalties look back into the prompt, as llama.cpp's)."""
@@ -64,11 +68,22 @@ class Sampler:
             logits[self.bias[0]] += self.bias[1]
         return logits
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """logits [n_vocab] float32 -> token id (greedy at temperature <= 0, as llama.cpp)."""
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the logits as they come (no penalties; a bias, if any, only bans tokens): the token is
+        their argmax unless that is banned or the constraint refuses it."""
+        return self.s.temperature <= 0 and not self.penalize and (self.bias is None or self.banned is not None)
+
+    def __call__(self, logits: torch.Tensor, top: int | None = None) -> int:
+        """logits [n_vocab] float32 -> token id (greedy at temperature <= 0, as llama.cpp). `top`: their argmax,
+        where the caller has it (a batch's rows take theirs in one op)."""
         s = self.s
-        logits = self.adjust(logits)
         c = self.constraint
+        if self.plain_greedy:
+            tok = int(torch.argmax(logits)) if top is None else top
+            if (self.banned is None or tok not in self.banned) and (c is None or c.allows(tok)):
+                return tok
+        logits = self.adjust(logits)
         scaled = logits.float() / s.temperature if s.temperature > 0 else None
         # greedy at 0, and at a temperature so small that the logits overflow (its limit)
         if scaled is None or not bool(torch.isfinite(scaled.max())):

@@ -12,8 +12,8 @@
 
 The model is not thread-safe, so every generation runs on one generation thread (batching.py): `-np N`
 slots, each with its own KV cache, whose sequences advance together, one batched step at a time; the event
-loop only parses requests, tokenizes (in a helper thread) and relays text, so it stays responsive while
-generations run. A streaming client that goes away cancels its generation after the current token, and
+loop only parses requests, tokenizes (a long prompt in a helper thread) and relays text, so it stays
+responsive while generations run. A streaming client that goes away cancels its generation after the current token, and
 so does a non-streaming one (polled every 0.25 s). Requests are untrusted: the body is capped
 (8 MiB by default), every field is type-checked, the prompt must fit the context, max_tokens is capped to
 what the context has left, and every bad request gets OpenAI's error shape
@@ -29,9 +29,9 @@ import contextlib
 import hmac
 import logging
 import os
+import random
 import threading
 import time
-import uuid
 import weakref
 
 from fastapi import FastAPI, Request
@@ -70,6 +70,21 @@ log = logging.getLogger("hybridmoe.serve.app")
 
 MAX_BODY_BYTES = 8 << 20
 MAX_QUEUE = 64            # requests running or waiting for the model; more get 503
+INLINE_CHARS = 2048       # prompts this short are tokenized on the event loop (app.encode)
+
+
+def text_chars(messages: list[dict]) -> int | None:
+    """The characters of the messages' text (parse_messages' form), or None where some content is not text."""
+    n = 0
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, str):
+            n += len(c)
+        elif c is not None:
+            return None
+        if len(m) > 2:                             # tool calls, names, reasoning: let the helper thread render them
+            return None
+    return n
 
 
 def check_in_vocab(ids, n_vocab: int, key: str):
@@ -223,7 +238,8 @@ class ServerState(ResponseWriter):
                            f"retry later", "server_busy", type_="server_error")
         job = Job(asyncio.get_running_loop(), ids, max_tokens, params)
         self.submit(job)
-        rid = {"chat": "chatcmpl-", "anthropic": "msg_"}.get(kind, "cmpl-") + uuid.uuid4().hex
+        # (not uuid4: its os.urandom call hands the GIL over, which costs the event loop more under load)
+        rid = {"chat": "chatcmpl-", "anthropic": "msg_"}.get(kind, "cmpl-") + f"{random.getrandbits(128):032x}"
         if params.stream:
             events = (self._sse_native(job) if kind == "native" else
                       anthropic_api.events(job, rid, self.name) if kind == "anthropic" else
@@ -344,8 +360,14 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
                 "build_info": f"hybridmoe {__version__}",
                 "default_generation_settings": {"n_ctx": state.n_ctx_slot, "params": dict(DEFAULT_SAMPLING)}}
 
-    async def encode(fn, *args):
+    async def encode(fn, *args, chars: int | None = None):
+        """fn(*args): tokenization (and a chat template's rendering) in a helper thread, so that a long prompt
+        does not hold up the event loop; a short one (`chars` of text, at most INLINE_CHARS: well under a
+        millisecond) runs here, saving the two thread hand-offs, which cost more than it does when many
+        requests come at once."""
         try:
+            if chars is not None and chars <= INLINE_CHARS:
+                return fn(*args)
             return await asyncio.to_thread(fn, *args)
         except HybridMoeError as e:
             raise ApiError(400, str(e), "chat_template_error", "messages") from None
@@ -487,7 +509,9 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
         """A chat request (OpenAI's form): through the chat template, then generated."""
         messages = parse_messages(body.get("messages"))
         params = GenParams(body, chat=True)
-        ids, params.think_opened = await encode(render_chat, messages, template_kwargs(body, params.tools))
+        kwargs = template_kwargs(body, params.tools)
+        ids, params.think_opened = await encode(render_chat, messages, kwargs,
+                                                chars=None if params.tools else text_chars(messages))
         params.reasoning_format = params.reasoning_format or state.reasoning_format
         params.harmony = is_harmony(tok.chat_template) and params.reasoning_format != "none"
         if params.forced and is_harmony(tok.chat_template):    # the call in gpt-oss's header form, then <|call|>
@@ -537,7 +561,7 @@ def create_app(model, alias: str | None = None, *, api_key: str | list[str] | No
             raise _bad("'prompt' is required: a string or an array of token ids", "prompt",
                        "missing_required_parameter")
         if isinstance(prompt, str):
-            ids = await encode(tok.encode, prompt)
+            ids = await encode(tok.encode, prompt, chars=len(prompt))
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
             ids = token_ids(prompt, "prompt")

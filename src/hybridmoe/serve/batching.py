@@ -152,7 +152,13 @@ class Batcher:
                     with self.cond:
                         self.slots[sid].n_tasks -= 1
             if self.order:
-                self._step()
+                try:
+                    self._step()
+                except Exception as e:               # noqa: BLE001 - a bug: the running requests get it, not a hang
+                    log.error("a batched step failed", exc_info=e)
+                    for job in list(self.order):
+                        job.fail(e)
+                        self._end(job, failed=True)
             self._deliver()
         # shutting down: every job ends (cancelled), queued tasks fail
         for job in list(self.order):
@@ -259,13 +265,23 @@ class Batcher:
         outs = self._forward(items)
         self.counts["decodes"] += 1
         self.counts["busy_slots"] += len(self.order)
-        for (job, toks), out in zip(items, outs):
+        # the greedy samplers' tokens: the argmax of their rows in one op, not one op a sequence
+        if isinstance(outs, torch.Tensor):             # [B, n_vocab], every row computed
+            greedy = [k for k, (job, toks) in enumerate(items) if job.greedy_after(len(toks))]
+            top = outs.argmax(-1).tolist() if greedy else []
+            tops = {k: top[k] for k in greedy}
+        else:
+            greedy = [k for k, ((job, toks), out) in enumerate(zip(items, outs))
+                      if not isinstance(out, BaseException) and job.greedy_after(len(toks))]
+            tops = dict(zip(greedy, torch.stack([outs[k] for k in greedy]).argmax(-1).tolist())) \
+                if len(greedy) > 1 else {}
+        for k, ((job, toks), out) in enumerate(zip(items, outs)):
             if isinstance(out, BaseException):
                 job.fail(out)
                 self._end(job, failed=True)
                 continue
             try:
-                over = job.advance(len(toks), out)
+                over = job.advance(len(toks), out, tops.get(k))
             except Exception as e:                   # noqa: BLE001 - a sampler or constraint failure
                 job.fail(e)
                 self._end(job, failed=True)
@@ -273,21 +289,35 @@ class Batcher:
             if over:
                 self._end(job)
 
-    def _forward(self, items) -> list:
-        """The last logits [n_vocab] of each item (job, tokens), or the exception its forward raised."""
+    def _note_batch(self):
+        """The batched step's sequences, tokens and distinct experts (model.stats.last_batch), for /metrics."""
+        last = getattr(self.model.stats, "last_batch", None) or {}
+        self.last_batch = dict(last)
+        if last.get("distinct_experts") is not None:        # None: a model without experts
+            self.counts["expert_steps"] += 1
+            self.counts["distinct_experts"] += last["distinct_experts"]
+
+    def _forward(self, items):
+        """The last logits [n_vocab] of each item (job, tokens), or the exception its forward raised: a list, or
+        for a step of decode tokens that ran batched the [B, n_vocab] tensor of them."""
         model = self.model
         batched = getattr(model, "forward_batch", None)
         n_tok = sum(len(t) for _, t in items)
         self.counts["batch_sequences"] += len(items)
         self.counts["batch_tokens"] += n_tok
-        if len(items) > 1 and batched is not None:
+        if len(items) > 1 and n_tok == len(items) and getattr(model, "decode_batch", None) is not None:
+            try:                                     # decode tokens only: the lists' path, logits [B, n_vocab]
+                out = model.decode_batch([t[0] for _, t in items], [j.pos for j, _ in items], [j.kv for j, _ in items])
+                self._note_batch()
+                return out
+            except Exception as e:                   # noqa: BLE001 - each alone, to find whose it is
+                log.debug("batched step failed (%s); running its sequences one by one", e)
+        elif len(items) > 1 and batched is not None:
             try:
-                outs = batched([(torch.tensor(t, dtype=torch.long), j.pos, j.kv) for j, t in items], all_logits=False)
-                last = getattr(model.stats, "last_batch", None) or {}
-                self.last_batch = dict(last)
-                if last.get("distinct_experts") is not None:        # None: a model without experts
-                    self.counts["expert_steps"] += 1
-                    self.counts["distinct_experts"] += last["distinct_experts"]
+                # the step's tokens in one tensor, cut into the items' views
+                ids = torch.tensor([x for _, t in items for x in t], dtype=torch.long).split([len(t) for _, t in items])
+                outs = batched([(t, j.pos, j.kv) for t, (j, _) in zip(ids, items)], all_logits=False)
+                self._note_batch()
                 return [o[-1] for o in outs]
             except Exception as e:                   # noqa: BLE001 - each alone, to find whose it is
                 log.debug("batched step failed (%s); running its sequences one by one", e)

@@ -79,8 +79,21 @@ class Job:
         self.todo: list[int] = []             # tokens to run next: the rest of the prompt, or the last sampled one
         self.pos = 0                          # where they go in the cache
         self.outbox: list | None = None       # set by the batcher: (job, item) pairs it delivers after each step
+        # a non-streamed answer is read whole: its pieces wait here for the end item, so that its request's task
+        # is not woken every step (a Task and a timer on the event loop a token a request)
+        self.held: list | None = None if params.stream else []
 
     def _emit(self, item):
+        if self.held is not None:
+            if item[0] in ("text", "reasoning", "logprobs"):
+                self.held.append(item)
+                return
+            held, self.held = self.held, []
+            for it in held:
+                self._post(it)
+        self._post(item)
+
+    def _post(self, item):
         if self.outbox is not None:          # the batcher delivers a step's items together
             self.outbox.append((self, item))
             return
@@ -120,9 +133,13 @@ class Job:
         """What this step runs: a chunk of at most `budget` prompt tokens, or the token sampled last."""
         return self.todo[:budget] if self.in_prompt else self.todo
 
-    def advance(self, n_ran: int, logits) -> bool:
-        """The step ran n_ran tokens of `next_tokens`; `logits` [n_vocab] are the last one's. Samples when the
-        prompt is done; True when the generation is over."""
+    def greedy_after(self, n_ran: int) -> bool:
+        """Whether advance(n_ran, ...) samples, greedily from the logits as they are (Sampler.plain_greedy)."""
+        return (not self.in_prompt or n_ran == len(self.todo)) and getattr(self.sampler, "plain_greedy", False)
+
+    def advance(self, n_ran: int, logits, top: int | None = None) -> bool:
+        """The step ran n_ran tokens of `next_tokens`; `logits` [n_vocab] are the last one's (`top`: their argmax,
+        if the batcher took it). Samples when the prompt is done; True when the generation is over."""
         self.pos += n_ran
         del self.todo[:n_ran]
         now = time.perf_counter()
@@ -135,12 +152,12 @@ class Job:
         else:
             self.timings.n_eval += 1
             self.timings.t_eval = now - self.t_gen
-        return self._sample(logits)
+        return self._sample(logits, top)
 
-    def _sample(self, logits) -> bool:
+    def _sample(self, logits, top: int | None = None) -> bool:
         if self.cancel.is_set():
             return True
-        t = self.sampler(logits)
+        t = self.sampler(logits) if top is None else self.sampler(logits, top)
         self.timings.n_generated += 1
         self.sampler.accept(t)
         if self.params.logprobs is not None:        # the model's own distribution, before sampling settings

@@ -62,6 +62,7 @@ def guarded_protocol(base: type, timeout: float, max_connections: int) -> type:
             super().connection_made(transport)
             self._hm_seen = self.loop.time()       # when a byte last came in
             self._hm_paused = None                 # since when the client has not taken what we write
+            self._hm_closing = None                # since when the transport has been closing, flushing its buffer
             over = len(self.connections) > max_connections
             if over:                               # answered (503) and closed at its first request
                 self.app = _over_cap_app(max_connections)
@@ -92,9 +93,14 @@ def guarded_protocol(base: type, timeout: float, max_connections: int) -> type:
 
         def _hm_stalled_since(self):
             """Since when the connection waits on the client (for request bytes, or to take the answer), or None
-            while it waits on the server (a generation that is being computed)."""
+            while it waits on the server (a generation that is being computed). A closing transport (the keep-alive
+            ended, or `Connection: close`) still writes what it holds: it gets the timeout to flush it."""
             if self._hm_paused is not None:
                 return self._hm_paused
+            if self.transport.is_closing():
+                if self._hm_closing is None:
+                    self._hm_closing = self.loop.time()
+                return self._hm_closing
             cycle = self.cycle
             if cycle is None or getattr(cycle, "response_complete", True) or getattr(cycle, "more_body", False):
                 return self._hm_seen               # no request yet, between requests, or in a request's body
@@ -102,7 +108,7 @@ def guarded_protocol(base: type, timeout: float, max_connections: int) -> type:
 
         def _hm_check(self):
             self._hm_timer = None
-            if self.transport is None or self.transport.is_closing():
+            if self.transport is None:
                 return
             now = self.loop.time()
             since = self._hm_stalled_since()
@@ -123,8 +129,10 @@ def guarded_protocol(base: type, timeout: float, max_connections: int) -> type:
     return Guarded
 
 
-def config(app, *, timeout: float = DEFAULT_TIMEOUT, max_connections: int = DEFAULT_MAX_CONNECTIONS, **kw):
-    """uvicorn.Config for `app` with the guarded protocol (kw: uvicorn's other options)."""
+def config(app, *, timeout: float = DEFAULT_TIMEOUT, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+           keep_alive: float = KEEP_ALIVE, **kw):
+    """uvicorn.Config for `app` with the guarded protocol (kw: uvicorn's other options); an idle kept-alive
+    connection is closed after `keep_alive` seconds (at most the timeout)."""
     import uvicorn
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
     if not timeout > 0:
@@ -132,4 +140,4 @@ def config(app, *, timeout: float = DEFAULT_TIMEOUT, max_connections: int = DEFA
     if max_connections < 1:
         raise ValueError(f"max_connections {max_connections}: give at least 1")
     return uvicorn.Config(app, http=guarded_protocol(AutoHTTPProtocol, timeout, max_connections),
-                          timeout_keep_alive=min(KEEP_ALIVE, timeout), **kw)
+                          timeout_keep_alive=min(keep_alive, timeout), **kw)

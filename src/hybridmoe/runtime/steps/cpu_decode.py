@@ -47,6 +47,11 @@ class _Seq(ctypes.Structure):
 
 _KV_TYPES = {"f32": int(GGMLType.F32), "f16": int(GGMLType.F16), "bf16": int(GGMLType.BF16)}
 _ROPE_BLOCK = 256                                   # positions per cached block of cos/sin
+# a model whose token reads less than this of weights runs its steps on one thread unless -t says otherwise:
+# its products are a few microseconds each, so threads mostly wait for each other at the kernels' barriers
+# (synth:tiny, 0.2 MB, on the 2-core dev VM: steps of 1 and 8 sequences 1.8x and 1.3x faster on one thread
+# than on two when the machine was idle, 8 sequences 10x when other work loaded it)
+SMALL_TOKEN_BYTES = 1 << 20
 
 
 def _lib():
@@ -166,6 +171,8 @@ class CpuDecoder:
         self.rope = (-_ROPE_BLOCK - 1, None)      # (first position, (cos, sin)) of the cached block
         self.worked = False
         self._ptrs = weakref.WeakKeyDictionary()      # cache -> its per-layer K and V addresses (forward_batch)
+        self._scratch_need: dict[int, int] = {}       # decode_batch: B -> scratch bytes
+        self._distinct = torch.zeros(cfg.n_layer, dtype=torch.int32)
         ek = [L for L in dec.layers if L.ffn_gate_inp is not None]
         # bytes of one routed expert per layer (0: no routed experts), for a batch's distinct experts
         self.layer_expert_bytes = [(L.ffn_gate_exps.nbytes + L.ffn_up_exps.nbytes + L.ffn_down_exps.nbytes)
@@ -175,10 +182,18 @@ class CpuDecoder:
         self.expert_bytes = sum(cfg.n_expert_used * (L.ffn_gate_exps.nbytes + L.ffn_up_exps.nbytes +
                                                      L.ffn_down_exps.nbytes) // L.ffn_gate_exps.shape[0] for L in ek)
         self.n_moe = len(ek)
+        routed = sum(L.ffn_gate_exps.nbytes + L.ffn_up_exps.nbytes + L.ffn_down_exps.nbytes for L in ek)
+        self.token_bytes = model.file.nbytes - routed + self.expert_bytes    # weights a token reads (about)
         # matrix-vector calls a token, counted as the eager path counts them: q/k/v (one), output, router,
         # the FFN's three, the head
         self.gemvs = sum(2 + (L.ffn_gate_inp is not None) + 3 * (L.ffn_gate_inp is None or L.ffn_gate_shexp is not None)
                          for L in dec.layers) + 1
+
+    def _threads(self) -> int:
+        """-t, else every core, but one for a small model (SMALL_TOKEN_BYTES)."""
+        if self.sched.n_threads:
+            return self.sched.n_threads
+        return 1 if self.token_bytes < SMALL_TOKEN_BYTES else torch.get_num_threads()
 
     def _check(self, w, cols):
         if w.device.kind != "cpu" or w.split:
@@ -200,6 +215,29 @@ class CpuDecoder:
             self.rope = (start, tabs)
         return tabs[0][pos - start], tabs[1][pos - start]
 
+    def _cos_sin_rows(self, pos: list[int]):
+        """cos, sin [len(pos), D/2] of these positions: a gather from each block of the cached tables they lie in
+        (one, mostly: a batch's decode tokens, a prompt chunk)."""
+        blocks: dict[int, list[int]] = {}
+        for i, p in enumerate(pos):
+            blocks.setdefault(p // _ROPE_BLOCK, []).append(i)
+        if not blocks:
+            self._cos_sin(0)
+            c, s = self.rope[1]
+            return c[:0], s[:0]
+        cos = sin = None
+        for b, rows in blocks.items():
+            self._cos_sin(b * _ROPE_BLOCK)
+            start, (c, s) = self.rope
+            idx = torch.tensor([pos[i] - start for i in rows])
+            if len(blocks) == 1:
+                return c[idx], s[idx]
+            if cos is None:
+                cos, sin = c.new_empty(len(pos), c.shape[1]), s.new_empty(len(pos), s.shape[1])
+            rows = torch.tensor(rows)
+            cos[rows], sin[rows] = c[idx], s[idx]
+        return cos, sin
+
     def forward(self, tokens: torch.Tensor, pos0: int, all_logits: bool = True) -> torch.Tensor:
         """A prompt chunk: logits [T, n_vocab] (or [1, n_vocab], the last token's), the cache written at
         pos0..pos0 + T - 1."""
@@ -211,12 +249,10 @@ class CpuDecoder:
         need = self.lib.hm_prompt_scratch(self.mp, T)
         if self.prompt_scratch is None or self.prompt_scratch.numel() < need:
             self.prompt_scratch = torch.empty(need, dtype=torch.uint8)
-        tabs = [self._cos_sin(pos0 + t) for t in range(T)]
-        cos = torch.stack([c for c, _ in tabs]).contiguous()
-        sin = torch.stack([s for _, s in tabs]).contiguous()
+        cos, sin = self._cos_sin_rows(list(range(pos0, pos0 + T)))
         out = torch.empty(T if all_logits else 1, self.n_vocab, dtype=torch.float32)
         t = self.times
-        self.m.nthreads = self.sched.n_threads or torch.get_num_threads()
+        self.m.nthreads = self._threads()
         rc = self.lib.hm_prompt_step(self.mp, ids.data_ptr(), T, pos0, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                                      int(all_logits), self.prompt_scratch.data_ptr(), t)
         if rc:
@@ -231,13 +267,14 @@ class CpuDecoder:
     def _seq_ptrs(self, kv):
         """(keys, values): arrays of the cache's per-layer buffer addresses, made once per cache (its buffers are
         allocated once and never move); None for a cache the step can't take."""
-        if kv not in self._ptrs:
+        ptrs = self._ptrs.get(kv, self)
+        if ptrs is self:
             n = self.cfg.n_layer
             ok = (kv.type_k == kv.type_v == self.kv.type_k and all(s == kv.n_ctx for s in kv.slots)
                   and all(d.kind == "cpu" for d in kv.devs) and len(kv.k) == n)
-            self._ptrs[kv] = ((c_vp * n)(*[t.data_ptr() for t in kv.k]),
-                              (c_vp * n)(*[t.data_ptr() for t in kv.v])) if ok else None
-        return self._ptrs[kv]
+            ptrs = self._ptrs[kv] = ((c_vp * n)(*[t.data_ptr() for t in kv.k]),
+                                     (c_vp * n)(*[t.data_ptr() for t in kv.v])) if ok else None
+        return ptrs
 
     def forward_batch(self, items, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:
         """Several sequences in one pass (hm_batch_step): items [(tokens [T_i], pos0_i, kv_i)], each cache one
@@ -247,33 +284,61 @@ class CpuDecoder:
         alone."""
         B = len(items)
         seqs = (_Seq * B)()
-        ids, cos, sin = [], [], []
+        pos = []
         for j, (tokens, pos0, kv) in enumerate(items):
             T = int(tokens.shape[0])
             kv.check_fits(pos0, T)
             kc, vc = self._seq_ptrs(kv)
             seqs[j].T, seqs[j].pos0, seqs[j].slots = T, pos0, kv.n_ctx
             seqs[j].kc, seqs[j].vc = ctypes.addressof(kc), ctypes.addressof(vc)
-            ids.append(tokens.to(torch.int64))
-            for t in range(T):
-                c, s_ = self._cos_sin(pos0 + t)
-                cos.append(c)
-                sin.append(s_)
-        ids = torch.cat(ids).contiguous()                 # ids out of the vocabulary: hm_batch_step refuses them
+            pos.extend(range(pos0, pos0 + T))
+        # ids out of the vocabulary: hm_batch_step refuses them
+        ids = torch.cat([t for t, _, _ in items]).to(torch.int64).contiguous()
         n = int(ids.shape[0])
-        cos, sin = torch.stack(cos).contiguous(), torch.stack(sin).contiguous()
+        cos, sin = self._cos_sin_rows(pos)
         need = self.lib.hm_batch_scratch(self.mp, n, B)
         if self.prompt_scratch is None or self.prompt_scratch.numel() < need:
             self.prompt_scratch = torch.empty(need, dtype=torch.uint8)
         out = torch.empty(n if all_logits else B, self.n_vocab, dtype=torch.float32)
         distinct = torch.zeros(self.cfg.n_layer, dtype=torch.int32)
-        self.m.nthreads = self.sched.n_threads or torch.get_num_threads()
+        self.m.nthreads = self._threads()
         rc = self.lib.hm_batch_step(self.mp, ids.data_ptr(), seqs, B, cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                                     int(all_logits), self.prompt_scratch.data_ptr(), self.times, distinct.data_ptr())
         if rc:
             raise RuntimeError(f"the CPU batch step failed: {_why(rc)}")
         distinct = distinct.tolist()
         self._account(n, sum(d * b for d, b in zip(distinct, self.layer_expert_bytes)))
+        return out, distinct
+
+    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list) -> tuple[torch.Tensor, list[int]]:
+        """One decode token for each of B sequences (forward_batch's items of one token, with ids, positions and
+        caches as lists, that the caller checked: ids in the vocabulary, positions in their caches, caches that
+        accepts() takes): their logits [B, n_vocab] and per layer the distinct experts, as forward_batch gives
+        them, from the same hm_batch_step call, with less Python a sequence (the sequences' records built as one
+        int64 tensor, the RoPE rows in one gather)."""
+        B = len(tokens)
+        rows = []
+        for p, kv in zip(pos, kvs):
+            kc, vc = self._seq_ptrs(kv)
+            rows.append((1, p, kv.n_ctx, ctypes.addressof(kc), ctypes.addressof(vc)))
+        seqs = torch.tensor(rows, dtype=torch.int64)      # [B, 5]: _Seq's fields, 8 bytes each
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        cos, sin = self._cos_sin_rows(pos)
+        need = self._scratch_need.get(B)
+        if need is None:
+            need = self._scratch_need[B] = self.lib.hm_batch_scratch(self.mp, B, B)
+        if self.prompt_scratch is None or self.prompt_scratch.numel() < need:
+            self.prompt_scratch = torch.empty(need, dtype=torch.uint8)
+        out = torch.empty(B, self.n_vocab, dtype=torch.float32)
+        distinct = self._distinct
+        self.m.nthreads = self._threads()
+        rc = self.lib.hm_batch_step(self.mp, ids.data_ptr(), (_Seq * B).from_address(seqs.data_ptr()), B,
+                                    cos.data_ptr(), sin.data_ptr(), out.data_ptr(), 0, self.prompt_scratch.data_ptr(),
+                                    self.times, distinct.data_ptr())
+        if rc:
+            raise RuntimeError(f"the CPU batch step failed: {_why(rc)}")
+        distinct = distinct.tolist()
+        self._account(B, sum(d * b for d, b in zip(distinct, self.layer_expert_bytes)))
         return out, distinct
 
     def _account(self, n_tokens: int, expert_bytes: int):
@@ -299,7 +364,7 @@ class CpuDecoder:
         cos, sin = self._cos_sin(pos)
         out = torch.empty(1, self.n_vocab, dtype=torch.float32)
         t = self.times
-        self.m.nthreads = self.sched.n_threads or torch.get_num_threads()     # bench -t changes it between runs
+        self.m.nthreads = self._threads()     # bench -t changes it between runs
         rc = self.lib.hm_decode_step(self.mp, token, pos, cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t)
         if rc:
             raise RuntimeError(f"the CPU decode step failed: {_why(rc)}")
