@@ -480,3 +480,26 @@ def test_fallback_without_kernel(env, tmp_path):
     assert float(words[3]) < BAND["fp32"]
     warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == (1 if "CC" in env else 0), r.stderr
+
+
+def test_source_is_every_piece_once(tmp_path):
+    """cpu.source() (what is compiled and hashed) holds cpu_moe.c's every piece, each once; an edit to a piece
+    changes it (so the cached build is not reused); no piece over ~800 lines; the compiler's messages name the
+    piece and its line."""
+    kdir = cpu._SRC.parent
+    pieces = sorted(p.name for p in kdir.glob("cpu_*.h"))
+    src = cpu.source()
+    assert pieces and all(src.count(b'#line 1 "%s"' % n.encode()) == 1 for n in pieces)
+    assert b'#include "' not in src
+    long = {n: k for n in pieces + ["cpu_moe.c"] if (k := len((kdir / n).read_text().splitlines())) > 800}
+    assert long == {}
+    for n in pieces + ["cpu_moe.c"]:
+        (tmp_path / n).write_bytes((kdir / n).read_bytes())
+    assert cpu.source(tmp_path / "cpu_moe.c") == src
+    last = tmp_path / pieces[-1]
+    last.write_bytes(last.read_bytes() + b"\n#error the piece's last line\n")
+    edited = cpu.source(tmp_path / "cpu_moe.c")
+    assert edited != src
+    r = subprocess.run(["gcc", "-fsyntax-only", "-x", "c", "-"], input=edited, capture_output=True, timeout=120)
+    n = len(last.read_text().splitlines())
+    assert f'{pieces[-1]}:{n}:' in r.stderr.decode(), r.stderr.decode()[-500:]

@@ -1,6 +1,6 @@
 """CPU expert kernels: one grouped call per MoE layer, weights in GGUF blocks in host RAM.
 
-`moe_ffn` and `qmatmul` run the C kernel in cpu_moe.c (built at first use with
+`moe_ffn` and `qmatmul` run the C kernel in cpu_moe.c and its pieces cpu_*.h (built at first use with
 `-O3 -march=native -fopenmp`, loaded through ctypes) for small batches, where the work is bound
 by RAM bandwidth, and a dequantize-to-bf16 + torch.mm path for large batches, where it is bound
 by matmul throughput (oneDNN; AMX on Sapphire Rapids). Without a compiler (or with
@@ -15,6 +15,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -31,6 +32,7 @@ from ..quant.dequant import DEINTERLEAVE, dequantize, deinterleave
 from ..quant.types import GGMLType, row_bytes
 
 _SRC = Path(__file__).with_name("cpu_moe.c")
+_INCLUDE = re.compile(rb'^#include "([^"/]+)".*$', re.M)     # a piece beside cpu_moe.c
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 # Types the C kernel handles (ggml ids); others go to the torch reference.
@@ -140,10 +142,26 @@ def _cflags() -> tuple:
     return _CFLAGS + tuple(env.get("HYBRIDMOE_KERNEL_CFLAGS").split())
 
 
+def source(path: Path = _SRC, _seen: tuple = ()) -> bytes:
+    """cpu_moe.c with its pieces (`#include "cpu_*.h"`, files beside it) expanded in place, as the compiler gets
+    it: the build hashes these bytes, so an edit to any piece rebuilds. #line markers keep the compiler's
+    messages on the pieces' own names and lines."""
+    if path.name in _seen:
+        raise RuntimeError(f"{path.name} includes itself (through {' -> '.join(_seen)})")
+    text = path.read_bytes()
+    out, pos = [], 0
+    for m in _INCLUDE.finditer(text):
+        out += [text[pos:m.start()], b'#line 1 "%s"\n' % m.group(1),
+                source(path.with_name(m.group(1).decode()), _seen + (path.name,)),
+                b'#line %d "%s"' % (text.count(b"\n", 0, m.end()) + 2, path.name.encode())]
+        pos = m.end()
+    return b"".join(out + [text[pos:]])
+
+
 def _build() -> Path:
     cc = os.environ.get("CC", "gcc")
     cflags = _cflags()
-    src = _SRC.read_bytes()
+    src = source()
     key = hashlib.sha256(b"\0".join([src, cc.encode(), " ".join(cflags).encode(),
                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
     out = cache_dir() / f"cpu_moe-{key}.so"

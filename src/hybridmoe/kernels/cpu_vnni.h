@@ -1,0 +1,683 @@
+/* The integer-path kernels (AVX-512 VNNI: kern_q8, kern_qc; AVX-VNNI), the types each path takes,
+ * dot_rows1 and dot_rows_q.
+ * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+
+/* gf2p8affineqb matrices (one per qword): byte 7-i of a qword selects the input bits that
+ * form output bit i. LO keeps bits 0-3, HI moves bits 4-7 down, BIT(k) moves bit k to bit 4. */
+#define GF_LO 0x0102040800000000ull
+#define GF_HI 0x1020408000000000ull
+#define GF_BIT(k) ((uint64_t)(1u << (k)) << 24)
+#define GF_2BITS(k) (GF_BIT(k) | (uint64_t)(1u << ((k) + 1)) << 16)   /* bits k, k+1 -> bits 4, 5 */
+#define GF_2LOW(k) ((uint64_t)(1u << (k)) << 56 | (uint64_t)(1u << ((k) + 1)) << 48)   /* bits k, k+1 -> 0, 1 */
+#define GF_TO2(k) ((uint64_t)(1u << (k)) << 40)                                       /* bit k -> bit 2 */
+
+typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res);
+/* an integer-path kernel FN(ti, R, ...) for every type and R of 1, 2, 4 rows, and the table NAME[type][R] */
+#define KQSHAPE(P, FN, TI, R) \
+    static void P##_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, \
+                               float *res) { FN(TI, R, w, pf, K, xq, res); }
+#define KQSHAPES(P, FN, TI) KQSHAPE(P, FN, TI, 1) KQSHAPE(P, FN, TI, 2) KQSHAPE(P, FN, TI, 4)
+#define KQROW(P, TI) {0, P##_##TI##_1, P##_##TI##_2, 0, P##_##TI##_4}
+#define KQTABLE(NAME, P, FN) \
+    KQSHAPES(P, FN, I_Q4_0) KQSHAPES(P, FN, I_Q4_K) KQSHAPES(P, FN, I_Q5_K) KQSHAPES(P, FN, I_Q6_K) \
+    KQSHAPES(P, FN, I_IQ4_NL) KQSHAPES(P, FN, I_MXFP4) \
+    static const kq_fn NAME[N_TYPES][5] = { \
+        [I_Q4_0] = KQROW(P, I_Q4_0), [I_Q4_K] = KQROW(P, I_Q4_K), [I_Q5_K] = KQROW(P, I_Q5_K), \
+        [I_Q6_K] = KQROW(P, I_Q6_K), [I_IQ4_NL] = KQROW(P, I_IQ4_NL), [I_MXFP4] = KQROW(P, I_MXFP4), };
+
+/* The 32-weight block types on the integer path: 16 bytes of nibbles after a scale, each nibble an entry of a
+ * table of small integers (Q4_0: q - 8). vpdpbusd wants the weights unsigned, so the tables are offset by
+ * 8 << B32_SHIFT and the offset is taken off with the blocks' -8 sum(q) << B32_SHIFT (c1, c2). */
+#define IS_B32(ti) ((ti) == I_Q4_0 || (ti) == I_IQ4_NL || (ti) == I_MXFP4)
+#define B32_SHIFT(ti) ((ti) == I_IQ4_NL ? 4 : (ti) == I_MXFP4 ? 1 : 0)          /* offsets 128, 16, 8 */
+#define B32_QS(ti) ((ti) == I_MXFP4 ? 1 : 2)                                   /* where the nibbles start */
+static const uint8_t KU8_MXFP4[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
+#if HM_AVX2
+static float g_e8m0[256];                 /* MXFP4's block scales */
+__attribute__((constructor)) static void init_e8m0_table(void) {
+    for (int i = 0; i < 256; i++) g_e8m0[i] = e8m0_half((uint8_t)i);
+}
+/* a block's scale, as a float in memory (broadcast loads) */
+#define B32_D(ti, b) ((ti) == I_MXFP4 ? &g_e8m0[(b)[0]] : &F16(b))
+#endif
+
+static int q8_type(int ti, int64_t K) {
+    return K % 64 == 0 && (INT8_512 || INT8_256) &&
+           (IS_B32(ti) || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K || ((ti == I_Q8_0 || IS_X(ti)) && INT8_512));
+}
+
+#if HM_VNNI
+
+/* 4 rows' int32 lanes a[r] (16 lanes of 4 weights) -> per 128-bit lane L: [the 4 rows' sums over lane L's 16
+ * weights]. Exact integers: the order of these additions does not matter. */
+HM_INLINE __m512i rows4_lanes(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+    const __m512i p01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+    const __m512i p23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(p01, p23), _mm512_unpackhi_epi64(p01, p23));
+}
+
+/* the offset of the unsigned bytes the 32-block types' dot products take: u = v + off */
+#define QC_OFF(ti) ((ti) == I_Q4_0 ? 8 : (ti) == I_MXFP4 ? 16 : 128)
+
+/* 64 weights (the blocks at b0 and b0 + ts) of a 32-block type as unsigned bytes v + QC_OFF */
+HM_INLINE __m512i qc_b32(const int ti, const uint8_t *b0, const int ts) {
+    if (ti == I_Q8_0) {
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                                             _mm256_loadu_si256((const __m256i *)(b0 + ts + 2)), 1);
+        return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
+    }
+    const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
+    /* 128-bit lanes [qs0, qs0, qs1, qs1] -> nibbles [lo0, hi0, lo1, hi1] = 64 weights in order */
+    __m512i q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b0 + B32_QS(ti))));
+    q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b0 + ts + B32_QS(ti))));
+    q = _mm512_gf2p8affine_epi64_epi8(q, mq40, 0);
+    if (ti != I_Q4_0)
+        q = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(
+            ti == I_IQ4_NL ? KU8_IQ4NL : KU8_MXFP4))), q);
+    return q;
+}
+
+/* sum over 4 weights of u (256 q1 + q2) per lane, exact (one term: q2 = 0, its products skipped) */
+HM_INLINE __m512i qc_dot(__m512i u, __m512i x1, __m512i x2) {
+    const __m512i a = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x1), 8);
+    return g_xterms > 1 ? _mm512_dpbusd_epi32(a, u, x2) : a;
+}
+
+/* x_extra16 in a few vector ops */
+HM_INLINE int x_extra16v(const int ti, const uint8_t *b) {
+    if (ti != I_IQ4_KS && ti != I_IQ2_KS) return X_EXTRA(ti) ? rd16(b + 2) : 0;
+    /* per 32 (IQ4_KS: bit 0 of the 8 scale bytes; IQ2_KS: the low byte at b), each twice for the sub-blocks of 16 */
+    const unsigned m = ti == I_IQ2_KS ? b[0] :
+        (unsigned)_mm_movemask_epi8(_mm_slli_epi16(_mm_loadl_epi64((const __m128i *)b), 7)) & 0xFF;
+#if defined(__BMI2__)
+    return (int)(_pdep_u32(m, 0x5555u) * 3);
+#else
+    int r = 0;
+    for (int k = 0; k < 8; k++) r |= (int)((m >> k) & 1) * 3 << 2 * k;
+    return r;
+#endif
+}
+
+/* 4 bits -> a byte mask of the 128-bit lanes they stand for */
+HM_INLINE __mmask64 lanes_mask(unsigned b4) {
+    return (((uint64_t)(b4 & 1) | (uint64_t)(b4 & 2) << 15 | (uint64_t)(b4 & 4) << 30 | (uint64_t)(b4 & 8) << 45) *
+            0xFFFFu);
+}
+
+/* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order (ex: x_extra16) */
+HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int ex) {
+    __m512i q;
+    if (X_GRID(ti)) {   /* sub-blocks 2c, 2c + 1: 16 grid entries (vpgatherdd), then 64 +- the magnitude */
+        const __m512i g = _mm512_i32gather_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c))),
+                                                 (const void *)IQ3XXS_GRID, 4);
+        uint64_t neg = 0;
+#if defined(__BMI2__)
+        {   /* the 8 codes (7 bits each, 4 in each sub-block's u32) spread to bytes, each byte's parity on top */
+            uint32_t a0, a1;
+            memcpy(&a0, b + 66 + 8 * c, 4);
+            memcpy(&a1, b + 70 + 8 * c, 4);
+            const uint64_t codes = _pdep_u64(a0, 0x7F7F7F7Full) | _pdep_u64(a1, 0x7F7F7F7Full) << 32;
+            uint64_t p = codes ^ (codes >> 4);
+            p ^= p >> 2;
+            p ^= p >> 1;
+            neg = codes | (p & 0x0101010101010101ull) << 7;
+        }
+#else
+        for (int k = 0; k < 8; k++) neg |= (uint64_t)xxs_signs(b, 2 * c + k / 4, k % 4) << 8 * k;
+#endif
+        const __m512i o = _mm512_set1_epi8(64);
+        return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
+    }
+    if (X_PAIRS(ti)) {   /* sub-blocks 2c, 2c + 1: 32 pair indices -> 32 u16 of two u each (vpermw) */
+        const __m128i m4 = _mm_set1_epi8(0x0F), b4 = _mm_set1_epi8(0x10);
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6 + 16 * c));
+        const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 70));
+        const __m128i i0 = _mm_or_si128(_mm_and_si128(qs, m4), _mm_and_si128(_mm_slli_epi16(_mm_srli_epi16(qh, 2 * c), 4), b4));
+        const __m128i i1 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), m4),
+                                        _mm_and_si128(_mm_slli_epi16(_mm_srli_epi16(qh, 2 * c + 1), 4), b4));
+        const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(i1, i0));
+        return _mm512_permutexvar_epi16(idx, _mm512_load_si512((const void *)KL_PAIRS));
+    }
+    if (X_NIB64(ti)) {   /* [qs, qs] -> [low nibbles, high nibbles], bits 2c, 2c + 1 of qh -> bit 4 */
+        const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
+        const __m512i mh = _mm512_set_epi64(GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1),
+                                            GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c));
+        q = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QS(ti) + 32 * c))), mqk, 0);
+        q = _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QH(ti)))), mh, 0));
+        /* 32-entry tables, two per extra bit: four vpshufb, merged by bit 4 and the lanes' extra bits */
+        const __mmask64 h = _mm512_test_epi8_mask(q, _mm512_set1_epi8(0x10)), e = lanes_mask((unsigned)(ex >> 4 * c) & 0xF);
+#define XT(k, o) _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(XTAB[ti][k] + (o))))
+        __m512i u = _mm512_shuffle_epi8(XT(0, 0), q);
+        u = _mm512_mask_shuffle_epi8(u, h & ~e, XT(0, 16), q);
+        u = _mm512_mask_shuffle_epi8(u, ~h & e, XT(1, 0), q);
+        return _mm512_mask_shuffle_epi8(u, h & e, XT(1, 16), q);
+#undef XT
+    }
+    if (X_NIB(ti)) {   /* 32-blocks 2c, 2c + 1: [qs0, qs0, qs1, qs1] -> nibbles [lo0, hi0, lo1, hi1] */
+        const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
+        q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 32 * c)));
+        q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 16 + 32 * c)));
+        q = _mm512_gf2p8affine_epi64_epi8(q, mq40, 0);
+    } else {
+        /* units 2(c&1), 2(c&1) + 1 of half c/2: the same 32 bytes of 2-bit fields, bit pairs j0, j0 + 1 */
+        const int n = c >> 1, j0 = 2 * (c & 1);
+        const __m512i m2 = _mm512_set_epi64(GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2),
+            GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0));
+        q = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QS(ti) + 32 * n))), m2, 0);
+        if (X_3BIT(ti)) {
+            const int k = 4 * n + j0;   /* qh bits k, k + 1 -> bit 2 */
+            const __m512i mh = _mm512_set_epi64(GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1),
+                                                GF_TO2(k), GF_TO2(k), GF_TO2(k), GF_TO2(k));
+            q = _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + X_QH(ti)))), mh, 0));
+        }
+    }
+    if (!X_TAB(ti)) return q;
+    const __m512i u = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)XTAB[ti][0])), q);
+    if (!X_EXTRA(ti)) return u;
+    return _mm512_mask_shuffle_epi8(u, lanes_mask((unsigned)(ex >> 4 * c) & 0xF),
+                                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)XTAB[ti][1])), q);
+}
+
+/* 8 bytes of nibbles -> the 16 nibbles in order (low, high of byte 0, ...) as int32 */
+HM_INLINE __m512i nibbles16(const uint8_t *p) {
+    const __m128i x = _mm_loadl_epi64((const __m128i *)p), m4 = _mm_set1_epi8(0x0F);
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+}
+
+/* x_scales of super-block b in vectors: S (and M, Q2_K's mins) of the 16 sub-blocks, the same floats */
+HM_INLINE void x_scales16(const int ti, const uint8_t *b, const float rd, __m512 *S, __m512 *M) {
+    *M = _mm512_setzero_ps();
+    switch (ti) {
+    case I_Q2_K: {
+        const __m128i v = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0F);
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b + 80)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4))));
+        *M = _mm512_mul_ps(_mm512_set1_ps(F16(b + 82)),
+                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4))));
+        return;
+    }
+    case I_Q3_K: {
+        /* low 4 bits: s[i] & 15 (i < 8), s[i - 8] >> 4; bits 4-5: bits 2(i/4) of s[8 + i%4] */
+        const __m128i x = _mm_loadl_epi64((const __m128i *)(b + 96)), m4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4));
+        uint32_t hw;
+        memcpy(&hw, b + 104, 4);
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)hw), _mm_setr_epi32(0, 2, 4, 6)),
+                                         _mm_set1_epi8(3));
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b + 108)), _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
+        return;
+    }
+    case I_IQ4_K: case I_IQ5_K: {   /* bits 4-5: bits 2(i%4) of sh[i/4] */
+        uint32_t hw;
+        memcpy(&hw, b + 4, 4);
+        const __m512i sh = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)hw),
+                                                                 _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(sh, _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
+                                                                                      0, 2, 4, 6)), _mm512_set1_epi32(3));
+        const __m512i ls = _mm512_or_si512(nibbles16(b + 8), _mm512_slli_epi32(hi, 4));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+        return;
+    }
+    case I_IQ3_K: {   /* (2 ls + 1), negated where bit i of the u16 at b + 4 is set */
+        const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(nibbles16(b + 6), 1), _mm512_set1_epi32(1));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(
+            _mm512_mask_sub_epi32(v, (__mmask16)rd16(b + 4), _mm512_setzero_si512(), v)));
+        return;
+    }
+    case I_IQ2_K:
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles16(b + 4), _mm512_set1_epi32(8))));
+        return;
+    }
+    /* IQ4_XS, IQ4_KS, IQ2_KS, IQ2_KL, IQ3_XXS: 8 scales of 32, each twice */
+    __m256 s8;
+    if (ti == I_IQ3_XXS) {   /* d (ls + 0.5) 0.5, ls the top 4 bits of each sub-block's u32 */
+        const __m256 ls = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + 66)), 28));
+        s8 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_add_ps(ls, _mm256_set1_ps(0.5f))),
+                           _mm256_set1_ps(0.5f));
+    } else if (ti == I_IQ2_KL) {   /* nibble s/4 of byte 2 + s%4, bits 4-5 from bits 2s of the u16 at b */
+        uint32_t lw;
+        memcpy(&lw, b + 2, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(rd16(b)),
+                                                              _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                            _mm256_set1_epi32(3));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(
+            _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32))));
+    } else if (ti == I_IQ2_KS) {   /* nibbles at b + 2, bit 4 from bits 8-15 of the u16 at b */
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(rd16(b)),
+                                                              _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)),
+                                            _mm256_set1_epi32(1));
+        uint32_t lw;
+        memcpy(&lw, b + 2, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(16));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(ls));
+    } else if (ti == I_IQ4_KS) {
+        const __m256i ls = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_loadl_epi64((const __m128i *)b),
+                                                                               _mm_set1_epi8((char)254))),
+                                            _mm256_set1_epi32(127));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(ls));
+    } else {   /* IQ4_XS: low 4 bits from the nibbles at b + 4, bits 4-5 from the u16 at b + 2 */
+        uint32_t lw;
+        memcpy(&lw, b + 4, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi16(_mm_set1_epi16((short)rd16(b + 2)),
+                                                        _mm_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14)), _mm_set1_epi16(3));
+        const __m256i ls = _mm256_sub_epi32(_mm256_cvtepu16_epi32(_mm_or_si128(lo, _mm_slli_epi16(hi, 4))),
+                                            _mm256_set1_epi32(32));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(ls));
+    }
+    *S = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(s8));
+}
+
+/* 4 rows' 16 values v[r] -> o[c] = [values 4c..4c+3 of rows 0-3]: lane 4L + r holds v[r][4c + L] */
+HM_INLINE void rows4_T(const __m512 *v, __m512 *o) {
+    const __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
+    const __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
+    const __m512 u0 = _mm512_shuffle_ps(t0, t2, 0x44), u1 = _mm512_shuffle_ps(t0, t2, 0xEE);
+    const __m512 u2 = _mm512_shuffle_ps(t1, t3, 0x44), u3 = _mm512_shuffle_ps(t1, t3, 0xEE);
+    const __m512 v0 = _mm512_shuffle_f32x4(u0, u1, 0x44), v1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
+    const __m512 v2 = _mm512_shuffle_f32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_f32x4(u2, u3, 0xEE);
+    o[0] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+    o[1] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+    o[2] = _mm512_shuffle_f32x4(v2, v3, 0x88);
+    o[3] = _mm512_shuffle_f32x4(v2, v3, 0xDD);
+}
+
+/* res[r * NT + t] = cdot_ref(row w[r], token xq[t]) for R rows (1, 2 or 4) and NT tokens (1-4), bit for bit:
+ * the weights of a step are unpacked once for all NT tokens; per token the rows' lane sums are reduced to
+ * block sums (rows4_lanes) and the float chain runs over the rows in an xmm (one lane a row). */
+HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *const *w, const uint8_t *const *pf,
+                       int64_t K, const xq8 *const *xq, float *res) {
+    __m128 acc[4], accm[4];                              /* accm: the K-quants' mins */
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) acc[t] = accm[t] = _mm_setzero_ps();
+    const __m512i z = _mm512_setzero_si512();
+    const int ts = TINFO[ti].ts;
+    const int step = IS_K(ti) ? ts : 2 * ts;            /* bytes per iteration: 64 or 256 weights */
+    const pfreg pr = pf_regions(R, w, pf);
+    const int64_t rb = IS_K(ti) ? K / 256 * ts : K / 32 * ts;
+    for (int64_t o = 0, e = 0; o < rb; o += step, e += IS_K(ti) ? 256 : 64) {
+        prefetch_step(pr, o, step);
+        if (!IS_K(ti)) {
+            __m512i qv[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) qv[r] = qc_b32(ti, w[r] + o, ts);
+            const __m128 dw0 = _mm_setr_ps(*B32_D(ti, w[0] + o), R > 1 ? *B32_D(ti, w[1] + o) : 0.0f,
+                                           R > 2 ? *B32_D(ti, w[2] + o) : 0.0f, R > 3 ? *B32_D(ti, w[3] + o) : 0.0f);
+            const __m128 dw1 = _mm_setr_ps(*B32_D(ti, w[0] + o + ts), R > 1 ? *B32_D(ti, w[1] + o + ts) : 0.0f,
+                                           R > 2 ? *B32_D(ti, w[2] + o + ts) : 0.0f,
+                                           R > 3 ? *B32_D(ti, w[3] + o + ts) : 0.0f);
+            const int64_t b = e / 32;
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                const xq8 *q = xq[t];
+                const __m512i x1 = _mm512_load_si512(q->q1 + e), x2 = _mm512_load_si512(q->q2 + e);
+                __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
+                                         R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                l4 = _mm512_add_epi32(l4, _mm512_shuffle_i32x4(l4, l4, 0xB1));     /* lanes 0: block b, 2: b + 1 */
+                const __m128i i0 = _mm_sub_epi32(_mm512_castsi512_si128(l4), _mm_set1_epi32(QC_OFF(ti) * q->sxi[b]));
+                const __m128i i1 = _mm_sub_epi32(_mm512_extracti32x4_epi32(l4, 2),
+                                                 _mm_set1_epi32(QC_OFF(ti) * q->sxi[b + 1]));
+                acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(i0), _mm_mul_ps(dw0, _mm_set1_ps(q->xsb[b])), acc[t]);
+                acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(i1), _mm_mul_ps(dw1, _mm_set1_ps(q->xsb[b + 1])), acc[t]);
+            }
+        } else if (IS_X(ti)) {
+            /* scales (and Q2_K's mins) as [sub-block i][row] */
+            __m512 Sr[4], Mr[4], Sc[4], Mc[4];
+            int ex[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                if (r < R) {
+                    x_scales16(ti, w[r] + TINFO[ti].hdr + o, X_HDR(ti) ? x_rowscale(ti, w[r]) : 1.0f, &Sr[r], &Mr[r]);
+                    ex[r] = x_extra16v(ti, w[r] + TINFO[ti].hdr + o);
+                } else {
+                    Sr[r] = Mr[r] = _mm512_setzero_ps();
+                }
+            }
+            rows4_T(Sr, Sc);
+            if (X_MIN(ti)) {
+                float Mm[16][4] __attribute__((aligned(64)));
+                rows4_T(Mr, Mc);
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) _mm512_store_ps(Mm[4 * c], Mc[c]);
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++)
+#pragma GCC unroll 16
+                    for (int i = 0; i < 16; i++)
+                        accm[t] = _mm_fmadd_ps(_mm_load_ps(Mm[i]), _mm_set1_ps(xq[t]->sx16[e / 16 + i]), accm[t]);
+            }
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const int64_t j = e + 64 * c;
+                __m512i qv[4];
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) qv[r] = x_u64(ti, w[r] + TINFO[ti].hdr + o, c, ex[r]);
+                const __m512 sv = Sc[c];                            /* [sub-block 4c + L][row] */
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++) {
+                    const xq8 *q = xq[t];
+                    const __m512i x1 = _mm512_load_si512(q->q1 + j), x2 = _mm512_load_si512(q->q2 + j);
+                    __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
+                                             R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                    if (X_OFF(ti))
+                        l4 = _mm512_sub_epi32(l4, _mm512_slli_epi32(_mm512_load_si512(q->sxi4 + j / 4), X_OFF_SH(ti)));
+                    const __m512 f = _mm512_cvtepi32_ps(l4);
+                    const __m512 sc = _mm512_mul_ps(sv, _mm512_load_ps(q->xs + 16 * (j / 64)));
+                    acc[t] = _mm_fmadd_ps(_mm512_castps512_ps128(f), _mm512_castps512_ps128(sc), acc[t]);
+                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 1), _mm512_extractf32x4_ps(sc, 1), acc[t]);
+                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 2), _mm512_extractf32x4_ps(sc, 2), acc[t]);
+                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 3), _mm512_extractf32x4_ps(sc, 3), acc[t]);
+                }
+            }
+        } else if (ti == I_Q6_K) {
+            float Sm[16][4] __attribute__((aligned(64)));
+            kscale ks[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, 1.0f, &ks[r]);
+            for (int i = 0; i < 16; i++)
+                for (int r = 0; r < 4; r++) Sm[i][r] = r < R ? ks[r].s[i] : 0.0f;
+            const __m512i m4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 2
+            for (int n = 0; n < 2; n++) {                 /* halves of 128 weights: ql 64 bytes, qh 32 */
+#pragma GCC unroll 2
+                for (int c = 0; c < 2; c++) {             /* weights 0-63 (low nibbles), 64-127 (high) */
+                    const int64_t j = e + 128 * n + 64 * c;
+                    const __m512i mh = _mm512_set_epi64(GF_2BITS(4 * c + 2), GF_2BITS(4 * c + 2), GF_2BITS(4 * c + 2),
+                        GF_2BITS(4 * c + 2), GF_2BITS(4 * c), GF_2BITS(4 * c), GF_2BITS(4 * c), GF_2BITS(4 * c));
+                    __m512i qv[4];
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const uint8_t *bb = w[r] + o;
+                        __m512i ql = _mm512_loadu_si512((const void *)(bb + 64 * n));
+                        ql = _mm512_and_si512(c ? _mm512_srli_epi16(ql, 4) : ql, m4);
+                        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(bb + 128 + 32 * n)));
+                        qv[r] = _mm512_or_si512(ql, _mm512_gf2p8affine_epi64_epi8(qh, mh, 0));
+                    }
+                    const __m512 sv = _mm512_load_ps(&Sm[8 * n + 4 * c][0]);   /* [sub-block i0 + L][row] */
+#pragma GCC unroll 4
+                    for (int t = 0; t < NT; t++) {
+                        const xq8 *q = xq[t];
+                        const __m512i x1 = _mm512_load_si512(q->q1 + j), x2 = _mm512_load_si512(q->q2 + j);
+                        __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
+                                                 R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                        l4 = _mm512_sub_epi32(l4, _mm512_slli_epi32(_mm512_load_si512(q->sxi4 + j / 4), 5));
+                        const __m512 f = _mm512_cvtepi32_ps(l4);
+                        const __m512 sc = _mm512_mul_ps(sv, _mm512_load_ps(q->xs + 16 * (j / 64)));
+                        acc[t] = _mm_fmadd_ps(_mm512_castps512_ps128(f), _mm512_castps512_ps128(sc), acc[t]);
+                        acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 1), _mm512_extractf32x4_ps(sc, 1), acc[t]);
+                        acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 2), _mm512_extractf32x4_ps(sc, 2), acc[t]);
+                        acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 3), _mm512_extractf32x4_ps(sc, 3), acc[t]);
+                    }
+                }
+            }
+        } else {                                          /* Q4_K, Q5_K: 8 sub-blocks of 32 */
+            kscale ks[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, 1.0f, &ks[r]);
+            /* scales and mins as [sub-block j][row]: lanes 4j + r */
+            float Sj[8][4] __attribute__((aligned(64))), Mj[8][4] __attribute__((aligned(64)));
+            {
+                const __m512i lo = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+                const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(4));
+                const __m256 zs = _mm256_setzero_ps();
+                const __m512 s01 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(ks[0].s)),
+                                                      R > 1 ? _mm256_loadu_ps(ks[1].s) : zs, 1);
+                const __m512 s23 = _mm512_insertf32x8(_mm512_castps256_ps512(R > 2 ? _mm256_loadu_ps(ks[2].s) : zs),
+                                                      R > 3 ? _mm256_loadu_ps(ks[3].s) : zs, 1);
+                const __m512 m01 = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(ks[0].m)),
+                                                      R > 1 ? _mm256_loadu_ps(ks[1].m) : zs, 1);
+                const __m512 m23 = _mm512_insertf32x8(_mm512_castps256_ps512(R > 2 ? _mm256_loadu_ps(ks[2].m) : zs),
+                                                      R > 3 ? _mm256_loadu_ps(ks[3].m) : zs, 1);
+                _mm512_store_ps(&Sj[0][0], _mm512_permutex2var_ps(s01, lo, s23));
+                _mm512_store_ps(&Sj[4][0], _mm512_permutex2var_ps(s01, hi, s23));
+                _mm512_store_ps(&Mj[0][0], _mm512_permutex2var_ps(m01, lo, m23));
+                _mm512_store_ps(&Mj[4][0], _mm512_permutex2var_ps(m01, hi, m23));
+            }
+            const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {                 /* sub-blocks 2c (low nibbles), 2c + 1 (high) */
+                __m512i qv[4];
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *bb = w[r] + o;
+                    __m512i qq = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(bb + (ti == I_Q5_K ? 48 : 16) + 32 * c)));
+                    qq = _mm512_gf2p8affine_epi64_epi8(qq, mqk, 0);
+                    if (ti == I_Q5_K) {   /* 5th bit: bit 2c (2c+1) of qh[l] -> bit 4 */
+                        const __m512i mh = _mm512_set_epi64(GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1),
+                            GF_BIT(2 * c + 1), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c));
+                        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(bb + 16)));
+                        qq = _mm512_or_si512(qq, _mm512_gf2p8affine_epi64_epi8(h, mh, 0));
+                    }
+                    qv[r] = qq;
+                }
+                const __m128 s0 = _mm_load_ps(Sj[2 * c]), s1 = _mm_load_ps(Sj[2 * c + 1]);
+                const __m128 m0 = _mm_load_ps(Mj[2 * c]), m1 = _mm_load_ps(Mj[2 * c + 1]);
+                const int64_t jj = e + 64 * c, b = jj / 32;
+#pragma GCC unroll 4
+                for (int t = 0; t < NT; t++) {
+                    const xq8 *q = xq[t];
+                    const __m512i x1 = _mm512_load_si512(q->q1 + jj), x2 = _mm512_load_si512(q->q2 + jj);
+                    __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
+                                             R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                    l4 = _mm512_add_epi32(l4, _mm512_shuffle_i32x4(l4, l4, 0xB1));
+                    acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_castsi512_si128(l4)), _mm_mul_ps(s0, _mm_set1_ps(q->xsb[b])),
+                                          acc[t]);
+                    accm[t] = _mm_fmadd_ps(m0, _mm_set1_ps(q->sxf[b]), accm[t]);
+                    acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_extracti32x4_epi32(l4, 2)),
+                                          _mm_mul_ps(s1, _mm_set1_ps(q->xsb[b + 1])), acc[t]);
+                    accm[t] = _mm_fmadd_ps(m1, _mm_set1_ps(q->sxf[b + 1]), accm[t]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) {
+        float v[4];
+        _mm_storeu_ps(v, IS_K(ti) && ti != I_Q6_K ? _mm_sub_ps(acc[t], accm[t]) : acc[t]);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) res[r * NT + t] = v[r];
+    }
+}
+
+typedef void (*kqc_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *const *xq, float *res);
+#define KQCSHAPE(TI, R, NT) \
+    static void kqc_##TI##_##R##_##NT(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, \
+                                      const xq8 *const *xq, float *res) { kern_qc(TI, R, NT, w, pf, K, xq, res); }
+#define KQCSHAPES(TI) KQCSHAPE(TI, 1, 1) KQCSHAPE(TI, 1, 2) KQCSHAPE(TI, 1, 3) KQCSHAPE(TI, 1, 4) \
+    KQCSHAPE(TI, 2, 1) KQCSHAPE(TI, 2, 2) KQCSHAPE(TI, 2, 3) KQCSHAPE(TI, 2, 4) \
+    KQCSHAPE(TI, 4, 1) KQCSHAPE(TI, 4, 2) KQCSHAPE(TI, 4, 3) KQCSHAPE(TI, 4, 4)
+#define KQCROW(TI) { {0}, {0, kqc_##TI##_1_1, kqc_##TI##_1_2, kqc_##TI##_1_3, kqc_##TI##_1_4}, \
+    {0, kqc_##TI##_2_1, kqc_##TI##_2_2, kqc_##TI##_2_3, kqc_##TI##_2_4}, {0}, \
+    {0, kqc_##TI##_4_1, kqc_##TI##_4_2, kqc_##TI##_4_3, kqc_##TI##_4_4} }
+KQCSHAPES(I_Q4_0) KQCSHAPES(I_Q8_0) KQCSHAPES(I_Q4_K) KQCSHAPES(I_Q5_K) KQCSHAPES(I_Q6_K) KQCSHAPES(I_IQ4_NL)
+KQCSHAPES(I_MXFP4) KQCSHAPES(I_IQ4_XS) KQCSHAPES(I_Q3_K) KQCSHAPES(I_Q2_K) KQCSHAPES(I_IQ4_KS) KQCSHAPES(I_IQ4_K)
+KQCSHAPES(I_IQ3_K) KQCSHAPES(I_IQ2_K) KQCSHAPES(I_IQ5_K) KQCSHAPES(I_IQ2_KS) KQCSHAPES(I_IQ2_KL) KQCSHAPES(I_IQ3_XXS)
+static const kqc_fn KQC[N_TYPES][5][5] = {
+    [I_Q4_0] = KQCROW(I_Q4_0), [I_Q8_0] = KQCROW(I_Q8_0), [I_Q4_K] = KQCROW(I_Q4_K), [I_Q5_K] = KQCROW(I_Q5_K),
+    [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4),
+    [I_IQ4_XS] = KQCROW(I_IQ4_XS), [I_Q3_K] = KQCROW(I_Q3_K), [I_Q2_K] = KQCROW(I_Q2_K),
+    [I_IQ4_KS] = KQCROW(I_IQ4_KS), [I_IQ4_K] = KQCROW(I_IQ4_K), [I_IQ3_K] = KQCROW(I_IQ3_K),
+    [I_IQ2_K] = KQCROW(I_IQ2_K), [I_IQ5_K] = KQCROW(I_IQ5_K), [I_IQ2_KS] = KQCROW(I_IQ2_KS),
+    [I_IQ2_KL] = KQCROW(I_IQ2_KL), [I_IQ3_XXS] = KQCROW(I_IQ3_XXS), };
+#endif /* HM_VNNI */
+
+#if HM_AVXVNNI
+/* kern_q8 on 256 bits (AVX-VNNI, GFNI): one 32-weight block (Q4_0) or 32 weights of a K super-block per
+ * vector */
+HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, const uint8_t *const *pf,
+                           int64_t K, const xq8 *xq, float *res) {
+    __m256 acc[4], accm[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
+    const int ts = TINFO[ti].ts;
+    const int step = IS_B32(ti) ? 2 * ts : ts;           /* bytes per iteration: 64 or 256 weights */
+    const pfreg pr = pf_regions(R, w, pf);
+    const int64_t rb = IS_B32(ti) ? K / 32 * ts : K / 256 * ts;
+    const __m256i mq40 = _mm256_set_epi64x((long long)GF_HI, (long long)GF_HI, (long long)GF_LO, (long long)GF_LO);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t o = 0, e = 0; o < rb; o += step, e += IS_B32(ti) ? 64 : 256) {
+        prefetch_step(pr, o, step);
+        if (IS_B32(ti)) {
+            const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(
+                ti == I_IQ4_NL ? KU8_IQ4NL : KU8_MXFP4)));
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {                 /* the two blocks of this step */
+                const int64_t p = e / 64;
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq->q1 + e + 32 * h));
+                const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq->q2 + e + 32 * h));
+                const __m256i c1 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xq->c1 + 16 * p + 8 * h)),
+                                                     B32_SHIFT(ti));
+                const __m256i c2 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xq->c2 + 16 * p + 8 * h)),
+                                                     B32_SHIFT(ti));
+                const __m256 xs = _mm256_loadu_ps(xq->xs + 16 * p + 8 * h);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *bl = w[r] + o + h * ts;
+                    /* [qs, qs] -> [low nibbles: weights 0-15, high nibbles: 16-31] */
+                    __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(bl + B32_QS(ti))));
+                    q = _mm256_gf2p8affine_epi64_epi8(q, mq40, 0);
+                    if (ti != I_Q4_0) q = _mm256_shuffle_epi8(tab, q);  /* nibble -> table value + offset */
+                    __m256i a = _mm256_dpbusd_avx_epi32(c1, q, x1);       /* c1, c2: the offset */
+                    a = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(a, 8), q, x2);
+                    a = _mm256_add_epi32(a, c2);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_broadcast_ss(B32_D(ti, bl)), xs),
+                                             acc[r]);
+                }
+            }
+        } else if (ti == I_Q6_K) {                        /* as kern_q8's Q6_K, 32 weights a vector */
+            kscale ks[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                prep_k(ti, w[r] + o, 1.0f, &ks[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m), _mm256_loadu_ps(xq->sx16 + e / 16), accm[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m + 8), _mm256_loadu_ps(xq->sx16 + e / 16 + 8),
+                                          accm[r]);
+            }
+#pragma GCC unroll 2
+            for (int n = 0; n < 2; n++) {                 /* halves of 128 weights: ql 64 bytes, qh 32 */
+#pragma GCC unroll 4
+                for (int g = 0; g < 4; g++) {             /* ql[0..31] lo, ql[32..63] lo, ql[0..31] hi, ql[32..63] hi */
+                    const int64_t j = e + 128 * n + 32 * g;
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq->q1 + j));
+                    const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq->q2 + j));
+                    const __m256 xs = _mm256_loadu_ps(xq->xs + 16 * (j / 64) + 8 * ((j / 32) & 1));
+                    const __m256i mh = _mm256_set1_epi64x((long long)GF_2BITS(2 * g));
+                    const __m256i si = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1,
+                                                         2 * g + 1);
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const uint8_t *b = w[r] + o;
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32 * (g & 1)));
+                        const __m256i nib = _mm256_and_si256(g < 2 ? raw : _mm256_srli_epi16(raw, 4), m4);
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+                        const __m256i q = _mm256_or_si256(nib, _mm256_gf2p8affine_epi64_epi8(qh, mh, 0));
+                        __m256i a = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x1);
+                        a = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(a, 8), q, x2);
+                        const __m256 ws = _mm256_permutevar8x32_ps(_mm256_loadu_ps(ks[r].s + 8 * n), si);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(ws, xs), acc[r]);
+                    }
+                }
+            }
+        } else {                                          /* Q4_K, Q5_K: 8 sub-blocks of 32 */
+            const __m256 sx = _mm256_loadu_ps(xq->sxf + e / 32);
+            kscale ks[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                prep_k(ti, w[r] + o, 1.0f, &ks[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m), sx, accm[r]);   /* the mins */
+            }
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {            /* sub-block 2c (low nibbles), 2c + 1 (high) */
+                    const int64_t j = e + 64 * c + 32 * h, p = j / 64;
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq->q1 + j));
+                    const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq->q2 + j));
+                    const __m256 xs = _mm256_loadu_ps(xq->xs + 16 * p + 8 * h);
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const uint8_t *b = w[r] + o;
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (ti == I_Q5_K ? 48 : 16) + 32 * c));
+                        __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                        if (ti == I_Q5_K)   /* 5th bit: bit 2c + h of qh[l] -> bit 4 */
+                            q = _mm256_or_si256(q, _mm256_gf2p8affine_epi64_epi8(
+                                _mm256_loadu_si256((const __m256i *)(b + 16)),
+                                _mm256_set1_epi64x((long long)GF_BIT(2 * c + h)), 0));
+                        __m256i a = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x1);
+                        a = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(a, 8), q, x2);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a),
+                                                 _mm256_mul_ps(_mm256_broadcast_ss(&ks[r].s[2 * c + h]), xs), acc[r]);
+                    }
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        __m256 v = _mm256_sub_ps(acc[r], accm[r]);
+        __m128 v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        v4 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+        res[r] = _mm_cvtss_f32(_mm_add_ss(v4, _mm_movehdup_ps(v4)));
+    }
+}
+
+KQTABLE(KQTAB2, kq2, kern_q8_256)
+#endif /* HM_AVXVNNI */
+
+/* Types (bit per type index) whose single-token rows take the integer path (where this CPU and path have
+ * one for them: q8_type). Measured on Sapphire Rapids (16 threads, share of read bandwidth): Q4_K 58-64% ->
+ * 82-83%, Q5_K 50-57% -> 79-98%, Q4_0 70-74% -> 79-84% (there the fp32 decode is bound by the one shuffle
+ * port); Q6_K 0.452 / 0.458 -> 0.403 / 0.384 ms a T=1 call (2026-11-25). */
+#define INT8_DEFAULT_256_ ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_Q5_K) | (1u << I_Q6_K) | (1u << I_MXFP4))
+/* AVX-512 VNNI: every quantized type, Q8_0 and IQ4_NL too, so that every batch size computes the canonical
+ * integer products (cdot_ref): prompts then give the same results however they are split. */
+#define INT8_DEFAULT_512 (INT8_DEFAULT_256_ | (1u << I_Q8_0) | (1u << I_IQ4_NL) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
+                          (1u << I_Q2_K) | (1u << I_IQ4_KS) | (1u << I_IQ4_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K) | \
+                          (1u << I_IQ5_K) | (1u << I_IQ2_KS) | (1u << I_IQ2_KL) | \
+                          (1u << I_IQ3_XXS))
+/* AVX-VNNI (dev VM, 1 thread, T=1, GB/s fp32 -> integer): Q4_0 7.2 -> 12.4, Q4_K 7.3 -> 11.2, Q5_K 8.4 -> 11.6,
+ * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
+ * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
+#define INT8_DEFAULT_256 (INT8_DEFAULT_256_ | (1u << I_IQ4_NL))
+static unsigned g_int8;                   /* the types set_int8 chose, unless g_int8_default */
+static int g_int8_default = 1;            /* the measured defaults of the path in use */
+#define INT8_MASK (g_int8_default ? (g_simd == 2 ? INT8_DEFAULT_512 : INT8_DEFAULT_256) : g_int8)
+/* rows shared by several tokens take the integer path too (the canonical products, any batch size): where the
+ * AVX-512 VNNI kernels run (the AVX-VNNI path keeps fp32 for those, and its own order for single tokens), unless
+ * hm_set_exact(0) asked for the earlier large-batch paths (bf16 tiles; results then depend on the batch) */
+static int g_exact = 1;
+#define QC_MULTI (INT8_512 && g_exact)
+
+/* rows w[0..R) . one token: the integer path when xq is given, else fp32 */
+static inline void dot_rows1(int ti, int R, const uint8_t *const *w, const uint8_t *const *pf, int64_t K,
+                             const float *x, const xq8 *xq, float *res) {
+#if HM_VNNI
+    if (xq && g_simd == 2) { KQC[ti][R][1](w, pf, K, &xq, res); return; }
+#endif
+#if HM_AVXVNNI
+    if (xq && g_simd == 1) { KQTAB2[ti][R](w, pf, K, xq, res); return; }
+#endif
+    (void)xq;
+    dot_rows(ti, R, 1, w, pf, K, &x, res);
+}
+
+/* Canonical integer products (cdot_ref) of R rows (1, 2, 4) and NT tokens (1-4), res[r * NT + t]: the
+ * kernel where this CPU has one for the canonical form (AVX-512 VNNI), else the scalar reference (exact,
+ * slow: only reached when a test forces it). */
+static inline void dot_rows_q(int ti, int R, int NT, const uint8_t *const *w, const uint8_t *const *pf, int64_t K,
+                              const xq8 *const *xq, float *res) {
+#if HM_VNNI
+    if (g_simd == 2) { KQC[ti][R][NT](w, pf, K, xq, res); return; }
+#endif
+    (void)pf;
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) res[r * NT + t] = cdot_ref(ti, w[r], K, xq[t]);
+}
