@@ -500,6 +500,7 @@ def test_source_is_every_piece_once(tmp_path):
     last.write_bytes(last.read_bytes() + b"\n#error the piece's last line\n")
     edited = cpu.source(tmp_path / "cpu_moe.c")
     assert edited != src
-    r = subprocess.run(["gcc", "-fsyntax-only", "-x", "c", "-"], input=edited, capture_output=True, timeout=120)
+    r = subprocess.run(["gcc", "-fsyntax-only", "-x", "c", "-"], input=edited, capture_output=True, timeout=120,
+                       check=False)
     n = len(last.read_text().splitlines())
     assert f'{pieces[-1]}:{n}:' in r.stderr.decode(), r.stderr.decode()[-500:]

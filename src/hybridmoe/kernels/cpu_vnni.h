@@ -104,30 +104,166 @@ HM_INLINE __mmask64 lanes_mask(unsigned b4) {
             0xFFFFu);
 }
 
+/* IQ3_XXS's / IQ2_XXS's 8 sign codes of sub-blocks 2c, 2c + 1 (four 7-bit codes in the low 28 bits of each
+ * sub-block's u32 at a0, a1) -> the 64 sign bits */
+HM_INLINE uint64_t xxs_neg(const int ti, const uint8_t *b, const int c, const uint8_t *a0, const uint8_t *a1) {
+#if defined(__BMI2__)
+    uint32_t w0, w1;
+    memcpy(&w0, a0, 4);
+    memcpy(&w1, a1, 4);
+    (void)ti; (void)b; (void)c;
+    return codes_neg(_pdep_u64(w0, 0x7F7F7F7Full) | _pdep_u64(w1, 0x7F7F7F7Full) << 32);
+#else
+    uint64_t neg = 0;
+    (void)a0; (void)a1;
+    for (int k = 0; k < 8; k++) neg |= (uint64_t)xxs_signs(ti, b, 2 * c + k / 4, k % 4) << 8 * k;
+    return neg;
+#endif
+}
+
+/* one bit per 8 bytes (bit k: bytes 8k..8k+7) -> a byte mask */
+HM_INLINE uint64_t groups_mask(unsigned bits8) {
+#if defined(__BMI2__)
+    return _pdep_u64(bits8, 0x0101010101010101ull) * 0xFF;
+#else
+    uint64_t m = 0;
+    for (int k = 0; k < 8; k++) m |= (uint64_t)((bits8 >> k) & 1) * 0xFF << 8 * k;
+    return m;
+#endif
+}
+
+/* chunk c (elements 64c..64c+63) of grid-type super-block b as u (x_value), in element order */
+HM_INLINE __m512i grid_u64(const int ti, const uint8_t *b, const int c) {
+    const __m512i o = _mm512_set1_epi8(64);
+    if (ti == I_IQ3_XXS || ti == I_IQ3_S) {   /* 16 indices of 4 magnitudes: vpgatherdd */
+        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
+        uint64_t neg;
+        if (ti == I_IQ3_S) {   /* the 9th index bits: bit k of the u16 at 66 + 2c; plain sign bytes */
+            idx = _mm512_mask_or_epi32(idx, (__mmask16)rd16(b + 66 + 2 * c), idx, _mm512_set1_epi32(256));
+            memcpy(&neg, b + 74 + 8 * c, 8);
+        } else {
+            neg = xxs_neg(ti, b, c, b + 66 + 8 * c, b + 70 + 8 * c);
+        }
+        const __m512i g = _mm512_i32gather_epi32(idx, (const void *)(ti == I_IQ3_S ? IQ3S_GRID : IQ3XXS_GRID), 4);
+        return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
+    }
+    /* 8 indices of 8 values: vpgatherqq */
+    __m256i idx;
+    uint64_t neg;
+    switch (ti) {
+    case I_IQ2_XXS: {   /* sub-block s: 4 index bytes, then its u32 of codes and scale */
+        uint32_t i0, i1;
+        memcpy(&i0, b + 2 + 16 * c, 4);
+        memcpy(&i1, b + 10 + 16 * c, 4);
+        idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)i1 << 32 | i0)));
+        neg = xxs_neg(ti, b, c, b + 6 + 16 * c, b + 14 + 16 * c);
+        break;
+    }
+    case I_IQ2_XS: {    /* a u16 per 8: 9-bit index, 7-bit code */
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * c));
+        idx = _mm256_and_si256(_mm256_cvtepu16_epi32(q), _mm256_set1_epi32(511));
+        neg = codes_neg((uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(_mm_srli_epi16(q, 9), _mm_setzero_si128())));
+        break;
+    }
+    case I_IQ1_S: {     /* sub-block s: 4 index bytes; 3 index bits each, the scale and the delta's sign in qh[s] */
+        const int h0 = rd16(b + 34 + 4 * c), h1 = rd16(b + 36 + 4 * c);
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_setr_epi32(h0, h0, h0, h0, h1, h1, h1, h1),
+                                                              _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9)),
+                                            _mm256_set1_epi32(7));
+        idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * c))),
+                              _mm256_slli_epi32(hi, 8));
+        neg = (h0 & 0x8000 ? 0xFFFFFFFFull : 0) | (h1 & 0x8000 ? 0xFFFFFFFF00000000ull : 0);
+        break;
+    }
+    default: {          /* IQ1_M: group k: an index byte, a nibble of 3 index bits and the delta's sign */
+        uint32_t nb;
+        memcpy(&nb, b + 32 + 4 * c, 4);
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)nb),
+                                                              _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                            _mm256_set1_epi32(7));
+        idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * c))),
+                              _mm256_slli_epi32(hi, 8));
+#if defined(__BMI2__)
+        neg = groups_mask(_pext_u32(nb, 0x88888888u));
+#else
+        unsigned s8 = 0;
+        for (int k = 0; k < 8; k++) s8 |= ((nb >> (4 * k + 3)) & 1) << k;
+        neg = groups_mask(s8);
+#endif
+        break;
+    }
+    }
+    if (ti == I_IQ1_S || ti == I_IQ1_M) {   /* 64 + 8 v, then + 1 or - 1 */
+        const __m512i g = _mm512_i32gather_epi64(idx, (const void *)IQ1S_GRID, 8), one = _mm512_set1_epi8(1);
+        return _mm512_mask_sub_epi8(_mm512_add_epi8(g, one), (__mmask64)neg, g, one);
+    }
+    const __m512i g = _mm512_i32gather_epi64(idx, (const void *)(ti == I_IQ2_XS ? IQ2XS_GRID : IQ2XXS_GRID), 8);
+    return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
+}
+
+/* 16 lanes of trellis seeds (index + offset) -> the generator's 4-byte sums after steps p[lane] (vpmulld by the
+ * step's power of KT_KA, vpdpbusd by ones): 0..252, v = sum - 126 */
+HM_INLINE __m512i kt_sums(__m512i x, __m512i p) {
+    const __m512i s = _mm512_and_si512(_mm512_mullo_epi32(x, p), _mm512_set1_epi32(0x3F3F3F3F));
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), s, _mm512_set1_epi8(1));
+}
+
+/* chunk c (elements 64c..64c+63) of trellis-type super-block b as u (x_value), in element order */
+HM_INLINE __m512i kt_u64(const int ti, const uint8_t *b, const int c) {
+    __m512i s[4];
+    if (ti == I_IQ4_KT) {   /* 16 groups of 4: blocks 2c, 2c + 1 */
+        uint32_t h0, h1;
+        memcpy(&h0, b + 8 * c, 4);
+        memcpy(&h1, b + 8 * c + 4, 4);
+        const __m512i sh = _mm512_setr_epi32(h0, h0, h0, h0, h0, h0, h0, h0, h1, h1, h1, h1, h1, h1, h1, h1);
+        const __m512i top = _mm512_and_si512(_mm512_srlv_epi32(sh, _mm512_setr_epi32(8, 11, 14, 17, 20, 23, 26, 29, 8, 11,
+                                                                                     14, 17, 20, 23, 26, 29)),
+                                             _mm512_set1_epi32(7));
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+            (const __m128i *)(b + 96 + 16 * (c & 1)))), 4 * (c >> 1)), _mm512_set1_epi32(0xF));
+        __m512i x = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * c))),
+                                    _mm512_or_si512(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(top, 12)));
+        x = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(4096),
+                                                 _mm512_slli_epi32(_mm512_and_si512(sh, _mm512_set1_epi32(1)), 15)));
+        const __m512i p = _mm512_setr_epi32(KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
+                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
+                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
+                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++)
+            s[q] = kt_sums(_mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2,
+                                                                                       3, 3, 3, 3),
+                                                                     _mm512_set1_epi32(4 * q)), x), p);
+    } else {                /* 8 groups of 8: a u16 index each */
+        const __m512i x = _mm512_add_epi32(_mm512_castsi256_si512(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+            (const __m128i *)(b + 4 + 16 * c)))), _mm512_set1_epi32(4096));
+        const uint32_t k1 = KT_KA, k2 = k1 * KT_KA, k3 = k2 * KT_KA, k4 = k3 * KT_KA, k5 = k4 * KT_KA, k6 = k5 * KT_KA,
+                       k7 = k6 * KT_KA, k8 = k7 * KT_KA;
+        const __m512i p = _mm512_setr_epi32(k1, k2, k3, k4, k5, k6, k7, k8, k1, k2, k3, k4, k5, k6, k7, k8);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++)
+            s[q] = kt_sums(_mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,
+                                                                                       1, 1, 1, 1),
+                                                                     _mm512_set1_epi32(2 * q)), x), p);
+    }
+    __m512i v = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(s[0]));   /* the sums as bytes, in element order */
+    v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(s[1]), 1);
+    v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(s[2]), 2);
+    v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(s[3]), 3);
+    if (ti != I_IQ3_KT) return _mm512_add_epi8(v, _mm512_set1_epi8(2));      /* 128 + v = sum + 2 */
+    /* IQ3_KT: 128 +- |v|; the sign of element l of 32-block j is bit j of qh[l] */
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 68));
+    const uint64_t neg = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 7 - 2 * c)) |
+                         (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 6 - 2 * c)) << 32;
+    const __m512i a = _mm512_abs_epi8(_mm512_sub_epi8(v, _mm512_set1_epi8(126))), o = _mm512_set1_epi8((char)128);
+    return _mm512_mask_sub_epi8(_mm512_add_epi8(o, a), (__mmask64)neg, o, a);
+}
+
 /* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order (ex: x_extra16) */
 HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int ex) {
     __m512i q;
-    if (X_GRID(ti)) {   /* sub-blocks 2c, 2c + 1: 16 grid entries (vpgatherdd), then 64 +- the magnitude */
-        const __m512i g = _mm512_i32gather_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c))),
-                                                 (const void *)IQ3XXS_GRID, 4);
-        uint64_t neg = 0;
-#if defined(__BMI2__)
-        {   /* the 8 codes (7 bits each, 4 in each sub-block's u32) spread to bytes, each byte's parity on top */
-            uint32_t a0, a1;
-            memcpy(&a0, b + 66 + 8 * c, 4);
-            memcpy(&a1, b + 70 + 8 * c, 4);
-            const uint64_t codes = _pdep_u64(a0, 0x7F7F7F7Full) | _pdep_u64(a1, 0x7F7F7F7Full) << 32;
-            uint64_t p = codes ^ (codes >> 4);
-            p ^= p >> 2;
-            p ^= p >> 1;
-            neg = codes | (p & 0x0101010101010101ull) << 7;
-        }
-#else
-        for (int k = 0; k < 8; k++) neg |= (uint64_t)xxs_signs(b, 2 * c + k / 4, k % 4) << 8 * k;
-#endif
-        const __m512i o = _mm512_set1_epi8(64);
-        return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
-    }
+    if (X_GRID(ti)) return grid_u64(ti, b, c);
+    if (X_KT(ti)) return kt_u64(ti, b, c);
     if (X_PAIRS(ti)) {   /* sub-blocks 2c, 2c + 1: 32 pair indices -> 32 u16 of two u each (vpermw) */
         const __m128i m4 = _mm_set1_epi8(0x0F), b4 = _mm_set1_epi8(0x10);
         const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6 + 16 * c));
@@ -231,13 +367,55 @@ HM_INLINE void x_scales16(const int ti, const uint8_t *b, const float rd, __m512
     case I_IQ2_K:
         *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles16(b + 4), _mm512_set1_epi32(8))));
         return;
+    case I_IQ2_XS:   /* d (s + 0.5) 0.25, s the nibbles at b + 66 */
+        *S = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_add_ps(_mm512_cvtepi32_ps(nibbles16(b + 66)),
+                                                                               _mm512_set1_ps(0.5f))),
+                           _mm512_set1_ps(0.25f));
+        return;
+    case I_IQ1_M: {  /* d (2 f + 1) / 8, f bits 3(i%4) of the u16 i/4 at b + 48 */
+        const __m512i sc = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+            _mm512_castsi128_si512(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(b + 48)))));
+        const __m512i f = _mm512_and_si512(_mm512_srlv_epi32(sc, _mm512_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9,
+                                                                                    0, 3, 6, 9)), _mm512_set1_epi32(7));
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(f, 1), _mm512_set1_epi32(1)));
+        *S = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(g_f16[iq1m_d(b)]), v), _mm512_set1_ps(0.125f));
+        return;
     }
-    /* IQ4_XS, IQ4_KS, IQ2_KS, IQ2_KL, IQ3_XXS: 8 scales of 32, each twice */
+    }
+    /* IQ4_XS, IQ4_KS, IQ2_KS, IQ2_KL, IQ3_XXS, IQ2_XXS, IQ3_S, IQ1_S, the KT types: 8 scales of 32, each twice */
     __m256 s8;
-    if (ti == I_IQ3_XXS) {   /* d (ls + 0.5) 0.5, ls the top 4 bits of each sub-block's u32 */
-        const __m256 ls = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + 66)), 28));
-        s8 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_add_ps(ls, _mm256_set1_ps(0.5f))),
-                           _mm256_set1_ps(0.5f));
+    if (ti == I_IQ2_KT || ti == I_IQ3_KT) {   /* the row scale times a code from a nibble: low ones first */
+        uint32_t lw;
+        memcpy(&lw, b, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m512i nib = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_unpacklo_epi32(_mm_and_si128(x, m4),
+                                                                                          _mm_and_si128(_mm_srli_epi16(x, 4), m4))));
+        const __m512 code = ti == I_IQ2_KT ? _mm512_permutexvar_ps(nib, _mm512_loadu_ps(KV_IQ4NL)) : _mm512_cvtepi32_ps(nib);
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm512_castps512_ps256(code));
+    } else if (ti == I_IQ4_KT) {   /* the row scale times (bits 1-7 of each 32-block's u32) - 64 */
+        const __m256i sh = _mm256_loadu_si256((const __m256i *)b);
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(
+            _mm256_and_si256(sh, _mm256_set1_epi32(0xFF)), 1), _mm256_set1_epi32(64))));
+    } else if (ti == I_IQ3_XXS || ti == I_IQ2_XXS) {   /* d (ls + 0.5) 0.5 (0.25), ls the top 4 bits of each sub-block's u32 */
+        const __m256i ls = ti == I_IQ3_XXS ? _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + 66)), 28) :
+            _mm512_castsi512_si256(_mm512_permutexvar_epi32(_mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11,
+                                                                              13, 15),
+                                                            _mm512_srli_epi32(_mm512_loadu_si512((const void *)(b + 2)), 28)));
+        s8 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_add_ps(_mm256_cvtepi32_ps(ls), _mm256_set1_ps(0.5f))),
+                           _mm256_set1_ps(ti == I_IQ3_XXS ? 0.5f : 0.25f));
+    } else if (ti == I_IQ3_S) {   /* d (1 + 2 s), s the nibbles at b + 106 */
+        uint32_t lw;
+        memcpy(&lw, b + 106, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m256i s = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(s, 1),
+                                                                                       _mm256_set1_epi32(1))));
+    } else if (ti == I_IQ1_S) {   /* d (2 f + 1) / 8, f bits 12-14 of each sub-block's u16 at b + 34 */
+        const __m256i f = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 34))),
+                                                             12), _mm256_set1_epi32(7));
+        s8 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(f, 1),
+                                                                                                     _mm256_set1_epi32(1)))),
+                           _mm256_set1_ps(0.125f));
     } else if (ti == I_IQ2_KL) {   /* nibble s/4 of byte 2 + s%4, bits 4-5 from bits 2s of the u16 at b */
         uint32_t lw;
         memcpy(&lw, b + 2, 4);
@@ -500,13 +678,18 @@ typedef void (*kqc_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_
 KQCSHAPES(I_Q4_0) KQCSHAPES(I_Q8_0) KQCSHAPES(I_Q4_K) KQCSHAPES(I_Q5_K) KQCSHAPES(I_Q6_K) KQCSHAPES(I_IQ4_NL)
 KQCSHAPES(I_MXFP4) KQCSHAPES(I_IQ4_XS) KQCSHAPES(I_Q3_K) KQCSHAPES(I_Q2_K) KQCSHAPES(I_IQ4_KS) KQCSHAPES(I_IQ4_K)
 KQCSHAPES(I_IQ3_K) KQCSHAPES(I_IQ2_K) KQCSHAPES(I_IQ5_K) KQCSHAPES(I_IQ2_KS) KQCSHAPES(I_IQ2_KL) KQCSHAPES(I_IQ3_XXS)
+KQCSHAPES(I_IQ3_S) KQCSHAPES(I_IQ2_XXS) KQCSHAPES(I_IQ2_XS) KQCSHAPES(I_IQ1_S) KQCSHAPES(I_IQ1_M)
+KQCSHAPES(I_IQ2_KT) KQCSHAPES(I_IQ3_KT) KQCSHAPES(I_IQ4_KT)
 static const kqc_fn KQC[N_TYPES][5][5] = {
     [I_Q4_0] = KQCROW(I_Q4_0), [I_Q8_0] = KQCROW(I_Q8_0), [I_Q4_K] = KQCROW(I_Q4_K), [I_Q5_K] = KQCROW(I_Q5_K),
     [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4),
     [I_IQ4_XS] = KQCROW(I_IQ4_XS), [I_Q3_K] = KQCROW(I_Q3_K), [I_Q2_K] = KQCROW(I_Q2_K),
     [I_IQ4_KS] = KQCROW(I_IQ4_KS), [I_IQ4_K] = KQCROW(I_IQ4_K), [I_IQ3_K] = KQCROW(I_IQ3_K),
     [I_IQ2_K] = KQCROW(I_IQ2_K), [I_IQ5_K] = KQCROW(I_IQ5_K), [I_IQ2_KS] = KQCROW(I_IQ2_KS),
-    [I_IQ2_KL] = KQCROW(I_IQ2_KL), [I_IQ3_XXS] = KQCROW(I_IQ3_XXS), };
+    [I_IQ2_KL] = KQCROW(I_IQ2_KL), [I_IQ3_XXS] = KQCROW(I_IQ3_XXS), [I_IQ3_S] = KQCROW(I_IQ3_S),
+    [I_IQ2_XXS] = KQCROW(I_IQ2_XXS), [I_IQ2_XS] = KQCROW(I_IQ2_XS), [I_IQ1_S] = KQCROW(I_IQ1_S),
+    [I_IQ1_M] = KQCROW(I_IQ1_M), [I_IQ2_KT] = KQCROW(I_IQ2_KT), [I_IQ3_KT] = KQCROW(I_IQ3_KT),
+    [I_IQ4_KT] = KQCROW(I_IQ4_KT), };
 #endif /* HM_VNNI */
 
 #if HM_AVXVNNI
@@ -642,7 +825,8 @@ KQTABLE(KQTAB2, kq2, kern_q8_256)
 #define INT8_DEFAULT_512 (INT8_DEFAULT_256_ | (1u << I_Q8_0) | (1u << I_IQ4_NL) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
                           (1u << I_Q2_K) | (1u << I_IQ4_KS) | (1u << I_IQ4_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K) | \
                           (1u << I_IQ5_K) | (1u << I_IQ2_KS) | (1u << I_IQ2_KL) | \
-                          (1u << I_IQ3_XXS))
+                          (1u << I_IQ3_XXS) | (1u << I_IQ3_S) | (1u << I_IQ2_XXS) | (1u << I_IQ2_XS) | \
+                          (1u << I_IQ1_S) | (1u << I_IQ1_M) | (1u << I_IQ2_KT) | (1u << I_IQ3_KT) | (1u << I_IQ4_KT))
 /* AVX-VNNI (dev VM, 1 thread, T=1, GB/s fp32 -> integer): Q4_0 7.2 -> 12.4, Q4_K 7.3 -> 11.2, Q5_K 8.4 -> 11.6,
  * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
  * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
