@@ -204,7 +204,7 @@ def test_ik_files_have_no_slow_tensors():
     files = VECTORS / "files"
     if not files.exists():
         pytest.skip(f"no ik_llama.cpp files at {files}")
-    for name in ("IQ4_KS", "IQ4_K_R4", "Q3_K", "Q2_K", "IQ4_XS", "IQ2_KL", "IQ3_XXS"):
+    for name in ("IQ4_KS", "IQ4_K_R4", "Q3_K", "Q2_K", "IQ4_XS", "IQ2_KL", "IQ3_XXS", "IQ2_KT"):
         m = hybridmoe.load(str(files / f"q-{name}.gguf"), ctx_size=64)
         assert m.slow_tensors() == {}, name
 

@@ -86,13 +86,14 @@ HM_INLINE __m512i grid_u64(const int ti, const uint8_t *b, const int c) {
         break;
     }
     case I_IQ1_S: {     /* sub-block s: 4 index bytes; 3 index bits each, the scale and the delta's sign in qh[s] */
-        const int h0 = rd16(b + 34 + 4 * c), h1 = rd16(b + 36 + 4 * c);
-        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_setr_epi32(h0, h0, h0, h0, h1, h1, h1, h1),
-                                                              _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9)),
+        uint32_t h;                                   /* qh[2c] | qh[2c + 1] << 16 */
+        memcpy(&h, b + 34 + 4 * c, 4);
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)h),
+                                                              _mm256_setr_epi32(0, 3, 6, 9, 16, 19, 22, 25)),
                                             _mm256_set1_epi32(7));
         idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * c))),
                               _mm256_slli_epi32(hi, 8));
-        neg = (h0 & 0x8000 ? 0xFFFFFFFFull : 0) | (h1 & 0x8000 ? 0xFFFFFFFF00000000ull : 0);
+        neg = (uint64_t)(0u - ((h >> 15) & 1)) | (uint64_t)(0u - (h >> 31)) << 32;
         break;
     }
     default: {          /* IQ1_M: group k: an index byte, a nibble of 3 index bits and the delta's sign */
@@ -166,10 +167,10 @@ HM_INLINE __m512i kt_u64(const int ti, const uint8_t *b, const int c) {
                                                                                        1, 1, 1, 1),
                                                                      _mm512_set1_epi32(2 * q)), x), p);
     }
-    __m512i v = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(s[0]));   /* the sums as bytes, in element order */
-    v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(s[1]), 1);
-    v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(s[2]), 2);
-    v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(s[3]), 3);
+    /* the sums as bytes, in element order: the packs leave s[q]'s lane L at dword 4L + q */
+    const __m512i v = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                                               _mm512_packus_epi16(_mm512_packus_epi32(s[0], s[1]),
+                                                                   _mm512_packus_epi32(s[2], s[3])));
     if (ti != I_IQ3_KT) return _mm512_add_epi8(v, _mm512_set1_epi8(2));      /* 128 + v = sum + 2 */
     /* IQ3_KT: 128 +- |v|; the sign of element l of 32-block j is bit j of qh[l] */
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 68));
