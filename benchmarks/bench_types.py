@@ -10,8 +10,8 @@ Layers of expert tensors are rotated so the weights come from RAM, not cache. --
 its CPU time) is for shared machines, where other programs' load makes wall-clock rates and the read probe noise:
 the GB/s it gives are a core's, to hold against a core's share of the read bandwidth.
 
-    python benchmarks/bench_types.py [--types Q4_0,IQ4_XS,Q3_K,Q2_K] [--threads N] [--layers L] [--repeat R]
-        [--batches 1,8,512] [--simd avx2|generic] [--fp32] [--cpu-time]
+    python benchmarks/bench_types.py [--types Q4_0,IQ4_XS,Q3_K,Q2_K | issue24] [--threads N] [--layers L]
+        [--repeat R] [--batches 1,8,512] [--simd avx2|generic] [--fp32] [--cpu-time]
 """
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ from hybridmoe.quant.types import GGMLType, row_bytes
 
 E, K_USED, H, F = 128, 8, 2048, 768
 TYPES = "Q4_0,Q4_K,Q6_K,IQ4_XS,Q3_K,Q2_K"
+# --types issue24: every type of issue 24's point 1
+ISSUE24 = ("Q2_K,Q3_K,IQ4_XS,IQ4_NL,IQ3_XXS,IQ3_S,IQ2_XXS,IQ2_XS,IQ1_S,IQ1_M,IQ2_K,IQ3_K,IQ4_K,IQ5_K,IQ2_KS,IQ4_KS,"
+           "IQ2_KL,IQ2_KT,IQ3_KT,IQ4_KT")
 
 
 def layer(q: GGMLType, g: torch.Generator):
@@ -64,7 +67,7 @@ def time_layer(layers, q, T, g, nth, calls, clock=time.perf_counter):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--types", default=TYPES)
+    ap.add_argument("--types", default=TYPES, help="comma-separated, or issue24 (every type of its point 1)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--layers", type=int, default=6, help="copies of the layer to rotate through (RAM, not cache)")
     ap.add_argument("--batches", default="1,8,512")
@@ -81,7 +84,7 @@ def main(argv=None):
         cpu.set_simd(a.simd)
     if a.fp32:
         cpu.set_int8(False)
-    types = [GGMLType[t.strip()] for t in a.types.split(",")]
+    types = [GGMLType[t.strip()] for t in (ISSUE24 if a.types == "issue24" else a.types).split(",")]
     if GGMLType.Q4_0 not in types and "512" in a.batches.split(","):
         types.insert(0, GGMLType.Q4_0)                 # the prompt rate's reference
     batches = [int(b) for b in a.batches.split(",")]

@@ -1,4 +1,5 @@
-"""The CPU kernels of the types added for users' files (issue 24): IQ4_XS, Q3_K, Q2_K, on every vector path
+"""The CPU kernels of the types added for users' files (issue 24): IQ4_XS, Q3_K, Q2_K, ik's IQ*_K / _KS / _KL and
+the grid i-quants (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ1_S, IQ1_M), on every vector path
 this CPU has (AVX-512 with the integer path, AVX2, portable C), against the reference dequantizers
 (quant/dequant.py, bit-exact with ik_llama.cpp) and a float64 product.
 
@@ -8,6 +9,7 @@ tiles / GEMM 1.5e-2.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,8 @@ from hybridmoe.quant.random_blocks import random_blocks
 from hybridmoe.quant.types import GGMLType as G
 from hybridmoe.quant.types import row_bytes
 
-NEW = [G.IQ4_XS, G.Q3_K, G.Q2_K, G.IQ4_KS, G.IQ4_K, G.IQ3_K, G.IQ2_K, G.IQ5_K, G.IQ2_KS, G.IQ2_KL, G.IQ3_XXS]
+NEW = [G.IQ4_XS, G.Q3_K, G.Q2_K, G.IQ4_KS, G.IQ4_K, G.IQ3_K, G.IQ2_K, G.IQ5_K, G.IQ2_KS, G.IQ2_KL, G.IQ3_XXS,
+       G.IQ3_S, G.IQ2_XXS, G.IQ2_XS, G.IQ1_S, G.IQ1_M, G.IQ2_KT, G.IQ3_KT, G.IQ4_KT]
 # the CI suite runs these; the rest are marked slow (-m "not gpu" without slow skips them)
 FAST = {G.IQ4_XS, G.Q2_K, G.IQ4_KS}
 BAND = {"fp32": 2e-5, "int": 2e-4, "tile": 1.5e-2}
@@ -201,6 +204,22 @@ def test_ik_files_have_no_slow_tensors():
     files = VECTORS / "files"
     if not files.exists():
         pytest.skip(f"no ik_llama.cpp files at {files}")
-    for name in ("IQ4_KS", "IQ4_K_R4", "Q3_K", "Q2_K", "IQ4_XS", "IQ2_KL", "IQ3_XXS"):
+    for name in ("IQ4_KS", "IQ4_K_R4", "Q3_K", "Q2_K", "IQ4_XS", "IQ2_KL", "IQ3_XXS", "IQ2_KT"):
         m = hybridmoe.load(str(files / f"q-{name}.gguf"), ctx_size=64)
         assert m.slow_tensors() == {}, name
+
+
+def test_grids_are_ggmls():
+    """cpu_grids.h holds ggml's grids (the gguf package's, which the reference dequantizers read), every entry: the
+    kernel tests' random blocks reach only some of IQ1_S's 2048."""
+    from gguf import quants
+    text = cpu._SRC.with_name("cpu_grids.h").read_text()
+    for name, q, width, as_u in (("IQ3XXS_GRID", "IQ3_XXS", 4, 1), ("IQ3S_GRID", "IQ3_S", 4, 1),
+                                 ("IQ2XXS_GRID", "IQ2_XXS", 8, 1), ("IQ2XS_GRID", "IQ2_XS", 8, 1),
+                                 ("IQ1S_GRID", "IQ1_S", 8, 8)):
+        body = re.search(name + r"\[\d+\][^{]*\{(.*?)\};", text, re.DOTALL).group(1)
+        got = np.array([[(int(v, 16) >> 8 * j) & 0xFF for j in range(width)] for v in re.findall(r"0x[0-9a-f]+", body)])
+        cls = getattr(quants, q)
+        cls.init_grid()
+        ref = cls.grid.reshape(cls.grid_shape).astype(np.int64)
+        assert np.array_equal(got, ref if as_u == 1 else 64 + 8 * ref), name

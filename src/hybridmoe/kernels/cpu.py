@@ -32,7 +32,7 @@ from ..quant.dequant import DEINTERLEAVE, dequantize, deinterleave
 from ..quant.types import GGMLType, row_bytes
 
 _SRC = Path(__file__).with_name("cpu_moe.c")
-_INCLUDE = re.compile(rb'^#include "([^"/]+)".*$', re.M)     # a piece beside cpu_moe.c
+_INCLUDE = re.compile(rb'^#include "([^"/]+)".*$', re.MULTILINE)     # a piece beside cpu_moe.c
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 # Types the C kernel handles (ggml ids); others go to the torch reference.
@@ -40,7 +40,8 @@ KERNEL_TYPES = frozenset(int(t) for t in (
     GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K,
     GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.MXFP4, GGMLType.IQ4_XS, GGMLType.Q3_K,
     GGMLType.Q2_K, GGMLType.IQ4_KS, GGMLType.IQ4_K, GGMLType.IQ3_K, GGMLType.IQ2_K, GGMLType.IQ5_K, GGMLType.IQ2_KS,
-    GGMLType.IQ2_KL, GGMLType.IQ3_XXS))
+    GGMLType.IQ2_KL, GGMLType.IQ3_XXS, GGMLType.IQ3_S, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ1_S,
+    GGMLType.IQ1_M, GGMLType.IQ2_KT, GGMLType.IQ3_KT, GGMLType.IQ4_KT))
 
 
 def kernel_type(qtype) -> GGMLType | None:

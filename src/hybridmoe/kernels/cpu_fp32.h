@@ -89,7 +89,9 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
     KSHAPES(P, FN, I_IQ4_NL) KSHAPES(P, FN, I_MXFP4) KSHAPES(P, FN, I_IQ4_XS) KSHAPES(P, FN, I_Q3_K) \
     KSHAPES(P, FN, I_Q2_K) KSHAPES(P, FN, I_IQ4_KS) KSHAPES(P, FN, I_IQ4_K) KSHAPES(P, FN, I_IQ3_K) \
     KSHAPES(P, FN, I_IQ2_K) KSHAPES(P, FN, I_IQ5_K) KSHAPES(P, FN, I_IQ2_KS) KSHAPES(P, FN, I_IQ2_KL) \
-    KSHAPES(P, FN, I_IQ3_XXS) \
+    KSHAPES(P, FN, I_IQ3_XXS) KSHAPES(P, FN, I_IQ3_S) KSHAPES(P, FN, I_IQ2_XXS) KSHAPES(P, FN, I_IQ2_XS) \
+    KSHAPES(P, FN, I_IQ1_S) KSHAPES(P, FN, I_IQ1_M) KSHAPES(P, FN, I_IQ2_KT) KSHAPES(P, FN, I_IQ3_KT) \
+    KSHAPES(P, FN, I_IQ4_KT) \
     static const kern_fn NAME[N_TYPES][5][5] = { \
         [I_F32] = KTROW(P, I_F32), [I_F16] = KTROW(P, I_F16), [I_BF16] = KTROW(P, I_BF16), \
         [I_Q4_0] = KTROW(P, I_Q4_0), [I_Q8_0] = KTROW(P, I_Q8_0), [I_Q4_K] = KTROW(P, I_Q4_K), \
@@ -97,7 +99,10 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
         [I_MXFP4] = KTROW(P, I_MXFP4), [I_IQ4_XS] = KTROW(P, I_IQ4_XS), [I_Q3_K] = KTROW(P, I_Q3_K), \
         [I_Q2_K] = KTROW(P, I_Q2_K), [I_IQ4_KS] = KTROW(P, I_IQ4_KS), [I_IQ4_K] = KTROW(P, I_IQ4_K), \
         [I_IQ3_K] = KTROW(P, I_IQ3_K), [I_IQ2_K] = KTROW(P, I_IQ2_K), [I_IQ5_K] = KTROW(P, I_IQ5_K), \
-        [I_IQ2_KS] = KTROW(P, I_IQ2_KS), [I_IQ2_KL] = KTROW(P, I_IQ2_KL), [I_IQ3_XXS] = KTROW(P, I_IQ3_XXS), };
+        [I_IQ2_KS] = KTROW(P, I_IQ2_KS), [I_IQ2_KL] = KTROW(P, I_IQ2_KL), [I_IQ3_XXS] = KTROW(P, I_IQ3_XXS), \
+        [I_IQ3_S] = KTROW(P, I_IQ3_S), [I_IQ2_XXS] = KTROW(P, I_IQ2_XXS), [I_IQ2_XS] = KTROW(P, I_IQ2_XS), \
+        [I_IQ1_S] = KTROW(P, I_IQ1_S), [I_IQ1_M] = KTROW(P, I_IQ1_M), [I_IQ2_KT] = KTROW(P, I_IQ2_KT), \
+        [I_IQ3_KT] = KTROW(P, I_IQ3_KT), [I_IQ4_KT] = KTROW(P, I_IQ4_KT), };
 
 #if HM_AVX2
 
@@ -150,15 +155,120 @@ static const int8_t KV8_Q4_0[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 
 static const int8_t KV8_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static const int8_t KV8_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
+/* 8 lanes of trellis seeds -> the generator's 4-byte sums after steps p[lane] (0..252; v = sum - 126) */
+HM_INLINE __m256i kt_sums8(__m256i x, __m256i p) {
+    const __m256i s = _mm256_and_si256(_mm256_mullo_epi32(x, p), _mm256_set1_epi32(0x3F3F3F3F));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(s, _mm256_set1_epi8(1)), _mm256_set1_epi16(1));
+}
+
+/* unit u (elements 32u..32u+31) of trellis-type super-block b as u (x_value), in element order */
+HM_INLINE __m256i kt_u32(const int ti, const uint8_t *b, const int u) {
+    const uint32_t k1 = KT_KA, k2 = k1 * KT_KA, k3 = k2 * KT_KA, k4 = k3 * KT_KA;
+    __m256i s[4];
+    if (ti == I_IQ4_KT) {   /* block u: 8 groups of 4 */
+        uint32_t shb;
+        memcpy(&shb, b + 4 * u, 4);
+        const __m256i top = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)shb),
+                                                               _mm256_setr_epi32(8, 11, 14, 17, 20, 23, 26, 29)),
+                                             _mm256_set1_epi32(7));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            (const __m128i *)(b + 96 + 8 * (u & 3)))), 4 * (u >> 2)), _mm256_set1_epi32(0xF));
+        __m256i x = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 32 + 8 * u))),
+                                    _mm256_or_si256(_mm256_slli_epi32(hi, 8), _mm256_slli_epi32(top, 12)));
+        x = _mm256_add_epi32(x, _mm256_set1_epi32((int)(4096 + 32768 * (shb & 1))));
+        const __m256i p = _mm256_setr_epi32(k1, k2, k3, k4, k1, k2, k3, k4);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++)
+            s[q] = kt_sums8(_mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(2 * q, 2 * q, 2 * q, 2 * q, 2 * q + 1,
+                                                                             2 * q + 1, 2 * q + 1, 2 * q + 1)), p);
+    } else {                /* 4 groups of 8: a u16 index each */
+        const uint32_t k5 = k4 * KT_KA, k6 = k5 * KT_KA, k7 = k6 * KT_KA, k8 = k7 * KT_KA;
+        const __m256i p = _mm256_setr_epi32(k1, k2, k3, k4, k5, k6, k7, k8);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) s[q] = kt_sums8(_mm256_set1_epi32(4096 + rd16(b + 4 + 8 * u + 2 * q)), p);
+    }
+    const __m256i v = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(_mm256_packus_epi32(s[0], s[1]),
+                                                                      _mm256_packus_epi32(s[2], s[3])),
+                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (ti != I_IQ3_KT) return _mm256_add_epi8(v, _mm256_set1_epi8(2));      /* 128 + v = sum + 2 */
+    /* IQ3_KT: 128 +- |v|; the sign of element l of 32-block u is bit u of qh[l] */
+    const __m256i m = _mm256_cmpgt_epi8(_mm256_setzero_si256(),
+                                        _mm256_slli_epi16(_mm256_loadu_si256((const __m256i *)(b + 68)), 7 - u));
+    const __m256i a = _mm256_abs_epi8(_mm256_sub_epi8(v, _mm256_set1_epi8(126)));
+    return _mm256_add_epi8(_mm256_set1_epi8((char)128), _mm256_sub_epi8(_mm256_xor_si256(a, m), m));
+}
+
+/* unit u (elements 32u..32u+31) of grid-type super-block b as u (x_value), in element order */
+HM_INLINE __m256i grid_u32(const int ti, const uint8_t *b, const int u) {
+    __m256i g;
+    uint32_t neg;
+    if (ti == I_IQ3_XXS || ti == I_IQ3_S) {   /* 8 indices of 4 magnitudes */
+        __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * u)));
+        if (ti == I_IQ3_S) {   /* 9th index bits: byte 66 + u; plain sign bytes */
+            idx = _mm256_or_si256(idx, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(
+                _mm256_set1_epi32(b[66 + u]), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), _mm256_set1_epi32(1)), 8));
+            memcpy(&neg, b + 74 + 4 * u, 4);
+            g = _mm256_i32gather_epi32((const int *)IQ3S_GRID, idx, 4);
+        } else {
+            neg = 0;
+            for (int k = 0; k < 4; k++) neg |= (uint32_t)xxs_signs(ti, b, u, k) << 8 * k;
+            g = _mm256_i32gather_epi32((const int *)IQ3XXS_GRID, idx, 4);
+        }
+    } else {                                  /* 4 indices of 8 values */
+        __m128i idx;
+        const long long *grid = (const long long *)(ti == I_IQ2_XXS ? IQ2XXS_GRID : ti == I_IQ2_XS ? IQ2XS_GRID : IQ1S_GRID);
+        switch (ti) {
+        case I_IQ2_XXS: {   /* sub-block u: 4 index bytes, then its u32 of codes and scale */
+            uint32_t iw;
+            memcpy(&iw, b + 2 + 8 * u, 4);
+            idx = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)iw));
+            neg = 0;
+            for (int k = 0; k < 4; k++) neg |= (uint32_t)xxs_signs(ti, b, u, k) << 8 * k;
+            break;
+        }
+        case I_IQ2_XS: {    /* a u16 per 8: 9-bit index, 7-bit code */
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * u));
+            idx = _mm_and_si128(_mm_cvtepu16_epi32(q), _mm_set1_epi32(511));
+            neg = (uint32_t)codes_neg((uint32_t)_mm_cvtsi128_si32(_mm_packus_epi16(_mm_srli_epi16(q, 9), _mm_setzero_si128())));
+            break;
+        }
+        case I_IQ1_S: {     /* 4 index bytes; 3 index bits each, the scale and the delta's sign in qh[u] */
+            const int qh = rd16(b + 34 + 2 * u);
+            uint32_t iw;
+            memcpy(&iw, b + 2 + 4 * u, 4);
+            idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)iw)), _mm_slli_epi32(_mm_and_si128(
+                _mm_srlv_epi32(_mm_set1_epi32(qh), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(7)), 8));
+            neg = qh & 0x8000 ? 0xFFFFFFFFu : 0;
+            break;
+        }
+        default: {          /* IQ1_M: group k: an index byte, a nibble of 3 index bits and the delta's sign */
+            const int nb = rd16(b + 32 + 2 * u);
+            uint32_t iw;
+            memcpy(&iw, b + 4 * u, 4);
+            idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)iw)), _mm_slli_epi32(_mm_and_si128(
+                _mm_srlv_epi32(_mm_set1_epi32(nb), _mm_setr_epi32(0, 4, 8, 12)), _mm_set1_epi32(7)), 8));
+            neg = 0;
+            for (int k = 0; k < 4; k++) neg |= (uint32_t)((nb >> (4 * k + 3)) & 1) * 0xFFu << 8 * k;
+            break;
+        }
+        }
+        g = _mm256_i32gather_epi64(grid, idx, 8);
+    }
+    /* the 32 sign bits -> a byte mask m (0 or -1 a byte) */
+    const __m256i bits = _mm256_set1_epi64x(0x8040201008040201ll);
+    const __m256i m = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)neg), _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)), bits), bits);
+    if (ti == I_IQ1_S || ti == I_IQ1_M)       /* 64 + 8 v, then + 1 or - 1 */
+        return _mm256_add_epi8(g, _mm256_add_epi8(_mm256_set1_epi8(1), _mm256_add_epi8(m, m)));
+    return _mm256_add_epi8(_mm256_set1_epi8(64), _mm256_sub_epi8(_mm256_xor_si256(g, m), m));   /* 64 +- g */
+}
+
 /* unit u (32 elements) of x-type super-block b as unsigned bytes (16-bit shifts: the masks drop what crosses
  * bytes) */
 HM_INLINE __m256i x_u32(const int ti, const uint8_t *b, const int u) {
     __m256i q;
-    if (X_GRID(ti)) {
-        uint8_t v[32] __attribute__((aligned(32)));
-        for (int e = 0; e < 32; e++) v[e] = (uint8_t)x_value(ti, b, 32 * u + e);
-        return _mm256_load_si256((const __m256i *)v);
-    }
+    if (X_GRID(ti)) return grid_u32(ti, b, u);
+    if (X_KT(ti)) return kt_u32(ti, b, u);
     if (X_PAIRS(ti)) {   /* sub-block u: 16 pairs */
         uint16_t pr[16] __attribute__((aligned(32)));
         for (int l = 0; l < 16; l++)
@@ -268,7 +378,8 @@ HM_INLINE void unpack32_avx2(const int ti, const uint8_t *b, const int u, const 
         return;
     }
     case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K:
-    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL: case I_IQ3_XXS:
+    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL: case I_IQ3_XXS: case I_IQ3_S: case I_IQ2_XXS:
+    case I_IQ2_XS: case I_IQ1_S: case I_IQ1_M: case I_IQ2_KT: case I_IQ3_KT: case I_IQ4_KT:
         bytes_to_ps(x_u32(ti, b, u), 0, w);
         for (int i = 0; i < 4; i++)
             w[i] = _mm256_fmsub_ps(w[i], _mm256_set1_ps(ks->s[2 * u + i / 2]), _mm256_set1_ps(ks->m[2 * u + i / 2]));
@@ -451,7 +562,8 @@ HM_INLINE void unpack32(const int ti, const uint8_t *b, const int u, const kscal
         return;
     }
     case I_IQ4_XS: case I_Q3_K: case I_Q2_K: case I_IQ4_KS: case I_IQ4_K: case I_IQ3_K: case I_IQ2_K:
-    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL: case I_IQ3_XXS: {
+    case I_IQ5_K: case I_IQ2_KS: case I_IQ2_KL: case I_IQ3_XXS: case I_IQ3_S: case I_IQ2_XXS:
+    case I_IQ2_XS: case I_IQ1_S: case I_IQ1_M: case I_IQ2_KT: case I_IQ3_KT: case I_IQ4_KT: {
         const __m256i q = x_u32(ti, b, u);
         *w0 = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q))),
                               _mm512_set1_ps(ks->s[2 * u]), _mm512_set1_ps(ks->m[2 * u]));

@@ -23,10 +23,10 @@
 /* One translation unit (so the compiler inlines across the pieces and every helper stays static), in pieces by
  * concern; each piece uses what the ones before it define. cpu.py compiles this file with the pieces expanded
  * in place (the build's cache key covers every piece); `gcc <flags> cpu_moe.c` works as well. */
-#include "cpu_types.h"        /* type table, x-type scheme, scalar helpers, scalar dequantizer */
+#include "cpu_types.h"        /* type table, x-type scheme, scalar helpers, scalar dequantizer (+ cpu_grids.h) */
 #include "cpu_fp32.h"         /* fp32 row x token kernels: portable, AVX2, AVX-512 */
 #include "cpu_act.h"          /* integer path: quantized activations, canonical products (reference) */
-#include "cpu_vnni.h"         /* integer-path kernels: AVX-512 VNNI, AVX-VNNI */
+#include "cpu_vnni.h"         /* integer-path kernels: AVX-512 VNNI, AVX-VNNI (+ cpu_vnni_x.h) */
 #include "cpu_moe_stream.h"   /* streaming MoE FFN, qmatmul */
 #include "cpu_tiles.h"        /* dequantize, bf16 tile products */
 #include "cpu_tiles_int8.h"   /* exact int8 tiles (AMX-INT8) */

@@ -39,15 +39,19 @@ enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
     T_IQ4_NL = 20, T_BF16 = 30, T_MXFP4 = 39, T_Q2_K = 10, T_Q3_K = 11, T_IQ4_XS = 23, T_IQ2_K = 137, T_IQ3_K = 138,
     T_IQ4_K = 139, T_IQ4_KS = 144, T_IQ5_K = 140, T_IQ2_KS = 145, T_IQ2_KL = 157, T_IQ3_XXS = 18,
+    T_IQ3_S = 21, T_IQ2_XXS = 16, T_IQ2_XS = 17, T_IQ1_S = 19, T_IQ1_M = 29, T_IQ2_KT = 153, T_IQ3_KT = 154,
+    T_IQ4_KT = 155,
 };
 
 /* dense type index used by the kernel tables */
 enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I_MXFP4, I_IQ4_XS, I_Q3_K, I_Q2_K,
-       I_IQ4_KS, I_IQ4_K, I_IQ3_K, I_IQ2_K, I_IQ5_K, I_IQ2_KS, I_IQ2_KL, I_IQ3_XXS, N_TYPES };
+       I_IQ4_KS, I_IQ4_K, I_IQ3_K, I_IQ2_K, I_IQ5_K, I_IQ2_KS, I_IQ2_KL, I_IQ3_XXS,
+       I_IQ3_S, I_IQ2_XXS, I_IQ2_XS, I_IQ1_S, I_IQ1_M, I_IQ2_KT, I_IQ3_KT, I_IQ4_KT, N_TYPES };
 /* M(type index) for every type: one case of a per-type switch each */
 #define EACH_TYPE(M) M(I_F32) M(I_F16) M(I_BF16) M(I_Q4_0) M(I_Q8_0) M(I_Q4_K) M(I_Q5_K) M(I_Q6_K) M(I_IQ4_NL) \
     M(I_MXFP4) M(I_IQ4_XS) M(I_Q3_K) M(I_Q2_K) M(I_IQ4_KS) M(I_IQ4_K) M(I_IQ3_K) M(I_IQ2_K) \
-    M(I_IQ5_K) M(I_IQ2_KS) M(I_IQ2_KL) M(I_IQ3_XXS)
+    M(I_IQ5_K) M(I_IQ2_KS) M(I_IQ2_KL) M(I_IQ3_XXS) M(I_IQ3_S) M(I_IQ2_XXS) M(I_IQ2_XS) M(I_IQ1_S) M(I_IQ1_M) \
+    M(I_IQ2_KT) M(I_IQ3_KT) M(I_IQ4_KT)
 
 /* The "x types" (IQ4_XS, Q3_K, Q2_K and ik_llama.cpp's IQ4_KS, IQ4_K, IQ3_K, IQ2_K, IQ5_K, IQ2_KS): 256-element
  * super-blocks whose weights are w = S_i (u - X_OFF) - M_i, u an unsigned byte, S_i and M_i (Q2_K only) per
@@ -60,58 +64,33 @@ enum { I_F32, I_F16, I_BF16, I_Q4_0, I_Q8_0, I_Q4_K, I_Q5_K, I_Q6_K, I_IQ4_NL, I
  * share. */
 #define IS_X(ti) ((ti) >= I_IQ4_XS)
 #define X_OFF_SH(ti) ((ti) == I_Q3_K ? 2 : (ti) == I_Q2_K ? 0 : (ti) == I_IQ3_K ? 6 : \
-                      ((ti) == I_IQ2_K || (ti) == I_IQ2_KS) ? 5 : ((ti) == I_IQ2_KL || (ti) == I_IQ3_XXS) ? 6 : 7)
+                      ((ti) == I_IQ2_K || (ti) == I_IQ2_KS) ? 5 : ((ti) == I_IQ2_KL || X_GRID(ti)) ? 6 : 7)
 #define X_OFF(ti) ((ti) == I_Q2_K ? 0 : 1 << X_OFF_SH(ti))
 #define X_MIN(ti) ((ti) == I_Q2_K)
-#define X_HDR(ti) ((ti) == I_IQ4_KS ? 4 : ((ti) == I_IQ2_KS || (ti) == I_IQ2_KL) ? 2 : 0)
+#define X_HDR(ti) (((ti) == I_IQ4_KS || X_KT(ti)) ? 4 : ((ti) == I_IQ2_KS || (ti) == I_IQ2_KL) ? 2 : 0)
 #define X_NIB(ti) ((ti) == I_IQ4_XS || (ti) == I_IQ4_KS || (ti) == I_IQ4_K)      /* q in nibbles, else crumbs */
 #define X_NIB64(ti) ((ti) == I_IQ5_K)          /* per 64: 32 bytes, low nibbles first, high nibbles next */
 #define X_QS(ti) (((ti) == I_IQ4_K || (ti) == I_IQ5_K) ? 16 : (ti) == I_Q3_K ? 32 : (ti) == I_Q2_K ? 16 : \
                   (ti) == I_IQ3_K ? 14 : (ti) == I_IQ2_K ? 12 : (ti) == I_IQ2_KS ? 6 : 8)   /* where q starts */
 #define X_QH(ti) ((ti) == I_Q3_K ? 0 : (ti) == I_IQ5_K ? 144 : 78)  /* Q3_K, IQ3_K, IQ5_K: the top bit's planes */
 #define X_3BIT(ti) ((ti) == I_Q3_K || (ti) == I_IQ3_K)
-#define X_TAB(ti) ((ti) != I_Q3_K && (ti) != I_Q2_K && (ti) != I_IQ2_KL && (ti) != I_IQ3_XXS)   /* u from XTAB */
-#define X_EXTRA(ti) ((ti) >= I_IQ4_KS && (ti) != I_IQ2_KL && (ti) != I_IQ3_XXS)             /* a table per sub-block */
-/* IQ3_XXS: a byte per 4 weights indexes a grid of magnitudes, 7-bit sign codes (the 8th sign: their parity) per 8 */
-#define X_GRID(ti) ((ti) == I_IQ3_XXS)
+#define X_TAB(ti) ((ti) != I_Q3_K && (ti) != I_Q2_K && !X_PAIRS(ti) && !X_GRID(ti) && !X_KT(ti))   /* u from XTAB */
+#define X_EXTRA(ti) ((ti) >= I_IQ4_KS && X_TAB(ti))                               /* a table per sub-block */
+/* The grid types (ggml's i-quants): an index per 4 or 8 weights picks their magnitudes from a grid (cpu_grids.h),
+ * signs per weight (IQ3_XXS, IQ2_XXS, IQ2_XS: 7-bit codes per 8, the 8th sign their parity; IQ3_S: sign bytes);
+ * u = 64 +- the magnitude. IQ1_S and IQ1_M: grid values v of -1, 0, 1 plus a delta of +-1/8 per 32 (IQ1_S) or per
+ * 8 (IQ1_M), u = 64 + 8 v +- 1 and S = the scale / 8 (exact), so S (u - 64) = dl (v +- 1/8) as ggml rounds it. */
+/* The trellis types (ik_llama.cpp's IQ2_KT, IQ3_KT, IQ4_KT; quant/ref_trellis.py): an index per 8 (IQ4_KT: 4)
+ * weights seeds a generator whose steps give the values v (-126..126; IQ3_KT: |v| and a sign bit per weight);
+ * u = 128 + v, S = the row's f32 scale times a per-32 code. */
+#define X_KT(ti) ((ti) == I_IQ2_KT || (ti) == I_IQ3_KT || (ti) == I_IQ4_KT)
+#define KT_KA 0xCBAC1FEDu
+#define X_GRID(ti) ((ti) == I_IQ3_XXS || (ti) == I_IQ3_S || (ti) == I_IQ2_XXS || (ti) == I_IQ2_XS || \
+                    (ti) == I_IQ1_S || (ti) == I_IQ1_M)
 /* IQ2_KL: a 5-bit index per pair of weights (nibbles of 16-byte runs, bit s of qh[l] on top) into 32 pairs of
  * values: u of both, + 64, as one u16 */
 #define X_PAIRS(ti) ((ti) == I_IQ2_KL)
-/* IQ3_XXS's grid (ggml's iq3xxs_grid): 4 magnitudes a byte */
-static const uint32_t IQ3XXS_GRID[256] __attribute__((aligned(64))) = {
-    0x04040404, 0x04040414, 0x04040424, 0x04040c0c, 0x04040c1c, 0x04040c3e, 0x04041404, 0x04041414,
-    0x04041c0c, 0x04042414, 0x04043e1c, 0x04043e2c, 0x040c040c, 0x040c041c, 0x040c0c04, 0x040c0c14,
-    0x040c140c, 0x040c142c, 0x040c1c04, 0x040c1c14, 0x040c240c, 0x040c2c24, 0x040c3e04, 0x04140404,
-    0x04140414, 0x04140424, 0x04140c0c, 0x04141404, 0x04141414, 0x04141c0c, 0x04141c1c, 0x04141c3e,
-    0x04142c0c, 0x04142c3e, 0x04143e2c, 0x041c040c, 0x041c043e, 0x041c0c04, 0x041c0c14, 0x041c142c,
-    0x041c3e04, 0x04240c1c, 0x04241c3e, 0x04242424, 0x04242c3e, 0x04243e1c, 0x04243e2c, 0x042c040c,
-    0x042c043e, 0x042c1c14, 0x042c2c14, 0x04341c2c, 0x04343424, 0x043e0c04, 0x043e0c24, 0x043e0c34,
-    0x043e241c, 0x043e340c, 0x0c04040c, 0x0c04041c, 0x0c040c04, 0x0c040c14, 0x0c04140c, 0x0c04141c,
-    0x0c041c04, 0x0c041c14, 0x0c041c24, 0x0c04243e, 0x0c042c04, 0x0c0c0404, 0x0c0c0414, 0x0c0c0c0c,
-    0x0c0c1404, 0x0c0c1414, 0x0c14040c, 0x0c14041c, 0x0c140c04, 0x0c140c14, 0x0c14140c, 0x0c141c04,
-    0x0c143e14, 0x0c1c0404, 0x0c1c0414, 0x0c1c1404, 0x0c1c1c0c, 0x0c1c2434, 0x0c1c3434, 0x0c24040c,
-    0x0c24042c, 0x0c242c04, 0x0c2c1404, 0x0c2c1424, 0x0c2c2434, 0x0c2c3e0c, 0x0c34042c, 0x0c3e1414,
-    0x0c3e2404, 0x14040404, 0x14040414, 0x14040c0c, 0x14040c1c, 0x14041404, 0x14041414, 0x14041434,
-    0x14041c0c, 0x14042414, 0x140c040c, 0x140c041c, 0x140c042c, 0x140c0c04, 0x140c0c14, 0x140c140c,
-    0x140c1c04, 0x140c341c, 0x140c343e, 0x140c3e04, 0x14140404, 0x14140414, 0x14140c0c, 0x14140c3e,
-    0x14141404, 0x14141414, 0x14141c3e, 0x14142404, 0x14142c2c, 0x141c040c, 0x141c0c04, 0x141c0c24,
-    0x141c3e04, 0x141c3e24, 0x14241c2c, 0x14242c1c, 0x142c041c, 0x142c143e, 0x142c240c, 0x142c3e24,
-    0x143e040c, 0x143e041c, 0x143e0c34, 0x143e242c, 0x1c04040c, 0x1c040c04, 0x1c040c14, 0x1c04140c,
-    0x1c04141c, 0x1c042c04, 0x1c04342c, 0x1c043e14, 0x1c0c0404, 0x1c0c0414, 0x1c0c1404, 0x1c0c1c0c,
-    0x1c0c2424, 0x1c0c2434, 0x1c14040c, 0x1c14041c, 0x1c140c04, 0x1c14142c, 0x1c142c14, 0x1c143e14,
-    0x1c1c0c0c, 0x1c1c1c1c, 0x1c241c04, 0x1c24243e, 0x1c243e14, 0x1c2c0404, 0x1c2c0434, 0x1c2c1414,
-    0x1c2c2c2c, 0x1c340c24, 0x1c341c34, 0x1c34341c, 0x1c3e1c1c, 0x1c3e3404, 0x24040424, 0x24040c3e,
-    0x24041c2c, 0x24041c3e, 0x24042c1c, 0x24042c3e, 0x240c3e24, 0x24141404, 0x24141c3e, 0x24142404,
-    0x24143404, 0x24143434, 0x241c043e, 0x241c242c, 0x24240424, 0x24242c0c, 0x24243424, 0x242c142c,
-    0x242c241c, 0x242c3e04, 0x243e042c, 0x243e0c04, 0x243e0c14, 0x243e1c04, 0x2c040c14, 0x2c04240c,
-    0x2c043e04, 0x2c0c0404, 0x2c0c0434, 0x2c0c1434, 0x2c0c2c2c, 0x2c140c24, 0x2c141c14, 0x2c143e14,
-    0x2c1c0414, 0x2c1c2c1c, 0x2c240c04, 0x2c24141c, 0x2c24143e, 0x2c243e14, 0x2c2c0414, 0x2c2c1c0c,
-    0x2c342c04, 0x2c3e1424, 0x2c3e2414, 0x34041424, 0x34042424, 0x34042434, 0x34043424, 0x340c140c,
-    0x340c340c, 0x34140c3e, 0x34143424, 0x341c1c04, 0x341c1c34, 0x34242424, 0x342c042c, 0x342c2c14,
-    0x34341c1c, 0x343e041c, 0x343e140c, 0x3e04041c, 0x3e04042c, 0x3e04043e, 0x3e040c04, 0x3e041c14,
-    0x3e042c14, 0x3e0c1434, 0x3e0c2404, 0x3e140c14, 0x3e14242c, 0x3e142c14, 0x3e1c0404, 0x3e1c0c2c,
-    0x3e1c1c1c, 0x3e1c3404, 0x3e24140c, 0x3e24240c, 0x3e2c0404, 0x3e2c0414, 0x3e2c1424, 0x3e341c04,
-};
+#include "cpu_grids.h"
 static const uint16_t KL_PAIRS[32] __attribute__((aligned(64))) = {
     0x2901, 0x4d01, 0x0118, 0x3618, 0x4d18, 0x6f18, 0x1829, 0x2929, 0x4129, 0x4d29, 0x5c29, 0x0136, 0x4136, 0x4d36,
     0x6f36, 0x2941, 0x3641, 0x4141, 0x4d41, 0x5c41, 0x184d, 0x294d, 0x364d, 0x414d, 0x4d4d, 0x015c, 0x295c, 0x415c,
@@ -136,7 +115,10 @@ static const tinfo TINFO[N_TYPES] = {
     [I_IQ4_XS] = {T_IQ4_XS, 256, 136}, [I_Q3_K] = {T_Q3_K, 256, 110}, [I_Q2_K] = {T_Q2_K, 256, 84},
     [I_IQ4_KS] = {T_IQ4_KS, 256, 136, 4}, [I_IQ4_K] = {T_IQ4_K, 256, 144}, [I_IQ3_K] = {T_IQ3_K, 256, 110},
     [I_IQ2_K] = {T_IQ2_K, 256, 76}, [I_IQ5_K] = {T_IQ5_K, 256, 176}, [I_IQ2_KS] = {T_IQ2_KS, 256, 70, 2},
-    [I_IQ2_KL] = {T_IQ2_KL, 256, 86, 2}, [I_IQ3_XXS] = {T_IQ3_XXS, 256, 98},
+    [I_IQ2_KL] = {T_IQ2_KL, 256, 86, 2}, [I_IQ3_XXS] = {T_IQ3_XXS, 256, 98}, [I_IQ3_S] = {T_IQ3_S, 256, 110},
+    [I_IQ2_XXS] = {T_IQ2_XXS, 256, 66}, [I_IQ2_XS] = {T_IQ2_XS, 256, 74}, [I_IQ1_S] = {T_IQ1_S, 256, 50},
+    [I_IQ1_M] = {T_IQ1_M, 256, 56}, [I_IQ2_KT] = {T_IQ2_KT, 256, 68, 4}, [I_IQ3_KT] = {T_IQ3_KT, 256, 100, 4},
+    [I_IQ4_KT] = {T_IQ4_KT, 256, 128, 4},
 };
 
 static int type_index(int id) {
@@ -212,6 +194,12 @@ static inline float x_rowscale(int ti, const uint8_t *row) {
     return d;
 }
 
+/* IQ1_M's fp16 super-block scale: the top nibbles of its four u16 scale words */
+static inline uint16_t iq1m_d(const uint8_t *b) {
+    return (uint16_t)((rd16(b + 48) >> 12) | ((rd16(b + 50) >> 8) & 0xF0) | ((rd16(b + 52) >> 4) & 0xF00) |
+                      (rd16(b + 54) & 0xF000));
+}
+
 /* the per-16 scales S and mins M (zero but for Q2_K) of x-type super-block b (rd: x_rowscale), as ggml
  * computes them */
 static inline void x_scales(int ti, const uint8_t *b, float rd, float *S, float *M) {
@@ -246,12 +234,26 @@ static inline void x_scales(int ti, const uint8_t *b, float rd, float *S, float 
             S[i] = rd * (float)(ls - 16);
             break;
         }
-        case I_IQ3_XXS: {
+        case I_IQ3_XXS: case I_IQ2_XXS: {   /* the top 4 bits of each sub-block's u32 */
             uint32_t aux;
-            memcpy(&aux, b + 66 + 4 * (i / 2), 4);
-            S[i] = d * ((float)(aux >> 28) + 0.5f) * 0.5f;
+            memcpy(&aux, b + (ti == I_IQ3_XXS ? 66 + 4 * (i / 2) : 6 + 8 * (i / 2)), 4);
+            S[i] = d * ((float)(aux >> 28) + 0.5f) * (ti == I_IQ3_XXS ? 0.5f : 0.25f);
             break;
         }
+        case I_IQ2_XS: S[i] = d * (0.5f + (float)((b[66 + i / 2] >> 4 * (i % 2)) & 0xF)) * 0.25f; break;
+        case I_IQ3_S: S[i] = d * (float)(1 + 2 * ((b[106 + i / 4] >> 4 * (i / 2 % 2)) & 0xF)); break;
+        case I_IQ1_S: S[i] = d * (float)(2 * ((rd16(b + 34 + 2 * (i / 2)) >> 12) & 7) + 1) * 0.125f; break;
+        case I_IQ2_KT: S[i] = rd * KV_IQ4NL[(b[i / 2 % 4] >> 4 * (i / 8)) & 0xF]; break;
+        case I_IQ3_KT: S[i] = rd * (float)((b[i / 2 % 4] >> 4 * (i / 8)) & 0xF); break;
+        case I_IQ4_KT: {
+            uint32_t shb;
+            memcpy(&shb, b + 4 * (i / 2), 4);
+            S[i] = rd * (float)((int)((shb & 0xFF) >> 1) - 64);
+            break;
+        }
+        case I_IQ1_M: S[i] = fp16_to_f32(iq1m_d(b)) * (float)(2 * ((rd16(b + 48 + 2 * (i / 4)) >> 3 * (i % 4)) & 7) + 1) *
+                             0.125f;
+            break;
         case I_IQ2_KL: {   /* nibble s/4 of byte s%4, bits 2s of the u16 at b */
             const int s = i / 2, ls = ((b[2 + s % 4] >> 4 * (s / 4)) & 0xF) | ((rd16(b) >> 2 * s) & 3) << 4;
             S[i] = rd * (float)(ls - 32);
@@ -288,19 +290,83 @@ static inline int x_q(int ti, const uint8_t *b, int e) {
     return X_3BIT(ti) ? v | ((b[X_QH(ti) + l] >> (4 * n + j)) & 1) << 2 : v;
 }
 
-/* the 8 sign bits of IQ3_XXS's code k (0..3) of sub-block s: the code, its parity on top */
-static inline int xxs_signs(const uint8_t *b, int s, int k) {
+/* a 7-bit sign code as its 8 sign bits: the code, its parity on top */
+static inline int code_signs(int c) { return c | (__builtin_popcount(c) & 1) << 7; }
+
+/* the 8 sign bits of IQ3_XXS's / IQ2_XXS's code k (0..3) of sub-block s */
+static inline int xxs_signs(int ti, const uint8_t *b, int s, int k) {
     uint32_t aux;
-    memcpy(&aux, b + 66 + 4 * s, 4);
-    const int c = (aux >> 7 * k) & 127;
-    return c | (__builtin_popcount(c) & 1) << 7;
+    memcpy(&aux, b + (ti == I_IQ3_XXS ? 66 + 4 * s : 6 + 8 * s), 4);
+    return code_signs((aux >> 7 * k) & 127);
+}
+
+/* 8 sign codes, 7 bits in each byte of `codes` -> the 64 sign bits: each code, its parity on top (SWAR) */
+static inline uint64_t codes_neg(uint64_t codes) {
+    uint64_t p = codes ^ (codes >> 4);
+    p ^= p >> 2;
+    p ^= p >> 1;
+    return codes | (p & 0x0101010101010101ull) << 7;
+}
+
+/* element e (0..255) of grid-type super-block b as u */
+static inline int grid_value(int ti, const uint8_t *b, int e) {
+    const int k = e / 8, l = e % 8;                     /* its group of 8, its place there */
+    int g, sg;                                          /* the magnitude, its sign bits */
+    switch (ti) {
+    case I_IQ3_XXS:
+        g = (IQ3XXS_GRID[b[2 + e / 4]] >> 8 * (e % 4)) & 0xFF;
+        sg = xxs_signs(ti, b, e / 32, k % 4);
+        break;
+    case I_IQ3_S:
+        g = (IQ3S_GRID[b[2 + e / 4] | ((b[66 + e / 32] >> (e / 4 % 8)) & 1) << 8] >> 8 * (e % 4)) & 0xFF;
+        sg = b[74 + k];
+        break;
+    case I_IQ2_XXS:
+        g = (IQ2XXS_GRID[b[2 + 8 * (e / 32) + k % 4]] >> 8 * l) & 0xFF;
+        sg = xxs_signs(ti, b, e / 32, k % 4);
+        break;
+    case I_IQ2_XS:
+        g = (IQ2XS_GRID[rd16(b + 2 + 2 * k) & 511] >> 8 * l) & 0xFF;
+        sg = code_signs(rd16(b + 2 + 2 * k) >> 9);
+        break;
+    case I_IQ1_S: {                                     /* 64 + 8 v, then the sub-block's delta */
+        const int qh = rd16(b + 34 + 2 * (e / 32));
+        const int u = (IQ1S_GRID[b[2 + k] | ((qh >> 3 * (k % 4)) & 7) << 8] >> 8 * l) & 0xFF;
+        return qh & 0x8000 ? u - 1 : u + 1;
+    }
+    default: {                                          /* IQ1_M: a nibble per group, 3 index bits and the delta's sign */
+        const int nib = (b[32 + k / 2] >> 4 * (k % 2)) & 0xF;
+        const int u = (IQ1S_GRID[b[k] | (nib & 7) << 8] >> 8 * l) & 0xFF;
+        return nib & 8 ? u - 1 : u + 1;
+    }
+    }
+    return sg >> l & 1 ? 64 - g : 64 + g;
+}
+
+/* the trellis' value (-126..126) after n (1..8) steps from x (index + offset) */
+static inline int kt_value(uint32_t x, int n) {
+    for (int i = 0; i < n; i++) x *= KT_KA;
+    x &= 0x3F3F3F3Fu;
+    return (int)((x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)) - 126;
+}
+
+/* element e (0..255) of trellis-type super-block b as u */
+static inline int kt_u(int ti, const uint8_t *b, int e) {
+    if (ti == I_IQ4_KT) {   /* group j of 4: 8 index bits, 4 from a nibble of qh, 3 from its 32-block's u32 */
+        uint32_t shb;
+        memcpy(&shb, b + 4 * (e / 32), 4);
+        const int j = e / 4;
+        const uint32_t idx = b[32 + j] | ((b[96 + j % 32] >> 4 * (j / 32)) & 0xFu) << 8 | ((shb >> (8 + 3 * (j % 8))) & 7u) << 12;
+        return 128 + kt_value(4096 + 32768 * (shb & 1) + idx, e % 4 + 1);
+    }
+    const int v = kt_value(4096u + rd16(b + 4 + 2 * (e / 8)), e % 8 + 1);   /* a u16 index per 8 */
+    if (ti == I_IQ2_KT) return 128 + v;
+    return (b[68 + e % 32] >> (e / 32)) & 1 ? 128 - abs(v) : 128 + abs(v);   /* IQ3_KT: |v|, sign bits */
 }
 
 static inline int x_value(int ti, const uint8_t *b, int e) {
-    if (X_GRID(ti)) {
-        const int g = (IQ3XXS_GRID[b[2 + e / 4]] >> 8 * (e % 4)) & 0xFF;
-        return xxs_signs(b, e / 32, e % 32 / 8) >> (e % 8) & 1 ? 64 - g : 64 + g;
-    }
+    if (X_GRID(ti)) return grid_value(ti, b, e);
+    if (X_KT(ti)) return kt_u(ti, b, e);
     if (X_PAIRS(ti)) {
         const int s = e / 32, l = e % 32 / 2;
         const int idx = ((b[6 + 16 * (s / 2) + l] >> 4 * (s % 2)) & 0xF) | ((b[70 + l] >> s) & 1) << 4;

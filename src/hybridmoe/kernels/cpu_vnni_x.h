@@ -1,0 +1,377 @@
+/* The x types on AVX-512: x_u64 (64 weights of a super-block as u: nibbles, crumbs, bit planes, tables, grids,
+ * trellis values) and x_scales16 (its 16 scales in vectors), for the integer path and the int8 tiles.
+ * Part of the one translation unit cpu_moe.c: included by cpu_vnni.h (inside its HM_VNNI block), never compiled
+ * alone. */
+
+/* x_extra16 in a few vector ops */
+HM_INLINE int x_extra16v(const int ti, const uint8_t *b) {
+    if (ti != I_IQ4_KS && ti != I_IQ2_KS) return X_EXTRA(ti) ? rd16(b + 2) : 0;
+    /* per 32 (IQ4_KS: bit 0 of the 8 scale bytes; IQ2_KS: the low byte at b), each twice for the sub-blocks of 16 */
+    const unsigned m = ti == I_IQ2_KS ? b[0] :
+        (unsigned)_mm_movemask_epi8(_mm_slli_epi16(_mm_loadl_epi64((const __m128i *)b), 7)) & 0xFF;
+#if defined(__BMI2__)
+    return (int)(_pdep_u32(m, 0x5555u) * 3);
+#else
+    int r = 0;
+    for (int k = 0; k < 8; k++) r |= (int)((m >> k) & 1) * 3 << 2 * k;
+    return r;
+#endif
+}
+
+/* 4 bits -> a byte mask of the 128-bit lanes they stand for */
+HM_INLINE __mmask64 lanes_mask(unsigned b4) {
+    return (((uint64_t)(b4 & 1) | (uint64_t)(b4 & 2) << 15 | (uint64_t)(b4 & 4) << 30 | (uint64_t)(b4 & 8) << 45) *
+            0xFFFFu);
+}
+
+/* IQ3_XXS's / IQ2_XXS's 8 sign codes of sub-blocks 2c, 2c + 1 (four 7-bit codes in the low 28 bits of each
+ * sub-block's u32 at a0, a1) -> the 64 sign bits */
+HM_INLINE uint64_t xxs_neg(const int ti, const uint8_t *b, const int c, const uint8_t *a0, const uint8_t *a1) {
+#if defined(__BMI2__)
+    uint32_t w0, w1;
+    memcpy(&w0, a0, 4);
+    memcpy(&w1, a1, 4);
+    (void)ti; (void)b; (void)c;
+    return codes_neg(_pdep_u64(w0, 0x7F7F7F7Full) | _pdep_u64(w1, 0x7F7F7F7Full) << 32);
+#else
+    uint64_t neg = 0;
+    (void)a0; (void)a1;
+    for (int k = 0; k < 8; k++) neg |= (uint64_t)xxs_signs(ti, b, 2 * c + k / 4, k % 4) << 8 * k;
+    return neg;
+#endif
+}
+
+/* one bit per 8 bytes (bit k: bytes 8k..8k+7) -> a byte mask */
+HM_INLINE uint64_t groups_mask(unsigned bits8) {
+#if defined(__BMI2__)
+    return _pdep_u64(bits8, 0x0101010101010101ull) * 0xFF;
+#else
+    uint64_t m = 0;
+    for (int k = 0; k < 8; k++) m |= (uint64_t)((bits8 >> k) & 1) * 0xFF << 8 * k;
+    return m;
+#endif
+}
+
+/* chunk c (elements 64c..64c+63) of grid-type super-block b as u (x_value), in element order */
+HM_INLINE __m512i grid_u64(const int ti, const uint8_t *b, const int c) {
+    const __m512i o = _mm512_set1_epi8(64);
+    if (ti == I_IQ3_XXS || ti == I_IQ3_S) {   /* 16 indices of 4 magnitudes: vpgatherdd */
+        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
+        uint64_t neg;
+        if (ti == I_IQ3_S) {   /* the 9th index bits: bit k of the u16 at 66 + 2c; plain sign bytes */
+            idx = _mm512_mask_or_epi32(idx, (__mmask16)rd16(b + 66 + 2 * c), idx, _mm512_set1_epi32(256));
+            memcpy(&neg, b + 74 + 8 * c, 8);
+        } else {
+            neg = xxs_neg(ti, b, c, b + 66 + 8 * c, b + 70 + 8 * c);
+        }
+        const __m512i g = _mm512_i32gather_epi32(idx, (const void *)(ti == I_IQ3_S ? IQ3S_GRID : IQ3XXS_GRID), 4);
+        return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
+    }
+    /* 8 indices of 8 values: vpgatherqq */
+    __m256i idx;
+    uint64_t neg;
+    switch (ti) {
+    case I_IQ2_XXS: {   /* sub-block s: 4 index bytes, then its u32 of codes and scale */
+        uint32_t i0, i1;
+        memcpy(&i0, b + 2 + 16 * c, 4);
+        memcpy(&i1, b + 10 + 16 * c, 4);
+        idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)i1 << 32 | i0)));
+        neg = xxs_neg(ti, b, c, b + 6 + 16 * c, b + 14 + 16 * c);
+        break;
+    }
+    case I_IQ2_XS: {    /* a u16 per 8: 9-bit index, 7-bit code */
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * c));
+        idx = _mm256_and_si256(_mm256_cvtepu16_epi32(q), _mm256_set1_epi32(511));
+        neg = codes_neg((uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(_mm_srli_epi16(q, 9), _mm_setzero_si128())));
+        break;
+    }
+    case I_IQ1_S: {     /* sub-block s: 4 index bytes; 3 index bits each, the scale and the delta's sign in qh[s] */
+        uint32_t h;                                   /* qh[2c] | qh[2c + 1] << 16 */
+        memcpy(&h, b + 34 + 4 * c, 4);
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)h),
+                                                              _mm256_setr_epi32(0, 3, 6, 9, 16, 19, 22, 25)),
+                                            _mm256_set1_epi32(7));
+        idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * c))),
+                              _mm256_slli_epi32(hi, 8));
+        neg = (uint64_t)(0u - ((h >> 15) & 1)) | (uint64_t)(0u - (h >> 31)) << 32;
+        break;
+    }
+    default: {          /* IQ1_M: group k: an index byte, a nibble of 3 index bits and the delta's sign */
+        uint32_t nb;
+        memcpy(&nb, b + 32 + 4 * c, 4);
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)nb),
+                                                              _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                            _mm256_set1_epi32(7));
+        idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * c))),
+                              _mm256_slli_epi32(hi, 8));
+#if defined(__BMI2__)
+        neg = groups_mask(_pext_u32(nb, 0x88888888u));
+#else
+        unsigned s8 = 0;
+        for (int k = 0; k < 8; k++) s8 |= ((nb >> (4 * k + 3)) & 1) << k;
+        neg = groups_mask(s8);
+#endif
+        break;
+    }
+    }
+    if (ti == I_IQ1_S || ti == I_IQ1_M) {   /* 64 + 8 v, then + 1 or - 1 */
+        const __m512i g = _mm512_i32gather_epi64(idx, (const void *)IQ1S_GRID, 8), one = _mm512_set1_epi8(1);
+        return _mm512_mask_sub_epi8(_mm512_add_epi8(g, one), (__mmask64)neg, g, one);
+    }
+    const __m512i g = _mm512_i32gather_epi64(idx, (const void *)(ti == I_IQ2_XS ? IQ2XS_GRID : IQ2XXS_GRID), 8);
+    return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
+}
+
+/* 16 lanes of trellis seeds (index + offset) -> the generator's 4-byte sums after steps p[lane] (vpmulld by the
+ * step's power of KT_KA, vpdpbusd by ones): 0..252, v = sum - 126 */
+HM_INLINE __m512i kt_sums(__m512i x, __m512i p) {
+    const __m512i s = _mm512_and_si512(_mm512_mullo_epi32(x, p), _mm512_set1_epi32(0x3F3F3F3F));
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), s, _mm512_set1_epi8(1));
+}
+
+/* chunk c (elements 64c..64c+63) of trellis-type super-block b as u (x_value), in element order */
+HM_INLINE __m512i kt_u64(const int ti, const uint8_t *b, const int c) {
+    __m512i s[4];
+    if (ti == I_IQ4_KT) {   /* 16 groups of 4: blocks 2c, 2c + 1 */
+        uint32_t h0, h1;
+        memcpy(&h0, b + 8 * c, 4);
+        memcpy(&h1, b + 8 * c + 4, 4);
+        const __m512i sh = _mm512_setr_epi32(h0, h0, h0, h0, h0, h0, h0, h0, h1, h1, h1, h1, h1, h1, h1, h1);
+        const __m512i top = _mm512_and_si512(_mm512_srlv_epi32(sh, _mm512_setr_epi32(8, 11, 14, 17, 20, 23, 26, 29, 8, 11,
+                                                                                     14, 17, 20, 23, 26, 29)),
+                                             _mm512_set1_epi32(7));
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+            (const __m128i *)(b + 96 + 16 * (c & 1)))), 4 * (c >> 1)), _mm512_set1_epi32(0xF));
+        __m512i x = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * c))),
+                                    _mm512_or_si512(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(top, 12)));
+        x = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(4096),
+                                                 _mm512_slli_epi32(_mm512_and_si512(sh, _mm512_set1_epi32(1)), 15)));
+        const __m512i p = _mm512_setr_epi32(KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
+                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
+                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
+                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++)
+            s[q] = kt_sums(_mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2,
+                                                                                       3, 3, 3, 3),
+                                                                     _mm512_set1_epi32(4 * q)), x), p);
+    } else {                /* 8 groups of 8: a u16 index each */
+        const __m512i x = _mm512_add_epi32(_mm512_castsi256_si512(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+            (const __m128i *)(b + 4 + 16 * c)))), _mm512_set1_epi32(4096));
+        const uint32_t k1 = KT_KA, k2 = k1 * KT_KA, k3 = k2 * KT_KA, k4 = k3 * KT_KA, k5 = k4 * KT_KA, k6 = k5 * KT_KA,
+                       k7 = k6 * KT_KA, k8 = k7 * KT_KA;
+        const __m512i p = _mm512_setr_epi32(k1, k2, k3, k4, k5, k6, k7, k8, k1, k2, k3, k4, k5, k6, k7, k8);
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++)
+            s[q] = kt_sums(_mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,
+                                                                                       1, 1, 1, 1),
+                                                                     _mm512_set1_epi32(2 * q)), x), p);
+    }
+    /* the sums as bytes, in element order: the packs leave s[q]'s lane L at dword 4L + q */
+    const __m512i v = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                                               _mm512_packus_epi16(_mm512_packus_epi32(s[0], s[1]),
+                                                                   _mm512_packus_epi32(s[2], s[3])));
+    if (ti != I_IQ3_KT) return _mm512_add_epi8(v, _mm512_set1_epi8(2));      /* 128 + v = sum + 2 */
+    /* IQ3_KT: 128 +- |v|; the sign of element l of 32-block j is bit j of qh[l] */
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 68));
+    const uint64_t neg = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 7 - 2 * c)) |
+                         (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 6 - 2 * c)) << 32;
+    const __m512i a = _mm512_abs_epi8(_mm512_sub_epi8(v, _mm512_set1_epi8(126))), o = _mm512_set1_epi8((char)128);
+    return _mm512_mask_sub_epi8(_mm512_add_epi8(o, a), (__mmask64)neg, o, a);
+}
+
+/* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order (ex: x_extra16) */
+HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int ex) {
+    __m512i q;
+    if (X_GRID(ti)) return grid_u64(ti, b, c);
+    if (X_KT(ti)) return kt_u64(ti, b, c);
+    if (X_PAIRS(ti)) {   /* sub-blocks 2c, 2c + 1: 32 pair indices -> 32 u16 of two u each (vpermw) */
+        const __m128i m4 = _mm_set1_epi8(0x0F), b4 = _mm_set1_epi8(0x10);
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6 + 16 * c));
+        const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 70));
+        const __m128i i0 = _mm_or_si128(_mm_and_si128(qs, m4), _mm_and_si128(_mm_slli_epi16(_mm_srli_epi16(qh, 2 * c), 4), b4));
+        const __m128i i1 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), m4),
+                                        _mm_and_si128(_mm_slli_epi16(_mm_srli_epi16(qh, 2 * c + 1), 4), b4));
+        const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(i1, i0));
+        return _mm512_permutexvar_epi16(idx, _mm512_load_si512((const void *)KL_PAIRS));
+    }
+    if (X_NIB64(ti)) {   /* [qs, qs] -> [low nibbles, high nibbles], bits 2c, 2c + 1 of qh -> bit 4 */
+        const __m512i mqk = _mm512_set_epi64(GF_HI, GF_HI, GF_HI, GF_HI, GF_LO, GF_LO, GF_LO, GF_LO);
+        const __m512i mh = _mm512_set_epi64(GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1), GF_BIT(2 * c + 1),
+                                            GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c), GF_BIT(2 * c));
+        q = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QS(ti) + 32 * c))), mqk, 0);
+        q = _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QH(ti)))), mh, 0));
+        /* 32-entry tables, two per extra bit: four vpshufb, merged by bit 4 and the lanes' extra bits */
+        const __mmask64 h = _mm512_test_epi8_mask(q, _mm512_set1_epi8(0x10)), e = lanes_mask((unsigned)(ex >> 4 * c) & 0xF);
+#define XT(k, o) _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(XTAB[ti][k] + (o))))
+        __m512i u = _mm512_shuffle_epi8(XT(0, 0), q);
+        u = _mm512_mask_shuffle_epi8(u, h & ~e, XT(0, 16), q);
+        u = _mm512_mask_shuffle_epi8(u, ~h & e, XT(1, 0), q);
+        return _mm512_mask_shuffle_epi8(u, h & e, XT(1, 16), q);
+#undef XT
+    }
+    if (X_NIB(ti)) {   /* 32-blocks 2c, 2c + 1: [qs0, qs0, qs1, qs1] -> nibbles [lo0, hi0, lo1, hi1] */
+        const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
+        q = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 32 * c)));
+        q = _mm512_mask_broadcast_i32x4(q, 0xFF00, _mm_loadu_si128((const __m128i *)(b + X_QS(ti) + 16 + 32 * c)));
+        q = _mm512_gf2p8affine_epi64_epi8(q, mq40, 0);
+    } else {
+        /* units 2(c&1), 2(c&1) + 1 of half c/2: the same 32 bytes of 2-bit fields, bit pairs j0, j0 + 1 */
+        const int n = c >> 1, j0 = 2 * (c & 1);
+        const __m512i m2 = _mm512_set_epi64(GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0 + 2),
+            GF_2LOW(2 * j0 + 2), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0), GF_2LOW(2 * j0));
+        q = _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
+            (const __m256i *)(b + X_QS(ti) + 32 * n))), m2, 0);
+        if (X_3BIT(ti)) {
+            const int k = 4 * n + j0;   /* qh bits k, k + 1 -> bit 2 */
+            const __m512i mh = _mm512_set_epi64(GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1), GF_TO2(k + 1),
+                                                GF_TO2(k), GF_TO2(k), GF_TO2(k), GF_TO2(k));
+            q = _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(
+                _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + X_QH(ti)))), mh, 0));
+        }
+    }
+    if (!X_TAB(ti)) return q;
+    const __m512i u = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)XTAB[ti][0])), q);
+    if (!X_EXTRA(ti)) return u;
+    return _mm512_mask_shuffle_epi8(u, lanes_mask((unsigned)(ex >> 4 * c) & 0xF),
+                                    _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)XTAB[ti][1])), q);
+}
+
+/* 8 bytes of nibbles -> the 16 nibbles in order (low, high of byte 0, ...) as int32 */
+HM_INLINE __m512i nibbles16(const uint8_t *p) {
+    const __m128i x = _mm_loadl_epi64((const __m128i *)p), m4 = _mm_set1_epi8(0x0F);
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+}
+
+/* x_scales of super-block b in vectors: S (and M, Q2_K's mins) of the 16 sub-blocks, the same floats */
+HM_INLINE void x_scales16(const int ti, const uint8_t *b, const float rd, __m512 *S, __m512 *M) {
+    *M = _mm512_setzero_ps();
+    switch (ti) {
+    case I_Q2_K: {
+        const __m128i v = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(0x0F);
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b + 80)), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, m4))));
+        *M = _mm512_mul_ps(_mm512_set1_ps(F16(b + 82)),
+                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), m4))));
+        return;
+    }
+    case I_Q3_K: {
+        /* low 4 bits: s[i] & 15 (i < 8), s[i - 8] >> 4; bits 4-5: bits 2(i/4) of s[8 + i%4] */
+        const __m128i x = _mm_loadl_epi64((const __m128i *)(b + 96)), m4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4));
+        uint32_t hw;
+        memcpy(&hw, b + 104, 4);
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)hw), _mm_setr_epi32(0, 2, 4, 6)),
+                                         _mm_set1_epi8(3));
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b + 108)), _mm512_cvtepi32_ps(_mm512_sub_epi32(sc, _mm512_set1_epi32(32))));
+        return;
+    }
+    case I_IQ4_K: case I_IQ5_K: {   /* bits 4-5: bits 2(i%4) of sh[i/4] */
+        uint32_t hw;
+        memcpy(&hw, b + 4, 4);
+        const __m512i sh = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)hw),
+                                                                 _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)));
+        const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(sh, _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
+                                                                                      0, 2, 4, 6)), _mm512_set1_epi32(3));
+        const __m512i ls = _mm512_or_si512(nibbles16(b + 8), _mm512_slli_epi32(hi, 4));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+        return;
+    }
+    case I_IQ3_K: {   /* (2 ls + 1), negated where bit i of the u16 at b + 4 is set */
+        const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(nibbles16(b + 6), 1), _mm512_set1_epi32(1));
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(
+            _mm512_mask_sub_epi32(v, (__mmask16)rd16(b + 4), _mm512_setzero_si512(), v)));
+        return;
+    }
+    case I_IQ2_K:
+        *S = _mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_cvtepi32_ps(_mm512_sub_epi32(nibbles16(b + 4), _mm512_set1_epi32(8))));
+        return;
+    case I_IQ2_XS:   /* d (s + 0.5) 0.25, s the nibbles at b + 66 */
+        *S = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(F16(b)), _mm512_add_ps(_mm512_cvtepi32_ps(nibbles16(b + 66)),
+                                                                               _mm512_set1_ps(0.5f))),
+                           _mm512_set1_ps(0.25f));
+        return;
+    case I_IQ1_M: {  /* d (2 f + 1) / 8, f bits 3(i%4) of the u16 i/4 at b + 48 */
+        const __m512i sc = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+            _mm512_castsi128_si512(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(b + 48)))));
+        const __m512i f = _mm512_and_si512(_mm512_srlv_epi32(sc, _mm512_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9, 0, 3, 6, 9,
+                                                                                    0, 3, 6, 9)), _mm512_set1_epi32(7));
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(f, 1), _mm512_set1_epi32(1)));
+        *S = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(g_f16[iq1m_d(b)]), v), _mm512_set1_ps(0.125f));
+        return;
+    }
+    }
+    /* IQ4_XS, IQ4_KS, IQ2_KS, IQ2_KL, IQ3_XXS, IQ2_XXS, IQ3_S, IQ1_S, the KT types: 8 scales of 32, each twice */
+    __m256 s8;
+    if (ti == I_IQ2_KT || ti == I_IQ3_KT) {   /* the row scale times a code from a nibble: low ones first */
+        uint32_t lw;
+        memcpy(&lw, b, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m512i nib = _mm512_castsi256_si512(_mm256_cvtepu8_epi32(_mm_unpacklo_epi32(_mm_and_si128(x, m4),
+                                                                                          _mm_and_si128(_mm_srli_epi16(x, 4), m4))));
+        const __m512 code = ti == I_IQ2_KT ? _mm512_permutexvar_ps(nib, _mm512_loadu_ps(KV_IQ4NL)) : _mm512_cvtepi32_ps(nib);
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm512_castps512_ps256(code));
+    } else if (ti == I_IQ4_KT) {   /* the row scale times (bits 1-7 of each 32-block's u32) - 64 */
+        const __m256i sh = _mm256_loadu_si256((const __m256i *)b);
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(
+            _mm256_and_si256(sh, _mm256_set1_epi32(0xFF)), 1), _mm256_set1_epi32(64))));
+    } else if (ti == I_IQ3_XXS || ti == I_IQ2_XXS) {   /* d (ls + 0.5) 0.5 (0.25), ls the top 4 bits of each sub-block's u32 */
+        const __m256i ls = ti == I_IQ3_XXS ? _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + 66)), 28) :
+            _mm512_castsi512_si256(_mm512_permutexvar_epi32(_mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11,
+                                                                              13, 15),
+                                                            _mm512_srli_epi32(_mm512_loadu_si512((const void *)(b + 2)), 28)));
+        s8 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_add_ps(_mm256_cvtepi32_ps(ls), _mm256_set1_ps(0.5f))),
+                           _mm256_set1_ps(ti == I_IQ3_XXS ? 0.5f : 0.25f));
+    } else if (ti == I_IQ3_S) {   /* d (1 + 2 s), s the nibbles at b + 106 */
+        uint32_t lw;
+        memcpy(&lw, b + 106, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m256i s = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(s, 1),
+                                                                                       _mm256_set1_epi32(1))));
+    } else if (ti == I_IQ1_S) {   /* d (2 f + 1) / 8, f bits 12-14 of each sub-block's u16 at b + 34 */
+        const __m256i f = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 34))),
+                                                             12), _mm256_set1_epi32(7));
+        s8 = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(f, 1),
+                                                                                                     _mm256_set1_epi32(1)))),
+                           _mm256_set1_ps(0.125f));
+    } else if (ti == I_IQ2_KL) {   /* nibble s/4 of byte 2 + s%4, bits 4-5 from bits 2s of the u16 at b */
+        uint32_t lw;
+        memcpy(&lw, b + 2, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(rd16(b)),
+                                                              _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                            _mm256_set1_epi32(3));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(
+            _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32))));
+    } else if (ti == I_IQ2_KS) {   /* nibbles at b + 2, bit 4 from bits 8-15 of the u16 at b */
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(rd16(b)),
+                                                              _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)),
+                                            _mm256_set1_epi32(1));
+        uint32_t lw;
+        memcpy(&lw, b + 2, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(16));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(ls));
+    } else if (ti == I_IQ4_KS) {
+        const __m256i ls = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_loadl_epi64((const __m128i *)b),
+                                                                               _mm_set1_epi8((char)254))),
+                                            _mm256_set1_epi32(127));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(rd), _mm256_cvtepi32_ps(ls));
+    } else {   /* IQ4_XS: low 4 bits from the nibbles at b + 4, bits 4-5 from the u16 at b + 2 */
+        uint32_t lw;
+        memcpy(&lw, b + 4, 4);
+        const __m128i x = _mm_cvtsi32_si128((int)lw), m4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)));
+        const __m128i hi = _mm_and_si128(_mm_srlv_epi16(_mm_set1_epi16((short)rd16(b + 2)),
+                                                        _mm_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14)), _mm_set1_epi16(3));
+        const __m256i ls = _mm256_sub_epi32(_mm256_cvtepu16_epi32(_mm_or_si128(lo, _mm_slli_epi16(hi, 4))),
+                                            _mm256_set1_epi32(32));
+        s8 = _mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(ls));
+    }
+    *S = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(s8));
+}
