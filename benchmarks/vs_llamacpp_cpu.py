@@ -65,7 +65,7 @@ def run_ts(cmd: list[str], env: dict) -> tuple[float, float]:
     """Mean t/s of one bench run (llama-bench's and hybridmoe's json both give avg_ts), and the CPU seconds
     it used (user + system, all its threads)."""
     c0 = _children_cpu()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
     return float(json.loads(r.stdout)[0]["avg_ts"]), _children_cpu() - c0
@@ -88,7 +88,8 @@ def has_kernel(src: str, qtype: str) -> bool:
     """Whether the hybridmoe tree at `src` has C kernels for `qtype` (else its slow path runs it)."""
     code = ("import sys; from hybridmoe.kernels.cpu import kernel_type; from hybridmoe.quant.types import GGMLType;"
             f" sys.exit(0 if kernel_type(GGMLType['{qtype}']) is not None else 3)")
-    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=src)).returncode == 0
+    env = dict(os.environ, PYTHONPATH=src)
+    return subprocess.run([sys.executable, "-c", code], check=False, env=env).returncode == 0
 
 
 def llama_libs(specs: list[str], paths: list[str]) -> dict:
@@ -193,8 +194,9 @@ def main() -> int:
                     e["HYBRIDMOE_KERNEL_CFLAGS"] = fl
                 tools.append((name, [sys.executable, "-m", "hybridmoe", "bench", "-ngl", "0", *common,
                                      "--no-progress"], e))
-            jobs.append(dict(type=t, path=p, model=f, bytes_per_token=bytes_per_token(f), tools=tools,
-                             n=n, notes=notes, slow=bool(slow), rounds=[], cpu_ms={nm: [] for nm in names}, load=[]))
+            jobs.append({"type": t, "path": p, "model": f, "bytes_per_token": bytes_per_token(f), "tools": tools,
+                         "n": n, "notes": notes, "slow": bool(slow), "rounds": [],
+                         "cpu_ms": {nm: [] for nm in names}, "load": []})
     print(f"-t {args.threads}; types {','.join(files)}; paths {','.join(paths)}; llama.cpp libraries "
           + ", ".join(f"{p} {d or 'native build'}" for p, d in libs.items()), flush=True)
     for rnd in range(args.rounds):
@@ -219,8 +221,8 @@ def main() -> int:
     print(table(jobs, names, cpu))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(threads=args.threads, n=args.n, reps=args.reps,
-                           runs=[{k: v for k, v in j.items() if k != "tools"} for j in jobs]), f, indent=1)
+            json.dump({"threads": args.threads, "n": args.n, "reps": args.reps,
+                       "runs": [{k: v for k, v in j.items() if k != "tools"} for j in jobs]}, f, indent=1)
     return 0
 
 
