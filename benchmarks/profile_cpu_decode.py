@@ -9,14 +9,14 @@ products per kind (q/k/v, output, router, the head) through the same kernels, an
 random a layer), each with its bytes, GB/s and share of the RAM read rate measured now. Wall time and the
 process's CPU time are both given: on a loaded machine, CPU time / wall shows how much the threads ran.
 
-    python benchmarks/profile_cpu_decode.py [-m FILE] [-t 2] [-n 64] [--reps 20] [--against SRC [--rounds 40]]
+    python benchmarks/profile_cpu_decode.py [-m FILE | --type Q4_0] [-t 2] [-n 64] [--reps 20] [--against SRC [--rounds 40]]
 
 --against SRC: instead, an A/B of the C step in one process: this tree's kernel library and the one built from
 another source tree (e.g. the commit before a change, `git archive BASE src | tar -x -C /tmp/base`), both
 called on the same model structs and cache, alternating every -n tokens for --rounds rounds; the median
 ratio of their times is robust to load that changes over seconds (both see it), unlike separate runs.
 
-Default file: the 4-layer Qwen3-30B-A3B slice of benchmarks/vs_llamacpp_cpu.py (Q4_0 experts).
+Default file: the 4-layer Qwen3-30B-A3B slice of benchmarks/vs_llamacpp_cpu.py, experts --type (Q4_0).
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def timed(fn, reps):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("--type", default="Q4_0", help="expert type of the default file (default Q4_0)")
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("-n", type=int, default=64, help="decode steps per measurement (default 64)")
     ap.add_argument("--reps", type=int, default=20, help="calls per part measured alone (default 20)")
@@ -58,9 +59,8 @@ def main() -> int:
     from hybridmoe.perf.calibrate import ram_read_now
     from hybridmoe.runtime.steps.cpu_decode import CpuDecoder
     if args.model is None:
-        import vs_llamacpp_cpu
-        from hybridmoe.env import cache_dir
-        args.model = vs_llamacpp_cpu.slice_model(str(cache_dir() / "models" / "qwen3-30b-a3b-4l-q4_0.gguf"), "Q4_0")
+        from slices import qwen3_slice
+        args.model = qwen3_slice(args.type)
     T = args.threads
     torch.set_num_threads(T)
     m = hybridmoe.load(args.model, n_gpu_layers=0, threads=T)

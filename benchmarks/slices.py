@@ -27,6 +27,16 @@ def slice_model(path: str, n_vocab: int, name: str, expert_type: str | None = No
     return path
 
 
+def qwen3_slice(expert_type: str = "Q4_0") -> str:
+    """The 4-layer Qwen3-30B-A3B slice of the CPU comparisons (vocabulary 32000, experts `expert_type`, the rest
+    Q8_0), in the hybridmoe cache, written once."""
+    from hybridmoe.env import cache_dir
+    d = cache_dir() / "models"
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"qwen3-30b-a3b-4l-{expert_type.lower()}"
+    return slice_model(str(d / f"{name}.gguf"), 32000, name, expert_type)
+
+
 def bytes_per_token(path: str) -> int:
     """Weight bytes a decode step reads: every non-expert matrix, k/E of each expert tensor, one embedding row."""
     from hybridmoe.formats.gguf import open_gguf
