@@ -91,7 +91,9 @@ class Arena:
         off = (-base) % HUGE
         mem = (ctypes.c_uint8 * self.nbytes).from_address(base + off)
         self._registered: list[int] = []
-        weakref.finalize(mem, _release, base, size, self._registered)      # when the last view is gone
+        # when the last view is gone; not at interpreter exit, where a daemon thread may still read the weights
+        # (the process's end releases both)
+        weakref.finalize(mem, _release, base, size, self._registered).atexit = False
         self._mem = mem
         self.buf = torch.frombuffer(mem, dtype=torch.uint8)
         self.used = 0
