@@ -380,6 +380,39 @@ HM_INLINE __m256i nib32(const uint8_t *p) {
 #endif
 }
 
+/* prep_k for the 256-bit x kernels, Q2_K's and Q3_K's 16 scales (and Q2_K's mins) by vector ops: the same
+ * values, without 16 passes of the scalar x_scales */
+HM_INLINE void prep_x256(const int ti, const uint8_t *b, float rd, kscale *ks) {
+    const __m128i m0f = _mm_set1_epi8(0x0F);
+    if (ti == I_Q2_K) {               /* bytes 0-15: scale in the low nibble, min in the high one */
+        const __m128i sc = _mm_loadu_si128((const __m128i *)b);
+        const __m128i l = _mm_and_si128(sc, m0f), h = _mm_and_si128(_mm_srli_epi16(sc, 4), m0f);
+        const __m256 d = _mm256_set1_ps(F16(b + 80)), dm = _mm256_set1_ps(F16(b + 82));
+        for (int k = 0; k < 2; k++) {
+            const __m128i lk = k ? _mm_srli_si128(l, 8) : l, hk = k ? _mm_srli_si128(h, 8) : h;
+            _mm256_storeu_ps(ks->s + 8 * k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lk))));
+            _mm256_storeu_ps(ks->m + 8 * k, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hk))));
+        }
+    } else if (ti == I_Q3_K) {        /* 6-bit scales: low 4 bits in bytes 96-103, high 2 in the u32 at 104 */
+        uint32_t h;
+        memcpy(&h, b + 104, 4);
+        const __m128i s8 = _mm_loadl_epi64((const __m128i *)(b + 96));
+        const __m256i hv = _mm256_set1_epi32((int)h), m3 = _mm256_set1_epi32(3);
+        const __m256 d = _mm256_set1_ps(F16(b + 108));
+        for (int k = 0; k < 2; k++) {     /* sub-blocks 8k..8k+7: nibble k of bytes 0-7; bits 8 (i % 4) + 2 (i / 4) */
+            const __m256i l = _mm256_cvtepu8_epi32(_mm_and_si128(k ? _mm_srli_epi16(s8, 4) : s8, m0f));
+            const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(hv, k ? _mm256_setr_epi32(4, 12, 20, 28, 6, 14, 22, 30)
+                                                                         : _mm256_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26)), m3);
+            const __m256i q = _mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+            const __m256 sv = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+            _mm256_storeu_ps(ks->s + 8 * k, sv);
+            _mm256_storeu_ps(ks->m + 8 * k, _mm256_mul_ps(_mm256_set1_ps((float)X_OFF(I_Q3_K)), sv));
+        }
+    } else {
+        prep_k(ti, b, rd, ks);
+    }
+}
+
 /* kern_q8 on 256 bits (AVX-VNNI or AVX2): one 32-weight block (Q4_0) or 32 weights of a K or x super-block per
  * vector */
 HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, const uint8_t *const *pf,
@@ -426,7 +459,7 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
             kscale ks[4];
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                prep_k(ti, w[r] + TINFO[ti].hdr + o, rd[r], &ks[r]);
+                prep_x256(ti, w[r] + TINFO[ti].hdr + o, rd[r], &ks[r]);
                 accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m), _mm256_loadu_ps(xq->sx16 + e / 16), accm[r]);
                 accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m + 8), _mm256_loadu_ps(xq->sx16 + e / 16 + 8),
                                           accm[r]);
