@@ -380,8 +380,8 @@ HM_INLINE __m256i nib32(const uint8_t *p) {
 #endif
 }
 
-/* prep_k for the 256-bit x kernels, Q2_K's and Q3_K's 16 scales (and Q2_K's mins) by vector ops: the same
- * values, without 16 passes of the scalar x_scales */
+/* prep_k for the 256-bit x kernels, Q2_K's, Q3_K's and IQ3_XXS's 16 scales (and Q2_K's mins) by vector ops:
+ * the same values, without 16 passes of the scalar x_scales */
 HM_INLINE void prep_x256(const int ti, const uint8_t *b, float rd, kscale *ks) {
     const __m128i m0f = _mm_set1_epi8(0x0F);
     if (ti == I_Q2_K) {               /* bytes 0-15: scale in the low nibble, min in the high one */
@@ -408,6 +408,17 @@ HM_INLINE void prep_x256(const int ti, const uint8_t *b, float rd, kscale *ks) {
             _mm256_storeu_ps(ks->s + 8 * k, sv);
             _mm256_storeu_ps(ks->m + 8 * k, _mm256_mul_ps(_mm256_set1_ps((float)X_OFF(I_Q3_K)), sv));
         }
+    } else if (ti == I_IQ3_XXS) {     /* the top 4 bits of each sub-block's u32 (bytes 66-97): d (v + 1/2) / 2 */
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + 66)), 28));
+        const __m256 sv = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_add_ps(v, _mm256_set1_ps(0.5f))),
+                                        _mm256_set1_ps(0.5f));
+        const __m256 lo = _mm256_unpacklo_ps(sv, sv), hi = _mm256_unpackhi_ps(sv, sv);   /* each twice */
+        const __m256 s0 = _mm256_permute2f128_ps(lo, hi, 0x20), s1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+        const __m256 off = _mm256_set1_ps((float)X_OFF(I_IQ3_XXS));
+        _mm256_storeu_ps(ks->s, s0);
+        _mm256_storeu_ps(ks->s + 8, s1);
+        _mm256_storeu_ps(ks->m, _mm256_mul_ps(off, s0));
+        _mm256_storeu_ps(ks->m + 8, _mm256_mul_ps(off, s1));
     } else {
         prep_k(ti, b, rd, ks);
     }
