@@ -223,6 +223,7 @@ def _load():
         lib.hm_qdot_ref.argtypes = [vp, i64, i64, vp, i32, i64, vp]
         lib.hm_dequant.argtypes = [vp, vp, i32, i64, i64, vp, i64, i32, i32]
         lib.hm_set_simd.argtypes = [i32]
+        lib.hm_dp256_test.argtypes = [vp, vp, i64, i32, vp]
         lib.hm_set_int8.argtypes = [vp, i32]
         lib.hm_int8_type.argtypes = [i32]
         lib.hm_silu_mul_bf16.argtypes = [vp, i64, i64, vp, i32]
@@ -239,7 +240,7 @@ def _load():
         lib.hm_simd.restype = ctypes.c_char_p
         for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode,
                   lib.hm_qmatmul, lib.hm_tile_mm, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8,
-                  lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_set_act_terms, lib.hm_set_exact, lib.hm_deinterleave):
+                  lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_dp256_test, lib.hm_set_act_terms, lib.hm_set_exact, lib.hm_deinterleave):
             f.restype = i32
         lib.hm_set_exact(0 if env.get("HYBRIDMOE_CPU_PROMPT").lower() == "bf16" else 1)
         lib.hm_set_act_terms(1 if env.get("HYBRIDMOE_CPU_ACT_TERMS") == "1" else 2)
@@ -254,13 +255,23 @@ def available() -> bool:
 
 
 def simd() -> str:
-    """The vector kernels in use: 'avx512-vnni' or 'avx2-vnni' (with the integer path), 'avx512', 'avx2',
-    'generic' (portable C), or 'torch' when the kernel is unavailable."""
+    """The vector kernels in use: 'avx512-vnni', 'avx2-vnni' or 'avx2-int8' (with the integer path; the last
+    without AVX-VNNI: vpmaddubsw), 'avx512', 'generic' (portable C), or 'torch' when the kernel is unavailable."""
     lib = _load()
     return lib.hm_simd().decode() if lib else "torch"
 
 
-_SIMD_LEVELS = {"generic": 0, "avx2": 1, "avx2-vnni": 1, "avx512": 2, "avx512-vnni": 2}
+def dp256_test(u: torch.Tensor, s: torch.Tensor, big: bool) -> torch.Tensor | None:
+    """Tests: the int32 sums of each 4 products u.s (u uint8, s int8, lengths a multiple of 32) by the AVX2
+    integer path's vpmaddubsw form (BIG: u above 128 too); None without the kernel or AVX2."""
+    lib = _load()
+    out = torch.empty(u.numel() // 4, dtype=torch.int32)
+    if not lib or lib.hm_dp256_test(u.data_ptr(), s.data_ptr(), u.numel(), int(big), out.data_ptr()) != 0:
+        return None
+    return out
+
+
+_SIMD_LEVELS = {"generic": 0, "avx2": 1, "avx2-vnni": 1, "avx2-int8": 1, "avx512": 2, "avx512-vnni": 2}
 
 
 def set_simd(name: str | None) -> str:

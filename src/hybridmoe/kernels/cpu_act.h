@@ -16,12 +16,14 @@
 #else
 #define HM_VNNI 0
 #endif
-/* the same on 256 bits, for CPUs with AVX-VNNI and GFNI but no AVX-512 (Intel client cores since
- * Alder Lake): Q4_0, Q4_K, Q5_K and Q6_K */
-#if HM_AVX2 && defined(__AVXVNNI__) && defined(__GFNI__)
-#define HM_AVXVNNI 1
+/* the same on 256 bits, for every AVX2 CPU without AVX-512: with AVX-VNNI (Intel client cores since Alder Lake)
+ * vpdpbusd, without it (Haswell, Zen 2/3) vpmaddubsw + vpmaddwd (dp256: exact, the same int32 sums); GFNI's
+ * nibble unpack becomes shifts and masks where the CPU lacks it */
+#define HM_AVXVNNI HM_AVX2
+#if HM_AVX2 && defined(__AVXVNNI__)
+#define HM_DPBUSD256 1
 #else
-#define HM_AVXVNNI 0
+#define HM_DPBUSD256 0
 #endif
 /* the integer path in use: AVX-512 VNNI on the AVX-512 path, AVX-VNNI on the AVX2 one */
 #define INT8_512 (HM_VNNI && g_simd == 2)

@@ -390,6 +390,6 @@ int hm_set_simd(int level) {
 }
 
 const char *hm_simd(void) {
-    return g_simd == 2 ? (HM_VNNI ? "avx512-vnni" : "avx512") : g_simd == 1 ? (HM_AVXVNNI ? "avx2-vnni" : "avx2")
+    return g_simd == 2 ? (HM_VNNI ? "avx512-vnni" : "avx512") : g_simd == 1 ? (HM_DPBUSD256 ? "avx2-vnni" : "avx2-int8")
                                                                           : "generic";
 }

@@ -198,6 +198,13 @@ HM_INLINE __m256i kt_u32(const int ti, const uint8_t *b, const int u) {
     return _mm256_add_epi8(_mm256_set1_epi8((char)128), _mm256_sub_epi8(_mm256_xor_si256(a, m), m));
 }
 
+/* the 32 sign bits of sub-block u of an XXS type: its four 7-bit codes spread to bytes, their parities on top */
+HM_INLINE uint32_t xxs_neg32(const int ti, const uint8_t *b, const int u) {
+    uint32_t aux;
+    memcpy(&aux, b + (ti == I_IQ3_XXS ? 66 + 4 * u : 6 + 8 * u), 4);
+    return (uint32_t)codes_neg((aux & 0x7Fu) | (aux << 1 & 0x7F00u) | (aux << 2 & 0x7F0000u) | (aux << 3 & 0x7F000000u));
+}
+
 /* unit u (elements 32u..32u+31) of grid-type super-block b as u (x_value), in element order */
 HM_INLINE __m256i grid_u32(const int ti, const uint8_t *b, const int u) {
     __m256i g;
@@ -210,8 +217,7 @@ HM_INLINE __m256i grid_u32(const int ti, const uint8_t *b, const int u) {
             memcpy(&neg, b + 74 + 4 * u, 4);
             g = _mm256_i32gather_epi32((const int *)IQ3S_GRID, idx, 4);
         } else {
-            neg = 0;
-            for (int k = 0; k < 4; k++) neg |= (uint32_t)xxs_signs(ti, b, u, k) << 8 * k;
+            neg = xxs_neg32(ti, b, u);
             g = _mm256_i32gather_epi32((const int *)IQ3XXS_GRID, idx, 4);
         }
     } else {                                  /* 4 indices of 8 values */
@@ -222,8 +228,7 @@ HM_INLINE __m256i grid_u32(const int ti, const uint8_t *b, const int u) {
             uint32_t iw;
             memcpy(&iw, b + 2 + 8 * u, 4);
             idx = _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)iw));
-            neg = 0;
-            for (int k = 0; k < 4; k++) neg |= (uint32_t)xxs_signs(ti, b, u, k) << 8 * k;
+            neg = xxs_neg32(ti, b, u);
             break;
         }
         case I_IQ2_XS: {    /* a u16 per 8: 9-bit index, 7-bit code */

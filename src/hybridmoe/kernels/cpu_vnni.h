@@ -25,6 +25,9 @@ typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t
         [I_Q4_0] = KQROW(P, I_Q4_0), [I_Q4_K] = KQROW(P, I_Q4_K), [I_Q5_K] = KQROW(P, I_Q5_K), \
         [I_Q6_K] = KQROW(P, I_Q6_K), [I_IQ4_NL] = KQROW(P, I_IQ4_NL), [I_MXFP4] = KQROW(P, I_MXFP4), };
 
+/* the x types with a 256-bit integer kernel (the generic unit: x_u32, scales per 16) */
+#define X256(ti) ((ti) == I_Q2_K || (ti) == I_Q3_K || (ti) == I_IQ4_XS || (ti) == I_IQ3_XXS)
+
 /* The 32-weight block types on the integer path: 16 bytes of nibbles after a scale, each nibble an entry of a
  * table of small integers (Q4_0: q - 8). vpdpbusd wants the weights unsigned, so the tables are offset by
  * 8 << B32_SHIFT and the offset is taken off with the blocks' -8 sum(q) << B32_SHIFT (c1, c2). */
@@ -43,7 +46,8 @@ __attribute__((constructor)) static void init_e8m0_table(void) {
 
 static int q8_type(int ti, int64_t K) {
     return K % 64 == 0 && (INT8_512 || INT8_256) &&
-           (IS_B32(ti) || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K || ((ti == I_Q8_0 || IS_X(ti)) && INT8_512));
+           (IS_B32(ti) || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K || ((ti == I_Q8_0 || IS_X(ti)) && INT8_512) ||
+            (HM_AVXVNNI && X256(ti)));
 }
 
 #if HM_VNNI
@@ -323,7 +327,104 @@ static const kqc_fn KQC[N_TYPES][5][5] = {
 #endif /* HM_VNNI */
 
 #if HM_AVXVNNI
-/* kern_q8 on 256 bits (AVX-VNNI, GFNI): one 32-weight block (Q4_0) or 32 weights of a K super-block per
+/* a + the sums of 4 products u.s of each 32-bit lane (u unsigned, s signed bytes) by vpmaddubsw + vpmaddwd, the
+ * same int32 sums as vpdpbusd while no pair's sum leaves int16: the activations lie in [-127, 127], so u <= 128
+ * is safe (2 * 128 * 127 < 2^15); BIG types (u up to 255) split u into u & 127 and u & 128. */
+HM_INLINE __m256i dp256_mad(const __m256i a, const __m256i u, const __m256i s, const int big) {
+    const __m256i one = _mm256_set1_epi16(1);
+    if (!big) return _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), one));
+    const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(u, _mm256_set1_epi8(0x7F)), s);
+    const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(u, _mm256_set1_epi8((char)0x80)), s);
+    return _mm256_add_epi32(a, _mm256_add_epi32(_mm256_madd_epi16(lo, one), _mm256_madd_epi16(hi, one)));
+}
+
+/* the same: vpdpbusd where the CPU has AVX-VNNI */
+HM_INLINE __m256i dp256(const __m256i a, const __m256i u, const __m256i s, const int big) {
+#if HM_DPBUSD256
+    (void)big;
+    return _mm256_dpbusd_avx_epi32(a, u, s);
+#else
+    return dp256_mad(a, u, s, big);
+#endif
+}
+
+/* Tests: out[n / 4] = sum of u[i] s[i] over each 4 bytes, by dp256_mad (n a multiple of 32); -1 without AVX2 */
+int hm_dp256_test(const uint8_t *u, const int8_t *s, int64_t n, int big, int32_t *out) {
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m256i uv = _mm256_loadu_si256((const __m256i *)(u + i));
+        const __m256i sv = _mm256_loadu_si256((const __m256i *)(s + i));
+        _mm256_storeu_si256((__m256i *)(out + i / 4), dp256_mad(_mm256_setzero_si256(), uv, sv, big));
+    }
+    return 0;
+}
+
+/* bits k, k+1 of each byte of v -> bits 4, 5 (mask 0x30) or bit k -> bit 4 (0x10), as GF_2BITS / GF_BIT: one
+ * gf2p8affineqb with GFNI, else a 16-bit shift and a mask (the mask drops what crosses bytes) */
+HM_INLINE __m256i bits_to4(const __m256i v, const int k, const int two) {
+#if defined(__GFNI__)
+    return _mm256_gf2p8affine_epi64_epi8(v, _mm256_set1_epi64x((long long)(two ? GF_2BITS(k) : GF_BIT(k))), 0);
+#else
+    const __m256i t = k < 4 ? _mm256_slli_epi16(v, 4 - k) : _mm256_srli_epi16(v, k - 4);
+    return _mm256_and_si256(t, _mm256_set1_epi8(two ? 0x30 : 0x10));
+#endif
+}
+
+/* the 32 nibbles of 16 bytes: low nibbles (weights 0-15) in the low lane, high nibbles (16-31) in the high one */
+HM_INLINE __m256i nib32(const uint8_t *p) {
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+#if defined(__GFNI__)
+    return _mm256_gf2p8affine_epi64_epi8(q, _mm256_set_epi64x((long long)GF_HI, (long long)GF_HI, (long long)GF_LO,
+                                                              (long long)GF_LO), 0);
+#else
+    return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+#endif
+}
+
+/* prep_k for the 256-bit x kernels, Q2_K's, Q3_K's and IQ3_XXS's 16 scales (and Q2_K's mins) by vector ops:
+ * the same values, without 16 passes of the scalar x_scales */
+HM_INLINE void prep_x256(const int ti, const uint8_t *b, float rd, kscale *ks) {
+    const __m128i m0f = _mm_set1_epi8(0x0F);
+    if (ti == I_Q2_K) {               /* bytes 0-15: scale in the low nibble, min in the high one */
+        const __m128i sc = _mm_loadu_si128((const __m128i *)b);
+        const __m128i l = _mm_and_si128(sc, m0f), h = _mm_and_si128(_mm_srli_epi16(sc, 4), m0f);
+        const __m256 d = _mm256_set1_ps(F16(b + 80)), dm = _mm256_set1_ps(F16(b + 82));
+        for (int k = 0; k < 2; k++) {
+            const __m128i lk = k ? _mm_srli_si128(l, 8) : l, hk = k ? _mm_srli_si128(h, 8) : h;
+            _mm256_storeu_ps(ks->s + 8 * k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lk))));
+            _mm256_storeu_ps(ks->m + 8 * k, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hk))));
+        }
+    } else if (ti == I_Q3_K) {        /* 6-bit scales: low 4 bits in bytes 96-103, high 2 in the u32 at 104 */
+        uint32_t h;
+        memcpy(&h, b + 104, 4);
+        const __m128i s8 = _mm_loadl_epi64((const __m128i *)(b + 96));
+        const __m256i hv = _mm256_set1_epi32((int)h), m3 = _mm256_set1_epi32(3);
+        const __m256 d = _mm256_set1_ps(F16(b + 108));
+        for (int k = 0; k < 2; k++) {     /* sub-blocks 8k..8k+7: nibble k of bytes 0-7; bits 8 (i % 4) + 2 (i / 4) */
+            const __m256i l = _mm256_cvtepu8_epi32(_mm_and_si128(k ? _mm_srli_epi16(s8, 4) : s8, m0f));
+            const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(hv, k ? _mm256_setr_epi32(4, 12, 20, 28, 6, 14, 22, 30)
+                                                                         : _mm256_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26)), m3);
+            const __m256i q = _mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+            const __m256 sv = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+            _mm256_storeu_ps(ks->s + 8 * k, sv);
+            _mm256_storeu_ps(ks->m + 8 * k, _mm256_mul_ps(_mm256_set1_ps((float)X_OFF(I_Q3_K)), sv));
+        }
+    } else if (ti == I_IQ3_XXS) {     /* the top 4 bits of each sub-block's u32 (bytes 66-97): d (v + 1/2) / 2 */
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + 66)), 28));
+        const __m256 sv = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_add_ps(v, _mm256_set1_ps(0.5f))),
+                                        _mm256_set1_ps(0.5f));
+        const __m256 lo = _mm256_unpacklo_ps(sv, sv), hi = _mm256_unpackhi_ps(sv, sv);   /* each twice */
+        const __m256 s0 = _mm256_permute2f128_ps(lo, hi, 0x20), s1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+        const __m256 off = _mm256_set1_ps((float)X_OFF(I_IQ3_XXS));
+        _mm256_storeu_ps(ks->s, s0);
+        _mm256_storeu_ps(ks->s + 8, s1);
+        _mm256_storeu_ps(ks->m, _mm256_mul_ps(off, s0));
+        _mm256_storeu_ps(ks->m + 8, _mm256_mul_ps(off, s1));
+    } else {
+        prep_k(ti, b, rd, ks);
+    }
+}
+
+/* kern_q8 on 256 bits (AVX-VNNI or AVX2): one 32-weight block (Q4_0) or 32 weights of a K or x super-block per
  * vector */
 HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, const uint8_t *const *pf,
                            int64_t K, const xq8 *xq, float *res) {
@@ -334,7 +435,9 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
     const int step = IS_B32(ti) ? 2 * ts : ts;           /* bytes per iteration: 64 or 256 weights */
     const pfreg pr = pf_regions(R, w, pf);
     const int64_t rb = IS_B32(ti) ? K / 32 * ts : K / 256 * ts;
-    const __m256i mq40 = _mm256_set_epi64x((long long)GF_HI, (long long)GF_HI, (long long)GF_LO, (long long)GF_LO);
+    float rd[4];                                         /* x types' row scales */
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) rd[r] = IS_X(ti) ? x_rowscale(ti, w[r]) : 1.0f;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t o = 0, e = 0; o < rb; o += step, e += IS_B32(ti) ? 64 : 256) {
         prefetch_step(pr, o, step);
@@ -354,15 +457,39 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     const uint8_t *bl = w[r] + o + h * ts;
-                    /* [qs, qs] -> [low nibbles: weights 0-15, high nibbles: 16-31] */
-                    __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(bl + B32_QS(ti))));
-                    q = _mm256_gf2p8affine_epi64_epi8(q, mq40, 0);
+                    __m256i q = nib32(bl + B32_QS(ti));
                     if (ti != I_Q4_0) q = _mm256_shuffle_epi8(tab, q);  /* nibble -> table value + offset */
-                    __m256i a = _mm256_dpbusd_avx_epi32(c1, q, x1);       /* c1, c2: the offset */
-                    a = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(a, 8), q, x2);
+                    __m256i a = dp256(c1, q, x1, ti == I_IQ4_NL);         /* c1, c2: the offset */
+                    a = dp256(_mm256_slli_epi32(a, 8), q, x2, ti == I_IQ4_NL);
                     a = _mm256_add_epi32(a, c2);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_broadcast_ss(B32_D(ti, bl)), xs),
                                              acc[r]);
+                }
+            }
+        } else if (IS_X(ti)) {                            /* x types: 8 units of 32 (x_u32), scales per 16 */
+            kscale ks[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                prep_x256(ti, w[r] + TINFO[ti].hdr + o, rd[r], &ks[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m), _mm256_loadu_ps(xq->sx16 + e / 16), accm[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(ks[r].m + 8), _mm256_loadu_ps(xq->sx16 + e / 16 + 8),
+                                          accm[r]);
+            }
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) {
+                const int64_t j = e + 32 * u;
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq->q1 + j));
+                const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq->q2 + j));
+                const __m256 xs = _mm256_loadu_ps(xq->xs + 16 * (j / 64) + 8 * ((j / 32) & 1));
+                const int v = 2 * (u & 3);                /* sub-blocks 2u, 2u + 1 in ks.s[8 (u / 4) ..] */
+                const __m256i si = _mm256_setr_epi32(v, v, v, v, v + 1, v + 1, v + 1, v + 1);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const __m256i q = x_u32(ti, w[r] + TINFO[ti].hdr + o, u);
+                    __m256i a = dp256(_mm256_setzero_si256(), q, x1, X_OFF(ti) > 64);
+                    a = dp256(_mm256_slli_epi32(a, 8), q, x2, X_OFF(ti) > 64);
+                    const __m256 ws = _mm256_permutevar8x32_ps(_mm256_loadu_ps(ks[r].s + 8 * (u >> 2)), si);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(ws, xs), acc[r]);
                 }
             }
         } else if (ti == I_Q6_K) {                        /* as kern_q8's Q6_K, 32 weights a vector */
@@ -382,7 +509,6 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
                     const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq->q1 + j));
                     const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq->q2 + j));
                     const __m256 xs = _mm256_loadu_ps(xq->xs + 16 * (j / 64) + 8 * ((j / 32) & 1));
-                    const __m256i mh = _mm256_set1_epi64x((long long)GF_2BITS(2 * g));
                     const __m256i si = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1,
                                                          2 * g + 1);
 #pragma GCC unroll 4
@@ -391,9 +517,9 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
                         const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + 64 * n + 32 * (g & 1)));
                         const __m256i nib = _mm256_and_si256(g < 2 ? raw : _mm256_srli_epi16(raw, 4), m4);
                         const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
-                        const __m256i q = _mm256_or_si256(nib, _mm256_gf2p8affine_epi64_epi8(qh, mh, 0));
-                        __m256i a = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x1);
-                        a = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(a, 8), q, x2);
+                        const __m256i q = _mm256_or_si256(nib, bits_to4(qh, 2 * g, 1));
+                        __m256i a = dp256(_mm256_setzero_si256(), q, x1, 0);
+                        a = dp256(_mm256_slli_epi32(a, 8), q, x2, 0);
                         const __m256 ws = _mm256_permutevar8x32_ps(_mm256_loadu_ps(ks[r].s + 8 * n), si);
                         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(ws, xs), acc[r]);
                     }
@@ -421,11 +547,9 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
                         const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (ti == I_Q5_K ? 48 : 16) + 32 * c));
                         __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
                         if (ti == I_Q5_K)   /* 5th bit: bit 2c + h of qh[l] -> bit 4 */
-                            q = _mm256_or_si256(q, _mm256_gf2p8affine_epi64_epi8(
-                                _mm256_loadu_si256((const __m256i *)(b + 16)),
-                                _mm256_set1_epi64x((long long)GF_BIT(2 * c + h)), 0));
-                        __m256i a = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x1);
-                        a = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(a, 8), q, x2);
+                            q = _mm256_or_si256(q, bits_to4(_mm256_loadu_si256((const __m256i *)(b + 16)), 2 * c + h, 0));
+                        __m256i a = dp256(_mm256_setzero_si256(), q, x1, 0);
+                        a = dp256(_mm256_slli_epi32(a, 8), q, x2, 0);
                         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a),
                                                  _mm256_mul_ps(_mm256_broadcast_ss(&ks[r].s[2 * c + h]), xs), acc[r]);
                     }
@@ -442,8 +566,22 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
     }
 }
 
-KQTABLE(KQTAB2, kq2, kern_q8_256)
+KQSHAPES(kq2, kern_q8_256, I_Q4_0) KQSHAPES(kq2, kern_q8_256, I_Q4_K) KQSHAPES(kq2, kern_q8_256, I_Q5_K)
+KQSHAPES(kq2, kern_q8_256, I_Q6_K) KQSHAPES(kq2, kern_q8_256, I_IQ4_NL) KQSHAPES(kq2, kern_q8_256, I_MXFP4)
+KQSHAPES(kq2, kern_q8_256, I_Q2_K) KQSHAPES(kq2, kern_q8_256, I_Q3_K) KQSHAPES(kq2, kern_q8_256, I_IQ4_XS)
+KQSHAPES(kq2, kern_q8_256, I_IQ3_XXS)
+static const kq_fn KQTAB2[N_TYPES][5] = {
+    [I_Q4_0] = KQROW(kq2, I_Q4_0), [I_Q4_K] = KQROW(kq2, I_Q4_K), [I_Q5_K] = KQROW(kq2, I_Q5_K),
+    [I_Q6_K] = KQROW(kq2, I_Q6_K), [I_IQ4_NL] = KQROW(kq2, I_IQ4_NL), [I_MXFP4] = KQROW(kq2, I_MXFP4),
+    [I_Q2_K] = KQROW(kq2, I_Q2_K), [I_Q3_K] = KQROW(kq2, I_Q3_K), [I_IQ4_XS] = KQROW(kq2, I_IQ4_XS),
+    [I_IQ3_XXS] = KQROW(kq2, I_IQ3_XXS), };
 #endif /* HM_AVXVNNI */
+#if !HM_AVXVNNI
+int hm_dp256_test(const uint8_t *u, const int8_t *s, int64_t n, int big, int32_t *out) {
+    (void)u, (void)s, (void)n, (void)big, (void)out;
+    return -1;
+}
+#endif
 
 /* Types (bit per type index) whose single-token rows take the integer path (where this CPU and path have
  * one for them: q8_type). Measured on Sapphire Rapids (16 threads, share of read bandwidth): Q4_K 58-64% ->
@@ -460,7 +598,8 @@ KQTABLE(KQTAB2, kq2, kern_q8_256)
 /* AVX-VNNI (dev VM, 1 thread, T=1, GB/s fp32 -> integer): Q4_0 7.2 -> 12.4, Q4_K 7.3 -> 11.2, Q5_K 8.4 -> 11.6,
  * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
  * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
-#define INT8_DEFAULT_256 (INT8_DEFAULT_256_ | (1u << I_IQ4_NL))
+#define INT8_DEFAULT_256 (INT8_DEFAULT_256_ | (1u << I_IQ4_NL) | (1u << I_Q2_K) | (1u << I_Q3_K) | (1u << I_IQ4_XS) | \
+                          (1u << I_IQ3_XXS))
 static unsigned g_int8;                   /* the types set_int8 chose, unless g_int8_default */
 static int g_int8_default = 1;            /* the measured defaults of the path in use */
 #define INT8_MASK (g_int8_default ? (g_simd == 2 ? INT8_DEFAULT_512 : INT8_DEFAULT_256) : g_int8)
