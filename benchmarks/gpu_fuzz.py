@@ -663,7 +663,7 @@ class Proc:
         cmd += (["--fake"] if a.fake else []) + (["--quick"] if a.quick else []) + \
             (["--inject-error"] if a.inject_error else []) + \
             (["--inject-fault", a.inject_fault] if a.inject_fault else [])
-        env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = child_env()
         if cuda is not None:
             env["CUDA_VISIBLE_DEVICES"] = cuda
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.errfile, text=True, env=env,
@@ -697,6 +697,11 @@ class Proc:
             return ""
 
 
+def child_env() -> dict:
+    """This process's environment with this checkout's hybridmoe first on the path, for the processes it starts."""
+    return dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def parent(a) -> int:
     t_start = time.time()
     base = a.seed if a.seed is not None else int(time.time()) % 1_000_000
@@ -718,7 +723,7 @@ def parent(a) -> int:
         # for it inside its first case and pass for a hang
         t0 = time.time()
         r = subprocess.run([sys.executable, "-c", "from hybridmoe.kernels import cpu; assert cpu._load()"],
-                           env={**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                           env=child_env())
         print(f"CPU kernels built in {time.time() - t0:.0f} s{'' if r.returncode == 0 else ' (failed)'}", flush=True)
     root = tempfile.mkdtemp(prefix="gpu-fuzz-")
     q: queue.Queue = queue.Queue()

@@ -223,17 +223,9 @@ class Model:
         """forward_batch for one decode token a sequence, given as lists: token ids, their positions and the
         sequences' caches (each its own). Returns their logits [B, n_vocab] (row j: what forward(tokens[j], pos[j],
         kvs[j]) gives); a server's decode step, with less Python a sequence where the CPU batch step runs it."""
-        n = self.cfg.n_vocab
         if not (len(tokens) == len(pos) == len(kvs)) or not tokens:
             raise HybridMoeError("decode_batch: give as many tokens, positions and caches, at least one")
-        if len({id(kv) for kv in kvs}) != len(kvs):
-            raise HybridMoeError("decode_batch: each sequence needs its own KV cache (model.new_cache)")
-        for j, (t, p, kv) in enumerate(zip(tokens, pos, kvs)):
-            if not 0 <= t < n:
-                raise HybridMoeError(f"decode_batch item {j}: token id {t} is not in the vocabulary (0..{n - 1})")
-            if p < 0:
-                raise HybridMoeError(f"decode_batch item {j}: position {p} is negative")
-            kv.check_fits(p, 1)
+        self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
         step = self._batch if len(tokens) > 1 else None
         if not step or not hasattr(step, "decode_batch") or not all(step.accepts(kv) for kv in kvs):
             items = [(torch.tensor([t]), p, kv) for t, p, kv in zip(tokens, pos, kvs)]
@@ -258,26 +250,31 @@ class Model:
     def _check_batch(self, items) -> list[list[int]]:
         """A clear error for a batch forward_batch can't run, before any cache is touched; each item's token ids
         (checked in Python: a decode step's few ids cost less so than as tensor ops)."""
-        seen = set()
         for j, item in enumerate(items):
             if not (isinstance(item, (tuple, list)) and len(item) == 3):
                 raise HybridMoeError(f"forward_batch item {j}: expected (tokens, pos0, kv), got {type(item).__name__}")
-            tokens, pos0, kv = item
+            tokens = item[0]
             if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.shape[0] < 1 or \
                     tokens.is_floating_point():
                 raise HybridMoeError(f"forward_batch item {j}: tokens must be a non-empty 1-D integer tensor")
-            if not isinstance(kv, KVCache) or id(kv) in seen:
-                raise HybridMoeError(f"forward_batch item {j}: each item needs its own KV cache (model.new_cache)")
-            seen.add(id(kv))
-            if int(pos0) < 0:
-                raise HybridMoeError(f"forward_batch item {j}: position {pos0} is negative")
-            kv.check_fits(int(pos0), int(tokens.shape[0]))
-        n = self.cfg.n_vocab
         lists = [t.tolist() for t, _, _ in items]
-        for j, ids in enumerate(lists):
-            if min(ids) < 0 or max(ids) >= n:
-                raise HybridMoeError(f"forward_batch item {j}: a token id is not in the vocabulary (0..{n - 1})")
+        self._check_sequences("forward_batch", lists, [int(p) for _, p, _ in items], [kv for _, _, kv in items])
         return lists
+
+    def _check_sequences(self, what: str, ids: list[list[int]], pos: list[int], kvs: list) -> None:
+        """Sequence j's ids at pos[j].. in kvs[j]: each its own cache, a position >= 0 with room for the ids, ids in
+        the vocabulary; else a clear error naming the sequence."""
+        seen, n = set(), self.cfg.n_vocab
+        for j, kv in enumerate(kvs):
+            if not isinstance(kv, KVCache) or id(kv) in seen:
+                raise HybridMoeError(f"{what} item {j}: each item needs its own KV cache (model.new_cache)")
+            seen.add(id(kv))
+            if pos[j] < 0:
+                raise HybridMoeError(f"{what} item {j}: position {pos[j]} is negative")
+            kv.check_fits(pos[j], len(ids[j]))
+        for j, t in enumerate(ids):
+            if min(t) < 0 or max(t) >= n:
+                raise HybridMoeError(f"{what} item {j}: a token id is not in the vocabulary (0..{n - 1})")
 
     def _forward_batch(self, items, all_logits: bool):
         """(logits of the batch's rows on the CPU, item after item, {MoE layer: distinct experts the batch routed

@@ -50,14 +50,13 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def _release(base: int, size: int, registered: list) -> None:
-    """An arena's end, when the last view of it is gone: its CUDA registration first, then its pages (a range
-    unmapped while registered stays registered, and the next mapping at that address can't be)."""
-    for ptr in registered:
-        _REGISTERED.pop(ptr, None)
+def _release(base: int, size: int, ptr: int) -> None:
+    """An arena's end, when the last view of it is gone: its CUDA registration (where pin made one) first, then
+    its pages (a range unmapped while registered stays registered, and the next mapping there can't be)."""
+    if _REGISTERED.pop(ptr, None) is not None:
         try:
             torch.cuda.cudart().cudaHostUnregister(ptr)
-        except Exception:   # noqa: BLE001 - interpreter shutdown, CUDA torn down: nothing left to release
+        except Exception:   # noqa: BLE001 - CUDA torn down: nothing left to release
             pass
     _libc.munmap(base, size)
 
@@ -90,10 +89,9 @@ class Arena:
             self.huge = _libc.madvise(base, size, mmap.MADV_HUGEPAGE) == 0
         off = (-base) % HUGE
         mem = (ctypes.c_uint8 * self.nbytes).from_address(base + off)
-        self._registered: list[int] = []
         # when the last view is gone; not at interpreter exit, where a daemon thread may still read the weights
         # (the process's end releases both)
-        weakref.finalize(mem, _release, base, size, self._registered).atexit = False
+        weakref.finalize(mem, _release, base, size, base + off).atexit = False
         self._mem = mem
         self.buf = torch.frombuffer(mem, dtype=torch.uint8)
         self.used = 0
@@ -121,7 +119,6 @@ class Arena:
             return False
         self.pinned = True
         _REGISTERED[ptr] = ptr + self.nbytes
-        self._registered.append(ptr)
         return True
 
 
