@@ -33,7 +33,9 @@ def model():
     # -ub 16: prompts take several steps, so prompt chunks and decode tokens share steps. One thread: on a
     # loaded CI machine two OpenMP threads wait for each other at every barrier (10-100x slower steps)
     threads = torch.get_num_threads()
-    yield hybridmoe.load("synth:tiny", ctx_size=N_CTX, ubatch_size=UB, threads=1)
+    m = hybridmoe.load("synth:tiny", ctx_size=N_CTX, ubatch_size=UB, threads=1)
+    m.logits([1, 2])          # builds the CPU kernels (minutes on a fresh 2-core machine) before any client waits
+    yield m
     torch.set_num_threads(threads)
 
 
