@@ -56,11 +56,14 @@ def check(model: str, argv: list[str], prompts: str, reps: int, timeout: int = 4
 
 def table(rows: list[tuple[str, dict]]) -> list[str]:
     out = ["| placement | test | step (predicted / run) | predicted t/s | measured t/s | measured / predicted | "
-           "largest predicted terms |", "| --- | --- | --- | ---: | ---: | ---: | --- |"]
+           "uploaded GB (predicted / run) | largest predicted terms |", "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for label, t in rows:
+        u = t.get("uploaded_bytes")
+        up = f"{u['predicted'] / 1e9:.2f} / {u['measured'] / 1e9:.2f}" if u else "-"
         out.append(f"| `{label}` | {t['test']} | {t['step']['predicted']} / {t['step']['measured']} | "
                    f"{t['predicted_ts']:.2f} | {t['measured_ts']:.2f} ± {t['stddev_ts']:.2f} | "
-                   f"{t['ratio']:.2f}{'' if 0.85 <= t['ratio'] <= 1.15 else ' (out)'} | {top_terms(t['terms'])} |")
+                   f"{t['ratio']:.2f}{'' if 0.85 <= t['ratio'] <= 1.15 else ' (out)'} | {up} | "
+                   f"{top_terms(t['terms'])} |")
     within = sum(1 for _, t in rows if 0.85 <= t["ratio"] <= 1.15)
     out.append(f"\n{within} of {len(rows)} within 0.85-1.15")
     return out
@@ -124,8 +127,11 @@ def main() -> int:
     sections = args.sections or (["one"] + (["two"] if n_gpu >= 2 else []) + (["suggest"] if n_gpu else []))
     cal = hm(["calibrate", "--cached", "--json"], 600)
     if cal:
+        costs = cal.get("costs", {})
         print(f"calibration: {cal.get('host')} {cal.get('measured_at')}; costs: "
-              f"{json.dumps({k: v for k, v in cal.get('costs', {}).items() if not k.startswith('_')})}\n")
+              f"{json.dumps({k: v for k, v in costs.items() if not k.startswith('_')})}")
+        timed = costs.get("_calibration", {}).get("measured", {})       # the upload fit's timings, to check it
+        print(f"calibration's timed runs (s per model): {json.dumps({k: v for k, v in timed.items() if 'upload' in k})}\n")
     rows = []
     for s in sections:
         if s == "one":

@@ -30,8 +30,9 @@ Keys (seconds unless named otherwise):
        attn_flops         FLOP/s of the captured step's attention (fitted as the CPU's)
        eager_attn_flops   FLOP/s of the eager path's attention
        eager_prompt_layer_s, eager_ubatch_s     a layer / a ubatch of the eager prompt path (Python, launches)
-       upload_overlap     share (0..1) of the smaller of a layer's upload and its compute hidden by the other
-                          when uploads run a layer ahead (prefetch), as measured
+       upload_overlap     share (0..1) of the smaller of a layer's upload and the layer's other work (floors,
+                          attention, matrices, experts) hidden by the other when uploads run a layer ahead
+                          (prefetch), as measured
        upload_layer_s     per uploaded layer beyond that (the router's sync, slot waits)
 
 Uncalibrated (a rig file without "costs", or no `calibrate` here), every floor is 0, every factor 1, the

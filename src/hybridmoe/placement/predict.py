@@ -404,6 +404,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
         prefetch, prev_il = False, -2
         ups: dict[int, str] = {}
         for L in layers:
+            layer_start = sum(t.values())
             dense, attn, exp = _flops(L, cfg, T, p0)
             kv_bytes = kvb * (p0 + T)
             frac = touched_fraction(T, cfg.n_expert, cfg.n_expert_used) if cfg.n_expert else 1.0
@@ -464,7 +465,11 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             moved += up
             u = up / rates.h2d(run)
             comp = exp / c.gpu(run, "moe_flops")
-            hidden = c.gpu(run, "upload_overlap") * min(u, comp) if pre else 0.0
+            # a prefetched upload runs on the copy stream while the previous layer's experts and this layer's
+            # attention, dense matrices and router run (their GPU time and their launches alike): it hides
+            # behind the layer's other work (the layers are alike, so this layer's stands for the span)
+            rest = sum(t.values()) - layer_start + comp
+            hidden = c.gpu(run, "upload_overlap") * min(u, rest) if pre else 0.0
             t.add("PCIe uploads", u - hidden)
             t.add("GPU experts", comp)
             t.add("upload overhead", c.gpu(run, "upload_layer_s"))
