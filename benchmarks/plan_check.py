@@ -19,6 +19,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 
 ONE = [("-ngl 99 -ot exps=CPU", ["-ngl", "99", "-ot", "exps=CPU"]),
        ("-ngl 99 --n-cpu-moe 24", ["-ngl", "99", "--n-cpu-moe", "24"]),
@@ -72,10 +73,11 @@ def table(rows: list[tuple[str, dict]]) -> list[str]:
 def section_rows(model: str, placements, prompts: str, reps: int) -> list[tuple[str, dict]]:
     rows = []
     for label, argv in placements:
+        t0 = time.perf_counter()
         r = 1 if argv[:2] == ["-ngl", "0"] else reps           # the CPU's pp4096 takes seconds a repetition
         got = [(label, t) for t in check(model, argv, prompts, r)]
         rows += got
-        print(f"done: {label}", file=sys.stderr, flush=True)
+        print(f"done: {label} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         if got:                    # each placement's rows as they come: a run cut short keeps what it measured
             print("\n".join(table(got)[2:-1]), file=sys.stderr, flush=True)
     return rows
@@ -118,6 +120,8 @@ def main() -> int:
     ap.add_argument("--model", default="synth:qwen3-30b-a3b")
     ap.add_argument("-r", "--repetitions", type=int, default=2)
     ap.add_argument("--vram-gib", type=float, default=12.0, help="the GPU --suggest plans for (default 12 GiB)")
+    ap.add_argument("--only", default="", help="rows of section one to run, by number from 1 (e.g. 1,2): a table "
+                    "split over several calls")
     args = ap.parse_args()
     bad = [s for s in args.sections if s not in ("one", "two", "suggest")]
     if bad:
@@ -136,7 +140,8 @@ def main() -> int:
     for s in sections:
         if s == "one":
             extra = ["-sm", "none"] if n_gpu > 1 else []
-            rows += section_rows(args.model, [(label, argv + extra) for label, argv in ONE], "512,4096",
+            pick = [int(i) for i in args.only.split(",") if i.strip()] or range(1, len(ONE) + 1)
+            rows += section_rows(args.model, [(ONE[i - 1][0], ONE[i - 1][1] + extra) for i in pick], "512,4096",
                                  args.repetitions)
         elif s == "two" and n_gpu < 2:
             print("two: skipped, fewer than two GPUs")
