@@ -21,6 +21,10 @@ for s in "$@"; do
                    -p no:cacheprovider --tb=long -rfE > '$d'/$(basename $f .py).log 2>&1; echo "$f rc $?"'
               grep -h -E "^(FAILED|ERROR)|passed|failed" $d/*.log | cut -c1-200
               tar czf $d.tgz -C $d . && rm -r $d ;;
+    # the Triton kernels' tests on the GPU (they run in Triton's interpreter without one; not marked gpu, so
+    # gputests / gpufiles' `-m gpu` leave them out)
+    triton) HYBRIDMOE_CACHE=/tmp/hm-test timeout 400 python3 -m pytest -q tests/test_gpu_decode.py tests/test_gpu_batch.py \
+              tests/test_gpu_dequant_types.py -p no:cacheprovider --tb=short -rfE 2>&1 | tail -40 ;;
     # issue 25: 300- and 1,000-token prompts on the GPU against transformers (the per-case error lines), and the
     # placements the static decode step refuses instead of failing its capture
     longprompt) HYBRIDMOE_CACHE=/tmp/hm-test timeout 540 python3 -m pytest -q -m gpu tests/test_prompt_precision.py \

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import types
 
 import torch
 
@@ -27,17 +28,21 @@ def _tensors(v):
 def wrap_module(mod, seen: list):
     for name in dir(mod):
         fn = getattr(mod, name)
-        if name.startswith("_") or not callable(fn) or isinstance(fn, type) or getattr(fn, "__module__", "") != mod.__name__:
+        # the module's functions and those it re-exports from other kernel modules (gd.attention)
+        # (plain functions only: a Triton kernel or helper stays as it is, kernels reference them)
+        if name.startswith("_") or not isinstance(fn, types.FunctionType) \
+                or not fn.__module__.startswith(("hybridmoe.kernels", "hybridmoe.runtime")):
             continue
 
         def checked(*a, _fn=fn, _name=f"{mod.__name__.split('.')[-1]}.{name}", **kw):
+            args = list(a) + list(kw.values())
             out = _fn(*a, **kw)
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return out
             for i, t in enumerate(_tensors(out)):
                 if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
                     ins = [(tuple(x.shape), str(x.dtype), bool(torch.isfinite(x).all()) if x.is_floating_point()
-                            else None) for x in _tensors(list(a))]
+                            else None) for x in _tensors(args)]
                     bad = (~torch.isfinite(t)).nonzero()[:4].tolist()
                     seen.append(f"{_name} output {i} {tuple(t.shape)} {t.dtype}: non-finite at {bad}; "
                                 f"inputs (shape, dtype, finite) {ins}")

@@ -172,12 +172,15 @@ def test_attention_writes_its_output_in_int8_terms():
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("neox,norm,n_ctx,pos", [(True, True, 40, 29), (False, False, 300, 256), (False, True, 600, 511),
-                                                  (True, True, 40, 0)])
-def test_attention_with_rope_fused(neox, norm, n_ctx, pos):
+@pytest.mark.parametrize("neox,norm,n_ctx,pos,D", [(True, True, 40, 29, 64), (False, False, 300, 256, 64),
+                                                    (False, True, 600, 511, 64), (True, True, 40, 0, 64),
+                                                    (True, True, 64, 0, 16), (True, True, 64, 5, 16),
+                                                    (True, True, 300, 130, 16), (False, True, 64, 0, 32),
+                                                    (True, True, 64, 1, 128)])
+def test_attention_with_rope_fused(neox, norm, n_ctx, pos, D):
     """attention(rope=...) = qk_rope_cache then attention: the same output, and the same key/value written
-    at the position and nowhere else (positions at and after a split's edge included)."""
-    nh, nkv, D = 8, 2, 64
+    at the position and nowhere else (positions at and after a split's edge included; head sizes 16 to 128)."""
+    nh, nkv = 8, 2
     g = _gen(pos + 7)
     qkv = torch.randn(1, (nh + 2 * nkv) * D, generator=g, device=DEV).to(torch.bfloat16)
     qn, kn = (torch.rand(D, generator=g, device=DEV) + 0.5 for _ in range(2))

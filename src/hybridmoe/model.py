@@ -144,8 +144,7 @@ class Model:
         self.sched.policy = parse_offload_policy("all,0" if not self.options.op_offload else offload_policy)
         self.sched.only_active = only_active
         self.sched.fused_moe = fused_moe
-        for up in self.sched._uploaders.values():
-            up.forget()
+        self.sched.forget_uploads()
         if hasattr(self, "_steps"):              # (set at load, after this first call)
             self._steps.pop("prompt", None)      # an all-CPU prompt step depends on whether ops may offload
 

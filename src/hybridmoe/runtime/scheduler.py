@@ -212,6 +212,12 @@ class Scheduler:
         self.expert_layers = layers
         self.n_expert_used = n_expert_used
 
+    def forget_uploads(self):
+        """Drop the experts the upload slots hold: the next batch uploads them again (a policy change; timings
+        that must not find a small model's layers still on the GPU from the run before)."""
+        for u in self._uploaders.values():
+            u.forget()
+
     def uploader(self, dev) -> Uploader:
         u = self._uploaders.get(dev.name)
         if u is None:
