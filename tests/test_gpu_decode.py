@@ -176,6 +176,7 @@ def test_attention_writes_its_output_in_int8_terms():
                                                     (False, True, 600, 511, 64), (True, True, 40, 0, 64),
                                                     (True, True, 64, 0, 16), (True, True, 64, 5, 16),
                                                     (True, True, 300, 130, 16), (False, True, 64, 0, 32),
+                                                    (True, True, 300, 130, 32), (True, False, 300, 257, 32),
                                                     (True, True, 64, 1, 128)])
 def test_attention_with_rope_fused(neox, norm, n_ctx, pos, D):
     """attention(rope=...) = qk_rope_cache then attention: the same output, and the same key/value written

@@ -43,7 +43,8 @@ def _plan(model, argv, rig="h200-rig"):
     (["-ngl", "99"], "graph", "graph"),                              # StaticDecoder, StaticPrefill
     (["-ngl", "99", "-ot", "exps=CPU"], "graph", "eager"),           # hand-offs in decode, uploads in prompts
     (["-ngl", "99", "--n-cpu-moe", "24"], "graph", "eager"),
-    (["-ngl", "0"], "cpu", "cpu"),                                    # CpuDecoder both ways
+    (["-ngl", "0"], "cpu", "eager"),                                  # CpuDecoder; a GPU may take a prompt's ops
+    (["-ngl", "0", "--no-op-offload"], "cpu", "cpu"),                # CpuDecoder both ways
     (["-ngl", "30"], "eager", "eager"),                              # attention of 18 layers on the CPU
     (["-ngl", "99", "-ctk", "q8_0", "-ctv", "q8_0"], "eager", "eager"),
 ])

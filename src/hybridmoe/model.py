@@ -139,6 +139,10 @@ class Model:
         """-op / -ooae / -fmoe on the loaded model (bench switches them without a reload)."""
         from .runtime.scheduler import parse_offload_policy
         rt = self.runtime
+        if hasattr(self, "_steps") and (rt.offload_policy, rt.offload_only_active_experts, rt.fused_moe) == \
+                (offload_policy, only_active, fused_moe):
+            return                               # unchanged (bench sets them before every repetition): the
+                                                 # prompt step keeps its captured graphs, the slots their uploads
         rt.offload_policy, rt.offload_only_active_experts, rt.fused_moe = offload_policy, only_active, fused_moe
         # --no-op-offload (llama.cpp's flag): host weights are never uploaded, whatever -op says
         self.sched.policy = parse_offload_policy("all,0" if not self.options.op_offload else offload_policy)

@@ -251,8 +251,9 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
     say("calibration models")
     paths = [calibration_model(n, quick) for n in layers]
 
-    say("all on the CPU (-ngl 0)")
-    run = _Run(paths, layers, n_gpu_layers=0)
+    say("all on the CPU (-ngl 0 --no-op-offload)")
+    # (with a GPU, -ngl 0 would upload a prompt's host weights: the hybrid eager path, not the CPU's step)
+    run = _Run(paths, layers, n_gpu_layers=0, op_offload=False)
     try:
         f = _Fitter(run, rates, costs, reps, n_tg, measured)
         cfg = run.models[0].cfg

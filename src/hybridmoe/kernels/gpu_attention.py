@@ -19,6 +19,10 @@ except ImportError:                                      # CPU-only installs
 
 ATTN_BLOCK = 32                                          # keys per inner step
 ATTN_CHUNK = 256                                         # keys per split (programs past the position exit)
+# the decode attention with RoPE fused in computes wrong values (NaN at position 0) for 16-wide heads on an H100,
+# though right in Triton's interpreter (test_attention_with_rope_fused; the roped query tile feeds the dot
+# directly there, the cause is not known): narrower heads take qk_rope_cache, then the attention
+FUSED_ROPE_MIN_D = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: one tile, no inline PTX
 
 if triton is not None:
@@ -231,6 +235,10 @@ def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None, q8_out
     written to the cache by the same launch (qk_rope_cache + attention in one kernel less).
     q8_out (x8_buffers(1, nh * D), D a multiple of 32): the output in two int8 terms too, as quant_x8."""
     nkv, n_ctx, D = kc.shape
+    if rope is not None and D < FUSED_ROPE_MIN_D:
+        qkv, qn, kn, cos, sin, nh, eps, neox = rope
+        q = qk_rope_cache(qkv, qn, kn, cos, sin, pos, kc, vc, nh, nkv, D, eps, neox)
+        rope = None
     nh = q.shape[0] if rope is None else rope[5]
     G = nh // nkv
     chunk = ATTN_CHUNK                                   # at most 512 splits: longer caches get longer ones
