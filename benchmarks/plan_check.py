@@ -57,10 +57,12 @@ def check(model: str, argv: list[str], prompts: str, reps: int, timeout: int = 4
 
 def table(rows: list[tuple[str, dict]]) -> list[str]:
     out = ["| placement | test | step (predicted / run) | predicted t/s | measured t/s | measured / predicted | "
-           "uploaded GB (predicted / run) | largest predicted terms |", "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+           "uploaded GB or decode share (predicted / run) | largest predicted terms |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for label, t in rows:
-        u = t.get("uploaded_bytes")
-        up = f"{u['predicted'] / 1e9:.2f} / {u['measured'] / 1e9:.2f}" if u else "-"
+        u, g = t.get("uploaded_bytes"), t.get("decode_share")
+        up = f"{u['predicted'] / 1e9:.2f} / {u['measured'] / 1e9:.2f} GB" if u else \
+            f"share {g['predicted']} / {g['measured']}" if g else "-"
         out.append(f"| `{label}` | {t['test']} | {t['step']['predicted']} / {t['step']['measured']} | "
                    f"{t['predicted_ts']:.2f} | {t['measured_ts']:.2f} ± {t['stddev_ts']:.2f} | "
                    f"{t['ratio']:.2f}{'' if 0.85 <= t['ratio'] <= 1.15 else ' (out)'} | {up} | "
