@@ -71,6 +71,12 @@ class Sampler:
             logits[self.bias[0]] += self.bias[1]
         return logits
 
+    def takes(self, top: int) -> bool:
+        """Whether `top`, the logits' argmax, is the token __call__ would return (plain greedy, and it is allowed):
+        then the logits need not be read."""
+        c = self.constraint
+        return self.plain_greedy and (self.banned is None or top not in self.banned) and (c is None or c.allows(top))
+
     def __call__(self, logits: torch.Tensor, top: int | None = None) -> int:
         """logits [n_vocab] float32 -> token id (greedy at temperature <= 0, as llama.cpp). `top`: their argmax,
         where the caller has it (a batch's rows take theirs in one op)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -275,8 +276,11 @@ class Batcher:
                 top = [None] * len(items)
                 for k, t in zip(greedy, torch.stack([outs[k] for k in greedy]).argmax(-1).tolist()):
                     top[k] = t
+        rows = isinstance(outs, torch.Tensor)
         for k, (job, toks) in enumerate(items):
-            out = outs[k]                              # a row view, or the exception of this item's forward
+            # the logits: a row of the batch's, taken only if the job's sampling reads them; else this item's, or the
+            # exception its forward raised
+            out = functools.partial(outs.select, 0, k) if rows else outs[k]
             if isinstance(out, BaseException):
                 job.fail(out)
                 self._end(job, failed=True)

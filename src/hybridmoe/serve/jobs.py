@@ -157,7 +157,8 @@ class Job:
         return (not self.in_prompt or n_ran == len(self.todo)) and getattr(self.sampler, "plain_greedy", False)
 
     def advance(self, n_ran: int, logits, top: int | None = None) -> bool:
-        """The step ran n_ran tokens of `next_tokens`; `logits` [n_vocab] are the last one's (`top`: their argmax,
+        """The step ran n_ran tokens of `next_tokens`; `logits` [n_vocab] are the last one's, or a callable that
+        gives them (a row of the batch's logits, taken only where the sampling needs more than `top`: their argmax,
         if the batcher took it). Samples when the prompt is done; True when the generation is over."""
         self.pos += n_ran
         del self.todo[:n_ran]
@@ -176,10 +177,15 @@ class Job:
     def _sample(self, logits, top: int | None = None) -> bool:
         if self.cancel.is_set():
             return True
-        t = self.sampler(logits) if top is None else self.sampler(logits, top)
+        if top is not None and self.sampler.takes(top):
+            t = top
+        else:
+            logits = logits() if callable(logits) else logits
+            t = self.sampler(logits) if top is None else self.sampler(logits, top)
         self.timings.n_generated += 1
         self.sampler.accept(t)
         if self.params.logprobs is not None:        # the model's own distribution, before sampling settings
+            logits = logits() if callable(logits) else logits
             lp = torch.log_softmax(logits.float(), -1)
             n_top = self.params.logprobs
             top = torch.topk(lp, n_top) if n_top else None
