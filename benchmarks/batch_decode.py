@@ -12,7 +12,7 @@ greedy token. Usage (placement flags as `hybridmoe run` takes them):
 Columns: B; ms a step; aggregate tokens/s; per-sequence tokens/s; aggregate over the alone speed; distinct
 experts a step (mean over MoE layers; the experts a step reads, against B x k for B sequences read apart);
 decode_batch ms: a step by Model.decode_batch instead (the server's decode steps: lists in, the greedy tokens
-out, the CPU step's records kept while the batch's caches stay the same);
+out, the CPU step's records kept while the batch's caches stay the same; "-" where it is forward_batch's path);
 --loop: the same B sequences decoded one forward at a time (what a server without batching does); step: the path
 that ran the batch (CpuDecoder, BatchDecode[bucket graph|eager]: runtime/steps/gpu_batch.py, or eager).
 --no-graphs times the eager batched decoder instead.
@@ -119,10 +119,12 @@ def main():
     for B in sizes:
         kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
         dt, distinct = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=True, repeat=args.repeat)
-        kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
-        dd, _ = _time_steps(m, kvs, toks, args.prompt, args.steps, batched="decode", repeat=args.repeat)
+        dd = "-"                             # decode_batch has a path of its own only on the CPU batch step
+        if B > 1 and hasattr(m._batch, "decode_batch"):
+            kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
+            dd = f"{_time_steps(m, kvs, toks, args.prompt, args.steps, 'decode', args.repeat)[0] * 1e3:.3f}"
         line = (f"{B:>4} {dt * 1e3:>9.2f} {B / dt:>9.1f} {1 / dt:>9.1f} {B / dt * alone:>8.2f} {distinct:>9.1f} "
-                f"{min(B * k, m.cfg.n_expert or 1):>7} {dd * 1e3:>15.3f}")
+                f"{min(B * k, m.cfg.n_expert or 1):>7} {dd:>15}")
         if args.loop:
             kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
             lt, _ = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=False, repeat=args.repeat)
