@@ -11,6 +11,8 @@ greedy token. Usage (placement flags as `hybridmoe run` takes them):
 
 Columns: B; ms a step; aggregate tokens/s; per-sequence tokens/s; aggregate over the alone speed; distinct
 experts a step (mean over MoE layers; the experts a step reads, against B x k for B sequences read apart);
+decode_batch ms: a step by Model.decode_batch instead (the server's decode steps: lists in, the greedy tokens
+out, the CPU step's records kept while the batch's caches stay the same; "-" where it is forward_batch's path);
 --loop: the same B sequences decoded one forward at a time (what a server without batching does); step: the path
 that ran the batch (CpuDecoder, BatchDecode[bucket graph|eager]: runtime/steps/gpu_batch.py, or eager).
 --no-graphs times the eager batched decoder instead.
@@ -43,11 +45,16 @@ def _prefill(m, B, P, ctx, gen, chunk_tokens=2048):
     return kvs, nxt
 
 
-def _time_steps(m, kvs, toks, pos, steps, batched: bool, repeat: int):
+def _time_steps(m, kvs, toks, pos, steps, batched: bool | str, repeat: int):
     """Seconds per step of `steps` greedy decode steps of every sequence (after one untimed step), the best of
-    `repeat` rounds (the machine may be shared); the mean distinct experts a step."""
+    `repeat` rounds (the machine may be shared); the mean distinct experts a step. batched: True for
+    Model.forward_batch, "decode" for Model.decode_batch (the server's decode steps), False for a forward a
+    sequence."""
     def one(pos):
         nonlocal toks
+        if batched == "decode":
+            toks = m.decode_batch(toks, [pos] * len(kvs), kvs, argmax=True)[1]
+            return
         if batched:
             outs = m.forward_batch([(torch.tensor([t]), pos, kv) for t, kv in zip(toks, kvs)])
         else:
@@ -106,13 +113,18 @@ def main():
     kvs, toks = _prefill(m, 1, args.prompt, ctx, gen)
     alone, _ = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=False, repeat=args.repeat)
     print(f"alone (Model.forward): {alone * 1e3:.2f} ms a step, {1 / alone:.1f} t/s")
-    hdr = f"{'B':>4} {'ms/step':>9} {'agg t/s':>9} {'seq t/s':>9} {'x alone':>8} {'distinct':>9} {'of B*k':>7}"
+    hdr = (f"{'B':>4} {'ms/step':>9} {'agg t/s':>9} {'seq t/s':>9} {'x alone':>8} {'distinct':>9} {'of B*k':>7} "
+           f"{'decode_batch ms':>15}")
     print(hdr + (f" {'loop t/s':>9}" if args.loop else "") + "  step")
     for B in sizes:
         kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
         dt, distinct = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=True, repeat=args.repeat)
+        dd = "-"                             # decode_batch has a path of its own only on the CPU batch step
+        if B > 1 and hasattr(m._batch, "decode_batch"):
+            kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
+            dd = f"{_time_steps(m, kvs, toks, args.prompt, args.steps, 'decode', args.repeat)[0] * 1e3:.3f}"
         line = (f"{B:>4} {dt * 1e3:>9.2f} {B / dt:>9.1f} {1 / dt:>9.1f} {B / dt * alone:>8.2f} {distinct:>9.1f} "
-                f"{min(B * k, m.cfg.n_expert or 1):>7}")
+                f"{min(B * k, m.cfg.n_expert or 1):>7} {dd:>15}")
         if args.loop:
             kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
             lt, _ = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=False, repeat=args.repeat)

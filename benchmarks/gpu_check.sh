@@ -56,17 +56,18 @@ for s in "$@"; do
     # issue 27: `hybridmoe serve -np N` under openai clients (benchmarks/serve_load.py); each line loads the 30B
     # shape once. serveload: all on the GPU (target: 16 clients >= 6x one); serveload_cpu: --n-cpu-moe 24 and
     # -ot exps=CPU (target: 8 clients >= 1.8x one; at 4 no stream below 1/3 of its alone speed). The last
-    # line of each is one client on an -np 1 server: the single-stream baseline without slot switches.
+    # line of each is one client on an -np 1 server: the single-stream baseline without slot switches. Each run
+    # prints two tables: the rates, then where the CPU went (generation thread, event loop, clients, machine).
     serveload) python3 -c "import openai" || { echo "serve_load.py needs the openai package"; continue; }
            timeout 280 python3 -u benchmarks/serve_load.py --concurrency 1,4,16,64 --rounds 2 -- \
-             -m synth:qwen3-30b-a3b -ngl 99 2>&1 | tail -8 ;
+             -m synth:qwen3-30b-a3b -ngl 99 2>&1 | grep -E "^\|" ;
            timeout 200 python3 -u benchmarks/serve_load.py --concurrency 1 -- -m synth:qwen3-30b-a3b -ngl 99 -np 1 \
-             2>&1 | tail -3 ;;
+             2>&1 | grep -E "^\|" ;;
     serveload_cpu) python3 -c "import openai" || { echo "serve_load.py needs the openai package"; continue; }
            timeout 260 python3 -u benchmarks/serve_load.py --concurrency 1,4,8,16 --rounds 2 -- \
-             -m synth:qwen3-30b-a3b -ngl 99 --n-cpu-moe 24 2>&1 | tail -7 ;
+             -m synth:qwen3-30b-a3b -ngl 99 --n-cpu-moe 24 2>&1 | grep -E "^\|" ;
            timeout 260 python3 -u benchmarks/serve_load.py --concurrency 1,4,8 --rounds 2 -- \
-             -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU 2>&1 | tail -6 ;;
+             -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU 2>&1 | grep -E "^\|" ;;
     # issue 27 point 3: the batched decode kernels and the captured step per bucket against torch and the eager
     # batched path (tests/test_gpu_batch.py), then B sequences a step on the 30B shape all on the GPU: the step
     # column says BatchDecode[bucket graph] where the graph replayed; --no-graphs gives the eager batch for comparison

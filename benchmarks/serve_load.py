@@ -71,13 +71,51 @@ def cpu_seconds(pid: int | None) -> float | None:
         return None
 
 
+def thread_cpu_seconds(pid: int | None) -> dict[int, float]:
+    """{thread id: CPU seconds so far} of every thread of process pid (Linux; {} elsewhere)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except (OSError, TypeError):
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def machine_busy() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole machine so far, every core (/proc/stat); None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v) - idle) / hz, sum(v) / hz
+
+
 def _client(url: str, k: int, conc: int, max_tokens: int, cache_prompt: bool, left, start, out):
-    """Client k: requests one after another while `left` (a shared count) lasts, each result to `out`:
-    ("ok", latency s, tokens, the server's per-stream tok/s) or ("error", text); then ("done",)."""
+    """Client k: requests one after another while `left` (a shared count) lasts; then one message to `out`:
+    ("done", CPU seconds this client used from the start on (its process's, or its thread's when the clients are
+    threads), its results: ("ok", latency s, tokens, the server's per-stream tok/s) or ("error", text) each).
+    The results go in one message at the end: a message a request would wake the queue's feeder thread each time,
+    CPU that competes with the server on a small machine. The answer's JSON is read as the raw response, without
+    the client's typed models (openai's `with_raw_response`: the same HTTP request)."""
+    import json
+
     import openai
+    clock = time.process_time if multiprocessing.parent_process() is not None else time.thread_time
+    results = []
     with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600) as c:
         out.put(("ready",))
         start.wait()
+        cpu0 = clock()
         i = k
         while True:
             with left.get_lock():
@@ -86,16 +124,18 @@ def _client(url: str, k: int, conc: int, max_tokens: int, cache_prompt: bool, le
                 left.value -= 1
             t0 = time.perf_counter()
             try:
-                r = c.completions.create(model="m", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
-                                         temperature=0, extra_body={"ignore_eos": True,
-                                                                    "cache_prompt": cache_prompt})
+                raw = c.completions.with_raw_response.create(
+                    model="m", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, temperature=0,
+                    extra_body={"ignore_eos": True, "cache_prompt": cache_prompt})
+                r = json.loads(raw.http_response.content)
             except Exception as e:          # noqa: BLE001 - counted and shown
-                out.put(("error", f"{type(e).__name__}: {e}"))
+                results.append(("error", f"{type(e).__name__}: {e}"))
                 continue
-            out.put(("ok", time.perf_counter() - t0, r.usage.completion_tokens,
-                     r.model_extra["timings"]["predicted_per_second"]))
+            results.append(("ok", time.perf_counter() - t0, r["usage"]["completion_tokens"],
+                            r["timings"]["predicted_per_second"]))
             i += conc
-    out.put(("done",))
+        cpu = clock() - cpu0
+    out.put(("done", cpu, results))
 
 
 class _Count:
@@ -131,30 +171,38 @@ def run_level(url: str, conc: int, n_req: int, max_tokens: int, cache_prompt: bo
         assert out.get(timeout=300)[0] == "ready"
     lat, per_stream, tokens, errors = [], [], [], []
     before = metrics(url)
-    cpu0 = cpu_seconds(pid)
+    cpu0, threads0, busy0 = cpu_seconds(pid), thread_cpu_seconds(pid), machine_busy()
     t0 = time.perf_counter()
     start.set()
-    done = 0
+    done, client_cpu, results = 0, 0.0, []
     while done < conc:
         item = out.get()
-        if item[0] == "done":
-            done += 1
-        elif item[0] == "error":
-            errors.append(item[1])
-        else:
-            lat.append(item[1])
-            tokens.append(item[2])
-            per_stream.append(item[3])
+        done += 1
+        client_cpu += item[1]
+        results += item[2]
     wall = time.perf_counter() - t0
-    cpu1 = cpu_seconds(pid)
+    cpu1, threads1, busy1 = cpu_seconds(pid), thread_cpu_seconds(pid), machine_busy()
     after = metrics(url)
     for w in workers:
         w.join()
+    for res in results:
+        if res[0] == "error":
+            errors.append(res[1])
+        else:
+            lat.append(res[1])
+            tokens.append(res[2])
+            per_stream.append(res[3])
 
     def delta(name):
         return after.get(name, 0.0) - before.get(name, 0.0)
     steps = delta("llamacpp:n_decode_total")
     lat.sort()
+    # the server's threads by CPU used in this level: the busiest is the generation thread (a batched step of
+    # every stream), the process's main thread the event loop (HTTP, JSON, tokenizing)
+    used = sorted(((threads1.get(t, 0.0) - threads0.get(t, 0.0), t) for t in threads1), reverse=True)
+    gen = next((c for c, t in used if t != pid), 0.0)
+    loop_cpu = next((c for c, t in used if t == pid), 0.0)
+    ncpu = os.cpu_count() or 1
     return {"conc": conc, "requests": len(lat), "errors": errors, "tokens": sum(tokens), "wall": wall,
             "agg": sum(tokens) / wall, "p50": statistics.median(lat) if lat else 0.0,
             "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else 0.0,
@@ -163,6 +211,12 @@ def run_level(url: str, conc: int, n_req: int, max_tokens: int, cache_prompt: bo
             "seq_per_step": delta("hybridmoe:batch_sequences_total") / steps if steps else 0.0,
             "cpu_ms_tok": 1e3 * (cpu1 - cpu0) / sum(tokens) if cpu0 is not None and cpu1 is not None and tokens
             else None,
+            "cpu": {"gen": gen / wall, "loop": loop_cpu / wall,
+                    "server_other": max(0.0, (cpu1 - cpu0) - gen - loop_cpu) / wall if cpu0 is not None else 0.0,
+                    "clients": client_cpu / wall,
+                    "machine": (busy1[0] - busy0[0]) / wall if busy0 and busy1 else None, "ncpu": ncpu,
+                    "client_ms_req": 1e3 * client_cpu / len(lat) if lat else 0.0,
+                    "gen_us_step": 1e6 * gen / steps if steps else 0.0},
             "experts_per_step": (delta("hybridmoe:distinct_experts_total") / delta("hybridmoe:expert_steps_total")
                                  if delta("hybridmoe:expert_steps_total") else None)}
 
@@ -226,6 +280,16 @@ def main():
             print(f"| {r['conc']} | {r['requests']} | {len(r['errors'])} | {r['agg']:.1f} | "
                   f"{r['agg'] / base if base else 0:.2f}x | {r['p50']:.3f} | {r['p99']:.3f} | {r['stream_p50']:.1f} | "
                   f"{r['stream_min']:.1f} | {r['seq_per_step']:.2f} | {ex} | {cpu} |")
+        print("\nWhere the CPU went, in cores busy over each level's wall time (the generation thread, the event loop's "
+              "thread, the server's other threads, the client processes, every process on the machine):\n")
+        print("| clients | generation thread | event loop | server, other | clients | machine, all | cores | "
+              "client CPU ms/request | generation thread us/step |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            c = r["cpu"]
+            mach = f"{c['machine']:.2f}" if c["machine"] is not None else "-"
+            print(f"| {r['conc']} | {c['gen']:.2f} | {c['loop']:.2f} | {c['server_other']:.2f} | {c['clients']:.2f} | "
+                  f"{mach} | {c['ncpu']} | {c['client_ms_req']:.2f} | {c['gen_us_step']:.0f} |")
     finally:
         if proc is not None:
             proc.send_signal(2)

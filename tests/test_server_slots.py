@@ -477,3 +477,50 @@ def test_decode_batch_is_forward_batch_bit_for_bit(model):
         with pytest.raises(HybridMoeError, match=words):
             model.decode_batch(*args)
     assert [list(kv.tokens) for kv in kb] == held
+
+
+def test_decode_batch_same_caches_checked_in_c(model):
+    """Steps on the same caches keep their C records and leave the id and position checks to the C step: a bad
+    id or position there is the same clear error, nothing written; positions past the RoPE rows built so far
+    (256, 512, 1024: the tables grow) give forward_batch's logits bit for bit; a step on a new cache at a freed
+    one's address gets records of its own."""
+    import gc
+
+    from hybridmoe.errors import HybridMoeError
+    g = torch.Generator().manual_seed(2)
+    B, P = 3, 250
+    prompts = [torch.randint(0, model.cfg.n_vocab, (P + j,), generator=g) for j in range(B)]
+    ka, kb = ([model.new_cache(1100) for _ in range(B)] for _ in range(2))
+    ta = [int(o[-1].argmax()) for o in model.forward_batch([(p, 0, kv) for p, kv in zip(prompts, ka)])]
+    model.forward_batch([(p, 0, kv) for p, kv in zip(prompts, kb)])
+    tb, pos = list(ta), [P + j for j in range(B)]
+    for step in range(12):
+        oa = model.forward_batch([(torch.tensor([t]), p, kv) for t, p, kv in zip(ta, pos, ka)])
+        ob = model.decode_batch(tb, pos, kb)
+        assert all(torch.equal(a[-1], b) for a, b in zip(oa, ob)), step
+        ta, tb = [int(o[-1].argmax()) for o in oa], ob.argmax(-1).tolist()
+        assert ta == tb
+        pos = [p + 1 if step != 5 else p + 250 for p in pos]       # jump past 512 (gaps are allowed)
+    assert [kv.tokens for kv in ka] == [kv.tokens for kv in kb]
+    held = [list(kv.tokens) for kv in kb]
+    k0 = [t.clone() for t in kb[0].k]
+    for args, words in (((tb[:2] + [model.cfg.n_vocab], pos, kb), "not in the vocabulary"),
+                        ((tb[:2] + [-1], pos, kb), "not in the vocabulary"),
+                        ((tb, pos[:2] + [-1], kb), "negative"),
+                        ((tb, pos[:2] + [1100], kb), "context is full")):
+        assert model._batch.same_batch(kb)
+        with pytest.raises(HybridMoeError, match=words):
+            model.decode_batch(*args)
+    assert [list(kv.tokens) for kv in kb] == held
+    assert all(torch.equal(a, b) for a, b in zip(k0, kb[0].k))
+    # a freed cache's records are not reused for a new cache, wherever it lies
+    del kb[1]
+    gc.collect()
+    fresh = [model.new_cache(1100) for _ in range(2)]
+    for kv in fresh:
+        model.forward(prompts[1], 0, kv)
+    kb.insert(1, fresh[0])
+    p1 = [pos[0], P + 1, pos[2]]
+    oa = model.forward_batch([(torch.tensor([t]), p, kv) for t, p, kv in zip(tb, p1, [ka[0], fresh[1], ka[2]])])
+    ob = model.decode_batch(tb, p1, kb)
+    assert all(torch.equal(a[-1], b) for a, b in zip(oa, ob))

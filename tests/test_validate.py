@@ -224,6 +224,20 @@ def test_nan_in_a_large_tensor_check_tensors_and_run_time(tmp_path):
     assert main(["run", "-m", p, "-n", "2", "--no-warmup", "-p", "hi", "--check-tensors"]) == 1
 
 
+def test_nan_in_a_batched_decode_step_names_the_layer(tmp_path):
+    """The CPU batch step's NaN logits (found in C by hm_decode_batch) are the same NonFiniteError as a single
+    forward's; the caches keep no record of the step."""
+    g = _base()
+    _nan_in(g, "blk.1.attn_output.weight", 3)
+    m = hybridmoe.load(_write(g, tmp_path / "w.gguf"), ctx_size=64, threads=1)
+    kvs = [m.new_cache(64) for _ in range(2)]
+    for _ in range(2):                        # the first builds the batch step (forward_batch), the second runs it
+        with pytest.raises(NonFiniteError, match=r"first in the output of layer 1 of 2"):
+            m.decode_batch([1, 2], [0, 0], kvs)
+    assert m._batch and m._batch.same_batch(kvs)
+    assert [kv.tokens for kv in kvs] == [[], []]
+
+
 # ------------------------------------------------------------------------------ bounded work
 
 def test_huge_spm_token_builds_in_linear_time():

@@ -41,6 +41,9 @@ class Sampler:
         # the logits as they are when it is not banned (then it is the argmax of the biased ones too)
         self.banned = {int(t) for t in s.logit_bias} if s.logit_bias and all(
             b == float("-inf") for b in s.logit_bias.values()) else None
+        # greedy on the logits as they come (no penalties; a bias, if any, only bans tokens): the token is their
+        # argmax unless that is banned or the constraint refuses it
+        self.plain_greedy = s.temperature <= 0 and not self.penalize and (self.bias is None or self.banned is not None)
 
     def start(self, prompt_ids):
         """The context so far (the penalties look back into the prompt, as llama.cpp's)."""
@@ -68,11 +71,11 @@ class Sampler:
             logits[self.bias[0]] += self.bias[1]
         return logits
 
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy on the logits as they come (no penalties; a bias, if any, only bans tokens): the token is
-        their argmax unless that is banned or the constraint refuses it."""
-        return self.s.temperature <= 0 and not self.penalize and (self.bias is None or self.banned is not None)
+    def takes(self, top: int) -> bool:
+        """Whether `top`, the logits' argmax, is the token __call__ would return (plain greedy, and it is allowed):
+        then the logits need not be read."""
+        c = self.constraint
+        return self.plain_greedy and (self.banned is None or top not in self.banned) and (c is None or c.allows(top))
 
     def __call__(self, logits: torch.Tensor, top: int | None = None) -> int:
         """logits [n_vocab] float32 -> token id (greedy at temperature <= 0, as llama.cpp). `top`: their argmax,

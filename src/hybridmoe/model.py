@@ -20,7 +20,7 @@ from .quant.dequant import SUPPORTED
 from .quant.types import GGMLType
 from .runtime.kvcache import KVCache
 from .runtime.scheduler import Scheduler
-from .runtime.steps import build_step
+from .runtime.steps import NonFinite, build_step
 from .runtime.weights import load_weights
 
 
@@ -221,34 +221,48 @@ class Model:
                                  "distinct_per_layer": routed}
         return outs
 
-    @torch.inference_mode()
-    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list[KVCache]) -> torch.Tensor:
+    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list[KVCache], argmax: bool = False):
         """forward_batch for one decode token a sequence, given as lists: token ids, their positions and the
         sequences' caches (each its own). Returns their logits [B, n_vocab] (row j: what forward(tokens[j], pos[j],
-        kvs[j]) gives); a server's decode step, with less Python a sequence where the CPU batch step runs it."""
+        kvs[j]) gives), with `argmax` (logits, each row's argmax as a list: the greedy tokens); a server's decode
+        step, with little Python a sequence where the CPU batch step runs it: the caches' records are made (and
+        the caches checked) when the batch's caches change, the ids and positions checked by the C step, and
+        explained here when it refuses them."""
         if not (len(tokens) == len(pos) == len(kvs)) or not tokens:
             raise HybridMoeError("decode_batch: give as many tokens, positions and caches, at least one")
-        self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
         step = self._batch if len(tokens) > 1 else None
-        if not step or not hasattr(step, "decode_batch") or not all(step.accepts(kv) for kv in kvs):
-            items = [(torch.tensor([t]), p, kv) for t, p, kv in zip(tokens, pos, kvs)]
-            return torch.cat(self.forward_batch(items))
-        for p, kv in zip(pos, kvs):
-            kv.begin_write(p, 1)
+        fast = getattr(step, "decode_batch", None) if step else None
+        if fast is not None and not step.same_batch(kvs):
+            self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
         t0 = time.perf_counter()
-        out, distinct = step.decode_batch(tokens, pos, kvs)
+        try:
+            res = fast(tokens, pos, kvs) if fast is not None else None
+        except IndexError:                              # nothing ran: say which id or position
+            self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
+            raise
+        except NonFinite as e:                          # the caches hold this step's keys, but no record of them
+            for p, kv in zip(pos, kvs):
+                kv.begin_write(p, 1)
+            j = next(j for j in range(len(tokens)) if not all_finite(e.out[j]))
+            raise NonFiniteError(self._nonfinite_message(torch.tensor([tokens[j]]), pos[j], kvs[j])) from None
+        except Exception:
+            for p, kv in zip(pos, kvs):
+                kv.begin_write(p, 1)
+            raise
+        if res is None:
+            self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
+            out = torch.cat(self.forward_batch([(torch.tensor([t]), p, kv) for t, p, kv in zip(tokens, pos, kvs)]))
+            return (out, out.argmax(-1).tolist()) if argmax else out
         if self.runtime.profile:
             self.stats.wall[0] += time.perf_counter() - t0
-        if not all_finite(out):
-            j = next(j for j in range(len(tokens)) if not all_finite(out[j]))
-            raise NonFiniteError(self._nonfinite_message(torch.tensor([tokens[j]]), pos[j], kvs[j]))
+        out, distinct, top = res
         for t, p, kv in zip(tokens, pos, kvs):
-            kv.end_write(p, [t])
+            kv.wrote(p, t)
         routed = {i: distinct[i] for i in self._moe_layers()}
         self.stats.last_batch = {"sequences": len(tokens), "tokens": len(tokens),
                                  "distinct_experts": sum(routed.values()) / len(routed) if routed else None,
                                  "distinct_per_layer": routed}
-        return out
+        return (out, top) if argmax else out
 
     def _check_batch(self, items) -> list[list[int]]:
         """A clear error for a batch forward_batch can't run, before any cache is touched; each item's token ids
@@ -321,7 +335,9 @@ class Model:
         return out, {i: int(torch.unique(ids).numel()) for i, ids in routing.items()}
 
     def _moe_layers(self) -> list[int]:
-        return [L.i for L in self.decoder.layers if L.ffn_gate_inp is not None]
+        if getattr(self, "_moe_ids", None) is None:
+            self._moe_ids = [L.i for L in self.decoder.layers if L.ffn_gate_inp is not None]
+        return self._moe_ids
 
     def _batch_step(self, items):
         """The CPU batch step (runtime/steps/cpu_decode.py) when every weight and every item's cache is on the

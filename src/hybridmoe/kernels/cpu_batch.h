@@ -288,6 +288,55 @@ int hm_batch_step(const hm_dmodel *m, const int64_t *tokens, const hm_seq *seqs,
     return rc;
 }
 
+/* scratch bytes of hm_decode_batch for nseq sequences: hm_batch_step's, then their RoPE rows */
+int64_t hm_decode_batch_scratch(const hm_dmodel *m, int64_t nseq) {
+    return hm_batch_scratch(m, nseq, nseq) + ((2 * nseq * m->D * 4 + 63) & ~(int64_t)63);
+}
+
+/* A server's decode step: one token of each of nseq sequences, hm_batch_step's work with the per-step setup done
+ * here. pos [nseq]: each token's position (written into seqs' pos0, T set to 1: the caller keeps one seqs array
+ * while the batch's caches stay the same). cs_tab / sn_tab: RoPE cos and sin [npos][D] of positions 0..npos-1,
+ * this step's rows gathered from them. logits [nseq][n_vocab]. scratch: hm_decode_batch_scratch(m, nseq) bytes.
+ * top (NULL: not wanted): each row's argmax, the first of equal maxima (torch.argmax's), for the greedy samplers.
+ * Returns hm_batch_step's code (0; -1 for a token, position or sequence out of range, nothing written; a kernel's
+ * error), -3 when a position is past the tables (nothing written: extend them and call again), or 1 when every
+ * step ran but some logits are not finite (top is then not set). */
+int hm_decode_batch(const hm_dmodel *m, const int64_t *tokens, const int64_t *pos, hm_seq *seqs, int64_t nseq,
+                    const float *cs_tab, const float *sn_tab, int64_t npos, float *logits, uint8_t *scratch,
+                    double *times, int32_t *distinct, int64_t *top) {
+    const int64_t D = m->D;
+    if (nseq < 1 || D > DEC_MAXD) return -1;
+    for (int64_t s = 0; s < nseq; s++)
+        if (pos[s] < 0 || pos[s] >= (seqs[s].kc ? seqs[s].slots : m->slots)) return -1;
+    for (int64_t s = 0; s < nseq; s++)
+        if (pos[s] >= npos) return -3;
+    float *cs = (float *)(scratch + hm_batch_scratch(m, nseq, nseq)), *sn = cs + nseq * D;
+    for (int64_t s = 0; s < nseq; s++) {
+        seqs[s].T = 1;
+        seqs[s].pos0 = pos[s];
+        memcpy(cs + s * D, cs_tab + pos[s] * D, (size_t)D * 4);
+        memcpy(sn + s * D, sn_tab + pos[s] * D, (size_t)D * 4);
+    }
+    const int rc = hm_batch_step(m, tokens, seqs, nseq, cs, sn, logits, 0, scratch, times, distinct);
+    if (rc) return rc;
+    const int64_t V = m->head.rows;
+    uint32_t bad = 0;                                      /* exponent all ones: inf or NaN (-ffast-math-proof) */
+    for (int64_t i = 0; i < nseq * V; i++) {
+        uint32_t u;
+        memcpy(&u, logits + i, 4);
+        bad |= (u & 0x7f800000u) == 0x7f800000u;
+    }
+    if (bad) return 1;
+    for (int64_t s = 0; top && s < nseq; s++) {
+        const float *r = logits + s * V;
+        int64_t best = 0;
+        for (int64_t i = 1; i < V; i++)
+            if (r[i] > r[best]) best = i;
+        top[s] = best;
+    }
+    return 0;
+}
+
 /* A prompt chunk of one sequence in the model's own cache: hm_batch_step with one sequence. tokens [T] at
  * positions pos0..; logits of every token (all = 1: [T][n_vocab]) or of the last ([n_vocab]). scratch:
  * hm_prompt_scratch(m, T) bytes. */

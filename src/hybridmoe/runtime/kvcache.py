@@ -70,6 +70,18 @@ class KVCache:
         if pos0 == len(self.tokens):
             self.tokens.extend(tokens)
 
+    def wrote(self, pos: int, token: int):
+        """A decode step wrote `token` at pos: begin_write(pos, 1) and end_write(pos, [token]) in one call."""
+        toks = self.tokens
+        if pos < len(toks):
+            del toks[pos:]
+        elif pos > len(toks):
+            toks.clear()
+            self.hi = max(0 if pos == 0 else self.hi, pos + 1)
+            return
+        toks.append(token)
+        self.hi = max(0 if pos == 0 else self.hi, pos + 1)
+
     def reusable_prefix(self, ids: list[int]) -> int:
         """How many leading tokens of `ids` need not run again: the prefix this cache already holds, less at
         least the last token (its logits are wanted). With a sliding-window ring, a prefix is kept only if

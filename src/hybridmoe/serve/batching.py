@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -175,6 +176,8 @@ class Batcher:
     def _deliver(self):
         """What the jobs wrote since the last call, to their queues on their event loops: one wake-up of each
         loop a step, not one a token."""
+        if not self.outbox:
+            return
         out = list(self.outbox)
         self.outbox.clear()                           # the jobs hold this list
         by_loop: dict = {}
@@ -208,7 +211,7 @@ class Batcher:
 
     def _admit(self):
         """Waiting jobs into idle slots, in arrival order (a job that names a busy slot lets others pass)."""
-        used = sum(j.reserved for j in self.order)
+        used = sum(j.reserved for j in self.order) if self.unified else 0
         for job in [j for j in self.waiting if j.cancel.is_set()]:     # their clients left while they waited
             self.waiting.remove(job)
             self._end(job)
@@ -262,26 +265,28 @@ class Batcher:
                 items.append((j, chunk))
         if not items:
             return
-        outs = self._forward(items)
+        outs, top = self._forward(items)
         self.counts["decodes"] += 1
         self.counts["busy_slots"] += len(self.order)
-        # the greedy samplers' tokens: the argmax of their rows in one op, not one op a sequence
-        if isinstance(outs, torch.Tensor):             # [B, n_vocab], every row computed
-            greedy = [k for k, (job, toks) in enumerate(items) if job.greedy_after(len(toks))]
-            top = outs.argmax(-1).tolist() if greedy else []
-            tops = {k: top[k] for k in greedy}
-        else:
+        if top is None:
+            # the greedy samplers' tokens: the argmax of their rows in one op, not one op a sequence
             greedy = [k for k, ((job, toks), out) in enumerate(zip(items, outs))
                       if not isinstance(out, BaseException) and job.greedy_after(len(toks))]
-            tops = dict(zip(greedy, torch.stack([outs[k] for k in greedy]).argmax(-1).tolist())) \
-                if len(greedy) > 1 else {}
-        for k, ((job, toks), out) in enumerate(zip(items, outs)):
+            if len(greedy) > 1:
+                top = [None] * len(items)
+                for k, t in zip(greedy, torch.stack([outs[k] for k in greedy]).argmax(-1).tolist()):
+                    top[k] = t
+        rows = isinstance(outs, torch.Tensor)
+        for k, (job, toks) in enumerate(items):
+            # the logits: a row of the batch's, taken only if the job's sampling reads them; else this item's, or the
+            # exception its forward raised
+            out = functools.partial(outs.select, 0, k) if rows else outs[k]
             if isinstance(out, BaseException):
                 job.fail(out)
                 self._end(job, failed=True)
                 continue
             try:
-                over = job.advance(len(toks), out, tops.get(k))
+                over = job.advance(len(toks), out, top[k] if top is not None else None)
             except Exception as e:                   # noqa: BLE001 - a sampler or constraint failure
                 job.fail(e)
                 self._end(job, failed=True)
@@ -298,8 +303,9 @@ class Batcher:
             self.counts["distinct_experts"] += last["distinct_experts"]
 
     def _forward(self, items):
-        """The last logits [n_vocab] of each item (job, tokens), or the exception its forward raised: a list, or
-        for a step of decode tokens that ran batched the [B, n_vocab] tensor of them."""
+        """(the last logits [n_vocab] of each item (job, tokens), or the exception its forward raised: a list, or for
+        a step of decode tokens that ran batched the [B, n_vocab] tensor of them; each row's argmax where the batched
+        step gave them, else None)."""
         model = self.model
         batched = getattr(model, "forward_batch", None)
         n_tok = sum(len(t) for _, t in items)
@@ -307,7 +313,8 @@ class Batcher:
         self.counts["batch_tokens"] += n_tok
         if len(items) > 1 and n_tok == len(items) and getattr(model, "decode_batch", None) is not None:
             try:                                     # decode tokens only: the lists' path, logits [B, n_vocab]
-                out = model.decode_batch([t[0] for _, t in items], [j.pos for j, _ in items], [j.kv for j, _ in items])
+                out = model.decode_batch([t[0] for _, t in items], [j.pos for j, _ in items], [j.kv for j, _ in items],
+                                         argmax=True)
                 self._note_batch()
                 return out
             except Exception as e:                   # noqa: BLE001 - each alone, to find whose it is
@@ -318,7 +325,7 @@ class Batcher:
                 ids = torch.tensor([x for _, t in items for x in t], dtype=torch.long).split([len(t) for _, t in items])
                 outs = batched([(t, j.pos, j.kv) for t, (j, _) in zip(ids, items)], all_logits=False)
                 self._note_batch()
-                return [o[-1] for o in outs]
+                return [o[-1] for o in outs], None
             except Exception as e:                   # noqa: BLE001 - each alone, to find whose it is
                 log.debug("batched step failed (%s); running its sequences one by one", e)
         self.last_batch = {"sequences": len(items), "tokens": n_tok}
@@ -329,4 +336,4 @@ class Batcher:
                                           all_logits=False)[-1])
             except Exception as e:                   # noqa: BLE001 - reported to its request
                 outs.append(e)
-        return outs
+        return outs, None

@@ -54,6 +54,21 @@ class StopMatcher:
         return out
 
 
+def _joined(items: list) -> list:
+    """Items with each run of consecutive 'text' (or 'reasoning') pieces joined into one: a whole answer's pieces,
+    handed to the event loop as a few items instead of one a token."""
+    out, run = [], []
+    for it in items + [("", None)]:
+        if run and it[0] != run[0][0]:
+            out.append((run[0][0], "".join(x for _, x in run)) if len(run) > 1 else run[0])
+            run = []
+        if it[0] in ("text", "reasoning"):
+            run.append(it)
+        elif it[1] is not None:
+            out.append(it)
+    return out
+
+
 class Job:
     """One generation. The batcher calls `begin` when the job gets a slot, then each step runs `next_tokens`
     at `pos` in the slot's cache and gives the last logits to `advance`, until it returns True; then `finish`
@@ -89,7 +104,7 @@ class Job:
                 self.held.append(item)
                 return
             held, self.held = self.held, []
-            for it in held:
+            for it in _joined(held):
                 self._post(it)
         self._post(item)
 
@@ -124,6 +139,10 @@ class Job:
         self.split = ReplySplitter(tools=bool(p.tools), reasoning=p.reasoning_format not in (None, "none"),
                                    think_opened=p.think_opened, harmony=p.harmony)
         self.finish_kind, self.hit, self.left = "length", False, self.max_tokens
+        # a non-streamed reply with no stop strings, logprobs, reasoning or tools is read whole and its text passes
+        # the stop matcher and the splitter as it comes: its tokens wait here and become text once, at the end
+        self.deferred = [] if (self.held is not None and not self.stops.stops and p.logprobs is None
+                               and self.split.first is None and self.split.calls is None) else None
         n_cached = kv.reusable_prefix(self.ids) if p.cache_prompt else 0
         self.sampler.start(self.ids)
         self.timings.n_cached, self.timings.n_prompt = n_cached, len(self.ids) - n_cached
@@ -138,7 +157,8 @@ class Job:
         return (not self.in_prompt or n_ran == len(self.todo)) and getattr(self.sampler, "plain_greedy", False)
 
     def advance(self, n_ran: int, logits, top: int | None = None) -> bool:
-        """The step ran n_ran tokens of `next_tokens`; `logits` [n_vocab] are the last one's (`top`: their argmax,
+        """The step ran n_ran tokens of `next_tokens`; `logits` [n_vocab] are the last one's, or a callable that
+        gives them (a row of the batch's logits, taken only where the sampling needs more than `top`: their argmax,
         if the batcher took it). Samples when the prompt is done; True when the generation is over."""
         self.pos += n_ran
         del self.todo[:n_ran]
@@ -157,10 +177,15 @@ class Job:
     def _sample(self, logits, top: int | None = None) -> bool:
         if self.cancel.is_set():
             return True
-        t = self.sampler(logits) if top is None else self.sampler(logits, top)
+        if top is not None and self.sampler.takes(top):
+            t = top
+        else:
+            logits = logits() if callable(logits) else logits
+            t = self.sampler(logits) if top is None else self.sampler(logits, top)
         self.timings.n_generated += 1
         self.sampler.accept(t)
         if self.params.logprobs is not None:        # the model's own distribution, before sampling settings
+            logits = logits() if callable(logits) else logits
             lp = torch.log_softmax(logits.float(), -1)
             n_top = self.params.logprobs
             top = torch.topk(lp, n_top) if n_top else None
@@ -170,11 +195,14 @@ class Job:
             self.finish_kind = "stop"
             return True
         self.n_generated += 1
-        text, self.hit = self.stops.feed(self.detok.add(t))
-        self._send(text)
-        if self.hit:
-            self.finish_kind = "stop"
-            return True
+        if self.deferred is not None:
+            self.deferred.append(t)
+        else:
+            text, self.hit = self.stops.feed(self.detok.add(t))
+            self._send(text)
+            if self.hit:
+                self.finish_kind = "stop"
+                return True
         if self.left <= 0 or self.pos >= self.kv.n_ctx:
             return True
         self.todo = [t]
@@ -190,6 +218,10 @@ class Job:
         cancelled = self.cancel.is_set()
         if hasattr(self, "sampler"):
             finish = self.finish_kind
+            if self.deferred and not cancelled:
+                add = self.detok.add
+                self._send("".join([add(t) for t in self.deferred]))
+                self.deferred = []
             if not self.hit and not cancelled:
                 text, self.hit = self.stops.feed(self.detok.flush())
                 if self.hit:

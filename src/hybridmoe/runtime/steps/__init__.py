@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .base import DecodeStep, NotApplicable, PromptStep
+from .cpu_decode import NonFinite
 
 
 def build_step(model, kv, which: str) -> DecodeStep | PromptStep | None:

@@ -72,6 +72,11 @@ def _lib():
         lib.hm_batch_step.argtypes = [ctypes.POINTER(_Model), c_vp, ctypes.POINTER(_Seq), c_i64, c_vp, c_vp, c_vp,
                                       c_i32, c_vp, c_vp, c_vp]
         lib.hm_batch_step.restype = c_i32
+        lib.hm_decode_batch_scratch.argtypes = [ctypes.POINTER(_Model), c_i64]
+        lib.hm_decode_batch_scratch.restype = c_i64
+        lib.hm_decode_batch.argtypes = [ctypes.POINTER(_Model), c_vp, c_vp, c_vp, c_i64, c_vp, c_vp, c_i64, c_vp, c_vp,
+                                        c_vp, c_vp, c_vp]
+        lib.hm_decode_batch.restype = c_i32
         lib._decode_ready = True
     return lib
 
@@ -171,8 +176,9 @@ class CpuDecoder:
         self.rope = (-_ROPE_BLOCK - 1, None)      # (first position, (cos, sin)) of the cached block
         self.worked = False
         self._ptrs = weakref.WeakKeyDictionary()      # cache -> its per-layer K and V addresses (forward_batch)
-        self._scratch_need: dict[int, int] = {}       # decode_batch: B -> scratch bytes
-        self._distinct = torch.zeros(cfg.n_layer, dtype=torch.int32)
+        self._batch = None                            # decode_batch's records of the last batch's caches (_Batch)
+        self._rope_tab = None                         # decode_batch: cos, sin [positions, D] from position 0
+        self.batch_scratch = None                     # decode_batch's scratch (the prompt steps' is prompt_scratch)
         ek = [L for L in dec.layers if L.ffn_gate_inp is not None]
         # bytes of one routed expert per layer (0: no routed experts), for a batch's distinct experts
         self.layer_expert_bytes = [(L.ffn_gate_exps.nbytes + L.ffn_up_exps.nbytes + L.ffn_down_exps.nbytes)
@@ -310,36 +316,55 @@ class CpuDecoder:
         self._account(n, sum(d * b for d, b in zip(distinct, self.layer_expert_bytes)))
         return out, distinct
 
-    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list) -> tuple[torch.Tensor, list[int]]:
-        """One decode token for each of B sequences (forward_batch's items of one token, with ids, positions and
-        caches as lists, that the caller checked: ids in the vocabulary, positions in their caches, caches that
-        accepts() takes): their logits [B, n_vocab] and per layer the distinct experts, as forward_batch gives
-        them, from the same hm_batch_step call, with less Python a sequence (the sequences' records built as one
-        int64 tensor, the RoPE rows in one gather)."""
+    def same_batch(self, kvs: list) -> bool:
+        """Whether decode_batch's last batch had these caches, in this order (their records are kept)."""
+        return self._batch is not None and self._batch.holds(kvs)
+
+    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list) -> tuple[torch.Tensor, list[int], list[int]] | None:
+        """One decode token for each of B sequences, ids, positions and caches as lists (each cache a distinct
+        KVCache): their logits [B, n_vocab], per layer the distinct experts, as forward_batch gives them, and each
+        row's argmax, by the same hm_batch_step (hm_decode_batch: the RoPE rows gathered, the logits' finiteness
+        tested and their argmax taken in C). The
+        sequences' records are made once for a batch of the same caches, so a step costs a few list copies of
+        Python. None when a cache is one accepts() refuses (nothing ran). Raises IndexError for an id or position
+        out of range (nothing written), NonFinite (a subclass of ValueError) when some logits are not finite (the
+        caches written), RuntimeError for a kernel's failure."""
         B = len(tokens)
-        rows = []
-        for p, kv in zip(pos, kvs):
-            kc, vc = self._seq_ptrs(kv)
-            rows.append((1, p, kv.n_ctx, ctypes.addressof(kc), ctypes.addressof(vc)))
-        seqs = torch.tensor(rows, dtype=torch.int64)      # [B, 5]: _Seq's fields, 8 bytes each
-        ids = torch.tensor(tokens, dtype=torch.int64)
-        cos, sin = self._cos_sin_rows(pos)
-        need = self._scratch_need.get(B)
-        if need is None:
-            need = self._scratch_need[B] = self.lib.hm_batch_scratch(self.mp, B, B)
-        if self.prompt_scratch is None or self.prompt_scratch.numel() < need:
-            self.prompt_scratch = torch.empty(need, dtype=torch.uint8)
+        bt = self._batch
+        if bt is None or not bt.holds(kvs):
+            bt = self._batch = _Batch.of(self, kvs)
+            if bt is None:
+                return None
+        bt.toks[:] = tokens
+        bt.pos[:] = pos
         out = torch.empty(B, self.n_vocab, dtype=torch.float32)
-        distinct = self._distinct
         self.m.nthreads = self._threads()
-        rc = self.lib.hm_batch_step(self.mp, ids.data_ptr(), (_Seq * B).from_address(seqs.data_ptr()), B,
-                                    cos.data_ptr(), sin.data_ptr(), out.data_ptr(), 0, self.prompt_scratch.data_ptr(),
-                                    self.times, distinct.data_ptr())
-        if rc:
+        while True:
+            tab = self._rope_tab
+            rc = self.lib.hm_decode_batch(self.mp, bt.toks_p, bt.pos_p, bt.seqs_p, B, tab[0].data_ptr(),
+                                          tab[1].data_ptr(), tab[0].shape[0], out.data_ptr(), bt.scratch_p,
+                                          self.times, bt.distinct_p, bt.top_p) if tab is not None else -3
+            if rc != -3:
+                break
+            self._grow_rope(max(pos))
+        if rc < 0:
+            if rc == -1:
+                raise IndexError("a token id or position is out of range")
             raise RuntimeError(f"the CPU batch step failed: {_why(rc)}")
-        distinct = distinct.tolist()
+        distinct = list(bt.distinct)
         self._account(B, sum(d * b for d, b in zip(distinct, self.layer_expert_bytes)))
-        return out, distinct
+        if rc == 1:
+            raise NonFinite(out, distinct)
+        return out, distinct, bt.top[:B]
+
+    def _grow_rope(self, max_pos: int):
+        """decode_batch's RoPE tables, from position 0 past max_pos (in steps of _ROPE_BLOCK positions, doubling):
+        the rows rope_tables gives each position, whatever range it is computed in."""
+        have = 0 if self._rope_tab is None else self._rope_tab[0].shape[0]
+        n = max(2 * have, -(-(max_pos + 1) // _ROPE_BLOCK) * _ROPE_BLOCK)
+        cfg = self.cfg
+        cos, sin = rope_tables(torch.arange(n), cfg.head_dim, cfg.rope_base, cfg.rope_neox, cfg.rope_yarn)
+        self._rope_tab = (cos[:, 0].contiguous(), sin[:, 0].contiguous())
 
     def _account(self, n_tokens: int, expert_bytes: int):
         """The stats of one call: a forward of n_tokens, the expert bytes it read, the C timers' op seconds."""
@@ -370,6 +395,54 @@ class CpuDecoder:
             raise RuntimeError(f"the CPU decode step failed: {_why(rc)}")
         self._account(1, self.expert_bytes)
         return out
+
+
+class NonFinite(ValueError):
+    """decode_batch's step ran (the caches written) but some logits are not finite: out [B, n_vocab], distinct."""
+
+    def __init__(self, out: torch.Tensor, distinct: list[int]):
+        super().__init__("some logits are not finite")
+        self.out, self.distinct = out, distinct
+
+
+class _Batch:
+    """decode_batch's C records of one batch of caches, kept while the next steps have the same caches: the
+    sequences' hm_seq records, the tokens, positions and distinct-experts arrays, the scratch; the caches
+    themselves by weak reference (a cache that is freed and another made at its address is not taken for it)."""
+
+    def __init__(self, step: CpuDecoder, kvs: list):
+        B = len(kvs)
+        self.ids = [id(kv) for kv in kvs]
+        self.refs = [weakref.ref(kv) for kv in kvs]
+        self.seqs = (_Seq * B)()
+        self.ptrs = []
+        for j, kv in enumerate(kvs):
+            kc, vc = step._seq_ptrs(kv)
+            self.ptrs.append((kc, vc))
+            self.seqs[j].T, self.seqs[j].slots = 1, kv.n_ctx
+            self.seqs[j].kc, self.seqs[j].vc = ctypes.addressof(kc), ctypes.addressof(vc)
+        self.toks, self.pos, self.top = (c_i64 * B)(), (c_i64 * B)(), (c_i64 * B)()
+        self.distinct = (c_i32 * step.cfg.n_layer)()
+        need = step.lib.hm_decode_batch_scratch(step.mp, B)
+        if step.batch_scratch is None or step.batch_scratch.numel() < need:
+            step.batch_scratch = torch.empty(need, dtype=torch.uint8)
+        self.scratch = step.batch_scratch            # kept: a later, larger batch may replace step's
+        self.toks_p, self.pos_p, self.seqs_p = (ctypes.addressof(self.toks), ctypes.addressof(self.pos),
+                                                ctypes.addressof(self.seqs))
+        self.distinct_p, self.scratch_p = ctypes.addressof(self.distinct), self.scratch.data_ptr()
+        self.top_p = ctypes.addressof(self.top)
+
+    @classmethod
+    def of(cls, step: CpuDecoder, kvs: list):
+        """The records of these caches, or None when accepts() refuses one."""
+        if not all(step.accepts(kv) for kv in kvs):
+            return None
+        return cls(step, kvs)
+
+    def holds(self, kvs: list) -> bool:
+        """Whether these are this batch's caches, in this order (and all still alive)."""
+        return len(kvs) == len(self.ids) and all(id(kv) == i for kv, i in zip(kvs, self.ids)) and \
+            all(r() is not None for r in self.refs)
 
 
 def _why(rc: int) -> str:
