@@ -151,3 +151,32 @@ def test_all_cpu_prompts_without_a_gpu_take_the_c_step(monkeypatch):
         pytest.skip("a GPU is present")
     m.forward(torch.arange(3, 67), 0, m.new_cache(128))
     assert type(m._steps["prompt"][1]).__name__ == "CpuDecoder"
+
+
+def test_each_cache_keeps_its_static_steps(monkeypatch):
+    """Two caches in turn (a server's slots): each keeps the static decode and prompt steps built at its first
+    use, so switching back does not build (and on a GPU capture) them again; a changed offload policy makes every
+    cache build its prompt step again, and a cache that is dropped frees its steps with it."""
+    import gc
+    import weakref
+    monkeypatch.delenv("HYBRIDMOE_FAKE_GPUS", raising=False)
+    m = hybridmoe.load("synth:tiny", n_gpu_layers=0, ctx_size=128)
+    caches = [m.new_cache(128), m.new_cache(128)]
+    seen = []
+    for kv in caches + caches:
+        m.forward(torch.arange(3, 20), 0, kv)
+        m.forward(torch.tensor([5]), 17, kv)
+        seen.append((kv.static_steps["prompt"][1], kv.static_steps["decode"][1]))
+        assert m.static_step("decode") is seen[-1][1] is not None
+    assert seen[0][0] is seen[2][0] and seen[0][1] is seen[2][1] and seen[1][1] is seen[3][1]
+    assert seen[0][1] is not seen[1][1]
+    m.set_policy("all,0")                                  # a changed policy: prompt steps again, decode steps kept
+    m.forward(torch.arange(3, 20), 0, caches[0])
+    assert caches[0].static_steps["prompt"][1] is not seen[0][0]
+    m.forward(torch.tensor([5]), 17, caches[0])
+    assert caches[0].static_steps["decode"][1] is seen[0][1]
+    gone = weakref.ref(seen[1][1])
+    del caches[1], seen[:], kv
+    m.forward(torch.tensor([6]), 18, caches[0])            # the model now holds only the first cache's steps
+    gc.collect()
+    assert gone() is None

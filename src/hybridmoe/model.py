@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import time
@@ -101,6 +102,7 @@ class Model:
         self.set_policy(runtime.offload_policy, runtime.offload_only_active_experts, runtime.fused_moe)
         self.decoder = build_decoder(self.cfg, self.weights, self.sched)
         self._steps = {}                                      # "decode" / "prompt" -> (cache, its static step)
+        self._step_gen = {"decode": 0, "prompt": 0}           # bumped: every cache's step of that kind is stale
         self._batch = None                                    # forward_batch's CPU step (False: none applies)
         self._free_cache = None
         self.load_seconds = time.perf_counter() - t0
@@ -150,7 +152,7 @@ class Model:
         self.sched.fused_moe = fused_moe
         self.sched.forget_uploads()
         if hasattr(self, "_steps"):              # (set at load, after this first call)
-            self._steps.pop("prompt", None)      # an all-CPU prompt step depends on whether ops may offload
+            self.drop_steps("prompt")            # an all-CPU prompt step depends on whether ops may offload
 
     @property
     def stats(self):
@@ -158,6 +160,10 @@ class Model:
 
     def new_cache(self, n_ctx: int | None = None) -> KVCache:
         cfg = self.cfg
+        if any(d.kind == "cuda" for d in self.devices.values()):
+            # a dropped cache and its static steps refer to each other (the steps' graphs read its tensors):
+            # collect them before a new cache takes their memory
+            gc.collect()
         devs = [self.devices[self.placement.kv_device(i)] for i in range(cfg.n_layer)]
         if cfg.kv_lora_rank:                  # MLA: one compressed row per token: latent + shared roped key
             return KVCache(cfg.n_layer, n_ctx or self.options.ctx_size, 1, cfg.kv_lora_rank + cfg.rope_dim, devs,
@@ -423,6 +429,7 @@ class Model:
                 raise
             from .errors import warn_fallback
             warn_fallback(f"the static {which} step", e, "running it with the eager path")
+            kv.static_steps[which] = (self._step_gen[which], None)
             self._steps[which] = (kv, None)
             return None
         step.worked = True
@@ -456,15 +463,27 @@ class Model:
                  f"the fast kernels read {cpu}" + (f" (on a GPU also {gpu})" if gpu else ""))
 
     def _step_for(self, which: str, kv):
-        """The static "decode" or "prompt" step of this cache, built at its first use (one cache at a time keeps
-        its graphs), or None where the placement or architecture has none: the eager path runs then."""
+        """The static "decode" or "prompt" step of this cache, built at its first use and kept with the cache
+        (a server's slots each keep theirs: a request on another slot does not capture the graphs again), or
+        None where the placement or architecture has none: the eager path runs then."""
         if not self.runtime.graphs or not self.decoder.static_decode:
             return None                                       # gpt-oss: biases, sinks, swiglu_oai: eager
-        held = self._steps.get(which)
-        if held is None or held[0] is not kv:
-            step = build_step(self, kv, which)
-            held = self._steps[which] = (kv, step)
+        gen = self._step_gen[which]
+        held = kv.static_steps.get(which)
+        if held is None or held[0] != gen:
+            held = kv.static_steps[which] = (gen, build_step(self, kv, which))
+        self._steps[which] = (kv, held[1])
         return held[1]
+
+    def drop_steps(self, which: str | None = None):
+        """Forget the static steps ("decode", "prompt" or both) of every cache: built again at next use."""
+        for w in ([which] if which else list(self._step_gen)):
+            self._step_gen[w] += 1
+            self._steps.pop(w, None)
+
+    def static_step(self, which: str):
+        """The static step used last for "decode" or "prompt" (None: none yet, or the eager path)."""
+        return self._steps.get(which, (None, None))[1]
 
     def warmup(self) -> float:
         """llama.cpp's warm-up: a two-token prompt and one decode step, so that the kernels (the C build, Triton's
@@ -487,7 +506,7 @@ class Model:
     def decode_share(self) -> tuple[int, int]:
         """(g, k): the decode step's GPU runs g of each CPU-expert layer's k experts itself, read over the bus
         (runtime/steps/gpu_decode.py); g = 0 where it does not (or no decode step was built yet)."""
-        step = self._steps.get("decode", (None, None))[1]
+        step = self.static_step("decode")
         hk = getattr(step, "hk", None)
         return (hk.share if hk is not None else 0), self.cfg.n_expert_used
 

@@ -160,7 +160,7 @@ def _time_pp(model, T: int, reps: int, depth: int = 0) -> float:
 
 def _eager(model, on: bool):
     model.runtime.graphs = not on
-    model._steps = {}
+    model.drop_steps()
 
 
 def _with(rates, costs):

@@ -19,8 +19,7 @@ STEP_KINDS = {"StaticDecoder": "graph", "StaticPrefill": "graph", "CpuDecoder": 
 
 
 def _step_kind(model, which: str) -> str:
-    held = model._steps.get(which)
-    step = held[1] if held else None
+    step = model.static_step(which)
     return STEP_KINDS.get(type(step).__name__, "eager") if step is not None else "eager"
 
 

@@ -37,6 +37,9 @@ class KVCache:
             self.type_v = "f16"                                             # an empty buffer; -ctv has no object
         self.v = [self._alloc(self.type_v, n_head_kv, n, dv, d) for n, d in zip(self.slots, devices)]
         self.tokens: list[int] = []     # the token whose keys and values each position 0.. holds
+        # the model's static steps for this cache ("decode" / "prompt" -> (generation, step or None)): their
+        # graphs read this cache's tensors, so they live and go with it (Model._step_for)
+        self.static_steps: dict = {}
         self.hi = 0                      # 1 + the highest position written since position 0 was
 
     @staticmethod
