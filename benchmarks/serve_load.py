@@ -249,14 +249,17 @@ def main():
         sys.exit("give the server's flags after --, e.g. serve_load.py -- -m synth:tiny")
     if "-np" not in flags and "--parallel" not in flags:
         flags += ["-np", str(max(levels))]
+    np_ = int(flags[flags.index("-np" if "-np" in flags else "--parallel") + 1]) if flags else max(levels)
     if "-c" not in flags and "--ctx-size" not in flags:
-        np_ = int(flags[flags.index("-np" if "-np" in flags else "--parallel") + 1])
         flags += ["-c", str(np_ * (128 + a.max_tokens + 64))]
     proc = None
     url = a.url
     if url is None:
         proc, url = start_server(flags, a.start_timeout)
     try:
+        # every slot once, all at once (each takes a free slot): its cache and static steps are built at its
+        # first request (on a GPU a capture), which a level's timed requests would otherwise pay, one slot each
+        run_level(url, np_, np_, min(8, a.max_tokens), a.cache_prompt, threads=a.client_threads)
         rows = []
         for conc in levels:
             run_level(url, conc, conc, min(8, a.max_tokens), a.cache_prompt,        # warm-up: this batch size
