@@ -346,7 +346,8 @@ _int8_setting = True
 
 def set_int8(types=True):
     """Which types run single-token rows on the integer (VNNI) path: True = the measured default of the
-    path in use (AVX-512 VNNI: Q4_0, Q4_K, Q5_K, Q6_K, MXFP4; AVX-VNNI: those and IQ4_NL), False = none
+    path in use (AVX-512 VNNI: every quantized type; the 256-bit paths: Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL,
+    Q2_K, Q3_K, IQ4_XS and the grid types IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ1_S, IQ1_M), False = none
     (fp32 activations everywhere), or an iterable of types. Returns the previous setting, to pass back."""
     global _int8_setting
     lib = _load()

@@ -26,7 +26,7 @@ typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t
         [I_Q6_K] = KQROW(P, I_Q6_K), [I_IQ4_NL] = KQROW(P, I_IQ4_NL), [I_MXFP4] = KQROW(P, I_MXFP4), };
 
 /* the x types with a 256-bit integer kernel (the generic unit: x_u32, scales per 16) */
-#define X256(ti) ((ti) == I_Q2_K || (ti) == I_Q3_K || (ti) == I_IQ4_XS || (ti) == I_IQ3_XXS)
+#define X256(ti) ((ti) == I_Q2_K || (ti) == I_Q3_K || (ti) == I_IQ4_XS || X_GRID(ti))
 
 /* The 32-weight block types on the integer path: 16 bytes of nibbles after a scale, each nibble an entry of a
  * table of small integers (Q4_0: q - 8). vpdpbusd wants the weights unsigned, so the tables are offset by
@@ -380,7 +380,7 @@ HM_INLINE __m256i nib32(const uint8_t *p) {
 #endif
 }
 
-/* prep_k for the 256-bit x kernels, Q2_K's, Q3_K's and IQ3_XXS's 16 scales (and Q2_K's mins) by vector ops:
+/* prep_k for the 256-bit x kernels: Q2_K's, Q3_K's and the grid types' 16 scales (and Q2_K's mins) by vector ops:
  * the same values, without 16 passes of the scalar x_scales */
 HM_INLINE void prep_x256(const int ti, const uint8_t *b, float rd, kscale *ks) {
     const __m128i m0f = _mm_set1_epi8(0x0F);
@@ -408,13 +408,66 @@ HM_INLINE void prep_x256(const int ti, const uint8_t *b, float rd, kscale *ks) {
             _mm256_storeu_ps(ks->s + 8 * k, sv);
             _mm256_storeu_ps(ks->m + 8 * k, _mm256_mul_ps(_mm256_set1_ps((float)X_OFF(I_Q3_K)), sv));
         }
-    } else if (ti == I_IQ3_XXS) {     /* the top 4 bits of each sub-block's u32 (bytes 66-97): d (v + 1/2) / 2 */
-        const __m256 v = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(b + 66)), 28));
-        const __m256 sv = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_add_ps(v, _mm256_set1_ps(0.5f))),
-                                        _mm256_set1_ps(0.5f));
-        const __m256 lo = _mm256_unpacklo_ps(sv, sv), hi = _mm256_unpackhi_ps(sv, sv);   /* each twice */
-        const __m256 s0 = _mm256_permute2f128_ps(lo, hi, 0x20), s1 = _mm256_permute2f128_ps(lo, hi, 0x31);
-        const __m256 off = _mm256_set1_ps((float)X_OFF(I_IQ3_XXS));
+    } else if (X_GRID(ti)) {
+        const __m256 off = _mm256_set1_ps((float)X_OFF(ti));
+        __m256 s0, s1;
+        if (ti == I_IQ2_XS || ti == I_IQ1_M) {   /* a scale per 16 */
+            __m256i f0, f1;
+            if (ti == I_IQ2_XS) {                 /* d (s + 0.5) 0.25, s the nibbles at b + 66, low ones first */
+                const __m128i x = _mm_loadl_epi64((const __m128i *)(b + 66));
+                const __m128i n = _mm_unpacklo_epi8(_mm_and_si128(x, m0f), _mm_and_si128(_mm_srli_epi16(x, 4), m0f));
+                f0 = _mm256_cvtepu8_epi32(n);
+                f1 = _mm256_cvtepu8_epi32(_mm_srli_si128(n, 8));
+            } else {                              /* d (2 f + 1) / 8, f bits 3 (i % 4) of the u16 i / 4 at b + 48 */
+                const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9), m7 = _mm256_set1_epi32(7);
+                f0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_setr_epi32(rd16(b + 48), rd16(b + 48), rd16(b + 48),
+                    rd16(b + 48), rd16(b + 50), rd16(b + 50), rd16(b + 50), rd16(b + 50)), sh), m7);
+                f1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_setr_epi32(rd16(b + 52), rd16(b + 52), rd16(b + 52),
+                    rd16(b + 52), rd16(b + 54), rd16(b + 54), rd16(b + 54), rd16(b + 54)), sh), m7);
+            }
+            if (ti == I_IQ2_XS) {
+                const __m256 d = _mm256_set1_ps(F16(b)), h = _mm256_set1_ps(0.5f), q = _mm256_set1_ps(0.25f);
+                s0 = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_add_ps(_mm256_cvtepi32_ps(f0), h)), q);
+                s1 = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_add_ps(_mm256_cvtepi32_ps(f1), h)), q);
+            } else {
+                const __m256 d = _mm256_set1_ps(g_f16[iq1m_d(b)]), e = _mm256_set1_ps(0.125f);
+                const __m256i one = _mm256_set1_epi32(1);
+                s0 = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(f0, 1), one))), e);
+                s1 = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(f1, 1), one))), e);
+            }
+        } else {                                  /* a scale per 32, each stored twice */
+            __m256 sv;
+            if (ti == I_IQ3_XXS || ti == I_IQ2_XXS) {   /* d (v + 1/2) / 2 (/ 4), v the top 4 bits of a u32 per 32 */
+                __m256i u;
+                if (ti == I_IQ3_XXS) {
+                    u = _mm256_loadu_si256((const __m256i *)(b + 66));          /* bytes 66-97 */
+                } else {                          /* the second u32 of each 8 bytes from b + 2 */
+                    const __m256i odd = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+                    u = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(b + 2)), odd),
+                                           _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(b + 34)), odd),
+                                           0xF0);
+                }
+                const __m256 v = _mm256_cvtepi32_ps(_mm256_srli_epi32(u, 28));
+                sv = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_add_ps(v, _mm256_set1_ps(0.5f))),
+                                   _mm256_set1_ps(ti == I_IQ3_XXS ? 0.5f : 0.25f));
+            } else if (ti == I_IQ3_S) {           /* d (1 + 2 s), s the nibbles at b + 106 */
+                uint32_t lw;
+                memcpy(&lw, b + 106, 4);
+                const __m128i x = _mm_cvtsi32_si128((int)lw);
+                const __m256i s = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, m0f),
+                                                                         _mm_and_si128(_mm_srli_epi16(x, 4), m0f)));
+                sv = _mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(s, 1),
+                                                                                               _mm256_set1_epi32(1))));
+            } else {                              /* IQ1_S: d (2 f + 1) / 8, f bits 12-14 of a u16 per 32 at b + 34 */
+                const __m256i f = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu16_epi32(
+                    _mm_loadu_si128((const __m128i *)(b + 34))), 12), _mm256_set1_epi32(7));
+                sv = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(_mm256_add_epi32(
+                    _mm256_slli_epi32(f, 1), _mm256_set1_epi32(1)))), _mm256_set1_ps(0.125f));
+            }
+            const __m256 lo = _mm256_unpacklo_ps(sv, sv), hi = _mm256_unpackhi_ps(sv, sv);   /* each twice */
+            s0 = _mm256_permute2f128_ps(lo, hi, 0x20);
+            s1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+        }
         _mm256_storeu_ps(ks->s, s0);
         _mm256_storeu_ps(ks->s + 8, s1);
         _mm256_storeu_ps(ks->m, _mm256_mul_ps(off, s0));
@@ -569,12 +622,14 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
 KQSHAPES(kq2, kern_q8_256, I_Q4_0) KQSHAPES(kq2, kern_q8_256, I_Q4_K) KQSHAPES(kq2, kern_q8_256, I_Q5_K)
 KQSHAPES(kq2, kern_q8_256, I_Q6_K) KQSHAPES(kq2, kern_q8_256, I_IQ4_NL) KQSHAPES(kq2, kern_q8_256, I_MXFP4)
 KQSHAPES(kq2, kern_q8_256, I_Q2_K) KQSHAPES(kq2, kern_q8_256, I_Q3_K) KQSHAPES(kq2, kern_q8_256, I_IQ4_XS)
-KQSHAPES(kq2, kern_q8_256, I_IQ3_XXS)
+KQSHAPES(kq2, kern_q8_256, I_IQ3_XXS) KQSHAPES(kq2, kern_q8_256, I_IQ3_S) KQSHAPES(kq2, kern_q8_256, I_IQ2_XXS)
+KQSHAPES(kq2, kern_q8_256, I_IQ2_XS) KQSHAPES(kq2, kern_q8_256, I_IQ1_S) KQSHAPES(kq2, kern_q8_256, I_IQ1_M)
 static const kq_fn KQTAB2[N_TYPES][5] = {
     [I_Q4_0] = KQROW(kq2, I_Q4_0), [I_Q4_K] = KQROW(kq2, I_Q4_K), [I_Q5_K] = KQROW(kq2, I_Q5_K),
     [I_Q6_K] = KQROW(kq2, I_Q6_K), [I_IQ4_NL] = KQROW(kq2, I_IQ4_NL), [I_MXFP4] = KQROW(kq2, I_MXFP4),
     [I_Q2_K] = KQROW(kq2, I_Q2_K), [I_Q3_K] = KQROW(kq2, I_Q3_K), [I_IQ4_XS] = KQROW(kq2, I_IQ4_XS),
-    [I_IQ3_XXS] = KQROW(kq2, I_IQ3_XXS), };
+    [I_IQ3_XXS] = KQROW(kq2, I_IQ3_XXS), [I_IQ3_S] = KQROW(kq2, I_IQ3_S), [I_IQ2_XXS] = KQROW(kq2, I_IQ2_XXS),
+    [I_IQ2_XS] = KQROW(kq2, I_IQ2_XS), [I_IQ1_S] = KQROW(kq2, I_IQ1_S), [I_IQ1_M] = KQROW(kq2, I_IQ1_M), };
 #endif /* HM_AVXVNNI */
 #if !HM_AVXVNNI
 int hm_dp256_test(const uint8_t *u, const int8_t *s, int64_t n, int big, int32_t *out) {
@@ -599,7 +654,8 @@ int hm_dp256_test(const uint8_t *u, const int8_t *s, int64_t n, int big, int32_t
  * Q6_K 7.4 -> 12.1, MXFP4 6.3 -> 11.3, IQ4_NL 6.8 -> 11.3. On AVX-512 (the same VM; MXFP4 not yet on SPR)
  * IQ4_NL's fp32 path is as fast (11.4 vs 11.6) and stays; MXFP4 9.7 -> 11.9 (2 threads: 17.2 -> 21.5). */
 #define INT8_DEFAULT_256 (INT8_DEFAULT_256_ | (1u << I_IQ4_NL) | (1u << I_Q2_K) | (1u << I_Q3_K) | (1u << I_IQ4_XS) | \
-                          (1u << I_IQ3_XXS))
+                          (1u << I_IQ3_XXS) | (1u << I_IQ3_S) | (1u << I_IQ2_XXS) | (1u << I_IQ2_XS) | (1u << I_IQ1_S) | \
+                          (1u << I_IQ1_M))
 static unsigned g_int8;                   /* the types set_int8 chose, unless g_int8_default */
 static int g_int8_default = 1;            /* the measured defaults of the path in use */
 #define INT8_MASK (g_int8_default ? (g_simd == 2 ? INT8_DEFAULT_512 : INT8_DEFAULT_256) : g_int8)
