@@ -412,7 +412,6 @@ class _Batch:
 
     def __init__(self, step: CpuDecoder, kvs: list):
         B = len(kvs)
-        self.ids = [id(kv) for kv in kvs]
         self.refs = [weakref.ref(kv) for kv in kvs]
         self.seqs = (_Seq * B)()
         self.ptrs = []
@@ -441,8 +440,7 @@ class _Batch:
 
     def holds(self, kvs: list) -> bool:
         """Whether these are this batch's caches, in this order (and all still alive)."""
-        return len(kvs) == len(self.ids) and all(id(kv) == i for kv, i in zip(kvs, self.ids)) and \
-            all(r() is not None for r in self.refs)
+        return len(kvs) == len(self.refs) and all(r() is kv for r, kv in zip(self.refs, kvs))
 
 
 def _why(rc: int) -> str:
