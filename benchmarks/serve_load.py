@@ -259,7 +259,12 @@ def main():
     try:
         # every slot once, all at once (each takes a free slot): its cache and static steps are built at its
         # first request (on a GPU a capture), which a level's timed requests would otherwise pay, one slot each
+        t0 = time.perf_counter()
+        run_level(url, 1, 1, min(8, a.max_tokens), a.cache_prompt, threads=a.client_threads)
+        t1 = time.perf_counter()
         run_level(url, np_, np_, min(8, a.max_tokens), a.cache_prompt, threads=a.client_threads)
+        print(f"slot warm-up: one slot's first request {t1 - t0:.2f} s; then all {np_} slots at once "
+              f"{time.perf_counter() - t1:.2f} s", file=sys.stderr, flush=True)
         rows = []
         for conc in levels:
             run_level(url, conc, conc, min(8, a.max_tokens), a.cache_prompt,        # warm-up: this batch size
