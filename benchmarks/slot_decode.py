@@ -8,6 +8,9 @@ prompt / decode step: built and captured then), then n decode steps' rate, and t
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
+import sys
 import time
 
 import torch
@@ -21,6 +24,8 @@ def main() -> None:
     add_model_args(ap, model_default="synth:tiny")
     add_runtime_args(ap)
     ap.add_argument("-n", type=int, default=64, help="decode steps a run")
+    ap.add_argument("--profile-first", type=int, default=0, metavar="N",
+                    help="print the N functions with the most cumulative time in new_cache 1's first decode step")
     args = ap.parse_args()
     kw = runtime_kwargs(args)
     kw["ctx_size"] = max(kw.get("ctx_size") or 0, 64 + 4 * args.n)
@@ -49,7 +54,13 @@ def main() -> None:
             caches[label] = kv
         kv.tokens.clear()
         _, t_p = timed(lambda: m.forward(prompt, 0, kv, all_logits=False))
+        prof = cProfile.Profile() if args.profile_first and label == "new_cache 1" else None
+        if prof is not None:
+            prof.enable()
         _, t_d = timed(lambda: m.forward(torch.tensor([1]), 32, kv, all_logits=False))
+        if prof is not None:
+            prof.disable()
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(args.profile_first)
         _, t_n = timed(lambda: [m.forward(torch.tensor([1]), 33 + i, kv, all_logits=False) for i in range(args.n)])
         names = [type(m.static_step(w)).__name__ for w in ("decode", "prompt")]
         print(f"| {label} | {t_new:.2f} | {t_p:.3f} | {t_d:.3f} | {args.n / t_n:.1f} | {names[0]} | {names[1]} |",

@@ -40,17 +40,27 @@ from .base import NotApplicable
 
 
 @contextlib.contextmanager
-def capturing(graph, device, stream, pool=None):
-    """torch.cuda.graph on `stream` of `device`, with Python's cyclic garbage collection paused: a collection
-    during the capture may run a finalizer that calls CUDA (an earlier model's pinned arena unregistering
-    itself, runtime/hostmem.py), which a capture forbids, and the capture fails."""
+def gc_paused():
+    """Python's cyclic garbage collection off for a while, after one collection (nested: a no-op). A collection
+    during a capture may run a finalizer that calls CUDA (an earlier model's pinned arena unregistering itself,
+    runtime/hostmem.py), which a capture forbids, and the capture fails. One collection takes ~0.2 s with a big
+    model's objects alive: a step of many graphs (one per CPU-expert layer) pauses once around all of them."""
+    if not gc.isenabled():
+        yield
+        return
     gc.collect()
     gc.disable()
     try:
-        with torch.cuda.device(device), torch.cuda.graph(graph, pool=pool, stream=stream):
-            yield
+        yield
     finally:
         gc.enable()
+
+
+@contextlib.contextmanager
+def capturing(graph, device, stream, pool=None):
+    """torch.cuda.graph on `stream` of `device`, with garbage collection paused (gc_paused)."""
+    with gc_paused(), torch.cuda.device(device), torch.cuda.graph(graph, pool=pool, stream=stream):
+        yield
 
 
 def forced_share(k: int) -> int | None:
@@ -483,12 +493,13 @@ class StaticDecoder:
             torch.cuda.current_stream(st.device).wait_stream(st)
         pools = {n: torch.cuda.graph_pool_handle() for n in side}
         self.graphs = []
-        for s, seg in enumerate(self.segments):
-            g = torch.cuda.CUDAGraph()
-            # a capture stream on the segment's GPU (torch's default one lives on the first GPU used)
-            with capturing(g, seg.dev.torch_device, side[seg.dev.name], pools[seg.dev.name]):
-                self._segment(s)
-            self.graphs.append(g)
+        with gc_paused():                               # one collection for all the segments' captures
+            for s, seg in enumerate(self.segments):
+                g = torch.cuda.CUDAGraph()
+                # a capture stream on the segment's GPU (torch's default one lives on the first GPU used)
+                with capturing(g, seg.dev.torch_device, side[seg.dev.name], pools[seg.dev.name]):
+                    self._segment(s)
+                self.graphs.append(g)
 
     def _cpu_experts(self, b: int, st, src: str, dst: str):
         """Layer b's experts on the CPU from the packed [h | weights | ids] row, into the pinned h_moe."""
