@@ -178,3 +178,33 @@ def test_batch_decode_step_matches_eager(monkeypatch):
         assert rel_l2(outs[0], outs[1]) <= 1e-2 and top1_agreement(outs[0], outs[1]) >= 0.9
     else:
         assert rel_l2(outs[0], outs[1]) <= 1e-4          # q rounded to the f16 cache dtype in the kernel
+
+
+@pytest.mark.parametrize("ot", [["exps=CPU"], [r"blk\.1\.ffn_.*_exps=CPU"]], ids=["exps-cpu", "one-layer-cpu"])
+def test_batch_decode_with_host_experts(ot, monkeypatch):
+    """-ngl 99 with experts in host RAM (all layers', or one layer's): the batched decode step runs its kernels
+    with each host-expert layer's real rows handed to the scheduler's expert op (the C kernel, B rows in one
+    call), padded rows left out, and gives each sequence what it decodes alone on its own cache."""
+    import hybridmoe
+    from hybridmoe.runtime.steps.gpu_batch import BatchDecode
+    real = _fake_gpu_or_real(monkeypatch)
+    m = hybridmoe.load("synth:tiny", ctx_size=64, n_gpu_layers=99, override_tensor=ot)
+    prompts = [IDS[:5], IDS[5:17], IDS[17:18]]
+    alone, batched = [m.new_cache(64) for _ in prompts], [m.new_cache(64) for _ in prompts]
+    for p, a, b in zip(prompts, alone, batched):
+        m.forward(torch.tensor(p), 0, a)
+        m.forward(torch.tensor(p), 0, b)
+    nxt = [IDS[20 + j] for j in range(3)]
+    for step in range(3):
+        want = [m.forward(torch.tensor([t]), len(p) + step, kv, all_logits=False)
+                for t, p, kv in zip(nxt, prompts, alone)]
+        m.stats.reset()
+        got = m.forward_batch([(torch.tensor([t]), len(p) + step, kv) for t, p, kv in zip(nxt, prompts, batched)])
+        assert m.stats.cpu_expert_seconds > 0                    # the host layers' experts ran on the CPU
+        for w, g in zip(want, got):
+            assert rel_l2(g, w) < (1e-2 if real else 1e-4)
+            assert int(g.argmax()) == int(w.argmax())
+        nxt = [int(w.argmax()) for w in want]
+    step = m._batch
+    assert isinstance(step, BatchDecode) and step.host and sorted(step.buckets) == [4]
+    assert step.buckets[4]["graph"] is None                      # hand-offs inside the step: no graph

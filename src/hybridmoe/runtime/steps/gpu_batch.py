@@ -1,5 +1,7 @@
 """A batch of decode tokens, one per sequence, as one CUDA graph per batch-size bucket when every weight is on
-one GPU (`-ngl 99`, experts included).
+one GPU (`-ngl 99`, experts included); with experts in host RAM (`-ngl 99 -ot exps=CPU`, `--n-cpu-moe N`) the same
+kernels run eagerly and hand each such layer's rows to the CPU expert kernel, which reads every expert the batch
+routes to once (B rows in one call).
 
 Each sequence has its own KV cache (a server slot's). The layer loop is the captured prompt step's
 (gpu_prefill.StaticPrefill: fused norms, GEMMs over the batch's rows, router top-k, the MoE kernels reading each
@@ -33,11 +35,16 @@ def bucket(n: int) -> int:
 
 class BatchDecode(StaticPrefill):
     single_tokens = True                 # Model runs batches with prompt chunks eagerly
+    host_experts = True
 
     def __init__(self, model, kv):
         super().__init__(model, kv)
         if not ga.available():
             raise NotApplicable("triton is not installed")
+        # a host-expert layer's rows go to the CPU and back within the step (a sync), which a graph can't hold
+        self.host = any(lay.get("host") for lay in self.layers)
+        self.capture = self.capture and not self.host
+        self._rows = 0                                   # the batch's real rows (the rest of the bucket is padding)
         kc = kv.k[0]
         if not ga.batch_caches_ok([kv.k[i] for i in range(len(kv.k))], [kv.v[i] for i in range(len(kv.v))]):
             raise NotApplicable("KV cache layers of different shapes or dtypes")
@@ -89,6 +96,17 @@ class BatchDecode(StaticPrefill):
     def _routed(self, i: int, ids):
         self._cur["ids"][i].copy_(ids)
 
+    def _host_moe(self, i: int, h, ids, wts):
+        """Host-expert layer i: the scheduler's expert op over the real rows (padding rows get zeros, no expert
+        work): the CPU kernel reads each expert they route to once, or the batch's experts are uploaded and run
+        here where the offload policy finds that pays for this many tokens; the rows back on this GPU."""
+        B, L = self._rows, self.model.decoder.layers[i]
+        s = self.sched
+        y = s.moe(s.tag(h[:B], self.dev), ids[:B], wts[:B], L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps, layer=i)
+        out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
+        out[:B].copy_(y)
+        return out
+
     # -- running -------------------------------------------------------------------------------------------------
     def forward_batch(self, items, all_logits: bool = False):
         """items [(tokens [1], pos_i, kv_i)] -> (logits [B, n_vocab] float32 on the CPU, {MoE layer: distinct
@@ -102,7 +120,7 @@ class BatchDecode(StaticPrefill):
         return torch.cat(outs), distinct
 
     def _run(self, items):
-        B = len(items)
+        B = self._rows = len(items)
         Bp = bucket(B)
         buf = self._cur = self._buffers(Bp)
         st, dev, td = self.sched.stats, self.dev, self.dev.torch_device

@@ -33,6 +33,8 @@ from .gpu_decode import capturing
 
 
 class StaticPrefill:
+    host_experts = False                 # whether layers with their experts in host RAM are taken (_host_moe)
+
     def __init__(self, model, kv):
         dec, cfg, sched = model.decoder, model.cfg, model.sched
         self.model, self.cfg, self.kv, self.sched = model, cfg, kv, sched
@@ -73,13 +75,14 @@ class StaticPrefill:
                 lay["dense"] = (L.ffn_gate, L.ffn_up, L.ffn_down)
             else:
                 exps = (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
-                if not here(L.ffn_gate_inp, *exps) or L.exp_probs_b is not None:
+                host = self.host_experts and all(w.device.kind == "cpu" for w in exps)
+                if not here(L.ffn_gate_inp, *(() if host else exps)) or L.exp_probs_b is not None:
                     raise NotApplicable(f"layer {i}: router or experts off {dev.name}")
                 # other types take dequantize + grouped GEMMs, whose expert counts wait for the GPU
-                if not gm.supports(*(w.qtype for w in exps)):
+                if not host and not gm.supports(*(w.qtype for w in exps)):
                     raise NotApplicable(f"layer {i}: experts of {exps[0].qtype.name} / {exps[2].qtype.name} "
                                         "have no fused prefill kernel")
-                lay.update(router=L.ffn_gate_inp, exps=exps)
+                lay.update(router=L.ffn_gate_inp, exps=exps, host=host)
             self.layers.append(lay)
         # weights as the eager path multiplies them (dequantized once, kept): made at the first forward
         self._cached = cached
@@ -117,7 +120,8 @@ class StaticPrefill:
             if cfg.expert_weights_scale != 1.0:
                 wts = wts * cfg.expert_weights_scale
             g, u, d = lay["exps"]
-            addend = X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d, self.sched.n_threads)
+            addend = self._host_moe(i, h, ids, wts) if lay["host"] else \
+                X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d, self.sched.n_threads)
         if not all_logits:
             x, addend = x[-1:], addend[-1:]
         _, h = gd.add_rms_norm(x, self.out_norm, eps, b=addend, h_dtype=cdt)
