@@ -20,6 +20,9 @@ that ran the batch (CpuDecoder, BatchDecode[bucket graph|eager]: runtime/steps/g
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
+import sys
 import time
 
 import torch
@@ -99,6 +102,9 @@ def main():
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
     p.add_argument("--repeat", type=int, default=3, help="rounds of --steps; the best is reported")
     p.add_argument("--loop", action="store_true", help="also time the per-sequence loop at each batch size")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="after each batch size, the N functions with the most own time over --steps batched steps "
+                        "(Python's profiler, on stderr)")
     args = p.parse_args()
     sizes = [int(b) for b in args.batch.split(",")]
     ctx = args.prompt + args.steps * args.repeat + 2
@@ -130,6 +136,14 @@ def main():
             lt, _ = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=False, repeat=args.repeat)
             line += f" {B / lt:>9.1f}"
         print(line + "  " + _step_name(m, B), flush=True)
+        if args.cprofile:
+            kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
+            prof = cProfile.Profile()
+            prof.enable()
+            _time_steps(m, kvs, toks, args.prompt, args.steps, batched=True, repeat=1)
+            prof.disable()
+            print(f"B={B}:", file=sys.stderr)
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(args.cprofile)
 
 
 if __name__ == "__main__":

@@ -184,7 +184,8 @@ def test_batch_decode_step_matches_eager(monkeypatch):
 def test_batch_decode_with_host_experts(ot, monkeypatch):
     """-ngl 99 with experts in host RAM (all layers', or one layer's): the batched decode step runs its kernels
     with each host-expert layer's real rows handed to the scheduler's expert op (the C kernel, B rows in one
-    call), padded rows left out, and gives each sequence what it decodes alone on its own cache."""
+    call), padded rows left out, and gives each sequence what it decodes alone on its own cache; on a GPU the
+    later steps replay the bucket's chain of graphs, the host part run between them."""
     import hybridmoe
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode
     real = _fake_gpu_or_real(monkeypatch)
@@ -207,4 +208,10 @@ def test_batch_decode_with_host_experts(ot, monkeypatch):
         nxt = [int(w.argmax()) for w in want]
     step = m._batch
     assert isinstance(step, BatchDecode) and step.host and sorted(step.buckets) == [4]
-    assert step.buckets[4]["graph"] is None                      # hand-offs inside the step: no graph
+    pieces = step.buckets[4]["graph"]
+    if real:                # captured after the first batch: a graph up to each host-expert layer, and the rest
+        n_host = sum(1 for lay in step.layers if lay.get("host"))
+        assert [h for _, h in pieces] == [i for i, lay in enumerate(step.layers) if lay.get("host")] + [None]
+        assert len(pieces) == n_host + 1
+    else:
+        assert pieces is None                                    # fake GPUs: kernels in the interpreter, eagerly

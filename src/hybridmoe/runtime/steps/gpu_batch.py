@@ -1,7 +1,9 @@
 """A batch of decode tokens, one per sequence, as one CUDA graph per batch-size bucket when every weight is on
-one GPU (`-ngl 99`, experts included); with experts in host RAM (`-ngl 99 -ot exps=CPU`, `--n-cpu-moe N`) the same
-kernels run eagerly and hand each such layer's rows to the CPU expert kernel, which reads every expert the batch
-routes to once (B rows in one call).
+one GPU (`-ngl 99`, experts included). With experts in host RAM (`-ngl 99 -ot exps=CPU`, `--n-cpu-moe N`) the
+bucket's step is a chain of graphs, one per run of layers up to a host-expert layer's router: each ends by
+copying the rows' [h | weights | ids] to pinned host memory; the host then runs the scheduler's expert op over the
+batch's real rows (the CPU kernel reads every expert they route to once, B rows in one call), writes the rows
+back to pinned memory, and the next graph starts by copying them in.
 
 Each sequence has its own KV cache (a server slot's). The layer loop is the captured prompt step's
 (gpu_prefill.StaticPrefill: fused norms, GEMMs over the batch's rows, router top-k, the MoE kernels reading each
@@ -17,6 +19,7 @@ from the next batch on. More than 64 sequences run in chunks of 64.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -41,10 +44,9 @@ class BatchDecode(StaticPrefill):
         super().__init__(model, kv)
         if not ga.available():
             raise NotApplicable("triton is not installed")
-        # a host-expert layer's rows go to the CPU and back within the step (a sync), which a graph can't hold
         self.host = any(lay.get("host") for lay in self.layers)
-        self.capture = self.capture and not self.host
         self._rows = 0                                   # the batch's real rows (the rest of the bucket is padding)
+        self._open = None                                # while capturing: (graph, its capture context, pieces)
         kc = kv.k[0]
         if not ga.batch_caches_ok([kv.k[i] for i in range(len(kv.k))], [kv.v[i] for i in range(len(kv.v))]):
             raise NotApplicable("KV cache layers of different shapes or dtypes")
@@ -81,6 +83,10 @@ class BatchDecode(StaticPrefill):
                 "offs": torch.zeros(n_layer, 2, B, dtype=torch.int64, device=td),         # [layer, (k, v), row]
                 "ids": torch.zeros(n_layer, B, cfg.n_expert_used or 1, dtype=torch.int64, device=td),
                 "parts": ga.split_buffers(B, cfg.n_head, cfg.head_dim, n_split, td), "graph": None, "logits": None}
+            if self.host and self.capture:               # the host-expert layers' rows out and back (one at a time)
+                H, k = cfg.n_embd, cfg.n_expert_used
+                buf["pin_in"] = torch.zeros(B, H + 2 * k, pin_memory=True)
+                buf["pin_out"] = torch.zeros(B, H, pin_memory=True)
         return buf
 
     # -- the prompt step's layer loop, with these hooks --------------------------------------------------------
@@ -99,13 +105,42 @@ class BatchDecode(StaticPrefill):
     def _host_moe(self, i: int, h, ids, wts):
         """Host-expert layer i: the scheduler's expert op over the real rows (padding rows get zeros, no expert
         work): the CPU kernel reads each expert they route to once, or the batch's experts are uploaded and run
-        here where the offload policy finds that pays for this many tokens; the rows back on this GPU."""
+        here where the offload policy finds that pays for this many tokens; the rows back on this GPU. While a
+        bucket is captured: the rows go to pinned memory, this graph ends and the next begins with the rows
+        coming back (_replay runs the host part between them)."""
+        if self._open is not None:
+            return self._split_capture(i, h, ids, wts)
         B, L = self._rows, self.model.decoder.layers[i]
         s = self.sched
         y = s.moe(s.tag(h[:B], self.dev), ids[:B], wts[:B], L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps, layer=i)
         out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
         out[:B].copy_(y)
         return out
+
+    def _host_rows(self, i: int, buf):
+        """Replaying: host-expert layer i over the rows in buf["pin_in"] (the real ones), into buf["pin_out"]."""
+        B, H, k, L = self._rows, self.cfg.n_embd, self.cfg.n_expert_used, self.model.decoder.layers[i]
+        rows, out = buf["pin_in"][:B], buf["pin_out"]
+        y = self.sched.moe(rows[:, :H], rows[:, H + k:].long(), rows[:, H:H + k], L.ffn_gate_exps, L.ffn_up_exps,
+                           L.ffn_down_exps, layer=i)
+        out[:B].copy_(y)
+        out[B:].zero_()
+
+    def _split_capture(self, i: int, h, ids, wts):
+        graph, ctx, pieces, buf = self._open
+        buf["pin_in"].copy_(torch.cat([h.float(), wts.float(), ids.float()], 1), non_blocking=True)
+        ctx.close()
+        pieces.append((graph, i))
+        self._begin_capture(pieces, buf)
+        dev_out = torch.empty(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
+        dev_out.copy_(buf["pin_out"], non_blocking=True)
+        return dev_out
+
+    def _begin_capture(self, pieces, buf):
+        from .gpu_decode import capturing
+        graph, ctx = torch.cuda.CUDAGraph(), contextlib.ExitStack()
+        ctx.enter_context(capturing(graph, self.dev.torch_device, buf["side"], buf["pool"]))
+        self._open = (graph, ctx, pieces, buf)
 
     # -- running -------------------------------------------------------------------------------------------------
     def forward_batch(self, items, all_logits: bool = False):
@@ -146,7 +181,7 @@ class BatchDecode(StaticPrefill):
                 if self.capture:
                     self._capture_bucket(buf)
             else:
-                buf["graph"].replay()
+                self._replay(buf)
                 logits = buf["logits"]
             out = logits[:B].to("cpu")
             ids = buf["ids"][:, :B].to("cpu")
@@ -154,22 +189,44 @@ class BatchDecode(StaticPrefill):
         moe = [i for i, lay in enumerate(self.layers) if "exps" in lay]
         return out, {i: int(torch.unique(ids[i]).numel()) for i in moe}
 
+    def _replay(self, buf):
+        """The bucket's graphs in order, the host-expert layers' rows run on the host between them."""
+        stream = torch.cuda.current_stream(self.dev.torch_device)
+        for graph, host in buf["graph"]:
+            graph.replay()
+            if host is not None:
+                stream.synchronize()                    # the rows are in pinned memory
+                self._host_rows(host, buf)
+
     def _capture_bucket(self, buf):
+        """The bucket's step as graphs: [(graph, the host-expert layer that follows it, or None)]; one graph
+        where every expert is on this GPU."""
         from ...errors import warn_fallback
-        from .gpu_decode import capturing
-        g = torch.cuda.CUDAGraph()
+        from .gpu_decode import gc_paused
         td = self.dev.torch_device
-        side = torch.cuda.Stream(td)
-        side.wait_stream(torch.cuda.current_stream(td))
+        buf["side"], buf["pool"] = torch.cuda.Stream(td), torch.cuda.graph_pool_handle()
+        buf["side"].wait_stream(torch.cuda.current_stream(td))
+        pieces = []
         try:
-            with capturing(g, td, side):
+            with gc_paused():                            # one collection for all the pieces' captures
+                self._begin_capture(pieces, buf)
                 logits = self._forward(buf["x"], True)
+                graph, ctx, _, _ = self._open
+                ctx.close()
+                pieces.append((graph, None))
         except RuntimeError as e:                                # a driver or op that can't be captured
+            if self._open is not None:
+                try:
+                    self._open[1].close()                        # ends the broken capture
+                except RuntimeError:
+                    pass
             torch.cuda.synchronize(td)
             self.capture = False
             for b in self.buckets.values():
                 b["graph"] = None
             warn_fallback("CUDA graph capture of the batched decode step", e, "batched decode without graphs")
             return
-        torch.cuda.current_stream(td).wait_stream(side)
-        buf["graph"], buf["logits"] = g, logits
+        finally:
+            self._open = None
+        torch.cuda.current_stream(td).wait_stream(buf["side"])
+        buf["graph"], buf["logits"] = pieces, logits
