@@ -104,6 +104,17 @@ for s in "$@"; do
          hm bench -m synth:qwen3-30b-a3b-q4_k -ngl 99 -p 512 -n 128 -r 3 --roofline 2>&1 | grep -v "^\s*$"
          hm bench -m synth:qwen3-30b-a3b-q4_k -ngl 99 -ot exps=CPU -p 512 -n 128 -r 3 --roofline 2>&1 | grep -v "^\s*$" ;;
     split) B -ngl 99 -p 0 -n 64 -r 3 -ot 'ffn_(up|down)_exps=CPU;exps=CPU' ;;
+    # issue 24: the expert types of users' files on the 30B shape (models/mixes.py) next to Q4_0 experts, experts
+    # in RAM, 24 layers' in RAM, all on the GPU; each mix model is deleted after its rows (~16 GB each, 64 GB disk).
+    # MIXES= picks the presets (default: all five).
+    mixes) for P in ${MIXES:-qwen3-30b-a3b qwen3-30b-a3b-iq4_ks qwen3-30b-a3b-q3_k_mix qwen3-30b-a3b-iq2_kt qwen3-30b-a3b-iq4_xs}; do
+             ( time hm synth $P ) 2>&1 | grep -E "real|wrote|exists" | tr '\n' ' '; echo
+             for PL in "-ot exps=CPU" "--n-cpu-moe 24" ""; do
+               echo "### synth:$P -ngl 99 $PL"
+               hm bench -m synth:$P -ngl 99 $PL -p 512 -n 128 -r 2 --roofline 2>&1 | grep -E "pp512|tg128"
+             done
+             [ $P = qwen3-30b-a3b ] || find "$HYBRIDMOE_CACHE" -name "synth-$P-v*.gguf" -delete
+           done ;;
     cpu) B -ngl 0 -p 512 -n 64 -r 2 --roofline ;;
     cpuprof) for P in "word" "$(printf 'word %.0s' {1..600})"; do echo "### hybridmoe run -ngl 0 --profile, ${#P}-character prompt, -n 32"
                hm run -m $M -ngl 0 -n 32 -p "$P" --temp 0 --profile 2>&1 | tail -16; done ;;
