@@ -152,3 +152,5 @@ def test_rank_agreement():
     assert tie["ties"] == [(1, 2)] and tie["matches"]
     with pytest.raises(ValueError):
         rank_agreement([1.0], [1.0, 2.0])
+    flat = rank_agreement([2.0, 2.0], [20.0, 10.0])                # predicted alike: no order to check
+    assert flat["ties"] == [(0, 1)] and flat["matches"]

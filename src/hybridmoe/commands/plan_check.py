@@ -147,7 +147,7 @@ def run_check(args, placement, rates, source: str, predict_fn) -> int:
 def rank_agreement(predicted: list[float], measured: list[float], noise: list[float] | None = None) -> dict:
     """How well a predicted ranking (higher is better) matches the measured one: Spearman's rho over the ranks,
     and the pairs both order the same way. A pair whose measured values differ by less than their noise (the sum
-    of their standard deviations) is counted apart, as a tie the measurement cannot order."""
+    of their standard deviations), or that is predicted alike, is counted apart as a tie: nothing to check."""
     n = len(predicted)
     if n != len(measured) or (noise is not None and len(noise) != n):
         raise ValueError("predicted, measured and noise need one value per placement")
@@ -155,7 +155,7 @@ def rank_agreement(predicted: list[float], measured: list[float], noise: list[fl
     agree, differ, ties = [], [], []
     for i in range(n):
         for j in range(i + 1, n):
-            if abs(measured[i] - measured[j]) <= noise[i] + noise[j]:
+            if abs(measured[i] - measured[j]) <= noise[i] + noise[j] or predicted[i] == predicted[j]:
                 ties.append((i, j))
             elif (predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0:
                 agree.append((i, j))
