@@ -306,7 +306,7 @@ class _Search:
         out = self.out_gpu(lay, ranges)
         ngl = n - lay.P if lay.P else (99 if n < 99 else n + 1)
         argv = ["-ngl", str(ngl)]
-        if len(self.gpus) > 1:
+        if len(self.gpus) > 1 and lay.P < n:                   # -ngl 0: no layer to split
             counts = [len(r) + (1 if g == out else 0) for g, r in enumerate(ranges)]
             argv += ["-ts", ",".join(str(c) for c in counts)]
         host = sorted(il for r in ranges for il, full in r if not full and self.exps[il])
@@ -371,10 +371,11 @@ MIN_GAP = 0.05                     # suggestions differ by at least this share i
 
 
 def _rank_key(s: Suggestion, objective: str, workload) -> tuple:
-    # values within 0.2% tie; then the other objective, the smaller ubatch, the shorter command line
-    def bucket(obj):
-        return -round(math.log(max(_score(s.prediction, obj, workload), 1e-12)) / math.log(1.002))
-    return (bucket(objective), bucket(SECONDARY[objective]), s.options.ubatch_size, len(s.argv), s.flags)
+    # values within 0.2% tie; then the other objective (within 2%), the smaller ubatch, the shorter command line
+    def bucket(obj, rel):
+        return -round(math.log(max(_score(s.prediction, obj, workload), 1e-12)) / math.log(1 + rel))
+    return (bucket(objective, 0.002), bucket(SECONDARY[objective], 0.02), s.options.ubatch_size, len(s.argv),
+            s.flags)
 
 
 def suggest(tensors: dict[str, TensorInfo] | list[TensorInfo], cfg: ModelConfig, devices: list[Device], rates,
