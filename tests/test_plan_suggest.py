@@ -73,9 +73,8 @@ def test_top_three_fit_are_ranked_and_apart(vm, objective):
 def test_first_is_the_best_candidate_and_the_list_is_stable(vm, cands):
     sugs = _suggest(vm)
     assert sugs[0].tg >= max(c.tg for c in cands) * 0.998
-    assert [s.flags for s in _suggest(vm)] == [s.flags for s in sugs]                 # deterministic
-    five = _suggest(vm, count=5)
-    assert len(five) == 5 and [s.flags for s in five[:3]] == [s.flags for s in sugs]  # a prefix of a longer list
+    five = _suggest(vm, count=5)             # a longer list starts with the shorter one (and the same again)
+    assert len(five) == 5 and [s.flags for s in five[:3]] == [s.flags for s in sugs]
     # without a gap the three best candidates come back, near-copies included (one more layer in RAM each)
     # without a gap, the best three candidates that are not predicted alike in TG and PP (-ub 1024 adds nothing
     # to pp512): one more layer's experts in RAM each

@@ -397,6 +397,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
     # layers -ngl leaves on the CPU): the path's own calibrated floor and CPU attention (torch SDPA)
     offload = kind == "eager" and bool(gpus) and p.opts.op_offload
     all_cpu = all(L.attn == "CPU" for L in layers)
+    paths: dict = {}
     done = 0
     while done < n_prompt:
         T = min(ub, n_prompt - done)
@@ -487,7 +488,10 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             t.add("GPU experts", comp)
             t.add("upload overhead", c.gpu(run, "upload_layer_s"))
         if kind == "eager":
-            t.add("crossings", _path_seconds(p, rates, T, ups)[0])
+            key = (T, tuple(sorted(ups.items())))       # alike for every full ubatch
+            if key not in paths:
+                paths[key] = _path_seconds(p, rates, T, ups)[0]
+            t.add("crossings", paths[key])
         done += T
     return sum(t.values()), t, kind, sorted(uploaded), few_any, moved
 
@@ -513,7 +517,8 @@ def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128,
                    n_depth, kvb)
     n = max(n_gen, 1)
     tg_terms = {k: v * n for k, v in tg_t.items()}
-    crossings = len(_token_path(p, {})[0]) - 1 + _token_path(p, {})[1]
+    path, extra = _token_path(p, {})
+    crossings = len(path) - 1 + extra
     return Prediction(n / (per_tok * n) if per_tok > 0 else math.inf, max(n_prompt, 1) / pp_s if pp_s > 0 else math.inf,
                       tgb, ppb, n_gen, n_prompt, ub, ups, crossings, share, tg_terms, dict(pp_t), dkind, pkind, few,
                       moved, Costs(rates).calibrated)
