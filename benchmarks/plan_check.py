@@ -163,7 +163,7 @@ def main() -> int:
         print(f"calibration: {cal.get('host')} {cal.get('measured_at')}; costs: "
               f"{json.dumps({k: v for k, v in costs.items() if not k.startswith('_')})}")
         timed = costs.get("_calibration", {}).get("measured", {})       # the upload fit's timings, to check it
-        print(f"calibration's timed runs (s per model): {json.dumps({k: v for k, v in timed.items() if 'upload' in k})}\n")
+        print(f"calibration's timed runs (s per model): {json.dumps({k: v for k, v in timed.items() if 'upload' in k or 'offload' in k})}\n")
     rows = []
     for s in sections:
         if s == "one":
