@@ -1,7 +1,8 @@
 """The planner's predictions against `bench` on this machine (issues 30 and 29): `plan --check` for a table of
 placements, and `plan --suggest`'s top three benched to see whether its ranking holds.
 
-    python3 benchmarks/plan_check.py [SECTION ...] [--model synth:qwen3-30b-a3b] [-r 2] [--vram-gib 12]
+    python3 benchmarks/plan_check.py [SECTION ...] [--model synth:qwen3-30b-a3b] [-r 2] [--vram-gib 12[,24..]]
+                                     [--objective tg[,pp,balanced]] [--top 3]
 
 Sections (default: one, two where two GPUs are visible, suggest):
   one      issue 30's table: -ot exps=CPU, --n-cpu-moe 24, --n-cpu-moe 36, all on the GPU (-ngl 99), CPU only
@@ -9,7 +10,8 @@ Sections (default: one, two where two GPUs are visible, suggest):
   two      issue 29's two-GPU placements: -ts 1/1 all on GPUs; -ts 1/1 --n-cpu-moe 24; -ot exps=CPU with the
            attention split (-ts 1/1); pp512 and tg128
   suggest  `plan --suggest --top 3` for a GPU of --vram-gib (the real GPU's free memory less --headroom, so the model
-           does not fit), each suggestion benched; is the measured order by TG and by PP the predicted one?
+           does not fit), each suggestion benched (pp512, tg128); the predicted ranking against the measured one
+           (Spearman's rho, pairs in the same order, pairs within the noise)
 Each placement runs in its own process (`hybridmoe plan ... --check --json`), after `hybridmoe calibrate`.
 Prints markdown tables: predicted vs measured t/s, their ratio, and the prediction's largest terms.
 """
@@ -85,35 +87,55 @@ def section_rows(model: str, placements, prompts: str, reps: int) -> list[tuple[
     return rows
 
 
-def section_suggest(model: str, reps: int, vram_gib: float) -> None:
+def section_suggest(model: str, reps: int, vram_gibs: list[float], objectives: list[str], top: int) -> None:
+    """For each simulated GPU size and objective: `plan --suggest --top N` (pp512, tg128), each suggestion benched
+    (pp512 and tg128, -r reps; a placement suggested twice is benched once), and the predicted ranking against the
+    measured one: Spearman's rho and the pairs in the same order (pairs closer than their noise are ties)."""
     import torch
+
+    from hybridmoe.commands.plan_check import rank_agreement
     if not torch.cuda.is_available():
         print("suggest: skipped, no GPU (it benches suggestions for a simulated smaller one)")
         return
     free, _ = torch.cuda.mem_get_info(0)
-    headroom = max(free / 2**30 - vram_gib, 0.0)
-    doc = hm(["plan", "-m", model, "--suggest", "--top", "3", "-p", "512", "-n", "128", "--headroom",
-              f"{headroom:.2f}", "--json"], 300)
-    if not doc:
-        return
-    rows = []
-    for s in doc["suggestions"]:
-        tests = {t["test"]: t for t in check(model, s["argv"], "512", reps)}
-        if "pp512" in tests and "tg128" in tests:
-            rows.append((s, tests["pp512"], tests["tg128"]))
-        print(f"done: {s['flags']}", file=sys.stderr, flush=True)
-    print(f"\n`plan --suggest --top 3` for a GPU of {vram_gib:g} GiB (--headroom {headroom:.1f} on this one):\n")
-    print("| # | suggestion | flags | predicted TG | measured TG | predicted PP | measured PP |")
-    print("| ---: | --- | --- | ---: | ---: | ---: | ---: |")
-    for i, (s, pp, tg) in enumerate(rows, 1):
-        print(f"| {i} | {s['label']} | `{s['flags']}` | {tg['predicted_ts']:.2f} | {tg['measured_ts']:.2f} | "
-              f"{pp['predicted_ts']:.0f} | {pp['measured_ts']:.0f} |")
-    for name, k in (("TG", 2), ("PP", 1)):
-        pred = sorted(range(len(rows)), key=lambda i: -rows[i][k]["predicted_ts"])
-        meas = sorted(range(len(rows)), key=lambda i: -rows[i][k]["measured_ts"])
-        same = pred == meas
-        print(f"\n{name} order predicted {[i + 1 for i in pred]}, measured {[i + 1 for i in meas]}: "
-              f"{'matches' if same else 'DIFFERS'}")
+    measured: dict[str, dict] = {}
+    for vram in vram_gibs:
+        headroom = max(free / 2**30 - vram, 0.0)
+        for objective in objectives:
+            doc = hm(["plan", "-m", model, "--suggest", "--top", str(top), "--objective", objective, "-p", "512",
+                      "-n", "128", "--headroom", f"{headroom:.2f}", "--json"], 300)
+            if not doc:
+                continue
+            rows = []
+            for s in doc["suggestions"]:
+                if s["flags"] not in measured:
+                    t0 = time.perf_counter()
+                    measured[s["flags"]] = {t["test"]: t for t in check(model, s["argv"], "512", reps)}
+                    print(f"done: {s['flags']} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+                tests = measured[s["flags"]]
+                if "pp512" in tests and "tg128" in tests:
+                    rows.append((s, tests["pp512"], tests["tg128"]))
+            print(f"\n`plan --suggest --top {top} --objective {objective}` for a GPU of {vram:g} GiB "
+                  f"(--headroom {headroom:.1f} on this one; pp512, tg128, -r {reps}):\n")
+            print("| # | flags | predicted TG | measured TG | predicted PP | measured PP | note |")
+            print("| ---: | --- | ---: | ---: | ---: | ---: | --- |")
+            for i, (s, pp, tg) in enumerate(rows, 1):
+                print(f"| {i} | `{s['flags']}` | {tg['predicted_ts']:.1f} | {tg['measured_ts']:.1f} ± "
+                      f"{tg['stddev_ts']:.1f} | {pp['predicted_ts']:.0f} | {pp['measured_ts']:.0f} ± "
+                      f"{pp['stddev_ts']:.0f} | {s['note']} |")
+            if len(rows) < len(doc["suggestions"]):
+                print(f"\n{len(doc['suggestions']) - len(rows)} suggestion(s) not measured (see stderr)")
+            for name, k in (("TG", 2), ("PP", 1)):
+                pred = [r[k]["predicted_ts"] for r in rows]
+                meas = [r[k]["measured_ts"] for r in rows]
+                agr = rank_agreement(pred, meas, [r[k]["stddev_ts"] for r in rows])
+                order = lambda xs: [i + 1 for i in sorted(range(len(xs)), key=lambda i: -xs[i])]   # noqa: E731
+                rho = "n/a" if agr["spearman"] is None else f"{agr['spearman']:.2f}"
+                mark = " (the objective)" if name.lower() == objective else ""
+                print(f"\n{name}{mark}: predicted order {order(pred)}, measured {order(meas)}; Spearman {rho}; "
+                      f"pairs in the same order {len(agr['agree'])}, reversed {len(agr['differ'])}"
+                      + (f" {[(i + 1, j + 1) for i, j in agr['differ']]}" if agr["differ"] else "")
+                      + f", within noise {len(agr['ties'])}: {'AGREES' if agr['matches'] else 'DIFFERS'}")
 
 
 def main() -> int:
@@ -121,7 +143,11 @@ def main() -> int:
     ap.add_argument("sections", nargs="*", metavar="SECTION", help="one, two, suggest")
     ap.add_argument("--model", default="synth:qwen3-30b-a3b")
     ap.add_argument("-r", "--repetitions", type=int, default=2)
-    ap.add_argument("--vram-gib", type=float, default=12.0, help="the GPU --suggest plans for (default 12 GiB)")
+    ap.add_argument("--vram-gib", default="12", help="suggest: the GPU sizes --suggest plans for, GiB, comma list "
+                    "(default 12)")
+    ap.add_argument("--objective", default="tg", help="suggest: objectives to rank by, comma list of tg, pp, "
+                    "balanced (default tg)")
+    ap.add_argument("--top", type=int, default=3, help="suggest: suggestions benched per ranking (default 3)")
     ap.add_argument("--only", default="", help="rows of section one to run, by number from 1 (e.g. 1,2): a table "
                     "split over several calls")
     args = ap.parse_args()
@@ -137,7 +163,7 @@ def main() -> int:
         print(f"calibration: {cal.get('host')} {cal.get('measured_at')}; costs: "
               f"{json.dumps({k: v for k, v in costs.items() if not k.startswith('_')})}")
         timed = costs.get("_calibration", {}).get("measured", {})       # the upload fit's timings, to check it
-        print(f"calibration's timed runs (s per model): {json.dumps({k: v for k, v in timed.items() if 'upload' in k})}\n")
+        print(f"calibration's timed runs (s per model): {json.dumps({k: v for k, v in timed.items() if 'upload' in k or 'offload' in k})}\n")
     rows = []
     for s in sections:
         if s == "one":
@@ -152,7 +178,8 @@ def main() -> int:
     if rows:                                                   # one table for the placements
         print("\n".join(table(rows)), flush=True)
     if "suggest" in sections:
-        section_suggest(args.model, args.repetitions, args.vram_gib)
+        section_suggest(args.model, args.repetitions, [float(v) for v in args.vram_gib.split(",")],
+                        args.objective.split(","), args.top)
     return 0
 
 

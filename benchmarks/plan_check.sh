@@ -3,6 +3,8 @@
 # against bench for issue 30's table, issue 29's two-GPU placements (where two GPUs are visible) and
 # --suggest's top three (benchmarks/plan_check.py). About 6-8 minutes on one H100 in all; arguments go to
 # plan_check.py (sections: one two suggest), e.g. `plan_check.sh one`, then `CALIBRATE=0 plan_check.sh suggest`.
+# The ranking check alone, one call of about 5 minutes on one H100 (calibrate ~90 s, 8 placements ~20 s each):
+#   bash benchmarks/plan_check.sh suggest --vram-gib 12,24 --objective tg,pp -r 3
 source benchmarks/device_setup.sh
 set +e
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -113,6 +113,31 @@ def test_each_calibrated_cost_enters_its_term(qwen30, monkeypatch):
     assert cal.tg < base.tg and cal.pp < base.pp and cal.calibrated and not base.calibrated
 
 
+def test_ngl0_prompt_with_a_gpu_takes_the_offload_costs(qwen30):
+    """-ngl 0 with a GPU runs prompts on the eager path (norms, RoPE and SDPA attention on the CPU, matrices and
+    experts uploaded): its own calibrated floor and attention rate, not the C prompt step's; a calibration from
+    before those were measured falls back to the C step's; --no-op-offload runs the C step."""
+    cfg, _ = qwen30
+    L = cfg.n_layer
+    cpu = dict(prompt_layer_s=7e-3, prompt_ubatch_s=9e-3, attn_flops=0.4e12)
+    gpu = dict(offload_prompt_layer_s=20e-3, offload_ubatch_s=5e-3, offload_attn_flops=2e12)
+    attn = 4.0 * cfg.n_head * cfg.head_dim * 512 * 513 / 2                  # one layer, pp512 at depth 0
+    p, rates = _plan(qwen30, ["-ngl", "0"])
+    pp = predict(p, _with_costs(rates, cpu, gpu), n_prompt=512).pp_terms
+    assert pp["CPU layer floors (offload)"] == pytest.approx(L * 20e-3)
+    assert pp["CPU attention (eager)"] == pytest.approx(L * attn / 2e12)
+    assert pp["ubatch overhead (offload)"] == pytest.approx(5e-3) and "CPU layer floors" not in pp
+    old = predict(p, _with_costs(rates, cpu, {"eager_ubatch_s": 1e-3}), n_prompt=512).pp_terms
+    assert old["CPU layer floors (offload)"] == pytest.approx(L * 7e-3)
+    assert old["CPU attention (eager)"] == pytest.approx(L * attn / 0.4e12)
+    off, _ = _plan(qwen30, ["-ngl", "0", "--no-op-offload"])
+    c = predict(off, _with_costs(rates, cpu, gpu), n_prompt=512)
+    assert c.prompt_kind == "cpu" and c.pp_terms["CPU layer floors"] == pytest.approx(L * 7e-3)
+    part, _ = _plan(qwen30, ["-ngl", "30"])                               # 18 layers' attention in RAM
+    pp = predict(part, _with_costs(rates, cpu, gpu), n_prompt=512).pp_terms
+    assert pp["CPU layer floors (offload)"] == pytest.approx(18 * 20e-3) and "ubatch overhead (offload)" not in pp
+
+
 def test_floor_or_scale():
     assert floor_or_scale(3.0, 2.0) == (1.0, 1.0)
     assert floor_or_scale(1.0, 2.0) == (0.0, 0.5)
@@ -296,7 +321,8 @@ def test_calibration_fits_recover_known_costs(monkeypatch):
                       "eager_token_s": 2e-3, "handoff_s": 70e-6, "prompt_layer_s": 60e-6, "moe_flops": 0.05e12,
                       "prompt_ubatch_s": 1e-3, "attn_flops": 2e12, "eager_prompt_layer_s": 500e-6,
                       "eager_ubatch_s": 3e-3, "eager_attn_flops": 1e12, "upload_overlap": 0.6,
-                      "upload_layer_s": 0.0}}
+                      "upload_layer_s": 0.0, "offload_prompt_layer_s": 4e-3, "offload_ubatch_s": 2e-3,
+                      "offload_attn_flops": 0.2e12}}
     truth = dataclasses.replace(rates, costs=true)
 
     def tg(model, n, reps):

@@ -7,7 +7,8 @@ measuring them runs the runtime (perf/ never imports runtime/; the planner only 
    --quick: 1 and 3, small shapes): the full models have Qwen3-30B-A3B's layer (hidden 2048, 32/4 heads of
    128, 128 experts of 768, 8 used; Q4_0 experts, Q8_0 the rest) and a small vocabulary. Per placement
    (`-ngl 0`; per GPU `-ngl 99` with and without graphs, and `-ngl 99 -ot exps=CPU`), a decode step and a
-   prompt ubatch are timed on both; the difference per layer and the intercept, minus what placement/predict.py
+   prompt ubatch are timed on both (and, per GPU, `-ngl 0`'s prompt, which offloads to it); the difference per
+   layer and the intercept, minus what placement/predict.py
    computes for the same placement from the rates alone, are the per-layer and per-step costs. So the
    calibration models are predicted exactly by construction, and other models through their bytes and FLOPs.
 """
@@ -360,6 +361,27 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
                 del os.environ["HYBRIDMOE_DECODE_SHARE"]
             else:
                 os.environ["HYBRIDMOE_DECODE_SHARE"] = old
+            run.close()
+
+        say(f"{dev}: every weight in RAM, prompts offloaded (-ngl 0)")
+        # with a GPU, -ngl 0's prompts take the eager path (steps.build_step): per layer the norms, q/k norms,
+        # RoPE and attention (torch SDPA) on the CPU, the matrices and experts uploaded where that pays, a few
+        # crossings each way; its floor and its attention's rate, fitted as the eager path's above (after the
+        # upload costs, which its modelled part uses)
+        run = _Run(paths, layers, n_gpu_layers=0, main_gpu=i)
+        try:
+            f = _Fitter(run, rates, costs, reps, n_tg, measured)
+            cfg = run.models[0].cfg
+            g.update(offload_prompt_layer_s=0.0, offload_ubatch_s=0.0, offload_attn_flops=math.inf)
+            a0, aD = _attn_flops(cfg, T1, 0), _attn_flops(cfg, T1, D)
+            s0, r0, i0, j0 = f.pp(f"{dev}_offload_prompt_s", T1)
+            sD, rD, _, _ = f.pp(f"{dev}_offload_prompt_s", T1, D)
+            extra = (sD - rD) - (s0 - r0)
+            g["offload_attn_flops"] = (aD - a0) / extra if extra > 0 else rates.cpu_bf16_flops
+            g["offload_attn_flops"] = max(g["offload_attn_flops"], 2 * a0 / max(s0 - r0, 1e-9))
+            g["offload_prompt_layer_s"] = max(s0 - r0 - a0 / g["offload_attn_flops"], 0.0)
+            g["offload_ubatch_s"] = max(i0 - j0, 0.0)
+        finally:
             run.close()
     costs["_calibration"] = {"layers": list(layers), "ubatches": [T1, T2], "depth": D, "decode_steps": n_tg,
                              "quick": quick, "models": paths, "measured": {k: list(v) for k, v in measured.items()}}

@@ -19,7 +19,7 @@ from ..formats.names import fmt_bytes, gib, layers_text
 from ..models.catalog import catalog_model, catalog_names, config_for_planning
 from ..perf.rigs import read_rig, rig_names
 from ..placement.core import add_placement_args, options_from_args, plan_placement
-from ..placement.planner import OBJECTIVES, Suggestion, predict, suggest
+from ..placement.planner import MIN_GAP, OBJECTIVES, Suggestion, predict, suggest
 from ..placement.report import format_plan, placement_to_json
 
 CATALOG_PREFIX = "catalog:"
@@ -60,7 +60,11 @@ def setup_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     g.add_argument("--objective", choices=OBJECTIVES, default="tg",
                    help="rank suggestions by decode speed (tg), prompt speed (pp) or the time of a 4096-token prompt "
                    "plus 512 generated tokens (balanced); default tg")
-    g.add_argument("--top", type=int, default=4, metavar="N", help="how many suggestions to print (default 4)")
+    g.add_argument("--top", type=_positive, default=3, metavar="N",
+                   help="how many suggestions to print, best first by --objective (default 3)")
+    g.add_argument("--min-gap", type=float, default=MIN_GAP * 100, metavar="PCT",
+                   help="each suggestion is predicted at least PCT%% slower (by --objective) than every one above it "
+                   f"(default {MIN_GAP * 100:g}): near-copies of one placement are left out")
     g.add_argument("--headroom", type=float, default=0.0, metavar="GIB",
                    help="GiB to keep free on every GPU beyond the estimate of compute buffers (default 0)")
     g.add_argument("-p", "--n-prompt", type=_positives, default=None, metavar="N[,N..]",
@@ -102,7 +106,7 @@ def format_suggestions(sugs: list[Suggestion], objective: str) -> str:
     cfg = first.placement.cfg
     total = sum(t.nbytes for t in first.placement.tensors.values())
     out = [f"model: {getattr(cfg, 'name', '') or cfg.arch} ({cfg.arch}, {cfg.n_layer} layers, {fmt_bytes(total)})",
-           f"objective: {objective}; predictions: the runtime's steps on the rates, "
+           f"objective: {objective} (best first); predictions: the runtime's steps on the rates, "
            + ("with calibrated costs" if first.prediction.calibrated else "without calibrated costs (roofline)")
            + f" (tg{first.prediction.n_gen} at depth 0, pp{first.prediction.n_prompt}); memory as `hybridmoe plan` "
            "counts it"]
@@ -177,8 +181,11 @@ def _suggest(args, cfg, tensors, opts, devices, rates, rig, source) -> int:
         print(f"note: --suggest chooses {', '.join(ignored)} itself; the given values are ignored", file=sys.stderr)
     if args.headroom < 0:
         raise HybridMoeError(f"--headroom {args.headroom:g}: give GiB >= 0")
-    sugs = suggest(tensors, cfg, devices, rates, opts, objective=args.objective, count=max(args.top, 1),
-                   headroom=int(args.headroom * (1 << 30)), n_prompt=args.n_prompt, n_gen=args.n_gen)
+    if not 0 <= args.min_gap < 100:
+        raise HybridMoeError(f"--min-gap {args.min_gap:g}: give a percentage from 0 to below 100")
+    sugs = suggest(tensors, cfg, devices, rates, opts, objective=args.objective, count=args.top,
+                   headroom=int(args.headroom * (1 << 30)), n_prompt=args.n_prompt, n_gen=args.n_gen,
+                   min_gap=args.min_gap / 100)
     if args.json:
         print(json.dumps({"rig": rig.name if rig else None, "rates": source, "objective": args.objective,
                           "suggestions": [{"label": s.label, "note": s.note, "flags": s.flags, "argv": s.argv,

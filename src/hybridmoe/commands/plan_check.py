@@ -142,3 +142,35 @@ def run_check(args, placement, rates, source: str, predict_fn) -> int:
     else:
         print(format_check(rows, f"-m {args.model} {flags}".strip(), source))
     return 0
+
+
+def rank_agreement(predicted: list[float], measured: list[float], noise: list[float] | None = None) -> dict:
+    """How well a predicted ranking (higher is better) matches the measured one: Spearman's rho over the ranks,
+    and the pairs both order the same way. A pair whose measured values differ by less than their noise (the sum
+    of their standard deviations), or that is predicted alike, is counted apart as a tie: nothing to check."""
+    n = len(predicted)
+    if n != len(measured) or (noise is not None and len(noise) != n):
+        raise ValueError("predicted, measured and noise need one value per placement")
+    noise = noise or [0.0] * n
+    agree, differ, ties = [], [], []
+    for i in range(n):
+        for j in range(i + 1, n):
+            if abs(measured[i] - measured[j]) <= noise[i] + noise[j] or predicted[i] == predicted[j]:
+                ties.append((i, j))
+            elif (predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0:
+                agree.append((i, j))
+            else:
+                differ.append((i, j))
+
+    def ranks(xs):
+        order = sorted(range(n), key=lambda i: -xs[i])
+        r = [0.0] * n
+        for pos, i in enumerate(order):
+            r[i] = float(pos)
+        return r
+    rho = None
+    if n >= 2:
+        rp, rm = ranks(predicted), ranks(measured)
+        rho = 1 - 6 * sum((a - b) ** 2 for a, b in zip(rp, rm)) / (n * (n * n - 1))
+    return {"spearman": rho, "agree": agree, "differ": differ, "ties": ties,
+            "matches": not differ}

@@ -34,6 +34,11 @@ Keys (seconds unless named otherwise):
                           attention, matrices, experts) hidden by the other when uploads run a layer ahead
                           (prefetch), as measured
        upload_layer_s     per uploaded layer beyond that (the router's sync, slot waits)
+       offload_prompt_layer_s, offload_ubatch_s    a layer whose attention is in RAM (-ngl 0, or a layer -ngl
+                          leaves on the CPU) on the eager prompt path with op offload to this GPU: norms, RoPE
+                          and attention on the CPU, matrices and experts uploaded, crossings; per layer beyond
+                          its modelled work, and per ubatch (uncalibrated: the CPU step's costs)
+       offload_attn_flops FLOP/s of that path's CPU attention (torch SDPA, not the C step's)
 
 Uncalibrated (a rig file without "costs", or no `calibrate` here), every floor is 0, every factor 1, the
 overlap full and the streaming rate the RAM's read rate: the model degrades to the roofline.
@@ -44,8 +49,9 @@ CPU_KEYS = ("call_s", "stream_bw", "decode_layer_s", "decode_token_s", "prompt_l
             "prompt_ubatch_s", "attn_flops")
 GPU_KEYS = ("decode_layer_s", "decode_token_s", "eager_decode_layer_s", "eager_token_s", "handoff_s",
             "prompt_layer_s", "moe_flops", "prompt_ubatch_s", "attn_flops", "eager_prompt_layer_s", "eager_ubatch_s",
-            "eager_attn_flops", "upload_overlap", "upload_layer_s")
-RATE_KEYS = ("stream_bw", "moe_flops", "attn_flops", "eager_attn_flops")   # bytes/s or FLOP/s; others: s or factors
+            "eager_attn_flops", "upload_overlap", "upload_layer_s", "offload_prompt_layer_s", "offload_ubatch_s",
+            "offload_attn_flops")
+RATE_KEYS = ("stream_bw", "moe_flops", "attn_flops", "eager_attn_flops", "offload_attn_flops")   # bytes/s or FLOP/s; others: s or factors
 
 
 class Costs:
@@ -83,6 +89,9 @@ class Costs:
         v = self._gpu_entry(dev).get(key)
         if v is not None:
             return float(v)
+        if key.startswith("offload_"):             # calibrated before these were: the CPU step's costs
+            return self.cpu({"offload_prompt_layer_s": "prompt_layer_s", "offload_ubatch_s": "prompt_ubatch_s",
+                             "offload_attn_flops": "attn_flops"}[key])
         if key in ("moe_flops", "attn_flops", "eager_attn_flops"):
             return self.rates.flops(dev)
         if key == "handoff_s":

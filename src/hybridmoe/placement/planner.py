@@ -74,6 +74,8 @@ class Suggestion:
     note: str = ""                 # how it differs from the first suggestion
     estimate: list[int] = field(default_factory=list)   # the search's own bytes per GPU (placement.py's
     #                                count unless the two drifted; the search then corrects by re-planning)
+    layout: "_Layout | None" = field(default=None, repr=False)   # what the search built it from
+    slack: list[int] = field(default_factory=list, repr=False)     # bytes it kept free per GPU
 
     @property
     def tg(self) -> float:
@@ -304,7 +306,7 @@ class _Search:
         out = self.out_gpu(lay, ranges)
         ngl = n - lay.P if lay.P else (99 if n < 99 else n + 1)
         argv = ["-ngl", str(ngl)]
-        if len(self.gpus) > 1:
+        if len(self.gpus) > 1 and lay.P < n:                   # -ngl 0: no layer to split
             counts = [len(r) + (1 if g == out else 0) for g, r in enumerate(ranges)]
             argv += ["-ts", ",".join(str(c) for c in counts)]
         host = sorted(il for r in ranges for il, full in r if not full and self.exps[il])
@@ -365,88 +367,144 @@ def _score(pred: Prediction, objective: str, workload: tuple[int, int]) -> float
 
 
 SECONDARY = {"tg": "pp", "pp": "tg", "balanced": "tg"}
+MIN_GAP = 0.05                     # suggestions differ by at least this share in the objective's prediction
 
 
 def _rank_key(s: Suggestion, objective: str, workload) -> tuple:
-    # values within 0.2% tie; then the other objective, the smaller ubatch, the shorter command line
-    def bucket(obj):
-        return -round(math.log(max(_score(s.prediction, obj, workload), 1e-12)) / math.log(1.002))
-    return (bucket(objective), bucket(SECONDARY[objective]), s.options.ubatch_size, len(s.argv), s.flags)
+    # values within 0.2% tie; then the other objective (within 2%), the smaller ubatch, the shorter command line
+    def bucket(obj, rel):
+        return -round(math.log(max(_score(s.prediction, obj, workload), 1e-12)) / math.log(1 + rel))
+    return (bucket(objective, 0.002), bucket(SECONDARY[objective], 0.02), s.options.ubatch_size, len(s.argv),
+            s.flags)
 
 
 def suggest(tensors: dict[str, TensorInfo] | list[TensorInfo], cfg: ModelConfig, devices: list[Device], rates,
-            opts: PlacementOptions | None = None, objective: str = "tg", count: int = 4, n_prompt: int = 4096,
-            n_gen: int = 128, workload: tuple[int, int] = (4096, 512), headroom: int = 0) -> list[Suggestion]:
-    """Placements ranked by `objective` ("tg", "pp" or "balanced"): the best at opts' -ub first, then the best
-    for each objective (any -ub), the best without -ot rules, and trade-offs (each better than all shown by 2%
-    in TG or PP), `count` at most. Predictions are for tg{n_gen} and pp{n_prompt}. opts gives -c, -ub (the smallest
-    tried), -b, cache types, -fa, -nkvo and --no-op-offload; -ngl/-ot/-ts/--n-cpu-moe are what the planner
-    decides. headroom: bytes left free on every GPU beyond what placement.py counts."""
+            opts: PlacementOptions | None = None, objective: str = "tg", count: int = 3, n_prompt: int = 4096,
+            n_gen: int = 128, workload: tuple[int, int] = (4096, 512), headroom: int = 0,
+            min_gap: float = MIN_GAP) -> list[Suggestion]:
+    """The `count` best placements that fit, ranked by `objective` ("tg", "pp" or "balanced"), each predicted at
+    least `min_gap` (a share) apart in that objective from every one ranked above it, so that the ranking is
+    one a benchmark can check. Candidates: for each ubatch size (opts' -ub and 1024..4096 above it) and upload
+    choice (op offload on / off), the layout with the most expert layers on GPUs; then, from the best of those,
+    fewer expert layers on GPUs (down to none: every layer's experts in RAM) and the first layers entirely on the
+    CPU (-ngl below the layer count, down to -ngl 0). Predictions are for tg{n_gen} and pp{n_prompt}. opts gives
+    -c, -ub (the smallest tried), -b, cache types, -fa, -nkvo and --no-op-offload; -ngl/-ot/-ts/--n-cpu-moe are
+    what the planner decides. headroom: bytes left free on every GPU beyond what placement.py counts."""
     if objective not in OBJECTIVES:
         raise PlacementError(f"objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+    if count < 1:
+        raise PlacementError(f"{count} suggestions: ask for at least one")
+    if not 0 <= min_gap < 1:
+        raise PlacementError(f"gap {min_gap:g} between suggestions: give a share in [0, 1)")
     if not isinstance(tensors, dict):
         tensors = {t.name: t for t in tensors}
     opts = (opts or PlacementOptions()).replace(split_mode="layer")
     s = _Search(tensors, cfg, opts, devices, rates)
     s.n_prompt, s.n_gen = n_prompt, n_gen
-    cands = _candidates(s, opts, headroom)
+    key = lambda c: _rank_key(c, objective, workload)       # noqa: E731
+    cands = _candidates(s, opts, headroom, key)
     if not cands:
         raise PlacementError("no placement fits: even with every layer on the CPU some GPU is over (compute "
                              "buffers); lower -ub or -c")
-    ranked = sorted(cands, key=lambda c: _rank_key(c, objective, workload))
-    # the first keeps the -ub asked for; larger ubatches (more compute buffer, fewer layers) are alternatives
-    picked = [next((c for c in ranked if c.options.ubatch_size == opts.ubatch_size), ranked[0])]
-    picked[0].label = "best " + _name(objective)
-    for obj in OBJECTIVES:
-        best = min(cands, key=lambda c: _rank_key(c, obj, workload))
-        if obj == objective and _rank_key(best, obj, workload)[0] >= _rank_key(picked[0], obj, workload)[0]:
-            continue                   # a larger -ub that is no better for the objective itself
-        if best not in picked and len(picked) < count and _adds(best, picked):
-            best.label = "best " + _name(obj) + (f" at -ub {best.options.ubatch_size}" if obj == objective else "")
-            picked.append(best)
-    simple = sorted((c for c in ranked if "-ot" not in c.argv),
-                    key=lambda c: c.options.ubatch_size != opts.ubatch_size)      # stable: keeps the ranking
-    if simple and "-ot" in picked[0].argv and simple[0] not in picked and len(picked) < count:
-        simple[0].label = "simplest flags"            # no -ot rule: --n-cpu-moe and -ts only
-        picked.append(simple[0])
-    for c in ranked:                   # then the trade-offs between them
+    picked: list[Suggestion] = []
+    for c in sorted(cands, key=key):    # greedy down the ranking, so a longer list starts with the shorter one
         if len(picked) >= count:
             break
-        if c not in picked and _adds(c, picked):
-            c.label = "alternative"
+        if all(_apart(c, q, objective, workload, min_gap) for q in picked):
             picked.append(c)
-    for c in picked[1:]:
-        c.note = _difference(picked[0], c)
+    name = _name(objective)
+    for i, c in enumerate(picked):
+        c.label = f"best {name}" if i == 0 else f"next by {name}"
+        c.note = _difference(picked[0], c) if i else ""
     return picked
 
 
-def _adds(c: Suggestion, shown: list[Suggestion], rel: float = 0.02) -> bool:
-    """Better than each suggestion shown by more than 2% in TG or in PP: a trade-off worth listing."""
-    return all(c.tg > q.tg * (1 + rel) or c.pp > q.pp * (1 + rel) for q in shown)
+def _apart(a: Suggestion, b: Suggestion, objective: str, workload, gap: float) -> bool:
+    """a's prediction for the objective differs from b's by at least the share `gap` (of the larger), and the
+    two are not predicted alike in both TG and PP (a larger -ub that changes nothing for this test)."""
+    x, y = _score(a.prediction, objective, workload), _score(b.prediction, objective, workload)
+    same = _rank_key(a, objective, workload)[:2] == _rank_key(b, objective, workload)[:2]
+    return abs(x - y) >= gap * max(x, y) and not same
 
 
 def _name(objective: str) -> str:
     return objective if objective == "balanced" else objective.upper()
 
 
-def _candidates(s: _Search, opts: PlacementOptions, headroom: int = 0) -> list[Suggestion]:
+def _candidates(s: _Search, opts: PlacementOptions, headroom: int = 0, key=None) -> list[Suggestion]:
+    """Every candidate, by distinct flags: the fullest layouts (the search), then, from the best of them (by
+    `key`) for each ubatch size and upload choice, fewer expert layers on GPUs and the first layers entirely on
+    the CPU."""
     G, n = len(s.gpus), s.cfg.n_layer
     ubs = sorted({opts.ubatch_size} | {u for u in UB_CHOICES if u > opts.ubatch_size})
     seen: dict[str, Suggestion] = {}
-    for P in range(0, n + 1):
+
+    def add(c: Suggestion | None):
+        if c is not None and c.flags not in seen:
+            seen[c.flags] = c
+
+    P0 = 0
+    for P0 in range(0, n + 1):
         for ub in ubs:
             ops = [False] + ([True] if opts.op_offload and G and s.moe else [])
             for op in ops:
                 for h in (range(G) if G else [None]):
-                    if op and not _uploads_pay(s, h, ub):
-                        continue             # staging memory for uploads that never happen
+                    # op offload pins host experts for prompt uploads and, on one GPU, the decode share: with
+                    # several GPUs and no upload that pays it only costs the staging buffers
+                    if op and G > 1 and not _uploads_pay(s, h, ub):
+                        continue
                     for rebalance in (True, False):     # without: host layers stay together (simpler -ot)
-                        c = _candidate(s, P, h, op, ub, headroom, rebalance)
-                        if c is not None and c.flags not in seen:
-                            seen[c.flags] = c
+                        add(_candidate(s, P0, h, op, ub, headroom, rebalance))
         if seen or not G:
             break
+    if not G:
+        return list(seen.values())
+    best: dict[tuple, Suggestion] = {}
+    for c in seen.values():
+        k = (c.options.ubatch_size, c.options.op_offload)
+        if k not in best or (key is not None and key(c) < key(best[k])):
+            best[k] = c
+    for c in best.values():
+        lay = c.layout
+        for fewer in _fewer_full(s, lay):
+            add(_from_layout(s, fewer, c.slack))
+        h = next((g for g in range(G) if lay.a[g]), s.speed_order[0])
+        for P in sorted({min(P0 + d, n) for d in (n // 8, n // 4, n // 2)} | {n} - {P0}):
+            part = s.layout(P, h, lay.op, lay.ub, c.slack)
+            if part is not None:
+                add(_from_layout(s, part, c.slack))
     return list(seen.values())
+
+
+def _fewer_full(s: _Search, lay: _Layout) -> list[_Layout]:
+    """The layout with 1, 2, 3, 4, 6, 8, 12, ... and finally all of its full layers turned into host layers
+    (their experts to RAM, their attention where it was), taken from the slowest GPU first."""
+    total = sum(lay.k)
+    steps = sorted({d for d in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if d < total} | {total} - {0})
+    out = []
+    for d in steps:
+        a, k = list(lay.a), list(lay.k)
+        for _ in range(d):
+            g = next(g for g in reversed(s.speed_order) if k[g])
+            k[g] -= 1
+            a[g] += 1
+        out.append(_Layout(lay.P, a, k, lay.op, lay.ub))
+    return out
+
+
+def _from_layout(s: _Search, lay: _Layout, slack: list[int]) -> Suggestion | None:
+    """The suggestion for a layout built outside the search's fill, or None where it does not fit with the
+    slack of the layout it came from, by the search's estimate or by placement.py's count."""
+    if not s.fits(lay, slack):
+        return None
+    argv = s.argv(lay)
+    o = options_from_argv(argv)
+    p = plan_placement(s.tensors, s.cfg, o, s.devices)
+    if any(p.totals[d.name].over > 0 for d in s.gpus):
+        return None
+    _check_layout(s, lay, p)
+    return Suggestion(" ".join(_quote(a) for a in argv), argv, o, p, predict(p, s.rates, s.n_prompt, s.n_gen),
+                      _memory(p), estimate=s.estimate(lay), layout=lay, slack=list(slack))
 
 
 def _uploads_pay(s: _Search, h: int, ub: int) -> bool:
@@ -484,7 +542,7 @@ def _candidate(s: _Search, P: int, h: int | None, op: bool, ub: int, headroom: i
                 _check_layout(s, lay, p)
             pred = predict(p, s.rates, s.n_prompt, s.n_gen)
             return Suggestion(" ".join(_quote(a) for a in argv), argv, o, p, pred, _memory(p),
-                              estimate=s.estimate(lay) if lay is not None else [])
+                              estimate=s.estimate(lay) if lay is not None else [], layout=lay, slack=list(slack))
         for g, d in enumerate(s.gpus):
             slack[g] += over.get(d.name, 0)
     return None

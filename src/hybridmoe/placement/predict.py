@@ -393,6 +393,11 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
     first_moe = min((L.il for L in layers if L.exps is not None), default=-1)
     gpus = [d.name for d in p.gpus]
     main = gpus[p.opts.main_gpu] if gpus and p.opts.main_gpu < len(gpus) else (gpus[0] if gpus else "CPU")
+    # layers whose attention is in RAM, on the eager path with a GPU that may take their ops (-ngl 0, or the
+    # layers -ngl leaves on the CPU): the path's own calibrated floor and CPU attention (torch SDPA)
+    offload = kind == "eager" and bool(gpus) and p.opts.op_offload
+    all_cpu = all(L.attn == "CPU" for L in layers)
+    paths: dict = {}
     done = 0
     while done < n_prompt:
         T = min(ub, n_prompt - done)
@@ -401,6 +406,8 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             t.add("CPU ubatch overhead", c.cpu("prompt_ubatch_s"))
         elif kind == "graph":
             t.add("ubatch overhead", c.gpu(main, "prompt_ubatch_s"))
+        elif offload and all_cpu:
+            t.add("ubatch overhead (offload)", c.gpu(main, "offload_ubatch_s"))
         else:
             t.add("ubatch overhead (eager)", c.gpu(main, "eager_ubatch_s") if gpus else c.cpu("prompt_ubatch_s"))
         prefetch, prev_il = False, -2
@@ -421,9 +428,14 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
                 t.add("GPU layer floors", c.gpu(A, "prompt_layer_s"))
             elif A != "CPU":
                 t.add("layer floors (eager)", c.gpu(A, "eager_prompt_layer_s"))
+            elif offload:
+                t.add("CPU layer floors (offload)", c.gpu(main, "offload_prompt_layer_s"))
             else:
                 t.add("CPU layer floors", c.cpu("prompt_layer_s"))
-            t.add(*_attention(c, A, attn, kind))
+            if A == "CPU" and offload:
+                t.add("CPU attention (eager)", attn / c.gpu(main, "offload_attn_flops"))
+            else:
+                t.add(*_attention(c, A, attn, kind))
             for d, fl in dense.items():
                 nb = L.dense.get(d, 0) + (kv_bytes if d == L.kv else 0)
                 if d != "CPU":
@@ -476,7 +488,10 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             t.add("GPU experts", comp)
             t.add("upload overhead", c.gpu(run, "upload_layer_s"))
         if kind == "eager":
-            t.add("crossings", _path_seconds(p, rates, T, ups)[0])
+            key = (T, tuple(sorted(ups.items())))       # alike for every full ubatch
+            if key not in paths:
+                paths[key] = _path_seconds(p, rates, T, ups)[0]
+            t.add("crossings", paths[key])
         done += T
     return sum(t.values()), t, kind, sorted(uploaded), few_any, moved
 
@@ -502,7 +517,8 @@ def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128,
                    n_depth, kvb)
     n = max(n_gen, 1)
     tg_terms = {k: v * n for k, v in tg_t.items()}
-    crossings = len(_token_path(p, {})[0]) - 1 + _token_path(p, {})[1]
+    path, extra = _token_path(p, {})
+    crossings = len(path) - 1 + extra
     return Prediction(n / (per_tok * n) if per_tok > 0 else math.inf, max(n_prompt, 1) / pp_s if pp_s > 0 else math.inf,
                       tgb, ppb, n_gen, n_prompt, ub, ups, crossings, share, tg_terms, dict(pp_t), dkind, pkind, few,
                       moved, Costs(rates).calibrated)
