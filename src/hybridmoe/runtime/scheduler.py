@@ -248,7 +248,7 @@ class Scheduler:
         nbytes = gate.nbytes + up.nbytes + down.nbytes
         n_params = 3 * math.prod(gate.shape)
         counts, n_active, prefetched = None, None, False
-        if dev.kind == "cpu" and self.main_gpu is not None and self.rates is not None and T > 1 and \
+        if dev.kind == "cpu" and self.main_gpu is not None and self.rates is not None and T >= OFFLOAD_MIN_BATCH and \
                 self.policy["moe_up_gate"] is None and self.policy["mul_mat_id"] is None:
             # auto decides on this batch's routing: the experts it touches (the one sync an upload needs
             # anyway) and whether the layer's upload is already under way

@@ -320,7 +320,8 @@ class CpuDecoder:
         """Whether decode_batch's last batch had these caches, in this order (their records are kept)."""
         return self._batch is not None and self._batch.holds(kvs)
 
-    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list) -> tuple[torch.Tensor, list[int], list[int]] | None:
+    def decode_batch(self, tokens: list[int], pos: list[int],
+                     kvs: list) -> tuple[torch.Tensor, list[int], list[int]] | None:
         """One decode token for each of B sequences, ids, positions and caches as lists (each cache a distinct
         KVCache): their logits [B, n_vocab], per layer the distinct experts, as forward_batch gives them, and each
         row's argmax, by the same hm_batch_step (hm_decode_batch: the RoPE rows gathered, the logits' finiteness
