@@ -24,8 +24,10 @@ import weakref
 
 import torch
 
+from ...errors import warn_fallback
 from ...kernels import gpu_batch_attention as ga
 from .base import NotApplicable
+from .gpu_decode import capturing, gc_paused
 from .gpu_prefill import StaticPrefill
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -127,6 +129,8 @@ class BatchDecode(StaticPrefill):
         out[B:].zero_()
 
     def _split_capture(self, i: int, h, ids, wts):
+        """Capturing, at host-expert layer i: the rows out to pinned memory end this graph; the next one begins
+        with the host's result coming back, which the layers after i read."""
         graph, ctx, pieces, buf = self._open
         buf["pin_in"].copy_(torch.cat([h.float(), wts.float(), ids.float()], 1), non_blocking=True)
         ctx.close()
@@ -137,7 +141,6 @@ class BatchDecode(StaticPrefill):
         return dev_out
 
     def _begin_capture(self, pieces, buf):
-        from .gpu_decode import capturing
         graph, ctx = torch.cuda.CUDAGraph(), contextlib.ExitStack()
         ctx.enter_context(capturing(graph, self.dev.torch_device, buf["side"], buf["pool"]))
         self._open = (graph, ctx, pieces, buf)
@@ -201,8 +204,6 @@ class BatchDecode(StaticPrefill):
     def _capture_bucket(self, buf):
         """The bucket's step as graphs: [(graph, the host-expert layer that follows it, or None)]; one graph
         where every expert is on this GPU."""
-        from ...errors import warn_fallback
-        from .gpu_decode import gc_paused
         td = self.dev.torch_device
         buf["side"], buf["pool"] = torch.cuda.Stream(td), torch.cuda.graph_pool_handle()
         buf["side"].wait_stream(torch.cuda.current_stream(td))
