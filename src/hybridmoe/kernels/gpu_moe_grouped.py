@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..quant.types import GGMLType
 from . import gpu_decode as gd
 from .gpu_decode import _INTERPRET, QTYPES, on_device
 
@@ -160,13 +161,20 @@ def available() -> bool:
     return triton is not None
 
 
+_DISABLED: set = set()                                  # type pairs whose kernels failed to build on this GPU
+
+
 def supports(gate_qtype, up_qtype, down_qtype) -> bool:
     """The types of gpu_decode.moe (its kernels' dot products are these kernels' too)."""
-    return gd.supports(gate_qtype, up_qtype, down_qtype)
+    return gd.supports(gate_qtype, up_qtype, down_qtype) and (gate_qtype, down_qtype) not in _DISABLED
 
 
 def disable(gate_qtype, down_qtype, err: Exception):
-    gd.disable(gate_qtype, down_qtype, err)
+    """Stop using these kernels for this type pair (they failed here); the caller's fallback takes over."""
+    from ..errors import warn_fallback
+    _DISABLED.add((gate_qtype, down_qtype))
+    warn_fallback(f"the grouped decode MoE kernel for {GGMLType(gate_qtype).name}/{GGMLType(down_qtype).name}",
+                  err, "dequantizing the experts first")
 
 
 def block_rows(n_pairs: int, n_expert: int) -> int:

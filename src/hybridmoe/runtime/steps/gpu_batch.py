@@ -20,6 +20,7 @@ import weakref
 import torch
 
 from ...kernels import gpu_batch_attention as ga
+from .. import experts as X
 from .base import NotApplicable
 from .gpu_prefill import StaticPrefill
 
@@ -85,6 +86,21 @@ class BatchDecode(StaticPrefill):
                                    q_dtype=self.dtype if self.cdt != torch.float32 else self.cdt)
         return ga.attention_batch(q, self.anchor, koff, voff, buf["pos"], self.shape, self.shape,
                                   cfg.head_dim ** -0.5, self.n_ctx, out_dtype=self.cdt, parts=buf["parts"])
+
+    def _experts(self, h, ids, wts, exps):
+        """The bucket's (token, slot) pairs pick the kernels (runtime/experts.gpu_moe_path): per-pair GEMVs, the
+        grouped GEMVs reading each active expert once per block of its pairs, or the prompt's grouped GEMMs.
+        The GEMVs are called here, so fake GPUs run them too (in Triton's interpreter, as the tests do)."""
+        g, u, d = exps
+        path = X.gpu_moe_path(ids.shape[0], ids.numel())
+        mod = X.gpu_kernels(path)
+        if path != "gemm" and mod.supports(g.qtype, u.qtype, d.qtype):
+            try:
+                return mod.moe(h, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, gate_split=g.split,
+                               down_split=d.split)
+            except Exception as e:                      # noqa: BLE001 - a kernel this GPU can't build
+                mod.disable(g.qtype, d.qtype, e)
+        return super()._experts(h, ids, wts, exps)
 
     def _routed(self, i: int, ids):
         self._cur["ids"][i].copy_(ids)
