@@ -12,9 +12,9 @@ from hybridmoe.quant.ref import dequantize, random_blocks, split_rows
 from hybridmoe.quant.types import GGMLType
 
 gg = pytest.importorskip("hybridmoe.kernels.gpu_moe_grouped")
+gd = pytest.importorskip("hybridmoe.kernels.gpu_decode")
 if not gg.available():
     pytest.skip("triton is not installed", allow_module_level=True)
-from hybridmoe.kernels import gpu_decode as gd  # noqa: E402
 
 DEV = triton_test_device()
 
