@@ -74,7 +74,8 @@ class BatchDecode(StaticPrefill):
                 "pos": torch.full((B,), -1, dtype=torch.int64, device=td),
                 "offs": torch.zeros(n_layer, 2, B, dtype=torch.int64, device=td),         # [layer, (k, v), row]
                 "ids": torch.zeros(n_layer, B, cfg.n_expert_used or 1, dtype=torch.int64, device=td),
-                "parts": ga.split_buffers(B, cfg.n_head, cfg.head_dim, n_split, td), "graph": None, "logits": None}
+                "parts": ga.split_buffers(B, cfg.n_head, cfg.head_dim, n_split, td), "graph": None, "logits": None,
+                "moe": None}
         return buf
 
     # -- the prompt step's layer loop, with these hooks --------------------------------------------------------
@@ -94,12 +95,16 @@ class BatchDecode(StaticPrefill):
         g, u, d = exps
         path = X.gpu_moe_path(ids.shape[0], ids.numel())
         mod = X.gpu_kernels(path)
-        if path != "gemm" and mod.supports(g.qtype, u.qtype, d.qtype):
+        self._cur["moe"] = path                          # what ran, for benchmarks/batch_decode.py
+        if path != "gemm" and not mod.supports(g.qtype, u.qtype, d.qtype):
+            self._cur["moe"] = "runtime/experts.moe"
+        elif path != "gemm":
             try:
                 return mod.moe(h, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, gate_split=g.split,
                                down_split=d.split)
             except Exception as e:                      # noqa: BLE001 - a kernel this GPU can't build
                 mod.disable(g.qtype, d.qtype, e)
+                self._cur["moe"] = "runtime/experts.moe"
         return super()._experts(h, ids, wts, exps)
 
     def _routed(self, i: int, ids):
