@@ -187,6 +187,8 @@ def test_batch_step_moe_kernels_match_alone(path, monkeypatch):
     positions give each sequence's greedy tokens as its static decode step gives them alone (per-pair
     kernels). On a GPU synth:tiny-wide (split rows: the dp4a kernels), in the interpreter synth:tiny (GGUF
     rows)."""
+    from conftest import top1_agreement
+
     import hybridmoe
     from hybridmoe.kernels import gpu_decode, gpu_moe_grouped
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode
@@ -203,15 +205,20 @@ def test_batch_step_moe_kernels_match_alone(path, monkeypatch):
         m.forward(torch.tensor(p), 0, a)
         m.forward(torch.tensor(p), 0, b)
     nxt = [IDS[30 + j] for j in range(len(prompts))]
+    seen = []
     for step in range(2):
         calls.clear()
         got = m.forward_batch([(torch.tensor([t]), len(p) + step, kv) for t, p, kv in zip(nxt, prompts, batched)])
-        assert isinstance(m._batch, BatchDecode)
-        assert calls == [(8, m.cfg.n_expert_used)] * m.cfg.n_layer     # the bucket's rows, every layer
+        seen += calls
         want = [m.forward(torch.tensor([t]), len(p) + step, kv, all_logits=False)
                 for t, p, kv in zip(nxt, prompts, alone)]
         for w, g in zip(want, got):
             print(f"{path}, step {step}: rel L2 batched vs alone {rel_l2(g, w):.2e}")
-            assert rel_l2(g, w) < (1e-2 if real else 1e-5)
-            assert int(g.argmax()) == int(w.argmax())
+            if real:             # bf16 GEMMs batched, dp4a GEMVs alone: a near-tie may go either way
+                assert rel_l2(g, w) < 1e-2 and top1_agreement(g, w) == 1.0
+            else:
+                assert rel_l2(g, w) < 1e-5 and int(g.argmax()) == int(w.argmax())
         nxt = [int(w.argmax()) for w in want]
+    # the bucket's rows went through the kernels at every layer (eagerly, and into the graph on a GPU)
+    assert isinstance(m._batch, BatchDecode) and m._batch.buckets[8]["moe"] == path
+    assert seen and set(seen) == {(8, m.cfg.n_expert_used)} and len(seen) % m.cfg.n_layer == 0
