@@ -14,7 +14,8 @@ experts a step (mean over MoE layers; the experts a step reads, against B x k fo
 decode_batch ms: a step by Model.decode_batch instead (the server's decode steps: lists in, the greedy tokens
 out, the CPU step's records kept while the batch's caches stay the same; "-" where it is forward_batch's path);
 --loop: the same B sequences decoded one forward at a time (what a server without batching does); step: the path
-that ran the batch (CpuDecoder, BatchDecode[bucket graph|eager]: runtime/steps/gpu_batch.py, or eager).
+that ran the batch (CpuDecoder, BatchDecode[bucket graph|eager, moe KERNELS]: runtime/steps/gpu_batch.py, with
+the MoE kernels its bucket ran: pair, grouped or gemm, runtime/experts.gpu_moe_path; or eager).
 --no-graphs times the eager batched decoder instead.
 """
 from __future__ import annotations
@@ -90,7 +91,9 @@ def _step_name(m, B: int) -> str:
         return type(step).__name__
     from hybridmoe.runtime.steps.gpu_batch import bucket
     b = bucket(min(B, 64))
-    return f"{type(step).__name__}[{b}{' graph' if buckets.get(b, {}).get('graph') is not None else ' eager'}]"
+    buf = buckets.get(b, {})
+    moe = f", moe {buf['moe']}" if buf.get("moe") else ""
+    return f"{type(step).__name__}[{b}{' graph' if buf.get('graph') is not None else ' eager'}{moe}]"
 
 
 def main():

@@ -9,6 +9,13 @@ copy's bandwidth. For choosing gpu_decode._MOE_TILES. Usage (GPU machine):
 --tiles times only gpu_decode._MOE_TILES on each kernel: the measurements behind gpu_decode.moe_tile.
 --split times GGUF rows against split rows (quant.ref.split_rows) over a grid of tiles, each kernel replayed
 from a CUDA graph (as decode runs it: no launch overhead in the figure).
+
+    python3 benchmarks/bench_moe_decode.py --grouped [Q4_0,Q8_0]
+    python3 benchmarks/bench_moe_decode.py --grouped-tiles [Q4_0,Q8_0]
+
+--grouped: one MoE layer of B = 1..64 decode tokens (the batch step's buckets) by the per-pair GEMVs, the
+grouped GEMVs (kernels/gpu_moe_grouped.py) and the prompt's grouped GEMMs, graph-replayed, in GB/s of the
+distinct experts' bytes; --grouped-tiles: the grouped GEMVs over block heights and tiles.
 """
 import itertools
 import sys
@@ -194,7 +201,85 @@ def dense(types):
             print("  best tiles: " + ", ".join(f"{c} {t * 1e6:.1f} us ({nbytes / t / 1e9:.0f} GB/s)" for t, c in best))
 
 
+def _batch_case(q, B, g):
+    """The 30B layer's experts in split rows (as the GPU keeps them) and B tokens' routing: each token's k
+    experts uniformly at random (a real router is skewed: fewer distinct experts, more pairs each)."""
+    graw, uraw = (split_rows(random_blocks(q, (E, F, H), g), q) for _ in range(2))
+    draw = split_rows(random_blocks(q, (E, H, F), g), q)
+    x = torch.randn(B, H, device="cuda", generator=g)
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K_USED] for _ in range(B)]).to(torch.int32)
+    wts = torch.softmax(torch.randn(B, K_USED, device="cuda", generator=g), -1)
+    return x, ids, wts, graw, uraw, draw
+
+
+def grouped(types, sizes=(1, 2, 4, 8, 16, 32, 64)):
+    """Per-pair GEMVs (gpu_decode.moe), the grouped GEMVs (gpu_moe_grouped.moe) and the grouped GEMMs
+    (gpu_moe.moe, bf16) on one MoE layer of B tokens, each replayed from a CUDA graph: us a layer, GB/s of the
+    distinct experts' bytes (what a step must read), which runtime/experts.gpu_moe_path picks, and each
+    result's distance from the grouped GEMVs'."""
+    from hybridmoe.kernels import gpu_moe as gm
+    from hybridmoe.kernels import gpu_moe_grouped as gg
+    from hybridmoe.runtime.experts import gpu_moe_path
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print("| type | B | distinct experts | MB read | per-pair us (GB/s) | grouped us (GB/s) | gemm us (GB/s) | "
+          "auto picks | per-pair / grouped | rel diff pair, gemm |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
+    for name in types:
+        q = GGMLType[name]
+        per = 2 * F * row_bytes(q, H) + H * row_bytes(q, F)
+        for B in sizes:
+            x, ids, wts, gs, us, ds = _batch_case(q, B, g)
+            nbytes = int(torch.unique(ids).numel()) * per
+            kw = dict(gate_split=True, down_split=True)
+            runs = {"pair": lambda: gd.moe(x, ids, wts, gs, us, ds, q, q, **kw),
+                    "grouped": lambda: gg.moe(x, ids, wts, gs, us, ds, q, q, **kw),
+                    "gemm": lambda: gm.moe(x, ids, wts, gs, us, ds, q, q, **kw)}
+            t = {k: graph_timed(f, n=10, reps=10) for k, f in runs.items()}
+            ref = runs["grouped"]()
+            diff = [float((runs[k]() - ref).norm() / ref.norm()) for k in ("pair", "gemm")]
+            cell = " | ".join(f"{t[k] * 1e6:.1f} ({nbytes / t[k] / 1e9:.0f})" for k in ("pair", "grouped", "gemm"))
+            print(f"| {name} | {B} | {nbytes // per} | {nbytes / 1e6:.0f} | {cell} | {gpu_moe_path(B, B * K_USED)} | "
+                  f"{t['pair'] / t['grouped']:.2f} | {diff[0]:.1e}, {diff[1]:.1e} |", flush=True)
+
+
+def grouped_tiles(types, sizes=(16, 64)):
+    """The grouped GEMVs over block heights and tiles (gate/up and down alike), graph-replayed: the five
+    fastest per (type, B), against the rule's (block_rows, grouped_tile)."""
+    from hybridmoe.kernels import gpu_moe_grouped as gg
+    g = torch.Generator(device="cuda").manual_seed(1)
+    grid = [(bn, nb, w) for bn in (2, 4, 8, 16) for nb in (8, 16, 32) for w in (4, 8)]
+    for name in types:
+        q = GGMLType[name]
+        per = 2 * F * row_bytes(q, H) + H * row_bytes(q, F)
+        for B in sizes:
+            x, ids, wts, gs, us, ds = _batch_case(q, B, g)
+            nbytes = int(torch.unique(ids).numel()) * per
+            rule = graph_timed(lambda: gg.moe(x, ids, wts, gs, us, ds, q, q, gate_split=True, down_split=True),
+                               n=10, reps=10)
+            res = []
+            for bm in (2, 4, 8, 16):
+                for tile in grid:
+                    if bm * tile[0] * tile[1] > 2048:
+                        continue
+                    try:
+                        res.append((graph_timed(lambda: gg.moe(x, ids, wts, gs, us, ds, q, q, gate_split=True,
+                                                               down_split=True, bm=bm, tiles8=(tile, tile)),
+                                                n=10, reps=5), bm, tile))
+                    except Exception as e:          # noqa: BLE001 - a config this GPU can't build
+                        print(f"  BM={bm} {tile}: {type(e).__name__}")
+            best = sorted(res)[:5]
+            print(f"{name} B={B}: rule (BM {gg.block_rows(B * K_USED, E)}) {rule * 1e6:.1f} us "
+                  f"({nbytes / rule / 1e9:.0f} GB/s); best: " +
+                  ", ".join(f"BM {bm} {tile} {t * 1e6:.1f} us" for t, bm, tile in best), flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--grouped"]:
+        grouped(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0"])
+        sys.exit()
+    if sys.argv[1:2] == ["--grouped-tiles"]:
+        grouped_tiles(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0"])
+        sys.exit()
     if sys.argv[1:2] == ["--dense"]:
         dense(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q8_0", "Q4_0"])
         sys.exit()

@@ -65,3 +65,23 @@ def test_reference_loop_with_gpt_oss_activation():
                                 torch.float64, oai=oai)
     got = X.reference_moe(x, ids, wts, *ws, oai=oai)
     assert float((got - ref).norm() / ref.norm()) <= 1e-5
+
+
+def test_gpu_moe_path_by_pairs(monkeypatch):
+    """One token takes the per-pair GEMVs, a decode batch the grouped GEMVs, a prompt's pairs the grouped GEMMs;
+    HYBRIDMOE_GPU_MOE names one for every call, and a wrong name is a one-line error."""
+    from hybridmoe.errors import HybridMoeError
+    from hybridmoe.runtime import experts as X
+    monkeypatch.delenv("HYBRIDMOE_GPU_MOE", raising=False)
+    lo, hi = X.GROUPED_MIN_PAIRS, X.GROUPED_MAX_PAIRS
+    assert X.gpu_moe_path(1, 8) == "pair" and X.gpu_moe_path(1, hi) == "pair"
+    assert X.gpu_moe_path(2, lo - 1) == "pair" and X.gpu_moe_path(4, lo) == "grouped"
+    assert X.gpu_moe_path(64, hi) == "grouped" and X.gpu_moe_path(65, hi + 8) == "gemm"
+    assert [X.gpu_moe_path(b, 8 * b) for b in (1, 2, 4, 8, 16, 32, 64, 512)] == \
+        ["pair", "pair", "grouped", "grouped", "grouped", "grouped", "grouped", "gemm"]
+    for forced in ("pair", "grouped", "gemm"):
+        monkeypatch.setenv("HYBRIDMOE_GPU_MOE", forced)
+        assert X.gpu_moe_path(1, 8) == forced and X.gpu_moe_path(4096, 8 * 4096) == forced
+    monkeypatch.setenv("HYBRIDMOE_GPU_MOE", "fast")
+    with pytest.raises(HybridMoeError, match="HYBRIDMOE_GPU_MOE='fast': give auto, pair, grouped or gemm"):
+        X.gpu_moe_path(4, 32)

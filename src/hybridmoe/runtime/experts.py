@@ -13,6 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .. import env
+from ..errors import HybridMoeError
 from ..kernels.cpu import swiglu_oai  # noqa: F401 - gpt-oss's activation, for the torch paths
 from ..quant.ref import join_rows
 from ..quant.types import GGMLType
@@ -142,9 +144,7 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
     """Routed experts from raw bytes graw/uraw/draw [E', ...] (ids index into E'). Returns float32 [T, H]."""
     if graw.device.type == "cuda":
         few = ids.numel() <= GATHER_MAX_SLOTS
-        from ..kernels import gpu_decode as gd
-        from ..kernels import gpu_moe as gm
-        fast = gd if few else gm                        # GEMV kernels for decode, grouped GEMMs for prompts
+        fast = gpu_kernels(gpu_moe_path(ids.shape[0], ids.numel()))
         if fast.supports(gate.qtype, up.qtype, down.qtype):
             try:
                 return fast.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype,      # from the bytes
@@ -169,6 +169,37 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
 
 
 GATHER_MAX_SLOTS = 64      # token-expert pairs up to which each pair gets its own dequantized expert copy
+
+# the GPU MoE kernels by (token, slot) pairs: one token per-pair GEMVs (its k experts are distinct), a decode
+# batch the grouped GEMVs (each active expert read once per block of its pairs), prompts the grouped GEMMs.
+# Bounds from the bytes each reads (a batch of 4 tokens at k = 8 repeats a few of its 32 experts; at 64
+# tokens the tensor-core tiles fill); bench_moe_decode.py --grouped times the three at B = 1..64
+GROUPED_MIN_PAIRS, GROUPED_MAX_PAIRS = 32, 512
+_GPU_PATHS = ("pair", "grouped", "gemm")
+
+
+def gpu_moe_path(n_tokens: int, n_pairs: int) -> str:
+    """Which GPU MoE kernels run a call: "pair" (gpu_decode.moe), "grouped" (gpu_moe_grouped.moe) or "gemm"
+    (gpu_moe.moe); HYBRIDMOE_GPU_MOE names one for every call."""
+    forced = env.get("HYBRIDMOE_GPU_MOE")
+    if forced != "auto":
+        if forced not in _GPU_PATHS:
+            raise HybridMoeError(f"HYBRIDMOE_GPU_MOE={forced!r}: give auto, pair, grouped or gemm")
+        return forced
+    if n_tokens <= 1 or n_pairs < GROUPED_MIN_PAIRS:
+        return "pair"
+    return "grouped" if n_pairs <= GROUPED_MAX_PAIRS else "gemm"
+
+
+def gpu_kernels(path: str):
+    """The kernel module of a gpu_moe_path choice (each has supports, moe and disable)."""
+    if path == "pair":
+        from ..kernels import gpu_decode as mod
+    elif path == "grouped":
+        from ..kernels import gpu_moe_grouped as mod
+    else:
+        from ..kernels import gpu_moe as mod
+    return mod
 
 
 def _gathered_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor):

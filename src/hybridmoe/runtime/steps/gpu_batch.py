@@ -26,6 +26,7 @@ import torch
 
 from ...errors import warn_fallback
 from ...kernels import gpu_batch_attention as ga
+from .. import experts as X
 from .base import NotApplicable
 from .gpu_decode import capturing, gc_paused
 from .gpu_prefill import StaticPrefill
@@ -84,7 +85,8 @@ class BatchDecode(StaticPrefill):
                 "pos": torch.full((B,), -1, dtype=torch.int64, device=td),
                 "offs": torch.zeros(n_layer, 2, B, dtype=torch.int64, device=td),         # [layer, (k, v), row]
                 "ids": torch.zeros(n_layer, B, cfg.n_expert_used or 1, dtype=torch.int64, device=td),
-                "parts": ga.split_buffers(B, cfg.n_head, cfg.head_dim, n_split, td), "graph": None, "logits": None}
+                "parts": ga.split_buffers(B, cfg.n_head, cfg.head_dim, n_split, td), "graph": None, "logits": None,
+                "moe": None}
             if self.host and self.capture:               # the host-expert layers' rows out and back (one at a time)
                 H, k = cfg.n_embd, cfg.n_expert_used
                 buf["pin_in"] = torch.zeros(B, H + 2 * k, pin_memory=True)
@@ -100,6 +102,25 @@ class BatchDecode(StaticPrefill):
                                    q_dtype=self.dtype if self.cdt != torch.float32 else self.cdt)
         return ga.attention_batch(q, self.anchor, koff, voff, buf["pos"], self.shape, self.shape,
                                   cfg.head_dim ** -0.5, self.n_ctx, out_dtype=self.cdt, parts=buf["parts"])
+
+    def _experts(self, h, ids, wts, exps):
+        """The bucket's (token, slot) pairs pick the kernels (runtime/experts.gpu_moe_path): per-pair GEMVs, the
+        grouped GEMVs reading each active expert once per block of its pairs, or the prompt's grouped GEMMs.
+        The GEMVs are called here, so fake GPUs run them too (in Triton's interpreter, as the tests do)."""
+        g, u, d = exps
+        path = X.gpu_moe_path(ids.shape[0], ids.numel())
+        mod = X.gpu_kernels(path)
+        self._cur["moe"] = path                          # what ran, for benchmarks/batch_decode.py
+        if path != "gemm" and not mod.supports(g.qtype, u.qtype, d.qtype):
+            self._cur["moe"] = "runtime/experts.moe"
+        elif path != "gemm":
+            try:
+                return mod.moe(h, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, gate_split=g.split,
+                               down_split=d.split)
+            except Exception as e:                      # noqa: BLE001 - a kernel this GPU can't build
+                mod.disable(g.qtype, d.qtype, e)
+                self._cur["moe"] = "runtime/experts.moe"
+        return super()._experts(h, ids, wts, exps)
 
     def _routed(self, i: int, ids):
         self._cur["ids"][i].copy_(ids)

@@ -119,9 +119,7 @@ class StaticPrefill:
             self._routed(i, ids)
             if cfg.expert_weights_scale != 1.0:
                 wts = wts * cfg.expert_weights_scale
-            g, u, d = lay["exps"]
-            addend = self._host_moe(i, h, ids, wts) if lay["host"] else \
-                X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d, self.sched.n_threads)
+            addend = self._host_moe(i, h, ids, wts) if lay["host"] else self._experts(h, ids, wts, lay["exps"])
         if not all_logits:
             x, addend = x[-1:], addend[-1:]
         _, h = gd.add_rms_norm(x, self.out_norm, eps, b=addend, h_dtype=cdt)
@@ -137,6 +135,12 @@ class StaticPrefill:
                              cfg.n_head_kv, cfg.head_dim, cfg.rms_eps, cfg.rope_neox,
                              q_dtype=kc.dtype if cdt != torch.float32 else cdt)
         return gd.attention_prefill(q, kc, vc, self.pos, cfg.head_dim ** -0.5, out_dtype=cdt)
+
+    def _experts(self, h, ids, wts, exps):
+        """The routed experts of rows h [T, H] -> float32 [T, H] (runtime/experts.moe: the grouped GEMMs for a
+        ubatch; the batch step picks its kernels by bucket)."""
+        g, u, d = exps
+        return X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d, self.sched.n_threads)
 
     def _routed(self, i: int, ids):
         """Sees layer i's router choice [T, k] (the batch step keeps it, to count the experts a batch reads)."""
