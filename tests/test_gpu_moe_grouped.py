@@ -57,7 +57,7 @@ def test_grouped_moe_split_rows(gq, dq, pad):
     expert over several blocks; most rows of a block empty), 5 tokens (a bucket of 8 with 3 zero rows where
     pad), a partial last K step (9 blocks of 32, 8 a step): within 1e-4 of float64 (gpu_decode's split-row
     kernels' bound), and a zero padded row gives zeros."""
-    x, ids, wts, graw, uraw, draw = _case(gq, dq, 288, 64, int(gq) + pad)
+    x, ids, wts, graw, uraw, draw = _case(gq, dq, 768, 256, int(gq) + pad)
     gs, us, ds = split_rows(graw, gq), split_rows(uraw, gq), split_rows(draw, dq)
     ref = _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq)
     for bm in (2, 16):

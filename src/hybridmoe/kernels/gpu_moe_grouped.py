@@ -70,13 +70,12 @@ if triton is not None:
                 wb = tl.load(wp + 4, mask=m3, other=0)
             xo = ((b * 8)[:, None] + c[None, :])[None]                                     # [1, NB, 4]
             xm = xv[:, None, None] & bm[None, :, None]                                     # [BM, NB, 1]
-            shape = [BM, BN, NB, 4]
-            wa4 = tl.broadcast_to(wa[None], shape)
-            wb4 = tl.broadcast_to(wb[None], shape)
-            a1 = _dp4a(wa4, tl.broadcast_to(tl.load(x1 + xo, mask=xm, other=0)[:, None], shape), 0, EMU)
-            a1 = _dp4a(wb4, tl.broadcast_to(tl.load(x1 + xo + 4, mask=xm, other=0)[:, None], shape), a1, EMU)
-            a2 = _dp4a(wa4, tl.broadcast_to(tl.load(x2 + xo, mask=xm, other=0)[:, None], shape), 0, EMU)
-            a2 = _dp4a(wb4, tl.broadcast_to(tl.load(x2 + xo + 4, mask=xm, other=0)[:, None], shape), a2, EMU)
+            wa4 = tl.broadcast_to(wa[None], [BM, BN, NB, 4])
+            wb4 = tl.broadcast_to(wb[None], [BM, BN, NB, 4])
+            a1 = _dp4a(wa4, tl.broadcast_to(tl.load(x1 + xo, mask=xm, other=0)[:, None], [BM, BN, NB, 4]), 0, EMU)
+            a1 = _dp4a(wb4, tl.broadcast_to(tl.load(x1 + xo + 4, mask=xm, other=0)[:, None], [BM, BN, NB, 4]), a1, EMU)
+            a2 = _dp4a(wa4, tl.broadcast_to(tl.load(x2 + xo, mask=xm, other=0)[:, None], [BM, BN, NB, 4]), 0, EMU)
+            a2 = _dp4a(wb4, tl.broadcast_to(tl.load(x2 + xo + 4, mask=xm, other=0)[:, None], [BM, BN, NB, 4]), a2, EMU)
             dot = tl.sum((a1 << 8) + a2, axis=3)                                           # [BM, BN, NB]
             xbm = xv[:, None] & bm[None, :]                                                # [BM, NB]
             if QT == 0:
