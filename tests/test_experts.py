@@ -68,17 +68,17 @@ def test_reference_loop_with_gpt_oss_activation():
 
 
 def test_gpu_moe_path_by_pairs(monkeypatch):
-    """One token takes the per-pair GEMVs, a decode batch the grouped GEMVs, a prompt's pairs the grouped GEMMs;
-    HYBRIDMOE_GPU_MOE names one for every call, and a wrong name is a one-line error."""
+    """One token and batches up to 64 (token, slot) pairs take the per-pair GEMVs, more pairs the grouped GEMMs
+    (the grouped GEMVs only when named: they did not win on an H100); HYBRIDMOE_GPU_MOE names one for every call,
+    and a wrong name is a one-line error."""
     from hybridmoe.errors import HybridMoeError
     from hybridmoe.runtime import experts as X
     monkeypatch.delenv("HYBRIDMOE_GPU_MOE", raising=False)
-    lo, hi = X.GROUPED_MIN_PAIRS, X.GROUPED_MAX_PAIRS
-    assert X.gpu_moe_path(1, 8) == "pair" and X.gpu_moe_path(1, hi) == "pair"
-    assert X.gpu_moe_path(2, lo - 1) == "pair" and X.gpu_moe_path(4, lo) == "grouped"
-    assert X.gpu_moe_path(64, hi) == "grouped" and X.gpu_moe_path(65, hi + 8) == "gemm"
+    hi = X.GATHER_MAX_SLOTS
+    assert X.gpu_moe_path(1, 8) == "pair" and X.gpu_moe_path(1, 4 * hi) == "pair"
+    assert X.gpu_moe_path(8, hi) == "pair" and X.gpu_moe_path(9, hi + 8) == "gemm"
     assert [X.gpu_moe_path(b, 8 * b) for b in (1, 2, 4, 8, 16, 32, 64, 512)] == \
-        ["pair", "pair", "grouped", "grouped", "grouped", "grouped", "grouped", "gemm"]
+        ["pair", "pair", "pair", "pair", "gemm", "gemm", "gemm", "gemm"]
     for forced in ("pair", "grouped", "gemm"):
         monkeypatch.setenv("HYBRIDMOE_GPU_MOE", forced)
         assert X.gpu_moe_path(1, 8) == forced and X.gpu_moe_path(4096, 8 * 4096) == forced

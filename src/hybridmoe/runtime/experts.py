@@ -170,11 +170,10 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
 
 GATHER_MAX_SLOTS = 64      # token-expert pairs up to which each pair gets its own dequantized expert copy
 
-# the GPU MoE kernels by (token, slot) pairs: one token per-pair GEMVs (its k experts are distinct), a decode
-# batch the grouped GEMVs (each active expert read once per block of its pairs), prompts the grouped GEMMs.
-# Bounds from the bytes each reads (a batch of 4 tokens at k = 8 repeats a few of its 32 experts; at 64
-# tokens the tensor-core tiles fill); bench_moe_decode.py --grouped times the three at B = 1..64
-GROUPED_MIN_PAIRS, GROUPED_MAX_PAIRS = 32, 512
+# the GPU MoE kernels by (token, slot) pairs: up to GATHER_MAX_SLOTS the per-pair GEMVs, above the grouped GEMMs.
+# The grouped GEMVs (each active expert read once per block of its pairs) run only when HYBRIDMOE_GPU_MOE=grouped:
+# on an H100, 30B shape, captured batched step, they lost or tied at every batch measured (B=8 16.3 ms vs per-pair
+# 11.9, B=16 25.4 vs the GEMMs' 25.1, B=64 120.6 vs ~51; docs/benchmarks.md)
 _GPU_PATHS = ("pair", "grouped", "gemm")
 
 
@@ -186,9 +185,7 @@ def gpu_moe_path(n_tokens: int, n_pairs: int) -> str:
         if forced not in _GPU_PATHS:
             raise HybridMoeError(f"HYBRIDMOE_GPU_MOE={forced!r}: give auto, pair, grouped or gemm")
         return forced
-    if n_tokens <= 1 or n_pairs < GROUPED_MIN_PAIRS:
-        return "pair"
-    return "grouped" if n_pairs <= GROUPED_MAX_PAIRS else "gemm"
+    return "pair" if n_tokens <= 1 or n_pairs <= GATHER_MAX_SLOTS else "gemm"
 
 
 def gpu_kernels(path: str):
