@@ -1,5 +1,5 @@
 /* The exact int8 tiles (AMX-INT8) of prompts.
- * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+ * Part of cpu_moe.c (its main unit): included there, in order, never compiled alone. */
 
 /* ------------------------------------------------------------------ exact int8 tiles (AMX-INT8)
  * The canonical integer products (cdot_ref) of many tokens at once, for prompts: per 32-block (Q6_K: per
