@@ -1,6 +1,6 @@
 /* hybridmoe CPU kernels: grouped quantized MoE FFN, quantized matmul, dequantize.
  *
- * Plain C11 + OpenMP, compiled at first use with -O3 -march=native (see cpu.py) and called
+ * Plain C11 + OpenMP, compiled at first use with -O3 -march=native (cpu_build.py) and called
  * through ctypes. Weights stay in their GGUF block layout and are read once per call.
  *
  * Math, fp32 path (all types): each 32-element unit of a weight row is decoded in registers
@@ -20,14 +20,14 @@
  * torch's thread count: both share torch's libgomp when torch is loaded first).
  */
 
-/* Several translation units from this one file, compiled in parallel and linked into one library (cpu.py's
- * _build; -DHM_UNIT=n, n < HM_UNITS of cpu_units.h): the main unit (0, also when HM_UNIT is not defined) compiles
- * the entry points, the state they share and the kernel tables; each kernel unit (1 .. HM_UNITS - 1) compiles a
- * share of the row x token kernel instances those tables point to (cpu_units.h says which). Those instances are
- * most of the code (and of the compile time); they are reached only through the tables, so splitting them off
- * changes no code: each unit still sees every static helper it inlines. The pieces come in order, each using
- * what the ones before it define; cpu.py expands them in place (the build's cache key covers every piece). A new
- * piece with entry points goes with the main unit's (below the #else). */
+/* Several translation units from this one file, compiled in parallel and linked into one library
+ * (cpu_build.py; -DHM_UNIT=n, n < HM_UNITS of cpu_units.h): the main unit (0, also when HM_UNIT is not defined)
+ * compiles the entry points, the state they share and the kernel tables; each kernel unit (1 .. HM_UNITS - 1)
+ * compiles a share of the row x token kernel instances those tables point to (cpu_units.h says which). Those
+ * instances are most of the code (and of the compile time); they are reached only through the tables, so splitting
+ * them off changes no code: each unit still sees every static helper it inlines. The pieces come in order, each
+ * using what the ones before it define; cpu_build.py expands them in place (the build's cache key covers every
+ * piece). A new piece with entry points goes with the main unit's (below the #else). */
 #ifndef HM_UNIT
 #define HM_UNIT 0
 #endif
