@@ -35,7 +35,7 @@ def operand_bytes(ins: str) -> int:
     op = ins.split()[0]
     if "{1to" in ins:
         return 8 if op.endswith(("pd", "q")) else 4
-    if op.endswith("x4"):
+    if op.endswith(("x4", "128")):
         return 16
     if re.search(r"broadcast(ss|d)$|ss$|^vmovd$", op) or re.search(r"%e[a-z]+$|%r\d+d$", ins):
         return 4
