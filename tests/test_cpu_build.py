@@ -115,3 +115,24 @@ def test_two_processes_build_once(tmp_path, cache, monkeypatch):
     calls = log.read_text().splitlines()
     assert len(calls) == 4, calls                       # three units and the link, by one of the two
     assert sorted(c.split("-DHM_UNIT=")[1][0] for c in calls if "-DHM_UNIT=" in c) == ["0", "1", "2"]
+
+
+
+STATE = ("g_simd", "g_xterms", "g_f16", "g_e8m0", "g_int8", "g_int8_default", "g_exact", "g_tile", "g_trace", "ws_ptr")
+
+
+def test_the_kernel_library_has_its_state_once_and_exports_only_hm():
+    """The real library: no piece of run-time state is two symbols (a unit with a copy of its own that it writes
+    or takes the address of would not see the main unit's settings), and only the hm_* entry points are
+    exported (what units share is hidden)."""
+    from hybridmoe.kernels import cpu
+    if not cpu.available():
+        pytest.skip("no CPU kernel library")
+    so = str(cpu_build.build())
+    names = [ln.split()[-1] for ln in subprocess.run(["nm", so], capture_output=True, text=True,
+                                                      check=True).stdout.splitlines()]
+    counts = {s: names.count(s) for s in STATE}
+    assert counts["g_simd"] == 1 and all(n <= 1 for n in counts.values()), counts
+    exported = subprocess.run(["nm", "-D", "--defined-only", so], capture_output=True, text=True,
+                              check=True).stdout.split()[2::3]
+    assert exported and all(n.startswith("hm_") for n in exported), [n for n in exported if not n.startswith("hm_")]
