@@ -60,7 +60,14 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_units_link_into_one_library(tmp_path, cache):
+    """One library from the units, only hm_* exported; a build folder a killed builder left an hour ago goes."""
+    stale, recent = cache / ".build-stale", cache / ".build-recent"
+    for d in (stale, recent):
+        d.mkdir(parents=True)
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
     so = cpu_build.build(tree(tmp_path / "src"))
+    assert not stale.exists() and recent.exists()
+    recent.rmdir()
     assert so.parent == cache and sorted(p.suffix for p in cache.iterdir()) == [".lock", ".so"]
     lib = ctypes.CDLL(str(so))
     assert lib.hm_sum(4) == 2 * (1 + 2 + 3 + 4)

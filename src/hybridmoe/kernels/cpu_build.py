@@ -88,6 +88,9 @@ def build(path: Path = SRC) -> Path:
 def _compile(cc: str, flags: tuple, src: bytes, out: Path) -> None:
     """src's units (cpu_moe.c: -DHM_UNIT=0 .. HM_UNITS - 1) compiled in parallel, linked into out."""
     n = int(_UNITS.search(src).group(1))
+    for old in out.parent.glob(".build-*"):      # left by a builder that was killed (no finally ran): an hour on
+        if time.time() - old.stat().st_mtime > 3600:
+            shutil.rmtree(old, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
     # gcc's own temporary files go there too, so nothing is left behind whatever happens
     genv = dict(os.environ, TMPDIR=str(tmp))
