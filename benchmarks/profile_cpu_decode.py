@@ -157,7 +157,9 @@ def main() -> int:
 def other_lib(src: str):
     """The kernel library of the source tree src (built, or found in the kernel cache, by its own cpu.py)."""
     import subprocess
-    r = subprocess.run([sys.executable, "-c", "from hybridmoe.kernels import cpu; print(cpu._build())"],
+    # older trees name it cpu._build
+    build = "from hybridmoe.kernels import cpu; print((getattr(cpu, '_build', None) or cpu.build)())"
+    r = subprocess.run([sys.executable, "-c", build],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=src), check=True)
     lib = ctypes.CDLL(r.stdout.strip().splitlines()[-1])
     lib.hm_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import rel_l2
 
-from hybridmoe.kernels import cpu
+from hybridmoe.kernels import cpu, cpu_build
 from hybridmoe.quant.dequant import dequantize
 from hybridmoe.quant.random_blocks import random_blocks
 from hybridmoe.quant.types import GGMLType as G
@@ -213,7 +213,7 @@ def test_grids_are_ggmls():
     """cpu_grids.h holds ggml's grids (the gguf package's, which the reference dequantizers read), every entry: the
     kernel tests' random blocks reach only some of IQ1_S's 2048."""
     from gguf import quants
-    text = cpu._SRC.with_name("cpu_grids.h").read_text()
+    text = cpu_build.SRC.with_name("cpu_grids.h").read_text()
     for name, q, width, as_u in (("IQ3XXS_GRID", "IQ3_XXS", 4, 1), ("IQ3S_GRID", "IQ3_S", 4, 1),
                                  ("IQ2XXS_GRID", "IQ2_XXS", 8, 1), ("IQ2XS_GRID", "IQ2_XS", 8, 1),
                                  ("IQ1S_GRID", "IQ1_S", 8, 8)):

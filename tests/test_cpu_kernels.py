@@ -20,7 +20,7 @@ import threading
 import pytest
 import torch
 
-from hybridmoe.kernels import cpu
+from hybridmoe.kernels import cpu, cpu_build
 from hybridmoe.quant.ref import dequantize, random_blocks
 from hybridmoe.quant.types import GGMLType as G
 from hybridmoe.quant.types import block_size
@@ -483,22 +483,22 @@ def test_fallback_without_kernel(env, tmp_path):
 
 
 def test_source_is_every_piece_once(tmp_path):
-    """cpu.source() (what is compiled and hashed) holds cpu_moe.c's every piece, each once; an edit to a piece
-    changes it (so the cached build is not reused); no piece over ~800 lines; the compiler's messages name the
-    piece and its line."""
-    kdir = cpu._SRC.parent
+    """cpu_build.source() (what is compiled and hashed) holds cpu_moe.c's every piece, each once; an edit to a
+    piece changes it (so the cached build is not reused); no piece over ~800 lines; the compiler's messages name
+    the piece and its line."""
+    kdir = cpu_build.SRC.parent
     pieces = sorted(p.name for p in kdir.glob("cpu_*.h"))
-    src = cpu.source()
+    src = cpu_build.source()
     assert pieces and all(src.count(b'#line 1 "%s"' % n.encode()) == 1 for n in pieces)
     assert b'#include "' not in src
     long = {n: k for n in pieces + ["cpu_moe.c"] if (k := len((kdir / n).read_text().splitlines())) > 800}
     assert long == {}
     for n in pieces + ["cpu_moe.c"]:
         (tmp_path / n).write_bytes((kdir / n).read_bytes())
-    assert cpu.source(tmp_path / "cpu_moe.c") == src
-    last = tmp_path / "cpu_batch.h"                   # included last, outside any #if
+    assert cpu_build.source(tmp_path / "cpu_moe.c") == src
+    last = tmp_path / "cpu_batch.h"                   # included last, by the main unit
     last.write_bytes(last.read_bytes() + b"\n#error the last line of a piece\n")
-    edited = cpu.source(tmp_path / "cpu_moe.c")
+    edited = cpu_build.source(tmp_path / "cpu_moe.c")
     assert edited != src
     r = subprocess.run(["gcc", "-fsyntax-only", "-x", "c", "-"], input=edited, capture_output=True, timeout=120,
                        check=False)

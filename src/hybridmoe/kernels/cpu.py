@@ -1,6 +1,6 @@
 """CPU expert kernels: one grouped call per MoE layer, weights in GGUF blocks in host RAM.
 
-`moe_ffn` and `qmatmul` run the C kernel in cpu_moe.c and its pieces cpu_*.h (built at first use with
+`moe_ffn` and `qmatmul` run the C kernel in cpu_moe.c and its pieces cpu_*.h (built at first use by cpu_build with
 `-O3 -march=native -fopenmp`, loaded through ctypes) for small batches, where the work is bound
 by RAM bandwidth, and a dequantize-to-bf16 + torch.mm path for large batches, where it is bound
 by matmul throughput (oneDNN; AMX on Sapphire Rapids). Without a compiler (or with
@@ -10,15 +10,8 @@ warning. See docs/cpu-kernels.md for the design and measurements.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
-import hashlib
 import os
-import platform
-import re
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -26,14 +19,11 @@ import torch
 import torch.nn.functional as Fn
 
 from .. import env
-from ..errors import progress, warn
+from ..errors import warn
 from ..quant import ref_interleaved
 from ..quant.dequant import DEINTERLEAVE, dequantize, deinterleave
 from ..quant.types import GGMLType, row_bytes
-
-_SRC = Path(__file__).with_name("cpu_moe.c")
-_INCLUDE = re.compile(rb'^#include "([^"/]+)".*$', re.MULTILINE)     # a piece beside cpu_moe.c
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+from .cpu_build import build, cpu_flags
 
 # Types the C kernel handles (ggml ids); others go to the torch reference.
 KERNEL_TYPES = frozenset(int(t) for t in (
@@ -102,22 +92,11 @@ def _repack_tables(name: str):
             torch.tensor(seg, dtype=torch.int64).view(-1, 5))
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 # Batch sizes from which the large-batch path beats the streaming kernel, measured
 # (docs/cpu-kernels.md): the grouped tile kernel from ~T=64 with AMX (16-core Sapphire Rapids) and from
 # ~T=128-192 with AVX512-BF16 (2-core Zen 5 VM); dequantize + torch.mm (CPUs without either) ~T=224;
 # dense qmatmul ~T=8-16. Override with HYBRIDMOE_CPU_GEMM_MIN_T / HYBRIDMOE_CPU_QMM_MIN_T.
-_FLAGS = _cpu_flags().split()
+_FLAGS = cpu_flags().split()
 GEMM_MIN_T = env.get_int("HYBRIDMOE_CPU_GEMM_MIN_T",
                          64 if "amx_bf16" in _FLAGS else 160 if "avx512_bf16" in _FLAGS else 224)
 QMM_GEMM_MIN_T = env.get_int("HYBRIDMOE_CPU_QMM_MIN_T")
@@ -132,72 +111,7 @@ _moe = _qmm = _deq = None
 _rb_cache: dict = {}
 
 
-# ----------------------------------------------------------------- build and load
-
-def cache_dir() -> Path:
-    return env.cache_dir() / "kernels"
-
-
-def _cflags() -> tuple:
-    # extra flags (e.g. -DHM_PF_DIST=4096) for experiments; part of the cache key
-    return _CFLAGS + tuple(env.get("HYBRIDMOE_KERNEL_CFLAGS").split())
-
-
-def source(path: Path = _SRC, _seen: tuple = ()) -> bytes:
-    """cpu_moe.c with its pieces (`#include "cpu_*.h"`, files beside it) expanded in place, as the compiler gets
-    it: the build hashes these bytes, so an edit to any piece rebuilds. #line markers keep the compiler's
-    messages on the pieces' own names and lines."""
-    if path.name in _seen:
-        raise RuntimeError(f"{path.name} includes itself (through {' -> '.join(_seen)})")
-    text = path.read_bytes()
-    out, pos = [], 0
-    for m in _INCLUDE.finditer(text):
-        out += [text[pos:m.start()], b'#line 1 "%s"\n' % m.group(1),
-                source(path.with_name(m.group(1).decode()), _seen + (path.name,)),
-                b'#line %d "%s"' % (text.count(b"\n", 0, m.end()) + 2, path.name.encode())]
-        pos = m.end()
-    return b"".join(out + [text[pos:]])
-
-
-def _build() -> Path:
-    cc = os.environ.get("CC", "gcc")
-    cflags = _cflags()
-    src = source()
-    key = hashlib.sha256(b"\0".join([src, cc.encode(), " ".join(cflags).encode(),
-                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
-    out = cache_dir() / f"cpu_moe-{key}.so"
-    if out.exists():
-        return out
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"C compiler {cc!r} not found")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # one builder at a time per key across processes (a server's workers, test or benchmark processes started
-    # together): the others wait for its file instead of each compiling the ~1-minute build at once
-    with open(out.with_suffix(".lock"), "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if out.exists():
-            return out
-        _compile(cc, cflags, src, out)
-    return out
-
-
-def _compile(cc: str, cflags: tuple, src: bytes, out: Path) -> None:
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    csrc = tmp[:-3] + ".c"            # the very bytes hashed above: a source edited meanwhile builds under its own key
-    try:
-        with open(csrc, "wb") as f:
-            f.write(src)
-        with progress("compiling the CPU kernels (once, cached)", 1):     # about a minute; a bar on a terminal only
-            r = subprocess.run([cc, *cflags, "-o", tmp, csrc, "-lm"], capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)          # atomic: a reader never sees half a file
-    finally:
-        for p in (tmp, csrc):
-            if os.path.exists(p):
-                os.unlink(p)
-
+# ----------------------------------------------------------------- load
 
 def _load():
     """The kernel library, built once per process (thread-safe); None if unavailable."""
@@ -211,7 +125,7 @@ def _load():
             _lib = False
             return None
         try:
-            lib = ctypes.CDLL(str(_build()))
+            lib = ctypes.CDLL(str(build()))
         except Exception as e:  # noqa: BLE001 - any build/load problem means: use the fallback
             warn(f"CPU expert kernel unavailable ({e}); using the slow torch reference path")
             _lib = False

@@ -1,5 +1,5 @@
 /* The integer path's quantized activations (quant_x8) and its canonical products (cdot_ref).
- * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+ * Part of cpu_moe.c (every unit): included there, in order, never compiled alone. */
 
 /* ------------------------------------------------------------------ integer path (one token)
  *
@@ -74,7 +74,7 @@ static inline void xq8_sums(const xq8 *q, int64_t b, float xs, int t1, int t2, c
 /* Activation terms of the integer path: 2 (default), x ~ d/256 (256 q1 + q2), about 15 bits; 1: q2 = 0, plain
  * int8 as ggml's q8_0 (the same formulas with q2 = 0, so every kernel stays canonical; the kernels then skip the
  * second term's products: int8 AMX tiles ~1.45x faster a block, docs/cpu-kernels.md). hm_set_act_terms. */
-static int g_xterms = 2;
+HM_STATE(int g_xterms, 2);
 
 /* quantize blocks [b0, b1) of 32 elements of x (b0, b1 even) */
 static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {

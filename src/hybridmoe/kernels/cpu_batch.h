@@ -1,5 +1,5 @@
 /* Hm_batch_step / hm_prompt_step, and the info, repacking and settings entry points.
- * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+ * Part of cpu_moe.c (its main unit): included there, in order, never compiled alone. */
 
 /* ------------------------------------------------------------------ prompt and batch steps on the CPU
  *

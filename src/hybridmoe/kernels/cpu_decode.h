@@ -1,5 +1,5 @@
 /* Hm_decode_step: one token through a whole model on the CPU.
- * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+ * Part of cpu_moe.c (its main unit): included there, in order, never compiled alone. */
 
 /* ------------------------------------------------------------------ decode step on the CPU
  *

@@ -1,5 +1,5 @@
 /* The fp32 row x token kernels (portable C, AVX2, AVX-512) and dot_rows, which picks the path in use.
- * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+ * Part of cpu_moe.c (every unit): included there, in order, never compiled alone. */
 
 /* ------------------------------------------------------------------ row x token kernels
  *
@@ -70,28 +70,28 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
     }
 }
 
-/* A kernel FN(ti, R, NT, ...) instantiated for every type and (R rows, NT tokens) shape dot_rows asks for,
- * and the table NAME[type][R][NT] of the instances (prefix P). */
-#define KSHAPE(P, FN, TI, R, NT) \
-    static void P##_##TI##_##R##_##NT(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, \
-                                      const float *const *x, float *res) { FN(TI, R, NT, w, pf, K, x, res); }
-#define KSHAPES(P, FN, TI) \
-    KSHAPE(P, FN, TI, 4, 1) KSHAPE(P, FN, TI, 4, 2) KSHAPE(P, FN, TI, 2, 1) KSHAPE(P, FN, TI, 2, 2) \
-    KSHAPE(P, FN, TI, 2, 3) KSHAPE(P, FN, TI, 2, 4) KSHAPE(P, FN, TI, 1, 1) KSHAPE(P, FN, TI, 1, 2) \
-    KSHAPE(P, FN, TI, 1, 3) KSHAPE(P, FN, TI, 1, 4)
+/* A kernel FN(ti, R, NT, ...) instantiated for every type and (R rows, NT tokens) shape dot_rows asks for (prefix
+ * P): KSHAPES(KDEF, P, FN, TI) defines a type's instances (in a kernel unit: cpu_units.h), KSHAPES(KDECL, ...)
+ * declares them; KTABLE(NAME, P) declares every type's and makes the table NAME[type][R][NT] of them. */
+#define KFN(P, TI, R, NT) HM_HIDDEN void P##_##TI##_##R##_##NT(const uint8_t *const *w, const uint8_t *const *pf, \
+                                                          int64_t K, const float *const *x, float *res)
+#define KDECL(P, FN, TI, R, NT) KFN(P, TI, R, NT);
+#define KDEF(P, FN, TI, R, NT) KFN(P, TI, R, NT) { FN(TI, R, NT, w, pf, K, x, res); }
+#define KSHAPES(E, P, FN, TI) \
+    E(P, FN, TI, 4, 1) E(P, FN, TI, 4, 2) E(P, FN, TI, 2, 1) E(P, FN, TI, 2, 2) E(P, FN, TI, 2, 3) \
+    E(P, FN, TI, 2, 4) E(P, FN, TI, 1, 1) E(P, FN, TI, 1, 2) E(P, FN, TI, 1, 3) E(P, FN, TI, 1, 4)
 #define KTROW(P, TI) { {0}, \
     {0, P##_##TI##_1_1, P##_##TI##_1_2, P##_##TI##_1_3, P##_##TI##_1_4}, \
     {0, P##_##TI##_2_1, P##_##TI##_2_2, P##_##TI##_2_3, P##_##TI##_2_4}, {0}, \
     {0, P##_##TI##_4_1, P##_##TI##_4_2, 0, 0} }
-#define KTABLE(NAME, P, FN) \
-    KSHAPES(P, FN, I_F32) KSHAPES(P, FN, I_F16) KSHAPES(P, FN, I_BF16) KSHAPES(P, FN, I_Q4_0) \
-    KSHAPES(P, FN, I_Q8_0) KSHAPES(P, FN, I_Q4_K) KSHAPES(P, FN, I_Q5_K) KSHAPES(P, FN, I_Q6_K) \
-    KSHAPES(P, FN, I_IQ4_NL) KSHAPES(P, FN, I_MXFP4) KSHAPES(P, FN, I_IQ4_XS) KSHAPES(P, FN, I_Q3_K) \
-    KSHAPES(P, FN, I_Q2_K) KSHAPES(P, FN, I_IQ4_KS) KSHAPES(P, FN, I_IQ4_K) KSHAPES(P, FN, I_IQ3_K) \
-    KSHAPES(P, FN, I_IQ2_K) KSHAPES(P, FN, I_IQ5_K) KSHAPES(P, FN, I_IQ2_KS) KSHAPES(P, FN, I_IQ2_KL) \
-    KSHAPES(P, FN, I_IQ3_XXS) KSHAPES(P, FN, I_IQ3_S) KSHAPES(P, FN, I_IQ2_XXS) KSHAPES(P, FN, I_IQ2_XS) \
-    KSHAPES(P, FN, I_IQ1_S) KSHAPES(P, FN, I_IQ1_M) KSHAPES(P, FN, I_IQ2_KT) KSHAPES(P, FN, I_IQ3_KT) \
-    KSHAPES(P, FN, I_IQ4_KT) \
+#define KDECLS(P, TI) KSHAPES(KDECL, P, , TI)
+#define KTABLE(NAME, P) \
+    KDECLS(P, I_F32) KDECLS(P, I_F16) KDECLS(P, I_BF16) KDECLS(P, I_Q4_0) KDECLS(P, I_Q8_0) KDECLS(P, I_Q4_K) \
+    KDECLS(P, I_Q5_K) KDECLS(P, I_Q6_K) KDECLS(P, I_IQ4_NL) KDECLS(P, I_MXFP4) KDECLS(P, I_IQ4_XS) KDECLS(P, I_Q3_K) \
+    KDECLS(P, I_Q2_K) KDECLS(P, I_IQ4_KS) KDECLS(P, I_IQ4_K) KDECLS(P, I_IQ3_K) KDECLS(P, I_IQ2_K) KDECLS(P, I_IQ5_K) \
+    KDECLS(P, I_IQ2_KS) KDECLS(P, I_IQ2_KL) KDECLS(P, I_IQ3_XXS) KDECLS(P, I_IQ3_S) KDECLS(P, I_IQ2_XXS) \
+    KDECLS(P, I_IQ2_XS) KDECLS(P, I_IQ1_S) KDECLS(P, I_IQ1_M) KDECLS(P, I_IQ2_KT) KDECLS(P, I_IQ3_KT) \
+    KDECLS(P, I_IQ4_KT) \
     static const kern_fn NAME[N_TYPES][5][5] = { \
         [I_F32] = KTROW(P, I_F32), [I_F16] = KTROW(P, I_F16), [I_BF16] = KTROW(P, I_BF16), \
         [I_Q4_0] = KTROW(P, I_Q4_0), [I_Q8_0] = KTROW(P, I_Q8_0), [I_Q4_K] = KTROW(P, I_Q4_K), \
@@ -108,11 +108,12 @@ HM_INLINE void prefetch_step(const pfreg p, const int64_t o, const int step) {
 
 /* fp16 -> fp32 lookup (256 KiB): a block scale becomes one scalar load that the multiply
  * broadcasts from memory, instead of insert + convert + broadcast shuffles per block */
-static float g_f16[65536];
-
+HM_STATE(float g_f16[65536], {0});
+#if HM_MAIN
 __attribute__((constructor)) static void init_f16_table(void) {
     for (uint32_t i = 0; i < 65536; i++) g_f16[i] = fp16_to_f32((uint16_t)i);
 }
+#endif
 
 #define F16(p) g_f16[rd16(p)]
 
@@ -445,7 +446,7 @@ HM_INLINE void kern_avx2(const int ti, const int R, const int NT, const uint8_t 
         }
 }
 
-KTABLE(KTAB2, k2, kern_avx2)
+KTABLE(KTAB2, k2)
 
 /* 8 floats -> 8 bf16, round to nearest even, NaN kept quiet (as torch's .to(bfloat16)) */
 static inline __m128i bf16_pack8(__m256 v) {
@@ -635,12 +636,12 @@ HM_INLINE void kern_avx(const int ti, const int R, const int NT, const uint8_t *
             res[r * NT + t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
 }
 
-KTABLE(KTAB, k, kern_avx)
+KTABLE(KTAB, k)
 #endif /* HM_AVX512 */
 
 /* the vector kernels in use: 2 AVX-512, 1 AVX2, 0 portable C (hm_set_simd lowers it for tests) */
 #define SIMD_BEST (HM_AVX512 ? 2 : HM_AVX2 ? 1 : 0)
-static int g_simd = SIMD_BEST;
+HM_STATE(int g_simd, SIMD_BEST);
 
 /* res[R][NT] = rows w[0..R) . x[0..NT); R in {1,2,4}, NT in 1..4 (R == 4 only with NT <= 2) */
 static inline void dot_rows(int ti, int R, int NT, const uint8_t *const *w, const uint8_t *const *pf,

@@ -1,7 +1,7 @@
 /* The i-quants' grids, as the kernels read them: entry i holds the values of grid index i, one a byte
  * (byte j: value j). From ggml's tables (the gguf package's, which quant/ref_mainline.py reads;
  * tests/test_cpu_kernel_types.py checks them against it).
- * Part of the one translation unit cpu_moe.c: included by cpu_types.h, never compiled alone. */
+ * Part of cpu_moe.c: included by cpu_types.h, never compiled alone. */
 
 /* IQ3_XXS (ggml's iq3xxs_grid): 4 magnitudes an index */
 static const uint32_t IQ3XXS_GRID[256] __attribute__((aligned(64))) = {

@@ -1,5 +1,5 @@
 /* Workspace, silu, tracing, the streaming MoE FFN (moe_ffn_act), hm_qmatmul and hm_qdot_ref.
- * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+ * Part of cpu_moe.c (its main unit): included there, in order, never compiled alone. */
 
 /* ------------------------------------------------------------------ thread-local workspace */
 

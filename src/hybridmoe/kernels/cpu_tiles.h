@@ -1,5 +1,5 @@
 /* Hm_dequant, the large-batch helpers and the bf16 tile products (AMX, AVX512-BF16, C).
- * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+ * Part of cpu_moe.c (its main unit): included there, in order, never compiled alone. */
 
 #if HM_AVX512
 /* 16 floats -> 16 bf16, round to nearest even (as torch's .to(bfloat16)) */

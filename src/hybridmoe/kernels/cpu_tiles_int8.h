@@ -1,5 +1,5 @@
 /* The exact int8 tiles (AMX-INT8) of prompts.
- * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+ * Part of cpu_moe.c (its main unit): included there, in order, never compiled alone. */
 
 /* ------------------------------------------------------------------ exact int8 tiles (AMX-INT8)
  * The canonical integer products (cdot_ref) of many tokens at once, for prompts: per 32-block (Q6_K: per
@@ -97,8 +97,6 @@ static void a8_unpack_row(int ti, const uint8_t *row, int64_t k0, int64_t kc, in
     }
     for (int64_t e = 0; e < kc; e += 256) {
         const uint8_t *b = row + (k0 + e) / 256 * ts;
-        kscale ks;
-        prep_k(ti, b, 1.0f, &ks);
         if (IS_X(ti)) {   /* u - X_OFF, scales per 16 */
             const uint8_t *xb = row + TINFO[ti].hdr + (k0 + e) / 256 * ts;
             float S[16] __attribute__((aligned(64)));
@@ -111,6 +109,8 @@ static void a8_unpack_row(int ti, const uint8_t *row, int64_t k0, int64_t kc, in
                 _mm512_storeu_si512(A + e + 64 * c, _mm512_sub_epi8(x_u64(ti, xb, c, ex), _mm512_set1_epi8((char)X_OFF(ti))));
             continue;
         }
+        kscale ks;
+        prep_k(ti, b, 1.0f, &ks);
         if (ti == I_Q6_K) {
             const __m512i m4 = _mm512_set1_epi8(0x0F), o32 = _mm512_set1_epi8(32);
             for (int i = 0; i < 16; i++) ws[(e / 16 + i) * 32] = ks.s[i];

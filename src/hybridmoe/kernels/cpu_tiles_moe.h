@@ -1,6 +1,6 @@
 /* The grouped tile MoE FFN and hm_tile_mm; the MoE entry points (hm_moe_ffn, hm_moe_handoff,
  * hm_moe_tile, hm_moe_oai, hm_tile_mode).
- * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+ * Part of cpu_moe.c (its main unit): included there, in order, never compiled alone. */
 
 static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
                         int64_t k, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,

@@ -1,6 +1,6 @@
 /* The ggml types the kernels read (ids, block layouts, the x types' scheme, tables), scalar helpers and
  * the scalar dequantizer (bit-exact with ggml's).
- * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+ * Part of cpu_moe.c (every unit): included there, in order, never compiled alone. */
 
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +23,16 @@
 #endif
 
 #define HM_INLINE static inline __attribute__((always_inline))
+
+/* Shared by the units (cpu_moe.c): hidden, so neither exported nor reached through the GOT (addressed as a static
+ * is). HM_STATE: state set at run time (settings, tables built at load) that exists once: the main unit defines
+ * it, the kernel units refer to it. */
+#define HM_HIDDEN __attribute__((visibility("hidden")))
+#if HM_MAIN
+#define HM_STATE(decl, init) HM_HIDDEN decl = init
+#else
+#define HM_STATE(decl, init) extern HM_HIDDEN decl
+#endif
 
 /* Software prefetch, bytes ahead of the rows being computed in each thread's weight stream.
  * Hardware prefetchers stop at 4 KiB pages and keep too few misses in flight for one core to

@@ -1,6 +1,6 @@
 /* The integer-path kernels (AVX-512 VNNI: kern_q8, kern_qc; AVX-VNNI), the types each path takes,
  * dot_rows1 and dot_rows_q.
- * Part of the one translation unit cpu_moe.c: included there, in order, never compiled alone. */
+ * Part of cpu_moe.c (every unit): included there, in order, never compiled alone. */
 
 /* gf2p8affineqb matrices (one per qword): byte 7-i of a qword selects the input bits that
  * form output bit i. LO keeps bits 0-3, HI moves bits 4-7 down, BIT(k) moves bit k to bit 4. */
@@ -12,18 +12,14 @@
 #define GF_TO2(k) ((uint64_t)(1u << (k)) << 40)                                       /* bit k -> bit 2 */
 
 typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, float *res);
-/* an integer-path kernel FN(ti, R, ...) for every type and R of 1, 2, 4 rows, and the table NAME[type][R] */
-#define KQSHAPE(P, FN, TI, R) \
-    static void P##_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *xq, \
-                               float *res) { FN(TI, R, w, pf, K, xq, res); }
-#define KQSHAPES(P, FN, TI) KQSHAPE(P, FN, TI, 1) KQSHAPE(P, FN, TI, 2) KQSHAPE(P, FN, TI, 4)
+/* an integer-path kernel FN(ti, R, ...) for R of 1, 2, 4 rows (prefix P; KDEF / KDECL as KSHAPES), and a type's row
+ * of the table [type][R] */
+#define KQFN(P, TI, R) HM_HIDDEN void P##_##TI##_##R(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, \
+                                                  const xq8 *xq, float *res)
+#define KQDECL(P, FN, TI, R) KQFN(P, TI, R);
+#define KQDEF(P, FN, TI, R) KQFN(P, TI, R) { FN(TI, R, w, pf, K, xq, res); }
+#define KQSHAPES(E, P, FN, TI) E(P, FN, TI, 1) E(P, FN, TI, 2) E(P, FN, TI, 4)
 #define KQROW(P, TI) {0, P##_##TI##_1, P##_##TI##_2, 0, P##_##TI##_4}
-#define KQTABLE(NAME, P, FN) \
-    KQSHAPES(P, FN, I_Q4_0) KQSHAPES(P, FN, I_Q4_K) KQSHAPES(P, FN, I_Q5_K) KQSHAPES(P, FN, I_Q6_K) \
-    KQSHAPES(P, FN, I_IQ4_NL) KQSHAPES(P, FN, I_MXFP4) \
-    static const kq_fn NAME[N_TYPES][5] = { \
-        [I_Q4_0] = KQROW(P, I_Q4_0), [I_Q4_K] = KQROW(P, I_Q4_K), [I_Q5_K] = KQROW(P, I_Q5_K), \
-        [I_Q6_K] = KQROW(P, I_Q6_K), [I_IQ4_NL] = KQROW(P, I_IQ4_NL), [I_MXFP4] = KQROW(P, I_MXFP4), };
 
 /* the x types with a 256-bit integer kernel (the generic unit: x_u32, scales per 16) */
 #define X256(ti) ((ti) == I_Q2_K || (ti) == I_Q3_K || (ti) == I_IQ4_XS || X_GRID(ti))
@@ -36,10 +32,12 @@ typedef void (*kq_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t
 #define B32_QS(ti) ((ti) == I_MXFP4 ? 1 : 2)                                   /* where the nibbles start */
 static const uint8_t KU8_MXFP4[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
 #if HM_AVX2
-static float g_e8m0[256];                 /* MXFP4's block scales */
+HM_STATE(float g_e8m0[256], {0});        /* MXFP4's block scales */
+#if HM_MAIN
 __attribute__((constructor)) static void init_e8m0_table(void) {
     for (int i = 0; i < 256; i++) g_e8m0[i] = e8m0_half((uint8_t)i);
 }
+#endif
 /* a block's scale, as a float in memory (broadcast loads) */
 #define B32_D(ti, b) ((ti) == I_MXFP4 ? &g_e8m0[(b)[0]] : &F16(b))
 #endif
@@ -300,20 +298,22 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
 }
 
 typedef void (*kqc_fn)(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, const xq8 *const *xq, float *res);
-#define KQCSHAPE(TI, R, NT) \
-    static void kqc_##TI##_##R##_##NT(const uint8_t *const *w, const uint8_t *const *pf, int64_t K, \
-                                      const xq8 *const *xq, float *res) { kern_qc(TI, R, NT, w, pf, K, xq, res); }
-#define KQCSHAPES(TI) KQCSHAPE(TI, 1, 1) KQCSHAPE(TI, 1, 2) KQCSHAPE(TI, 1, 3) KQCSHAPE(TI, 1, 4) \
-    KQCSHAPE(TI, 2, 1) KQCSHAPE(TI, 2, 2) KQCSHAPE(TI, 2, 3) KQCSHAPE(TI, 2, 4) \
-    KQCSHAPE(TI, 4, 1) KQCSHAPE(TI, 4, 2) KQCSHAPE(TI, 4, 3) KQCSHAPE(TI, 4, 4)
+/* kern_qc's instances (KDEF / KDECL as KSHAPES) and the table KQC[type][R][NT] of them */
+#define KQCFN(TI, R, NT) HM_HIDDEN void kqc_##TI##_##R##_##NT(const uint8_t *const *w, const uint8_t *const *pf, \
+                                                             int64_t K, const xq8 *const *xq, float *res)
+#define KQCDECL(TI, R, NT) KQCFN(TI, R, NT);
+#define KQCDEF(TI, R, NT) KQCFN(TI, R, NT) { kern_qc(TI, R, NT, w, pf, K, xq, res); }
+#define KQCSHAPES(E, TI) E(TI, 1, 1) E(TI, 1, 2) E(TI, 1, 3) E(TI, 1, 4) E(TI, 2, 1) E(TI, 2, 2) E(TI, 2, 3) \
+    E(TI, 2, 4) E(TI, 4, 1) E(TI, 4, 2) E(TI, 4, 3) E(TI, 4, 4)
 #define KQCROW(TI) { {0}, {0, kqc_##TI##_1_1, kqc_##TI##_1_2, kqc_##TI##_1_3, kqc_##TI##_1_4}, \
     {0, kqc_##TI##_2_1, kqc_##TI##_2_2, kqc_##TI##_2_3, kqc_##TI##_2_4}, {0}, \
     {0, kqc_##TI##_4_1, kqc_##TI##_4_2, kqc_##TI##_4_3, kqc_##TI##_4_4} }
-KQCSHAPES(I_Q4_0) KQCSHAPES(I_Q8_0) KQCSHAPES(I_Q4_K) KQCSHAPES(I_Q5_K) KQCSHAPES(I_Q6_K) KQCSHAPES(I_IQ4_NL)
-KQCSHAPES(I_MXFP4) KQCSHAPES(I_IQ4_XS) KQCSHAPES(I_Q3_K) KQCSHAPES(I_Q2_K) KQCSHAPES(I_IQ4_KS) KQCSHAPES(I_IQ4_K)
-KQCSHAPES(I_IQ3_K) KQCSHAPES(I_IQ2_K) KQCSHAPES(I_IQ5_K) KQCSHAPES(I_IQ2_KS) KQCSHAPES(I_IQ2_KL) KQCSHAPES(I_IQ3_XXS)
-KQCSHAPES(I_IQ3_S) KQCSHAPES(I_IQ2_XXS) KQCSHAPES(I_IQ2_XS) KQCSHAPES(I_IQ1_S) KQCSHAPES(I_IQ1_M)
-KQCSHAPES(I_IQ2_KT) KQCSHAPES(I_IQ3_KT) KQCSHAPES(I_IQ4_KT)
+#define KQCDECLS(TI) KQCSHAPES(KQCDECL, TI)
+KQCDECLS(I_Q4_0) KQCDECLS(I_Q8_0) KQCDECLS(I_Q4_K) KQCDECLS(I_Q5_K) KQCDECLS(I_Q6_K) KQCDECLS(I_IQ4_NL)
+KQCDECLS(I_MXFP4) KQCDECLS(I_IQ4_XS) KQCDECLS(I_Q3_K) KQCDECLS(I_Q2_K) KQCDECLS(I_IQ4_KS) KQCDECLS(I_IQ4_K)
+KQCDECLS(I_IQ3_K) KQCDECLS(I_IQ2_K) KQCDECLS(I_IQ5_K) KQCDECLS(I_IQ2_KS) KQCDECLS(I_IQ2_KL) KQCDECLS(I_IQ3_XXS)
+KQCDECLS(I_IQ3_S) KQCDECLS(I_IQ2_XXS) KQCDECLS(I_IQ2_XS) KQCDECLS(I_IQ1_S) KQCDECLS(I_IQ1_M)
+KQCDECLS(I_IQ2_KT) KQCDECLS(I_IQ3_KT) KQCDECLS(I_IQ4_KT)
 static const kqc_fn KQC[N_TYPES][5][5] = {
     [I_Q4_0] = KQCROW(I_Q4_0), [I_Q8_0] = KQCROW(I_Q8_0), [I_Q4_K] = KQCROW(I_Q4_K), [I_Q5_K] = KQCROW(I_Q5_K),
     [I_Q6_K] = KQCROW(I_Q6_K), [I_IQ4_NL] = KQCROW(I_IQ4_NL), [I_MXFP4] = KQCROW(I_MXFP4),
@@ -348,6 +348,7 @@ HM_INLINE __m256i dp256(const __m256i a, const __m256i u, const __m256i s, const
 #endif
 }
 
+#if HM_MAIN
 /* Tests: out[n / 4] = sum of u[i] s[i] over each 4 bytes, by dp256_mad (n a multiple of 32); -1 without AVX2 */
 int hm_dp256_test(const uint8_t *u, const int8_t *s, int64_t n, int big, int32_t *out) {
     for (int64_t i = 0; i < n; i += 32) {
@@ -357,6 +358,7 @@ int hm_dp256_test(const uint8_t *u, const int8_t *s, int64_t n, int big, int32_t
     }
     return 0;
 }
+#endif
 
 /* bits k, k+1 of each byte of v -> bits 4, 5 (mask 0x30) or bit k -> bit 4 (0x10), as GF_2BITS / GF_BIT: one
  * gf2p8affineqb with GFNI, else a 16-bit shift and a mask (the mask drops what crosses bytes) */
@@ -619,11 +621,10 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
     }
 }
 
-KQSHAPES(kq2, kern_q8_256, I_Q4_0) KQSHAPES(kq2, kern_q8_256, I_Q4_K) KQSHAPES(kq2, kern_q8_256, I_Q5_K)
-KQSHAPES(kq2, kern_q8_256, I_Q6_K) KQSHAPES(kq2, kern_q8_256, I_IQ4_NL) KQSHAPES(kq2, kern_q8_256, I_MXFP4)
-KQSHAPES(kq2, kern_q8_256, I_Q2_K) KQSHAPES(kq2, kern_q8_256, I_Q3_K) KQSHAPES(kq2, kern_q8_256, I_IQ4_XS)
-KQSHAPES(kq2, kern_q8_256, I_IQ3_XXS) KQSHAPES(kq2, kern_q8_256, I_IQ3_S) KQSHAPES(kq2, kern_q8_256, I_IQ2_XXS)
-KQSHAPES(kq2, kern_q8_256, I_IQ2_XS) KQSHAPES(kq2, kern_q8_256, I_IQ1_S) KQSHAPES(kq2, kern_q8_256, I_IQ1_M)
+#define KQ2DECLS(TI) KQSHAPES(KQDECL, kq2, , TI)
+KQ2DECLS(I_Q4_0) KQ2DECLS(I_Q4_K) KQ2DECLS(I_Q5_K) KQ2DECLS(I_Q6_K) KQ2DECLS(I_IQ4_NL) KQ2DECLS(I_MXFP4)
+KQ2DECLS(I_Q2_K) KQ2DECLS(I_Q3_K) KQ2DECLS(I_IQ4_XS) KQ2DECLS(I_IQ3_XXS) KQ2DECLS(I_IQ3_S) KQ2DECLS(I_IQ2_XXS)
+KQ2DECLS(I_IQ2_XS) KQ2DECLS(I_IQ1_S) KQ2DECLS(I_IQ1_M)
 static const kq_fn KQTAB2[N_TYPES][5] = {
     [I_Q4_0] = KQROW(kq2, I_Q4_0), [I_Q4_K] = KQROW(kq2, I_Q4_K), [I_Q5_K] = KQROW(kq2, I_Q5_K),
     [I_Q6_K] = KQROW(kq2, I_Q6_K), [I_IQ4_NL] = KQROW(kq2, I_IQ4_NL), [I_MXFP4] = KQROW(kq2, I_MXFP4),
@@ -631,7 +632,7 @@ static const kq_fn KQTAB2[N_TYPES][5] = {
     [I_IQ3_XXS] = KQROW(kq2, I_IQ3_XXS), [I_IQ3_S] = KQROW(kq2, I_IQ3_S), [I_IQ2_XXS] = KQROW(kq2, I_IQ2_XXS),
     [I_IQ2_XS] = KQROW(kq2, I_IQ2_XS), [I_IQ1_S] = KQROW(kq2, I_IQ1_S), [I_IQ1_M] = KQROW(kq2, I_IQ1_M), };
 #endif /* HM_AVXVNNI */
-#if !HM_AVXVNNI
+#if !HM_AVXVNNI && HM_MAIN
 int hm_dp256_test(const uint8_t *u, const int8_t *s, int64_t n, int big, int32_t *out) {
     (void)u, (void)s, (void)n, (void)big, (void)out;
     return -1;
@@ -656,13 +657,13 @@ int hm_dp256_test(const uint8_t *u, const int8_t *s, int64_t n, int big, int32_t
 #define INT8_DEFAULT_256 (INT8_DEFAULT_256_ | (1u << I_IQ4_NL) | (1u << I_Q2_K) | (1u << I_Q3_K) | (1u << I_IQ4_XS) | \
                           (1u << I_IQ3_XXS) | (1u << I_IQ3_S) | (1u << I_IQ2_XXS) | (1u << I_IQ2_XS) | (1u << I_IQ1_S) | \
                           (1u << I_IQ1_M))
-static unsigned g_int8;                   /* the types set_int8 chose, unless g_int8_default */
-static int g_int8_default = 1;            /* the measured defaults of the path in use */
+HM_STATE(unsigned g_int8, 0);             /* the types set_int8 chose, unless g_int8_default */
+HM_STATE(int g_int8_default, 1);          /* the measured defaults of the path in use */
 #define INT8_MASK (g_int8_default ? (g_simd == 2 ? INT8_DEFAULT_512 : INT8_DEFAULT_256) : g_int8)
 /* rows shared by several tokens take the integer path too (the canonical products, any batch size): where the
  * AVX-512 VNNI kernels run (the AVX-VNNI path keeps fp32 for those, and its own order for single tokens), unless
  * hm_set_exact(0) asked for the earlier large-batch paths (bf16 tiles; results then depend on the batch) */
-static int g_exact = 1;
+HM_STATE(int g_exact, 1);
 #define QC_MULTI (INT8_512 && g_exact)
 
 /* rows w[0..R) . one token: the integer path when xq is given, else fp32 */

@@ -1,7 +1,6 @@
 /* The x types on AVX-512: x_u64 (64 weights of a super-block as u: nibbles, crumbs, bit planes, tables, grids,
  * trellis values) and x_scales16 (its 16 scales in vectors), for the integer path and the int8 tiles.
- * Part of the one translation unit cpu_moe.c: included by cpu_vnni.h (inside its HM_VNNI block), never compiled
- * alone. */
+ * Part of cpu_moe.c: included by cpu_vnni.h (inside its HM_VNNI block), never compiled alone. */
 
 /* x_extra16 in a few vector ops */
 HM_INLINE int x_extra16v(const int ti, const uint8_t *b) {
