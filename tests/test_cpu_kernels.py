@@ -128,6 +128,36 @@ def test_qmatmul_tile_over_several_passes(q):
     assert rel_l2(cpu.qmatmul(x, wr, q, 2304, impl="tile"), ref) < band(q, "tile")
 
 
+@pytest.mark.parametrize("path", [None, "avx2", "generic"], ids=["best", "avx2", "generic"])
+@pytest.mark.parametrize("q", [G.F32, G.F16, G.BF16, G.Q4_0, G.Q8_0], ids=lambda v: v.name)
+def test_canonical_types_compute_rows_alike_at_every_batch_size(q, path):
+    """What canonical() promises (the server's batches bit for bit as each sequence alone, tests/test_batch.py)
+    holds on the vector path in use: 9 tokens at once, one at a time and 4 + 5 give the same bits, in qmatmul
+    and moe_ffn. (On the AVX2 path the fp32 kernels sum a batch's rows in another order than one token's:
+    canonical() says False there, for float weights too.)"""
+    prev = cpu.set_simd(path)
+    try:
+        if path and cpu.simd().split("-")[0] != path:
+            pytest.skip(f"this build has no {path} path")
+        if not cpu.canonical(q):
+            pytest.skip(f"{q.name} is not canonical on the {cpu.simd()} path")
+        E, H, F = shapes(q, 9)
+        gate, up, down = experts(q, E, H, F)
+        g = torch.Generator().manual_seed(9)
+        x = torch.randn(9, H, generator=g)
+        ids, w = routing(9, E, 2, g)
+        def qmm(a, b):
+            return cpu.qmatmul(x[a:b], gate[0], q, H, impl="kernel")
+        full = qmm(0, 9)
+        assert torch.equal(full, torch.cat([qmm(i, i + 1) for i in range(9)]))
+        assert torch.equal(full, torch.cat([qmm(0, 4), qmm(4, 9)]))
+        y = cpu.moe_ffn(x, ids, w, gate, up, down, q, q, impl="kernel")
+        assert torch.equal(y, torch.cat([cpu.moe_ffn(x[i:i + 1], ids[i:i + 1], w[i:i + 1], gate, up, down, q, q,
+                                                     impl="kernel") for i in range(9)]))
+    finally:
+        cpu.set_simd(prev)
+
+
 @pytest.mark.parametrize("path", ["avx2", "generic"])
 @pytest.mark.parametrize("q", TYPES, ids=lambda v: v.name)
 def test_lower_simd_paths(q, path):

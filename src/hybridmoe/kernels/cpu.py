@@ -223,9 +223,17 @@ _FLOAT_TYPES = frozenset(int(t) for t in (GGMLType.F32, GGMLType.F16, GGMLType.B
 
 def canonical(qtype) -> bool:
     """Whether every batch size computes rows of `qtype` bit for bit alike (docs/cpu-kernels.md, "prompts as
-    precise as decode"): float weights (always fp32 products), and types on the integer path where the
-    AVX-512 VNNI kernels run (the canonical integer products; int8 AMX tiles for many tokens)."""
+    precise as decode"): float weights where the AVX-512 kernels run (the AVX2 and portable fp32 kernels sum
+    one token's row and a batch's rows in different orders: equal to fp32 rounding, not bit for bit), and
+    types on the integer path where the AVX-512 VNNI kernels run (the canonical integer products; int8 AMX
+    tiles for many tokens)."""
     q = int(qtype)
+    return _exact_path(q) and (q not in _FLOAT_TYPES or simd().startswith("avx512"))
+
+
+def _exact_path(q: int) -> bool:
+    """Whether large batches of q keep single tokens' precision: float weights (fp32 products on every vector
+    path) and the canonical integer products; False with HYBRIDMOE_CPU_PROMPT=bf16 (set_exact(False))."""
     lib = _load()
     if not lib or not lib.hm_set_exact(-1):
         return False
@@ -246,13 +254,11 @@ def _impl_for(q: int, T: int, min_t: int, rows_ok: bool = True) -> str:
     path."""
     if T < min_t:
         return "kernel"
-    if not canonical(q):
+    if not _exact_path(q):
         return _large_impl()
     if q in _FLOAT_TYPES:
         return "kernel"
-    if canonical(q):
-        return "tile" if tile_mode() == "amx" and rows_ok else "kernel"
-    return _large_impl()
+    return "tile" if tile_mode() == "amx" and rows_ok else "kernel"
 
 
 _int8_setting = True
@@ -471,7 +477,7 @@ def qmatmul(x, w_raw, qtype, n_cols, n_threads=None, out=None, impl=None) -> tor
     if K != n_cols:
         raise ValueError(f"qmatmul: x has {K} columns, the weight rows {n_cols}")
     if impl is None:
-        if canonical(q):
+        if _exact_path(q):
             impl = _impl_for(q, T, QMM_GEMM_MIN_T, w_raw.shape[0] % 32 == 0)
         else:
             impl = ("kernel" if T < QMM_GEMM_MIN_T else
