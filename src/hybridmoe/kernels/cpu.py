@@ -154,7 +154,8 @@ def _load():
         lib.hm_simd.restype = ctypes.c_char_p
         for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode,
                   lib.hm_qmatmul, lib.hm_tile_mm, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8,
-                  lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_dp256_test, lib.hm_set_act_terms, lib.hm_set_exact, lib.hm_deinterleave):
+                  lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_dp256_test, lib.hm_set_act_terms, lib.hm_set_exact,
+                  lib.hm_deinterleave):
             f.restype = i32
         lib.hm_set_exact(0 if env.get("HYBRIDMOE_CPU_PROMPT").lower() == "bf16" else 1)
         lib.hm_set_act_terms(1 if env.get("HYBRIDMOE_CPU_ACT_TERMS") == "1" else 2)
