@@ -11,7 +11,7 @@ read. Here a layer is about ten kernels:
   router_topk    softmax, top-k, renormalisation (ids as int32, and as floats for the CPU hand-off); when
                  the experts are on the CPU it also writes the packed row and a flag into pinned host memory
                  (the next segment's add_rms_norm(wait=) polls the CPU's flag, reads its output from there)
-  moe_gate_up    SiLU(gate) * up of each selected expert straight from its Q4_0/Q8_0 bytes
+  moe_gate_up    SiLU(gate) * up of each selected expert straight from its GGUF bytes (QTYPES)
   moe_down       down of each selected expert from its bytes, weighted (the next add_rms_norm sums them)
 
 plus the dense projections (cuBLAS, bf16). Every kernel reads its position from device memory, so one
