@@ -72,6 +72,23 @@ def test_every_tile(gq, dq, monkeypatch):
         assert rel_l2(gd.moe(x, ids, wts, graw, uraw, draw, gq, dq).double(), ref) < 1e-5, tile
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("gq,dq", [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.IQ4_KS, G.Q8_0)],
+                         ids=lambda t: t.name)
+def test_prefill_moe_from_bytes(gq, dq):
+    """gpu_moe's grouped GEMMs on IQ4_XS / IQ4_KS rows (one expert with many rows, rows of 3 blocks, a partial
+    column tile) against float64; bf16 operands on a GPU, float32 in the interpreter."""
+    from hybridmoe.kernels import gpu_moe
+    assert gpu_moe.supports(gq, gq, dq)
+    E, k, T, H, Fd = (8, 2, 40, 768, 256) if DEV == "cpu" else (16, 4, 70, 2048, 768)
+    (graw, uraw, draw), x, ids, wts = _case(gq, dq, E, k, H, Fd, T, seed=int(gq) + int(dq))
+    ids[: T // 2, 0] = 1
+    ids[: T // 2, 1] = 0
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    out = gpu_moe.moe(x, ids, wts, graw, uraw, draw, gq, dq, dtype=dt)
+    assert rel_l2(out.double(), _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq)) < (1e-2 if DEV == "cuda" else 1e-5)
+
+
 def test_scale_extremes():
     """IQ4_KS rows with a zero and a large float32 header, scale bytes at both ends (bit 0 set and clear), and
     Q3_K blocks with every hmask bit clear (all values take the -4) against the reference."""

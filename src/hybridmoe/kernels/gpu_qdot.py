@@ -1,5 +1,6 @@
 """Dot products of GGUF rows with a float activation for the types of the files users run: IQ4_XS, IQ4_KS and
-Q3_K, decoded in registers from their file bytes (gpu_decode._qdot's QT codes 5, 6 and 7 call these).
+Q3_K, decoded in registers from their file bytes (gpu_decode._qdot's QT codes 5, 6 and 7 call these), and
+the weight tiles of IQ4_XS / IQ4_KS for gpu_moe's grouped prompt GEMMs (iq4_tile).
 
 Same block formats as gpu_dequant.py's _iq4_xs_kernel / _iq4_ks_kernel / _q3_k_kernel (read those for the
 byte layouts). Each step takes NB // 8 blocks of 256 of BN rows, so a tile holds as many elements as
@@ -118,3 +119,34 @@ def qdot_q3_k(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr
             part += ((lo | (hi << 4)) - 32).to(tl.float32) * sq
         acc += f16_at(blk + 108, m2)[:, :, None] * part
     return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def iq4_tile(wp, rs, n64, nm, b, bm, KS: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
+    """Weights [BN, NBK, 16, 2] (float32) of rows n64 (rs bytes each, from wp) of an IQ4_XS (KS False) or
+    IQ4_KS matrix (rows masked by nm), 32-blocks b (sub-block b % 8 of block b // 8; masked by bm [BN, NBK]), in the order of
+    gpu_moe's Q4_0 tiles: [.., j, h] is element j + 16 h of its 32-block (the nibbles sit as Q4_0's)."""
+    row = wp + n64 * rs
+    if KS:
+        dr = f32_at(row, nm)                                                          # [BN]
+        row = row + 4
+    s = b % 8
+    blk = row[:, None] + (b // 8)[None, :] * 136                                       # [BN, NBK]
+    c = tl.arange(0, 4)
+    w = tl.load((blk + 8 + 16 * s[None, :]).to(tl.pointer_type(tl.int32))[:, :, None] + c[None, None, :],
+                mask=bm[:, :, None], other=0)                                          # [BN, NBK, 4]
+    # byte i of word c: elements 4c + i (low nibble), 4c + i + 16 (high)
+    lo = tl.reshape(tl.join(tl.join(w & 15, (w >> 16) & 15), tl.join((w >> 8) & 15, (w >> 24) & 15)),
+                    [BN, NBK, 16])
+    hi = tl.reshape(tl.join(tl.join((w >> 4) & 15, (w >> 20) & 15), tl.join((w >> 12) & 15, (w >> 28) & 15)),
+                    [BN, NBK, 16])
+    v = _nl(tl.join(lo, hi))                                                           # [BN, NBK, 16, 2]
+    if KS:
+        sc = tl.load(blk + s[None, :], mask=bm, other=0).to(tl.int32)
+        v = v + 4.0 * (sc & 1).to(tl.float32)[:, :, None, None]
+        dl = dr[:, None] * ((sc & 254) - 127).to(tl.float32)
+    else:
+        hb = (tl.load(blk + 2 + s[None, :] // 4, mask=bm, other=0).to(tl.int32) >> (2 * (s % 4))[None, :]) & 3
+        lb = (tl.load(blk + 4 + s[None, :] // 2, mask=bm, other=0).to(tl.int32) >> (4 * (s % 2))[None, :]) & 15
+        dl = f16_at(blk, bm) * ((lb | (hb << 4)) - 32).to(tl.float32)
+    return v * dl[:, :, None, None]
