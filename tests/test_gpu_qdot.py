@@ -126,10 +126,11 @@ IDS = [(i * 37 + 11) % 1000 + 3 for i in range(12)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-iq4_ks", "tiny-iq4_xs", "tiny-q3_k_mix"])
+@pytest.mark.parametrize("preset", ["tiny-iq4_ks", "tiny-iq4_xs"] + (["tiny-q3_k_mix"] if DEV == "cuda" else []))
 def test_static_decode_matches_eager(preset, monkeypatch):
     """-ngl 99 with these experts: the static decode step (the fused kernels from the file's bytes) decodes the
-    same greedy tokens as the eager decoder (dequantize + GEMMs), logits within float32 noise."""
+    same greedy tokens as the eager decoder (dequantize + GEMMs), logits within float32 noise. (The Q3_K mix
+    ran past 15 minutes in the interpreter on a 2-core machine: GPU only.)"""
     from hybridmoe.runtime.steps.gpu_decode import StaticDecoder, graph_blocker
     if DEV == "cpu":
         monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
