@@ -123,9 +123,9 @@ def qdot_q3_k(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr
 
 @triton.jit
 def iq4_tile(wp, rs, n64, nm, b, bm, KS: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
-    """Weights [BN, NBK, 16, 2] (float32) of rows n64 (rs bytes each, from wp) of an IQ4_XS (KS False) or
-    IQ4_KS matrix (rows masked by nm), 32-blocks b (sub-block b % 8 of block b // 8; masked by bm [BN, NBK]), in the order of
-    gpu_moe's Q4_0 tiles: [.., j, h] is element j + 16 h of its 32-block (the nibbles sit as Q4_0's)."""
+    """Weights [BN, NBK, 16, 2] (float32) of rows n64 (rs bytes each, from wp; real where nm) of an IQ4_XS
+    (KS False) or IQ4_KS matrix, 32-blocks b (sub-block b % 8 of block b // 8; real where bm [BN, NBK]), in
+    the order of gpu_moe's Q4_0 tiles: [.., j, h] is element j + 16 h of its 32-block (nibbles as Q4_0's)."""
     row = wp + n64 * rs
     if KS:
         dr = f32_at(row, nm)                                                          # [BN]
