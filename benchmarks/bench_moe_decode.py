@@ -3,7 +3,7 @@ shape (E=128, k=8, H=2048, F=768), one token: microseconds and GB/s of expert by
 copy's bandwidth. For choosing gpu_decode._MOE_TILES. Usage (GPU machine):
 
     python3 benchmarks/bench_moe_decode.py [Q4_0,Q8_0,Q4_K]
-    python3 benchmarks/bench_moe_decode.py --tiles [Q4_0,Q8_0,Q4_K,Q6_K]
+    python3 benchmarks/bench_moe_decode.py --tiles [Q4_0,Q8_0,Q4_K,Q6_K,IQ4_XS,IQ4_KS,Q3_K]
     python3 benchmarks/bench_moe_decode.py --split [Q4_0,Q8_0]
 
 --tiles times only gpu_decode._MOE_TILES on each kernel: the measurements behind gpu_decode.moe_tile.
@@ -24,10 +24,20 @@ import torch
 import triton
 
 from hybridmoe.kernels import gpu_decode as gd
-from hybridmoe.quant.ref import dequantize, random_blocks, split_rows
+from hybridmoe.quant.random_blocks import random_tensor
+from hybridmoe.quant.ref import dequantize, random_blocks as _random_blocks, split_rows
 from hybridmoe.quant.types import GGMLType, row_bytes
 
 E, K_USED, H, F = 128, 8, 2048, 768
+
+
+def random_blocks(q, shape, g):
+    """Random GGUF rows of q on the GPU: quant.ref's generator where it has the type, else random_tensor's
+    (IQ4_XS, IQ4_KS, Q3_K, ...; made on the CPU)."""
+    try:
+        return _random_blocks(q, shape, g)
+    except NotImplementedError:
+        return random_tensor(q, shape, torch.Generator().manual_seed(int(q))).cuda()
 
 
 def timed(fn, reps=200):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call: GPU tests (incl. ik's quant files on a real GPU), issue 25's fault repro, a short bench,
 # long prompts on the GPU (longprompt), the exact CPU prompt path's cost (promptcost), batched decode (batch, gpubatch,
-# gpumoe, gpumoestep, gpumoebase, gpumoetiles). Usage: bash benchmarks/gpu_check.sh SECTION...
+# gpumoe, gpumoestep, gpumoebase, gpumoetiles), the users' expert types' kernels (gputypes, typesbench).
+# Usage: bash benchmarks/gpu_check.sh SECTION...
 # Needs the quant vectors beside the repository: run_gpu copies them in as .gpu_testdata when present.
 source benchmarks/device_setup.sh
 set +e
@@ -93,5 +94,22 @@ for s in "$@"; do
                 HYBRIDMOE_GPU_MOE=gemm timeout 280 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
                   --steps 8 --batch 16,32,64 2>&1 | tail -5 ;;
     gpumoetiles) timeout 500 python3 -u benchmarks/bench_moe_decode.py --grouped-tiles Q4_0,Q8_0 2>&1 | tail -8 ;;
+    # issue 24 point 2: the fused kernels on IQ4_XS, IQ4_KS and Q3_K experts (kernels/gpu_qdot.py: decode GEMVs for
+    # all three, prompt GEMMs for the IQ4s) against the reference, then the decode tiles at the 30B expert shape
+    # next to Q4_0 / Q4_K (for gpu_decode._MOE_TILE_RULE)
+    gputypes) HYBRIDMOE_CACHE=/tmp/hm-test timeout 400 python3 -m pytest -q tests/test_gpu_qdot.py tests/test_gpu_decode.py \
+                -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15
+              timeout 150 python3 benchmarks/bench_moe_decode.py --tiles Q4_0,Q4_K,IQ4_XS,IQ4_KS,Q3_K 2>&1 | tail -12 ;;
+    # then the 30B shape end to end, all on the GPU and with experts in RAM (the decode share reads them too);
+    # MIXES picks the presets (each ~16 GB, deleted after its rows; ~4 min each)
+    typesbench) for P in ${MIXES:-qwen3-30b-a3b-iq4_ks qwen3-30b-a3b}; do
+                  ( time hm synth $P ) 2>&1 | grep -E "real|wrote|exists" | tr '\n' ' '; echo
+                  for PL in "" "-ot exps=CPU"; do
+                    echo "### synth:$P -ngl 99 $PL"
+                    timeout 240 python3 -m hybridmoe.cli bench -m synth:$P -ngl 99 $PL -p 512 -n 128 -r 2 --roofline \
+                      2>&1 | grep -E "pp512|tg128|Error|error"
+                  done
+                  [ $P = qwen3-30b-a3b ] || find "$HYBRIDMOE_CACHE" -name "synth-$P-v*.gguf" -delete
+                done ;;
   esac
 done

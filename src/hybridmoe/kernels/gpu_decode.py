@@ -11,7 +11,7 @@ read. Here a layer is about ten kernels:
   router_topk    softmax, top-k, renormalisation (ids as int32, and as floats for the CPU hand-off); when
                  the experts are on the CPU it also writes the packed row and a flag into pinned host memory
                  (the next segment's add_rms_norm(wait=) polls the CPU's flag, reads its output from there)
-  moe_gate_up    SiLU(gate) * up of each selected expert straight from its Q4_0/Q8_0 bytes
+  moe_gate_up    SiLU(gate) * up of each selected expert straight from its GGUF bytes (QTYPES)
   moe_down       down of each selected expert from its bytes, weighted (the next add_rms_norm sums them)
 
 plus the dense projections (cuBLAS, bf16). Every kernel reads its position from device memory, so one
@@ -34,10 +34,12 @@ try:
     import triton.language as tl
 
     from .gpu_dequant import f16_at, k4_scale_min, quant_blocks as _quant_blocks
+    from .gpu_qdot import qdot_iq4, qdot_q3_k
 except ImportError:                                      # CPU-only installs
     triton = None
 
-QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3, GGMLType.Q5_K: 4}
+QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3, GGMLType.Q5_K: 4,
+          GGMLType.IQ4_XS: 5, GGMLType.IQ4_KS: 6, GGMLType.Q3_K: 7}          # 5-7: kernels/gpu_qdot.py
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: one tile, no inline PTX
 AWAIT_MAX_POLLS = 1 << 26                                # add_rms_norm(wait=): ~1 us a poll over PCIe, ~a minute
 
@@ -150,9 +152,15 @@ if triton is not None:
         """[BN] dot products of rows n of a quantized matrix (GGUF blocks from wrow) with float x[K] at xp.
 
         Q4_0/Q8_0 blocks are read as 16-bit words (their 18 and 34 bytes keep them 2-byte aligned), half the
-        loads of a byte-wise read. K-quants take NB // 8 blocks of 256 per step (the same elements per tile)."""
+        loads of a byte-wise read. K-quants take NB // 8 blocks of 256 per step (the same elements per tile);
+        IQ4_XS, IQ4_KS and Q3_K (QT 5-7) are gpu_qdot's."""
         acc = tl.zeros([BN], tl.float32)
-        if QT <= 1:
+        if QT >= 5:
+            if QT == 7:
+                acc = qdot_q3_k(wrow, row_stride, n, nm, xp, K, BN, NB)
+            else:
+                acc = qdot_iq4(wrow, row_stride, n, nm, xp, K, QT == 6, BN, NB)
+        elif QT <= 1:
             bi = tl.arange(0, NB)
             nblk = K // 32
             w16 = wrow.to(tl.pointer_type(tl.uint16))

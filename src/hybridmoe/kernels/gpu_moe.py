@@ -15,7 +15,8 @@ expert of a layer out as bf16 (2.4 GB a layer for Qwen3-30B-A3B) before `torch._
 
 Q4_0 blocks are read as 16-bit words; their nibbles come out of the word in the order low nibbles of byte
 pairs first, so the kernel's K axis is that of the block's elements interleaved: position p of a 32-block
-holds element p // 2 + 16 (p % 2). The activations are permuted the same way (once per layer for gate/up;
+holds element p // 2 + 16 (p % 2); IQ4_XS / IQ4_KS 32-blocks hold their nibbles as Q4_0 does, so they are
+read in the same order (gpu_qdot.iq4_tile). The activations are permuted the same way (once per layer for gate/up;
 the gate/up epilogue writes its output permuted for a Q4_0 down), and a dot product doesn't care about the
 order of its terms. Q8_0 words give the natural order. Other types (K-quants: a first version that gathered
 their 256-element super-blocks byte by byte ran at 0.74x of dequantize + grouped GEMM) take that path.
@@ -35,10 +36,14 @@ from .gpu_decode import on_device
 try:
     import triton
     import triton.language as tl
+
+    from .gpu_qdot import iq4_tile
 except ImportError:                                      # CPU-only installs
     triton = None
 
-QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1}
+QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.IQ4_XS: 5, GGMLType.IQ4_KS: 6}   # gpu_decode's codes
+# types whose 32-blocks hold Q4_0's nibble layout: the kernel's K order is Q4_0's interleaved one
+_Q4_ORDER = (GGMLType.Q4_0, GGMLType.IQ4_XS, GGMLType.IQ4_KS)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
@@ -89,7 +94,9 @@ if triton is not None:
         module docstring; the split layout's 32-bit words give the same order)."""
         b = kb + tl.arange(0, NBK)
         bm = nm[:, None] & (b < nblk)[None, :]                                 # [BN, NBK]
-        if SPLIT:                                    # quants as 16-byte vectors, then the f16 scales
+        if QT >= 5:                                  # IQ4_XS / IQ4_KS: 32-blocks of 256-element blocks
+            v = iq4_tile(wp, rs, n64, nm, b, bm, QT == 6, BN, NBK)
+        elif SPLIT:                                    # quants as 16-byte vectors, then the f16 scales
             QB: tl.constexpr = 16 if QT == 0 else 32
             rows = wp + n64[:, None] * rs
             d = tl.load((rows + nblk * QB).to(tl.pointer_type(tl.float16)) + b[None, :], mask=bm, other=0)
@@ -289,11 +296,11 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, dtype=torch.bfloa
     with on_device(x):
         pairs, blk_e = align(ids, E, bm)
         a = x.to(dtype)
-        a = a[:, q4_0_order(H, x.device)] if gate_qtype == GGMLType.Q4_0 else a.contiguous()
+        a = a[:, q4_0_order(H, x.device)] if gate_qtype in _Q4_ORDER else a.contiguous()
         h = torch.empty(pairs.numel(), F, dtype=dtype, device=x.device)
         wf = wts.reshape(-1).float().contiguous()
         _gemm(a, graw, uraw, h, pairs, blk_e, wf, n_pairs, k, H, F, gate_qtype, bm, True,
-              down_qtype == GGMLType.Q4_0, gate_split, tile)
+              down_qtype in _Q4_ORDER, gate_split, tile)
         out = torch.empty(n_pairs, H, dtype=torch.float32, device=x.device)
         _gemm(h, draw, draw, out, pairs, blk_e, wf, n_pairs, k, F, H, down_qtype, bm, False, False, down_split, tile)
     return out.view(T, k, H).sum(1)

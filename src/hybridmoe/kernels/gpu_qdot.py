@@ -1,0 +1,152 @@
+"""Dot products of GGUF rows with a float activation for the types of the files users run: IQ4_XS, IQ4_KS and
+Q3_K, decoded in registers from their file bytes (gpu_decode._qdot's QT codes 5, 6 and 7 call these), and
+the weight tiles of IQ4_XS / IQ4_KS for gpu_moe's grouped prompt GEMMs (iq4_tile).
+
+Same block formats as gpu_dequant.py's _iq4_xs_kernel / _iq4_ks_kernel / _q3_k_kernel (read those for the
+byte layouts). Each step takes NB // 8 blocks of 256 of BN rows, so a tile holds as many elements as
+gpu_decode's Q4_0 and K-quant steps; sums are taken per sub-block and scaled once, not per element.
+IQ4_NL's 16-value table lives in two int64 constants (byte q of the pair is value q), so a lookup is a shift,
+not a load; IQ4_KS's second table is IQ4_NL's plus 4 (quant/ref_ik.py _IQ4K), added per sub-block.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .gpu_dequant import f16_at, f32_at
+
+
+def _pack(vals) -> int:
+    """Eight signed bytes, value i in byte i, as one signed int64."""
+    u = sum((v & 255) << (8 * i) for i, v in enumerate(vals))
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+_NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)   # quant/ref.py _KV_IQ4NL
+_NL_LO = tl.constexpr(_pack(_NL[:8]))
+_NL_HI = tl.constexpr(_pack(_NL[8:]))
+
+
+@triton.jit
+def _nl(q):
+    """IQ4_NL's value of nibbles q (int32), as float32."""
+    w = tl.where(q < 8, _NL_LO, _NL_HI)
+    return ((w << (56 - 8 * (q & 7)).to(tl.int64)) >> 56).to(tl.float32)
+
+
+@triton.jit
+def qdot_iq4(wrow, row_stride, n, nm, xp, K, KS: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+    """IQ4_XS (KS False: 136-byte blocks, f16 d and 6-bit scales) or IQ4_KS (a float32 d per row, then
+    136-byte blocks of 8 scale bytes): both have 8 sub-blocks of 32 whose 16 bytes of nibbles start at byte
+    8 + 16 s, read here as 4 int32 words (blocks and rows are multiples of 4 bytes): byte i of word c holds
+    elements 4c + i (low nibble) and 4c + i + 16 (high)."""
+    NBK: tl.constexpr = NB // 8
+    bi = tl.arange(0, NBK)
+    nblk = K // 256
+    s = tl.arange(0, 8)
+    c = tl.arange(0, 4)
+    row = wrow + n.to(tl.int64) * row_stride                                          # [BN]
+    if KS:
+        dr = f32_at(row, nm)
+        row = row + 4
+    rows = row[:, None]
+    acc = tl.zeros([BN, NBK, 8], tl.float32)
+    for kb in range(0, nblk, NBK):
+        b = kb + bi
+        bm = b < nblk
+        m2 = nm[:, None] & bm[None, :]
+        m3 = m2[:, :, None]
+        blk = rows + b[None, :] * 136                                                 # [BN, NBK]
+        wp = (blk[:, :, None, None] + 8 + 16 * s[None, None, :, None]).to(tl.pointer_type(tl.int32)) + \
+            c[None, None, None, :]
+        w = tl.load(wp, mask=m3[:, :, :, None], other=0)                              # [BN, NBK, 8, 4]
+        xb = xp + b[:, None, None] * 256 + 32 * s[None, :, None] + 4 * c[None, None, :]   # [NBK, 8, 4]
+        xm = bm[:, None, None]
+        sq = tl.zeros([BN, NBK, 8], tl.float32)
+        sx = tl.zeros([NBK, 8], tl.float32)
+        for i in tl.static_range(4):
+            xl = tl.load(xb + i, mask=xm, other=0)
+            xh = tl.load(xb + i + 16, mask=xm, other=0)
+            sq += tl.sum(_nl((w >> (8 * i)) & 15) * xl[None] + _nl((w >> (8 * i + 4)) & 15) * xh[None], axis=3)
+            if KS:
+                sx += tl.sum(xl + xh, axis=2)
+        if KS:                                     # scale byte: (x & 254) - 127, bit 0 adds 4 to every value
+            sc = tl.load(blk[:, :, None] + s[None, None, :], mask=m3, other=0).to(tl.int32)
+            acc += ((sc & 254) - 127).to(tl.float32) * (sq + 4.0 * (sc & 1).to(tl.float32) * sx[None])
+        else:                                      # scale s: nibble s % 2 of byte 4 + s // 2, high bits of the u16 at 2
+            hi = (tl.load(blk[:, :, None] + 2 + s[None, None, :] // 4, mask=m3, other=0).to(tl.int32)
+                  >> (2 * (s % 4))[None, None, :]) & 3
+            lo = (tl.load(blk[:, :, None] + 4 + s[None, None, :] // 2, mask=m3, other=0).to(tl.int32)
+                  >> (4 * (s % 2))[None, None, :]) & 15
+            acc += f16_at(blk, m2)[:, :, None] * ((lo | (hi << 4)) - 32).to(tl.float32) * sq
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if KS:
+        out = dr * out
+    return out
+
+
+@triton.jit
+def qdot_q3_k(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr):
+    """Q3_K (110 bytes: hmask[32], qs[64], 12 scale bytes, f16 d). Element 128 h + 32 k + l is bits 2k of
+    qs[32 h + l], minus 4 unless bit 4h + k of hmask[l] is set; sub-block i = e // 16 has scale i (6 bits).
+    Row r of the [4, 16] tile is (h = r // 2, l = 16 (r % 2) + l0); step k of 4 takes one sub-block a row."""
+    NBK: tl.constexpr = NB // 8
+    bi = tl.arange(0, NBK)
+    nblk = K // 256
+    r = tl.arange(0, 4)
+    h = r // 2
+    l = (r % 2)[:, None] * 16 + tl.arange(0, 16)[None, :]                             # [4, 16]
+    acc = tl.zeros([BN, NBK, 4], tl.float32)
+    for kb in range(0, nblk, NBK):
+        b = kb + bi
+        bm = b < nblk
+        m2 = nm[:, None] & bm[None, :]
+        m3 = m2[:, :, None]
+        m4 = m3[:, :, :, None]
+        blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 110             # [BN, NBK]
+        bp = blk[:, :, None, None]
+        qs = tl.load(bp + (32 + 32 * h[:, None] + l)[None, None], mask=m4, other=0).to(tl.int32)   # [BN, NBK, 4, 16]
+        hm = tl.load(bp + l[None, None], mask=m4, other=0).to(tl.int32)
+        xb = xp + b[:, None, None] * 256 + (128 * h[:, None] + l)[None]                  # [NBK, 4, 16]
+        part = tl.zeros([BN, NBK, 4], tl.float32)
+        for k in tl.static_range(4):
+            q = ((qs >> (2 * k)) & 3) - ((((hm >> (4 * h[:, None] + k)[None, None]) & 1) ^ 1) << 2)
+            xv = tl.load(xb + 32 * k, mask=bm[:, None, None], other=0)
+            sq = tl.sum(q.to(tl.float32) * xv[None], axis=3)                             # [BN, NBK, 4]
+            i = (8 * h + 2 * k + r % 2)[None, None, :]                                   # scale index
+            lo = (tl.load(blk[:, :, None] + 96 + i % 8, mask=m3, other=0).to(tl.int32) >> (4 * (i // 8))) & 15
+            hi = (tl.load(blk[:, :, None] + 104 + i % 4, mask=m3, other=0).to(tl.int32) >> (2 * (i // 4))) & 3
+            part += ((lo | (hi << 4)) - 32).to(tl.float32) * sq
+        acc += f16_at(blk + 108, m2)[:, :, None] * part
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def iq4_tile(wp, rs, n64, nm, b, bm, KS: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
+    """Weights [BN, NBK, 16, 2] (float32) of rows n64 (rs bytes each, from wp; real where nm) of an IQ4_XS
+    (KS False) or IQ4_KS matrix, 32-blocks b (sub-block b % 8 of block b // 8; real where bm [BN, NBK]), in
+    the order of gpu_moe's Q4_0 tiles: [.., j, h] is element j + 16 h of its 32-block (nibbles as Q4_0's)."""
+    row = wp + n64 * rs
+    if KS:
+        dr = f32_at(row, nm)                                                          # [BN]
+        row = row + 4
+    s = b % 8
+    blk = row[:, None] + (b // 8)[None, :] * 136                                       # [BN, NBK]
+    c = tl.arange(0, 4)
+    w = tl.load((blk + 8 + 16 * s[None, :]).to(tl.pointer_type(tl.int32))[:, :, None] + c[None, None, :],
+                mask=bm[:, :, None], other=0)                                          # [BN, NBK, 4]
+    # byte i of word c: elements 4c + i (low nibble), 4c + i + 16 (high)
+    lo = tl.reshape(tl.join(tl.join(w & 15, (w >> 16) & 15), tl.join((w >> 8) & 15, (w >> 24) & 15)),
+                    [BN, NBK, 16])
+    hi = tl.reshape(tl.join(tl.join((w >> 4) & 15, (w >> 20) & 15), tl.join((w >> 12) & 15, (w >> 28) & 15)),
+                    [BN, NBK, 16])
+    v = _nl(tl.join(lo, hi))                                                           # [BN, NBK, 16, 2]
+    if KS:
+        sc = tl.load(blk + s[None, :], mask=bm, other=0).to(tl.int32)
+        v = v + 4.0 * (sc & 1).to(tl.float32)[:, :, None, None]
+        dl = dr[:, None] * ((sc & 254) - 127).to(tl.float32)
+    else:
+        hb = (tl.load(blk + 2 + s[None, :] // 4, mask=bm, other=0).to(tl.int32) >> (2 * (s % 4))[None, :]) & 3
+        lb = (tl.load(blk + 4 + s[None, :] // 2, mask=bm, other=0).to(tl.int32) >> (4 * (s % 2))[None, :]) & 15
+        dl = f16_at(blk, bm) * ((lb | (hb << 4)) - 32).to(tl.float32)
+    return v * dl[:, :, None, None]
