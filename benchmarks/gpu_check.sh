@@ -99,16 +99,17 @@ for s in "$@"; do
     # next to Q4_0 / Q4_K (for gpu_decode._MOE_TILE_RULE)
     gputypes) HYBRIDMOE_CACHE=/tmp/hm-test timeout 400 python3 -m pytest -q tests/test_gpu_qdot.py tests/test_gpu_decode.py \
                 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15
-              timeout 150 python3 benchmarks/bench_moe_decode.py --tiles Q4_0,Q4_K,IQ4_XS,IQ4_KS,Q3_K 2>&1 | tail -12 ;;
+              HYBRIDMOE_GPU_QDOT=1 timeout 150 python3 benchmarks/bench_moe_decode.py --tiles Q4_0,Q4_K,IQ4_XS,IQ4_KS,Q3_K \
+                2>&1 | tail -12 ;;
     # then the 30B shape end to end, all on the GPU and with experts in RAM (the decode share reads them too);
     # MIXES picks the presets (each ~16 GB, deleted after its rows; ~4 min each)
     typesbench) for P in ${MIXES:-qwen3-30b-a3b-iq4_ks qwen3-30b-a3b}; do
                   ( time hm synth $P ) 2>&1 | grep -E "real|wrote|exists" | tr '\n' ' '; echo
-                  for PL in "" "-ot exps=CPU"; do
-                    echo "### synth:$P -ngl 99 $PL"
-                    timeout 240 python3 -m hybridmoe.cli bench -m synth:$P -ngl 99 $PL -p 512 -n 128 -r 2 --roofline \
-                      2>&1 | grep -E "pp512|tg128|Error|error"
-                  done
+                  for PL in "" "-ot exps=CPU"; do for V in 0 1; do       # dequantized first / the fused kernels
+                    echo "### synth:$P -ngl 99 $PL, HYBRIDMOE_GPU_QDOT=$V"
+                    HYBRIDMOE_GPU_QDOT=$V timeout 240 python3 -m hybridmoe.cli bench -m synth:$P -ngl 99 $PL -p 512 \
+                      -n 128 -r 2 --roofline 2>&1 | grep -E "pp512|tg128|Error|error"
+                  done; done
                   [ $P = qwen3-30b-a3b ] || find "$HYBRIDMOE_CACHE" -name "synth-$P-v*.gguf" -delete
                 done ;;
   esac

@@ -24,6 +24,13 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
+
+
+@pytest.fixture(autouse=True)
+def _fused_types(monkeypatch):
+    monkeypatch.setenv("HYBRIDMOE_GPU_QDOT", "1")        # these types' fused kernels are opt-in (gd.OPT_IN)
+
+
 TYPES = [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.Q3_K, G.Q4_K), (G.Q3_K, G.Q3_K)]
 # (E, k, H, F, T): Qwen3-30B-A3B's expert shape; 3 blocks a row (fewer than a step's); one block a row
 SHAPES = [(8, 4, 2048, 768, 2), (6, 3, 768, 256, 1), (4, 2, 256, 512, 1)] if DEV == "cuda" else \

@@ -495,12 +495,22 @@ def share_layout_ok(qtypes, expert_bytes) -> bool:
     kernels read the experts' types (gate and up alike) and each expert is whole 16-byte runs, so
     stage_experts can copy it with wide loads."""
     gate, up, down = qtypes
-    return gate == up and all(q in QTYPES for q in (gate, down)) and all(b and b % 16 == 0 for b in expert_bytes)
+    return gate == up and all(fused(q) for q in (gate, down)) and all(b and b % 16 == 0 for b in expert_bytes)
+
+
+# The fused kernels of these types (kernels/gpu_qdot.py) have been checked in Triton's interpreter only: a GPU
+# runs them where HYBRIDMOE_GPU_QDOT=1 asks for it, and else dequantizes these experts first (runtime/experts.py)
+OPT_IN = frozenset({GGMLType.IQ4_XS, GGMLType.IQ4_KS, GGMLType.Q3_K})
+
+
+def fused(qtype) -> bool:
+    """Whether the fused kernels (these decode kernels, gpu_moe's prompt GEMMs) may read `qtype`'s bytes."""
+    return qtype in QTYPES and (qtype not in OPT_IN or env.get("HYBRIDMOE_GPU_QDOT") == "1")
 
 
 def supports(gate_qtype, up_qtype, down_qtype) -> bool:
     return triton is not None and gate_qtype == up_qtype and \
-        all(q in QTYPES and q not in _DISABLED for q in (gate_qtype, down_qtype))
+        all(fused(q) and q not in _DISABLED for q in (gate_qtype, down_qtype))
 
 
 def disable(gate_qtype, down_qtype, err: Exception):

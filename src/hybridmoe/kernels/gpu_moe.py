@@ -31,7 +31,7 @@ import torch
 
 from .. import env
 from ..quant.types import GGMLType
-from .gpu_decode import on_device
+from .gpu_decode import fused, on_device
 
 try:
     import triton
@@ -193,7 +193,7 @@ _DISABLED: set = set()                                  # type pairs whose kerne
 
 def supports(gate_qtype, up_qtype, down_qtype) -> bool:
     return (triton is not None and gate_qtype == up_qtype and gate_qtype in QTYPES and down_qtype in QTYPES
-            and (gate_qtype, down_qtype) not in _DISABLED)
+            and fused(gate_qtype) and fused(down_qtype) and (gate_qtype, down_qtype) not in _DISABLED)
 
 
 def disable(gate_qtype, down_qtype, err: Exception):
