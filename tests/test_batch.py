@@ -152,9 +152,12 @@ def _per_item(m, items, all_logits):
     return [m.forward(t, p, kv, all_logits) for t, p, kv in items]
 
 
-def _check_eager_batch(m, ctx=128, tol=FAKE_TOL):
+def _check_eager_batch(m, ctx=128, tol=None):
     """A prompt batch of mixed lengths, then mixed decode tokens and a prompt chunk: forward_batch against each
-    item's forward on twin caches."""
+    item's forward on twin caches. Within FAKE_TOL where the CPU computes Q4_0/Q8_0 rows alike at every batch
+    size; on AVX2-only CPUs one token's rows take the int8 path and a batch's fp32 (~3e-3 apart)."""
+    if tol is None:
+        tol = FAKE_TOL if cpu.canonical(G.Q4_0) and cpu.canonical(G.Q8_0) else 1e-2
     prompts = _prompts([7, 1, 20, 3], seed=11)
     kb, kr = [m.new_cache(ctx) for _ in prompts], [m.new_cache(ctx) for _ in prompts]
     for all_logits in (True, False):
