@@ -81,14 +81,14 @@ for s in "$@"; do
                 --repeat 2 --batch 1,4,16 2>&1 | tail -6 ;;
     # issue 27 point 3: the grouped decode MoE (kernels/gpu_moe_grouped.py): its tests and the batch step's on the GPU,
     # one 30B MoE layer at B = 1..64 by the per-pair GEMVs, the grouped GEMVs and the grouped GEMMs
-    # (bench_moe_decode.py --grouped). gpumoestep: the 30B batched step as the bucket's pairs choose (the step
-    # column names the kernels); gpumoebase: the same step with the choice before the grouped kernels (per-pair up
-    # to B = 8, grouped GEMMs from 16), for the ratio on the same machine; gpumoetiles: block heights and tiles.
+    # (bench_moe_decode.py --grouped). gpumoestep: the 30B batched step on the grouped GEMVs (the step column
+    # names the kernels); gpumoebase: the same step as auto chooses (per-pair up to B = 8, grouped GEMMs from 16),
+    # for the ratio on the same machine; gpumoetiles: block heights and tiles.
     # One section a call (each fits 10 minutes)
     gpumoe) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_moe_grouped.py \
               tests/test_gpu_batch.py tests/test_experts.py -p no:cacheprovider --tb=short -rfE 2>&1 | tail -12 ;
             timeout 280 python3 -u benchmarks/bench_moe_decode.py --grouped Q4_0,Q8_0 2>&1 | tail -18 ;;
-    gpumoestep) timeout 560 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --steps 8 2>&1 | tail -10 ;;
+    gpumoestep) HYBRIDMOE_GPU_MOE=grouped timeout 560 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --steps 8 2>&1 | tail -10 ;;
     gpumoebase) HYBRIDMOE_GPU_MOE=pair timeout 280 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
                   --steps 8 --batch 1,2,4,8 2>&1 | tail -6 ;
                 HYBRIDMOE_GPU_MOE=gemm timeout 280 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
