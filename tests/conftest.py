@@ -32,6 +32,24 @@ def rel_l2(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def moe_ref_f64(x, ids, wts, graw, uraw, draw, gq, dq):
+    """Routed experts from GGUF bytes in float64: the sum over slots of wts * down(SiLU(gate x) * up x), each
+    matrix from the reference dequantizer (the GPU MoE kernels' tests compare with it)."""
+    import torch.nn.functional as F
+
+    from hybridmoe.quant.dequant import dequantize
+    H, Fd = x.shape[1], graw.shape[1]
+    wg, wu = dequantize(graw, gq, H).double(), dequantize(uraw, gq, H).double()
+    wd = dequantize(draw, dq, Fd).double()
+    ref = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            hh = F.silu(wg[e] @ x[t].double()) * (wu[e] @ x[t].double())
+            ref[t] += wts[t, j].double() * (wd[e] @ hh)
+    return ref
+
+
 def top1_agreement(got, ref, tol: float = 0.05) -> float:
     """Share of rows whose top-1 token in `got` is also a top-1 of `ref`, up to `tol` x the row's std:
     random tiny models have exact and near ties (margins of 0 and 0.01 std in synth:tiny), where bf16

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel_l2, triton_test_device
+from conftest import moe_ref_f64, rel_l2, triton_test_device
 
 from hybridmoe.quant.ref import dequantize, random_blocks, split_rows
 from hybridmoe.quant.types import GGMLType
@@ -330,7 +330,7 @@ def test_moe_from_split_rows(gq, dq, T):
     x = torch.randn(T, H, generator=g, device=DEV)
     ids = torch.stack([torch.randperm(E, generator=g, device=DEV)[:k] for _ in range(T)])
     wts = torch.softmax(torch.randn(T, k, generator=g, device=DEV), -1)
-    ref = _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq)
+    ref = moe_ref_f64(x, ids, wts, graw, uraw, draw, gq, dq)
     out = gd.moe(x, ids, wts, split_rows(graw, gq), split_rows(uraw, gq), split_rows(draw, dq), gq, dq,
                  gate_split=True, down_split=True)
     assert rel_l2(out.double(), ref) < 1e-4
@@ -356,20 +356,6 @@ def test_gemv8_from_split_rows(q, blocks, K):
     assert rel_l2(bf.double(), ref[0]) < 1e-2
 
 
-def _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq):
-    """float64 sum over slots of wts * down(SiLU(gate x) * up x), from the reference dequantizer."""
-    H, Fd = x.shape[1], graw.shape[1]
-    wg, wu = dequantize(graw, gq, H).double(), dequantize(uraw, gq, H).double()
-    wd = dequantize(draw, dq, Fd).double()
-    ref = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            hh = F.silu(wg[e] @ x[t].double()) * (wu[e] @ x[t].double())
-            ref[t] += wts[t, j].double() * (wd[e] @ hh)
-    return ref
-
-
 @pytest.mark.parametrize("gq,dq", [(GGMLType.Q4_0, GGMLType.Q4_0), (GGMLType.Q8_0, GGMLType.Q4_0),
                                    (GGMLType.Q4_0, GGMLType.Q8_0), (GGMLType.Q8_0, GGMLType.Q8_0)])
 @pytest.mark.parametrize("T,E", [(5, 16), (40, 16), (70, 8)])
@@ -389,7 +375,7 @@ def test_prefill_moe_from_bytes(gq, dq, T, E):
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
     out = gpu_moe.moe(x, ids, wts, graw, uraw, draw, gq, dq, dtype=dt)
     assert out.shape == (T, H) and out.dtype == torch.float32
-    assert rel_l2(out.double(), _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq)) < (1e-2 if DEV == "cuda" else 1e-5)
+    assert rel_l2(out.double(), moe_ref_f64(x, ids, wts, graw, uraw, draw, gq, dq)) < (1e-2 if DEV == "cuda" else 1e-5)
 
 
 @pytest.mark.parametrize("gq,dq", [(GGMLType.Q4_0, GGMLType.Q8_0), (GGMLType.Q8_0, GGMLType.Q4_0)])
@@ -423,7 +409,7 @@ def test_prefill_moe_every_tile(q):
     x = torch.randn(T, H, generator=g, device=DEV)
     ids = torch.stack([torch.randperm(E, generator=g, device=DEV)[:k] for _ in range(T)])
     wts = torch.rand(T, k, generator=g, device=DEV)
-    ref = _moe_ref(x, ids, wts, graw, uraw, draw, q, q)
+    ref = moe_ref_f64(x, ids, wts, graw, uraw, draw, q, q)
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
     for tile in gpu_moe.TILES:
         for bm in (16, 64, 128):
@@ -457,7 +443,7 @@ def test_decode_moe_every_tile(q, monkeypatch):
     x = torch.randn(2, H, generator=g, device=DEV)
     ids = torch.stack([torch.randperm(E, generator=g, device=DEV)[:k] for _ in range(2)])
     wts = torch.rand(2, k, generator=g, device=DEV)
-    ref = _moe_ref(x, ids, wts, graw, uraw, draw, q, q)
+    ref = moe_ref_f64(x, ids, wts, graw, uraw, draw, q, q)
     for tile in gd._MOE_TILES:
         monkeypatch.setattr(gd, "moe_tile", lambda *_, t=tile: t)
         assert rel_l2(gd.moe(x, ids, wts, graw, uraw, draw, q, q).double(), ref) < 1e-3, tile

@@ -5,10 +5,9 @@ python -m pytest tests/test_gpu_moe_grouped.py`, with triton importable); otherw
 neither)."""
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import rel_l2, triton_test_device
+from conftest import moe_ref_f64, rel_l2, triton_test_device
 
-from hybridmoe.quant.ref import dequantize, random_blocks, split_rows
+from hybridmoe.quant.ref import random_blocks, split_rows
 from hybridmoe.quant.types import GGMLType
 
 gg = pytest.importorskip("hybridmoe.kernels.gpu_moe_grouped")
@@ -21,20 +20,6 @@ DEV = triton_test_device()
 # 5 tokens, 3 slots, 8 experts: expert 1 has every token (several blocks at BM 2 and 4), 0/2/4/5 two each,
 # 6 and 7 one, 3 none
 IDS = [[1, 2, 0], [1, 4, 5], [1, 6, 2], [1, 5, 7], [1, 0, 4]]
-
-
-def _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq):
-    """float64 sum over slots of wts * down(SiLU(gate x) * up x), from the reference dequantizer."""
-    H, Fd = x.shape[1], graw.shape[1]
-    wg, wu = dequantize(graw, gq, H).double(), dequantize(uraw, gq, H).double()
-    wd = dequantize(draw, dq, Fd).double()
-    ref = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            hh = F.silu(wg[e] @ x[t].double()) * (wu[e] @ x[t].double())
-            ref[t] += wts[t, j].double() * (wd[e] @ hh)
-    return ref
 
 
 def _case(gq, dq, H, Fd, seed, pad=0):
@@ -59,7 +44,7 @@ def test_grouped_moe_split_rows(gq, dq, pad):
     kernels' bound), and a zero padded row gives zeros."""
     x, ids, wts, graw, uraw, draw = _case(gq, dq, 768, 256, int(gq) + pad)
     gs, us, ds = split_rows(graw, gq), split_rows(uraw, gq), split_rows(draw, dq)
-    ref = _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq)
+    ref = moe_ref_f64(x, ids, wts, graw, uraw, draw, gq, dq)
     for bm in (2, 16):
         out = gg.moe(x, ids, wts, gs, us, ds, gq, dq, gate_split=True, down_split=True, bm=bm)
         assert out.shape == x.shape and out.dtype == torch.float32
@@ -78,7 +63,7 @@ def test_grouped_moe_gguf_rows(gq, dq, H, Fd):
     out = torch.full((ids.numel(), H), float("nan"), device=DEV)
     got = gg.moe(x, ids, wts, graw, uraw, draw, gq, dq, reduce=False, bm=4, out=out)
     assert got is out and rel_l2(got, pairs) < 1e-6
-    ref = _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq)
+    ref = moe_ref_f64(x, ids, wts, graw, uraw, draw, gq, dq)
     assert rel_l2(got.view(*ids.shape, H).sum(1).double(), ref) < 1e-5
 
 

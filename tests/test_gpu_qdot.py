@@ -9,11 +9,9 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import rel_l2
+from conftest import moe_ref_f64, rel_l2
 
 import hybridmoe
-from hybridmoe.quant.dequant import dequantize
 from hybridmoe.quant.random_blocks import random_tensor
 from hybridmoe.quant.types import GGMLType as G
 
@@ -37,18 +35,6 @@ SHAPES = [(8, 4, 2048, 768, 2), (6, 3, 768, 256, 1), (4, 2, 256, 512, 1)] if DEV
     [(4, 2, 768, 256, 1)]
 
 
-def _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq):
-    H, Fd = x.shape[1], graw.shape[1]
-    wg, wu = dequantize(graw, gq, H).double(), dequantize(uraw, gq, H).double()
-    wd = dequantize(draw, dq, Fd).double()
-    ref = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            ref[t] += wts[t, j].double() * (wd[e] @ (F.silu(wg[e] @ x[t].double()) * (wu[e] @ x[t].double())))
-    return ref
-
-
 def _case(gq, dq, E, k, H, Fd, T, seed):
     g = torch.Generator().manual_seed(seed)
     raw = [random_tensor(gq, (E, Fd, H), g), random_tensor(gq, (E, Fd, H), g), random_tensor(dq, (E, H, Fd), g)]
@@ -65,7 +51,7 @@ def test_moe_from_bytes(gq, dq, shape):
     assert gd.supports(gq, gq, dq)
     (graw, uraw, draw), x, ids, wts = _case(gq, dq, *shape, seed=shape[2] + int(gq))
     out = gd.moe(x, ids, wts, graw, uraw, draw, gq, dq)
-    assert rel_l2(out.double(), _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq)) < 1e-5
+    assert rel_l2(out.double(), moe_ref_f64(x, ids, wts, graw, uraw, draw, gq, dq)) < 1e-5
 
 
 @pytest.mark.gpu
@@ -73,7 +59,7 @@ def test_moe_from_bytes(gq, dq, shape):
 def test_every_tile(gq, dq, monkeypatch):
     """Each decode tile gives the reference's result, whichever the rule picks."""
     (graw, uraw, draw), x, ids, wts = _case(gq, dq, 16, 4, 512, 256, 2, seed=7)
-    ref = _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq)
+    ref = moe_ref_f64(x, ids, wts, graw, uraw, draw, gq, dq)
     for tile in gd._MOE_TILES:
         monkeypatch.setattr(gd, "moe_tile", lambda *_, t=tile: t)
         assert rel_l2(gd.moe(x, ids, wts, graw, uraw, draw, gq, dq).double(), ref) < 1e-5, tile
@@ -93,7 +79,7 @@ def test_prefill_moe_from_bytes(gq, dq):
     ids[: T // 2, 1] = 0
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
     out = gpu_moe.moe(x, ids, wts, graw, uraw, draw, gq, dq, dtype=dt)
-    assert rel_l2(out.double(), _moe_ref(x, ids, wts, graw, uraw, draw, gq, dq)) < (1e-2 if DEV == "cuda" else 1e-5)
+    assert rel_l2(out.double(), moe_ref_f64(x, ids, wts, graw, uraw, draw, gq, dq)) < (1e-2 if DEV == "cuda" else 1e-5)
 
 
 def test_scale_extremes():
@@ -109,7 +95,7 @@ def test_scale_extremes():
         else:
             graw[:, 2:9, :32] = 0
         out = gd.moe(x, ids, wts, graw, uraw, draw, q, q)
-        assert rel_l2(out.double(), _moe_ref(x, ids, wts, graw, uraw, draw, q, q)) < 1e-5
+        assert rel_l2(out.double(), moe_ref_f64(x, ids, wts, graw, uraw, draw, q, q)) < 1e-5
 
 
 @pytest.mark.parametrize("gq,dq", TYPES[:3], ids=lambda t: t.name)
