@@ -99,7 +99,7 @@ for s in "$@"; do
     # next to Q4_0 / Q4_K (for gpu_decode._MOE_TILE_RULE)
     gputypes) HYBRIDMOE_CACHE=/tmp/hm-test timeout 400 python3 -m pytest -q tests/test_gpu_qdot.py tests/test_gpu_decode.py \
                 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15
-              HYBRIDMOE_GPU_QDOT=1 timeout 150 python3 benchmarks/bench_moe_decode.py --tiles Q4_0,Q4_K,IQ4_XS,IQ4_KS,Q3_K \
+              timeout 150 python3 benchmarks/bench_moe_decode.py --tiles Q4_0,Q4_K,IQ4_XS,IQ4_KS,Q3_K \
                 2>&1 | tail -12 ;;
     # then the 30B shape end to end, all on the GPU and with experts in RAM (the decode share reads them too);
     # MIXES picks the presets (each ~16 GB, deleted after its rows; ~4 min each)

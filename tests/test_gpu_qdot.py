@@ -24,11 +24,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 
-@pytest.fixture(autouse=True)
-def _fused_types(monkeypatch):
-    monkeypatch.setenv("HYBRIDMOE_GPU_QDOT", "1")        # these types' fused kernels are opt-in (gd.OPT_IN)
-
-
 TYPES = [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.Q3_K, G.Q4_K), (G.Q3_K, G.Q3_K)]
 # (E, k, H, F, T): Qwen3-30B-A3B's expert shape; 3 blocks a row (fewer than a step's); one block a row
 SHAPES = [(8, 4, 2048, 768, 2), (6, 3, 768, 256, 1), (4, 2, 256, 512, 1)] if DEV == "cuda" else \
@@ -122,8 +117,8 @@ IDS = [(i * 37 + 11) % 1000 + 3 for i in range(12)]
 @pytest.mark.parametrize("preset", ["tiny-iq4_ks", "tiny-iq4_xs"] + (["tiny-q3_k_mix"] if DEV == "cuda" else []))
 def test_static_decode_matches_eager(preset, monkeypatch):
     """-ngl 99 with these experts: the static decode step (the fused kernels from the file's bytes) decodes the
-    same greedy tokens as the eager decoder (dequantize + GEMMs), logits within float32 noise. (The Q3_K mix
-    ran past 15 minutes in the interpreter on a 2-core machine: GPU only.)"""
+    same greedy tokens as the eager decoder (dequantize + GEMMs), logits within float32 noise (bf16 noise on a
+    GPU). (The Q3_K mix ran past 15 minutes in the interpreter on a 2-core machine: GPU only.)"""
     from hybridmoe.runtime.steps.gpu_decode import StaticDecoder, graph_blocker
     if DEV == "cpu":
         monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
@@ -144,4 +139,6 @@ def test_static_decode_matches_eager(preset, monkeypatch):
             for L in m.decoder.layers:
                 assert gd.supports(L.ffn_gate_exps.qtype, L.ffn_up_exps.qtype, L.ffn_down_exps.qtype)
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
-    assert rel_l2(outs[0], outs[1]) <= 1e-4
+    # on a GPU the eager decoder dequantizes to bf16 before its GEMMs (measured on an H100: rel L2 1.7e-3 to
+    # 2.9e-3 from the fused kernels); in the interpreter both run in float32
+    assert rel_l2(outs[0], outs[1]) <= (1e-2 if DEV == "cuda" else 1e-4)

@@ -498,14 +498,14 @@ def share_layout_ok(qtypes, expert_bytes) -> bool:
     return gate == up and all(fused(q) for q in (gate, down)) and all(b and b % 16 == 0 for b in expert_bytes)
 
 
-# The fused kernels of these types (kernels/gpu_qdot.py) have been checked in Triton's interpreter only: a GPU
-# runs them where HYBRIDMOE_GPU_QDOT=1 asks for it, and else dequantizes these experts first (runtime/experts.py)
-OPT_IN = frozenset({GGMLType.IQ4_XS, GGMLType.IQ4_KS, GGMLType.Q3_K})
+# The users' types with fused kernels of their own (kernels/gpu_qdot.py); HYBRIDMOE_GPU_QDOT=0 dequantizes these
+# experts first instead (runtime/experts.py), the path they took before those kernels
+QDOT = frozenset({GGMLType.IQ4_XS, GGMLType.IQ4_KS, GGMLType.Q3_K})
 
 
 def fused(qtype) -> bool:
     """Whether the fused kernels (these decode kernels, gpu_moe's prompt GEMMs) may read `qtype`'s bytes."""
-    return qtype in QTYPES and (qtype not in OPT_IN or env.get("HYBRIDMOE_GPU_QDOT") == "1")
+    return qtype in QTYPES and (qtype not in QDOT or env.get("HYBRIDMOE_GPU_QDOT") != "0")
 
 
 def supports(gate_qtype, up_qtype, down_qtype) -> bool:
@@ -633,14 +633,17 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     return out.view(T, k, H).sum(1) if reduce else out
 
 
-# the fastest of _MOE_TILES per (type, gate/up kernel) at the Qwen3-30B-A3B expert shape on H200
-# (bench_moe_decode.py --tiles, 2026-11-24; us a call in docs/benchmarks.md): (BN, NB, warps)
+# the fastest of _MOE_TILES per (type, gate/up kernel) at the Qwen3-30B-A3B expert shape (bench_moe_decode.py
+# --tiles; us a call in docs/benchmarks.md: H200 for the GGML types, H100 for gpu_qdot's): (BN, NB, warps)
 _MOE_TILE_RULE = {
     (GGMLType.Q4_0, True): (16, 16, 4), (GGMLType.Q4_0, False): (8, 32, 4),
     (GGMLType.Q8_0, True): (16, 16, 4), (GGMLType.Q8_0, False): (16, 16, 4),
     (GGMLType.Q4_K, True): (8, 64, 8), (GGMLType.Q4_K, False): (4, 64, 4),
     (GGMLType.Q5_K, True): (8, 64, 8), (GGMLType.Q5_K, False): (16, 32, 8),
     (GGMLType.Q6_K, True): (4, 64, 4), (GGMLType.Q6_K, False): (16, 16, 4),
+    (GGMLType.IQ4_XS, True): (16, 16, 4), (GGMLType.IQ4_XS, False): (16, 16, 4),
+    (GGMLType.IQ4_KS, True): (16, 16, 4), (GGMLType.IQ4_KS, False): (16, 16, 4),
+    (GGMLType.Q3_K, True): (8, 32, 4), (GGMLType.Q3_K, False): (16, 16, 4),
 }
 
 
