@@ -16,7 +16,8 @@ out, the CPU step's records kept while the batch's caches stay the same; "-" whe
 --loop: the same B sequences decoded one forward at a time (what a server without batching does); step: the path
 that ran the batch (CpuDecoder, BatchDecode[bucket graph|eager, moe KERNELS]: runtime/steps/gpu_batch.py, with
 the MoE kernels its bucket ran: pair, grouped or gemm, runtime/experts.gpu_moe_path; or eager).
---no-graphs times the eager batched decoder instead.
+--no-graphs times the eager batched decoder instead. --kprofile N: after each batch size, the N GPU kernels with the
+most time over --steps batched steps (torch.profiler; ms a step and share of the GPU's busy time).
 """
 from __future__ import annotations
 
@@ -96,6 +97,20 @@ def _step_name(m, B: int) -> str:
     return f"{type(step).__name__}[{b}{' graph' if buf.get('graph') is not None else ' eager'}{moe}]"
 
 
+def _kernel_profile(fn, B, steps, top):
+    """The GPU kernels that ran in fn (steps + 1 decode steps of B sequences), by their summed device time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+    rows = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    total = sum(e.self_device_time_total for e in rows)
+    print(f"B={B}: GPU busy {total / (steps + 1) / 1e3:.2f} ms a step; kernels by time (ms a step, share, calls "
+          "a step):")
+    for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"  {e.self_device_time_total / (steps + 1) / 1e3:8.3f} {e.self_device_time_total / total:6.1%} "
+              f"{e.count / (steps + 1):7.1f}  {e.key[:90]}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p, model_default="synth:tiny")
@@ -108,6 +123,8 @@ def main():
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="after each batch size, the N functions with the most own time over --steps batched steps "
                         "(Python's profiler, on stderr)")
+    p.add_argument("--kprofile", type=int, default=0, metavar="N",
+                   help="after each batch size, the N GPU kernels with the most time over --steps batched steps")
     args = p.parse_args()
     sizes = [int(b) for b in args.batch.split(",")]
     ctx = args.prompt + args.steps * args.repeat + 2
@@ -147,6 +164,10 @@ def main():
             prof.disable()
             print(f"B={B}:", file=sys.stderr)
             pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(args.cprofile)
+        if args.kprofile and torch.cuda.is_available():
+            kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
+            _kernel_profile(lambda: _time_steps(m, kvs, toks, args.prompt, args.steps, batched=True, repeat=1),
+                            B, args.steps, args.kprofile)
 
 
 if __name__ == "__main__":
