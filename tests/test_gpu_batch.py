@@ -154,10 +154,12 @@ def test_model_batch_decode_matches_alone(ctk, monkeypatch):
 def test_batch_decode_step_matches_eager(monkeypatch):
     """synth:tiny all on one GPU: the batched decode step (runtime/steps/gpu_batch.py; captured per bucket on a
     real GPU, its kernels run eagerly on a fake one) against the eager batched path: 3 sequences (bucket 4, one
-    padded row), then 2 of them (bucket 2), each at its own position, then each sequence alone."""
+    padded row), then 2 of them (bucket 2), each at its own position, then each sequence alone; every other
+    batched step through Model.decode_batch (the server's: argmax and expert counts taken on the GPU)."""
     from conftest import top1_agreement
 
     import hybridmoe
+    from hybridmoe.errors import HybridMoeError
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode
     real = _fake_gpu_or_real(monkeypatch)
     prompts = [IDS[:5], IDS[5:17], IDS[17:18]]
@@ -172,11 +174,21 @@ def test_batch_decode_step_matches_eager(monkeypatch):
         got = []
         for step in range(5):
             live = [0, 1, 2] if step < 3 else [0, 2]
-            rows = m.forward_batch([(torch.tensor([nxt[j]]), pos[j], kvs[j]) for j in live])
+            if step % 2:                          # the server's path: lists in, the argmax taken on the GPU
+                out, top = m.decode_batch([nxt[j] for j in live], [pos[j] for j in live], [kvs[j] for j in live],
+                                          argmax=True)
+                assert top == out.argmax(-1).tolist()
+                rows = list(out.split(1))
+            else:
+                rows = m.forward_batch([(torch.tensor([nxt[j]]), pos[j], kvs[j]) for j in live])
             got.append(torch.cat(rows))
             assert m.stats.last_batch["sequences"] == len(live)
+            assert 1 <= m.stats.last_batch["distinct_experts"] <= min(m.cfg.n_expert, len(live) * m.cfg.n_expert_used)
             for j, r in zip(live, rows):
                 nxt[j], pos[j] = int(r.argmax()), pos[j] + 1
+        if graphs:                                # the same caches as the last step, a position past -c: refused
+            with pytest.raises(HybridMoeError, match="context is full"):
+                m.decode_batch([nxt[0], nxt[2]], [64, pos[2]], [kvs[0], kvs[2]])
         got.append(torch.cat([m.forward(torch.tensor([nxt[j]]), pos[j], kvs[j]) for j in range(3)]))
         outs.append(torch.cat(got))
         steps.append(m._batch)

@@ -227,6 +227,7 @@ class Model:
                                  "distinct_per_layer": routed}
         return outs
 
+    @torch.inference_mode()
     def decode_batch(self, tokens: list[int], pos: list[int], kvs: list[KVCache], argmax: bool = False):
         """forward_batch for one decode token a sequence, given as lists: token ids, their positions and the
         sequences' caches (each its own). Returns their logits [B, n_vocab] (row j: what forward(tokens[j], pos[j],

@@ -1,8 +1,7 @@
 """The static steps (see base.py): build_step picks the one for a model and cache."""
 from __future__ import annotations
 
-from .base import DecodeStep, NotApplicable, PromptStep
-from .cpu_decode import NonFinite
+from .base import DecodeStep, NonFinite, NotApplicable, PromptStep
 
 
 def build_step(model, kv, which: str) -> DecodeStep | PromptStep | None:

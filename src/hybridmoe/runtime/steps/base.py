@@ -14,6 +14,14 @@ from typing import Protocol
 import torch
 
 
+class NonFinite(ValueError):
+    """decode_batch's step ran (the caches written) but some logits are not finite: out [B, n_vocab], distinct."""
+
+    def __init__(self, out: torch.Tensor, distinct: list[int]):
+        super().__init__("some logits are not finite")
+        self.out, self.distinct = out, distinct
+
+
 class NotApplicable(Exception):
     """This static step does not cover the model or placement; the eager decoder runs."""
 

@@ -18,7 +18,7 @@ import torch
 from ...kernels import cpu
 from ...quant.types import GGMLType, block_size
 from ..ops import rope_tables
-from .base import NotApplicable
+from .base import NonFinite, NotApplicable
 
 c_i64, c_i32, c_f32, c_vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -396,14 +396,6 @@ class CpuDecoder:
             raise RuntimeError(f"the CPU decode step failed: {_why(rc)}")
         self._account(1, self.expert_bytes)
         return out
-
-
-class NonFinite(ValueError):
-    """decode_batch's step ran (the caches written) but some logits are not finite: out [B, n_vocab], distinct."""
-
-    def __init__(self, out: torch.Tensor, distinct: list[int]):
-        super().__init__("some logits are not finite")
-        self.out, self.distinct = out, distinct
 
 
 class _Batch:

@@ -27,7 +27,7 @@ import torch
 from ...errors import warn_fallback
 from ...kernels import gpu_batch_attention as ga
 from .. import experts as X
-from .base import NotApplicable
+from .base import NonFinite, NotApplicable
 from .gpu_decode import capturing, gc_paused
 from .gpu_prefill import StaticPrefill
 
@@ -50,6 +50,8 @@ class BatchDecode(StaticPrefill):
         self.host = any(lay.get("host") for lay in self.layers)
         self._rows = 0                                   # the batch's real rows (the rest of the bucket is padding)
         self._open = None                                # while capturing: (graph, its capture context, pieces)
+        self._last = None                                # decode_batch's last caches (weak references)
+        self._moe = [i for i, lay in enumerate(self.layers) if "exps" in lay]
         kc = kv.k[0]
         if not ga.batch_caches_ok([kv.k[i] for i in range(len(kv.k))], [kv.v[i] for i in range(len(kv.v))]):
             raise NotApplicable("KV cache layers of different shapes or dtypes")
@@ -172,27 +174,75 @@ class BatchDecode(StaticPrefill):
         experts the batch routed to})."""
         outs, distinct = [], {}
         for a in range(0, len(items), BUCKETS[-1]):
-            out, d = self._run(items[a:a + BUCKETS[-1]])
+            chunk = items[a:a + BUCKETS[-1]]
+            logits, n = self._run(torch.cat([t for t, _, _ in chunk]), [int(p) for _, p, _ in chunk],
+                                  [kv for _, _, kv in chunk])
+            out, n = self._to_host(logits[:len(chunk)], n)
             outs.append(out)
-            for i, n in d.items():
-                distinct[i] = max(distinct.get(i, 0), n)
+            for i, c in zip(self._moe, n.tolist()):
+                distinct[i] = max(distinct.get(i, 0), c)
         return torch.cat(outs), distinct
 
-    def _run(self, items):
-        B = self._rows = len(items)
+    def same_batch(self, kvs: list) -> bool:
+        """Whether decode_batch's last batch had these caches, in this order (they were checked then)."""
+        last = self._last
+        return last is not None and len(last) == len(kvs) and all(r() is kv for r, kv in zip(last, kvs))
+
+    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list):
+        """One decode token for each of B <= 64 sequences, as lists: (logits [B, n_vocab] on the CPU, per layer the
+        distinct experts, each row's argmax), the argmax, the logits' finiteness and the expert counts taken on
+        the GPU and sent back with the logits in one copy to pinned memory. None where a cache is one accepts()
+        refuses, or B > 64 (nothing ran: forward_batch takes them). Raises IndexError for an id or position out
+        of range (nothing ran), NonFinite when some logits are not finite (the caches written)."""
+        B = len(tokens)
+        if B > BUCKETS[-1]:
+            return None
+        if not self.same_batch(kvs):
+            if not all(self.accepts(kv) for kv in kvs):
+                return None
+            self._last = [weakref.ref(kv) for kv in kvs]
+        if min(tokens) < 0 or max(tokens) >= self.cfg.n_vocab or min(pos) < 0 or max(pos) >= self.n_ctx:
+            raise IndexError("a token id or position is out of range")
+        logits, n = self._run(torch.tensor(tokens), pos, kvs)
+        live = logits[:B]
+        tail = torch.cat([live.argmax(-1).to(n.dtype), torch.isfinite(live).all().to(n.dtype).view(1), n])
+        out, tail = self._to_host(live, tail)
+        top, finite, n = tail[:B].tolist(), bool(tail[B]), tail[B + 1:].tolist()
+        distinct = [0] * len(self.layers)
+        for i, c in zip(self._moe, n):
+            distinct[i] = c
+        if not finite:
+            raise NonFinite(out, distinct)
+        return out, distinct, top
+
+    def _to_host(self, logits, small):
+        """The logits [B, n_vocab] and a small int tensor to the CPU: copies into pinned memory, one wait."""
+        self.sched.stats.copy(self.dev.name, "CPU", logits.numel() * 4)
+        if logits.device.type != "cuda":                 # fake GPUs (tests): their tensors are in host memory
+            return logits.clone(), small.clone()
+        out = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+        tail = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
+        out.copy_(logits, non_blocking=True)
+        tail.copy_(small, non_blocking=True)
+        torch.cuda.current_stream(self.dev.torch_device).synchronize()
+        return out, tail
+
+    def _run(self, tokens, pos: list[int], kvs: list):
+        """The batch's step on the GPU (nothing waited for): (logits [Bp, n_vocab] on the GPU, the distinct experts
+        each MoE layer routed the real rows to, int64 [n MoE layers] on the GPU)."""
+        B = self._rows = len(kvs)
         Bp = bucket(B)
         buf = self._cur = self._buffers(Bp)
         st, dev, td = self.sched.stats, self.dev, self.dev.torch_device
         emb = self.model.decoder.token_embd
-        tokens = torch.cat([t for t, _, _ in items])
         x = emb.dequant(torch.float32, index=tokens.to(emb.raw.device)).to(td, non_blocking=True)
-        pos = torch.full((Bp,), -1, dtype=torch.int64)
-        pos[:B] = torch.tensor([int(p) for _, p, _ in items])
-        offs = [self._offsets_of(kv) for _, _, kv in items]
+        pos_t = torch.full((Bp,), -1, dtype=torch.int64)
+        pos_t[:B] = torch.tensor(pos)
+        offs = [self._offsets_of(kv) for kv in kvs]
         offs += offs[:1] * (Bp - B)                              # padded rows: position -1, nothing read or written
         buf["x"][:B].copy_(x)
         buf["x"][B:].zero_()
-        buf["pos"].copy_(pos, non_blocking=True)
+        buf["pos"].copy_(pos_t, non_blocking=True)
         buf["offs"].copy_(torch.stack(offs, -1), non_blocking=True)      # [n_layer, 2, Bp]
         st.forwards += 1
         st.tokens += B
@@ -207,11 +257,14 @@ class BatchDecode(StaticPrefill):
             else:
                 self._replay(buf)
                 logits = buf["logits"]
-            out = logits[:B].to("cpu")
-            ids = buf["ids"][:, :B].to("cpu")
-        st.copy(dev.name, "CPU", out.numel() * 4)
-        moe = [i for i, lay in enumerate(self.layers) if "exps" in lay]
-        return out, {i: int(torch.unique(ids[i]).numel()) for i in moe}
+        return logits, self._distinct(buf["ids"][self._moe, :B])
+
+    def _distinct(self, ids):
+        """ids [n MoE layers, B, k] -> the distinct experts of each layer, on the GPU."""
+        if not self._moe:
+            return torch.zeros(0, dtype=torch.int64, device=ids.device)
+        hit = torch.zeros(ids.shape[0], self.cfg.n_expert, dtype=torch.int64, device=ids.device)
+        return hit.scatter_(1, ids.reshape(ids.shape[0], -1), 1).sum(1)
 
     def _replay(self, buf):
         """The bucket's graphs in order, the host-expert layers' rows run on the host between them."""
