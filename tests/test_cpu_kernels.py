@@ -464,6 +464,36 @@ def test_handoff_errors_still_release_the_gpu():
         cpu.handoff_call(*w[:3], G.Q2_K, G.Q4_0, b["packed"], b["out"], b["ready"], b["done"])
 
 
+def test_handoff_rows_runs_the_first_rows_and_zeros_the_rest():
+    """The batched decode step's hand-off: the first T of Tp packed rows [x | weights | ids] through the experts,
+    each row what moe_ffn gives it in a call over those rows, the padding rows' outputs zero; a bad id in a real
+    row is refused (done still set), one in a padding row is never read."""
+    q, k = G.Q4_0, 8
+    E, H, F = shapes(q, 1)
+    w = (*experts(q, E, H, F), q, q)
+    g = torch.Generator().manual_seed(12)
+    Tp = 8
+    x = torch.randn(Tp, H, generator=g)
+    ids, wts = routing(Tp, E, k, g)
+    packed = torch.cat((x, wts, ids.float()), 1)
+    out = torch.full((Tp, H), float("nan"))
+    ready, done = torch.zeros(16, dtype=torch.int32), torch.zeros(16, dtype=torch.int32)
+    call = cpu.handoff_rows_call(*w, packed, out, ready, done, timeout_s=0.05)
+    for step, T in enumerate((5, 1, 8), 1):
+        ready[0] = step
+        packed[:, H + k:] = ids.float()
+        packed[T:, H + k] = float("nan")                 # padding rows: never read
+        assert call(step, T) == 0 and int(done[0]) == step
+        assert torch.equal(out[:T], cpu.moe_ffn(x[:T], ids[:T], wts[:T], *w))
+        assert not out[T:].any()
+    packed[2, H + k] = float(E)
+    ready[0] = 9
+    assert call(9, 4) == -1 and int(done[0]) == 9
+    assert call(10, 4) == -3 and int(done[0]) == 10    # the GPU never came: a timeout, not a hang
+    with pytest.raises(ValueError, match="no kernel"):
+        cpu.handoff_rows_call(*w, packed[:, 1:], out, ready, done)
+
+
 def test_torch_fallback():
     q = G.Q4_K
     E, H, F = shapes(q, 3)

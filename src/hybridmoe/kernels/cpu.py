@@ -150,9 +150,12 @@ def _load():
         lib.hm_trace.argtypes, lib.hm_trace_get.argtypes = [i32], [vp]
         lib.hm_moe_handoff.argtypes = [vp, vp, ctypes.c_double, vp, i64, i64, i64, vp, vp, i32, i64, i64, vp, i32,
                                        vp, i32, i32]
+        lib.hm_moe_handoff_rows.argtypes = [vp, vp, ctypes.c_double, vp, i64, i64, i64, i64, vp, vp, i32, i64, i64,
+                                            vp, i32, vp, i32, i32]
         lib.hm_deinterleave.argtypes = [vp, vp, i64, i32, i64, i32, i32, vp, vp, i64, vp, i64, i32]
         lib.hm_simd.restype = ctypes.c_char_p
-        for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_tile_mode,
+        for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_moe_handoff_rows,
+                  lib.hm_tile_mode,
                   lib.hm_qmatmul, lib.hm_tile_mm, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8,
                   lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_dp256_test, lib.hm_set_act_terms, lib.hm_set_exact,
                   lib.hm_deinterleave):
@@ -465,6 +468,30 @@ def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out
     return functools.partial(lib.hm_moe_handoff, ready.data_ptr(), done.data_ptr(), timeout_s, packed.data_ptr(),
                              H, k, kc, gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq,
                              out.data_ptr(), _threads(n_threads))
+
+
+def handoff_rows_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out, ready, done,
+                      n_threads=None, timeout_s: float = 30.0):
+    """handoff_call for a batch of rows: calling it with (step, T) waits until ready[0] == step, then runs the k
+    experts of the first T rows of packed float32 [Tp, H + 2k] (pinned) into out float32 [Tp, H] (pinned; the
+    rows after T become zeros), and sets done[0] = step, also after an error. Returns as handoff_call's."""
+    lib = _load()
+    gq, dq = int(gate_qtype), int(down_qtype)
+    E, F = gate_raw.shape[0], gate_raw.shape[1]
+    Tp, H = out.shape
+    k = (packed.shape[1] - H) // 2
+    if (lib is None or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES
+            or not _experts_ok(gate_raw, up_raw, down_raw, gq, dq, H) or packed.shape != (Tp, H + 2 * k)
+            or not 1 <= k <= 64 or not 1 <= Tp <= 64):
+        raise ValueError(f"handoff_rows_call: no kernel for gate {tuple(gate_raw.shape)} {GGMLType(gq).name}, "
+                         f"down {tuple(down_raw.shape)} {GGMLType(dq).name}, H={H}, k={k}, rows={Tp}")
+    nth = _threads(n_threads)
+
+    def call(step: int, T: int) -> int:
+        return lib.hm_moe_handoff_rows(ready.data_ptr(), done.data_ptr(), timeout_s, packed.data_ptr(), T, Tp, H,
+                                       k, gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq,
+                                       out.data_ptr(), nth, step)
+    return call
 
 
 def qmatmul(x, w_raw, qtype, n_cols, n_threads=None, out=None, impl=None) -> torch.Tensor:

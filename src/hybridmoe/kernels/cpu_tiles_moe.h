@@ -231,10 +231,9 @@ int hm_moe_ffn(const float *x, int64_t T, int64_t H, const int32_t *ids, const f
 #ifndef HM_SPIN_S
 #define HM_SPIN_S 200e-6   /* hm_moe_handoff spins this long (a GPU segment is ~60 us), then yields the core */
 #endif
-int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t H,
-                   int64_t k, int64_t kc, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
-                   const uint8_t *down, int dtype, float *out, int nthreads, int32_t step) {
-    int rc = 0, yield = 0;
+/* spins until *ready == step (HM_SPIN_S, then yields the core between polls); 0, or -3 after timeout_s */
+static int handoff_wait(const int32_t *ready, int32_t step, double timeout_s) {
+    int yield = 0;
     double start = 0;
     for (uint64_t spin = 0; __atomic_load_n(ready, __ATOMIC_ACQUIRE) != step; spin++) {
         if (yield) sched_yield();       /* a long wait: a thread that wants this core (a busy machine) runs */
@@ -244,10 +243,17 @@ int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const 
         if ((spin & 255) == 0) {
             const double t = hm_now();
             if (start == 0) start = t;
-            else if (t - start > timeout_s) { rc = -3; break; }
+            else if (t - start > timeout_s) return -3;
             else if (t - start > HM_SPIN_S) yield = 1;
         }
     }
+    return 0;
+}
+
+int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t H,
+                   int64_t k, int64_t kc, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                   const uint8_t *down, int dtype, float *out, int nthreads, int32_t step) {
+    int rc = handoff_wait(ready, step, timeout_s);
     int32_t ids[64];
     float wts[64];
     if (!rc && (k < 1 || k > 64 || kc < 1 || kc > k)) rc = -1;
@@ -258,6 +264,40 @@ int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const 
         wts[j] = packed[H + j];
     }
     if (!rc) rc = moe_ffn_act(packed, 1, H, ids, wts, kc, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
+    __atomic_store_n(done, step, __ATOMIC_RELEASE);
+    return rc;
+}
+
+/* The batched decode step's hand-off (runtime/steps/gpu_batch.py): as hm_moe_handoff for the first T of the Tp
+ * rows of packed [Tp][H + 2k] (row: x | router weights | expert ids as floats), every one of the k experts;
+ * out [Tp][H] gets their rows and zeros after them (padding rows). */
+int hm_moe_handoff_rows(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t T,
+                        int64_t Tp, int64_t H, int64_t k, const uint8_t *gate, const uint8_t *up, int gtype,
+                        int64_t F, int64_t E, const uint8_t *down, int dtype, float *out, int nthreads,
+                        int32_t step) {
+    int rc = handoff_wait(ready, step, timeout_s);
+    if (!rc && (k < 1 || k > 64 || T < 1 || T > Tp || Tp > 64)) rc = -1;
+    static __thread float *xs;                    /* the rows' x, contiguous: kept from call to call */
+    static __thread size_t xs_n;
+    int32_t ids[64 * 64];
+    float wts[64 * 64];
+    if (!rc && xs_n < (size_t)T * H) {
+        float *p = (float *)realloc(xs, (size_t)Tp * H * sizeof(float));
+        if (p) xs = p, xs_n = (size_t)Tp * H;
+        else rc = -2;
+    }
+    for (int64_t t = 0; !rc && t < T; t++) {
+        const float *row = packed + t * (H + 2 * k);
+        memcpy(xs + t * H, row, (size_t)H * sizeof(float));
+        for (int64_t j = 0; !rc && j < k; j++) {
+            const float f = row[H + k + j];
+            if (!(f >= 0.0f && f < (float)E)) rc = -1;   /* NaN too */
+            ids[t * k + j] = rc ? 0 : (int32_t)f;
+            wts[t * k + j] = row[H + j];
+        }
+    }
+    if (!rc) rc = moe_ffn_act(xs, T, H, ids, wts, k, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
+    if (Tp > T) memset(out + T * H, 0, (size_t)(Tp - T) * H * sizeof(float));
     __atomic_store_n(done, step, __ATOMIC_RELEASE);
     return rc;
 }

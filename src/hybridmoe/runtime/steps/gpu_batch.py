@@ -24,8 +24,10 @@ import weakref
 
 import torch
 
+from ... import env
 from ...errors import warn_fallback
 from ...kernels import gpu_batch_attention as ga
+from ...kernels import gpu_handoff as gh
 from .. import experts as X
 from .base import NonFinite, NotApplicable
 from .gpu_decode import capturing, gc_paused
@@ -61,6 +63,13 @@ class BatchDecode(StaticPrefill):
         self._offsets = weakref.WeakKeyDictionary()     # KVCache -> [n_layer, 2] int64 offsets (k, v)
         self.buckets = {}                                # B -> its buffers (and graph, once captured)
         self.worked = False
+        self.n = 0                                       # the polled hand-off's step number
+        self.host_layers = [i for i, lay in enumerate(self.layers) if lay.get("host")]
+        # the polled hand-off (as the single-sequence step's): the graphs publish the rows and wait for the host's
+        # with flags in pinned memory, the C kernel spins on them; --profile and HYBRIDMOE_HANDOFF=sync keep the
+        # synchronous one (a stream sync and the scheduler's expert op a layer)
+        self.polled = bool(self.host_layers) and self.capture and X.kernels() is not None and \
+            not self.sched.stats.profile and env.get("HYBRIDMOE_HANDOFF") != "sync"
 
     def accepts(self, kv) -> bool:
         """Whether kv can be one of this step's sequences: a plain cache on this GPU shaped as the first."""
@@ -93,7 +102,26 @@ class BatchDecode(StaticPrefill):
                 H, k = cfg.n_embd, cfg.n_expert_used
                 buf["pin_in"] = torch.zeros(B, H + 2 * k, pin_memory=True)
                 buf["pin_out"] = torch.zeros(B, H, pin_memory=True)
+                if self.polled:
+                    self._handoff_buffers(buf)
         return buf
+
+    def _handoff_buffers(self, buf):
+        """The polled hand-off's flags (a cache line each, a pair per host-expert layer) and C calls for a bucket;
+        none (the synchronous hand-off) where the C kernel lacks a layer's types."""
+        n, kern = len(self.host_layers), X.kernels()
+        pin = lambda *shape: torch.zeros(*shape, dtype=torch.int32, pin_memory=True)  # noqa: E731
+        ready, done = pin(n, 16), pin(n, 16)
+        calls = {}
+        for j, i in enumerate(self.host_layers):
+            g, u, d = self.layers[i]["exps"]
+            try:
+                calls[i] = (j, kern.handoff_rows_call(g.raw, u.raw, d.raw, g.qtype, d.qtype, buf["pin_in"],
+                                                      buf["pin_out"], ready[j], done[j], self.sched.n_threads))
+            except ValueError:
+                return
+        buf["hk"] = {"ready": ready, "done": done, "err": pin(1), "calls": calls,
+                     "step": torch.zeros(1, dtype=torch.int32, device=self.dev.torch_device)}
 
     # -- the prompt step's layer loop, with these hooks --------------------------------------------------------
     def _attention(self, i: int, lay: dict, qkv):
@@ -155,10 +183,15 @@ class BatchDecode(StaticPrefill):
         """Capturing, at host-expert layer i: the rows out to pinned memory end this graph; the next one begins
         with the host's result coming back, which the layers after i read."""
         graph, ctx, pieces, buf = self._open
+        hk = buf.get("hk")
         buf["pin_in"].copy_(torch.cat([h.float(), wts.float(), ids.float()], 1), non_blocking=True)
+        if hk is not None:                               # polled: the flag says the rows are there
+            gh.publish(hk["ready"][hk["calls"][i][0]], hk["step"])
         ctx.close()
         pieces.append((graph, i))
         self._begin_capture(pieces, buf)
+        if hk is not None:                               # the next graph waits for the host's rows
+            gh.await_flag(hk["done"][hk["calls"][i][0]], hk["step"], hk["err"])
         dev_out = torch.empty(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
         dev_out.copy_(buf["pin_out"], non_blocking=True)
         return dev_out
@@ -225,6 +258,10 @@ class BatchDecode(StaticPrefill):
         out.copy_(logits, non_blocking=True)
         tail.copy_(small, non_blocking=True)
         torch.cuda.current_stream(self.dev.torch_device).synchronize()
+        hk = self._cur.get("hk")
+        if hk is not None and hk["err"][0]:
+            hk["err"][0] = 0
+            raise RuntimeError("the batched decode step's GPU waited in vain for the CPU experts' rows")
         return out, tail
 
     def _run(self, tokens, pos: list[int], kvs: list):
@@ -268,12 +305,41 @@ class BatchDecode(StaticPrefill):
 
     def _replay(self, buf):
         """The bucket's graphs in order, the host-expert layers' rows run on the host between them."""
+        if buf.get("hk") is not None:
+            return self._replay_polled(buf)
         stream = torch.cuda.current_stream(self.dev.torch_device)
         for graph, host in buf["graph"]:
             graph.replay()
             if host is not None:
                 stream.synchronize()                    # the rows are in pinned memory
                 self._host_rows(host, buf)
+
+    def _replay_polled(self, buf):
+        """The graphs with the polled hand-off: graph s + 1 is enqueued (its first kernel spins on the host's flag)
+        before the C kernel takes graph s's rows (it spins on the GPU's flag), so no sync or Python sits between
+        the two devices; both flags carry the step's number."""
+        hk, pieces, B = buf["hk"], buf["graph"], self._rows
+        self.n = n = self.n % (1 << 30) + 1
+        hk["step"].fill_(n)
+        pieces[0][0].replay()
+        try:
+            for s in range(len(pieces) - 1):
+                pieces[s + 1][0].replay()
+                i = pieces[s][1]
+                rc = hk["calls"][i][1](n, B)
+                if rc:
+                    raise RuntimeError(f"layer {i}: the router chose an expert id that is not an expert (a NaN in the "
+                                       "hidden state?)" if rc == -1 else f"layer {i}: the CPU expert kernel failed "
+                                       f"({rc})" if rc != -3 else f"layer {i}: the GPU did not hand over the rows in "
+                                       "30 s")
+        except BaseException:
+            hk["done"][:, 0].fill_(n)                   # let every waiting graph go on
+            raise
+        st = self.sched.stats
+        m = len(pieces) - 1
+        st.ops[("moe_up_gate", "CPU")][0] += m
+        st.copy(self.dev.name, "CPU", buf["pin_in"][:B].numel() * 4, m)
+        st.copy("CPU", self.dev.name, buf["pin_out"][:B].numel() * 4, m)
 
     def _capture_bucket(self, buf):
         """The bucket's step as graphs: [(graph, the host-expert layer that follows it, or None)]; one graph
