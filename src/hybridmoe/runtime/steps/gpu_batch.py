@@ -20,6 +20,7 @@ from the next batch on. More than 64 sequences run in chunks of 64.
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 
 import torch
@@ -53,6 +54,7 @@ class BatchDecode(StaticPrefill):
         self._rows = 0                                   # the batch's real rows (the rest of the bucket is padding)
         self._open = None                                # while capturing: (graph, its capture context, pieces)
         self._last = None                                # decode_batch's last caches (weak references)
+        self._ran_polled = False                         # the last batch ran the polled hand-off
         self._moe = [i for i, lay in enumerate(self.layers) if "exps" in lay]
         kc = kv.k[0]
         if not ga.batch_caches_ok([kv.k[i] for i in range(len(kv.k))], [kv.v[i] for i in range(len(kv.v))]):
@@ -65,6 +67,7 @@ class BatchDecode(StaticPrefill):
         self.worked = False
         self.n = 0                                       # the polled hand-off's step number
         self.host_layers = [i for i, lay in enumerate(self.layers) if lay.get("host")]
+        self._expert_bytes = {i: sum(w.raw[0].numel() for w in self.layers[i]["exps"]) for i in self.host_layers}
         # the polled hand-off (as the single-sequence step's): the graphs publish the rows and wait for the host's
         # with flags in pinned memory, the C kernel spins on them; --profile and HYBRIDMOE_HANDOFF=sync keep the
         # synchronous one (a stream sync and the scheduler's expert op a layer)
@@ -212,7 +215,9 @@ class BatchDecode(StaticPrefill):
                                   [kv for _, _, kv in chunk])
             out, n = self._to_host(logits[:len(chunk)], n)
             outs.append(out)
-            for i, c in zip(self._moe, n.tolist()):
+            n = n.tolist()
+            self._account(n)
+            for i, c in zip(self._moe, n):
                 distinct[i] = max(distinct.get(i, 0), c)
         return torch.cat(outs), distinct
 
@@ -241,12 +246,18 @@ class BatchDecode(StaticPrefill):
         tail = torch.cat([live.argmax(-1).to(n.dtype), torch.isfinite(live).all().to(n.dtype).view(1), n])
         out, tail = self._to_host(live, tail)
         top, finite, n = tail[:B].tolist(), bool(tail[B]), tail[B + 1:].tolist()
+        self._account(n)
         distinct = [0] * len(self.layers)
         for i, c in zip(self._moe, n):
             distinct[i] = c
         if not finite:
             raise NonFinite(out, distinct)
         return out, distinct, top
+
+    def _account(self, counts: list[int]):
+        """The expert bytes the polled hand-off's C calls read (the synchronous one's expert op counts its own)."""
+        if self._ran_polled:
+            self.sched.stats.cpu_expert_bytes += sum(c * self._expert_bytes.get(i, 0) for i, c in zip(self._moe, counts))
 
     def _to_host(self, logits, small):
         """The logits [B, n_vocab] and a small int tensor to the CPU: copies into pinned memory, one wait."""
@@ -286,6 +297,7 @@ class BatchDecode(StaticPrefill):
         if emb.device.name != dev.name:
             st.copy(emb.device.name, dev.name, x.numel() * 4)
         sync = (lambda: torch.cuda.synchronize(td)) if self.capture and st.profile else None
+        self._ran_polled = buf["graph"] is not None and buf.get("hk") is not None
         with st.op("batch graph" if buf["graph"] is not None else "batch step", dev, sync):
             if buf["graph"] is None:
                 logits = self._forward(buf["x"], True)
@@ -322,6 +334,7 @@ class BatchDecode(StaticPrefill):
         self.n = n = self.n % (1 << 30) + 1
         hk["step"].fill_(n)
         pieces[0][0].replay()
+        t0 = time.perf_counter()
         try:
             for s in range(len(pieces) - 1):
                 pieces[s + 1][0].replay()
@@ -337,6 +350,7 @@ class BatchDecode(StaticPrefill):
             raise
         st = self.sched.stats
         m = len(pieces) - 1
+        st.cpu_expert_seconds += time.perf_counter() - t0       # (the calls' waits for the GPU included)
         st.ops[("moe_up_gate", "CPU")][0] += m
         st.copy(self.dev.name, "CPU", buf["pin_in"][:B].numel() * 4, m)
         st.copy("CPU", self.dev.name, buf["pin_out"][:B].numel() * 4, m)
