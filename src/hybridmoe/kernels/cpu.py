@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as Fn
