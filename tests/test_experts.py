@@ -88,15 +88,15 @@ def test_gpu_moe_path_by_pairs(monkeypatch):
 
 
 def test_fused_gpu_kernels_of_new_types_can_be_turned_off(monkeypatch):
-    """IQ4_XS, IQ4_KS and Q3_K experts take the fused GPU kernels (and the decode share) unless
+    """IQ4_XS, IQ4_KS, Q3_K and IQ2_KT experts take the fused GPU kernels (and the decode share) unless
     HYBRIDMOE_GPU_QDOT=0; the GGML types' kernels stay on either way."""
     from hybridmoe.kernels import gpu_decode as gd
     from hybridmoe.quant.types import GGMLType as G
     per = [768 * 1088, 768 * 1088, 2048 * 408]               # Qwen3-30B-A3B's experts in IQ4_XS: 16-byte runs
     monkeypatch.delenv("HYBRIDMOE_GPU_QDOT", raising=False)
-    assert all(gd.fused(q) for q in (G.Q4_0, G.Q4_K, G.IQ4_XS, G.IQ4_KS, G.Q3_K))
+    assert all(gd.fused(q) for q in (G.Q4_0, G.Q4_K, G.IQ4_XS, G.IQ4_KS, G.Q3_K, G.IQ2_KT))
     assert gd.share_layout_ok((G.IQ4_XS,) * 3, per)
     monkeypatch.setenv("HYBRIDMOE_GPU_QDOT", "0")
     assert gd.fused(G.Q4_0) and gd.fused(G.Q4_K)
-    assert not any(gd.fused(q) for q in (G.IQ4_XS, G.IQ4_KS, G.Q3_K))
+    assert not any(gd.fused(q) for q in (G.IQ4_XS, G.IQ4_KS, G.Q3_K, G.IQ2_KT))
     assert not gd.share_layout_ok((G.IQ4_XS,) * 3, per)

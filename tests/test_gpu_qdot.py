@@ -24,7 +24,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 
-TYPES = [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.Q3_K, G.Q4_K), (G.Q3_K, G.Q3_K)]
+TYPES = [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.Q3_K, G.Q4_K), (G.Q3_K, G.Q3_K), (G.IQ2_KT, G.IQ2_KT)]
 # (E, k, H, F, T): Qwen3-30B-A3B's expert shape; 3 blocks a row (fewer than a step's); one block a row
 SHAPES = [(8, 4, 2048, 768, 2), (6, 3, 768, 256, 1), (4, 2, 256, 512, 1)] if DEV == "cuda" else \
     [(4, 2, 768, 256, 1)]
@@ -114,11 +114,12 @@ IDS = [(i * 37 + 11) % 1000 + 3 for i in range(12)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-iq4_ks", "tiny-iq4_xs"] + (["tiny-q3_k_mix"] if DEV == "cuda" else []))
+@pytest.mark.parametrize("preset", ["tiny-iq4_ks", "tiny-iq4_xs"] +
+                         (["tiny-q3_k_mix", "tiny-iq2_kt"] if DEV == "cuda" else []))
 def test_static_decode_matches_eager(preset, monkeypatch):
     """-ngl 99 with these experts: the static decode step (the fused kernels from the file's bytes) decodes the
     same greedy tokens as the eager decoder (dequantize + GEMMs), logits within float32 noise (bf16 noise on a
-    GPU). (The Q3_K mix ran past 15 minutes in the interpreter on a 2-core machine: GPU only.)"""
+    GPU). (The Q3_K mix ran past 15 minutes in the interpreter on a 2-core machine: it and IQ2_KT run on GPUs only.)"""
     from hybridmoe.runtime.steps.gpu_decode import StaticDecoder, graph_blocker
     if DEV == "cpu":
         monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")

@@ -1,9 +1,9 @@
-"""Dot products of GGUF rows with a float activation for the types of the files users run: IQ4_XS, IQ4_KS and
-Q3_K, decoded in registers from their file bytes (gpu_decode._qdot's QT codes 5, 6 and 7 call these), and
-the weight tiles of IQ4_XS / IQ4_KS for gpu_moe's grouped prompt GEMMs (iq4_tile).
+"""Dot products of GGUF rows with a float activation for the types of the files users run: IQ4_XS, IQ4_KS, Q3_K
+and the trellis IQ2_KT, decoded in registers from their file bytes (gpu_decode._qdot's QT codes 5 to 8 call
+these), and the weight tiles of IQ4_XS / IQ4_KS for gpu_moe's grouped prompt GEMMs (iq4_tile).
 
-Same block formats as gpu_dequant.py's _iq4_xs_kernel / _iq4_ks_kernel / _q3_k_kernel (read those for the
-byte layouts). Each step takes NB // 8 blocks of 256 of BN rows, so a tile holds as many elements as
+Same block formats as gpu_dequant.py's _iq4_xs_kernel / _iq4_ks_kernel / _q3_k_kernel / _iq2_kt_kernel (read
+those for the byte layouts). Each step takes NB // 8 blocks of 256 of BN rows, so a tile holds as many elements as
 gpu_decode's Q4_0 and K-quant steps; sums are taken per sub-block and scaled once, not per element.
 IQ4_NL's 16-value table lives in two int64 constants (byte q of the pair is value q), so a lookup is a shift,
 not a load; IQ4_KS's second table is IQ4_NL's plus 4 (quant/ref_ik.py _IQ4K), added per sub-block.
@@ -25,6 +25,7 @@ def _pack(vals) -> int:
 _NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)   # quant/ref.py _KV_IQ4NL
 _NL_LO = tl.constexpr(_pack(_NL[:8]))
 _NL_HI = tl.constexpr(_pack(_NL[8:]))
+_KT_KA = tl.constexpr(0xCBAC1FED - (1 << 32))     # the trellis generator's multiplier (quant/ref_trellis.py), as int32
 
 
 @triton.jit
@@ -119,6 +120,42 @@ def qdot_q3_k(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr
             part += ((lo | (hi << 4)) - 32).to(tl.float32) * sq
         acc += f16_at(blk + 108, m2)[:, :, None] * part
     return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def qdot_iq2_kt(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr):
+    """IQ2_KT: a float32 d per row, then 68-byte blocks of 256: 4 bytes of scale nibbles (sub-block s of 32:
+    nibble s // 4 of byte s % 4, into IQ4_NL's table), then 32 u16 trellis indices, one per group of 8
+    values: value k of index i is the byte sum of ((i + 4096) * ka^(k+1) mod 2^32) & 0x3F3F3F3F, minus 126.
+    The 8 values of a group come from one running product, x *= ka, a step each."""
+    NBK: tl.constexpr = NB // 8
+    bi = tl.arange(0, NBK)
+    nblk = K // 256
+    g = tl.arange(0, 32)
+    row = wrow + n.to(tl.int64) * row_stride                                          # [BN]
+    dr = f32_at(row, nm)
+    rows = (row + 4)[:, None]
+    ka = tl.full([1, 1, 1], _KT_KA, tl.int32).to(tl.uint32, bitcast=True)
+    acc = tl.zeros([BN, NBK, 32], tl.float32)
+    for kb in range(0, nblk, NBK):
+        b = kb + bi
+        bm = b < nblk
+        m3 = (nm[:, None] & bm[None, :])[:, :, None]
+        blk = (rows + b[None, :] * 68)[:, :, None]                                    # [BN, NBK, 1]
+        x = tl.load((blk + 4 + 2 * g[None, None, :]).to(tl.pointer_type(tl.uint16)), mask=m3, other=0)
+        x = x.to(tl.uint32) + 4096                                                    # [BN, NBK, 32]
+        s = g // 4
+        nib = tl.load(blk + (s % 4)[None, None, :], mask=m3, other=0).to(tl.int32)
+        nib = (nib >> (4 * (s // 4))[None, None, :]) & 15
+        xb = xp + b[:, None] * 256 + 8 * g[None, :]                                  # [NBK, 32]
+        sq = tl.zeros([BN, NBK, 32], tl.float32)
+        for k in tl.static_range(8):
+            x = x * ka
+            t = x & 0x3F3F3F3F
+            v = ((t & 255) + ((t >> 8) & 255) + ((t >> 16) & 255) + (t >> 24)).to(tl.int32) - 126
+            sq += v.to(tl.float32) * tl.load(xb + k, mask=bm[:, None], other=0)[None]
+        acc += _nl(nib) * sq
+    return dr * tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit

@@ -257,7 +257,8 @@ class BatchDecode(StaticPrefill):
     def _account(self, counts: list[int]):
         """The expert bytes the polled hand-off's C calls read (the synchronous one's expert op counts its own)."""
         if self._ran_polled:
-            self.sched.stats.cpu_expert_bytes += sum(c * self._expert_bytes.get(i, 0) for i, c in zip(self._moe, counts))
+            per = self._expert_bytes
+            self.sched.stats.cpu_expert_bytes += sum(c * per.get(i, 0) for i, c in zip(self._moe, counts))
 
     def _to_host(self, logits, small):
         """The logits [B, n_vocab] and a small int tensor to the CPU: copies into pinned memory, one wait."""
