@@ -101,6 +101,13 @@ for s in "$@"; do
                 -p no:cacheprovider --tb=short -rfE 2>&1 | tail -15
               timeout 150 python3 benchmarks/bench_moe_decode.py --tiles Q4_0,Q4_K,IQ4_XS,IQ4_KS,Q3_K \
                 2>&1 | tail -12 ;;
+    # the batched GPU decode step (its tests: decode_batch, the polled hand-off with host experts), the IQ2_KT
+    # decode kernel's tests and tiles, then the server with experts in RAM at 1, 4 and 8 clients (issue 27)
+    batchcheck) HYBRIDMOE_CACHE=/tmp/hm-test timeout 150 python3 -m pytest -q tests/test_gpu_batch.py tests/test_gpu_qdot.py \
+                  -k "batch or host or IQ2_KT or iq2_kt" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8
+                timeout 60 python3 benchmarks/bench_moe_decode.py --tiles Q4_0,IQ2_KT 2>&1 | tail -5
+                timeout 200 python3 benchmarks/serve_load.py --concurrency 1,4,8 --rounds 1 -- -m synth:qwen3-30b-a3b \
+                  -ngl 99 -ot exps=CPU -np 8 2>&1 | tail -8 ;;
     # then the 30B shape end to end, all on the GPU and with experts in RAM (the decode share reads them too);
     # MIXES picks the presets (each ~16 GB, deleted after its rows; ~4 min each)
     typesbench) for P in ${MIXES:-qwen3-30b-a3b-iq4_ks qwen3-30b-a3b}; do
