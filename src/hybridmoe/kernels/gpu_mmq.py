@@ -1,0 +1,272 @@
+"""Decode-batch MoE on the int8 tensor cores (MMQ, as llama.cpp's CUDA mmq): each routed expert's Q4_0 / Q8_0
+split rows (quant.ref.split_rows, how GPU-resident experts are kept) read once per block of its pairs, with
+no float conversion of a weight.
+
+  quant     the activations in int8 per 32-block: x ~ s (256 q1 + q2), s = max|x| / (127 * 256), as the
+            CPU kernel's integer path and gpu_decode.quant_x8, plus each term's Q4_0 offset c = -8 sum q
+  align     the step's pairs sorted by expert into blocks of BP (gpu_moe.align: on the GPU, no host sync,
+            the worst-case block count, so a batch bucket's CUDA graph holds fixed shapes)
+  gate/up   per (block, column tile), per 32-block: one int8 MMA [M, 32] x [32, BN] -> int32 for the gate
+            rows and one for the up rows, then acc += (i32 + c) * s[m] * d[n] in float32; the epilogue
+            writes SiLU(gate) * up to each pair's row
+  down      the same from the down rows (its activations quantized after gate/up), times the router weight
+
+The MMA's M rows are the block's pairs times the terms: with two terms (TERMS=2) rows 0..BP-1 hold q1 and rows
+BP..2BP-1 q2 of the same pairs, so a block of 8 pairs fills the 16-row minimum and the second term costs no
+extra MMA; the two halves are summed once, after the K loop. TERMS=1 (q1 alone, llama.cpp's q8_1 precision)
+puts 16 pairs in the 16 rows.
+
+Weights: a Q8_0 block's 32 quants are its 32 bytes, given to the MMA as they are. A Q4_0 block's 16 bytes
+become 32 int8 by two bit operations on whole 32-bit words (low nibbles: w & 0x0F0F0F0F; high ones:
+(w >> 4) & 0x0F0F0F0F), unsigned, the -8 carried by the activations' c. Their order is byte j's low nibble,
+then its high one: position p of the 32-block holds element p // 2 + 16 (p % 2), and the activations are
+quantized in that order too (a dot product does not care about the order of its terms).
+
+Checked against float64 on a GPU and in Triton's interpreter (tests/test_gpu_mmq.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import HybridMoeError
+from ..quant.types import GGMLType
+from .gpu_decode import _INTERPRET, on_device
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .gpu_moe import align
+except ImportError:                                      # CPU-only installs
+    triton = None
+
+QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1}
+TERMS = 2           # int8 terms per activation (1: within ~1% of float64 at the 30B shape, 2: within 1e-4)
+
+
+if triton is not None:
+    @triton.jit
+    def _quant_kernel(x, x_stride, qq, xs, cc, R, K, NBQ: tl.constexpr, PERM: tl.constexpr):
+        """NBQ 32-blocks of row r of x (program (r, chunk)) in two int8 terms: qq [2, R, K] (q1, q2), xs [R, K / 32]
+        (s), cc [2, R, K / 32] (-8 sum q1, -8 sum q2). PERM: each block's columns in Q4_0's nibble order."""
+        r = tl.program_id(0)
+        nblk = K // 32
+        b = tl.program_id(1) * NBQ + tl.arange(0, NBQ)
+        bm = b < nblk
+        j = tl.arange(0, 32)
+        src = j
+        if PERM:
+            src = j // 2 + 16 * (j % 2)
+        v = tl.load(x + r * x_stride + b[:, None] * 32 + src[None, :], mask=bm[:, None], other=0).to(tl.float32)
+        amax = tl.max(tl.abs(v), axis=1)
+        t = v * (127.0 / tl.maximum(amax, 1e-30))[:, None]                   # all-zero blocks stay 0
+        a = tl.floor(t + 0.5)
+        c = tl.minimum(tl.floor((t - a) * 256.0 + 0.5), 127.0)
+        o = r * K + b[:, None] * 32 + j[None, :]
+        tl.store(qq + o, a.to(tl.int8), mask=bm[:, None])
+        tl.store(qq + R * K + o, c.to(tl.int8), mask=bm[:, None])
+        ob = r * nblk + b
+        tl.store(xs + ob, amax * (1.0 / (127.0 * 256.0)), mask=bm)
+        tl.store(cc + ob, (-8.0 * tl.sum(a, axis=1)).to(tl.int32), mask=bm)
+        tl.store(cc + R * nblk + ob, (-8.0 * tl.sum(c, axis=1)).to(tl.int32), mask=bm)
+
+    @triton.jit
+    def _nibbles(w, EMU: tl.constexpr):
+        """Bytes w (uint8) -> their low and high nibbles as int8 0..15, four bytes an instruction."""
+        if EMU:
+            lo, hi = w & 15, w >> 4
+        else:
+            lo = tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [w], dtype=tl.uint8,
+                                           is_pure=True, pack=4)
+            hi = tl.inline_asm_elementwise("shr.b32 $0, $1, 4;\n\tand.b32 $0, $0, 0x0F0F0F0F;", "=r,r", [w],
+                                           dtype=tl.uint8, is_pure=True, pack=4)
+        return lo.to(tl.int8, bitcast=True), hi.to(tl.int8, bitcast=True)
+
+    @triton.jit
+    def _w_block(rows, scales, nm, b, bmask, QT: tl.constexpr, BN: tl.constexpr, EMU: tl.constexpr):
+        """32-block b of rows [BN, 1] (byte pointers into split rows; scales [BN]: their f16 scales') as int8
+        [BN, 32] (Q4_0: unsigned, in the nibble order), and the block's scales float32 [BN]."""
+        m = nm & bmask
+        if QT == 0:
+            w = tl.load(rows + b * 16 + tl.arange(0, 16)[None, :], mask=m[:, None], other=0)      # [BN, 16]
+            lo, hi = _nibbles(w, EMU)
+            q = tl.reshape(tl.join(lo, hi), [BN, 32])
+        else:
+            q = tl.load(rows + b * 32 + tl.arange(0, 32)[None, :], mask=m[:, None], other=0).to(tl.int8, bitcast=True)
+        d = tl.load((scales + b * 2).to(tl.pointer_type(tl.float16)), mask=m, other=0)
+        return q, d.to(tl.float32)
+
+    @triton.jit
+    def _mmq(w1, w2, rs, n, nm, qq, RK, xs, cc, RB, arow, valid, term, K, QT: tl.constexpr, M: tl.constexpr,
+             BN: tl.constexpr, NB: tl.constexpr, TWO: tl.constexpr, EMU: tl.constexpr):
+        """[M, BN] float32 products of rows n of one expert's split-row matrix (w2's too where TWO) with M
+        activation rows: row m is term term[m] of quantized row arow[m] (rows where valid is False give 0)."""
+        QB: tl.constexpr = 16 if QT == 0 else 32
+        nblk = K // 32
+        n64 = n.to(tl.int64)
+        s1 = w1 + n64 * rs + nblk * QB                                                # [BN]: the f16 scales
+        s2 = w2 + n64 * rs + nblk * QB
+        r1 = (w1 + n64 * rs)[:, None]                                                 # [BN, 1]: the quants
+        r2 = (w2 + n64 * rs)[:, None]
+        a64 = arow.to(tl.int64)
+        ap = qq + term.to(tl.int64) * RK + a64 * K                                    # [M]
+        sp = xs + a64 * nblk
+        cp = cc + term.to(tl.int64) * RB + a64 * nblk
+        tmul = tl.where(term == 0, 256.0, 1.0)                                        # q1's weight
+        j = tl.arange(0, 32)
+        acc1 = tl.zeros([M, BN], tl.float32)
+        acc2 = tl.zeros([M, BN], tl.float32)
+        for kb in range(0, nblk, NB):
+            for i in tl.static_range(NB):
+                b = kb + i
+                bmask = b < nblk
+                a = tl.load(ap[:, None] + b * 32 + j[None, :], mask=valid[:, None] & bmask, other=0)   # [M, 32]
+                sa = tl.load(sp + b, mask=valid & bmask, other=0) * tmul                              # [M]
+                if QT == 0:
+                    corr = tl.load(cp + b, mask=valid & bmask, other=0)[:, None]
+                q, d = _w_block(r1, s1, nm, b, bmask, QT, BN, EMU)
+                i32 = tl.dot(a, tl.trans(q), out_dtype=tl.int32)
+                if QT == 0:
+                    i32 += corr
+                acc1 += i32.to(tl.float32) * sa[:, None] * d[None, :]
+                if TWO:
+                    q, d = _w_block(r2, s2, nm, b, bmask, QT, BN, EMU)
+                    i32 = tl.dot(a, tl.trans(q), out_dtype=tl.int32)
+                    if QT == 0:
+                        i32 += corr
+                    acc2 += i32.to(tl.float32) * sa[:, None] * d[None, :]
+        return acc1, acc2
+
+    @triton.jit
+    def _sum_terms(acc, BP: tl.constexpr, BN: tl.constexpr, TERMS: tl.constexpr):
+        """[TERMS * BP, BN] -> [BP, BN]: each pair's two term rows added."""
+        if TERMS == 2:
+            r = tl.sum(tl.reshape(acc, [2, BP, BN]), axis=0)
+        else:
+            r = acc
+        return r
+
+    @triton.jit
+    def _mmq_kernel(qq, RK, xs, cc, RB, pairs, blk_e, n_pairs, k_used, w1, w2, wts, out, K, N, se, sn,
+                    QT: tl.constexpr, GATE_UP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                    TERMS: tl.constexpr, EMU: tl.constexpr):
+        """Program (block of one expert's pairs, column tile). GATE_UP: rows of w1 (gate) and w2 (up), the
+        activations the tokens' rows, out [pairs, N] = SiLU(gate) * up; else rows of w1 (down), the
+        activations the pairs' rows, out [pairs, N] = the router weight times the product."""
+        blk = tl.program_id(0)
+        e = tl.load(blk_e + blk)
+        if e >= 0:                                     # blocks past the routed pairs are -1
+            M: tl.constexpr = BP * TERMS
+            i = tl.arange(0, M)
+            pair = tl.load(pairs + blk * BP + i % BP)
+            valid = pair < n_pairs
+            arow = tl.where(valid, pair, 0)
+            if GATE_UP:
+                arow = arow // k_used
+            term = i // BP
+            n = tl.program_id(1) * BN + tl.arange(0, BN)
+            nm = n < N
+            e64 = e.to(tl.int64)
+            acc1, acc2 = _mmq(w1 + e64 * se, w2 + e64 * se, sn, n, nm, qq, RK, xs, cc, RB, arow, valid, term, K,
+                              QT, M, BN, NB, GATE_UP, EMU)
+            p = tl.load(pairs + blk * BP + tl.arange(0, BP))
+            pm = p < n_pairs
+            g = _sum_terms(acc1, BP, BN, TERMS)
+            if GATE_UP:
+                u = _sum_terms(acc2, BP, BN, TERMS)
+                y = g / (1.0 + tl.exp(-g)) * u
+            else:
+                y = g * tl.load(wts + p, mask=pm, other=0).to(tl.float32)[:, None]
+            tl.store(out + p.to(tl.int64)[:, None] * N + n[None, :], y, mask=pm[:, None] & nm[None, :])
+
+
+def available() -> bool:
+    return triton is not None
+
+
+_DISABLED: set = set()                                  # type pairs whose kernels failed to build on this GPU
+
+
+def supports(gate_qtype, up_qtype, down_qtype) -> bool:
+    """Q4_0 / Q8_0 experts (in split rows: the caller's part, runtime/experts.gpu_moe_path)."""
+    return (triton is not None and gate_qtype == up_qtype and gate_qtype in QTYPES and down_qtype in QTYPES
+            and (gate_qtype, down_qtype) not in _DISABLED)
+
+
+def disable(gate_qtype, down_qtype, err: Exception):
+    """Stop using these kernels for this type pair (they failed here); the caller's fallback takes over."""
+    from ..errors import warn_fallback
+    _DISABLED.add((gate_qtype, down_qtype))
+    warn_fallback(f"the int8 tensor-core MoE kernel for {GGMLType(gate_qtype).name}/{GGMLType(down_qtype).name}",
+                  err, "the bf16 grouped GEMMs")
+
+
+def block_pairs(n_pairs: int, n_expert: int, terms: int = TERMS) -> int:
+    """Pairs per block (BP): the MMA's 16 rows over the terms (8 pairs with two terms), doubled up to 32 while
+    below 1.5x the mean pairs per expert, so most experts' pairs fit one block (one read of their bytes)."""
+    mean = n_pairs / max(n_expert, 1)
+    bp = 16 // terms
+    while bp < 32 and bp < 1.5 * mean:
+        bp *= 2
+    return bp
+
+
+# (BN, NB, warps, stages) of the gate/up and the down kernel. Not yet measured on a GPU: bench_moe_decode.py
+# --mmq-tiles times a grid and prints the best; the interpreter takes one small tile (fewer programs to step).
+TILES = {True: (64, 2, 4, 2), False: (64, 2, 4, 2)}
+
+
+def tile(gate_up: bool):
+    return (32, 1, 4, 1) if _INTERPRET else TILES[gate_up]
+
+
+def quant(x: torch.Tensor, perm: bool):
+    """Rows of x [R, K] (K a multiple of 32) in two int8 terms per 32-block (see _quant_kernel): (qq [2, R, K]
+    int8, xs [R, K / 32] float32, cc [2, R, K / 32] int32); perm: in Q4_0's nibble order."""
+    R, K = x.shape
+    qq = torch.empty(2, R, K, dtype=torch.int8, device=x.device)
+    xs = torch.empty(R, K // 32, dtype=torch.float32, device=x.device)
+    cc = torch.empty(2, R, K // 32, dtype=torch.int32, device=x.device)
+    _quant_kernel[(R, triton.cdiv(K // 32, 8))](x, x.stride(0), qq, xs, cc, R, K, NBQ=8, PERM=perm)
+    return qq, xs, cc
+
+
+def _launch(xq, pairs, blk_e, n_pairs, k, w1, w2, wts, out, K, N, qtype, gate_up, bp, terms, t):
+    qq, xs, cc = xq
+    bn, nb, warps, stages = t
+    _mmq_kernel[(blk_e.numel(), triton.cdiv(N, bn))](
+        qq, qq[0].numel(), xs, cc, cc[0].numel(), pairs, blk_e, n_pairs, k, w1, w2, wts, out, K, N, w1.stride(0),
+        w1.stride(1), QT=QTYPES[qtype], GATE_UP=gate_up, BP=bp, BN=bn, NB=nb, TERMS=terms, EMU=_INTERPRET,
+        num_warps=warps, num_stages=stages)
+
+
+def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True, gate_split: bool = True,
+        down_split: bool = True, bp: int | None = None, terms: int = TERMS, tiles=None, out=None):
+    """Routed experts for a batch of decode tokens: x [T, H] (float), ids [T, k] (int), wts [T, k]; graw/uraw
+    [E, F, row bytes], draw [E, H, row bytes] of Q4_0 / Q8_0 in split rows. Returns float32 [T, H];
+    reduce=False: the k weighted rows per token [T * k, H] (into out where given). bp: pairs per block
+    instead of block_pairs'; terms: int8 terms per activation (1 or 2); tiles: (gate/up, down) (BN, NB, warps,
+    stages) instead of tile()'s."""
+    if not (gate_split and down_split):
+        raise HybridMoeError("the int8 tensor-core MoE kernel reads split rows (quant.ref.split_rows) only")
+    if terms not in (1, 2):
+        raise HybridMoeError(f"terms={terms}: give 1 or 2")
+    T, H = x.shape
+    k = ids.shape[1]
+    E, F = graw.shape[0], graw.shape[1]
+    n = T * k
+    bp = bp or block_pairs(n, E, terms)
+    if bp * terms < 16:
+        raise HybridMoeError(f"{bp} pairs a block x {terms} terms: the int8 MMA takes 16 rows or more")
+    tiles = tiles or (tile(True), tile(False))
+    wf = wts.reshape(-1).float().contiguous()
+    h = torch.empty(n, F, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty(n, H, dtype=torch.float32, device=x.device)
+    with on_device(x):
+        pairs, blk_e = align(ids, E, bp)
+        xq = quant(x.contiguous(), gate_qtype == GGMLType.Q4_0)
+        _launch(xq, pairs, blk_e, n, k, graw, uraw, wf, h, H, F, gate_qtype, True, bp, terms, tiles[0])
+        hq = quant(h, down_qtype == GGMLType.Q4_0)
+        _launch(hq, pairs, blk_e, n, k, draw, draw, wf, out, F, H, down_qtype, False, bp, terms, tiles[1])
+    return out.view(T, k, H).sum(1) if reduce else out
