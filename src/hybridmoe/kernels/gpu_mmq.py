@@ -211,9 +211,11 @@ def block_pairs(n_pairs: int, n_expert: int, terms: int = TERMS) -> int:
     return bp
 
 
-# (BN, NB, warps, stages) of the gate/up and the down kernel. Not yet measured on a GPU: bench_moe_decode.py
-# --mmq-tiles times a grid and prints the best; the interpreter takes one small tile (fewer programs to step).
-TILES = {True: (64, 2, 4, 2), False: (64, 2, 4, 2)}
+# (BN, NB, warps, stages) of the gate/up (True) and the down kernel: BN columns a program, NB 32-blocks a K step.
+# Not yet measured on a GPU (bench_moe_decode.py --mmq-tiles times a grid and prints the best): chosen for bytes
+# in flight (NB x BN x 18 bytes a matrix a stage, Q4_0) at ~190 / ~125 registers a thread (sm_90 build); the
+# interpreter takes one small tile (fewer programs to step through).
+TILES = {True: (64, 4, 4, 3), False: (64, 4, 4, 3)}
 
 
 def tile(gate_up: bool):
