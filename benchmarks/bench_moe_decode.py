@@ -294,7 +294,8 @@ def grouped_tiles(types, sizes=(16, 64)):
 def mmq_tiles(types, sizes=(16, 64)):
     """gpu_mmq's gate/up and down kernels apart, over a grid of (BN, NB, warps, stages), graph-replayed at the
     rule's pairs a block: the five fastest of each against gpu_mmq.TILES' pick; then the whole layer with the
-    rule's tiles, the best ones, and one int8 term instead of two (at the best tiles)."""
+    rule's tiles, the best ones, and at the best tiles one int8 term instead of two, and half and twice the
+    rule's pairs a block."""
     from hybridmoe.kernels import gpu_mmq as mq
     from hybridmoe.kernels.gpu_moe import align
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -338,8 +339,11 @@ def mmq_tiles(types, sizes=(16, 64)):
             tb = (best[True], best[False])
             top = graph_timed(lambda: mq.moe(x, ids, wts, gs, us, ds, q, q, tiles=tb, **kw), n=10, reps=10)
             one = graph_timed(lambda: mq.moe(x, ids, wts, gs, us, ds, q, q, tiles=tb, terms=1, **kw), n=10, reps=10)
+            other = {b: graph_timed(lambda: mq.moe(x, ids, wts, gs, us, ds, q, q, tiles=tb, bp=b, **kw), n=10, reps=10)
+                     for b in (bp // 2, bp * 2) if 2 <= b <= 16}
             print(f"{name} B={B} layer: rule {rule * 1e6:.1f} us ({nbytes / rule / 1e9:.0f} GB/s), best tiles {tb} "
-                  f"{top * 1e6:.1f} us ({nbytes / top / 1e9:.0f} GB/s), one term {one * 1e6:.1f} us", flush=True)
+                  f"{top * 1e6:.1f} us ({nbytes / top / 1e9:.0f} GB/s), one term {one * 1e6:.1f} us, " +
+                  ", ".join(f"BP {b} {t * 1e6:.1f} us" for b, t in other.items()), flush=True)
 
 
 if __name__ == "__main__":

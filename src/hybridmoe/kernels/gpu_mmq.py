@@ -6,15 +6,16 @@ no float conversion of a weight.
             CPU kernel's integer path and gpu_decode.quant_x8, plus each term's Q4_0 offset c = -8 sum q
   align     the step's pairs sorted by expert into blocks of BP (gpu_moe.align: on the GPU, no host sync,
             the worst-case block count, so a batch bucket's CUDA graph holds fixed shapes)
-  gate/up   per (block, column tile), per 32-block: one int8 MMA [M, 32] x [32, BN] -> int32 for the gate
-            rows and one for the up rows, then acc += (i32 + c) * s[m] * d[n] in float32; the epilogue
+  gate/up   per (block, column tile), per 32-block: one int8 MMA [BN, 32] x [32, R] -> int32 for the gate
+            rows and one for the up rows, then acc += (i32 + c) * d[n] * s[r] in float32; the epilogue
             writes SiLU(gate) * up to each pair's row
   down      the same from the down rows (its activations quantized after gate/up), times the router weight
 
-The MMA's M rows are the block's pairs times the terms: with two terms (TERMS=2) rows 0..BP-1 hold q1 and rows
-BP..2BP-1 q2 of the same pairs, so a block of 8 pairs fills the 16-row minimum and the second term costs no
-extra MMA; the two halves are summed once, after the K loop. TERMS=1 (q1 alone, llama.cpp's q8_1 precision)
-puts 16 pairs in the 16 rows.
+The weight rows are the MMA's M side (its 16-row minimum filled by BN >= 16 rows of one expert) and the block's
+few activation rows its N side (R = BP x TERMS columns, padded by Triton to the MMA's 8): a decode block of 1-2
+pairs costs the MMA's smallest shape, and the per-block float rescaling runs over BN x R results, not over a
+16-row tile of mostly empty rows. With two terms (TERMS=2) columns 0..BP-1 hold q1 and BP..2BP-1 q2 of the
+same pairs, summed once after the K loop; TERMS=1 (q1 alone, llama.cpp's q8_1) halves R at ~1e-2 of float64.
 
 Weights: a Q8_0 block's 32 quants are its 32 bytes, given to the MMA as they are. A Q4_0 block's 16 bytes
 become 32 int8 by two bit operations on whole 32-bit words (low nibbles: w & 0x0F0F0F0F; high ones:
@@ -41,7 +42,7 @@ except ImportError:                                      # CPU-only installs
     triton = None
 
 QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1}
-TERMS = 2           # int8 terms per activation (1: within ~1% of float64 at the 30B shape, 2: within 1e-4)
+TERMS = 2           # int8 terms per activation (1: ~1e-2 from float64, 2: within 1e-4, as gpu_decode's kernels)
 
 
 if triton is not None:
@@ -97,10 +98,11 @@ if triton is not None:
         return q, d.to(tl.float32)
 
     @triton.jit
-    def _mmq(w1, w2, rs, n, nm, qq, RK, xs, cc, RB, arow, valid, term, K, QT: tl.constexpr, M: tl.constexpr,
+    def _mmq(w1, w2, rs, n, nm, qq, RK, xs, cc, RB, arow, valid, term, K, QT: tl.constexpr, R: tl.constexpr,
              BN: tl.constexpr, NB: tl.constexpr, TWO: tl.constexpr, EMU: tl.constexpr):
-        """[M, BN] float32 products of rows n of one expert's split-row matrix (w2's too where TWO) with M
-        activation rows: row m is term term[m] of quantized row arow[m] (rows where valid is False give 0)."""
+        """[BN, R] float32 products of rows n of one expert's split-row matrix (w2's too where TWO) with R
+        activation rows: column r is term term[r] of quantized row arow[r] (columns where valid is False give 0).
+        The weights are the MMA's M side (16+ rows) and the few activation rows its N side."""
         QB: tl.constexpr = 16 if QT == 0 else 32
         nblk = K // 32
         n64 = n.to(tl.int64)
@@ -109,39 +111,39 @@ if triton is not None:
         r1 = (w1 + n64 * rs)[:, None]                                                 # [BN, 1]: the quants
         r2 = (w2 + n64 * rs)[:, None]
         a64 = arow.to(tl.int64)
-        ap = qq + term.to(tl.int64) * RK + a64 * K                                    # [M]
+        ap = qq + term.to(tl.int64) * RK + a64 * K                                    # [R]
         sp = xs + a64 * nblk
         cp = cc + term.to(tl.int64) * RB + a64 * nblk
         tmul = tl.where(term == 0, 256.0, 1.0)                                        # q1's weight
         j = tl.arange(0, 32)
-        acc1 = tl.zeros([M, BN], tl.float32)
-        acc2 = tl.zeros([M, BN], tl.float32)
+        acc1 = tl.zeros([BN, R], tl.float32)
+        acc2 = tl.zeros([BN, R], tl.float32)
         for kb in range(0, nblk, NB):
             for i in tl.static_range(NB):
                 b = kb + i
                 bmask = b < nblk
-                a = tl.load(ap[:, None] + b * 32 + j[None, :], mask=valid[:, None] & bmask, other=0)   # [M, 32]
-                sa = tl.load(sp + b, mask=valid & bmask, other=0) * tmul                              # [M]
+                a = tl.load(ap[None, :] + b * 32 + j[:, None], mask=valid[None, :] & bmask, other=0)   # [32, R]
+                sa = tl.load(sp + b, mask=valid & bmask, other=0) * tmul                              # [R]
                 if QT == 0:
-                    corr = tl.load(cp + b, mask=valid & bmask, other=0)[:, None]
+                    corr = tl.load(cp + b, mask=valid & bmask, other=0)[None, :]
                 q, d = _w_block(r1, s1, nm, b, bmask, QT, BN, EMU)
-                i32 = tl.dot(a, tl.trans(q), out_dtype=tl.int32)
+                i32 = tl.dot(q, a, out_dtype=tl.int32)                                               # [BN, R]
                 if QT == 0:
                     i32 += corr
-                acc1 += i32.to(tl.float32) * sa[:, None] * d[None, :]
+                acc1 += i32.to(tl.float32) * d[:, None] * sa[None, :]
                 if TWO:
                     q, d = _w_block(r2, s2, nm, b, bmask, QT, BN, EMU)
-                    i32 = tl.dot(a, tl.trans(q), out_dtype=tl.int32)
+                    i32 = tl.dot(q, a, out_dtype=tl.int32)
                     if QT == 0:
                         i32 += corr
-                    acc2 += i32.to(tl.float32) * sa[:, None] * d[None, :]
+                    acc2 += i32.to(tl.float32) * d[:, None] * sa[None, :]
         return acc1, acc2
 
     @triton.jit
     def _sum_terms(acc, BP: tl.constexpr, BN: tl.constexpr, TERMS: tl.constexpr):
-        """[TERMS * BP, BN] -> [BP, BN]: each pair's two term rows added."""
+        """[BN, TERMS * BP] -> [BN, BP]: each pair's two term columns added."""
         if TERMS == 2:
-            r = tl.sum(tl.reshape(acc, [2, BP, BN]), axis=0)
+            r = tl.sum(tl.reshape(acc, [BN, 2, BP]), axis=1)
         else:
             r = acc
         return r
@@ -156,8 +158,8 @@ if triton is not None:
         blk = tl.program_id(0)
         e = tl.load(blk_e + blk)
         if e >= 0:                                     # blocks past the routed pairs are -1
-            M: tl.constexpr = BP * TERMS
-            i = tl.arange(0, M)
+            R: tl.constexpr = BP * TERMS
+            i = tl.arange(0, R)
             pair = tl.load(pairs + blk * BP + i % BP)
             valid = pair < n_pairs
             arow = tl.where(valid, pair, 0)
@@ -168,16 +170,16 @@ if triton is not None:
             nm = n < N
             e64 = e.to(tl.int64)
             acc1, acc2 = _mmq(w1 + e64 * se, w2 + e64 * se, sn, n, nm, qq, RK, xs, cc, RB, arow, valid, term, K,
-                              QT, M, BN, NB, GATE_UP, EMU)
+                              QT, R, BN, NB, GATE_UP, EMU)
             p = tl.load(pairs + blk * BP + tl.arange(0, BP))
             pm = p < n_pairs
-            g = _sum_terms(acc1, BP, BN, TERMS)
+            g = _sum_terms(acc1, BP, BN, TERMS)                                       # [BN, BP]
             if GATE_UP:
                 u = _sum_terms(acc2, BP, BN, TERMS)
                 y = g / (1.0 + tl.exp(-g)) * u
             else:
-                y = g * tl.load(wts + p, mask=pm, other=0).to(tl.float32)[:, None]
-            tl.store(out + p.to(tl.int64)[:, None] * N + n[None, :], y, mask=pm[:, None] & nm[None, :])
+                y = g * tl.load(wts + p, mask=pm, other=0).to(tl.float32)[None, :]
+            tl.store(out + p.to(tl.int64)[None, :] * N + n[:, None], y, mask=nm[:, None] & pm[None, :])
 
 
 def available() -> bool:
@@ -201,12 +203,12 @@ def disable(gate_qtype, down_qtype, err: Exception):
                   err, "the bf16 grouped GEMMs")
 
 
-def block_pairs(n_pairs: int, n_expert: int, terms: int = TERMS) -> int:
-    """Pairs per block (BP): the MMA's 16 rows over the terms (8 pairs with two terms), doubled up to 32 while
-    below 1.5x the mean pairs per expert, so most experts' pairs fit one block (one read of their bytes)."""
+def block_pairs(n_pairs: int, n_expert: int) -> int:
+    """Pairs per block (BP): a power of two from 2 to 16 of at least 1.5x the mean pairs per expert, so most
+    experts' pairs fit one block (one read of their bytes) without many empty columns."""
     mean = n_pairs / max(n_expert, 1)
-    bp = 16 // terms
-    while bp < 32 and bp < 1.5 * mean:
+    bp = 2
+    while bp < 16 and bp < 1.5 * mean:
         bp *= 2
     return bp
 
@@ -257,9 +259,7 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     k = ids.shape[1]
     E, F = graw.shape[0], graw.shape[1]
     n = T * k
-    bp = bp or block_pairs(n, E, terms)
-    if bp * terms < 16:
-        raise HybridMoeError(f"{bp} pairs a block x {terms} terms: the int8 MMA takes 16 rows or more")
+    bp = bp or block_pairs(n, E)
     tiles = tiles or (tile(True), tile(False))
     wf = wts.reshape(-1).float().contiguous()
     h = torch.empty(n, F, dtype=torch.float32, device=x.device)
