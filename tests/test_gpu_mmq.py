@@ -38,8 +38,9 @@ def _ref(x, ids, wts, graw, uraw, draw, gq, dq):
 def test_mmq_odd_shape(gq, dq, pad):
     """H 96 (3 blocks of 32), F 160 (5): 0, 1, 2 and 5 tokens an expert, 2 and 16 pairs a block (an expert over
     three blocks; most columns of a block empty), 5 tokens (a bucket of 8 with 3 zero rows where pad): within 1e-4
-    of float64 with two int8 terms, ~1e-2 with one; a zero padded row gives zeros; reduce=False writes each
-    pair's weighted row into out, summing to the same."""
+    of float64 with two int8 terms, ~1e-2 with one; a zero padded row gives zeros; the same bits with the down
+    kernel's activations quantized apart (fuse=False); reduce=False writes each pair's weighted row into out,
+    summing to the same."""
     g = torch.Generator(device=DEV).manual_seed(int(gq) + pad)
     E, k, H, Fd = 8, 3, 96, 160
     graw, uraw, draw = _experts(gq, dq, E, H, Fd, g)
@@ -56,6 +57,8 @@ def test_mmq_odd_shape(gq, dq, pad):
         assert err < bound, (terms, bp)
         if pad:
             assert not out[len(IDS):].any()
+    # the gate/up kernel's int8 output (down's activations in Q4_0's order where dq is Q4_0) is quant()'s
+    assert torch.equal(mq.moe(x, ids, wts, gs, us, ds, gq, dq, fuse=False), mq.moe(x, ids, wts, gs, us, ds, gq, dq))
     rows = torch.full((ids.numel(), H), float("nan"), device=DEV)
     got = mq.moe(x, ids, wts, gs, us, ds, gq, dq, reduce=False, out=rows)
     assert got is rows and rel_l2(got.view(*ids.shape, H).sum(1), ref) < TWO_TERMS

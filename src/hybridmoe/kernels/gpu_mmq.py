@@ -8,8 +8,8 @@ no float conversion of a weight.
             the worst-case block count, so a batch bucket's CUDA graph holds fixed shapes)
   gate/up   per (block, column tile), per 32-block: one int8 MMA [BN, 32] x [32, R] -> int32 for the gate
             rows and one for the up rows, then acc += (i32 + c) * d[n] * s[r] in float32; the epilogue
-            writes SiLU(gate) * up to each pair's row
-  down      the same from the down rows (its activations quantized after gate/up), times the router weight
+            writes SiLU(gate) * up for each pair, already in the two int8 terms the down kernel reads
+  down      the same from the down rows, times the router weight, to each pair's row
 
 The weight rows are the MMA's M side (its 16-row minimum filled by BN >= 16 rows of one expert) and the block's
 few activation rows its N side (R = BP x TERMS columns, padded by Triton to the MMA's 8): a decode block of 1-2
@@ -47,6 +47,14 @@ TERMS = 2           # int8 terms per activation (1: ~1e-2 from float64, 2: withi
 
 if triton is not None:
     @triton.jit
+    def _two_terms(v, AXIS: tl.constexpr):
+        """Values v in two int8 terms per 32 along AXIS (as float): q1, q2 and the 32's max |v|."""
+        amax = tl.max(tl.abs(v), axis=AXIS)
+        t = v * tl.expand_dims(127.0 / tl.maximum(amax, 1e-30), AXIS)           # all-zero blocks stay 0
+        a = tl.floor(t + 0.5)
+        return a, tl.minimum(tl.floor((t - a) * 256.0 + 0.5), 127.0), amax
+
+    @triton.jit
     def _quant_kernel(x, x_stride, qq, xs, cc, R, K, NBQ: tl.constexpr, PERM: tl.constexpr):
         """NBQ 32-blocks of row r of x (program (r, chunk)) in two int8 terms: qq [2, R, K] (q1, q2), xs [R, K / 32]
         (s), cc [2, R, K / 32] (-8 sum q1, -8 sum q2). PERM: each block's columns in Q4_0's nibble order."""
@@ -59,10 +67,7 @@ if triton is not None:
         if PERM:
             src = j // 2 + 16 * (j % 2)
         v = tl.load(x + r * x_stride + b[:, None] * 32 + src[None, :], mask=bm[:, None], other=0).to(tl.float32)
-        amax = tl.max(tl.abs(v), axis=1)
-        t = v * (127.0 / tl.maximum(amax, 1e-30))[:, None]                   # all-zero blocks stay 0
-        a = tl.floor(t + 0.5)
-        c = tl.minimum(tl.floor((t - a) * 256.0 + 0.5), 127.0)
+        a, c, amax = _two_terms(v, 1)
         o = r * K + b[:, None] * 32 + j[None, :]
         tl.store(qq + o, a.to(tl.int8), mask=bm[:, None])
         tl.store(qq + R * K + o, c.to(tl.int8), mask=bm[:, None])
@@ -149,12 +154,15 @@ if triton is not None:
         return r
 
     @triton.jit
-    def _mmq_kernel(qq, RK, xs, cc, RB, pairs, blk_e, n_pairs, k_used, w1, w2, wts, out, K, N, se, sn,
-                    QT: tl.constexpr, GATE_UP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
-                    TERMS: tl.constexpr, EMU: tl.constexpr):
+    def _mmq_kernel(qq, RK, xs, cc, RB, pairs, blk_e, n_pairs, k_used, w1, w2, wts, out, oxs, occ, ORK, ORB, K, N,
+                    se, sn, QT: tl.constexpr, GATE_UP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                    NB: tl.constexpr, TERMS: tl.constexpr, QOUT: tl.constexpr, PERM_OUT: tl.constexpr,
+                    EMU: tl.constexpr):
         """Program (block of one expert's pairs, column tile). GATE_UP: rows of w1 (gate) and w2 (up), the
         activations the tokens' rows, out [pairs, N] = SiLU(gate) * up; else rows of w1 (down), the
-        activations the pairs' rows, out [pairs, N] = the router weight times the product."""
+        activations the pairs' rows, out [pairs, N] = the router weight times the product. QOUT (BN a multiple
+        of 32): out in two int8 terms as _quant_kernel writes them (out, out + ORK: q1, q2; oxs; occ, occ + ORB),
+        in Q4_0's nibble order where PERM_OUT: the down kernel's activations, with no float copy."""
         blk = tl.program_id(0)
         e = tl.load(blk_e + blk)
         if e >= 0:                                     # blocks past the routed pairs are -1
@@ -179,7 +187,27 @@ if triton is not None:
                 y = g / (1.0 + tl.exp(-g)) * u
             else:
                 y = g * tl.load(wts + p, mask=pm, other=0).to(tl.float32)[None, :]
-            tl.store(out + p.to(tl.int64)[None, :] * N + n[:, None], y, mask=nm[:, None] & pm[None, :])
+            p64 = p.to(tl.int64)
+            if QOUT:
+                NQ: tl.constexpr = BN // 32
+                a, c, amax = _two_terms(tl.reshape(y, [NQ, 32, BP]), 1)               # [NQ, 32, BP], [NQ, BP]
+                e32 = tl.arange(0, 32)
+                pos = e32
+                if PERM_OUT:                           # element e of a 32-block sits at 2 (e % 16) + e // 16
+                    pos = 2 * (e32 % 16) + e32 // 16
+                blk32 = tl.program_id(1) * NQ + tl.arange(0, NQ)
+                col = (blk32 * 32)[:, None] + pos[None, :]                                 # [NQ, 32]
+                o = p64[None, None, :] * N + col[:, :, None]
+                m = pm[None, None, :] & (col < N)[:, :, None]
+                tl.store(out + o, a.to(tl.int8), mask=m)
+                tl.store(out + ORK + o, c.to(tl.int8), mask=m)
+                ob = p64[None, :] * (N // 32) + blk32[:, None]                             # [NQ, BP]
+                mb = pm[None, :] & (blk32 < N // 32)[:, None]
+                tl.store(oxs + ob, amax * (1.0 / (127.0 * 256.0)), mask=mb)
+                tl.store(occ + ob, (-8.0 * tl.sum(a, axis=1)).to(tl.int32), mask=mb)
+                tl.store(occ + ORB + ob, (-8.0 * tl.sum(c, axis=1)).to(tl.int32), mask=mb)
+            else:
+                tl.store(out + p64[None, :] * N + n[:, None], y, mask=nm[:, None] & pm[None, :])
 
 
 def available() -> bool:
@@ -224,33 +252,44 @@ def tile(gate_up: bool):
     return (32, 1, 4, 1) if _INTERPRET else TILES[gate_up]
 
 
+def _x8(R: int, K: int, device):
+    """Buffers for R rows of K columns in two int8 terms: (qq [2, R, K] int8, xs [R, K / 32], cc [2, R, K / 32])."""
+    return (torch.empty(2, R, K, dtype=torch.int8, device=device),
+            torch.empty(R, K // 32, dtype=torch.float32, device=device),
+            torch.empty(2, R, K // 32, dtype=torch.int32, device=device))
+
+
 def quant(x: torch.Tensor, perm: bool):
     """Rows of x [R, K] (K a multiple of 32) in two int8 terms per 32-block (see _quant_kernel): (qq [2, R, K]
     int8, xs [R, K / 32] float32, cc [2, R, K / 32] int32); perm: in Q4_0's nibble order."""
     R, K = x.shape
-    qq = torch.empty(2, R, K, dtype=torch.int8, device=x.device)
-    xs = torch.empty(R, K // 32, dtype=torch.float32, device=x.device)
-    cc = torch.empty(2, R, K // 32, dtype=torch.int32, device=x.device)
+    qq, xs, cc = _x8(R, K, x.device)
     _quant_kernel[(R, triton.cdiv(K // 32, 8))](x, x.stride(0), qq, xs, cc, R, K, NBQ=8, PERM=perm)
     return qq, xs, cc
 
 
-def _launch(xq, pairs, blk_e, n_pairs, k, w1, w2, wts, out, K, N, qtype, gate_up, bp, terms, t):
+def _launch(xq, pairs, blk_e, n_pairs, k, w1, w2, wts, out, K, N, qtype, gate_up, bp, terms, t, perm_out=None):
+    """One of the two kernels; out: a float32 [pairs, N] tensor, or _x8's buffers (the quantized result, in Q4_0's
+    nibble order where perm_out; the gate/up kernel at a BN that is a multiple of 32)."""
     qq, xs, cc = xq
     bn, nb, warps, stages = t
+    qout = isinstance(out, tuple)
+    oq, oxs, occ = out if qout else (out, xs, cc)
     _mmq_kernel[(blk_e.numel(), triton.cdiv(N, bn))](
-        qq, qq[0].numel(), xs, cc, cc[0].numel(), pairs, blk_e, n_pairs, k, w1, w2, wts, out, K, N, w1.stride(0),
-        w1.stride(1), QT=QTYPES[qtype], GATE_UP=gate_up, BP=bp, BN=bn, NB=nb, TERMS=terms, EMU=_INTERPRET,
-        num_warps=warps, num_stages=stages)
+        qq, qq[0].numel(), xs, cc, cc[0].numel(), pairs, blk_e, n_pairs, k, w1, w2, wts, oq, oxs, occ,
+        oq[0].numel() if qout else 0, occ[0].numel() if qout else 0, K, N, w1.stride(0), w1.stride(1),
+        QT=QTYPES[qtype], GATE_UP=gate_up, BP=bp, BN=bn, NB=nb, TERMS=terms, QOUT=qout, PERM_OUT=bool(perm_out),
+        EMU=_INTERPRET, num_warps=warps, num_stages=stages)
 
 
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True, gate_split: bool = True,
-        down_split: bool = True, bp: int | None = None, terms: int = TERMS, tiles=None, out=None):
+        down_split: bool = True, bp: int | None = None, terms: int = TERMS, tiles=None, out=None, fuse=True):
     """Routed experts for a batch of decode tokens: x [T, H] (float), ids [T, k] (int), wts [T, k]; graw/uraw
     [E, F, row bytes], draw [E, H, row bytes] of Q4_0 / Q8_0 in split rows. Returns float32 [T, H];
     reduce=False: the k weighted rows per token [T * k, H] (into out where given). bp: pairs per block
     instead of block_pairs'; terms: int8 terms per activation (1 or 2); tiles: (gate/up, down) (BN, NB, warps,
-    stages) instead of tile()'s."""
+    stages) instead of tile()'s; fuse: the gate/up kernel writes the down kernel's int8 activations itself
+    (where its BN is a multiple of 32; else, or fuse=False, a float32 copy that quant() then reads)."""
     if not (gate_split and down_split):
         raise HybridMoeError("the int8 tensor-core MoE kernel reads split rows (quant.ref.split_rows) only")
     if terms not in (1, 2):
@@ -261,14 +300,16 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     n = T * k
     bp = bp or block_pairs(n, E)
     tiles = tiles or (tile(True), tile(False))
+    fuse = fuse and tiles[0][0] % 32 == 0
+    perm = down_qtype == GGMLType.Q4_0
     wf = wts.reshape(-1).float().contiguous()
-    h = torch.empty(n, F, dtype=torch.float32, device=x.device)
     if out is None:
         out = torch.empty(n, H, dtype=torch.float32, device=x.device)
     with on_device(x):
         pairs, blk_e = align(ids, E, bp)
         xq = quant(x.contiguous(), gate_qtype == GGMLType.Q4_0)
-        _launch(xq, pairs, blk_e, n, k, graw, uraw, wf, h, H, F, gate_qtype, True, bp, terms, tiles[0])
-        hq = quant(h, down_qtype == GGMLType.Q4_0)
+        h = _x8(n, F, x.device) if fuse else torch.empty(n, F, dtype=torch.float32, device=x.device)
+        _launch(xq, pairs, blk_e, n, k, graw, uraw, wf, h, H, F, gate_qtype, True, bp, terms, tiles[0], perm)
+        hq = h if fuse else quant(h, perm)
         _launch(hq, pairs, blk_e, n, k, draw, draw, wf, out, F, H, down_qtype, False, bp, terms, tiles[1])
     return out.view(T, k, H).sum(1) if reduce else out
