@@ -15,7 +15,7 @@ decode_batch ms: a step by Model.decode_batch instead (the server's decode steps
 out, the CPU step's records kept while the batch's caches stay the same; "-" where it is forward_batch's path);
 --loop: the same B sequences decoded one forward at a time (what a server without batching does); step: the path
 that ran the batch (CpuDecoder, BatchDecode[bucket graph|eager, moe KERNELS]: runtime/steps/gpu_batch.py, with
-the MoE kernels its bucket ran: pair, grouped or gemm, runtime/experts.gpu_moe_path; or eager).
+the MoE kernels its bucket ran: pair, grouped, mmq or gemm, runtime/experts.gpu_moe_path; or eager).
 --no-graphs times the eager batched decoder instead. --kprofile N: after each batch size, the N GPU kernels with the
 most time over --steps batched steps (torch.profiler; ms a step and share of the GPU's busy time).
 """

@@ -13,9 +13,13 @@ from a CUDA graph (as decode runs it: no launch overhead in the figure).
     python3 benchmarks/bench_moe_decode.py --grouped [Q4_0,Q8_0]
     python3 benchmarks/bench_moe_decode.py --grouped-tiles [Q4_0,Q8_0]
 
+    python3 benchmarks/bench_moe_decode.py --mmq-tiles [Q4_0,Q8_0]
+
 --grouped: one MoE layer of B = 1..64 decode tokens (the batch step's buckets) by the per-pair GEMVs, the
-grouped GEMVs (kernels/gpu_moe_grouped.py) and the prompt's grouped GEMMs, graph-replayed, in GB/s of the
-distinct experts' bytes; --grouped-tiles: the grouped GEMVs over block heights and tiles.
+grouped GEMVs (kernels/gpu_moe_grouped.py), the prompt's grouped GEMMs and the int8 tensor-core kernels
+(kernels/gpu_mmq.py), graph-replayed, in GB/s of the distinct experts' bytes; --grouped-tiles: the grouped GEMVs
+over block heights and tiles; --mmq-tiles: gpu_mmq's two kernels over a grid of tiles (for gpu_mmq.TILES), one
+and two int8 terms, and the rule's whole layer against the best tiles'.
 """
 import itertools
 import sys
@@ -223,17 +227,19 @@ def _batch_case(q, B, g):
 
 
 def grouped(types, sizes=(1, 2, 4, 8, 16, 32, 64)):
-    """Per-pair GEMVs (gpu_decode.moe), the grouped GEMVs (gpu_moe_grouped.moe) and the grouped GEMMs
-    (gpu_moe.moe, bf16) on one MoE layer of B tokens, each replayed from a CUDA graph: us a layer, GB/s of the
-    distinct experts' bytes (what a step must read), which runtime/experts.gpu_moe_path picks, and each
-    result's distance from the grouped GEMVs'."""
+    """Per-pair GEMVs (gpu_decode.moe), the grouped GEMVs (gpu_moe_grouped.moe), the grouped GEMMs (gpu_moe.moe,
+    bf16) and the int8 tensor-core kernels (gpu_mmq.moe) on one MoE layer of B tokens, each replayed from a CUDA
+    graph: us a layer, GB/s of the distinct experts' bytes (what a step must read), which
+    runtime/experts.gpu_moe_path picks, gemm's time over mmq's, and each result's distance from the grouped
+    GEMVs' (the same two int8 terms as mmq's and the per-pair kernels')."""
+    from hybridmoe.kernels import gpu_mmq as mq
     from hybridmoe.kernels import gpu_moe as gm
     from hybridmoe.kernels import gpu_moe_grouped as gg
     from hybridmoe.runtime.experts import gpu_moe_path
     g = torch.Generator(device="cuda").manual_seed(0)
     print("| type | B | distinct experts | MB read | per-pair us (GB/s) | grouped us (GB/s) | gemm us (GB/s) | "
-          "auto picks | per-pair / grouped | rel diff pair, gemm |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
+          "mmq us (GB/s) | auto picks | gemm / mmq | rel diff pair, gemm, mmq |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
     for name in types:
         q = GGMLType[name]
         per = 2 * F * row_bytes(q, H) + H * row_bytes(q, F)
@@ -243,13 +249,15 @@ def grouped(types, sizes=(1, 2, 4, 8, 16, 32, 64)):
             kw = dict(gate_split=True, down_split=True)
             runs = {"pair": lambda: gd.moe(x, ids, wts, gs, us, ds, q, q, **kw),
                     "grouped": lambda: gg.moe(x, ids, wts, gs, us, ds, q, q, **kw),
-                    "gemm": lambda: gm.moe(x, ids, wts, gs, us, ds, q, q, **kw)}
+                    "gemm": lambda: gm.moe(x, ids, wts, gs, us, ds, q, q, **kw),
+                    "mmq": lambda: mq.moe(x, ids, wts, gs, us, ds, q, q, **kw)}
             t = {k: graph_timed(f, n=10, reps=10) for k, f in runs.items()}
             ref = runs["grouped"]()
-            diff = [float((runs[k]() - ref).norm() / ref.norm()) for k in ("pair", "gemm")]
-            cell = " | ".join(f"{t[k] * 1e6:.1f} ({nbytes / t[k] / 1e9:.0f})" for k in ("pair", "grouped", "gemm"))
-            print(f"| {name} | {B} | {nbytes // per} | {nbytes / 1e6:.0f} | {cell} | {gpu_moe_path(B, B * K_USED)} | "
-                  f"{t['pair'] / t['grouped']:.2f} | {diff[0]:.1e}, {diff[1]:.1e} |", flush=True)
+            diff = [float((runs[k]() - ref).norm() / ref.norm()) for k in ("pair", "gemm", "mmq")]
+            cell = " | ".join(f"{t[k] * 1e6:.1f} ({nbytes / t[k] / 1e9:.0f})" for k in runs)
+            auto = gpu_moe_path(B, B * K_USED, (q,) * 3, True)
+            print(f"| {name} | {B} | {nbytes // per} | {nbytes / 1e6:.0f} | {cell} | {auto} | "
+                  f"{t['gemm'] / t['mmq']:.2f} | {', '.join(f'{d:.1e}' for d in diff)} |", flush=True)
 
 
 def grouped_tiles(types, sizes=(16, 64)):
@@ -283,7 +291,66 @@ def grouped_tiles(types, sizes=(16, 64)):
                   ", ".join(f"BM {bm} {tile} {t * 1e6:.1f} us" for t, bm, tile in best), flush=True)
 
 
+def mmq_tiles(types, sizes=(16, 64)):
+    """gpu_mmq's gate/up and down kernels apart, over a grid of (BN, NB, warps, stages), graph-replayed at the
+    rule's pairs a block: the five fastest of each against gpu_mmq.TILES' pick; then the whole layer with the
+    rule's tiles, the best ones, and at the best tiles one int8 term instead of two, and half and twice the
+    rule's pairs a block."""
+    from hybridmoe.kernels import gpu_mmq as mq
+    from hybridmoe.kernels.gpu_moe import align
+    g = torch.Generator(device="cuda").manual_seed(1)
+    grid = [(bn, nb, 4, 3) for bn in (32, 64, 128) for nb in (2, 4)] + \
+        [(64, 8, 4, 2), (64, 4, 4, 2), (64, 2, 4, 4), (128, 4, 8, 3), (32, 4, 2, 3)]
+    for name in types:
+        q = GGMLType[name]
+        per = 2 * F * row_bytes(q, H) + H * row_bytes(q, F)
+        perm = q == GGMLType.Q4_0
+        for B in sizes:
+            x, ids, wts, gs, us, ds = _batch_case(q, B, g)
+            nbytes = int(torch.unique(ids).numel()) * per
+            n = B * K_USED
+            bp = mq.block_pairs(n, E)
+            pairs, blk_e = align(ids, E, bp)
+            wf = wts.reshape(-1).float().contiguous()
+            h = torch.randn(n, F, device="cuda", generator=g)
+            out = torch.empty(n, H, device="cuda")
+            xq, hq, h8 = mq.quant(x, perm), mq.quant(h, perm), mq._x8(n, F, "cuda")
+            best = {}
+            for gate_up in (True, False):
+                def run(t, gate_up=gate_up):
+                    if gate_up:                 # int8 output as moe() has it where BN allows
+                        o = h8 if t[0] % 32 == 0 else h
+                        mq._launch(xq, pairs, blk_e, n, K_USED, gs, us, wf, o, H, F, q, True, bp, mq.TERMS, t, perm)
+                    else:
+                        mq._launch(hq, pairs, blk_e, n, K_USED, ds, ds, wf, out, F, H, q, False, bp, mq.TERMS, t)
+                res = []
+                for t in grid:
+                    try:
+                        res.append((graph_timed(lambda: run(t), n=10, reps=5), t))
+                    except Exception as e:          # noqa: BLE001 - a config this GPU can't build
+                        print(f"  {t}: {type(e).__name__}: {str(e)[:120]}")
+                res.sort()
+                pick = mq.TILES[gate_up]
+                t_pick = next((s for s, t in res if t == pick), float("nan"))
+                best[gate_up] = res[0][1]
+                print(f"{name} B={B} BP={bp} {'gate/up' if gate_up else 'down'}: TILES' {pick} {t_pick * 1e6:.1f} us; "
+                      "best: " + ", ".join(f"{t} {s * 1e6:.1f} us" for s, t in res[:5]), flush=True)
+            kw = dict(gate_split=True, down_split=True)
+            rule = graph_timed(lambda: mq.moe(x, ids, wts, gs, us, ds, q, q, **kw), n=10, reps=10)
+            tb = (best[True], best[False])
+            top = graph_timed(lambda: mq.moe(x, ids, wts, gs, us, ds, q, q, tiles=tb, **kw), n=10, reps=10)
+            one = graph_timed(lambda: mq.moe(x, ids, wts, gs, us, ds, q, q, tiles=tb, terms=1, **kw), n=10, reps=10)
+            other = {b: graph_timed(lambda: mq.moe(x, ids, wts, gs, us, ds, q, q, tiles=tb, bp=b, **kw), n=10, reps=10)
+                     for b in (bp // 2, bp * 2) if 2 <= b <= 16}
+            print(f"{name} B={B} layer: rule {rule * 1e6:.1f} us ({nbytes / rule / 1e9:.0f} GB/s), best tiles {tb} "
+                  f"{top * 1e6:.1f} us ({nbytes / top / 1e9:.0f} GB/s), one term {one * 1e6:.1f} us, " +
+                  ", ".join(f"BP {b} {t * 1e6:.1f} us" for b, t in other.items()), flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--mmq-tiles"]:
+        mmq_tiles(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0"])
+        sys.exit()
     if sys.argv[1:2] == ["--grouped"]:
         grouped(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0"])
         sys.exit()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call: GPU tests (incl. ik's quant files on a real GPU), issue 25's fault repro, a short bench,
 # long prompts on the GPU (longprompt), the exact CPU prompt path's cost (promptcost), batched decode (batch, gpubatch,
-# gpumoe, gpumoestep, gpumoebase, gpumoetiles), the users' expert types' kernels (gputypes, typesbench).
+# gpumoe, gpumoestep, gpumoebase, gpumoetiles, gpummq, gpummqtiles, gpummqstep, gpummqbase), the users' expert
+# types' kernels (gputypes, typesbench).
 # Usage: bash benchmarks/gpu_check.sh SECTION...
 # Needs the quant vectors beside the repository: run_gpu copies them in as .gpu_testdata when present.
 source benchmarks/device_setup.sh
@@ -94,6 +95,21 @@ for s in "$@"; do
                 HYBRIDMOE_GPU_MOE=gemm timeout 280 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
                   --steps 8 --batch 16,32,64 2>&1 | tail -5 ;;
     gpumoetiles) timeout 500 python3 -u benchmarks/bench_moe_decode.py --grouped-tiles Q4_0,Q8_0 2>&1 | tail -8 ;;
+    # issue 27: the int8 tensor-core MoE kernels (kernels/gpu_mmq.py). gpummq: their tests (float64 at the 30B
+    # shape, B = 1..64, skewed routings; the batched step on them), then one 30B MoE layer at B = 1..64 by every
+    # kernel (the mmq column; gemm / mmq: for experts.MMQ_MIN_PAIRS / MMQ_MAX_TOKENS). gpummqtiles: the tile
+    # sweep (for gpu_mmq.TILES). gpummqstep: the 30B batched step on mmq; gpummqbase: on what auto chose before
+    # (per-pair at B = 8, the GEMMs above). One section a call
+    gpummq) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_mmq.py tests/test_experts.py \
+              tests/test_gpu_batch.py -k "mmq or moe_path or moe_kernels" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -12 ;
+            timeout 240 python3 -u benchmarks/bench_moe_decode.py --grouped Q4_0,Q8_0 2>&1 | tail -17 ;;
+    gpummqtiles) timeout 500 python3 -u benchmarks/bench_moe_decode.py --mmq-tiles Q4_0,Q8_0 2>&1 | tail -14 ;;
+    gpummqstep) HYBRIDMOE_GPU_MOE=mmq timeout 500 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
+                  --batch 8,16,32,64 --steps 8 --repeat 2 --kprofile 6 2>&1 | tail -40 ;;
+    gpummqbase) HYBRIDMOE_GPU_MOE=pair timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
+                  --batch 8 --steps 8 --repeat 2 --kprofile 6 2>&1 | tail -12 ;
+                HYBRIDMOE_GPU_MOE=gemm timeout 380 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
+                  --batch 16,32,64 --steps 8 --repeat 2 --kprofile 6 2>&1 | tail -30 ;;
     # issue 24 point 2: the fused kernels on IQ4_XS, IQ4_KS and Q3_K experts (kernels/gpu_qdot.py: decode GEMVs for
     # all three, prompt GEMMs for the IQ4s) against the reference, then the decode tiles at the 30B expert shape
     # next to Q4_0 / Q4_K (for gpu_decode._MOE_TILE_RULE)

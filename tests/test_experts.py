@@ -68,10 +68,14 @@ def test_reference_loop_with_gpt_oss_activation():
 
 
 def test_gpu_moe_path_by_pairs(monkeypatch):
-    """One token and batches up to 64 (token, slot) pairs take the per-pair GEMVs, more pairs the grouped GEMMs
-    (the grouped GEMVs only when named: they did not win on an H100); HYBRIDMOE_GPU_MOE names one for every call,
-    and a wrong name is a one-line error."""
+    """One token and batches up to 64 (token, slot) pairs take the per-pair GEMVs; more pairs (MMQ_MIN_PAIRS) the
+    int8 tensor-core kernels where the experts are Q4_0/Q8_0 in split rows and the batch has at most
+    MMQ_MAX_TOKENS tokens (and Triton is there), else the grouped GEMMs (the grouped GEMVs only when named: they
+    did not win on an H100); HYBRIDMOE_GPU_MOE names one for every call ("mmq" where it can't run: the GEMMs), and a wrong name is a
+    one-line error."""
     from hybridmoe.errors import HybridMoeError
+    from hybridmoe.kernels import gpu_mmq
+    from hybridmoe.quant.types import GGMLType as G
     from hybridmoe.runtime import experts as X
     monkeypatch.delenv("HYBRIDMOE_GPU_MOE", raising=False)
     hi = X.GATHER_MAX_SLOTS
@@ -79,11 +83,23 @@ def test_gpu_moe_path_by_pairs(monkeypatch):
     assert X.gpu_moe_path(8, hi) == "pair" and X.gpu_moe_path(9, hi + 8) == "gemm"
     assert [X.gpu_moe_path(b, 8 * b) for b in (1, 2, 4, 8, 16, 32, 64, 512)] == \
         ["pair", "pair", "pair", "pair", "gemm", "gemm", "gemm", "gemm"]
-    for forced in ("pair", "grouped", "gemm"):
+    q4, q8 = (G.Q4_0,) * 3, (G.Q8_0, G.Q8_0, G.Q4_0)
+    mmq = "mmq" if gpu_mmq.available() else "gemm"
+    assert [X.gpu_moe_path(b, 8 * b, q4, True) for b in (1, 8, 16, 64, X.MMQ_MAX_TOKENS + 1)] == \
+        ["pair", "pair", mmq, mmq, "gemm"]
+    assert X.gpu_moe_path(16, 128, q8, True) == mmq
+    monkeypatch.setattr(X, "MMQ_MIN_PAIRS", 16)                      # the lower bound is one constant
+    few = "mmq" if gpu_mmq.available() else "pair"
+    assert [X.gpu_moe_path(b, 8 * b, q4, True) for b in (1, 2, 8)] == ["pair", few, few]
+    monkeypatch.setattr(X, "MMQ_MIN_PAIRS", X.GATHER_MAX_SLOTS + 1)
+    assert X.gpu_moe_path(16, 128, q4, False) == "gemm" and X.gpu_moe_path(16, 128, (G.Q4_K,) * 3, True) == "gemm"
+    for forced in ("pair", "grouped", "gemm", "mmq"):
         monkeypatch.setenv("HYBRIDMOE_GPU_MOE", forced)
-        assert X.gpu_moe_path(1, 8) == forced and X.gpu_moe_path(4096, 8 * 4096) == forced
+        want = mmq if forced == "mmq" else forced
+        assert X.gpu_moe_path(1, 8, q4, True) == want and X.gpu_moe_path(4096, 8 * 4096, q4, True) == want
+    assert X.gpu_moe_path(16, 128, q4, False) == "gemm"
     monkeypatch.setenv("HYBRIDMOE_GPU_MOE", "fast")
-    with pytest.raises(HybridMoeError, match="HYBRIDMOE_GPU_MOE='fast': give auto, pair, grouped or gemm"):
+    with pytest.raises(HybridMoeError, match="HYBRIDMOE_GPU_MOE='fast': give auto, pair, grouped, gemm or mmq"):
         X.gpu_moe_path(4, 32)
 
 

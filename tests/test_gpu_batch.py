@@ -226,22 +226,24 @@ def test_batch_decode_with_host_experts(ot, monkeypatch):
         assert pieces is None                                    # fake GPUs: kernels in the interpreter, eagerly
 
 
-@pytest.mark.parametrize("path", ["grouped", "pair"])
+@pytest.mark.parametrize("path", ["grouped", "pair", "mmq"])
 def test_batch_step_moe_kernels_match_alone(path, monkeypatch):
     """The batched decode step with its MoE on the grouped kernels (each active expert read once per block of
-    its pairs) or the per-pair ones (HYBRIDMOE_GPU_MOE): 5 sequences (bucket 8, 3 padded rows) at their own
-    positions give each sequence's greedy tokens as its static decode step gives them alone (per-pair
-    kernels). On a GPU synth:tiny-wide (split rows: the dp4a kernels), in the interpreter synth:tiny (GGUF
-    rows)."""
+    its pairs: dp4a GEMVs, or int8 tensor-core MMA where mmq) or the per-pair ones (HYBRIDMOE_GPU_MOE): 5
+    sequences (bucket 8, 3 padded rows) at their own positions give each sequence's greedy tokens as its
+    static decode step gives them alone (per-pair kernels). On a GPU synth:tiny-wide (split rows: the dp4a
+    kernels), in the interpreter synth:tiny (GGUF rows; mmq reads split rows only, so it runs on a GPU)."""
     from conftest import top1_agreement
 
     import hybridmoe
-    from hybridmoe.kernels import gpu_decode, gpu_moe_grouped
+    from hybridmoe.kernels import gpu_decode, gpu_mmq, gpu_moe_grouped
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode
     real = _fake_gpu_or_real(monkeypatch)
+    if path == "mmq" and not real:
+        pytest.skip("mmq reads split rows; the interpreter's model has GGUF rows")
     monkeypatch.setenv("HYBRIDMOE_GPU_MOE", path)
     calls = []
-    mod = gpu_moe_grouped if path == "grouped" else gpu_decode
+    mod = {"grouped": gpu_moe_grouped, "pair": gpu_decode, "mmq": gpu_mmq}[path]
     orig = mod.moe
     monkeypatch.setattr(mod, "moe", lambda x, ids, *a, **k: calls.append(tuple(ids.shape)) or orig(x, ids, *a, **k))
     m = hybridmoe.load("synth:tiny-wide" if real else "synth:tiny", ctx_size=48, graphs=True, n_gpu_layers=99)

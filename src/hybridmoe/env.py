@@ -41,8 +41,8 @@ SWITCHES = {
     "HYBRIDMOE_HANDOFF": Switch("poll", "sync: CPU/GPU decode hand-offs through synchronizing copies, not polled "
                                         "flags"),
     "HYBRIDMOE_GEMV8": Switch("1", "0: GPU decode projections in bf16 instead of the int8 (dp4a) GEMV"),
-    "HYBRIDMOE_GPU_MOE": Switch("auto", "pair, grouped or gemm: the GPU MoE kernels for every call (auto: by the "
-                                        "(token, slot) pairs, runtime/experts.gpu_moe_path)"),
+    "HYBRIDMOE_GPU_MOE": Switch("auto", "pair, grouped, gemm or mmq: the GPU MoE kernels for every call (auto: by "
+                                        "the (token, slot) pairs, runtime/experts.gpu_moe_path)"),
     "HYBRIDMOE_GPU_QDOT": Switch("1", "0: GPU experts of IQ4_XS, IQ4_KS, Q3_K and IQ2_KT are dequantized first, no "
                                       "decode share (1: the fused kernels of kernels/gpu_qdot.py)"),
     "HYBRIDMOE_MOE_TUNE": Switch("0", "1: Triton autotunes the GPU MoE kernels' tiles at their first call"),

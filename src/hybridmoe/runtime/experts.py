@@ -144,7 +144,8 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
     """Routed experts from raw bytes graw/uraw/draw [E', ...] (ids index into E'). Returns float32 [T, H]."""
     if graw.device.type == "cuda":
         few = ids.numel() <= GATHER_MAX_SLOTS
-        fast = gpu_kernels(gpu_moe_path(ids.shape[0], ids.numel()))
+        fast = gpu_kernels(gpu_moe_path(ids.shape[0], ids.numel(), (gate.qtype, up.qtype, down.qtype),
+                                         gate.split and down.split))
         if fast.supports(gate.qtype, up.qtype, down.qtype):
             try:
                 return fast.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype,      # from the bytes
@@ -170,21 +171,34 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
 
 GATHER_MAX_SLOTS = 64      # token-expert pairs up to which each pair gets its own dequantized expert copy
 
-# the GPU MoE kernels by (token, slot) pairs: up to GATHER_MAX_SLOTS the per-pair GEMVs, above the grouped GEMMs.
-# The grouped GEMVs (each active expert read once per block of its pairs) run only when HYBRIDMOE_GPU_MOE=grouped:
-# on an H100, 30B shape, captured batched step, they lost or tied at every batch measured (B=8 16.3 ms vs per-pair
-# 11.9, B=16 25.4 vs the GEMMs' 25.1, B=64 120.6 vs ~51; docs/benchmarks.md)
-_GPU_PATHS = ("pair", "grouped", "gemm")
+# the GPU MoE kernels by (token, slot) pairs: batches of MMQ_MIN_PAIRS pairs to MMQ_MAX_TOKENS tokens whose experts
+# are Q4_0/Q8_0 in split rows take the int8 tensor-core kernels (gpu_mmq); otherwise up to GATHER_MAX_SLOTS pairs
+# the per-pair GEMVs, above the grouped GEMMs. The grouped GEMVs (each active expert read once per block of its pairs) run only when
+# HYBRIDMOE_GPU_MOE=grouped: on an H100, 30B shape, captured batched step, they lost or tied at every batch measured
+# (B=8 16.3 ms vs per-pair 11.9, B=16 25.4 vs the GEMMs' 25.1, B=64 120.6 vs ~51; docs/benchmarks.md)
+_GPU_PATHS = ("pair", "grouped", "gemm", "mmq")
+MMQ_MIN_PAIRS = GATHER_MAX_SLOTS + 1    # set both from bench_moe_decode.py --grouped on the GPU (the mmq column
+MMQ_MAX_TOKENS = 64                     # against per-pair below, against gemm above)
 
 
-def gpu_moe_path(n_tokens: int, n_pairs: int) -> str:
-    """Which GPU MoE kernels run a call: "pair" (gpu_decode.moe), "grouped" (gpu_moe_grouped.moe) or "gemm"
-    (gpu_moe.moe); HYBRIDMOE_GPU_MOE names one for every call."""
+def _mmq_ok(qtypes, split: bool) -> bool:
+    if not split or qtypes is None:
+        return False
+    from ..kernels import gpu_mmq
+    return gpu_mmq.supports(*qtypes)
+
+
+def gpu_moe_path(n_tokens: int, n_pairs: int, qtypes=None, split: bool = False) -> str:
+    """Which GPU MoE kernels run a call: "pair" (gpu_decode.moe), "grouped" (gpu_moe_grouped.moe), "mmq"
+    (gpu_mmq.moe: experts of qtypes (gate, up, down) Q4_0/Q8_0 with split rows) or "gemm" (gpu_moe.moe);
+    HYBRIDMOE_GPU_MOE names one for every call ("mmq" where it can't run: "gemm")."""
     forced = env.get("HYBRIDMOE_GPU_MOE")
     if forced != "auto":
         if forced not in _GPU_PATHS:
-            raise HybridMoeError(f"HYBRIDMOE_GPU_MOE={forced!r}: give auto, pair, grouped or gemm")
-        return forced
+            raise HybridMoeError(f"HYBRIDMOE_GPU_MOE={forced!r}: give auto, pair, grouped, gemm or mmq")
+        return "gemm" if forced == "mmq" and not _mmq_ok(qtypes, split) else forced
+    if n_tokens > 1 and n_pairs >= MMQ_MIN_PAIRS and n_tokens <= MMQ_MAX_TOKENS and _mmq_ok(qtypes, split):
+        return "mmq"
     return "pair" if n_tokens <= 1 or n_pairs <= GATHER_MAX_SLOTS else "gemm"
 
 
@@ -194,6 +208,8 @@ def gpu_kernels(path: str):
         from ..kernels import gpu_decode as mod
     elif path == "grouped":
         from ..kernels import gpu_moe_grouped as mod
+    elif path == "mmq":
+        from ..kernels import gpu_mmq as mod
     else:
         from ..kernels import gpu_moe as mod
     return mod

@@ -138,10 +138,11 @@ class BatchDecode(StaticPrefill):
 
     def _experts(self, h, ids, wts, exps):
         """The bucket's (token, slot) pairs pick the kernels (runtime/experts.gpu_moe_path): per-pair GEMVs, the
-        grouped GEMVs reading each active expert once per block of its pairs, or the prompt's grouped GEMMs.
+        grouped GEMVs or int8 tensor-core kernels (gpu_mmq) reading each active expert once per block of its
+        pairs, or the prompt's grouped GEMMs.
         The GEMVs are called here, so fake GPUs run them too (in Triton's interpreter, as the tests do)."""
         g, u, d = exps
-        path = X.gpu_moe_path(ids.shape[0], ids.numel())
+        path = X.gpu_moe_path(ids.shape[0], ids.numel(), (g.qtype, u.qtype, d.qtype), g.split and d.split)
         mod = X.gpu_kernels(path)
         self._cur["moe"] = path                          # what ran, for benchmarks/batch_decode.py
         if path != "gemm" and not mod.supports(g.qtype, u.qtype, d.qtype):
