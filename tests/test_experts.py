@@ -71,8 +71,8 @@ def test_gpu_moe_path_by_pairs(monkeypatch):
     """One token and batches up to 64 (token, slot) pairs take the per-pair GEMVs; more pairs (MMQ_MIN_PAIRS) the
     int8 tensor-core kernels where the experts are Q4_0/Q8_0 in split rows and the batch has at most
     MMQ_MAX_TOKENS tokens (and Triton is there), else the grouped GEMMs (the grouped GEMVs only when named: they
-    did not win on an H100); HYBRIDMOE_GPU_MOE names one for every call ("mmq" where it can't run: the GEMMs), and a wrong name is a
-    one-line error."""
+    did not win on an H100); HYBRIDMOE_GPU_MOE names one for every call ("mmq" where it can't run: the GEMMs),
+    and a wrong name is a one-line error."""
     from hybridmoe.errors import HybridMoeError
     from hybridmoe.kernels import gpu_mmq
     from hybridmoe.quant.types import GGMLType as G

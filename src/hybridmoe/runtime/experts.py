@@ -173,8 +173,8 @@ GATHER_MAX_SLOTS = 64      # token-expert pairs up to which each pair gets its o
 
 # the GPU MoE kernels by (token, slot) pairs: batches of MMQ_MIN_PAIRS pairs to MMQ_MAX_TOKENS tokens whose experts
 # are Q4_0/Q8_0 in split rows take the int8 tensor-core kernels (gpu_mmq); otherwise up to GATHER_MAX_SLOTS pairs
-# the per-pair GEMVs, above the grouped GEMMs. The grouped GEMVs (each active expert read once per block of its pairs) run only when
-# HYBRIDMOE_GPU_MOE=grouped: on an H100, 30B shape, captured batched step, they lost or tied at every batch measured
+# the per-pair GEMVs, above the grouped GEMMs. The grouped GEMVs (each active expert read once per block of its
+# pairs) run only when HYBRIDMOE_GPU_MOE=grouped: on an H100, 30B shape, captured batched step, they lost or tied at every batch measured
 # (B=8 16.3 ms vs per-pair 11.9, B=16 25.4 vs the GEMMs' 25.1, B=64 120.6 vs ~51; docs/benchmarks.md)
 _GPU_PATHS = ("pair", "grouped", "gemm", "mmq")
 MMQ_MIN_PAIRS = GATHER_MAX_SLOTS + 1    # set both from bench_moe_decode.py --grouped on the GPU (the mmq column
