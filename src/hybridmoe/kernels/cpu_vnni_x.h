@@ -51,8 +51,90 @@ HM_INLINE uint64_t groups_mask(unsigned bits8) {
 #endif
 }
 
+/* IQ1_S / IQ1_M: IQ1S_GRID's entries with the delta folded in, [index | delta sign << 11] = 64 + 8 v + 1 per byte
+ * (sign clear) or 64 + 8 v - 1 (set): one gather gives u (32 KiB, built at load) */
+HM_STATE(uint64_t g_iq1u[4096] __attribute__((aligned(64))), {0});
+#if HM_MAIN
+__attribute__((constructor)) static void init_iq1u(void) {
+    for (int j = 0; j < 4096; j++)   /* bytes are 56, 64 or 72: no carry crosses a byte */
+        g_iq1u[j] = IQ1S_GRID[j & 2047] + (j & 2048 ? (uint64_t)0 - 0x0101010101010101ull : 0x0101010101010101ull);
+}
+#endif
+
+/* iq1_u64 wants VBMI (vpmultishiftqb: Ice Lake, Sapphire Rapids, Zen 4 on); elsewhere the scalar index code below */
+#if defined(__AVX512VBMI__)
+#define GRID_VEC 1
+#else
+#define GRID_VEC 0
+#endif
+
+#if GRID_VEC
+/* chunk c of IQ1_S / IQ1_M super-block b as u: the 16 grid indices of chunks 2h, 2h + 1 (h = c / 2) are built in one
+ * vector (the compiler shares it between the two chunks): index bytes zero-extended, or'd with the 3 high bits and
+ * the delta's sign that vpmultishiftqb picks out of qh (8 bytes, broadcast) into bits 8-11 */
+HM_INLINE __m512i iq1_u64(const int ti, const uint8_t *b, const int c) {
+    const int h = c >> 1;
+    uint64_t qh;
+    __m512i idx;
+    if (ti == I_IQ1_M) {   /* lane m: nibble m of qh (bits 0-2: index bits 8-10, bit 3: the sign) */
+        memcpy(&qh, b + 32 + 8 * h, 8);
+        const __m512i ms = _mm512_multishift_epi64_epi8(_mm512_setr_epi32(0 << 10, 1 << 10, 2 << 10, 3 << 10, 4 << 10,
+            5 << 10, 6 << 10, 7 << 10, 8 << 10, 9 << 10, 10 << 10, 11 << 10, 12 << 10, 13 << 10, 14 << 10, 15 << 10),
+                                                        _mm512_set1_epi64((long long)qh));
+        idx = _mm512_ternarylogic_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * h))), ms,
+                                        _mm512_set1_epi32(0xF00), 0xF8);   /* a | (b & c) */
+    } else {               /* lane m: u16 m/4 of qh, bits 3(m%4)..+2 -> 8-10 and its bit 15 (the sign) -> bit 31 */
+#define IQ1S_MS(m) (int)((16u * ((m) / 4) + 3u * ((m) % 4)) << 8 | (16u * ((m) / 4) + 8u) << 24)
+        memcpy(&qh, b + 34 + 8 * h, 8);
+        const __m512i ms = _mm512_multishift_epi64_epi8(_mm512_setr_epi32(IQ1S_MS(0), IQ1S_MS(1), IQ1S_MS(2),
+            IQ1S_MS(3), IQ1S_MS(4), IQ1S_MS(5), IQ1S_MS(6), IQ1S_MS(7), IQ1S_MS(8), IQ1S_MS(9), IQ1S_MS(10),
+            IQ1S_MS(11), IQ1S_MS(12), IQ1S_MS(13), IQ1S_MS(14), IQ1S_MS(15)), _mm512_set1_epi64((long long)qh));
+#undef IQ1S_MS
+        idx = _mm512_ternarylogic_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h))), ms,
+                                        _mm512_set1_epi32(0x700), 0xF8);
+        idx = _mm512_mask_or_epi32(idx, _mm512_movepi32_mask(ms), idx, _mm512_set1_epi32(0x800));
+    }
+    return _mm512_i32gather_epi64(c & 1 ? _mm512_extracti64x4_epi64(idx, 1) : _mm512_castsi512_si256(idx),
+                                  (const void *)g_iq1u, 8);
+}
+#endif
+
+#if GRID_VEC && defined(__AVX512BITALG__)
+#define GRID_VSIGNS 1
+/* the 32 sign bytes of IQ3_XXS / IQ2_XXS / IQ2_XS super-block b, byte k the signs of group k of 8 (bit l: element l):
+ * the 7-bit codes picked into bytes (vpmultishiftqb, IQ2_XS a shift and a narrowing), their parity on top (vpopcntb).
+ * The compiler shares it between the super-block's four chunks. */
+HM_INLINE __m256i grid_signs32(const int ti, const uint8_t *b) {
+    __m256i codes;
+    if (ti == I_IQ3_XXS)          /* u32 s at 66 + 4s: codes at bits 0, 7, 14, 21; a qword holds two sub-blocks */
+        codes = _mm256_multishift_epi64_epi8(_mm256_set1_epi64x(0x352E2720150E0700ll),
+                                             _mm256_loadu_si256((const __m256i *)(b + 66)));
+    else if (ti == I_IQ2_XXS)     /* qword s at 2 + 8s: 4 index bytes, then the u32 of codes */
+        codes = _mm512_cvtepi64_epi32(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352E2720ll),
+                                                                   _mm512_loadu_si512((const void *)(b + 2))));
+    else                          /* IQ2_XS: u16 k at 2 + 2k, its code in bits 9-15 */
+        codes = _mm512_cvtepi16_epi8(_mm512_srli_epi16(_mm512_loadu_si512((const void *)(b + 2)), 9));
+    const __m256i m = _mm256_and_si256(codes, _mm256_set1_epi8(0x7F));
+    /* m | parity << 7: bit 0 of each byte's popcount to its bit 7 (what the word shift spills is masked off) */
+    return _mm256_ternarylogic_epi32(m, _mm256_slli_epi16(_mm256_popcnt_epi8(m), 7), _mm256_set1_epi8((char)0x80), 0xF8);
+}
+
+/* chunk c's sign mask from grid_signs32: bit 8k + l = bit l of sign byte 8c + k (vpermb spreads, vptestmb tests) */
+HM_INLINE __mmask64 grid_neg(const __m256i s, const int c) {
+    const long long k = 0x0101010101010101ll;
+    const __m512i spread = _mm512_permutexvar_epi8(_mm512_set_epi64((8 * c + 7) * k, (8 * c + 6) * k, (8 * c + 5) * k,
+        (8 * c + 4) * k, (8 * c + 3) * k, (8 * c + 2) * k, (8 * c + 1) * k, 8 * c * k), _mm512_castsi256_si512(s));
+    return _mm512_test_epi8_mask(spread, _mm512_set1_epi64(0x8040201008040201ll));
+}
+#else
+#define GRID_VSIGNS 0
+#endif
+
 /* chunk c (elements 64c..64c+63) of grid-type super-block b as u (x_value), in element order */
 HM_INLINE __m512i grid_u64(const int ti, const uint8_t *b, const int c) {
+#if GRID_VEC
+    if (ti == I_IQ1_S || ti == I_IQ1_M) return iq1_u64(ti, b, c);
+#endif
     const __m512i o = _mm512_set1_epi8(64);
     if (ti == I_IQ3_XXS || ti == I_IQ3_S) {   /* 16 indices of 4 magnitudes: vpgatherdd */
         __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * c)));
@@ -61,7 +143,11 @@ HM_INLINE __m512i grid_u64(const int ti, const uint8_t *b, const int c) {
             idx = _mm512_mask_or_epi32(idx, (__mmask16)rd16(b + 66 + 2 * c), idx, _mm512_set1_epi32(256));
             memcpy(&neg, b + 74 + 8 * c, 8);
         } else {
+#if GRID_VSIGNS
+            neg = grid_neg(grid_signs32(ti, b), c);
+#else
             neg = xxs_neg(ti, b, c, b + 66 + 8 * c, b + 70 + 8 * c);
+#endif
         }
         const __m512i g = _mm512_i32gather_epi32(idx, (const void *)(ti == I_IQ3_S ? IQ3S_GRID : IQ3XXS_GRID), 4);
         return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
@@ -71,17 +157,31 @@ HM_INLINE __m512i grid_u64(const int ti, const uint8_t *b, const int c) {
     uint64_t neg;
     switch (ti) {
     case I_IQ2_XXS: {   /* sub-block s: 4 index bytes, then its u32 of codes and scale */
+#if GRID_VEC            /* the 16 indices of chunks 2h, 2h + 1 by one vpermb (shared by the two chunks) */
+        const __m512i i16 = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10,
+            11, 16, 17, 18, 19, 24, 25, 26, 27), _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2 + 32 * (c >> 1)))));
+        idx = c & 1 ? _mm512_extracti64x4_epi64(i16, 1) : _mm512_castsi512_si256(i16);
+#else
         uint32_t i0, i1;
         memcpy(&i0, b + 2 + 16 * c, 4);
         memcpy(&i1, b + 10 + 16 * c, 4);
         idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)i1 << 32 | i0)));
+#endif
+#if GRID_VSIGNS
+        neg = grid_neg(grid_signs32(ti, b), c);
+#else
         neg = xxs_neg(ti, b, c, b + 6 + 16 * c, b + 14 + 16 * c);
+#endif
         break;
     }
     case I_IQ2_XS: {    /* a u16 per 8: 9-bit index, 7-bit code */
         const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * c));
         idx = _mm256_and_si256(_mm256_cvtepu16_epi32(q), _mm256_set1_epi32(511));
+#if GRID_VSIGNS
+        neg = grid_neg(grid_signs32(ti, b), c);
+#else
         neg = codes_neg((uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(_mm_srli_epi16(q, 9), _mm_setzero_si128())));
+#endif
         break;
     }
     case I_IQ1_S: {     /* sub-block s: 4 index bytes; 3 index bits each, the scale and the delta's sign in qh[s] */
