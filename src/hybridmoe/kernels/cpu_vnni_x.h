@@ -121,17 +121,37 @@ HM_INLINE __m512i grid_u64(const int ti, const uint8_t *b, const int c) {
     return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
 }
 
-/* 16 lanes of trellis seeds (index + offset) -> the generator's 4-byte sums after steps p[lane] (vpmulld by the
- * step's power of KT_KA, vpdpbusd by ones): 0..252, v = sum - 126 */
-HM_INLINE __m512i kt_sums(__m512i x, __m512i p) {
-    const __m512i s = _mm512_and_si512(_mm512_mullo_epi32(x, p), _mm512_set1_epi32(0x3F3F3F3F));
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), s, _mm512_set1_epi8(1));
+/* Trellis values, 64 at a time. Vector k (0..3) holds weight 4L + k of the chunk in lane L, as the generator's
+ * state x p_k[L] masked to four 6-bit bytes (one vpmulld per 16 weights); the value is the sum of those bytes
+ * minus 126. Two rounds of byte shuffles and adds (port 5 and any vector port; vpdpbusd would take the
+ * multiplier's port) leave lane L = the four sums of weights 4L..4L+3, i.e. the chunk's 64 sums in element order. */
+HM_INLINE __m512i kt_state(__m512i x, __m512i p) {
+    return _mm512_and_si512(_mm512_mullo_epi32(x, p), _mm512_set1_epi32(0x3F3F3F3F));
+}
+
+/* [a, b] -> per 16-bit word [a's byte pair sum, b's byte pair sum] (each <= 126) */
+HM_INLINE __m512i kt_pair_sums(__m512i a, __m512i b) {
+    const __m512i sw = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    const __m512i lo = _mm512_mask_shuffle_epi8(a, 0xAAAAAAAAAAAAAAAAull, b, sw);   /* [a.0, b.0] */
+    const __m512i hi = _mm512_mask_shuffle_epi8(b, 0x5555555555555555ull, a, sw);   /* [a.1, b.1] */
+    return _mm512_add_epi8(lo, hi);
+}
+
+/* s[0..3] (states as above) -> lane L byte k = the byte sum of s[k]'s lane L (0..252) */
+HM_INLINE __m512i kt_sums64(const __m512i *s) {
+    const __m512i r01 = kt_pair_sums(s[0], s[1]), r23 = kt_pair_sums(s[2], s[3]);   /* [a0 b0 a1 b1] per lane */
+    const __m512i sw = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    const __m512i lo = _mm512_mask_shuffle_epi8(r01, 0xCCCCCCCCCCCCCCCCull, r23, sw);
+    const __m512i hi = _mm512_mask_shuffle_epi8(r23, 0x3333333333333333ull, r01, sw);
+    return _mm512_add_epi8(lo, hi);
 }
 
 /* chunk c (elements 64c..64c+63) of trellis-type super-block b as u (x_value), in element order */
 HM_INLINE __m512i kt_u64(const int ti, const uint8_t *b, const int c) {
+    const uint32_t k1 = KT_KA, k2 = k1 * KT_KA, k3 = k2 * KT_KA, k4 = k3 * KT_KA, k5 = k4 * KT_KA, k6 = k5 * KT_KA,
+                   k7 = k6 * KT_KA, k8 = k7 * KT_KA;
     __m512i s[4];
-    if (ti == I_IQ4_KT) {   /* 16 groups of 4: blocks 2c, 2c + 1 */
+    if (ti == I_IQ4_KT) {   /* 16 groups of 4 (blocks 2c, 2c + 1): lane L seeds weights 4L..4L+3, steps 1..4 */
         uint32_t h0, h1;
         memcpy(&h0, b + 8 * c, 4);
         memcpy(&h1, b + 8 * c + 4, 4);
@@ -145,31 +165,23 @@ HM_INLINE __m512i kt_u64(const int ti, const uint8_t *b, const int c) {
                                     _mm512_or_si512(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(top, 12)));
         x = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(4096),
                                                  _mm512_slli_epi32(_mm512_and_si512(sh, _mm512_set1_epi32(1)), 15)));
-        const __m512i p = _mm512_setr_epi32(KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
-                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
-                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
-                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA);
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; q++)
-            s[q] = kt_sums(_mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2,
-                                                                                       3, 3, 3, 3),
-                                                                     _mm512_set1_epi32(4 * q)), x), p);
-    } else {                /* 8 groups of 8: a u16 index each */
-        const __m512i x = _mm512_add_epi32(_mm512_castsi256_si512(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-            (const __m128i *)(b + 4 + 16 * c)))), _mm512_set1_epi32(4096));
-        const uint32_t k1 = KT_KA, k2 = k1 * KT_KA, k3 = k2 * KT_KA, k4 = k3 * KT_KA, k5 = k4 * KT_KA, k6 = k5 * KT_KA,
-                       k7 = k6 * KT_KA, k8 = k7 * KT_KA;
-        const __m512i p = _mm512_setr_epi32(k1, k2, k3, k4, k5, k6, k7, k8, k1, k2, k3, k4, k5, k6, k7, k8);
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; q++)
-            s[q] = kt_sums(_mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,
-                                                                                       1, 1, 1, 1),
-                                                                     _mm512_set1_epi32(2 * q)), x), p);
+        s[0] = kt_state(x, _mm512_set1_epi32((int)k1));
+        s[1] = kt_state(x, _mm512_set1_epi32((int)k2));
+        s[2] = kt_state(x, _mm512_set1_epi32((int)k3));
+        s[3] = kt_state(x, _mm512_set1_epi32((int)k4));
+    } else {                /* 8 groups of 8, a u16 index each: lane L is group L/2, steps 4 (L & 1) + k + 1 */
+        const __m512i dup = _mm512_set_epi16(0, 7, 0, 7, 0, 6, 0, 6, 0, 5, 0, 5, 0, 4, 0, 4,
+                                             0, 3, 0, 3, 0, 2, 0, 2, 0, 1, 0, 1, 0, 0, 0, 0);
+        const __m512i x = _mm512_add_epi32(_mm512_maskz_permutexvar_epi16(0x55555555u, dup, _mm512_castsi128_si512(
+            _mm_loadu_si128((const __m128i *)(b + 4 + 16 * c)))), _mm512_set1_epi32(4096));
+#define KT_P(a, b) _mm512_setr_epi32(a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b)
+        s[0] = kt_state(x, KT_P((int)k1, (int)k5));
+        s[1] = kt_state(x, KT_P((int)k2, (int)k6));
+        s[2] = kt_state(x, KT_P((int)k3, (int)k7));
+        s[3] = kt_state(x, KT_P((int)k4, (int)k8));
+#undef KT_P
     }
-    /* the sums as bytes, in element order: the packs leave s[q]'s lane L at dword 4L + q */
-    const __m512i v = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
-                                               _mm512_packus_epi16(_mm512_packus_epi32(s[0], s[1]),
-                                                                   _mm512_packus_epi32(s[2], s[3])));
+    const __m512i v = kt_sums64(s);
     if (ti != I_IQ3_KT) return _mm512_add_epi8(v, _mm512_set1_epi8(2));      /* 128 + v = sum + 2 */
     /* IQ3_KT: 128 +- |v|; the sign of element l of 32-block j is bit j of qh[l] */
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 68));
