@@ -121,12 +121,26 @@ HM_INLINE __m512i grid_u64(const int ti, const uint8_t *b, const int c) {
     return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
 }
 
-/* Trellis values, 64 at a time. Vector k (0..3) holds weight 4L + k of the chunk in lane L, as the generator's
- * state x p_k[L] masked to four 6-bit bytes (one vpmulld per 16 weights); the value is the sum of those bytes
- * minus 126. Two rounds of byte shuffles and adds (port 5 and any vector port; vpdpbusd would take the
- * multiplier's port) leave lane L = the four sums of weights 4L..4L+3, i.e. the chunk's 64 sums in element order. */
-HM_INLINE __m512i kt_state(__m512i x, __m512i p) {
-    return _mm512_and_si512(_mm512_mullo_epi32(x, p), _mm512_set1_epi32(0x3F3F3F3F));
+/* IQ2_KT's and IQ3_KT's 8 values (steps 1..8) of every u16 index as u = 128 + v, from kt_value: 512 KiB that
+ * stay in L2 while the weights stream past. One vpgatherqq gives 64 values; computing them takes four vpmulld
+ * (two uops each on the port vpdpbusd needs) and a dozen more vector ops (T=1: 1.4x with the table). */
+HM_STATE(uint64_t g_kt8[65536], {0});
+#if HM_MAIN
+__attribute__((constructor)) static void init_kt8_table(void) {
+    for (uint32_t i = 0; i < 65536; i++) {
+        uint64_t u = 0;
+        for (int n = 0; n < 8; n++) u |= (uint64_t)(128 + kt_value(4096 + i, n + 1)) << 8 * n;
+        g_kt8[i] = u;
+    }
+}
+#endif
+
+/* IQ4_KT's values are computed (its table would be 16 lookups per 64 values: slower). Vector k (0..3) holds
+ * weight 4L + k of the chunk in lane L as the generator's state (seed L times KA^(k+1), one vpmulld per 16
+ * weights) masked to four 6-bit bytes; the value is their sum minus 126. Two rounds of byte shuffles and adds
+ * (port 5 and any vector port, not vpdpbusd's) leave lane L = the four sums of weights 4L..4L+3. */
+HM_INLINE __m512i kt_state(__m512i x, uint32_t p) {
+    return _mm512_and_si512(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)p)), _mm512_set1_epi32(0x3F3F3F3F));
 }
 
 /* [a, b] -> per 16-bit word [a's byte pair sum, b's byte pair sum] (each <= 126) */
@@ -148,47 +162,34 @@ HM_INLINE __m512i kt_sums64(const __m512i *s) {
 
 /* chunk c (elements 64c..64c+63) of trellis-type super-block b as u (x_value), in element order */
 HM_INLINE __m512i kt_u64(const int ti, const uint8_t *b, const int c) {
-    const uint32_t k1 = KT_KA, k2 = k1 * KT_KA, k3 = k2 * KT_KA, k4 = k3 * KT_KA, k5 = k4 * KT_KA, k6 = k5 * KT_KA,
-                   k7 = k6 * KT_KA, k8 = k7 * KT_KA;
-    __m512i s[4];
-    if (ti == I_IQ4_KT) {   /* 16 groups of 4 (blocks 2c, 2c + 1): lane L seeds weights 4L..4L+3, steps 1..4 */
-        uint32_t h0, h1;
-        memcpy(&h0, b + 8 * c, 4);
-        memcpy(&h1, b + 8 * c + 4, 4);
-        const __m512i sh = _mm512_setr_epi32(h0, h0, h0, h0, h0, h0, h0, h0, h1, h1, h1, h1, h1, h1, h1, h1);
-        const __m512i top = _mm512_and_si512(_mm512_srlv_epi32(sh, _mm512_setr_epi32(8, 11, 14, 17, 20, 23, 26, 29, 8, 11,
-                                                                                     14, 17, 20, 23, 26, 29)),
-                                             _mm512_set1_epi32(7));
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-            (const __m128i *)(b + 96 + 16 * (c & 1)))), 4 * (c >> 1)), _mm512_set1_epi32(0xF));
-        __m512i x = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * c))),
-                                    _mm512_or_si512(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(top, 12)));
-        x = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(4096),
-                                                 _mm512_slli_epi32(_mm512_and_si512(sh, _mm512_set1_epi32(1)), 15)));
-        s[0] = kt_state(x, _mm512_set1_epi32((int)k1));
-        s[1] = kt_state(x, _mm512_set1_epi32((int)k2));
-        s[2] = kt_state(x, _mm512_set1_epi32((int)k3));
-        s[3] = kt_state(x, _mm512_set1_epi32((int)k4));
-    } else {                /* 8 groups of 8, a u16 index each: lane L is group L/2, steps 4 (L & 1) + k + 1 */
-        const __m512i dup = _mm512_set_epi16(0, 7, 0, 7, 0, 6, 0, 6, 0, 5, 0, 5, 0, 4, 0, 4,
-                                             0, 3, 0, 3, 0, 2, 0, 2, 0, 1, 0, 1, 0, 0, 0, 0);
-        const __m512i x = _mm512_add_epi32(_mm512_maskz_permutexvar_epi16(0x55555555u, dup, _mm512_castsi128_si512(
-            _mm_loadu_si128((const __m128i *)(b + 4 + 16 * c)))), _mm512_set1_epi32(4096));
-#define KT_P(a, b) _mm512_setr_epi32(a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b)
-        s[0] = kt_state(x, KT_P((int)k1, (int)k5));
-        s[1] = kt_state(x, KT_P((int)k2, (int)k6));
-        s[2] = kt_state(x, KT_P((int)k3, (int)k7));
-        s[3] = kt_state(x, KT_P((int)k4, (int)k8));
-#undef KT_P
+    if (ti != I_IQ4_KT) {   /* 8 groups of 8, a u16 index each */
+        const __m512i u = _mm512_i32gather_epi64(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 4 + 16 * c))),
+                                                 (const void *)g_kt8, 8);
+        if (ti == I_IQ2_KT) return u;
+        /* IQ3_KT: 128 +- |v|; the sign of element l of 32-block j is bit j of qh[l] */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 68));
+        const uint64_t neg = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 7 - 2 * c)) |
+                             (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 6 - 2 * c)) << 32;
+        const __m512i o = _mm512_set1_epi8((char)128), a = _mm512_abs_epi8(_mm512_xor_si512(u, o));
+        return _mm512_mask_sub_epi8(_mm512_add_epi8(o, a), (__mmask64)neg, o, a);
     }
-    const __m512i v = kt_sums64(s);
-    if (ti != I_IQ3_KT) return _mm512_add_epi8(v, _mm512_set1_epi8(2));      /* 128 + v = sum + 2 */
-    /* IQ3_KT: 128 +- |v|; the sign of element l of 32-block j is bit j of qh[l] */
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 68));
-    const uint64_t neg = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 7 - 2 * c)) |
-                         (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 6 - 2 * c)) << 32;
-    const __m512i a = _mm512_abs_epi8(_mm512_sub_epi8(v, _mm512_set1_epi8(126))), o = _mm512_set1_epi8((char)128);
-    return _mm512_mask_sub_epi8(_mm512_add_epi8(o, a), (__mmask64)neg, o, a);
+    /* IQ4_KT: 16 groups of 4 (blocks 2c, 2c + 1), lane L the seed of group L */
+    uint32_t h0, h1;
+    memcpy(&h0, b + 8 * c, 4);
+    memcpy(&h1, b + 8 * c + 4, 4);
+    const __m512i sh = _mm512_setr_epi32(h0, h0, h0, h0, h0, h0, h0, h0, h1, h1, h1, h1, h1, h1, h1, h1);
+    const __m512i top = _mm512_and_si512(_mm512_srlv_epi32(sh, _mm512_setr_epi32(8, 11, 14, 17, 20, 23, 26, 29, 8, 11,
+                                                                                 14, 17, 20, 23, 26, 29)),
+                                         _mm512_set1_epi32(7));
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+        (const __m128i *)(b + 96 + 16 * (c & 1)))), 4 * (c >> 1)), _mm512_set1_epi32(0xF));
+    __m512i x = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * c))),
+                                _mm512_or_si512(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(top, 12)));
+    x = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(4096),
+                                             _mm512_slli_epi32(_mm512_and_si512(sh, _mm512_set1_epi32(1)), 15)));
+    const __m512i s[4] = {kt_state(x, KT_KA), kt_state(x, KT_KA * KT_KA), kt_state(x, KT_KA * KT_KA * KT_KA),
+                          kt_state(x, KT_KA * KT_KA * KT_KA * KT_KA)};
+    return _mm512_add_epi8(kt_sums64(s), _mm512_set1_epi8(2));      /* 128 + v = sum + 2 */
 }
 
 /* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order (ex: x_extra16) */
