@@ -166,27 +166,28 @@ HM_INLINE __m512i kt_u64(const int ti, const uint8_t *b, const int c) {
         const __m512i u = _mm512_i32gather_epi64(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 4 + 16 * c))),
                                                  (const void *)g_kt8, 8);
         if (ti == I_IQ2_KT) return u;
-        /* IQ3_KT: 128 +- |v|; the sign of element l of 32-block j is bit j of qh[l] */
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 68));
-        const uint64_t neg = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 7 - 2 * c)) |
-                             (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 6 - 2 * c)) << 32;
+        /* IQ3_KT: 128 +- |v|; the sign of element l of 32-block j is bit j of qh[l] (one vptestmb for both blocks) */
+        const __mmask64 neg = _mm512_test_epi8_mask(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 68))),
+                                                    _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * c)),
+                                                                       _mm256_set1_epi8((char)(2 << 2 * c)), 1));
         const __m512i o = _mm512_set1_epi8((char)128), a = _mm512_abs_epi8(_mm512_xor_si512(u, o));
-        return _mm512_mask_sub_epi8(_mm512_add_epi8(o, a), (__mmask64)neg, o, a);
+        return _mm512_mask_sub_epi8(_mm512_add_epi8(o, a), neg, o, a);
     }
     /* IQ4_KT: 16 groups of 4 (blocks 2c, 2c + 1), lane L the seed of group L */
     uint32_t h0, h1;
     memcpy(&h0, b + 8 * c, 4);
     memcpy(&h1, b + 8 * c + 4, 4);
-    const __m512i sh = _mm512_setr_epi32(h0, h0, h0, h0, h0, h0, h0, h0, h1, h1, h1, h1, h1, h1, h1, h1);
-    const __m512i top = _mm512_and_si512(_mm512_srlv_epi32(sh, _mm512_setr_epi32(8, 11, 14, 17, 20, 23, 26, 29, 8, 11,
-                                                                                 14, 17, 20, 23, 26, 29)),
-                                         _mm512_set1_epi32(7));
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-        (const __m128i *)(b + 96 + 16 * (c & 1)))), 4 * (c >> 1)), _mm512_set1_epi32(0xF));
-    __m512i x = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * c))),
-                                _mm512_or_si512(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(top, 12)));
-    x = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(4096),
-                                             _mm512_slli_epi32(_mm512_and_si512(sh, _mm512_set1_epi32(1)), 15)));
+    /* seed = 4096 + qs byte | qh nibble << 8 | 3 bits of the block's u32 << 12 | its bit 0 << 15 */
+    const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi32((int)h0), _mm256_set1_epi32((int)h1), 1);
+    const __m512i top = _mm512_and_si512(_mm512_rorv_epi32(sh, _mm512_setr_epi32(28, 31, 2, 5, 8, 11, 14, 17, 28, 31,
+                                                                                 2, 5, 8, 11, 14, 17)),
+                                         _mm512_set1_epi32(0x7000));     /* bits 8 + 3k.. -> 12..14 */
+    const __m512i nib = _mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+        (const __m128i *)(b + 96 + 16 * (c & 1)))), 8 - 4 * (c >> 1)), _mm512_set1_epi32(0xF00));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * c)));
+    const __m512i hb = _mm512_ternarylogic_epi32(_mm512_ror_epi32(sh, 17), _mm512_set1_epi32(0x8000),
+                                                 _mm512_set1_epi32(4096), 0xEA);   /* (a & b) | c */
+    const __m512i x = _mm512_add_epi32(_mm512_ternarylogic_epi32(q, nib, top, 0xFE), hb);   /* a | b | c */
     const __m512i s[4] = {kt_state(x, KT_KA), kt_state(x, KT_KA * KT_KA), kt_state(x, KT_KA * KT_KA * KT_KA),
                           kt_state(x, KT_KA * KT_KA * KT_KA * KT_KA)};
     return _mm512_add_epi8(kt_sums64(s), _mm512_set1_epi8(2));      /* 128 + v = sum + 2 */
