@@ -221,62 +221,76 @@ HM_INLINE __m512i grid_u64(const int ti, const uint8_t *b, const int c) {
     return _mm512_mask_sub_epi8(_mm512_add_epi8(o, g), (__mmask64)neg, o, g);
 }
 
-/* 16 lanes of trellis seeds (index + offset) -> the generator's 4-byte sums after steps p[lane] (vpmulld by the
- * step's power of KT_KA, vpdpbusd by ones): 0..252, v = sum - 126 */
-HM_INLINE __m512i kt_sums(__m512i x, __m512i p) {
-    const __m512i s = _mm512_and_si512(_mm512_mullo_epi32(x, p), _mm512_set1_epi32(0x3F3F3F3F));
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), s, _mm512_set1_epi8(1));
+/* IQ2_KT's and IQ3_KT's 8 values (steps 1..8) of every u16 index as u = 128 + v, from kt_value: 512 KiB that
+ * stay in L2 while the weights stream past. One vpgatherqq gives 64 values; computing them takes four vpmulld
+ * (two uops each on the port vpdpbusd needs) and a dozen more vector ops (T=1: 1.4x with the table). */
+HM_STATE(uint64_t g_kt8[65536], {0});
+#if HM_MAIN
+__attribute__((constructor)) static void init_kt8_table(void) {
+    for (uint32_t i = 0; i < 65536; i++) {
+        uint64_t u = 0;
+        for (int n = 0; n < 8; n++) u |= (uint64_t)(128 + kt_value(4096 + i, n + 1)) << 8 * n;
+        g_kt8[i] = u;
+    }
+}
+#endif
+
+/* IQ4_KT's values are computed (its table would be 16 lookups per 64 values: slower). Vector k (0..3) holds
+ * weight 4L + k of the chunk in lane L as the generator's state (seed L times KA^(k+1), one vpmulld per 16
+ * weights) masked to four 6-bit bytes; the value is their sum minus 126. Two rounds of byte shuffles and adds
+ * (port 5 and any vector port, not vpdpbusd's) leave lane L = the four sums of weights 4L..4L+3. */
+HM_INLINE __m512i kt_state(__m512i x, uint32_t p) {
+    return _mm512_and_si512(_mm512_mullo_epi32(x, _mm512_set1_epi32((int)p)), _mm512_set1_epi32(0x3F3F3F3F));
+}
+
+/* [a, b] -> per 16-bit word [a's byte pair sum, b's byte pair sum] (each <= 126) */
+HM_INLINE __m512i kt_pair_sums(__m512i a, __m512i b) {
+    const __m512i sw = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    const __m512i lo = _mm512_mask_shuffle_epi8(a, 0xAAAAAAAAAAAAAAAAull, b, sw);   /* [a.0, b.0] */
+    const __m512i hi = _mm512_mask_shuffle_epi8(b, 0x5555555555555555ull, a, sw);   /* [a.1, b.1] */
+    return _mm512_add_epi8(lo, hi);
+}
+
+/* s[0..3] (states as above) -> lane L byte k = the byte sum of s[k]'s lane L (0..252) */
+HM_INLINE __m512i kt_sums64(const __m512i *s) {
+    const __m512i r01 = kt_pair_sums(s[0], s[1]), r23 = kt_pair_sums(s[2], s[3]);   /* [a0 b0 a1 b1] per lane */
+    const __m512i sw = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    const __m512i lo = _mm512_mask_shuffle_epi8(r01, 0xCCCCCCCCCCCCCCCCull, r23, sw);
+    const __m512i hi = _mm512_mask_shuffle_epi8(r23, 0x3333333333333333ull, r01, sw);
+    return _mm512_add_epi8(lo, hi);
 }
 
 /* chunk c (elements 64c..64c+63) of trellis-type super-block b as u (x_value), in element order */
 HM_INLINE __m512i kt_u64(const int ti, const uint8_t *b, const int c) {
-    __m512i s[4];
-    if (ti == I_IQ4_KT) {   /* 16 groups of 4: blocks 2c, 2c + 1 */
-        uint32_t h0, h1;
-        memcpy(&h0, b + 8 * c, 4);
-        memcpy(&h1, b + 8 * c + 4, 4);
-        const __m512i sh = _mm512_setr_epi32(h0, h0, h0, h0, h0, h0, h0, h0, h1, h1, h1, h1, h1, h1, h1, h1);
-        const __m512i top = _mm512_and_si512(_mm512_srlv_epi32(sh, _mm512_setr_epi32(8, 11, 14, 17, 20, 23, 26, 29, 8, 11,
-                                                                                     14, 17, 20, 23, 26, 29)),
-                                             _mm512_set1_epi32(7));
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-            (const __m128i *)(b + 96 + 16 * (c & 1)))), 4 * (c >> 1)), _mm512_set1_epi32(0xF));
-        __m512i x = _mm512_or_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * c))),
-                                    _mm512_or_si512(_mm512_slli_epi32(hi, 8), _mm512_slli_epi32(top, 12)));
-        x = _mm512_add_epi32(x, _mm512_add_epi32(_mm512_set1_epi32(4096),
-                                                 _mm512_slli_epi32(_mm512_and_si512(sh, _mm512_set1_epi32(1)), 15)));
-        const __m512i p = _mm512_setr_epi32(KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
-                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
-                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA,
-                                            KT_KA, KT_KA * KT_KA, KT_KA * KT_KA * KT_KA, KT_KA * KT_KA * KT_KA * KT_KA);
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; q++)
-            s[q] = kt_sums(_mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2,
-                                                                                       3, 3, 3, 3),
-                                                                     _mm512_set1_epi32(4 * q)), x), p);
-    } else {                /* 8 groups of 8: a u16 index each */
-        const __m512i x = _mm512_add_epi32(_mm512_castsi256_si512(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-            (const __m128i *)(b + 4 + 16 * c)))), _mm512_set1_epi32(4096));
-        const uint32_t k1 = KT_KA, k2 = k1 * KT_KA, k3 = k2 * KT_KA, k4 = k3 * KT_KA, k5 = k4 * KT_KA, k6 = k5 * KT_KA,
-                       k7 = k6 * KT_KA, k8 = k7 * KT_KA;
-        const __m512i p = _mm512_setr_epi32(k1, k2, k3, k4, k5, k6, k7, k8, k1, k2, k3, k4, k5, k6, k7, k8);
-#pragma GCC unroll 4
-        for (int q = 0; q < 4; q++)
-            s[q] = kt_sums(_mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1,
-                                                                                       1, 1, 1, 1),
-                                                                     _mm512_set1_epi32(2 * q)), x), p);
+    if (ti != I_IQ4_KT) {   /* 8 groups of 8, a u16 index each */
+        const __m512i u = _mm512_i32gather_epi64(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 4 + 16 * c))),
+                                                 (const void *)g_kt8, 8);
+        if (ti == I_IQ2_KT) return u;
+        /* IQ3_KT: 128 +- |v|; the sign of element l of 32-block j is bit j of qh[l] (one vptestmb for both blocks) */
+        const __mmask64 neg = _mm512_test_epi8_mask(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 68))),
+                                                    _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * c)),
+                                                                       _mm256_set1_epi8((char)(2 << 2 * c)), 1));
+        const __m512i o = _mm512_set1_epi8((char)128), a = _mm512_abs_epi8(_mm512_xor_si512(u, o));
+        return _mm512_mask_sub_epi8(_mm512_add_epi8(o, a), neg, o, a);
     }
-    /* the sums as bytes, in element order: the packs leave s[q]'s lane L at dword 4L + q */
-    const __m512i v = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
-                                               _mm512_packus_epi16(_mm512_packus_epi32(s[0], s[1]),
-                                                                   _mm512_packus_epi32(s[2], s[3])));
-    if (ti != I_IQ3_KT) return _mm512_add_epi8(v, _mm512_set1_epi8(2));      /* 128 + v = sum + 2 */
-    /* IQ3_KT: 128 +- |v|; the sign of element l of 32-block j is bit j of qh[l] */
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 68));
-    const uint64_t neg = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 7 - 2 * c)) |
-                         (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(qh, 6 - 2 * c)) << 32;
-    const __m512i a = _mm512_abs_epi8(_mm512_sub_epi8(v, _mm512_set1_epi8(126))), o = _mm512_set1_epi8((char)128);
-    return _mm512_mask_sub_epi8(_mm512_add_epi8(o, a), (__mmask64)neg, o, a);
+    /* IQ4_KT: 16 groups of 4 (blocks 2c, 2c + 1), lane L the seed of group L */
+    uint32_t h0, h1;
+    memcpy(&h0, b + 8 * c, 4);
+    memcpy(&h1, b + 8 * c + 4, 4);
+    /* seed = 4096 + qs byte | qh nibble << 8 | 3 bits of the block's u32 << 12 | its bit 0 << 15 */
+    const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi32((int)h0), _mm256_set1_epi32((int)h1), 1);
+    const __m512i top = _mm512_and_si512(_mm512_rorv_epi32(sh, _mm512_setr_epi32(28, 31, 2, 5, 8, 11, 14, 17, 28, 31,
+                                                                                 2, 5, 8, 11, 14, 17)),
+                                         _mm512_set1_epi32(0x7000));     /* bits 8 + 3k.. -> 12..14 */
+    const __m512i nib = _mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+        (const __m128i *)(b + 96 + 16 * (c & 1)))), 8 - 4 * (c >> 1)), _mm512_set1_epi32(0xF00));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 16 * c)));
+    const __m512i hb = _mm512_ternarylogic_epi32(_mm512_ror_epi32(sh, 17), _mm512_set1_epi32(0x8000),
+                                                 _mm512_set1_epi32(4096), 0xEA);   /* (a & b) | c */
+    const __m512i x = _mm512_add_epi32(_mm512_ternarylogic_epi32(q, nib, top, 0xFE), hb);   /* a | b | c */
+    const __m512i s[4] = {kt_state(x, KT_KA), kt_state(x, KT_KA * KT_KA), kt_state(x, KT_KA * KT_KA * KT_KA),
+                          kt_state(x, KT_KA * KT_KA * KT_KA * KT_KA)};
+    return _mm512_add_epi8(kt_sums64(s), _mm512_set1_epi8(2));      /* 128 + v = sum + 2 */
 }
 
 /* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order (ex: x_extra16) */
