@@ -123,7 +123,7 @@ for s in "$@"; do
                   -k "batch or host or IQ2_KT or iq2_kt" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8
                 timeout 60 python3 benchmarks/bench_moe_decode.py --tiles Q4_0,IQ2_KT 2>&1 | tail -5
                 timeout 200 python3 benchmarks/serve_load.py --concurrency 1,4,8 --rounds 1 -- -m synth:qwen3-30b-a3b \
-                  -ngl 99 -ot exps=CPU -np 8 2>&1 | tail -8 ;;
+                  -ngl 99 -ot exps=CPU -np 8 2>&1 | tail -25 ;;
     # then the 30B shape end to end, all on the GPU and with experts in RAM (the decode share reads them too);
     # MIXES picks the presets (each ~16 GB, deleted after its rows; ~4 min each)
     typesbench) for P in ${MIXES:-qwen3-30b-a3b-iq4_ks qwen3-30b-a3b}; do

@@ -68,11 +68,11 @@ def test_reference_loop_with_gpt_oss_activation():
 
 
 def test_gpu_moe_path_by_pairs(monkeypatch):
-    """One token and batches up to 64 (token, slot) pairs take the per-pair GEMVs; more pairs (MMQ_MIN_PAIRS) the
-    int8 tensor-core kernels where the experts are Q4_0/Q8_0 in split rows and the batch has at most
-    MMQ_MAX_TOKENS tokens (and Triton is there), else the grouped GEMMs (the grouped GEMVs only when named: they
-    did not win on an H100); HYBRIDMOE_GPU_MOE names one for every call ("mmq" where it can't run: the GEMMs),
-    and a wrong name is a one-line error."""
+    """Q4_0/Q8_0 experts in split rows, batches of at most MMQ_MAX_TOKENS tokens: the per-pair GEMVs below
+    MMQ_MIN_PAIRS (token, slot) pairs, the int8 tensor-core kernels from there (where Triton is); other experts:
+    the per-pair GEMVs up to 64 pairs, the grouped GEMMs above (the grouped GEMVs only when named: they did not win
+    on an H100); HYBRIDMOE_GPU_MOE names one for every call ("mmq" where it can't run: the GEMMs), and a wrong
+    name is a one-line error."""
     from hybridmoe.errors import HybridMoeError
     from hybridmoe.kernels import gpu_mmq
     from hybridmoe.quant.types import GGMLType as G
@@ -84,14 +84,13 @@ def test_gpu_moe_path_by_pairs(monkeypatch):
     assert [X.gpu_moe_path(b, 8 * b) for b in (1, 2, 4, 8, 16, 32, 64, 512)] == \
         ["pair", "pair", "pair", "pair", "gemm", "gemm", "gemm", "gemm"]
     q4, q8 = (G.Q4_0,) * 3, (G.Q8_0, G.Q8_0, G.Q4_0)
-    mmq = "mmq" if gpu_mmq.available() else "gemm"
-    assert [X.gpu_moe_path(b, 8 * b, q4, True) for b in (1, 8, 16, 64, X.MMQ_MAX_TOKENS + 1)] == \
-        ["pair", "pair", mmq, mmq, "gemm"]
-    assert X.gpu_moe_path(16, 128, q8, True) == mmq
+    mmq, mid = ("mmq", "pair") if gpu_mmq.available() else ("gemm", "gemm")
+    assert [X.gpu_moe_path(b, 8 * b, q4, True) for b in (1, 8, 16, 32, 64, X.MMQ_MAX_TOKENS + 1)] == \
+        ["pair", "pair", mid, mmq, mmq, "gemm"]
+    assert X.gpu_moe_path(32, 256, q8, True) == mmq
     monkeypatch.setattr(X, "MMQ_MIN_PAIRS", 16)                      # the lower bound is one constant
     few = "mmq" if gpu_mmq.available() else "pair"
     assert [X.gpu_moe_path(b, 8 * b, q4, True) for b in (1, 2, 8)] == ["pair", few, few]
-    monkeypatch.setattr(X, "MMQ_MIN_PAIRS", X.GATHER_MAX_SLOTS + 1)
     assert X.gpu_moe_path(16, 128, q4, False) == "gemm" and X.gpu_moe_path(16, 128, (G.Q4_K,) * 3, True) == "gemm"
     for forced in ("pair", "grouped", "gemm", "mmq"):
         monkeypatch.setenv("HYBRIDMOE_GPU_MOE", forced)

@@ -171,14 +171,15 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
 
 GATHER_MAX_SLOTS = 64      # token-expert pairs up to which each pair gets its own dequantized expert copy
 
-# the GPU MoE kernels by (token, slot) pairs: batches of MMQ_MIN_PAIRS pairs to MMQ_MAX_TOKENS tokens whose experts
-# are Q4_0/Q8_0 in split rows take the int8 tensor-core kernels (gpu_mmq); otherwise up to GATHER_MAX_SLOTS pairs
-# the per-pair GEMVs, above the grouped GEMMs. The grouped GEMVs (each active expert read once per block of its
-# pairs) run only when HYBRIDMOE_GPU_MOE=grouped: on an H100, 30B shape, captured batched step, they lost or tied at every batch measured
-# (B=8 16.3 ms vs per-pair 11.9, B=16 25.4 vs the GEMMs' 25.1, B=64 120.6 vs ~51; docs/benchmarks.md)
+# the GPU MoE kernels by (token, slot) pairs. Experts of Q4_0/Q8_0 in split rows, batches of 2 to MMQ_MAX_TOKENS
+# tokens: the per-pair GEMVs below MMQ_MIN_PAIRS pairs, the int8 tensor-core kernels (gpu_mmq) from there (one
+# layer of the 30B shape on an H200, us, per-pair / mmq / grouped GEMMs: B=8 88 / 161 / 201, B=16 159 / 229 / 282,
+# B=32 286 / 278 / 365, B=64 522 / 356 / 399; bench_moe_decode.py --grouped, docs/benchmarks.md). Other types:
+# the per-pair GEMVs up to GATHER_MAX_SLOTS pairs, the grouped GEMMs above. The grouped GEMVs run only when
+# HYBRIDMOE_GPU_MOE=grouped (they won at no batch size on an H100).
 _GPU_PATHS = ("pair", "grouped", "gemm", "mmq")
-MMQ_MIN_PAIRS = GATHER_MAX_SLOTS + 1    # set both from bench_moe_decode.py --grouped on the GPU (the mmq column
-MMQ_MAX_TOKENS = 64                     # against per-pair below, against gemm above)
+MMQ_MIN_PAIRS = 129
+MMQ_MAX_TOKENS = 64
 
 
 def _mmq_ok(qtypes, split: bool) -> bool:
@@ -197,8 +198,8 @@ def gpu_moe_path(n_tokens: int, n_pairs: int, qtypes=None, split: bool = False) 
         if forced not in _GPU_PATHS:
             raise HybridMoeError(f"HYBRIDMOE_GPU_MOE={forced!r}: give auto, pair, grouped, gemm or mmq")
         return "gemm" if forced == "mmq" and not _mmq_ok(qtypes, split) else forced
-    if n_tokens > 1 and n_pairs >= MMQ_MIN_PAIRS and n_tokens <= MMQ_MAX_TOKENS and _mmq_ok(qtypes, split):
-        return "mmq"
+    if 1 < n_tokens <= MMQ_MAX_TOKENS and _mmq_ok(qtypes, split):
+        return "mmq" if n_pairs >= MMQ_MIN_PAIRS else "pair"
     return "pair" if n_tokens <= 1 or n_pairs <= GATHER_MAX_SLOTS else "gemm"
 
 
