@@ -247,6 +247,41 @@ def test_handoff_kernels(monkeypatch):
     assert int(err[0]) == 1
 
 
+def test_batch_handoff_flags(monkeypatch):
+    """The batched step's hand-off kernels (kernels/gpu_handoff.py): publish sets the host flag to the step once
+    the rows copied before it are there; await_flag holds the stream until the host's flag equals the step (on
+    a GPU: it really waits), and sets err after too many polls instead of hanging."""
+    from hybridmoe.kernels import gpu_handoff as gh
+    cuda = DEV == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    flag, err = (torch.zeros(n, dtype=torch.int32, pin_memory=cuda) for n in (16, 1))
+    rows = torch.zeros(4, 8, pin_memory=cuda)
+    src = torch.randn(4, 8, generator=_gen(8), device=DEV)
+    step = torch.full((1,), 3, dtype=torch.int32, device=DEV)
+    rows.copy_(src, non_blocking=True)
+    gh.publish(flag, step)
+    sync()
+    assert int(flag[0]) == 3 and torch.equal(rows, src.cpu())
+    gh.await_flag(flag, step, err)                      # already there: goes on at once
+    sync()
+    assert int(err[0]) == 0
+    if cuda:
+        step.fill_(4)
+        gh.await_flag(flag, step, err)
+        done = torch.cuda.Event()
+        done.record()
+        time.sleep(0.05)
+        assert not done.query()
+        flag[0] = 4
+        done.synchronize()
+        assert int(err[0]) == 0
+    monkeypatch.setattr(gh, "AWAIT_MAX_POLLS", 3)
+    step.fill_(9)
+    gh.await_flag(flag, step, err)                      # the host never sets 9
+    sync()
+    assert int(err[0]) == 1
+
+
 def test_stage_experts_and_a_second_addend():
     """The decode share's two kernels: stage_experts copies the experts named by ids[0, j0:] from host memory
     (pinned on a GPU, read over the bus) into its slots, byte for byte; add_rms_norm adds the device rows c

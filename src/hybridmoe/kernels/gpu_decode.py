@@ -59,6 +59,18 @@ if triton is not None:
     _MOE_CONFIGS = [triton.Config({"BN": bn, "NB": nb}, num_warps=w) for bn, nb, w in _MOE_TILES]
 
     @triton.jit
+    def _await_host(flag, step, err, max_polls):
+        """Poll flag[0] (pinned host int32) until the host sets it to step[0]; after max_polls polls err[0] = 1."""
+        want = tl.load(step)
+        got = tl.load(flag, volatile=True)
+        n = 0
+        while (got != want) & (n < max_polls):
+            got = tl.load(flag, volatile=True)
+            n += 1
+        if got != want:
+            tl.store(err, 1)
+
+    @triton.jit
     def _add_rms_norm_kernel(a, b, c, w, x_out, h_out, h2_out, H, h_stride, eps, b_rows, c_rows, q1, q2, xs, xc,
                              flag, step, err, max_polls, HAS_B: tl.constexpr, WRITE_X: tl.constexpr,
                              BH: tl.constexpr, Q8: tl.constexpr, H2: tl.constexpr, WAIT: tl.constexpr):
@@ -71,14 +83,7 @@ if triton is not None:
         m = i < H
         x = tl.load(a + t * H + i, mask=m, other=0).to(tl.float32)
         if WAIT:
-            want = tl.load(step)
-            got = tl.load(flag, volatile=True)
-            n = 0
-            while (got != want) & (n < max_polls):
-                got = tl.load(flag, volatile=True)
-                n += 1
-            if got != want:
-                tl.store(err, 1)
+            _await_host(flag, step, err, max_polls)
         if HAS_B:                                      # (from host memory, WAIT: read fresh)
             for j in range(b_rows):
                 x += tl.load(b + (t * b_rows + j) * H + i, mask=m, other=0, volatile=WAIT).to(tl.float32)

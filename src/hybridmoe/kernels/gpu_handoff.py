@@ -21,7 +21,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .gpu_decode import _flag_after_writes
+    from .gpu_decode import _await_host, _flag_after_writes
 except ImportError:                                      # CPU-only installs
     triton = None
 
@@ -32,14 +32,7 @@ if triton is not None:
 
     @triton.jit
     def _await_kernel(flag, step, err, max_polls):
-        want = tl.load(step)
-        got = tl.load(flag, volatile=True)
-        n = 0
-        while (got != want) & (n < max_polls):
-            got = tl.load(flag, volatile=True)
-            n += 1
-        if got != want:
-            tl.store(err, 1)
+        _await_host(flag, step, err, max_polls)
 
 
 def publish(flag: torch.Tensor, step: torch.Tensor):
