@@ -56,6 +56,7 @@ class BatchDecode(StaticPrefill):
         self._last = None                                # decode_batch's last caches (weak references)
         self._ran_polled = False                         # the last batch ran the polled hand-off
         self._moe = [i for i, lay in enumerate(self.layers) if "exps" in lay]
+        self._moe_idx = torch.tensor(self._moe, dtype=torch.long, device=self.dev.torch_device)
         kc = kv.k[0]
         if not ga.batch_caches_ok([kv.k[i] for i in range(len(kv.k))], [kv.v[i] for i in range(len(kv.v))]):
             raise NotApplicable("KV cache layers of different shapes or dtypes")
@@ -308,7 +309,7 @@ class BatchDecode(StaticPrefill):
             else:
                 self._replay(buf)
                 logits = buf["logits"]
-        return logits, self._distinct(buf["ids"][self._moe, :B])
+        return logits, self._distinct(buf["ids"].index_select(0, self._moe_idx)[:, :B])
 
     def _distinct(self, ids):
         """ids [n MoE layers, B, k] -> the distinct experts of each layer, on the GPU."""
