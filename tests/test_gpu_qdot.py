@@ -93,7 +93,7 @@ def test_scale_extremes():
         assert rel_l2(out.double(), moe_ref_f64(x, ids, wts, graw, uraw, draw, q, q)) < 1e-5
 
 
-@pytest.mark.parametrize("gq,dq", TYPES[:3], ids=lambda t: t.name)
+@pytest.mark.parametrize("gq,dq", TYPES[:3] + TYPES[4:], ids=lambda t: t.name)
 def test_decode_share_layout(gq, dq):
     """The decode share takes these experts at Qwen3-30B-A3B's shape: whole 16-byte runs, staged as words, and
     the GPU's moe over the staged copies equals moe over the originals (a tiny expert count here)."""
