@@ -32,6 +32,7 @@ import torch
 from ..errors import HybridMoeError
 from ..quant.types import GGMLType
 from .gpu_decode import _INTERPRET, on_device
+from .gpu_moe import block_height
 
 try:
     import triton
@@ -232,13 +233,8 @@ def disable(gate_qtype, down_qtype, err: Exception):
 
 
 def block_pairs(n_pairs: int, n_expert: int) -> int:
-    """Pairs per block (BP): a power of two from 2 to 16 of at least 1.5x the mean pairs per expert, so most
-    experts' pairs fit one block (one read of their bytes) without many empty columns."""
-    mean = n_pairs / max(n_expert, 1)
-    bp = 2
-    while bp < 16 and bp < 1.5 * mean:
-        bp *= 2
-    return bp
+    """Pairs per block (BP), 2 to 16 (gpu_moe.block_height): the MMA's N side."""
+    return block_height(n_pairs, n_expert, 2, 16)
 
 
 # (BN, NB, warps, stages) of the gate/up (True) and the down kernel: BN columns a program, NB 32-blocks a K step.

@@ -204,15 +204,20 @@ def disable(gate_qtype, down_qtype, err: Exception):
                   err, "dequantizing the experts to bf16 first")
 
 
-def block_rows(n_pairs: int, n_expert: int) -> int:
-    """Rows per block (BM) for this batch: a power of two from 16 to 128 of at least 1.5x the mean pairs per
-    expert, so most experts' rows fit one block and their weights are dequantized once (the dequantization,
-    not the tensor cores, is what a block costs)."""
+def block_height(n_pairs: int, n_expert: int, lo: int, hi: int) -> int:
+    """Pairs per block of align(): a power of two from lo to hi of at least 1.5x the mean pairs per expert, so
+    most experts' pairs fit one block (their bytes read once) without many empty rows."""
     mean = n_pairs / max(n_expert, 1)
-    bm = 16
-    while bm < 128 and bm < 1.5 * mean:
-        bm *= 2
-    return bm
+    b = lo
+    while b < hi and b < 1.5 * mean:
+        b *= 2
+    return b
+
+
+def block_rows(n_pairs: int, n_expert: int) -> int:
+    """Rows per block (BM) of the grouped GEMMs: 16 (the tensor cores' tile) to 128; a block's cost is its
+    dequantization, so fewer, fuller blocks pay."""
+    return block_height(n_pairs, n_expert, 16, 128)
 
 
 def align(ids: torch.Tensor, n_expert: int, bm: int):

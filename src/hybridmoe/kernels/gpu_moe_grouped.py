@@ -27,6 +27,7 @@ import torch
 from ..quant.types import GGMLType
 from . import gpu_decode as gd
 from .gpu_decode import _INTERPRET, QTYPES, on_device
+from .gpu_moe import block_height
 
 try:
     import triton
@@ -177,14 +178,9 @@ def disable(gate_qtype, down_qtype, err: Exception):
 
 
 def block_rows(n_pairs: int, n_expert: int) -> int:
-    """Pairs per block (BM): a power of two from 2 to 16 of at least 1.5x the mean pairs per expert, so most
-    experts' pairs fit one block (one read of their bytes) without many empty rows (each costs a row's dp4a
-    work on split rows)."""
-    mean = n_pairs / max(n_expert, 1)
-    bm = 2
-    while bm < 16 and bm < 1.5 * mean:
-        bm *= 2
-    return bm
+    """Pairs per block (BM), 2 to 16 (gpu_moe.block_height): an empty row costs a row's dp4a work on split
+    rows."""
+    return block_height(n_pairs, n_expert, 2, 16)
 
 
 # (BN, NB, warps) of the split-row kernels for gate/up and down at BM pairs a block: BM x BN x NB x 4 products a
