@@ -348,22 +348,12 @@ def mmq_tiles(types, sizes=(16, 64)):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--mmq-tiles"]:
-        mmq_tiles(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0"])
-        sys.exit()
-    if sys.argv[1:2] == ["--grouped"]:
-        grouped(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0"])
-        sys.exit()
-    if sys.argv[1:2] == ["--grouped-tiles"]:
-        grouped_tiles(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0"])
-        sys.exit()
-    if sys.argv[1:2] == ["--dense"]:
-        dense(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q8_0", "Q4_0"])
-        sys.exit()
-    if sys.argv[1:2] == ["--split"]:
-        split(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0"])
-        sys.exit()
-    if sys.argv[1:2] == ["--tiles"]:
-        tiles(sys.argv[2].split(",") if len(sys.argv) > 2 else ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
-        sys.exit()
-    main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["Q4_0", "Q8_0", "Q4_K"])
+    # --option [TYPES]: (function, default types); no option: main over its default types
+    modes = {"--mmq-tiles": (mmq_tiles, "Q4_0,Q8_0"), "--grouped": (grouped, "Q4_0,Q8_0"),
+             "--grouped-tiles": (grouped_tiles, "Q4_0,Q8_0"), "--dense": (dense, "Q8_0,Q4_0"),
+             "--split": (split, "Q4_0,Q8_0"), "--tiles": (tiles, "Q4_0,Q8_0,Q4_K,Q6_K")}
+    if sys.argv[1:2] and sys.argv[1] in modes:
+        fn, default = modes[sys.argv[1]]
+        fn((sys.argv[2] if len(sys.argv) > 2 else default).split(","))
+    else:
+        main(sys.argv[1].split(",") if len(sys.argv) > 1 else ["Q4_0", "Q8_0", "Q4_K"])
