@@ -442,6 +442,19 @@ def moe_ffn(x, ids, weights, gate_raw, up_raw, down_raw, gate_qtype, down_qtype,
     return out
 
 
+def _handoff_checked(what, gate_raw, up_raw, down_raw, gate_qtype, down_qtype, H: int, k: int, ok: bool,
+                     more: str = ""):
+    """(lib, gate type, down type, experts, F) for a hand-off call, or ValueError where the C kernel can't take
+    these experts, k slots or the caller's buffers (ok)."""
+    lib = _load()
+    gq, dq = int(gate_qtype), int(down_qtype)
+    if (lib is None or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES
+            or not _experts_ok(gate_raw, up_raw, down_raw, gq, dq, H) or not 1 <= k <= 64 or not ok):
+        raise ValueError(f"{what}: no kernel for gate {tuple(gate_raw.shape)} {GGMLType(gq).name}, "
+                         f"down {tuple(down_raw.shape)} {GGMLType(dq).name}, H={H}, k={k}{more}")
+    return lib, gq, dq, gate_raw.shape[0], gate_raw.shape[1]
+
+
 def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out, ready, done,
                  n_threads=None, timeout_s: float = 30.0, n_cpu: int | None = None):
     """One layer's side of the decode hand-off with a GPU (graphs.py), as a function of the step number.
@@ -452,17 +465,11 @@ def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out
     that is not an expert, or -3 when the GPU did not come within timeout_s. packed float32 [H + 2k] and
     out float32 [H] (pinned), ready and done int32 (pinned), all CPU tensors that outlive the function.
     n_cpu: run only the experts of the first n_cpu of the k slots (the GPU takes the others); default all."""
-    lib = _load()
-    gq, dq = int(gate_qtype), int(down_qtype)
-    E, F = gate_raw.shape[0], gate_raw.shape[1]
     H = out.numel()
     k = (packed.numel() - H) // 2
     kc = k if n_cpu is None else int(n_cpu)
-    if (lib is None or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES
-            or not _experts_ok(gate_raw, up_raw, down_raw, gq, dq, H) or packed.numel() != H + 2 * k
-            or not 1 <= k <= 64 or not 1 <= kc <= k):
-        raise ValueError(f"handoff_call: no kernel for gate {tuple(gate_raw.shape)} {GGMLType(gq).name}, "
-                         f"down {tuple(down_raw.shape)} {GGMLType(dq).name}, H={H}, k={k}")
+    lib, gq, dq, E, F = _handoff_checked("handoff_call", gate_raw, up_raw, down_raw, gate_qtype, down_qtype, H, k,
+                                         packed.numel() == H + 2 * k and 1 <= kc <= k)
     return functools.partial(lib.hm_moe_handoff, ready.data_ptr(), done.data_ptr(), timeout_s, packed.data_ptr(),
                              H, k, kc, gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq,
                              out.data_ptr(), _threads(n_threads))
@@ -473,16 +480,10 @@ def handoff_rows_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed
     """handoff_call for a batch of rows: calling it with (step, T) waits until ready[0] == step, then runs the k
     experts of the first T rows of packed float32 [Tp, H + 2k] (pinned) into out float32 [Tp, H] (pinned; the
     rows after T become zeros), and sets done[0] = step, also after an error. Returns as handoff_call's."""
-    lib = _load()
-    gq, dq = int(gate_qtype), int(down_qtype)
-    E, F = gate_raw.shape[0], gate_raw.shape[1]
     Tp, H = out.shape
     k = (packed.shape[1] - H) // 2
-    if (lib is None or gq not in KERNEL_TYPES or dq not in KERNEL_TYPES
-            or not _experts_ok(gate_raw, up_raw, down_raw, gq, dq, H) or packed.shape != (Tp, H + 2 * k)
-            or not 1 <= k <= 64 or not 1 <= Tp <= 64):
-        raise ValueError(f"handoff_rows_call: no kernel for gate {tuple(gate_raw.shape)} {GGMLType(gq).name}, "
-                         f"down {tuple(down_raw.shape)} {GGMLType(dq).name}, H={H}, k={k}, rows={Tp}")
+    lib, gq, dq, E, F = _handoff_checked("handoff_rows_call", gate_raw, up_raw, down_raw, gate_qtype, down_qtype, H,
+                                         k, packed.shape == (Tp, H + 2 * k) and 1 <= Tp <= 64, f", rows={Tp}")
     nth = _threads(n_threads)
 
     def call(step: int, T: int) -> int:

@@ -250,56 +250,63 @@ static int handoff_wait(const int32_t *ready, int32_t step, double timeout_s) {
     return 0;
 }
 
-int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t H,
-                   int64_t k, int64_t kc, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
-                   const uint8_t *down, int dtype, float *out, int nthreads, int32_t step) {
+/* The CPU side of a decode hand-off with a GPU: waits until *ready == step, then runs the experts of the first kc
+ * of the k slots of the first T of the Tp rows of packed [Tp][H + 2k] (row: x | router weights | expert ids as
+ * floats; every slot's id is checked) into out [Tp][H], zeros in the rows after T (padding), and sets *done =
+ * step, also after an error, so that the GPU never waits forever. 0, -1 (an id that is not an expert, or bad
+ * sizes), -2 (no memory), -3 (the GPU did not come within timeout_s). */
+static int handoff_rows(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t T,
+                        int64_t Tp, int64_t H, int64_t k, int64_t kc, const uint8_t *gate, const uint8_t *up,
+                        int gtype, int64_t F, int64_t E, const uint8_t *down, int dtype, float *out, int nthreads,
+                        int32_t step) {
+    static __thread float *xs;                    /* several rows' x, contiguous: kept from call to call */
+    static __thread size_t xs_n;
+    int32_t ids[64 * 64];
+    float wts[64 * 64];
     int rc = handoff_wait(ready, step, timeout_s);
-    int32_t ids[64];
-    float wts[64];
-    if (!rc && (k < 1 || k > 64 || kc < 1 || kc > k)) rc = -1;
-    for (int64_t j = 0; !rc && j < k; j++) {
-        const float f = packed[H + k + j];
-        if (!(f >= 0.0f && f < (float)E)) rc = -1;   /* NaN too */
-        ids[j] = rc ? 0 : (int32_t)f;
-        wts[j] = packed[H + j];
+    if (!rc && (k < 1 || k > 64 || kc < 1 || kc > k || T < 1 || T > Tp || Tp > 64)) rc = -1;
+    const float *x = packed;                      /* one row: its x is contiguous already */
+    if (!rc && T > 1) {
+        if (xs_n < (size_t)T * H) {
+            float *p = (float *)realloc(xs, (size_t)Tp * H * sizeof(float));
+            if (p) xs = p, xs_n = (size_t)Tp * H;
+            else rc = -2;
+        }
+        for (int64_t t = 0; !rc && t < T; t++) memcpy(xs + t * H, packed + t * (H + 2 * k), (size_t)H * sizeof(float));
+        x = xs;
     }
-    if (!rc) rc = moe_ffn_act(packed, 1, H, ids, wts, kc, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
+    for (int64_t t = 0; !rc && t < T; t++) {
+        const float *row = packed + t * (H + 2 * k);
+        for (int64_t j = 0; !rc && j < k; j++) {
+            const float f = row[H + k + j];
+            if (!(f >= 0.0f && f < (float)E)) rc = -1;   /* NaN too */
+            if (j < kc) {
+                ids[t * kc + j] = rc ? 0 : (int32_t)f;
+                wts[t * kc + j] = row[H + j];
+            }
+        }
+    }
+    if (!rc) rc = moe_ffn_act(x, T, H, ids, wts, kc, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
+    if (Tp > T && Tp <= 64) memset(out + T * H, 0, (size_t)(Tp - T) * H * sizeof(float));
     __atomic_store_n(done, step, __ATOMIC_RELEASE);
     return rc;
 }
 
-/* The batched decode step's hand-off (runtime/steps/gpu_batch.py): as hm_moe_handoff for the first T of the Tp
- * rows of packed [Tp][H + 2k] (row: x | router weights | expert ids as floats), every one of the k experts;
- * out [Tp][H] gets their rows and zeros after them (padding rows). */
+/* one token (the single-sequence decode step): its first kc slots on the CPU, the GPU runs the others */
+int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t H,
+                   int64_t k, int64_t kc, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                   const uint8_t *down, int dtype, float *out, int nthreads, int32_t step) {
+    return handoff_rows(ready, done, timeout_s, packed, 1, 1, H, k, kc, gate, up, gtype, F, E, down, dtype, out,
+                        nthreads, step);
+}
+
+/* the batched decode step (runtime/steps/gpu_batch.py): the first T of Tp rows, every slot */
 int hm_moe_handoff_rows(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t T,
                         int64_t Tp, int64_t H, int64_t k, const uint8_t *gate, const uint8_t *up, int gtype,
                         int64_t F, int64_t E, const uint8_t *down, int dtype, float *out, int nthreads,
                         int32_t step) {
-    int rc = handoff_wait(ready, step, timeout_s);
-    if (!rc && (k < 1 || k > 64 || T < 1 || T > Tp || Tp > 64)) rc = -1;
-    static __thread float *xs;                    /* the rows' x, contiguous: kept from call to call */
-    static __thread size_t xs_n;
-    int32_t ids[64 * 64];
-    float wts[64 * 64];
-    if (!rc && xs_n < (size_t)T * H) {
-        float *p = (float *)realloc(xs, (size_t)Tp * H * sizeof(float));
-        if (p) xs = p, xs_n = (size_t)Tp * H;
-        else rc = -2;
-    }
-    for (int64_t t = 0; !rc && t < T; t++) {
-        const float *row = packed + t * (H + 2 * k);
-        memcpy(xs + t * H, row, (size_t)H * sizeof(float));
-        for (int64_t j = 0; !rc && j < k; j++) {
-            const float f = row[H + k + j];
-            if (!(f >= 0.0f && f < (float)E)) rc = -1;   /* NaN too */
-            ids[t * k + j] = rc ? 0 : (int32_t)f;
-            wts[t * k + j] = row[H + j];
-        }
-    }
-    if (!rc) rc = moe_ffn_act(xs, T, H, ids, wts, k, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
-    if (Tp > T) memset(out + T * H, 0, (size_t)(Tp - T) * H * sizeof(float));
-    __atomic_store_n(done, step, __ATOMIC_RELEASE);
-    return rc;
+    return handoff_rows(ready, done, timeout_s, packed, T, Tp, H, k, k, gate, up, gtype, F, E, down, dtype, out,
+                        nthreads, step);
 }
 
 int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
