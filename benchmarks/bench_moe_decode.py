@@ -217,13 +217,15 @@ def dense(types):
 
 def _batch_case(q, B, g):
     """The 30B layer's experts in split rows (as the GPU keeps them) and B tokens' routing: each token's k
-    experts uniformly at random (a real router is skewed: fewer distinct experts, more pairs each)."""
+    experts uniformly at random (a real router is skewed: fewer distinct experts, more pairs each); and the
+    bytes of the distinct experts the batch reads."""
     graw, uraw = (split_rows(random_blocks(q, (E, F, H), g), q) for _ in range(2))
     draw = split_rows(random_blocks(q, (E, H, F), g), q)
     x = torch.randn(B, H, device="cuda", generator=g)
     ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K_USED] for _ in range(B)]).to(torch.int32)
     wts = torch.softmax(torch.randn(B, K_USED, device="cuda", generator=g), -1)
-    return x, ids, wts, graw, uraw, draw
+    nbytes = int(torch.unique(ids).numel()) * (2 * F * row_bytes(q, H) + H * row_bytes(q, F))
+    return x, ids, wts, graw, uraw, draw, nbytes
 
 
 def grouped(types, sizes=(1, 2, 4, 8, 16, 32, 64)):
@@ -242,10 +244,8 @@ def grouped(types, sizes=(1, 2, 4, 8, 16, 32, 64)):
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
     for name in types:
         q = GGMLType[name]
-        per = 2 * F * row_bytes(q, H) + H * row_bytes(q, F)
         for B in sizes:
-            x, ids, wts, gs, us, ds = _batch_case(q, B, g)
-            nbytes = int(torch.unique(ids).numel()) * per
+            x, ids, wts, gs, us, ds, nbytes = _batch_case(q, B, g)
             kw = dict(gate_split=True, down_split=True)
             runs = {"pair": lambda: gd.moe(x, ids, wts, gs, us, ds, q, q, **kw),
                     "grouped": lambda: gg.moe(x, ids, wts, gs, us, ds, q, q, **kw),
@@ -256,7 +256,7 @@ def grouped(types, sizes=(1, 2, 4, 8, 16, 32, 64)):
             diff = [float((runs[k]() - ref).norm() / ref.norm()) for k in ("pair", "gemm", "mmq")]
             cell = " | ".join(f"{t[k] * 1e6:.1f} ({nbytes / t[k] / 1e9:.0f})" for k in runs)
             auto = gpu_moe_path(B, B * K_USED, (q,) * 3, True)
-            print(f"| {name} | {B} | {nbytes // per} | {nbytes / 1e6:.0f} | {cell} | {auto} | "
+            print(f"| {name} | {B} | {torch.unique(ids).numel()} | {nbytes / 1e6:.0f} | {cell} | {auto} | "
                   f"{t['gemm'] / t['mmq']:.2f} | {', '.join(f'{d:.1e}' for d in diff)} |", flush=True)
 
 
@@ -268,10 +268,8 @@ def grouped_tiles(types, sizes=(16, 64)):
     grid = [(bn, nb, w) for bn in (2, 4, 8, 16) for nb in (8, 16, 32) for w in (4, 8)]
     for name in types:
         q = GGMLType[name]
-        per = 2 * F * row_bytes(q, H) + H * row_bytes(q, F)
         for B in sizes:
-            x, ids, wts, gs, us, ds = _batch_case(q, B, g)
-            nbytes = int(torch.unique(ids).numel()) * per
+            x, ids, wts, gs, us, ds, nbytes = _batch_case(q, B, g)
             rule = graph_timed(lambda: gg.moe(x, ids, wts, gs, us, ds, q, q, gate_split=True, down_split=True),
                                n=10, reps=10)
             res = []
@@ -303,11 +301,9 @@ def mmq_tiles(types, sizes=(16, 64)):
         [(64, 8, 4, 2), (64, 4, 4, 2), (64, 2, 4, 4), (128, 4, 8, 3), (32, 4, 2, 3)]
     for name in types:
         q = GGMLType[name]
-        per = 2 * F * row_bytes(q, H) + H * row_bytes(q, F)
         perm = q == GGMLType.Q4_0
         for B in sizes:
-            x, ids, wts, gs, us, ds = _batch_case(q, B, g)
-            nbytes = int(torch.unique(ids).numel()) * per
+            x, ids, wts, gs, us, ds, nbytes = _batch_case(q, B, g)
             n = B * K_USED
             bp = mq.block_pairs(n, E)
             pairs, blk_e = align(ids, E, bp)
