@@ -197,7 +197,37 @@ def test_eager_batch_matches_each_item_on_fake_gpus(name, monkeypatch):
     m = hybridmoe.load("synth:tiny", ctx_size=128, **PLACEMENTS[name])
     _check_eager_batch(m)
     assert m.stats.crossings > 0
-    assert m._batch is None                              # GPU caches: never the CPU batch step
+    assert not m._batch                                  # GPU caches: never the CPU batch step
+
+
+def test_mixed_batch_splits_decode_from_prompt(monkeypatch):
+    """-ngl 0 with a GPU (here a fake one): a prompt chunk may be offloaded, so a batch of decode tokens and a prompt
+    chunk runs as two: the decode tokens through the CPU batch step, the chunk through the prompt path; every row is
+    what forward gives alone (bit for bit: the CPU decode rows are row-independent), the step's distinct experts
+    those both parts read."""
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    m = hybridmoe.load("synth:tiny", ctx_size=128, n_gpu_layers=0)
+    prompts = _prompts([7, 3, 9], seed=21)
+    kb, kr = [m.new_cache(128) for _ in prompts], [m.new_cache(128) for _ in prompts]
+    for p, a, b in zip(prompts, kb, kr):
+        m.forward(p, 0, a)
+        m.forward(p, 0, b)
+    pieces = [torch.tensor([5]), _prompts([6], seed=22)[0], torch.tensor([9])]
+    split = []
+    orig = m._forward_split
+    monkeypatch.setattr(m, "_forward_split", lambda *a: split.append(1) or orig(*a))
+    for all_logits in (True, False):
+        items = lambda kvs: [(t, p.shape[0], kv) for t, p, kv in zip(pieces, prompts, kvs)]   # noqa: E731
+        got = m.forward_batch(items(kb), all_logits)
+        ref = _per_item(m, items(kr), all_logits)
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape and torch.equal(g, r)
+        assert m._batch and not getattr(m._batch, "single_tokens", False)      # the CPU batch step ran the decode
+        lb = m.stats.last_batch
+        assert lb["sequences"] == 3 and lb["tokens"] == 8
+        assert lb["distinct_experts"] >= m.cfg.n_expert_used
+        prompts = [torch.cat([p, t]) for p, t in zip(prompts, pieces)]
+    assert len(split) == 2
 
 
 @pytest.mark.parametrize("preset", ["tiny-deepseek2", "tiny-gpt-oss", "tiny-dense"])

@@ -305,6 +305,8 @@ class Model:
         to}) by the CPU batch step where it applies, else the eager decoder over the whole batch (a single item:
         forward's own path)."""
         step = self._batch_step(items)
+        if step is None and self._split_mixed(items):
+            return self._forward_split(items, all_logits)
         if step is not None:
             try:
                 out, distinct = step.forward_batch(items, all_logits)
@@ -340,6 +342,30 @@ class Model:
             k = self.cfg.n_expert_used                  # a static decode step: one token routes to k experts
             return out, {i: k for i in self._moe_layers()}
         return out, {i: int(torch.unique(ids).numel()) for i, ids in routing.items()}
+
+    def _split_mixed(self, items) -> bool:
+        """Whether a batch of decode tokens and prompt chunks runs as two batches: its decode tokens through a batch
+        step (or the static decode step, one alone) and its prompt chunks through the prompt path, instead of one
+        eager pass (Python launching every op of every layer: ~10x a captured step with every weight on a GPU)."""
+        sizes = [int(t.shape[0]) for t, _, _ in items]
+        if min(sizes) > 1 or max(sizes) == 1 or not self.runtime.graphs or not self.decoder.static_decode:
+            return False
+        dec = [it for it, n in zip(items, sizes) if n == 1]
+        return len(dec) == 1 or self._batch_step(dec) is not None
+
+    def _forward_split(self, items, all_logits: bool):
+        """_forward_batch's result for a batch split by _split_mixed: the rows item after item, each layer's distinct
+        experts summed over the two batches (what the step read)."""
+        sizes = [int(t.shape[0]) for t, _, _ in items]
+        parts = [[j for j, n in enumerate(sizes) if n == 1], [j for j, n in enumerate(sizes) if n > 1]]
+        rows, routed = [None] * len(items), {}
+        for idx in parts:
+            out, r = self._forward_batch([items[j] for j in idx], all_logits)
+            for j, o in zip(idx, out.split([sizes[j] if all_logits else 1 for j in idx])):
+                rows[j] = o
+            for i, n in r.items():
+                routed[i] = routed.get(i, 0) + n
+        return torch.cat(rows), routed
 
     def _moe_layers(self) -> list[int]:
         if getattr(self, "_moe_ids", None) is None:
