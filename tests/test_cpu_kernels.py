@@ -442,7 +442,7 @@ def test_handoff_runs_only_the_first_n_cpu_slots():
         want = cpu.moe_ffn(x, ids[:, :n_cpu].contiguous(), wts[:, :n_cpu].contiguous(), *w)[0]
         assert torch.equal(b["out"], want)
     call = cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], timeout_s=0.05, n_cpu=5)
-    b["packed"][H + 2 * k - 1] = -1.0                  # the last slot is the GPU's, still an expert id
+    b["packed"][H + 2 * k - 1] = -2.0                  # the last slot is the GPU's, still an expert id
     b["ready"][0] = 9
     assert call(9) == -1 and int(b["done"][0]) == 9
     for bad in (0, 9):
@@ -455,7 +455,7 @@ def test_handoff_errors_still_release_the_gpu():
     call = cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], timeout_s=0.05)
     assert call(3) == -3 and int(b["done"][0]) == 3    # the GPU never came: a timeout, not a hang
     H = b["out"].numel()
-    for bad in (float("nan"), 1e9, -1.0):              # an id that is not an expert
+    for bad in (float("nan"), 1e9, -2.0):              # an id that is not an expert (-1: the GPU's pair)
         b["packed"][H + 8] = bad
         b["ready"][0] = 4
         assert call(4) == -1 and int(b["done"][0]) == 4
@@ -466,8 +466,8 @@ def test_handoff_errors_still_release_the_gpu():
 
 def test_handoff_rows_runs_the_first_rows_and_zeros_the_rest():
     """The batched decode step's hand-off: the first T of Tp packed rows [x | weights | ids] through the experts,
-    each row what moe_ffn gives it in a call over those rows, the padding rows' outputs zero; a bad id in a real
-    row is refused (done still set), one in a padding row is never read."""
+    each row what moe_ffn gives it in a call over those rows, the padding rows' outputs zero, pairs of id -1 (the
+    GPU's) skipped; a bad id in a real row is refused (done still set), one in a padding row is never read."""
     q, k = G.Q4_0, 8
     E, H, F = shapes(q, 1)
     w = (*experts(q, E, H, F), q, q)
@@ -486,6 +486,11 @@ def test_handoff_rows_runs_the_first_rows_and_zeros_the_rest():
         assert call(step, T) == 0 and int(done[0]) == step
         assert torch.equal(out[:T], cpu.moe_ffn(x[:T], ids[:T], wts[:T], *w))
         assert not out[T:].any()
+    gpu = ids.clone()
+    gpu[:, ::3] = -1                                     # the pairs the GPU runs itself (the decode share): skipped
+    packed[:, H + k:] = gpu.float()
+    ready[0] = 4
+    assert call(4, 6) == 0 and torch.equal(out[:6], cpu.moe_ffn(x[:6], gpu[:6], wts[:6], *w))
     packed[2, H + k] = float(E)
     ready[0] = 9
     assert call(9, 4) == -1 and int(done[0]) == 9

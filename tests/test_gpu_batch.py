@@ -202,18 +202,50 @@ def test_batch_decode_step_matches_eager(monkeypatch):
         assert rel_l2(outs[0], outs[1]) <= 1e-4          # q rounded to the f16 cache dtype in the kernel
 
 
-@pytest.mark.parametrize("ot", [["exps=CPU"], [r"blk\.1\.ffn_.*_exps=CPU"]], ids=["exps-cpu", "one-layer-cpu"])
-def test_batch_decode_with_host_experts(ot, monkeypatch):
-    """-ngl 99 with experts in host RAM (all layers', or one layer's): the batched decode step runs its kernels
-    with each host-expert layer's real rows handed to the scheduler's expert op (the C kernel, B rows in one
-    call), padded rows left out, and gives each sequence what it decodes alone on its own cache; on a GPU the
-    later steps replay the bucket's chain of graphs, the host part run between them."""
+@pytest.mark.parametrize("ot", [[], ["exps=CPU"]], ids=["ngl99", "exps-cpu"])
+def test_mixed_batch_runs_the_decode_step(ot, monkeypatch):
+    """A server step with decode tokens and a prompt chunk: the decode tokens go through the batched decode step
+    (bucket 2), the chunk through the prompt path, not one eager pass; each row as forward gives it alone."""
     import hybridmoe
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode
     real = _fake_gpu_or_real(monkeypatch)
     m = hybridmoe.load("synth:tiny", ctx_size=64, n_gpu_layers=99, override_tensor=ot)
+    prompts = [IDS[:5], IDS[5:17], IDS[17:18]]
+    kb, kr = [m.new_cache(64) for _ in prompts], [m.new_cache(64) for _ in prompts]
+    for p, a, b in zip(prompts, kb, kr):
+        m.forward(torch.tensor(p), 0, a)
+        m.forward(torch.tensor(p), 0, b)
+    pieces = [torch.tensor([IDS[20]]), torch.tensor(IDS[21:27]), torch.tensor([IDS[27]])]
+    for rnd in range(2):                          # the second replays the bucket's graph on a GPU
+        items = lambda kvs: [(t, len(p), kv) for t, p, kv in zip(pieces, prompts, kvs)]   # noqa: E731
+        got = m.forward_batch(items(kb), all_logits=True)
+        want = [m.forward(t, pos, kv, all_logits=True) for t, pos, kv in items(kr)]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            assert rel_l2(g, w) < (1e-2 if real else 1e-4)
+            assert torch.equal(g.argmax(-1), w.argmax(-1))
+        assert m.stats.last_batch["sequences"] == 3 and m.stats.last_batch["tokens"] == 8
+        prompts = [p + t.tolist() for p, t in zip(prompts, pieces)]
+    assert isinstance(m._batch, BatchDecode) and 2 in m._batch.buckets
+
+
+@pytest.mark.parametrize("ot,share", [(["exps=CPU"], "0"), (["exps=CPU"], "3"), ([r"blk\.1\.ffn_.*_exps=CPU"], "1")],
+                         ids=["exps-cpu", "exps-cpu-share", "one-layer-cpu-share"])
+def test_batch_decode_with_host_experts(ot, share, monkeypatch):
+    """-ngl 99 with experts in host RAM (all layers', or one layer's): the batched decode step runs its kernels
+    with each host-expert layer's real rows handed to the scheduler's expert op (the C kernel, B rows in one
+    call), padded rows left out, and gives each sequence what it decodes alone on its own cache; on a GPU the
+    later steps replay the bucket's chain of graphs, the host part run between them, and with the decode share
+    (forced: share of the k experts) the GPU runs that share of the distinct experts' pairs itself."""
+    import hybridmoe
+    from hybridmoe.runtime.steps.gpu_batch import BatchDecode
+    real = _fake_gpu_or_real(monkeypatch)
+    monkeypatch.setenv("HYBRIDMOE_DECODE_SHARE", share)
+    m = hybridmoe.load("synth:tiny", ctx_size=64, n_gpu_layers=99, override_tensor=ot)
+    shared = 0
     for _, want, got in _alone_and_batched(m, 3, before_batch=m.stats.reset):
         assert m.stats.cpu_expert_seconds > 0                    # the host layers' experts ran on the CPU
+        shared += m.stats.gpu_share_bytes
         for w, g in zip(want, got):
             assert rel_l2(g, w) < (1e-2 if real else 1e-4)
             assert int(g.argmax()) == int(w.argmax())
@@ -222,6 +254,7 @@ def test_batch_decode_with_host_experts(ot, monkeypatch):
     pieces = step.buckets[4]["graph"]
     if real:                # captured after the first batch: a graph up to each host-expert layer, and the rest
         assert [h for _, h in pieces] == [i for i, lay in enumerate(step.layers) if lay.get("host")] + [None]
+        assert (step.share_frac > 0) == (share != "0") and (shared > 0) == (share != "0")
     else:
         assert pieces is None                                    # fake GPUs: kernels in the interpreter, eagerly
 

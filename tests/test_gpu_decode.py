@@ -296,6 +296,10 @@ def test_stage_experts_and_a_second_addend():
     gd.stage_experts(ids, 2, [gd.stage_words(t) for t in host], [gd.stage_words(t) for t in stage])
     for got, t in zip(stage, host):
         assert torch.equal(got.cpu(), t[[14, 0]])
+    gd.stage_experts(torch.tensor([[5, -1]], dtype=torch.int32, device=DEV), 0, [gd.stage_words(t) for t in host],
+                     [gd.stage_words(t) for t in stage])             # an id < 0: its slot left as it was
+    for got, t in zip(stage, host):
+        assert torch.equal(got.cpu(), t[[5, 0]])
     assert gd.stage_words(torch.zeros(4, 3, 6, dtype=torch.uint8)) is None      # 18-byte experts: no wide loads
     a, b, w = (torch.randn(1, H, generator=_gen(i), device=DEV) for i in range(3))
     c = torch.randn(3, H, generator=_gen(3), device=DEV)

@@ -478,8 +478,9 @@ def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out
 def handoff_rows_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out, ready, done,
                       n_threads=None, timeout_s: float = 30.0):
     """handoff_call for a batch of rows: calling it with (step, T) waits until ready[0] == step, then runs the k
-    experts of the first T rows of packed float32 [Tp, H + 2k] (pinned) into out float32 [Tp, H] (pinned; the
-    rows after T become zeros), and sets done[0] = step, also after an error. Returns as handoff_call's."""
+    experts of the first T rows of packed float32 [Tp, H + 2k] (pinned; an id of -1 is a pair the GPU runs itself,
+    skipped here) into out float32 [Tp, H] (pinned; the rows after T become zeros), and sets done[0] = step, also
+    after an error. Returns as handoff_call's."""
     Tp, H = out.shape
     k = (packed.shape[1] - H) // 2
     lib, gq, dq, E, F = _handoff_checked("handoff_rows_call", gate_raw, up_raw, down_raw, gate_qtype, down_qtype, H,

@@ -252,7 +252,8 @@ static int handoff_wait(const int32_t *ready, int32_t step, double timeout_s) {
 
 /* The CPU side of a decode hand-off with a GPU: waits until *ready == step, then runs the experts of the first kc
  * of the k slots of the first T of the Tp rows of packed [Tp][H + 2k] (row: x | router weights | expert ids as
- * floats; every slot's id is checked) into out [Tp][H], zeros in the rows after T (padding), and sets *done =
+ * floats; every slot's id is checked; -1: a pair the GPU runs, skipped) into out [Tp][H], zeros in the rows after T
+ * (padding), and sets *done =
  * step, also after an error, so that the GPU never waits forever. 0, -1 (an id that is not an expert, or bad
  * sizes), -2 (no memory), -3 (the GPU did not come within timeout_s). */
 static int handoff_rows(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t T,
@@ -279,7 +280,7 @@ static int handoff_rows(const int32_t *ready, int32_t *done, double timeout_s, c
         const float *row = packed + t * (H + 2 * k);
         for (int64_t j = 0; !rc && j < k; j++) {
             const float f = row[H + k + j];
-            if (!(f >= 0.0f && f < (float)E)) rc = -1;   /* NaN too */
+            if (!(f >= 0.0f && f < (float)E) && f != -1.0f) rc = -1;   /* NaN too; -1: a pair the GPU runs */
             if (j < kc) {
                 ids[t * kc + j] = rc ? 0 : (int32_t)f;
                 wts[t * kc + j] = row[H + j];

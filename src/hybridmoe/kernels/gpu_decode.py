@@ -288,18 +288,19 @@ if triton is not None:
     def _stage_experts_kernel(ids, j0, gs, us, ds, gdst, udst, ddst, n_gu, n_d, BLOCK: tl.constexpr):
         """Program (chunk c, slot j, matrix m): words [c BLOCK, (c + 1) BLOCK) of expert ids[j0 + j]'s gate
         (m 0), up (1) or down (2) matrix (n_gu, n_gu, n_d int32 words an expert), from host memory read over
-        the bus in wide loads, into slot j of the device tensors."""
+        the bus in wide loads, into slot j of the device tensors; nothing for an id < 0 (an unused slot)."""
         c = tl.program_id(0)
         j = tl.program_id(1)
         m = tl.program_id(2)
         e = tl.load(ids + j0 + j).to(tl.int64)
         i = c * BLOCK + tl.arange(0, BLOCK)
-        if m == 0:
-            _copy_words(gs + e * n_gu, gdst + j * n_gu, i, n_gu)
-        elif m == 1:
-            _copy_words(us + e * n_gu, udst + j * n_gu, i, n_gu)
-        else:
-            _copy_words(ds + e * n_d, ddst + j * n_d, i, n_d)
+        if e >= 0:
+            if m == 0:
+                _copy_words(gs + e * n_gu, gdst + j * n_gu, i, n_gu)
+            elif m == 1:
+                _copy_words(us + e * n_gu, udst + j * n_gu, i, n_gu)
+            else:
+                _copy_words(ds + e * n_d, ddst + j * n_d, i, n_d)
 
     @triton.jit
     def _dp4a(a, b, c, EMU: tl.constexpr):
@@ -484,8 +485,8 @@ def stage_words(raw: torch.Tensor):
 
 def stage_experts(ids, j0: int, srcs, dsts):
     """Copy the experts ids[0, j0:j0 + g] of srcs (gate, up, down as stage_words, in pinned host memory, read
-    by the GPU over the bus) into dsts (the same three, [g, n] on the GPU): one launch, no host work, so a
-    CUDA graph can hold it with ids known only on the GPU."""
+    by the GPU over the bus) into dsts (the same three, [g, n] on the GPU), slots whose id is < 0 left as they
+    are: one launch, no host work, so a CUDA graph can hold it with ids known only on the GPU."""
     g = dsts[0].shape[0]
     n_gu, n_d = dsts[0].shape[1], dsts[2].shape[1]
     with on_device(dsts[0]):

@@ -20,6 +20,7 @@ from the next batch on. More than 64 sequences run in chunks of 64.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import weakref
 
@@ -31,7 +32,8 @@ from ...kernels import gpu_batch_attention as ga
 from ...kernels import gpu_handoff as gh
 from .. import experts as X
 from .base import NonFinite, NotApplicable
-from .gpu_decode import capturing, gc_paused
+from ...kernels import gpu_decode as gd
+from .gpu_decode import capturing, gc_paused, share_count
 from .gpu_prefill import StaticPrefill
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -74,6 +76,12 @@ class BatchDecode(StaticPrefill):
         # synchronous one (a stream sync and the scheduler's expert op a layer)
         self.polled = bool(self.host_layers) and self.capture and X.kernels() is not None and \
             not self.sched.stats.profile and env.get("HYBRIDMOE_HANDOFF") != "sync"
+        # the decode share, for batches: while the CPU runs the others, the GPU reads about share/k of the distinct
+        # experts a host-expert layer's rows route to over the bus and runs their pairs (_share_pairs)
+        k = self.cfg.n_expert_used or 1
+        n = share_count(self.sched, self.dev, k, [self.layers[i]["exps"] for i in self.host_layers]) \
+            if self.polled else 0
+        self.share_frac = n / k
 
     def accepts(self, kv) -> bool:
         """Whether kv can be one of this step's sequences: a plain cache on this GPU shaped as the first."""
@@ -126,6 +134,51 @@ class BatchDecode(StaticPrefill):
                 return
         buf["hk"] = {"ready": ready, "done": done, "err": pin(1), "calls": calls,
                      "step": torch.zeros(1, dtype=torch.int32, device=self.dev.torch_device)}
+        if self.share_frac:
+            self._share_buffers(buf)
+
+    def _share_buffers(self, buf):
+        """A bucket's decode share: room for the most experts the GPU may take in a layer (gmax) and a slot of
+        zeros after them (the CPU's pairs run on it: zero scales, zero rows), per expert shape; the pairs' rows."""
+        B, td = buf["x"].shape[0], self.dev.torch_device
+        k, E, H = self.cfg.n_expert_used, self.cfg.n_expert, self.cfg.n_embd
+        gmax = max(1, math.ceil(self.share_frac * min(B * k, E)))
+        stage = {}
+        for i in self.host_layers:
+            key = tuple(tuple(w.raw.shape[1:]) for w in self.layers[i]["exps"])
+            if key not in stage:
+                stage[key] = [torch.zeros(gmax + 1, *shape, dtype=torch.uint8, device=td) for shape in key]
+        buf["share"] = {"gmax": gmax, "stage": stage, "gout": torch.zeros(B * k, H, device=td),
+                        "experts": torch.arange(E, dtype=torch.int32, device=td)}
+
+    def _share_pairs(self, ids, sh):
+        """The decode share of a host-expert layer, on the GPU: of the distinct experts the real rows route to, the
+        first G by id are the GPU's (G: share_frac of them, rounded, at most gmax). Returns (the ids for the CPU,
+        the GPU's pairs elsewhere -1; the GPU's ids into its staged experts, the CPU's pairs the zero slot; the
+        experts to stage [1, gmax], -1 for slots left unused)."""
+        E, gmax = self.cfg.n_expert, sh["gmax"]
+        idl = ids.long()
+        real = (self._cur["pos"] >= 0)[:, None]
+        present = torch.zeros(E + 1, dtype=torch.int64, device=ids.device)
+        present.scatter_(0, torch.where(real, idl, E).reshape(-1), 1)
+        present = present[:E]
+        rank = present.cumsum(0) - 1
+        g = torch.clamp(torch.floor(present.sum() * self.share_frac + 0.5), max=gmax)
+        mine = (present > 0) & (rank < g)
+        slot = torch.where(mine, rank, gmax)
+        sel = torch.full((gmax + 1,), -1, dtype=torch.int32, device=ids.device)
+        sel.scatter_(0, slot, sh["experts"])             # slot gmax: written by every other expert, never read
+        pair = mine[idl] & real
+        return torch.where(pair, -1, idl), torch.where(pair, slot[idl], gmax).to(torch.int32), sel[None, :gmax]
+
+    def _gpu_share(self, i: int, h, wts, lids, sel, sh):
+        """The GPU's pairs of host-expert layer i: their experts copied over the bus, run into sh["gout"]."""
+        exps = self.layers[i]["exps"]
+        g, u, d = exps
+        stage = sh["stage"][tuple(tuple(w.raw.shape[1:]) for w in exps)]
+        gd.stage_experts(sel, 0, [gd.stage_words(w.raw) for w in exps], [gd.stage_words(w[:sh["gmax"]]) for w in stage])
+        gd.moe(h, lids, wts, *stage, g.qtype, d.qtype, reduce=False, gate_split=g.split, down_split=d.split,
+               out=sh["gout"])
 
     # -- the prompt step's layer loop, with these hooks --------------------------------------------------------
     def _attention(self, i: int, lay: dict, qkv):
@@ -188,10 +241,15 @@ class BatchDecode(StaticPrefill):
         """Capturing, at host-expert layer i: the rows out to pinned memory end this graph; the next one begins
         with the host's result coming back, which the layers after i read."""
         graph, ctx, pieces, buf = self._open
-        hk = buf.get("hk")
-        buf["pin_in"].copy_(torch.cat([h.float(), wts.float(), ids.float()], 1), non_blocking=True)
+        hk, sh = buf.get("hk"), buf.get("share")
+        cpu_ids = ids
+        if sh is not None:
+            cpu_ids, lids, sel = self._share_pairs(ids, sh)
+        buf["pin_in"].copy_(torch.cat([h.float(), wts.float(), cpu_ids.float()], 1), non_blocking=True)
         if hk is not None:                               # polled: the flag says the rows are there
             gh.publish(hk["ready"][hk["calls"][i][0]], hk["step"])
+        if sh is not None:                               # the GPU's share while the CPU runs the rest
+            self._gpu_share(i, h, wts, lids, sel, sh)
         ctx.close()
         pieces.append((graph, i))
         self._begin_capture(pieces, buf)
@@ -199,6 +257,8 @@ class BatchDecode(StaticPrefill):
             gh.await_flag(hk["done"][hk["calls"][i][0]], hk["step"], hk["err"])
         dev_out = torch.empty(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
         dev_out.copy_(buf["pin_out"], non_blocking=True)
+        if sh is not None:
+            dev_out += sh["gout"].view(h.shape[0], -1, h.shape[1]).sum(1)
         return dev_out
 
     def _begin_capture(self, pieces, buf):
@@ -257,10 +317,15 @@ class BatchDecode(StaticPrefill):
         return out, distinct, top
 
     def _account(self, counts: list[int]):
-        """The expert bytes the polled hand-off's C calls read (the synchronous one's expert op counts its own)."""
+        """The expert bytes the polled hand-off's C calls read and the decode share's GPU copied (the synchronous
+        hand-off's expert op counts its own)."""
         if self._ran_polled:
-            per = self._expert_bytes
-            self.sched.stats.cpu_expert_bytes += sum(c * per.get(i, 0) for i, c in zip(self._moe, counts))
+            per, st = self._expert_bytes, self.sched.stats
+            sh = self._cur.get("share")
+            for i, c in zip(self._moe, counts):
+                g = min(sh["gmax"], math.floor(c * self.share_frac + 0.5)) if sh is not None and i in per else 0
+                st.cpu_expert_bytes += (c - g) * per.get(i, 0)
+                st.gpu_share_bytes += g * per.get(i, 0)
 
     def _to_host(self, logits, small):
         """The logits [B, n_vocab] and a small int tensor to the CPU: copies into pinned memory, one wait."""

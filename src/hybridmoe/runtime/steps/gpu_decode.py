@@ -74,6 +74,31 @@ def forced_share(k: int) -> int | None:
     return min(int(forced), k - 1)
 
 
+def share_count(sched, dev, k: int, exps: list) -> int:
+    """The decode share (docs/design.md): how many of a CPU-expert layer's k active experts the GPU runs itself
+    during a decode step, while the CPU streams the others from RAM; the GPU reads its own over the bus (zero-copy
+    from the pinned arena, gd.stage_experts). exps: each CPU-expert layer's (gate, up, down). 0 where the experts
+    are not pinned, a type has no GPU kernel, or HYBRIDMOE_DECODE_SHARE=0; that variable also forces a count.
+    Otherwise the count that balances the two sides at the calibrated rates (roofline.decode_share)."""
+    if k < 2 or not exps or not all(gd.supports(g.qtype, u.qtype, d.qtype) and gd.share_layout_ok(
+            (g.qtype, u.qtype, d.qtype), [w.raw[0].numel() for w in (g, u, d)]) and all(
+            is_pinned(w.raw) and gd.stage_words(w.raw) is not None for w in (g, u, d)) for g, u, d in exps):
+        return 0
+    forced = forced_share(k)
+    if forced is not None:
+        return forced
+    per = sum(w.raw[0].numel() for e in exps for w in e) / len(exps)       # bytes of one expert, mean
+    rates = sched.rates
+    if rates is None:                      # no cached calibration: the two rates it needs, measured now
+        try:
+            from ...perf.calibrate import quick_link_rates
+            rates = quick_link_rates(dev)
+        except Exception as e:             # noqa: BLE001 - a failed probe must not stop decoding
+            warn_fallback("measuring the RAM and PCIe rates for the decode share", e, "the CPU runs all experts")
+            return 0
+    return decode_share(k, per, rates, dev.name)
+
+
 _FLOAT = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 _WARNED: set[str] = set()              # graph_blocker reasons already told the user (once a process each)
 
@@ -275,31 +300,9 @@ class StaticDecoder:
         return hk
 
     def _decode_share(self, cpu_segs) -> int:
-        """How many of each CPU-expert layer's k experts the GPU runs itself during a decode step (the decode
-        share, docs/design.md): while the CPU streams the others from RAM, the GPU reads these over the bus
-        (zero-copy from the pinned arena, gd.stage_experts) and runs them, so both paths out of RAM work
-        at once. 0 where the experts are not pinned, a type has no GPU kernel, or HYBRIDMOE_DECODE_SHARE=0;
-        that variable also forces a count. Otherwise the count that balances the two sides at the calibrated
-        rates (roofline.decode_share)."""
-        k = self.cfg.n_expert_used
-        exps = [self.layers[self.segments[s].layer]["exps"] for s in cpu_segs]
-        if k < 2 or not all(gd.supports(g.qtype, u.qtype, d.qtype) and gd.share_layout_ok(
-                (g.qtype, u.qtype, d.qtype), [w.raw[0].numel() for w in (g, u, d)]) and all(
-                is_pinned(w.raw) and gd.stage_words(w.raw) is not None for w in (g, u, d)) for g, u, d in exps):
-            return 0
-        forced = forced_share(k)
-        if forced is not None:
-            return forced
-        per = sum(w.raw[0].numel() for e in exps for w in e) / len(exps)       # bytes of one expert, mean
-        rates = self.sched.rates
-        if rates is None:                      # no cached calibration: the two rates it needs, measured now
-            try:
-                from ...perf.calibrate import quick_link_rates
-                rates = quick_link_rates(self.dev)
-            except Exception as e:             # noqa: BLE001 - a failed probe must not stop decoding
-                warn_fallback("measuring the RAM and PCIe rates for the decode share", e, "the CPU runs all experts")
-                return 0
-        return decode_share(k, per, rates, self.dev.name)
+        """How many of each CPU-expert layer's k experts the GPU runs itself during a decode step (share_count)."""
+        return share_count(self.sched, self.dev, self.cfg.n_expert_used,
+                           [self.layers[self.segments[s].layer]["exps"] for s in cpu_segs])
 
     def _inputs(self, s: int):
         """(x, rows to add to x first) at the start of segment s, on its GPU."""
