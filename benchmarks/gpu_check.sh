@@ -110,6 +110,23 @@ for s in "$@"; do
                   --batch 8 --steps 8 --repeat 2 --kprofile 6 2>&1 | tail -12 ;
                 HYBRIDMOE_GPU_MOE=gemm timeout 380 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
                   --batch 16,32,64 --steps 8 --repeat 2 --kprofile 6 2>&1 | tail -30 ;;
+    # the batch decode share with experts in RAM (against it off), a slot's first use, the all-GPU server after
+    # mixed steps split into the batched decode step and the prompt path (issue 27)
+    sharecheck) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpu_batch.py tests/test_gpu_decode.py \
+                  -k "mixed or host or stage_experts" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8
+                for V in "" 0; do echo "### HYBRIDMOE_DECODE_SHARE=$V"
+                  HYBRIDMOE_DECODE_SHARE=$V timeout 150 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
+                    -ot exps=CPU --batch 2,8,16 --steps 6 --repeat 2 2>&1 | tail -5; done
+                timeout 90 python3 -u benchmarks/slot_first_use.py -m synth:qwen3-30b-a3b -ngl 99 --caches 3 \
+                  --cprofile 22 2>&1 | grep -v "^$" | head -48
+                timeout 170 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 1 -- -m synth:qwen3-30b-a3b \
+                  -ngl 99 -np 16 2>&1 | grep -E "^\| [0-9]" | head -3 ;;
+    # the batched all-GPU step on auto's kernels (per-pair GEMVs, then mmq from 129 pairs), and the all-GPU server
+    # at 1, 4 and 16 clients (issue 27's 6x at 16)
+    batchgpu) timeout 240 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 1,8,16,32,64 \
+                --steps 8 --repeat 2 2>&1 | tail -14
+              timeout 200 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 1 -- -m synth:qwen3-30b-a3b \
+                -ngl 99 -np 16 2>&1 | tail -25 ;;
     # issue 24 point 2: the fused kernels on IQ4_XS, IQ4_KS and Q3_K experts (kernels/gpu_qdot.py: decode GEMVs for
     # all three, prompt GEMMs for the IQ4s) against the reference, then the decode tiles at the 30B expert shape
     # next to Q4_0 / Q4_K (for gpu_decode._MOE_TILE_RULE)
