@@ -110,6 +110,14 @@ for s in "$@"; do
                   --batch 8 --steps 8 --repeat 2 --kprofile 6 2>&1 | tail -12 ;
                 HYBRIDMOE_GPU_MOE=gemm timeout 380 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
                   --batch 16,32,64 --steps 8 --repeat 2 --kprofile 6 2>&1 | tail -30 ;;
+    # the server's generation thread with one client on 1 and on 16 slots (all on the GPU), and the batch decode
+    # share's count swept at B = 16 with experts in RAM (issue 27)
+    slotsweep) for S in 1 16; do echo "### serve_steps --slots $S"
+                 timeout 100 python3 -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 --concurrency 1 --slots $S \
+                   --requests 6 --repeat 1 $([ $S = 16 ] && echo --cprofile) 2>&1 | grep -v "^$" | tail -32; done
+               for V in 0 1 2 3; do echo "### HYBRIDMOE_DECODE_SHARE=$V"
+                 HYBRIDMOE_DECODE_SHARE=$V timeout 100 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
+                   -ot exps=CPU --batch 16 --steps 6 --repeat 2 2>&1 | grep -E "alone|^ +16"; done ;;
     # the batch decode share with experts in RAM (against it off), a slot's first use, the all-GPU server after
     # mixed steps split into the batched decode step and the prompt path (issue 27)
     sharecheck) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpu_batch.py tests/test_gpu_decode.py \

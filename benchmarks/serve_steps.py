@@ -25,9 +25,11 @@ from hybridmoe.serve.jobs import Job
 from hybridmoe.serve.requests import GenParams
 
 
-def run(model, conc: int, n_req: int, max_tokens: int, prompt: list[int], profile: bool) -> dict:
-    """n_req jobs, conc at a time, on a fresh Batcher of conc slots; the generation thread's CPU use."""
-    batcher = Batcher(model, conc, conc * (len(prompt) + max_tokens + 8))
+def run(model, conc: int, n_req: int, max_tokens: int, prompt: list[int], profile: bool, slots: int = 0) -> dict:
+    """n_req jobs, conc at a time, on a fresh Batcher of `slots` slots (default conc); the generation thread's CPU
+    use."""
+    n_slots = slots or conc
+    batcher = Batcher(model, n_slots, n_slots * (len(prompt) + max_tokens + 8))
     clock: dict = {}
     prof = cProfile.Profile() if profile else None
     loop_fn = batcher._loop
@@ -91,21 +93,23 @@ def main():
     p.add_argument("--prompt-tokens", type=int, default=12, help="prompt length (default %(default)s)")
     p.add_argument("--repeat", type=int, default=3, help="rounds a concurrency; the lowest CPU time is reported")
     p.add_argument("--cprofile", action="store_true", help="print cProfile's top functions of the thread")
+    p.add_argument("--slots", type=int, default=0, help="the server's slots (default: the concurrency)")
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     kw = runtime_kwargs(args)
-    kw["ctx_size"] = max(levels) * (args.prompt_tokens + args.max_tokens + 8)
+    kw["ctx_size"] = max(levels + [args.slots]) * (args.prompt_tokens + args.max_tokens + 8)
     m = hybridmoe.load(args.model, **kw)
     m.warmup()
     prompt = [(7 * i + 3) % m.cfg.n_vocab for i in range(args.prompt_tokens)]
     print(f"{args.model}: {args.requests} jobs of {args.max_tokens} greedy tokens a concurrency, prompt "
           f"{args.prompt_tokens} tokens; the generation thread's CPU time, best of {args.repeat}")
-    print(f"{'jobs':>5} {'seqs/step':>10} {'us/step':>8} {'us/token':>9} {'us/request':>11} {'CPU/wall':>9}")
+    print(f"{'jobs':>5} {'seqs/step':>10} {'us/step':>8} {'us/token':>9} {'us/request':>11} {'CPU/wall':>9} "
+          f"{'tok/s':>8}")
     for conc in levels:
-        run(m, conc, conc, min(8, args.max_tokens), prompt, False)                 # warm-up
+        run(m, conc, conc, min(8, args.max_tokens), prompt, False, args.slots)     # warm-up
         best = None
         for _ in range(args.repeat if not args.cprofile else 1):
-            r = run(m, conc, max(args.requests, conc), args.max_tokens, prompt, args.cprofile)
+            r = run(m, conc, max(args.requests, conc), args.max_tokens, prompt, args.cprofile, args.slots)
             if best is None or r["cpu"] < best["cpu"]:
                 best = r
         r = best
@@ -113,7 +117,7 @@ def main():
         n_req = max(args.requests, conc)
         per_req = 1e6 * r["cpu"] / n_req
         print(f"{conc:>5} {r['seqs']:>10.2f} {us_step:>8.1f} {1e6 * r['cpu'] / r['tokens']:>9.1f} {per_req:>11.0f} "
-              f"{r['cpu'] / r['wall']:>9.2f}", flush=True)
+              f"{r['cpu'] / r['wall']:>9.2f} {r['tokens'] / r['wall']:>8.1f}", flush=True)
         if args.cprofile:
             print(r["profile"])
 
