@@ -338,3 +338,44 @@ def test_calibration_fits_recover_known_costs(monkeypatch):
     for dev in ("cpu", "CUDA0"):
         for k, v in true[dev].items():
             assert got[dev][k] == pytest.approx(v, rel=1e-6, abs=1e-12), (dev, k)
+
+
+@pytest.mark.slow
+def test_calibration_models_have_layers_of_the_48_layer_stack():
+    """calibrate's models (quick shape, 3 layers): random weights per layer, residual branches scaled as in a
+    48-layer stack (synth:qwen3-30b-a3b's 0.02 / 48), and a prompt's ubatch routed to nearly every expert in every
+    layer. (Layers sharing one tensor per shape concentrated the routing with depth, so the prompt costs fitted
+    on them were those of a few busy experts.)"""
+    import torch
+
+    import hybridmoe
+    from hybridmoe.commands.calibrate_costs import CALIB_DEPTH, calibration_model
+    from hybridmoe.formats.gguf import open_gguf
+    from hybridmoe.quant.dequant import dequantize
+    from hybridmoe.quant.types import row_bytes
+    path = calibration_model(3, quick=True)
+    f = open_gguf(path)
+
+    def values(name):
+        info = f.tensors[name]
+        rows = f.raw(info).reshape(-1, row_bytes(info.qtype, info.shape[-1]))
+        return dequantize(rows, info.qtype, info.shape[-1]).reshape(-1)
+    for short in ("ffn_up_exps", "attn_q", "ffn_gate_inp"):
+        a, b = values(f"blk.0.{short}.weight"), values(f"blk.2.{short}.weight")
+        assert not torch.equal(a, b), short
+    rms = lambda t: float(t.pow(2).mean().sqrt())                         # noqa: E731
+    assert rms(values("blk.1.attn_output.weight")) == pytest.approx(0.02 / CALIB_DEPTH, rel=0.25)
+    assert rms(values("blk.1.ffn_down_exps.weight")) == pytest.approx(0.02 / CALIB_DEPTH, rel=0.25)
+    assert rms(values("blk.1.attn_q.weight")) == pytest.approx(0.02, rel=0.25)
+    model = hybridmoe.load(path, ctx_size=256, n_gpu_layers=0, check_fit=False)
+    cfg = model.cfg
+    tokens = torch.randint(0, cfg.n_vocab, (128,), generator=torch.Generator().manual_seed(11))
+    model.runtime.graphs = False
+    model.drop_steps()
+    model.sched.routing = {}
+    model.forward(tokens, 0, model.new_cache(160), all_logits=False)
+    assert sorted(model.sched.routing) == [0, 1, 2]
+    for layer, ids in model.sched.routing.items():
+        counts = torch.bincount(ids.flatten(), minlength=cfg.n_expert)
+        assert int((counts > 0).sum()) == cfg.n_expert, layer                   # 128 x 4 picks of 16 experts
+        assert float(counts.max()) < 3 * float(counts.float().mean()), layer     # no expert takes most tokens

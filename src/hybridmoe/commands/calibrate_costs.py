@@ -29,7 +29,8 @@ FULL = dict(arch="qwen3moe", n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, 
             rms_eps=1e-6, rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=768)
 QUICK = dict(arch="qwen3moe", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_vocab=1024, n_ctx_train=4096,
              rms_eps=1e-6, rope_base=1e6, n_expert=16, n_expert_used=4, n_ff_exp=256)
-CALIB_VERSION = 1
+CALIB_VERSION = 2
+CALIB_DEPTH = 48        # the residual branches scaled as in synth:qwen3-30b-a3b's 48 layers (models/synth.py)
 
 
 # ---------------------------------------------------------------------------------- the C kernel alone
@@ -85,15 +86,18 @@ def kernel_costs(quick: bool = False) -> dict[str, float]:
 # ---------------------------------------------------------------------------------- calibration models
 
 def calibration_model(n_layer: int, quick: bool) -> str:
-    """Path of a calibration model (written once into $HYBRIDMOE_CACHE/models)."""
+    """Path of a calibration model (written once into $HYBRIDMOE_CACHE/models): random weights per layer, as
+    models/synth.py writes them for a 48-layer stack (CALIB_DEPTH), so that a prompt's ubatch routes to as many
+    experts in each layer as in synth:qwen3-30b-a3b (and, spread, in a trained model). Layers that shared one
+    random tensor per shape drove every token's hidden state toward one direction: a 512-token ubatch reached
+    121 distinct experts a layer at 2 layers but 40 at 8, and the prompt costs fitted on them were those of a
+    few busy experts."""
     import tempfile
 
     from .. import env
     from ..config import ModelConfig
     from ..formats.gguf_write import write_gguf
-    from ..models.synth import config_metadata
-    from ..models.tensors import default_qtype, tensor_shapes
-    from ..quant.ref import random_blocks
+    from ..models.synth import config_metadata, synth_tensors
     from ..quant.types import GGMLType
     from ..text.builtin_vocab import builtin_vocab_metadata
     shape = QUICK if quick else FULL
@@ -103,30 +107,13 @@ def calibration_model(n_layer: int, quick: bool) -> str:
     if path.exists():
         return str(path)
     cfg = ModelConfig(**shape, n_layer=n_layer, qk_norm=True, rope_neox=True, name=f"calibration-{n_layer}")
-    gen = torch.Generator().manual_seed(1234)
-    made: dict = {}
-
-    def make(name, s, qt):
-        if len(s) == 1:
-            return lambda: (1.0 + 0.1 * torch.randn(s, generator=gen)).float().view(torch.uint8)
-        scale = 1.0 if "token_embd" in name else 0.02
-
-        def blocks():
-            key = (tuple(s), int(qt), scale)         # one random tensor per shape, reused by every layer
-            if key not in made:
-                made[key] = random_blocks(qt, s, gen, scale=scale)
-            return made[key]
-        return blocks
-    tensors = []
-    for name, s in tensor_shapes(cfg):
-        qt = default_qtype(name, s, GGMLType.Q4_0, GGMLType.Q8_0)
-        tensors.append((name, s, qt, make(name, s, qt)))
     md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg),
           **builtin_vocab_metadata(cfg.n_vocab)}
     fd, tmp = tempfile.mkstemp(dir=d, suffix=".part")
     os.close(fd)
     try:
-        write_gguf(tmp, cfg.arch, md, tensors)
+        write_gguf(tmp, cfg.arch, md, synth_tensors(cfg, GGMLType.Q4_0, GGMLType.Q8_0, seed=1234,
+                                                      depth=CALIB_DEPTH))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
