@@ -322,7 +322,7 @@ def test_calibration_fits_recover_known_costs(monkeypatch):
                       "prompt_ubatch_s": 1e-3, "attn_flops": 2e12, "eager_prompt_layer_s": 500e-6,
                       "eager_ubatch_s": 3e-3, "eager_attn_flops": 1e12, "upload_overlap": 0.6,
                       "upload_layer_s": 0.0, "offload_prompt_layer_s": 4e-3, "offload_ubatch_s": 2e-3,
-                      "offload_attn_flops": 0.2e12}}
+                      "offload_attn_flops": 0.2e12, "pageable_h2d_bw": 9e9, "d2h_bw": 6e9}}
     truth = dataclasses.replace(rates, costs=true)
 
     def tg(model, n, reps):
@@ -334,6 +334,8 @@ def test_calibration_fits_recover_known_costs(monkeypatch):
     monkeypatch.setattr(cc, "_time_tg", tg)
     monkeypatch.setattr(cc, "_time_pp", pp)
     monkeypatch.setattr(cc, "kernel_costs", lambda quick: {"call_s": 9e-6, "stream_bw": 15e9})
+    monkeypatch.setattr(cc, "link_costs", lambda *a, **k: {"pageable_h2d_bw": 9e9, "d2h_bw": 6e9})
+    monkeypatch.setattr(cc, "cpu_attention_flops", lambda *a, **k: 0.2e12)
     got = cc.measure_costs(rates, quick=True, gpus=[0])
     for dev in ("cpu", "CUDA0"):
         for k, v in true[dev].items():
@@ -379,3 +381,62 @@ def test_calibration_models_have_layers_of_the_48_layer_stack():
         counts = torch.bincount(ids.flatten(), minlength=cfg.n_expert)
         assert int((counts > 0).sum()) == cfg.n_expert, layer                   # 128 x 4 picks of 16 experts
         assert float(counts.max()) < 3 * float(counts.float().mean()), layer     # no expert takes most tokens
+
+
+def test_offload_copies_mirror_the_scheduler(monkeypatch):
+    """The activations a layer with its attention in RAM copies to and from the GPU that takes its matrices and
+    experts (-ngl 0 with a GPU): predict.offload_copies against the copies the scheduler makes (fake GPU, every
+    host op offloaded by -op all,1; 3 layers), byte for byte; plus the residual's one move onto the GPU."""
+    import torch
+
+    import hybridmoe
+    from hybridmoe.commands.calibrate_costs import calibration_model
+    from hybridmoe.placement.predict import offload_copies
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1")
+    m = hybridmoe.load(calibration_model(3, quick=True), ctx_size=128, n_gpu_layers=0, check_fit=False)
+    m.set_policy("all,1")
+    m.runtime.graphs = False
+    m.drop_steps()
+    cfg, T = m.cfg, 64
+    m.sched.stats.reset()
+    m.forward(torch.randint(0, cfg.n_vocab, (T,)), 0, m.new_cache(128), all_logits=False)
+    copies = m.sched.stats.copies
+    up = down = syncs = 0
+    for il in range(cfg.n_layer):
+        u, d, s = offload_copies(cfg, T, il > 0, True, True)
+        up, down, syncs = up + u, down + d, syncs + s
+    assert copies[("CPU", "CUDA0")][1] == up + 4 * T * cfg.n_embd          # + layer 0's residual to the GPU
+    assert copies[("CUDA0", "CPU")][1] == down
+    assert copies[("CUDA0", "CPU")][0] == syncs - cfg.n_layer               # (the choice is not a Stats copy)
+    # the residual stays on the GPU from layer 0's first add; without offloaded matrices only the experts'
+    # rows go up, and the attention's output joins the residual there
+    u, d, s = offload_copies(cfg, T, True, False, True)
+    assert (u, d, s) == (4 * T * (2 * cfg.n_embd + 2 * cfg.n_expert_used), 4 * T * 2 * cfg.n_embd, 3)
+    assert offload_copies(cfg, T, False, False, False) == (0, 0, 0)
+
+
+def test_ngl0_prompt_terms_add_the_copies_at_their_rates(qwen30):
+    """-ngl 0 at pp512 with a GPU: per layer the activations' copies at the calibrated pageable rates plus a sync
+    per copy down, the host matrices uploaded at the pageable rate, and the token path's two crossings (the
+    residual onto the GPU at layer 0, back to the head in RAM) instead of two a layer."""
+    cfg, _ = qwen30
+    L, T, H = cfg.n_layer, 512, cfg.n_embd
+    p, rates = _plan(qwen30, ["-ngl", "0"], rig="h100-vm")
+    gpu = dict(rates.costs["CUDA0"], pageable_h2d_bw=20e9, d2h_bw=10e9)
+    r = dataclasses.replace(rates, costs=dict(rates.costs, CUDA0=gpu))
+    pred = predict(p, r, n_prompt=T, ubatch=T)
+    from hybridmoe.placement.predict import offload_copies
+    u0, d0, s0 = offload_copies(cfg, T, False, True, True)
+    u1, d1, s1 = offload_copies(cfg, T, True, True, True)
+    sync = rates.sync("CUDA0")
+    want = (u0 + (L - 1) * u1) / 20e9 + (d0 + (L - 1) * d1) / 10e9 + (s0 + (L - 1) * s1) * sync
+    assert pred.pp_terms["activation copies (offload)"] == pytest.approx(want)
+    assert (u1, d1, s1) == (4 * T * (3 * H + 32 * 128 + 16), 4 * T * (2 * H + 32 * 128 + 2 * 4 * 128), 4)
+    dense = sum(t.nbytes for n, t in p.tensors.items() if n.startswith("blk.") and "_exps." not in n
+                and len(t.shape) > 1)
+    exps = sum(t.nbytes for n, t in p.tensors.items() if "_exps." in n)
+    assert pred.uploaded_bytes == pytest.approx(dense + exps)
+    assert pred.pp_terms["crossings"] == pytest.approx(2 * (sync / 2 + 4 * T * H / rates.h2d("CUDA0")))
+    old = predict(p, rates, n_prompt=T, ubatch=T)                          # a calibration without the rates
+    assert old.pp_terms["activation copies (offload)"] == pytest.approx(
+        (u0 + (L - 1) * u1 + d0 + (L - 1) * d1) / rates.h2d("CUDA0") + (s0 + (L - 1) * s1) * sync)

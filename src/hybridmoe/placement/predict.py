@@ -193,13 +193,18 @@ def _crossing_seconds(rates, a: str, b: str, nbytes: float) -> float:
     return sum(rates.sync(d) / 2 + nbytes / rates.h2d(d) for d in (a, b) if d != "CPU")
 
 
-def _token_path(p: Placement, expert_dev: dict[int, str]) -> tuple[list[str], int]:
+def _token_path(p: Placement, expert_dev: dict[int, str], apart: dict | None = None) -> tuple[list[str], int]:
     """Devices one token's activations visit in order (input, each layer's ops, logits back to the host), and
-    the extra crossings of split gate/up pairs. expert_dev: layer -> GPU its host experts run on (uploaded)."""
+    the extra crossings of split gate/up pairs. expert_dev: layer -> GPU its host experts run on (uploaded);
+    apart: layer -> the device its residual ends on, for layers whose copies are counted apart (offload_copies):
+    the path only passes through that device."""
     dev = p.device_of
     path = [dev.get("token_embd.weight", "CPU")]
     extra = 0
     for il in range(p.cfg.n_layer):
+        if apart and il in apart:
+            path.append(apart[il])
+            continue
         def at(short):
             n = p.layer_tensor(il, short)
             return None if n is None else dev[n]
@@ -219,8 +224,9 @@ def _token_path(p: Placement, expert_dev: dict[int, str]) -> tuple[list[str], in
     return [d for i, d in enumerate(path) if i == 0 or d != path[i - 1]], extra
 
 
-def _path_seconds(p: Placement, rates, n_tokens: int, expert_dev: dict[int, str]) -> tuple[float, int]:
-    path, extra = _token_path(p, expert_dev)
+def _path_seconds(p: Placement, rates, n_tokens: int, expert_dev: dict[int, str],
+                  apart: dict | None = None) -> tuple[float, int]:
+    path, extra = _token_path(p, expert_dev, apart)
     nb = n_tokens * p.cfg.n_embd * 4
     secs = sum(_crossing_seconds(rates, a, b, nb) for a, b in zip(path, path[1:]))
     if extra:
@@ -371,6 +377,34 @@ def _upload_plan(p: Placement, L: _Layer, rates, T: int, x_dev: str, prefetched:
     return run, L.exp_bytes * (n_active / E if few else 1.0), False, few
 
 
+def offload_copies(cfg, T: int, x_gpu: bool, dense_gpu: bool, experts_gpu: bool) -> tuple[float, float, int]:
+    """(bytes up, bytes down, synchronizing copies) of the activations of a layer whose attention and KV cache
+    are in RAM, on the eager path with op offload, as Decoder.attention / ffn and the Scheduler move them (every
+    norm runs with its weight in RAM, so the residual comes back before each). x_gpu: the residual arrives on
+    a GPU; dense_gpu: the layer's host matrices (qkv, output, router) run there; experts_gpu: its experts are
+    uploaded. Float32 rows of T tokens; each copy down waits for the GPU's queue (a sync), and so does the
+    router's choice (or the experts' counts) the upload decision reads. The residual's own move onto a GPU
+    (the first such layer) is the token path's crossing."""
+    H, q, kv, k = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_expert_used
+    up = down = syncs = 0
+    if x_gpu:
+        down, syncs = down + H, syncs + 1         # the residual to attn_norm
+    if dense_gpu:
+        up += H                                   # the normed rows to the qkv product
+        down, syncs = down + q + 2 * kv, syncs + 1   # q, k, v back to the KV cache
+        up += q                                   # the attention's output to attn_output
+    elif x_gpu:
+        up += H                                   # the attention's output to the residual on the GPU
+    if x_gpu or dense_gpu:
+        down, syncs = down + H, syncs + 1         # the residual (on the GPU now) to ffn_norm
+    if experts_gpu:
+        if dense_gpu:
+            up += H                               # the normed rows to the router
+        up += H + 2 * k                           # rows, weights and ids in one copy to the experts
+        syncs += 1                                # the choice back to the host (ids or the experts' counts)
+    return 4.0 * T * up, 4.0 * T * down, syncs
+
+
 def _offload_gpu(p: Placement, x_dev: str, T: int) -> str | None:
     """The GPU a host-weight op of T tokens may run on (Scheduler._offload_target), None where none may."""
     gpus, o = p.gpus, p.opts
@@ -412,6 +446,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             t.add("ubatch overhead (eager)", c.gpu(main, "eager_ubatch_s") if gpus else c.cpu("prompt_ubatch_s"))
         prefetch, prev_il = False, -2
         ups: dict[int, str] = {}
+        dense_gpu: dict[int, str] = {}
         for L in layers:
             layer_start = sum(t.values())
             dense, attn, exp = _flops(L, cfg, T, p0)
@@ -446,7 +481,9 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
                 # the layer's matrices together)
                 gpu = _offload_gpu(p, A, T)
                 if gpu is not None and rates.offload_pays("mul_mat", T, L.dense[d], n_params=L.params[d], gpu=gpu):
-                    t.add("PCIe uploads", L.dense[d] / rates.h2d(gpu))
+                    # host matrices stay memory-mapped (only experts go to the pinned arena): a pageable copy
+                    t.add("PCIe uploads", L.dense[d] / c.gpu(gpu, "pageable_h2d_bw"))
+                    dense_gpu[L.il] = gpu
                     t.add("GPU compute", _gpu_compute(rates, gpu, fl, L.dense[d]))
                     moved += L.dense[d]
                 else:
@@ -487,10 +524,23 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             t.add("PCIe uploads", u - hidden)
             t.add("GPU experts", comp)
             t.add("upload overhead", c.gpu(run, "upload_layer_s"))
+        apart: dict[int, str] = {}
+        if offload:
+            x_gpu = p.device_of.get("token_embd.weight", "CPU") != "CPU"
+            for L in layers:
+                if L.attn != "CPU":
+                    x_gpu = True                        # the residual is added on the layer's GPU
+                    continue
+                gpu = dense_gpu.get(L.il) or ups.get(L.il) or main
+                nup, ndown, syncs = offload_copies(cfg, T, x_gpu, L.il in dense_gpu, L.il in ups)
+                t.add("activation copies (offload)", nup / c.gpu(gpu, "pageable_h2d_bw") +
+                      ndown / c.gpu(gpu, "d2h_bw") + syncs * rates.sync(gpu))
+                x_gpu = x_gpu or L.il in dense_gpu or L.il in ups
+                apart[L.il] = gpu if x_gpu else "CPU"
         if kind == "eager":
-            key = (T, tuple(sorted(ups.items())))       # alike for every full ubatch
+            key = (T, tuple(sorted(ups.items())), tuple(sorted(apart.items())))     # alike for every full ubatch
             if key not in paths:
-                paths[key] = _path_seconds(p, rates, T, ups)[0]
+                paths[key] = _path_seconds(p, rates, T, ups, apart)[0]
             t.add("crossings", paths[key])
         done += T
     return sum(t.values()), t, kind, sorted(uploaded), few_any, moved
