@@ -440,3 +440,20 @@ def test_ngl0_prompt_terms_add_the_copies_at_their_rates(qwen30):
     old = predict(p, rates, n_prompt=T, ubatch=T)                          # a calibration without the rates
     assert old.pp_terms["activation copies (offload)"] == pytest.approx(
         (u0 + (L - 1) * u1 + d0 + (L - 1) * d1) / rates.h2d("CUDA0") + (s0 + (L - 1) * s1) * sync)
+
+
+def test_a_moved_ram_rate_scales_the_ram_bound_terms(qwen30):
+    """plan --check predicts with the RAM read rate it probes (Rates.with_ram_read): the CPU decode step's weights,
+    experts and KV cache (streamed from RAM) take 1/f the time at f times the rate; its fixed costs, the GPU's
+    rates and the calibration itself do not move."""
+    p, rates = _plan(qwen30, ["-ngl", "0", "--no-op-offload"], rig="h100-vm")
+    now = rates.with_ram_read(1.25 * rates.ram_read_bw)
+    assert now.ram_read_bw == pytest.approx(1.25 * rates.ram_read_bw)
+    assert now.costs["cpu"]["stream_bw"] == pytest.approx(1.25 * rates.costs["cpu"]["stream_bw"])
+    assert now.costs["CUDA0"] == rates.costs["CUDA0"] and now.h2d_bw == rates.h2d_bw
+    assert rates.costs["cpu"]["stream_bw"] == read_rig("h100-vm").rates.costs["cpu"]["stream_bw"]   # a copy
+    a, b = predict(p, rates, n_gen=128).tg_terms, predict(p, now, n_gen=128).tg_terms
+    assert a.keys() == b.keys() and {"CPU weights", "CPU experts", "KV cache"} <= set(a)
+    for k in a:
+        moved = k in ("CPU weights", "CPU experts", "KV cache")
+        assert b[k] == pytest.approx(a[k] / 1.25 if moved else a[k]), k
