@@ -240,6 +240,10 @@ class _Fitter:
     def __init__(self, run, rates, costs, reps, n_tg, measured):
         self.run, self.rates, self.costs, self.reps, self.n_tg, self.measured = run, rates, costs, reps, n_tg, measured
         self.layers = run.layers
+        for m in run.models:
+            # the scheduler decides its uploads on these rates, as it will once they are cached (before, it had
+            # the cache's older rates, or none: ik_llama.cpp's rule), so that it runs what predict() models
+            m.sched.rates = rates
 
     def tg(self, label: str) -> tuple[tuple, tuple]:
         """(measured, modelled) seconds per decode step of each model."""
