@@ -457,3 +457,7 @@ def test_a_moved_ram_rate_scales_the_ram_bound_terms(qwen30):
     for k in a:
         moved = k in ("CPU weights", "CPU experts", "KV cache")
         assert b[k] == pytest.approx(a[k] / 1.25 if moved else a[k]), k
+    # the decode share's count: the runtime picks it on its cached calibration, whatever the RAM reads now
+    hy, _ = _plan(qwen30, ["-ngl", "99", "-ot", "exps=CPU"], rig="h100-vm")
+    assert predict(hy, now).share != predict(hy, rates).share                      # 2 of 8 against 3 of 8
+    assert predict(hy, now, share_rates=rates).share == predict(hy, rates).share

@@ -135,11 +135,13 @@ def run_check(args, placement, rates, source: str, predict_fn) -> int:
         raise HybridMoeError("--check compares with this machine's calibration: run `hybridmoe calibrate` first")
     placement.check_fits()
     from ..perf.calibrate import ram_read_now
-    calibrated_ram = rates.ram_read_bw
+    cached, calibrated_ram = rates, rates.ram_read_bw
     rates = rates.with_ram_read(ram_read_now())
     source = (f"{source}; RAM read {rates.ram_read_bw / 1e9:.1f} GB/s now, {calibrated_ram / 1e9:.1f} GB/s at "
               f"calibration (RAM-bound terms scaled by {rates.ram_read_bw / calibrated_ram:.2f})")
-    preds = {n: predict_fn(placement, rates, n_prompt=n, n_gen=args.n_gen) for n in args.n_prompts}
+    # (the runtime picks its decode share's count on the cached rates: so does the prediction)
+    preds = {n: predict_fn(placement, rates, n_prompt=n, n_gen=args.n_gen, share_rates=cached)
+             for n in args.n_prompts}
     pred = preds[args.n_prompts[0]]
     runs = measure(args.model, placement.opts, args.n_prompts, args.n_gen, max(args.repetitions, 1))
     rows = compare(preds, runs)

@@ -258,12 +258,13 @@ def _share(p: Placement, layers: list[_Layer], rates, kind: str) -> tuple[int, i
     return (g, k) if g else None
 
 
-def decode_terms(p: Placement, layers: list[_Layer], rates, n_gen: int, n_depth: int = 0, graphs: bool = True):
+def decode_terms(p: Placement, layers: list[_Layer], rates, n_gen: int, n_depth: int = 0, graphs: bool = True,
+                 share_rates=None):
     """(seconds per token, terms per token, kind, share) of a decode step at the mean position of the test."""
     c, cfg = Costs(rates), p.cfg
     k = cfg.n_expert_used
     kind = decode_kind(p, layers, graphs)
-    share = _share(p, layers, rates, kind)
+    share = _share(p, layers, share_rates or rates, kind)
     g = share[0] if share else 0
     kvb = kv_token_bytes(cfg, p.opts) if cfg.n_layer else 0.0
     pos = n_depth + (n_gen + 1) / 2                                # keys read, mean over the test
@@ -549,9 +550,11 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
 # ----------------------------------------------------------------------------------------- predict
 
 def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128, ubatch: int | None = None,
-            n_depth: int = 0, graphs: bool = True) -> Prediction:
+            n_depth: int = 0, graphs: bool = True, share_rates=None) -> Prediction:
     """TG (n_gen tokens at depth n_depth) and PP (n_prompt tokens in ubatches of `ubatch`, default the
-    placement's -ub) as the runtime would run them on these rates; graphs=False: with its static steps off."""
+    placement's -ub) as the runtime would run them on these rates; graphs=False: with its static steps off.
+    share_rates: the rates the runtime picks the decode share's count on (its cached calibration), where the
+    times are predicted on others (plan --check's RAM rate probed now)."""
     p, cfg = placement, placement.cfg
     ub = ubatch or p.opts.ubatch_size
     layers = _layers(p)
@@ -560,7 +563,7 @@ def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128,
     tgb = tg_bound(model_work(p.tensors, p.device_of, cfg), cfg, kv_devices, rates, max(n_gen, 1), n_depth, kvb)
     up_targets = upload_targets(p.tensors, p.device_of, p.attn_device,
                                 p.gpus[p.opts.main_gpu].name if p.gpus and p.opts.main_gpu < len(p.gpus) else None)
-    per_tok, tg_t, dkind, share = decode_terms(p, layers, rates, max(n_gen, 1), n_depth, graphs)
+    per_tok, tg_t, dkind, share = decode_terms(p, layers, rates, max(n_gen, 1), n_depth, graphs, share_rates)
     pp_s, pp_t, pkind, ups, few, moved = prompt_terms(p, layers, rates, max(n_prompt, 1), ub, n_depth, graphs)
     targets = {n: g for n, g in up_targets.items() if _layer_index(n) in ups}
     ppb = pp_bound(model_work(p.tensors, p.device_of, cfg, targets), cfg, kv_devices, rates, max(n_prompt, 1), ub,
