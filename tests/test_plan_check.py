@@ -437,6 +437,9 @@ def test_ngl0_prompt_terms_add_the_copies_at_their_rates(qwen30):
     exps = sum(t.nbytes for n, t in p.tensors.items() if "_exps." in n)
     assert pred.uploaded_bytes == pytest.approx(dense + exps)
     assert pred.pp_terms["crossings"] == pytest.approx(2 * (sync / 2 + 4 * T * H / rates.h2d("CUDA0")))
+    part, _ = _plan(qwen30, ["-ngl", "30"], rig="h100-vm")               # the first 18 layers' attention in RAM
+    cp = predict(part, r, n_prompt=T, ubatch=T).pp_terms["activation copies (offload)"]
+    assert cp == pytest.approx((u0 + 17 * u1) / 20e9 + (d0 + 17 * d1) / 10e9 + (s0 + 17 * s1) * sync)
     old = predict(p, rates, n_prompt=T, ubatch=T)                          # a calibration without the rates
     assert old.pp_terms["activation copies (offload)"] == pytest.approx(
         (u0 + (L - 1) * u1 + d0 + (L - 1) * d1) / rates.h2d("CUDA0") + (s0 + (L - 1) * s1) * sync)
