@@ -123,10 +123,10 @@ def cpu_attention_flops(cfg, T: int, depth: int, reps: int = 3) -> float:
 def calibration_model(n_layer: int, quick: bool) -> str:
     """Path of a calibration model (written once into $HYBRIDMOE_CACHE/models): random weights per layer, as
     models/synth.py writes them for a 48-layer stack (CALIB_DEPTH), so that a prompt's ubatch routes to as many
-    experts in each layer as in synth:qwen3-30b-a3b (and, spread, in a trained model). Layers that shared one
-    random tensor per shape drove every token's hidden state toward one direction: a 512-token ubatch reached
-    121 distinct experts a layer at 2 layers but 40 at 8, and the prompt costs fitted on them were those of a
-    few busy experts."""
+    experts in each layer as in synth:qwen3-30b-a3b (and, spread, in a trained model). Layers sharing one random
+    tensor per shape drive every token's hidden state toward one direction (a 512-token ubatch reaches 121
+    distinct experts a layer at 2 layers, 40 at 8), and prompt costs fitted on them are those of a few busy
+    experts."""
     import tempfile
 
     from .. import env
@@ -241,8 +241,8 @@ class _Fitter:
         self.run, self.rates, self.costs, self.reps, self.n_tg, self.measured = run, rates, costs, reps, n_tg, measured
         self.layers = run.layers
         for m in run.models:
-            # the scheduler decides its uploads on these rates, as it will once they are cached (before, it had
-            # the cache's older rates, or none: ik_llama.cpp's rule), so that it runs what predict() models
+            # the scheduler decides its uploads on these rates, as it will once they are cached (else on the
+            # cache's older rates, or none: ik_llama.cpp's rule), so that it runs what predict() models
             m.sched.rates = rates
 
     def tg(self, label: str) -> tuple[tuple, tuple]:

@@ -11,7 +11,9 @@ decode and for prompts alike:
   (runtime/steps/gpu_prefill.py);
 - "eager": everything else, op by op through runtime/scheduler.py: a prompt's host experts are uploaded to
   a GPU when `Rates.offload_pays` says so (the scheduler asks the same function), all of them a layer ahead,
-  or only the routed ones (`-ooae auto`: when at most half the experts are routed, with no prefetch).
+  or only the routed ones (`-ooae auto`: when at most half the experts are routed, with no prefetch); a layer
+  whose attention is in RAM (-ngl 0 with a GPU, or below a partial -ngl) also copies its activations to and from
+  the GPU that takes its matrices and experts, at the pageable copy rates (offload_copies).
 
 Each prediction is a sum of named terms (seconds over the whole test), so a miss says which term is off:
 bytes at the calibrated bandwidths, FLOPs at the calibrated rates, and the calibrated costs that are not
