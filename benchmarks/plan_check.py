@@ -5,8 +5,10 @@ placements, and `plan --suggest`'s top three benched to see whether its ranking 
                                      [--objective tg[,pp,balanced]] [--top 3]
 
 Sections (default: one, two where two GPUs are visible, suggest):
-  one      issue 30's table: -ot exps=CPU, --n-cpu-moe 24, --n-cpu-moe 36, all on the GPU (-ngl 99), CPU only
-           (-ngl 0); pp512, pp4096 (at -ub 512) and tg128 each
+  one      issue 30's table: -ot exps=CPU, --n-cpu-moe 24, --n-cpu-moe 36, all on the GPU (-ngl 99), every weight
+           in RAM (-ngl 0: with a GPU visible its prompts' matrices and experts are uploaded to it, op offload),
+           and CPU only (-ngl 0 --no-op-offload: no GPU used, the C steps both ways, as on a machine without
+           one); pp512, pp4096 (at -ub 512) and tg128 each
   two      issue 29's two-GPU placements: -ts 1/1 all on GPUs; -ts 1/1 --n-cpu-moe 24; -ot exps=CPU with the
            attention split (-ts 1/1); pp512 and tg128
   suggest  `plan --suggest --top 3` for a GPU of --vram-gib (the real GPU's free memory less --headroom, so the model
@@ -27,7 +29,8 @@ ONE = [("-ngl 99 -ot exps=CPU", ["-ngl", "99", "-ot", "exps=CPU"]),
        ("-ngl 99 --n-cpu-moe 24", ["-ngl", "99", "--n-cpu-moe", "24"]),
        ("-ngl 99 --n-cpu-moe 36", ["-ngl", "99", "--n-cpu-moe", "36"]),
        ("-ngl 99", ["-ngl", "99"]),
-       ("-ngl 0 (CPU only)", ["-ngl", "0"])]
+       ("-ngl 0 (prompts offloaded to the GPU)", ["-ngl", "0"]),
+       ("-ngl 0 --no-op-offload (CPU only)", ["-ngl", "0", "--no-op-offload"])]
 TWO = [("-ts 1/1 (all on GPUs)", ["-ngl", "99", "-ts", "1/1"]),
        ("-ts 1/1 --n-cpu-moe 24", ["-ngl", "99", "-ts", "1/1", "--n-cpu-moe", "24"]),
        ("-ts 1/1 -ot exps=CPU (attention split)", ["-ngl", "99", "-ts", "1/1", "-ot", "exps=CPU"])]
@@ -54,20 +57,26 @@ def top_terms(terms: dict, n: int = 3) -> str:
 def check(model: str, argv: list[str], prompts: str, reps: int, timeout: int = 420) -> list[dict]:
     doc = hm(["plan", "-m", model] + argv + ["--check", "-p", prompts, "-n", "128", "-r", str(reps), "--json"],
              timeout)
-    return doc["tests"] if doc else []
+    if not doc:
+        return []
+    for t in doc["tests"]:                      # the RAM rate the check probed, beside calibrate's
+        t["ram_read_bw"] = doc.get("ram_read_bw")
+    return doc["tests"]
 
 
 def table(rows: list[tuple[str, dict]]) -> list[str]:
     out = ["| placement | test | step (predicted / run) | predicted t/s | measured t/s | measured / predicted | "
-           "uploaded GB or decode share (predicted / run) | largest predicted terms |",
-           "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+           "uploaded GB or decode share (predicted / run) | RAM read GB/s (now / calibrated) | largest predicted terms |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for label, t in rows:
         u, g = t.get("uploaded_bytes"), t.get("decode_share")
         up = f"{u['predicted'] / 1e9:.2f} / {u['measured'] / 1e9:.2f} GB" if u else \
             f"share {g['predicted']} / {g['measured']}" if g else "-"
+        ram = t.get("ram_read_bw")
+        ram = f"{ram['now'] / 1e9:.1f} / {ram['calibrated'] / 1e9:.1f}" if ram else "-"
         out.append(f"| `{label}` | {t['test']} | {t['step']['predicted']} / {t['step']['measured']} | "
                    f"{t['predicted_ts']:.2f} | {t['measured_ts']:.2f} ± {t['stddev_ts']:.2f} | "
-                   f"{t['ratio']:.2f}{'' if 0.85 <= t['ratio'] <= 1.15 else ' (out)'} | {up} | "
+                   f"{t['ratio']:.2f}{'' if 0.85 <= t['ratio'] <= 1.15 else ' (out)'} | {up} | {ram} | "
                    f"{top_terms(t['terms'])} |")
     within = sum(1 for _, t in rows if 0.85 <= t["ratio"] <= 1.15)
     out.append(f"\n{within} of {len(rows)} within 0.85-1.15")
@@ -163,7 +172,9 @@ def main() -> int:
         print(f"calibration: {cal.get('host')} {cal.get('measured_at')}; costs: "
               f"{json.dumps({k: v for k, v in costs.items() if not k.startswith('_')})}")
         timed = costs.get("_calibration", {}).get("measured", {})       # the upload fit's timings, to check it
-        print(f"calibration's timed runs (s per model): {json.dumps({k: v for k, v in timed.items() if 'upload' in k or 'offload' in k})}\n")
+        print(f"calibration's timed runs (s per model): {json.dumps({k: v for k, v in timed.items() if 'upload' in k or 'offload' in k})}")
+        checks = costs.get("_calibration", {}).get("checks", {})
+        print(f"calibration's checks (s a layer, measured vs predicted, not fitted): {json.dumps(checks)}\n")
     rows = []
     for s in sections:
         if s == "one":

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Issues 30 and 29 on the GPU machine: calibrate (rates and the runtime's costs), then the planner's predictions
 # against bench for issue 30's table, issue 29's two-GPU placements (where two GPUs are visible) and
-# --suggest's top three (benchmarks/plan_check.py). About 6-8 minutes on one H100 in all; arguments go to
-# plan_check.py (sections: one two suggest), e.g. `plan_check.sh one`, then `CALIBRATE=0 plan_check.sh suggest`.
-# The ranking check alone, one call of about 5 minutes on one H100 (calibrate ~90 s, 8 placements ~20 s each):
-#   bash benchmarks/plan_check.sh suggest --vram-gib 12,24 --objective tg,pp -r 3
+# --suggest's top three (benchmarks/plan_check.py). Arguments go to plan_check.py (sections: one two suggest).
+# On one H100: setup and calibrate ~2 min; section one (six placements, pp512 / pp4096 / tg128) ~4 min, the
+# two -ngl 0 rows ~50 s each of it; each suggestion benched ~20 s. Issue 30's table and the prompt ranking that
+# failed (12 GiB, objective pp) in one call of ~8-9 minutes:
+#   CALIBRATE=1 bash benchmarks/plan_check.sh one suggest --vram-gib 12 --objective pp -r 2
+# or in two calls, the second on the first's calibration (~6 and ~5 minutes):
+#   CALIBRATE=1 bash benchmarks/plan_check.sh one -r 2
+#   CALIBRATE=0 bash benchmarks/plan_check.sh suggest --vram-gib 12,24 --objective tg,pp -r 3
 source benchmarks/device_setup.sh
 set +e
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -322,7 +322,7 @@ def test_calibration_fits_recover_known_costs(monkeypatch):
                       "prompt_ubatch_s": 1e-3, "attn_flops": 2e12, "eager_prompt_layer_s": 500e-6,
                       "eager_ubatch_s": 3e-3, "eager_attn_flops": 1e12, "upload_overlap": 0.6,
                       "upload_layer_s": 0.0, "offload_prompt_layer_s": 4e-3, "offload_ubatch_s": 2e-3,
-                      "offload_attn_flops": 0.2e12}}
+                      "offload_attn_flops": 0.2e12, "pageable_h2d_bw": 9e9, "d2h_bw": 6e9}}
     truth = dataclasses.replace(rates, costs=true)
 
     def tg(model, n, reps):
@@ -334,7 +334,133 @@ def test_calibration_fits_recover_known_costs(monkeypatch):
     monkeypatch.setattr(cc, "_time_tg", tg)
     monkeypatch.setattr(cc, "_time_pp", pp)
     monkeypatch.setattr(cc, "kernel_costs", lambda quick: {"call_s": 9e-6, "stream_bw": 15e9})
+    monkeypatch.setattr(cc, "link_costs", lambda *a, **k: {"pageable_h2d_bw": 9e9, "d2h_bw": 6e9})
+    monkeypatch.setattr(cc, "cpu_attention_flops", lambda *a, **k: 0.2e12)
     got = cc.measure_costs(rates, quick=True, gpus=[0])
     for dev in ("cpu", "CUDA0"):
         for k, v in true[dev].items():
             assert got[dev][k] == pytest.approx(v, rel=1e-6, abs=1e-12), (dev, k)
+
+
+@pytest.mark.slow
+def test_calibration_models_have_layers_of_the_48_layer_stack():
+    """calibrate's models (quick shape, 3 layers): random weights per layer, residual branches scaled as in a
+    48-layer stack (synth:qwen3-30b-a3b's 0.02 / 48), and a prompt's ubatch routed to nearly every expert in every
+    layer. (Layers sharing one tensor per shape concentrated the routing with depth, so the prompt costs fitted
+    on them were those of a few busy experts.)"""
+    import torch
+
+    import hybridmoe
+    from hybridmoe.commands.calibrate_costs import CALIB_DEPTH, calibration_model
+    from hybridmoe.formats.gguf import open_gguf
+    from hybridmoe.quant.dequant import dequantize
+    from hybridmoe.quant.types import row_bytes
+    path = calibration_model(3, quick=True)
+    f = open_gguf(path)
+
+    def values(name):
+        info = f.tensors[name]
+        rows = f.raw(info).reshape(-1, row_bytes(info.qtype, info.shape[-1]))
+        return dequantize(rows, info.qtype, info.shape[-1]).reshape(-1)
+    for short in ("ffn_up_exps", "attn_q", "ffn_gate_inp"):
+        a, b = values(f"blk.0.{short}.weight"), values(f"blk.2.{short}.weight")
+        assert not torch.equal(a, b), short
+    rms = lambda t: float(t.pow(2).mean().sqrt())                         # noqa: E731
+    assert rms(values("blk.1.attn_output.weight")) == pytest.approx(0.02 / CALIB_DEPTH, rel=0.25)
+    assert rms(values("blk.1.ffn_down_exps.weight")) == pytest.approx(0.02 / CALIB_DEPTH, rel=0.25)
+    assert rms(values("blk.1.attn_q.weight")) == pytest.approx(0.02, rel=0.25)
+    model = hybridmoe.load(path, ctx_size=256, n_gpu_layers=0, check_fit=False)
+    cfg = model.cfg
+    tokens = torch.randint(0, cfg.n_vocab, (128,), generator=torch.Generator().manual_seed(11))
+    model.runtime.graphs = False
+    model.drop_steps()
+    model.sched.routing = {}
+    model.forward(tokens, 0, model.new_cache(160), all_logits=False)
+    assert sorted(model.sched.routing) == [0, 1, 2]
+    for layer, ids in model.sched.routing.items():
+        counts = torch.bincount(ids.flatten(), minlength=cfg.n_expert)
+        assert int((counts > 0).sum()) == cfg.n_expert, layer                   # 128 x 4 picks of 16 experts
+        assert float(counts.max()) < 3 * float(counts.float().mean()), layer     # no expert takes most tokens
+
+
+def test_offload_copies_mirror_the_scheduler(monkeypatch):
+    """The activations a layer with its attention in RAM copies to and from the GPU that takes its matrices and
+    experts (-ngl 0 with a GPU): predict.offload_copies against the copies the scheduler makes (fake GPU, every
+    host op offloaded by -op all,1; 3 layers), byte for byte; plus the residual's one move onto the GPU."""
+    import torch
+
+    import hybridmoe
+    from hybridmoe.commands.calibrate_costs import calibration_model
+    from hybridmoe.placement.predict import offload_copies
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1")
+    m = hybridmoe.load(calibration_model(3, quick=True), ctx_size=128, n_gpu_layers=0, check_fit=False)
+    m.set_policy("all,1")
+    m.runtime.graphs = False
+    m.drop_steps()
+    cfg, T = m.cfg, 64
+    m.sched.stats.reset()
+    m.forward(torch.randint(0, cfg.n_vocab, (T,)), 0, m.new_cache(128), all_logits=False)
+    copies = m.sched.stats.copies
+    up = down = syncs = 0
+    for il in range(cfg.n_layer):
+        u, d, s = offload_copies(cfg, T, il > 0, True, True)
+        up, down, syncs = up + u, down + d, syncs + s
+    assert copies[("CPU", "CUDA0")][1] == up + 4 * T * cfg.n_embd          # + layer 0's residual to the GPU
+    assert copies[("CUDA0", "CPU")][1] == down
+    assert copies[("CUDA0", "CPU")][0] == syncs - cfg.n_layer               # (the choice is not a Stats copy)
+    # the residual stays on the GPU from layer 0's first add; without offloaded matrices only the experts'
+    # rows go up, and the attention's output joins the residual there
+    u, d, s = offload_copies(cfg, T, True, False, True)
+    assert (u, d, s) == (4 * T * (2 * cfg.n_embd + 2 * cfg.n_expert_used), 4 * T * 2 * cfg.n_embd, 3)
+    assert offload_copies(cfg, T, False, False, False) == (0, 0, 0)
+
+
+def test_ngl0_prompt_terms_add_the_copies_at_their_rates(qwen30):
+    """-ngl 0 at pp512 with a GPU: per layer the activations' copies at the calibrated pageable rates plus a sync
+    per copy down, the host matrices uploaded at the pageable rate, and the token path's two crossings (the
+    residual onto the GPU at layer 0, back to the head in RAM) instead of two a layer."""
+    cfg, _ = qwen30
+    L, T, H = cfg.n_layer, 512, cfg.n_embd
+    p, rates = _plan(qwen30, ["-ngl", "0"], rig="h100-vm")
+    gpu = dict(rates.costs["CUDA0"], pageable_h2d_bw=20e9, d2h_bw=10e9)
+    r = dataclasses.replace(rates, costs=dict(rates.costs, CUDA0=gpu))
+    pred = predict(p, r, n_prompt=T, ubatch=T)
+    from hybridmoe.placement.predict import offload_copies
+    u0, d0, s0 = offload_copies(cfg, T, False, True, True)
+    u1, d1, s1 = offload_copies(cfg, T, True, True, True)
+    sync = rates.sync("CUDA0")
+    want = (u0 + (L - 1) * u1) / 20e9 + (d0 + (L - 1) * d1) / 10e9 + (s0 + (L - 1) * s1) * sync
+    assert pred.pp_terms["activation copies (offload)"] == pytest.approx(want)
+    assert (u1, d1, s1) == (4 * T * (3 * H + 32 * 128 + 16), 4 * T * (2 * H + 32 * 128 + 2 * 4 * 128), 4)
+    dense = sum(t.nbytes for n, t in p.tensors.items() if n.startswith("blk.") and "_exps." not in n
+                and len(t.shape) > 1)
+    exps = sum(t.nbytes for n, t in p.tensors.items() if "_exps." in n)
+    assert pred.uploaded_bytes == pytest.approx(dense + exps)
+    assert pred.pp_terms["crossings"] == pytest.approx(2 * (sync / 2 + 4 * T * H / rates.h2d("CUDA0")))
+    part, _ = _plan(qwen30, ["-ngl", "30"], rig="h100-vm")               # the first 18 layers' attention in RAM
+    cp = predict(part, r, n_prompt=T, ubatch=T).pp_terms["activation copies (offload)"]
+    assert cp == pytest.approx((u0 + 17 * u1) / 20e9 + (d0 + 17 * d1) / 10e9 + (s0 + 17 * s1) * sync)
+    old = predict(p, rates, n_prompt=T, ubatch=T)                          # a calibration without the rates
+    assert old.pp_terms["activation copies (offload)"] == pytest.approx(
+        (u0 + (L - 1) * u1 + d0 + (L - 1) * d1) / rates.h2d("CUDA0") + (s0 + (L - 1) * s1) * sync)
+
+
+def test_a_moved_ram_rate_scales_the_ram_bound_terms(qwen30):
+    """plan --check predicts with the RAM read rate it probes (Rates.with_ram_read): the CPU decode step's weights,
+    experts and KV cache (streamed from RAM) take 1/f the time at f times the rate; its fixed costs, the GPU's
+    rates and the calibration itself do not move."""
+    p, rates = _plan(qwen30, ["-ngl", "0", "--no-op-offload"], rig="h100-vm")
+    now = rates.with_ram_read(1.25 * rates.ram_read_bw)
+    assert now.ram_read_bw == pytest.approx(1.25 * rates.ram_read_bw)
+    assert now.costs["cpu"]["stream_bw"] == pytest.approx(1.25 * rates.costs["cpu"]["stream_bw"])
+    assert now.costs["CUDA0"] == rates.costs["CUDA0"] and now.h2d_bw == rates.h2d_bw
+    assert rates.costs["cpu"]["stream_bw"] == read_rig("h100-vm").rates.costs["cpu"]["stream_bw"]   # a copy
+    a, b = predict(p, rates, n_gen=128).tg_terms, predict(p, now, n_gen=128).tg_terms
+    assert a.keys() == b.keys() and {"CPU weights", "CPU experts", "KV cache"} <= set(a)
+    for k in a:
+        moved = k in ("CPU weights", "CPU experts", "KV cache")
+        assert b[k] == pytest.approx(a[k] / 1.25 if moved else a[k]), k
+    # the decode share's count: the runtime picks it on its cached calibration, whatever the RAM reads now
+    hy, _ = _plan(qwen30, ["-ngl", "99", "-ot", "exps=CPU"], rig="h100-vm")
+    assert predict(hy, now).share != predict(hy, rates).share                      # 2 of 8 against 3 of 8
+    assert predict(hy, now, share_rates=rates).share == predict(hy, rates).share

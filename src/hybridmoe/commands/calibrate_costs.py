@@ -2,7 +2,8 @@
 measuring them runs the runtime (perf/ never imports runtime/; the planner only reads the results).
 
 1. Micro-benchmarks of the C expert kernel: its fixed cost per call (T=1 on weights that stay in cache) and the
-   rate it streams a decode step's experts from RAM (T=1 over a pool of layers far larger than L3).
+   rate it streams a decode step's experts from RAM (T=1 over a pool of layers far larger than L3); per GPU, of
+   the copies to and from pageable host memory, and of the CPU attention the eager offloaded path runs.
 2. The runtime's own steps on two calibration models that differ only in their number of layers (2 and 8;
    --quick: 1 and 3, small shapes): the full models have Qwen3-30B-A3B's layer (hidden 2048, 32/4 heads of
    128, 128 experts of 768, 8 used; Q4_0 experts, Q8_0 the rest) and a small vocabulary. Per placement
@@ -29,7 +30,8 @@ FULL = dict(arch="qwen3moe", n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, 
             rms_eps=1e-6, rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=768)
 QUICK = dict(arch="qwen3moe", n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_vocab=1024, n_ctx_train=4096,
              rms_eps=1e-6, rope_base=1e6, n_expert=16, n_expert_used=4, n_ff_exp=256)
-CALIB_VERSION = 1
+CALIB_VERSION = 2
+CALIB_DEPTH = 48        # the residual branches scaled as in synth:qwen3-30b-a3b's 48 layers (models/synth.py)
 
 
 # ---------------------------------------------------------------------------------- the C kernel alone
@@ -82,18 +84,55 @@ def kernel_costs(quick: bool = False) -> dict[str, float]:
     return {"call_s": call, "stream_bw": stream}
 
 
+def link_costs(index: int | None, nbytes: int, sync_s: float, reps: int = 5) -> dict[str, float]:
+    """{"pageable_h2d_bw", "d2h_bw"}: bytes/s of the copies the eager offloaded path makes, between CUDA GPU
+    `index` and pageable host memory (activations, memory-mapped matrices), less the sync round trip `sync_s`
+    that the model counts per copy down. index None (a fake GPU, host memory): a plain copy in RAM."""
+    host = torch.ones(nbytes // 4)
+    if index is None or not torch.cuda.is_available():
+        up = down = _median_time(lambda: host.clone(), reps)
+    else:
+        dev = torch.device("cuda", index)
+        gpu = torch.ones(nbytes // 4, device=dev)
+        up = _median_time(lambda: (host.to(dev, non_blocking=True), torch.cuda.synchronize(dev)), reps)
+        down = _median_time(lambda: gpu.to("cpu"), reps)
+        del gpu
+    return {"pageable_h2d_bw": nbytes / max(up, 1e-9), "d2h_bw": nbytes / max(down - sync_s, 0.5 * down, 1e-9)}
+
+
+def cpu_attention_flops(cfg, T: int, depth: int, reps: int = 3) -> float:
+    """FLOP/s of a prompt's attention on the CPU as the eager path runs it (models/decoder.attend: torch SDPA on
+    the f16 cache), from one ubatch of T tokens after `depth` cached ones against one at depth 0, so that the
+    per-call part stays in the layer's floor."""
+    from ..models.decoder import attend
+    g = torch.Generator().manual_seed(5)
+
+    def secs(p0):
+        q = torch.randn(T, cfg.n_head, cfg.head_dim, generator=g)
+        kv = [torch.randn(cfg.n_head_kv, p0 + T, cfg.head_dim, generator=g).half() for _ in range(2)]
+        return _median_time(lambda: attend(q, kv[0], kv[1], p0), reps)
+    s0, sD = secs(0), secs(depth)
+    extra = _attn_flops(cfg, T, depth) - _attn_flops(cfg, T, 0)
+    if sD > s0:
+        return extra / (sD - s0)
+    return _attn_flops(cfg, T, depth) / max(sD, 1e-9)        # (noise: the rate of the deeper call)
+
+
 # ---------------------------------------------------------------------------------- calibration models
 
 def calibration_model(n_layer: int, quick: bool) -> str:
-    """Path of a calibration model (written once into $HYBRIDMOE_CACHE/models)."""
+    """Path of a calibration model (written once into $HYBRIDMOE_CACHE/models): random weights per layer, as
+    models/synth.py writes them for a 48-layer stack (CALIB_DEPTH), so that a prompt's ubatch routes to as many
+    experts in each layer as in synth:qwen3-30b-a3b (and, spread, in a trained model). Layers sharing one random
+    tensor per shape drive every token's hidden state toward one direction (a 512-token ubatch reaches 121
+    distinct experts a layer at 2 layers, 40 at 8), and prompt costs fitted on them are those of a few busy
+    experts."""
     import tempfile
 
     from .. import env
     from ..config import ModelConfig
     from ..formats.gguf_write import write_gguf
-    from ..models.synth import config_metadata
-    from ..models.tensors import default_qtype, tensor_shapes
-    from ..quant.ref import random_blocks
+    from ..models.synth import config_metadata, synth_tensors
     from ..quant.types import GGMLType
     from ..text.builtin_vocab import builtin_vocab_metadata
     shape = QUICK if quick else FULL
@@ -103,30 +142,13 @@ def calibration_model(n_layer: int, quick: bool) -> str:
     if path.exists():
         return str(path)
     cfg = ModelConfig(**shape, n_layer=n_layer, qk_norm=True, rope_neox=True, name=f"calibration-{n_layer}")
-    gen = torch.Generator().manual_seed(1234)
-    made: dict = {}
-
-    def make(name, s, qt):
-        if len(s) == 1:
-            return lambda: (1.0 + 0.1 * torch.randn(s, generator=gen)).float().view(torch.uint8)
-        scale = 1.0 if "token_embd" in name else 0.02
-
-        def blocks():
-            key = (tuple(s), int(qt), scale)         # one random tensor per shape, reused by every layer
-            if key not in made:
-                made[key] = random_blocks(qt, s, gen, scale=scale)
-            return made[key]
-        return blocks
-    tensors = []
-    for name, s in tensor_shapes(cfg):
-        qt = default_qtype(name, s, GGMLType.Q4_0, GGMLType.Q8_0)
-        tensors.append((name, s, qt, make(name, s, qt)))
     md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg),
           **builtin_vocab_metadata(cfg.n_vocab)}
     fd, tmp = tempfile.mkstemp(dir=d, suffix=".part")
     os.close(fd)
     try:
-        write_gguf(tmp, cfg.arch, md, tensors)
+        write_gguf(tmp, cfg.arch, md, synth_tensors(cfg, GGMLType.Q4_0, GGMLType.Q8_0, seed=1234,
+                                                      depth=CALIB_DEPTH))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -218,6 +240,10 @@ class _Fitter:
     def __init__(self, run, rates, costs, reps, n_tg, measured):
         self.run, self.rates, self.costs, self.reps, self.n_tg, self.measured = run, rates, costs, reps, n_tg, measured
         self.layers = run.layers
+        for m in run.models:
+            # the scheduler decides its uploads on these rates, as it will once they are cached (else on the
+            # cache's older rates, or none: ik_llama.cpp's rule), so that it runs what predict() models
+            m.sched.rates = rates
 
     def tg(self, label: str) -> tuple[tuple, tuple]:
         """(measured, modelled) seconds per decode step of each model."""
@@ -247,6 +273,7 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
     layers = (1, 3) if quick else (2, 8)
     costs: dict = {"cpu": {}}
     measured: dict = {}                          # what was timed, seconds per model (kept for checking the fit)
+    checks: dict = {}                            # [measured, predicted] seconds a layer of runs not fitted
     say("CPU expert kernel: call cost and streaming rate")
     costs["cpu"].update(kernel_costs(quick))
     say("calibration models")
@@ -281,6 +308,10 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
     for i in gpus:
         dev = f"CUDA{i}"
         g = costs[dev] = {}
+        cfg_shape = QUICK if quick else FULL
+        # the copies to and from pageable host memory, at the size of a ubatch's rows (the offloaded path's)
+        g.update(link_costs(i if torch.cuda.is_available() else None, 2 * T1 * cfg_shape["n_embd"] * 4,
+                            rates.sync(dev)))
         say(f"{dev}: every weight on the GPU (-ngl 99)")
         run = _Run(paths, layers, n_gpu_layers=99, split_mode="none", main_gpu=i)
         try:
@@ -365,24 +396,25 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
 
         say(f"{dev}: every weight in RAM, prompts offloaded (-ngl 0)")
         # with a GPU, -ngl 0's prompts take the eager path (steps.build_step): per layer the norms, q/k norms,
-        # RoPE and attention (torch SDPA) on the CPU, the matrices and experts uploaded where that pays, a few
-        # crossings each way; its floor and its attention's rate, fitted as the eager path's above (after the
-        # upload costs, which its modelled part uses)
+        # RoPE, the cache write and attention (torch SDPA) on the CPU, the matrices and experts uploaded where
+        # that pays, the activations copied both ways (predict.offload_copies). The attention's rate and the
+        # copies' rates are timed on the ops themselves; the per-layer floor is what the two models' difference
+        # leaves beyond all that, and the per-ubatch cost their intercept's. A ubatch after D cached tokens is
+        # timed too, as a check of the attention's term (kept in _calibration, not fitted).
         run = _Run(paths, layers, n_gpu_layers=0, main_gpu=i)
         try:
             f = _Fitter(run, rates, costs, reps, n_tg, measured)
             cfg = run.models[0].cfg
-            g.update(offload_prompt_layer_s=0.0, offload_ubatch_s=0.0, offload_attn_flops=math.inf)
-            a0, aD = _attn_flops(cfg, T1, 0), _attn_flops(cfg, T1, D)
+            g.update(offload_prompt_layer_s=0.0, offload_ubatch_s=0.0,
+                     offload_attn_flops=cpu_attention_flops(cfg, T1, D))
             s0, r0, i0, j0 = f.pp(f"{dev}_offload_prompt_s", T1)
-            sD, rD, _, _ = f.pp(f"{dev}_offload_prompt_s", T1, D)
-            extra = (sD - rD) - (s0 - r0)
-            g["offload_attn_flops"] = (aD - a0) / extra if extra > 0 else rates.cpu_bf16_flops
-            g["offload_attn_flops"] = max(g["offload_attn_flops"], 2 * a0 / max(s0 - r0, 1e-9))
-            g["offload_prompt_layer_s"] = max(s0 - r0 - a0 / g["offload_attn_flops"], 0.0)
+            g["offload_prompt_layer_s"] = max(s0 - r0, 0.0)
             g["offload_ubatch_s"] = max(i0 - j0, 0.0)
+            sD, rD, _, _ = f.pp(f"{dev}_offload_prompt_s", T1, D)
+            checks[f"{dev}_offload_prompt_layer_s_d{D}"] = [sD, rD + g["offload_prompt_layer_s"]]
         finally:
             run.close()
     costs["_calibration"] = {"layers": list(layers), "ubatches": [T1, T2], "depth": D, "decode_steps": n_tg,
-                             "quick": quick, "models": paths, "measured": {k: list(v) for k, v in measured.items()}}
+                             "quick": quick, "models": paths, "measured": {k: list(v) for k, v in measured.items()},
+                             "checks": checks}
     return costs

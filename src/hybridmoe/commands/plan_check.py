@@ -4,6 +4,9 @@ measurement, with every term of the prediction, so a miss says which term is off
 The tests are llama-bench's pp{-p} (default 512) and tg{-n} (default 128), timed as `bench` times them (a warm-up,
 then -r repetitions; t/s is the mean). Beside the times: which step the runtime built against the one predicted
 (cpu / graph / eager), the host expert bytes uploaded per prompt, and the decode share's count.
+
+A VM's RAM read rate moves between calls (83-104 GB/s on the lent H100 VM): the check probes it first, as
+calibrate did, and predicts with the RAM-bound rates scaled to it (Rates.with_ram_read), printing both rates.
 """
 from __future__ import annotations
 
@@ -131,13 +134,21 @@ def run_check(args, placement, rates, source: str, predict_fn) -> int:
     if rates is None:
         raise HybridMoeError("--check compares with this machine's calibration: run `hybridmoe calibrate` first")
     placement.check_fits()
-    preds = {n: predict_fn(placement, rates, n_prompt=n, n_gen=args.n_gen) for n in args.n_prompts}
+    from ..perf.calibrate import ram_read_now
+    cached, calibrated_ram = rates, rates.ram_read_bw
+    rates = rates.with_ram_read(ram_read_now())
+    source = (f"{source}; RAM read {rates.ram_read_bw / 1e9:.1f} GB/s now, {calibrated_ram / 1e9:.1f} GB/s at "
+              f"calibration (RAM-bound terms scaled by {rates.ram_read_bw / calibrated_ram:.2f})")
+    # (the runtime picks its decode share's count on the cached rates: so does the prediction)
+    preds = {n: predict_fn(placement, rates, n_prompt=n, n_gen=args.n_gen, share_rates=cached)
+             for n in args.n_prompts}
     pred = preds[args.n_prompts[0]]
     runs = measure(args.model, placement.opts, args.n_prompts, args.n_gen, max(args.repetitions, 1))
     rows = compare(preds, runs)
     flags = opts_flags(placement.opts)
     if args.json:
         print(json.dumps({"model": args.model, "flags": flags, "rates": source, "calibrated": pred.calibrated,
+                          "ram_read_bw": {"calibrated": calibrated_ram, "now": rates.ram_read_bw},
                           "ubatch": pred.ubatch, "tests": rows}, indent=1))
     else:
         print(format_check(rows, f"-m {args.model} {flags}".strip(), source))

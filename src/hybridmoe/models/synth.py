@@ -146,11 +146,15 @@ def config_metadata(cfg: ModelConfig) -> dict:
     return md
 
 
-def synth_tensors(cfg: ModelConfig, expert_type, other_type, seed: int, mix: str | None = None):
+def synth_tensors(cfg: ModelConfig, expert_type, other_type, seed: int, mix: str | None = None,
+                  depth: int | None = None):
     """(name, shape, type, make) of every tensor: types from `mix` (models/mixes.py) when given, else experts
-    `expert_type` and the other matrices `other_type`; random weights of a trained layer's magnitude."""
+    `expert_type` and the other matrices `other_type`; random weights of a trained layer's magnitude. depth:
+    the stack whose residual scaling the layers take (default cfg.n_layer; calibrate's few-layer models take
+    the 48-layer model's, so that each of their layers routes as one of its layers does)."""
     from ..quant.random_blocks import random_tensor
     gen = torch.Generator().manual_seed(seed)
+    depth = depth or cfg.n_layer
     out = []
     for name, shape in tensor_shapes(cfg):
         qt = mix_type(mix, name, shape) if mix else default_qtype(name, shape, expert_type, other_type)
@@ -163,12 +167,12 @@ def synth_tensors(cfg: ModelConfig, expert_type, other_type, seed: int, mix: str
             make = (lambda s=shape: (1.0 + 0.1 * torch.randn(s, generator=gen)).float().view(torch.uint8))
         else:
             scale = 1.0 if "token_embd" in name else 0.02
-            if cfg.n_layer > 8 and ("attn_output" in name or "ffn_down" in name):
+            if depth > 8 and ("attn_output" in name or "ffn_down" in name):
                 # deep stacks: the residual branches' outputs scaled by 1 / n_layer. At 0.02 their sum over
                 # 48 random layers grows a component shared by all tokens, and the deep layers routed a
                 # 512-token prompt to 8-30 of 128 experts (a trained router spreads it over all of them);
                 # at 0.02 / 48 every layer keeps all 128 busy (measured on the qwen3-30b-a3b shape)
-                scale /= cfg.n_layer
+                scale /= depth
             make = (lambda s=shape, q=qt, sc=scale: random_tensor(q, s, gen, scale=sc))
         out.append((name, shape, qt, make))
     return out

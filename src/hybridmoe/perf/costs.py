@@ -35,10 +35,14 @@ Keys (seconds unless named otherwise):
                           (prefetch), as measured
        upload_layer_s     per uploaded layer beyond that (the router's sync, slot waits)
        offload_prompt_layer_s, offload_ubatch_s    a layer whose attention is in RAM (-ngl 0, or a layer -ngl
-                          leaves on the CPU) on the eager prompt path with op offload to this GPU: norms, RoPE
-                          and attention on the CPU, matrices and experts uploaded, crossings; per layer beyond
-                          its modelled work, and per ubatch (uncalibrated: the CPU step's costs)
-       offload_attn_flops FLOP/s of that path's CPU attention (torch SDPA, not the C step's)
+                          leaves on the CPU) on the eager prompt path with op offload to this GPU: norms, q/k
+                          norms, RoPE and the cache write on the CPU, Python and launches; per layer beyond its
+                          modelled work (CPU attention, matrices and experts uploaded, the activations' copies
+                          at the two rates below), and per ubatch (uncalibrated: the CPU step's costs)
+       offload_attn_flops FLOP/s of that path's CPU attention (torch SDPA, not the C step's), timed on the op
+       pageable_h2d_bw    bytes/s of a copy to this GPU from pageable host memory (a fresh activation, a
+                          memory-mapped matrix: only experts are pinned), timed on the copy
+       d2h_bw             bytes/s of a copy from this GPU into pageable host memory (it waits for the queue)
 
 Uncalibrated (a rig file without "costs", or no `calibrate` here), every floor is 0, every factor 1, the
 overlap full and the streaming rate the RAM's read rate: the model degrades to the roofline.
@@ -50,8 +54,9 @@ CPU_KEYS = ("call_s", "stream_bw", "decode_layer_s", "decode_token_s", "prompt_l
 GPU_KEYS = ("decode_layer_s", "decode_token_s", "eager_decode_layer_s", "eager_token_s", "handoff_s",
             "prompt_layer_s", "moe_flops", "prompt_ubatch_s", "attn_flops", "eager_prompt_layer_s", "eager_ubatch_s",
             "eager_attn_flops", "upload_overlap", "upload_layer_s", "offload_prompt_layer_s", "offload_ubatch_s",
-            "offload_attn_flops")
-RATE_KEYS = ("stream_bw", "moe_flops", "attn_flops", "eager_attn_flops", "offload_attn_flops")   # bytes/s or FLOP/s; others: s or factors
+            "offload_attn_flops", "pageable_h2d_bw", "d2h_bw")
+RATE_KEYS = ("stream_bw", "moe_flops", "attn_flops", "eager_attn_flops", "offload_attn_flops", "pageable_h2d_bw",
+             "d2h_bw")   # bytes/s or FLOP/s; others: s or factors
 
 
 class Costs:
@@ -94,6 +99,8 @@ class Costs:
                              "offload_attn_flops": "attn_flops"}[key])
         if key in ("moe_flops", "attn_flops", "eager_attn_flops"):
             return self.rates.flops(dev)
+        if key in ("pageable_h2d_bw", "d2h_bw"):
+            return self.rates.h2d(dev)
         if key == "handoff_s":
             return self.rates.sync(dev)
         return 1.0 if key == "upload_overlap" else 0.0
@@ -127,7 +134,7 @@ def format_costs(costs: dict) -> list[str]:
         parts = []
         for k, v in entry.items():
             if k in RATE_KEYS:
-                parts.append(f"{k} {v / 1e9:.1f} G" + ("B/s" if k == "stream_bw" else "FLOP/s"))
+                parts.append(f"{k} {v / 1e9:.1f} G" + ("B/s" if k.endswith("_bw") else "FLOP/s"))
             elif k.endswith("_s"):
                 parts.append(f"{k} {v * 1e6:.1f} us")
             else:

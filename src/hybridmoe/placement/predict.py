@@ -11,7 +11,9 @@ decode and for prompts alike:
   (runtime/steps/gpu_prefill.py);
 - "eager": everything else, op by op through runtime/scheduler.py: a prompt's host experts are uploaded to
   a GPU when `Rates.offload_pays` says so (the scheduler asks the same function), all of them a layer ahead,
-  or only the routed ones (`-ooae auto`: when at most half the experts are routed, with no prefetch).
+  or only the routed ones (`-ooae auto`: when at most half the experts are routed, with no prefetch); a layer
+  whose attention is in RAM (-ngl 0 with a GPU, or below a partial -ngl) also copies its activations to and from
+  the GPU that takes its matrices and experts, at the pageable copy rates (offload_copies).
 
 Each prediction is a sum of named terms (seconds over the whole test), so a miss says which term is off:
 bytes at the calibrated bandwidths, FLOPs at the calibrated rates, and the calibrated costs that are not
@@ -193,13 +195,18 @@ def _crossing_seconds(rates, a: str, b: str, nbytes: float) -> float:
     return sum(rates.sync(d) / 2 + nbytes / rates.h2d(d) for d in (a, b) if d != "CPU")
 
 
-def _token_path(p: Placement, expert_dev: dict[int, str]) -> tuple[list[str], int]:
+def _token_path(p: Placement, expert_dev: dict[int, str], apart: dict | None = None) -> tuple[list[str], int]:
     """Devices one token's activations visit in order (input, each layer's ops, logits back to the host), and
-    the extra crossings of split gate/up pairs. expert_dev: layer -> GPU its host experts run on (uploaded)."""
+    the extra crossings of split gate/up pairs. expert_dev: layer -> GPU its host experts run on (uploaded);
+    apart: layer -> the device its residual ends on, for layers whose copies are counted apart (offload_copies):
+    the path only passes through that device."""
     dev = p.device_of
     path = [dev.get("token_embd.weight", "CPU")]
     extra = 0
     for il in range(p.cfg.n_layer):
+        if apart and il in apart:
+            path.append(apart[il])
+            continue
         def at(short):
             n = p.layer_tensor(il, short)
             return None if n is None else dev[n]
@@ -219,8 +226,9 @@ def _token_path(p: Placement, expert_dev: dict[int, str]) -> tuple[list[str], in
     return [d for i, d in enumerate(path) if i == 0 or d != path[i - 1]], extra
 
 
-def _path_seconds(p: Placement, rates, n_tokens: int, expert_dev: dict[int, str]) -> tuple[float, int]:
-    path, extra = _token_path(p, expert_dev)
+def _path_seconds(p: Placement, rates, n_tokens: int, expert_dev: dict[int, str],
+                  apart: dict | None = None) -> tuple[float, int]:
+    path, extra = _token_path(p, expert_dev, apart)
     nb = n_tokens * p.cfg.n_embd * 4
     secs = sum(_crossing_seconds(rates, a, b, nb) for a, b in zip(path, path[1:]))
     if extra:
@@ -252,12 +260,13 @@ def _share(p: Placement, layers: list[_Layer], rates, kind: str) -> tuple[int, i
     return (g, k) if g else None
 
 
-def decode_terms(p: Placement, layers: list[_Layer], rates, n_gen: int, n_depth: int = 0, graphs: bool = True):
+def decode_terms(p: Placement, layers: list[_Layer], rates, n_gen: int, n_depth: int = 0, graphs: bool = True,
+                 share_rates=None):
     """(seconds per token, terms per token, kind, share) of a decode step at the mean position of the test."""
     c, cfg = Costs(rates), p.cfg
     k = cfg.n_expert_used
     kind = decode_kind(p, layers, graphs)
-    share = _share(p, layers, rates, kind)
+    share = _share(p, layers, share_rates or rates, kind)
     g = share[0] if share else 0
     kvb = kv_token_bytes(cfg, p.opts) if cfg.n_layer else 0.0
     pos = n_depth + (n_gen + 1) / 2                                # keys read, mean over the test
@@ -371,6 +380,34 @@ def _upload_plan(p: Placement, L: _Layer, rates, T: int, x_dev: str, prefetched:
     return run, L.exp_bytes * (n_active / E if few else 1.0), False, few
 
 
+def offload_copies(cfg, T: int, x_gpu: bool, dense_gpu: bool, experts_gpu: bool) -> tuple[float, float, int]:
+    """(bytes up, bytes down, synchronizing copies) of the activations of a layer whose attention and KV cache
+    are in RAM, on the eager path with op offload, as Decoder.attention / ffn and the Scheduler move them (every
+    norm runs with its weight in RAM, so the residual comes back before each). x_gpu: the residual arrives on
+    a GPU; dense_gpu: the layer's host matrices (qkv, output, router) run there; experts_gpu: its experts are
+    uploaded. Float32 rows of T tokens; each copy down waits for the GPU's queue (a sync), and so does the
+    router's choice (or the experts' counts) the upload decision reads. The residual's own move onto a GPU
+    (the first such layer) is the token path's crossing."""
+    H, q, kv, k = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_expert_used
+    up = down = syncs = 0
+    if x_gpu:
+        down, syncs = down + H, syncs + 1         # the residual to attn_norm
+    if dense_gpu:
+        up += H                                   # the normed rows to the qkv product
+        down, syncs = down + q + 2 * kv, syncs + 1   # q, k, v back to the KV cache
+        up += q                                   # the attention's output to attn_output
+    elif x_gpu:
+        up += H                                   # the attention's output to the residual on the GPU
+    if x_gpu or dense_gpu:
+        down, syncs = down + H, syncs + 1         # the residual (on the GPU now) to ffn_norm
+    if experts_gpu:
+        if dense_gpu:
+            up += H                               # the normed rows to the router
+        up += H + 2 * k                           # rows, weights and ids in one copy to the experts
+        syncs += 1                                # the choice back to the host (ids or the experts' counts)
+    return 4.0 * T * up, 4.0 * T * down, syncs
+
+
 def _offload_gpu(p: Placement, x_dev: str, T: int) -> str | None:
     """The GPU a host-weight op of T tokens may run on (Scheduler._offload_target), None where none may."""
     gpus, o = p.gpus, p.opts
@@ -412,6 +449,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             t.add("ubatch overhead (eager)", c.gpu(main, "eager_ubatch_s") if gpus else c.cpu("prompt_ubatch_s"))
         prefetch, prev_il = False, -2
         ups: dict[int, str] = {}
+        dense_gpu: dict[int, str] = {}
         for L in layers:
             layer_start = sum(t.values())
             dense, attn, exp = _flops(L, cfg, T, p0)
@@ -446,7 +484,9 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
                 # the layer's matrices together)
                 gpu = _offload_gpu(p, A, T)
                 if gpu is not None and rates.offload_pays("mul_mat", T, L.dense[d], n_params=L.params[d], gpu=gpu):
-                    t.add("PCIe uploads", L.dense[d] / rates.h2d(gpu))
+                    # host matrices stay memory-mapped (only experts go to the pinned arena): a pageable copy
+                    t.add("PCIe uploads", L.dense[d] / c.gpu(gpu, "pageable_h2d_bw"))
+                    dense_gpu[L.il] = gpu
                     t.add("GPU compute", _gpu_compute(rates, gpu, fl, L.dense[d]))
                     moved += L.dense[d]
                 else:
@@ -487,10 +527,23 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             t.add("PCIe uploads", u - hidden)
             t.add("GPU experts", comp)
             t.add("upload overhead", c.gpu(run, "upload_layer_s"))
+        apart: dict[int, str] = {}
+        if offload:
+            x_gpu = p.device_of.get("token_embd.weight", "CPU") != "CPU"
+            for L in layers:
+                if L.attn != "CPU":
+                    x_gpu = True                        # the residual is added on the layer's GPU
+                    continue
+                gpu = dense_gpu.get(L.il) or ups.get(L.il) or main
+                nup, ndown, syncs = offload_copies(cfg, T, x_gpu, L.il in dense_gpu, L.il in ups)
+                t.add("activation copies (offload)", nup / c.gpu(gpu, "pageable_h2d_bw") +
+                      ndown / c.gpu(gpu, "d2h_bw") + syncs * rates.sync(gpu))
+                x_gpu = x_gpu or L.il in dense_gpu or L.il in ups
+                apart[L.il] = gpu if x_gpu else "CPU"
         if kind == "eager":
-            key = (T, tuple(sorted(ups.items())))       # alike for every full ubatch
+            key = (T, tuple(sorted(ups.items())), tuple(sorted(apart.items())))     # alike for every full ubatch
             if key not in paths:
-                paths[key] = _path_seconds(p, rates, T, ups)[0]
+                paths[key] = _path_seconds(p, rates, T, ups, apart)[0]
             t.add("crossings", paths[key])
         done += T
     return sum(t.values()), t, kind, sorted(uploaded), few_any, moved
@@ -499,9 +552,11 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
 # ----------------------------------------------------------------------------------------- predict
 
 def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128, ubatch: int | None = None,
-            n_depth: int = 0, graphs: bool = True) -> Prediction:
+            n_depth: int = 0, graphs: bool = True, share_rates=None) -> Prediction:
     """TG (n_gen tokens at depth n_depth) and PP (n_prompt tokens in ubatches of `ubatch`, default the
-    placement's -ub) as the runtime would run them on these rates; graphs=False: with its static steps off."""
+    placement's -ub) as the runtime would run them on these rates; graphs=False: with its static steps off.
+    share_rates: the rates the runtime picks the decode share's count on (its cached calibration), where the
+    times are predicted on others (plan --check's RAM rate probed now)."""
     p, cfg = placement, placement.cfg
     ub = ubatch or p.opts.ubatch_size
     layers = _layers(p)
@@ -510,7 +565,7 @@ def predict(placement: Placement, rates, n_prompt: int = 4096, n_gen: int = 128,
     tgb = tg_bound(model_work(p.tensors, p.device_of, cfg), cfg, kv_devices, rates, max(n_gen, 1), n_depth, kvb)
     up_targets = upload_targets(p.tensors, p.device_of, p.attn_device,
                                 p.gpus[p.opts.main_gpu].name if p.gpus and p.opts.main_gpu < len(p.gpus) else None)
-    per_tok, tg_t, dkind, share = decode_terms(p, layers, rates, max(n_gen, 1), n_depth, graphs)
+    per_tok, tg_t, dkind, share = decode_terms(p, layers, rates, max(n_gen, 1), n_depth, graphs, share_rates)
     pp_s, pp_t, pkind, ups, few, moved = prompt_terms(p, layers, rates, max(n_prompt, 1), ub, n_depth, graphs)
     targets = {n: g for n, g in up_targets.items() if _layer_index(n) in ups}
     ppb = pp_bound(model_work(p.tensors, p.device_of, cfg, targets), cfg, kv_devices, rates, max(n_prompt, 1), ub,
