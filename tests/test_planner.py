@@ -428,6 +428,24 @@ def test_decode_share_balances_the_cpu_and_the_bus():
     assert decode_share(8, e, None, "CUDA0") == share(80, 40)          # uncalibrated: half the RAM's rate
 
 
+def test_batch_share_fraction_balances_both_sides():
+    """A batch's decode share: the fraction of a layer's distinct experts whose copy over the bus and run on the
+    GPU take as long as the CPU's reading of the rest; larger on a faster link or slower RAM, below one half on
+    the H100 VM's rates (its bus gives a batch's many copies less than its H2D rate)."""
+    from hybridmoe.perf import roofline as R
+
+    def rates(ram, h2d):
+        return Rates(ram_read_bw=ram * 1e9, cpu_bf16_flops=1e12, threads=16, h2d_bw={"CUDA0": h2d * 1e9})
+    f = R.batch_share_fraction(rates(100, 55), "CUDA0")
+    assert 0.2 < f < 0.35
+    cpu = (1 - f) / (R.SHARE_CPU_EFFICIENCY * 100e9)
+    gpu = f * (1 / (R.SHARE_BATCH_BUS_EFFICIENCY * 55e9) + 1 / R.SHARE_GPU_KERNEL_BW)
+    assert abs(cpu - gpu) < 1e-6 * cpu
+    fs = [R.batch_share_fraction(rates(ram, 55), "CUDA0") for ram in (200, 100, 50)]
+    assert fs == sorted(fs) and R.batch_share_fraction(rates(100, 5), "CUDA0") < 0.05
+    assert R.batch_share_fraction(None, "CUDA0") == R.batch_share_fraction(rates(80, 40), "CUDA0")
+
+
 def test_decode_share_override(monkeypatch):
     """HYBRIDMOE_DECODE_SHARE forces the count (never all k); anything but a count is a clear error."""
     from hybridmoe.runtime.steps.gpu_decode import forced_share

@@ -36,8 +36,9 @@ SWITCHES = {
                                            "faster prompts, ~1e-2 a layer) instead of two (~15 bits)"),
     "HYBRIDMOE_HOST_ARENA": Switch("", "1: CPU experts go to the pinned arena without a GPU too; 0: never"),
     "HYBRIDMOE_SPLIT_ROWS": Switch("1", "0: GPU Q4_0/Q8_0 tensors keep GGUF rows instead of the split layout"),
-    "HYBRIDMOE_DECODE_SHARE": Switch("", "experts of each CPU layer the GPU runs in a decode step (0: off; "
-                                         "default: the cost model's count)"),
+    "HYBRIDMOE_DECODE_SHARE": Switch("", "experts of each CPU layer's k the GPU runs in a decode step, and in a "
+                                         "batch's step that share of its distinct experts (0: off; default: the "
+                                         "cost model's)"),
     "HYBRIDMOE_HANDOFF": Switch("poll", "sync: CPU/GPU decode hand-offs through synchronizing copies, not polled "
                                         "flags"),
     "HYBRIDMOE_GEMV8": Switch("1", "0: GPU decode projections in bf16 instead of the int8 (dp4a) GEMV"),

@@ -132,6 +132,23 @@ def decode_share(k: int, expert_bytes: int, rates, gpu: str) -> int:
     return min(range(k), key=lambda g: (max((k - g) * expert_bytes / cpu, g * gpu_s), g))
 
 
+# The bus's share of the pinned H2D rate in a batch's decode share, where the GPU copies tens of experts a layer
+# while the CPU streams the rest (benchmarks/batch_decode.py, B = 16 with experts in RAM on an H100 VM, the GPU's
+# count forced: 2 of 8 fastest, 3 slower than none; docs/benchmarks.md): lower than one token's few experts get.
+SHARE_BATCH_BUS_EFFICIENCY = 0.64
+
+
+def batch_share_fraction(rates, gpu: str) -> float:
+    """For a batch's decode step: the fraction of a CPU-expert layer's distinct experts (tens of them) its GPU
+    reads over the bus and runs while the CPU streams the others, the one at which both sides take as long (the
+    counts of decode_share, continuous)."""
+    ram = rates.ram_read_bw if rates is not None else 80e9
+    cpu = 1 / (SHARE_CPU_EFFICIENCY * ram)
+    gpu_s = 1 / (SHARE_BATCH_BUS_EFFICIENCY * (rates.h2d(gpu) if rates is not None else ram / 2)) + \
+        1 / SHARE_GPU_KERNEL_BW
+    return cpu / (cpu + gpu_s)
+
+
 def tg_bound(work: Work, cfg, kv_devices: list[str], rates, n_gen: int, n_depth: int = 0,
              kv_bytes_pos: float | None = None) -> Bound:
     """Decode n_gen tokens after n_depth: every device's bytes / its read bandwidth, summed."""

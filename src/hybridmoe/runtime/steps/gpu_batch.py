@@ -33,7 +33,7 @@ from ...kernels import gpu_handoff as gh
 from .. import experts as X
 from .base import NonFinite, NotApplicable
 from ...kernels import gpu_decode as gd
-from .gpu_decode import capturing, gc_paused, share_count
+from .gpu_decode import capturing, gc_paused, share_fraction
 from .gpu_prefill import StaticPrefill
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -76,12 +76,10 @@ class BatchDecode(StaticPrefill):
         # synchronous one (a stream sync and the scheduler's expert op a layer)
         self.polled = bool(self.host_layers) and self.capture and X.kernels() is not None and \
             not self.sched.stats.profile and env.get("HYBRIDMOE_HANDOFF") != "sync"
-        # the decode share, for batches: while the CPU runs the others, the GPU reads about share/k of the distinct
+        # the decode share, for batches: while the CPU runs the others, the GPU reads this fraction of the distinct
         # experts a host-expert layer's rows route to over the bus and runs their pairs (_share_pairs)
-        k = self.cfg.n_expert_used or 1
-        n = share_count(self.sched, self.dev, k, [self.layers[i]["exps"] for i in self.host_layers]) \
-            if self.polled else 0
-        self.share_frac = n / k
+        self.share_frac = share_fraction(self.sched, self.dev, self.cfg.n_expert_used or 1,
+                                         [self.layers[i]["exps"] for i in self.host_layers]) if self.polled else 0.0
 
     def accepts(self, kv) -> bool:
         """Whether kv can be one of this step's sequences: a plain cache on this GPU shaped as the first."""

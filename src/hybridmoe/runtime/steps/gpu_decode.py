@@ -31,7 +31,7 @@ from ... import env
 from ...errors import HybridMoeError, warn, warn_fallback
 from ...kernels import decode_layout as dl
 from ...kernels import gpu_decode as gd
-from ...perf.roofline import decode_share
+from ...perf.roofline import batch_share_fraction, decode_share
 from ...quant.types import GGMLType
 from .. import experts as X
 from ..hostmem import is_pinned
@@ -41,14 +41,13 @@ from .base import NotApplicable
 
 @contextlib.contextmanager
 def gc_paused():
-    """Python's cyclic garbage collection off for a while, after one collection (nested: a no-op). A collection
-    during a capture may run a finalizer that calls CUDA (an earlier model's pinned arena unregistering itself,
-    runtime/hostmem.py), which a capture forbids, and the capture fails. One collection takes ~0.2 s with a big
-    model's objects alive: a step of many graphs (one per CPU-expert layer) pauses once around all of them."""
+    """Python's cyclic garbage collection off for a while (nested: a no-op). A collection during a capture may
+    run a finalizer that calls CUDA (an earlier model's pinned arena unregistering itself, runtime/hostmem.py),
+    which a capture forbids, and the capture fails. No collection first: one takes 0.1-0.2 s with a big model's
+    objects alive, which a server slot's first decode step would pay (the garbage waits for the next one)."""
     if not gc.isenabled():
         yield
         return
-    gc.collect()
     gc.disable()
     try:
         yield
@@ -58,9 +57,16 @@ def gc_paused():
 
 @contextlib.contextmanager
 def capturing(graph, device, stream, pool=None):
-    """torch.cuda.graph on `stream` of `device`, with garbage collection paused (gc_paused)."""
-    with gc_paused(), torch.cuda.device(device), torch.cuda.graph(graph, pool=pool, stream=stream):
-        yield
+    """A capture into `graph` on `stream` of `device` (torch.cuda.graph's, without the garbage collection and
+    the emptying of the allocators' caches it may do first), with garbage collection paused (gc_paused)."""
+    with gc_paused(), torch.cuda.device(device):
+        torch.cuda.synchronize(device)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                yield
+            finally:
+                graph.capture_end()
 
 
 def forced_share(k: int) -> int | None:
@@ -74,29 +80,50 @@ def forced_share(k: int) -> int | None:
     return min(int(forced), k - 1)
 
 
-def share_count(sched, dev, k: int, exps: list) -> int:
-    """The decode share (docs/design.md): how many of a CPU-expert layer's k active experts the GPU runs itself
-    during a decode step, while the CPU streams the others from RAM; the GPU reads its own over the bus (zero-copy
-    from the pinned arena, gd.stage_experts). exps: each CPU-expert layer's (gate, up, down). 0 where the experts
-    are not pinned, a type has no GPU kernel, or HYBRIDMOE_DECODE_SHARE=0; that variable also forces a count.
-    Otherwise the count that balances the two sides at the calibrated rates (roofline.decode_share)."""
+def _share_rates(sched, dev, k: int, exps: list):
+    """(HYBRIDMOE_DECODE_SHARE's count or None, the rates to balance on) for the decode share of these CPU-expert
+    layers' (gate, up, down), or None where there is none: the experts are not pinned or a type has no GPU
+    kernel, k < 2, or the rates could not be measured."""
     if k < 2 or not exps or not all(gd.supports(g.qtype, u.qtype, d.qtype) and gd.share_layout_ok(
             (g.qtype, u.qtype, d.qtype), [w.raw[0].numel() for w in (g, u, d)]) and all(
             is_pinned(w.raw) and gd.stage_words(w.raw) is not None for w in (g, u, d)) for g, u, d in exps):
-        return 0
+        return None
     forced = forced_share(k)
-    if forced is not None:
-        return forced
-    per = sum(w.raw[0].numel() for e in exps for w in e) / len(exps)       # bytes of one expert, mean
     rates = sched.rates
-    if rates is None:                      # no cached calibration: the two rates it needs, measured now
+    if forced is None and rates is None:   # no cached calibration: the two rates it needs, measured now
         try:
             from ...perf.calibrate import quick_link_rates
             rates = quick_link_rates(dev)
         except Exception as e:             # noqa: BLE001 - a failed probe must not stop decoding
             warn_fallback("measuring the RAM and PCIe rates for the decode share", e, "the CPU runs all experts")
-            return 0
+            return None
+    return forced, rates
+
+
+def share_count(sched, dev, k: int, exps: list) -> int:
+    """The decode share (docs/design.md): how many of a CPU-expert layer's k active experts the GPU runs itself
+    during a decode step, while the CPU streams the others from RAM; the GPU reads its own over the bus (zero-copy
+    from the pinned arena, gd.stage_experts). exps: each CPU-expert layer's (gate, up, down). 0 where there is
+    none (_share_rates) or HYBRIDMOE_DECODE_SHARE=0; that variable also forces a count. Otherwise the count that
+    balances the two sides at the calibrated rates (roofline.decode_share)."""
+    got = _share_rates(sched, dev, k, exps)
+    if got is None:
+        return 0
+    forced, rates = got
+    if forced is not None:
+        return forced
+    per = sum(w.raw[0].numel() for e in exps for w in e) / len(exps)       # bytes of one expert, mean
     return decode_share(k, per, rates, dev.name)
+
+
+def share_fraction(sched, dev, k: int, exps: list) -> float:
+    """The batched decode step's share: the fraction of a CPU-expert layer's distinct experts the GPU runs (a
+    forced HYBRIDMOE_DECODE_SHARE count of k as that fraction of them; roofline.batch_share_fraction)."""
+    got = _share_rates(sched, dev, k, exps)
+    if got is None:
+        return 0.0
+    forced, rates = got
+    return forced / k if forced is not None else batch_share_fraction(rates, dev.name)
 
 
 _FLOAT = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
