@@ -110,6 +110,16 @@ for s in "$@"; do
                   --batch 8 --steps 8 --repeat 2 --kprofile 6 2>&1 | tail -12 ;
                 HYBRIDMOE_GPU_MOE=gemm timeout 380 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
                   --batch 16,32,64 --steps 8 --repeat 2 --kprofile 6 2>&1 | tail -30 ;;
+    # after the capture and batch-share changes: their GPU tests, one client on a 16-slot server, the batched step
+    # with experts in RAM on the share's own fraction, the server with experts in RAM at 1, 4 and 8 clients (issue 27)
+    servecheck) HYBRIDMOE_CACHE=/tmp/hm-test timeout 170 python3 -m pytest -q tests/test_gpu_batch.py tests/test_static_steps.py \
+                  tests/test_gpu_decode.py -k "host or mixed or step or stage or capture" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+                timeout 70 python3 -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 --concurrency 1 --slots 16 \
+                  --requests 6 --repeat 1 2>&1 | tail -2
+                timeout 110 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU --batch 4,8,16 \
+                  --steps 6 --repeat 2 2>&1 | grep -E "alone|^ +[0-9]"
+                timeout 220 python3 benchmarks/serve_load.py --concurrency 1,4,8 --rounds 1 -- -m synth:qwen3-30b-a3b \
+                  -ngl 99 -ot exps=CPU -np 8 2>&1 | grep -E "^\| [0-9]|slot warm" | head -4 ;;
     # the server's generation thread with one client on 1 and on 16 slots (all on the GPU), and the batch decode
     # share's count swept at B = 16 with experts in RAM (issue 27)
     slotsweep) for S in 1 16; do echo "### serve_steps --slots $S"
