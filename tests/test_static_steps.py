@@ -182,9 +182,10 @@ def test_each_cache_keeps_its_static_steps(monkeypatch):
     assert gone() is None
 
 
-def test_gc_paused_collects_once_for_many_captures():
-    """A step of many graphs (one per CPU-expert layer) pays one garbage collection (~0.2 s with a big model's
-    objects alive, 49 of them made a slot's first decode step take 9 s), and leaves collection as it found it."""
+def test_gc_paused_collects_nothing_for_many_captures():
+    """A step of many graphs (one per CPU-expert layer) pays no garbage collection (~0.1-0.2 s each with a big
+    model's objects alive: 49 of them made a slot's first decode step take 9 s, one a server slot's first decode
+    step 0.2 s), and leaves collection as it found it."""
     import gc
 
     from hybridmoe.runtime.steps.gpu_decode import gc_paused
@@ -203,7 +204,7 @@ def test_gc_paused_collects_once_for_many_captures():
                     assert not gc.isenabled()
             assert not gc.isenabled()
         assert gc.isenabled()
-        assert len(runs) == 1
+        assert not runs
         with pytest.raises(ValueError):
             with gc_paused():
                 raise ValueError
