@@ -5,6 +5,9 @@ together (Model.decode_batch, the server's batched step) for comparison with a s
 
     python3 benchmarks/slot_first_use.py -m synth:qwen3-30b-a3b -ngl 99 --caches 3
     python3 benchmarks/slot_first_use.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU --cprofile 25
+    python3 benchmarks/slot_first_use.py -m synth:qwen3-30b-a3b -ngl 99 --caches 6 --prompt 40,41,48,64,100,300
+
+--prompt: the prompt's tokens, or a list taken in turn by the caches (what a new prompt size costs the first time).
 
 --cprofile N: the N functions with the most cumulative time in the second cache's first decode step.
 """
@@ -39,25 +42,27 @@ def main() -> None:
     add_model_args(p, model_default="synth:tiny")
     add_runtime_args(p)
     p.add_argument("--caches", type=int, default=3, help="caches (slots) to use one after another")
-    p.add_argument("--prompt", type=int, default=40, help="prompt tokens per cache")
+    p.add_argument("--prompt", default="40", help="prompt tokens per cache, or a comma-separated list taken in turn")
     p.add_argument("--steps", type=int, default=8, help="decode steps per cache after the first")
     p.add_argument("--cprofile", type=int, default=0, metavar="N")
     a = p.parse_args()
     t0 = time.perf_counter()
-    ctx = a.prompt + a.steps + 8
+    sizes = [int(n) for n in a.prompt.split(",")]
+    ctx = max(sizes) + a.steps + 8
     kw = runtime_kwargs(a)
     kw["ctx_size"] = ctx
     m = hybridmoe.load(a.model, **kw)
     print(f"loaded in {time.perf_counter() - t0:.2f} s; warm-up {m.warmup():.2f} s")
     gen = torch.Generator().manual_seed(0)
-    print("| cache | prompt s | first decode step s | next steps ms (mean) |")
-    print("|---:|---:|---:|---:|")
+    print("| cache | prompt tokens | prompt s | first decode step s | next steps ms (mean) |")
+    print("|---:|---:|---:|---:|---:|")
     kvs, toks = [], []
     for c in range(a.caches):
         kv = m.new_cache(ctx)
-        prompt = torch.randint(0, m.cfg.n_vocab, (a.prompt,), generator=gen)
+        n = sizes[c % len(sizes)]
+        prompt = torch.randint(0, m.cfg.n_vocab, (n,), generator=gen)
         tp, out = _timed(lambda: m.forward(prompt, 0, kv, all_logits=False))
-        tok, pos = int(out[-1].argmax()), a.prompt
+        tok, pos = int(out[-1].argmax()), n
         prof = cProfile.Profile() if a.cprofile and c == 1 else None
         if prof:
             prof.enable()
@@ -70,7 +75,7 @@ def main() -> None:
             dt, out = _timed(lambda: m.forward(torch.tensor([tok]), pos, kv, all_logits=False))
             tn += dt
             tok, pos = int(out[-1].argmax()), pos + 1
-        print(f"| {c} | {tp:.3f} | {t1:.3f} | {tn / a.steps * 1e3:.2f} |")
+        print(f"| {c} | {n} | {tp:.3f} | {t1:.3f} | {tn / a.steps * 1e3:.2f} |")
         kvs.append((kv, pos))
         toks.append(tok)
         if prof:
