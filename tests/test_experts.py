@@ -102,6 +102,28 @@ def test_gpu_moe_path_by_pairs(monkeypatch):
         X.gpu_moe_path(4, 32)
 
 
+def test_kernel_variants_cover_every_prompt_size(monkeypatch):
+    """A server's warm-up sizes: one prompt per GPU MoE kernel variant (path and the block height its compile
+    fixes) for 2..-ub tokens; every size's variant is among them, each size the first of its own."""
+    from hybridmoe.kernels import gpu_moe
+    from hybridmoe.quant.types import GGMLType as G
+    from hybridmoe.runtime import experts as X
+    monkeypatch.delenv("HYBRIDMOE_GPU_MOE", raising=False)
+    for ub, qt, split in ((512, None, False), (4096, (G.Q4_0,) * 3, True), (64, (G.Q8_0,) * 3, False)):
+        sizes = X.kernel_variants(ub, 8, 128, qt, split)
+
+        def key(T):
+            path = X.gpu_moe_path(T, 8 * T, qt, split)
+            return path, (gpu_moe.block_rows(8 * T, 128) if path == "gemm" else 0)
+        assert sizes[0] == 2 and sizes == sorted(sizes) and max(sizes) <= ub
+        firsts = {}
+        for T in range(2, ub + 1):
+            firsts.setdefault(key(T), T)
+        if not (qt and split):                           # (mmq's own block heights where Triton is)
+            assert sizes == sorted(firsts.values())
+    assert len(X.kernel_variants(4096, 8, 128)) == 5     # the per-pair GEMVs, then GEMMs of 16 to 128 rows a block
+
+
 def test_fused_gpu_kernels_of_new_types_can_be_turned_off(monkeypatch):
     """IQ4_XS, IQ4_KS, Q3_K and IQ2_KT experts take the fused GPU kernels (and the decode share) unless
     HYBRIDMOE_GPU_QDOT=0; the GGML types' kernels stay on either way."""

@@ -512,10 +512,12 @@ class Model:
         """The static step used last for "decode" or "prompt" (None: none yet, or the eager path)."""
         return self._steps.get(which, (None, None))[1]
 
-    def warmup(self) -> float:
+    def warmup(self, prompt_sizes: bool = False) -> float:
         """llama.cpp's warm-up: a two-token prompt and one decode step, so that the kernels (the C build, Triton's
-        compiles) and the decode step's graphs are ready before the first real prompt and its timings. The cache
-        is left empty and the statistics reset. Returns the seconds it took."""
+        compiles) and the decode step's graphs are ready before the first real prompt and its timings; with
+        prompt_sizes (a server's) also a prompt of each size whose GPU MoE kernels compile apart
+        (experts.kernel_variants, up to -ub), so no request pays seconds of compiling. The cache is left empty and
+        the statistics reset. Returns the seconds it took."""
         t0 = time.perf_counter()
         tok = self.tokenizer
         first = tok.bos_id if tok.bos_id is not None else 0
@@ -523,12 +525,27 @@ class Model:
         try:
             self.forward(torch.tensor([first, first]), 0, kv, all_logits=False)
             self.forward(torch.tensor([first]), 2, kv, all_logits=False)
+            for T in self._warmup_sizes(kv) if prompt_sizes else []:
+                self.forward(torch.full((T,), first), 0, kv, all_logits=False)
             self.sync()
         finally:
             kv.tokens.clear()
             self.return_cache(kv)
         self.stats.reset()
         return time.perf_counter() - t0
+
+    def _warmup_sizes(self, kv) -> list[int]:
+        """Prompt sizes for warmup(prompt_sizes=True): one a GPU MoE kernel variant (none without a GPU, or
+        without experts), each within a ubatch and the cache."""
+        L = next((L for L in self.decoder.layers if L.ffn_gate_inp is not None), None)
+        if L is None or not any(d.kind == "cuda" and not d.fake for d in kv.devs + [L.ffn_gate_exps.device]):
+            return []
+        from .runtime.experts import kernel_variants
+        g, d = L.ffn_gate_exps, L.ffn_down_exps
+        on_gpu = g.device.kind == "cuda"
+        sizes = kernel_variants(min(kv.ubatch, kv.n_ctx), self.cfg.n_expert_used, self.cfg.n_expert,
+                                  (g.qtype, L.ffn_up_exps.qtype, d.qtype), on_gpu and g.split and d.split)
+        return [T for T in sizes if T > 2]
 
     def decode_share(self) -> tuple[int, int]:
         """(g, k): the decode step's GPU runs g of each CPU-expert layer's k experts itself, read over the bus

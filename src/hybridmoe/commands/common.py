@@ -44,14 +44,15 @@ def add_warmup_arg(p: argparse.ArgumentParser):
                         "kernels and captures graphs before the first prompt, as llama.cpp does)")
 
 
-def warmup(model, args):
+def warmup(model, args, prompt_sizes: bool = False):
     """llama.cpp's warm-up, said before its pause (the first run compiles the CPU kernels: seconds) and timed
-    after it."""
+    after it; prompt_sizes: a prompt of each size whose GPU kernels compile apart too (a server's)."""
     if not args.no_warmup:
         import sys
-        print("warming up (a two-token prompt and one decode step: compiles kernels, captures graphs; --no-warmup "
-              "skips it) ...", file=sys.stderr, flush=True)
-        print(f"warmed up in {model.warmup():.2f} s", file=sys.stderr)
+        what = "a two-token prompt, one decode step" + (" and a prompt of each GPU kernel size" if prompt_sizes else "")
+        print(f"warming up ({what}: compiles kernels, captures graphs; --no-warmup skips it) ...", file=sys.stderr,
+              flush=True)
+        print(f"warmed up in {model.warmup(prompt_sizes):.2f} s", file=sys.stderr)
         g, k = model.decode_share()
         if g:
             print(f"decode share: the GPU runs {g} of each CPU layer's {k} experts, read over the bus "

@@ -153,7 +153,7 @@ def main(args) -> int:
         print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
               f"in {model.load_seconds:.2f} s", file=sys.stderr)
         template_kwargs = template_setup(model, args)
-        warmup(model, args)
+        warmup(model, args, prompt_sizes=True)
         app = create_app(model, args.alias, api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20),
                          reasoning_format=args.reasoning_format, metrics=args.metrics,
                          slot_save_path=slot_folder(args.slot_save_path), template_defaults=template_kwargs,

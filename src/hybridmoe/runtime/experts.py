@@ -203,6 +203,23 @@ def gpu_moe_path(n_tokens: int, n_pairs: int, qtypes=None, split: bool = False) 
     return "pair" if n_tokens <= 1 or n_pairs <= GATHER_MAX_SLOTS else "gemm"
 
 
+def kernel_variants(max_tokens: int, k: int, n_expert: int, qtypes=None, split: bool = False) -> list[int]:
+    """The smallest token count of each GPU MoE kernel variant a call of 2..max_tokens tokens runs (gpu_moe_path's
+    kernels and the block height their compile fixes: gpu_mmq's pairs, gpu_moe's rows a block): a warm-up that
+    makes one call of each has compiled every one, so no request pays seconds of compiling later."""
+    from ..kernels import gpu_mmq, gpu_moe
+    seen, out = set(), []
+    for T in range(2, max_tokens + 1):
+        n = T * k
+        path = gpu_moe_path(T, n, qtypes, split)
+        key = (path, gpu_mmq.block_pairs(n, n_expert) if path == "mmq" else
+               gpu_moe.block_rows(n, n_expert) if path == "gemm" else 0)
+        if key not in seen:
+            seen.add(key)
+            out.append(T)
+    return out
+
+
 def gpu_kernels(path: str):
     """The kernel module of a gpu_moe_path choice (each has supports, moe and disable)."""
     if path == "pair":
