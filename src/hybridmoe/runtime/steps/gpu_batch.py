@@ -29,10 +29,10 @@ import torch
 from ... import env
 from ...errors import warn_fallback
 from ...kernels import gpu_batch_attention as ga
+from ...kernels import gpu_decode as gd
 from ...kernels import gpu_handoff as gh
 from .. import experts as X
 from .base import NonFinite, NotApplicable
-from ...kernels import gpu_decode as gd
 from .gpu_decode import capturing, gc_paused, share_fraction
 from .gpu_prefill import StaticPrefill
 
@@ -137,7 +137,8 @@ class BatchDecode(StaticPrefill):
 
     def _share_buffers(self, buf):
         """A bucket's decode share: room for the most experts the GPU may take in a layer (gmax) and a slot of
-        zeros after them (the CPU's pairs run on it: zero scales, zero rows), per expert shape; the pairs' rows."""
+        zeros after them (the CPU's pairs run on it: zero scales, zero rows), per expert shape; the GPU's output
+        rows, one a (token, slot) pair."""
         B, td = buf["x"].shape[0], self.dev.torch_device
         k, E, H = self.cfg.n_expert_used, self.cfg.n_expert, self.cfg.n_embd
         gmax = max(1, math.ceil(self.share_frac * min(B * k, E)))
@@ -174,7 +175,8 @@ class BatchDecode(StaticPrefill):
         exps = self.layers[i]["exps"]
         g, u, d = exps
         stage = sh["stage"][tuple(tuple(w.raw.shape[1:]) for w in exps)]
-        gd.stage_experts(sel, 0, [gd.stage_words(w.raw) for w in exps], [gd.stage_words(w[:sh["gmax"]]) for w in stage])
+        gd.stage_experts(sel, 0, [gd.stage_words(w.raw) for w in exps],
+                         [gd.stage_words(w[:sh["gmax"]]) for w in stage])
         gd.moe(h, lids, wts, *stage, g.qtype, d.qtype, reduce=False, gate_split=g.split, down_split=d.split,
                out=sh["gout"])
 
