@@ -20,9 +20,9 @@ def test_warmup_is_announced_before_it_runs(capsys, monkeypatch):
     from hybridmoe.model import Model
     real = Model.warmup
 
-    def spy(self):
+    def spy(self, *a, **k):
         seen["before"] = capsys.readouterr().err                # what the user saw when the pause began
-        return real(self)
+        return real(self, *a, **k)
     monkeypatch.setattr(Model, "warmup", spy)
     assert cli(["run", "-m", "synth:tiny", "-p", "Hello", "-n", "2", "--temp", "0"]) == 0
     assert "warming up" in seen["before"] and "--no-warmup" in seen["before"]
