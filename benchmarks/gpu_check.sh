@@ -110,6 +110,12 @@ for s in "$@"; do
                   --batch 8 --steps 8 --repeat 2 --kprofile 6 2>&1 | tail -12 ;
                 HYBRIDMOE_GPU_MOE=gemm timeout 380 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
                   --batch 16,32,64 --steps 8 --repeat 2 --kprofile 6 2>&1 | tail -30 ;;
+    # the all-GPU server after its warm-up compiles every prompt kernel variant, and one client on a many-slot server
+    # with experts in RAM without the HTTP side (issue 27)
+    servegpu) timeout 200 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 1 -- -m synth:qwen3-30b-a3b \
+                -ngl 99 -np 16 2>&1 | grep -E "^\| [0-9]|warm" | head -6
+              timeout 80 python3 -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 -ot exps=CPU --concurrency 1 \
+                --slots 8 --requests 10 --repeat 1 2>&1 | tail -2 ;;
     # after the capture and batch-share changes: their GPU tests, one client on a 16-slot server, the batched step
     # with experts in RAM on the share's own fraction, the server with experts in RAM at 1, 4 and 8 clients (issue 27)
     servecheck) HYBRIDMOE_CACHE=/tmp/hm-test timeout 170 python3 -m pytest -q tests/test_gpu_batch.py tests/test_static_steps.py \
