@@ -569,3 +569,21 @@ def test_source_is_every_piece_once(tmp_path):
                        check=False)
     n = len(last.read_text().splitlines())
     assert f"cpu_batch.h:{n}:" in r.stderr.decode(), r.stderr.decode()[-500:]
+
+
+def test_cpu_stream_rate_tells_a_decoding_bound_type():
+    """The decode share's probe of the CPU kernel on one token (experts.cpu_stream_rate): a positive rate in the
+    type's own bytes, measured once per types and shapes; IQ2_KT's kernel, bound by its trellis decoding, reads
+    its bytes at well under Q4_0's rate (0.24-0.34 of it a core: docs/cpu-kernels.md)."""
+    from types import SimpleNamespace
+
+    from hybridmoe.quant.random_blocks import random_tensor
+    from hybridmoe.runtime import experts as X
+    rates = {}
+    gen = torch.Generator().manual_seed(5)
+    for q in (G.Q4_0, G.IQ2_KT):
+        g, u, d = (SimpleNamespace(raw=random_tensor(q, shape, gen), qtype=q)
+                   for shape in ((32, 768, 2048), (32, 768, 2048), (32, 2048, 768)))
+        rates[q] = X.cpu_stream_rate([(g, u, d)], 4, n_threads=1, nbytes=24 * 2**20)
+        assert rates[q] > 0 and X.cpu_stream_rate([(g, u, d)], 4, n_threads=1) == rates[q]   # once a process
+    assert rates[G.IQ2_KT] < 0.8 * rates[G.Q4_0]

@@ -446,6 +446,21 @@ def test_batch_share_fraction_balances_both_sides():
     assert R.batch_share_fraction(None, "CUDA0") == R.batch_share_fraction(rates(80, 40), "CUDA0")
 
 
+def test_decode_share_gives_more_to_the_gpu_where_the_cpu_kernel_is_slow():
+    """A type whose CPU kernel is bound by its decoding (its one-token rate under SHARE_COMPUTE_BOUND of the RAM's)
+    leaves more of a layer's experts to the GPU, in one token's share and in a batch's; a memory-bound kernel's
+    rate (Q4_0's) changes nothing."""
+    from hybridmoe.perf import roofline as R
+    r = Rates(ram_read_bw=100e9, cpu_bf16_flops=1e12, threads=16, h2d_bw={"CUDA0": 55e9})
+    e = 3 * 768 * 2048 * 9 // 32                        # one IQ2_KT expert of the 30B shape
+    base = R.decode_share(8, e, r, "CUDA0")
+    assert R.decode_share(8, e, r, "CUDA0", kernel_bw=82e9) == base
+    assert R.share_cpu_rate(100e9, 82e9) == R.share_cpu_rate(100e9) == R.SHARE_CPU_EFFICIENCY * 100e9
+    slow = R.decode_share(8, e, r, "CUDA0", kernel_bw=27e9)
+    assert base < slow <= 7 and R.share_cpu_rate(100e9, 27e9) < 0.35 * 100e9
+    assert R.batch_share_fraction(r, "CUDA0", 27e9) > R.batch_share_fraction(r, "CUDA0", 82e9) + 0.2
+
+
 def test_decode_share_override(monkeypatch):
     """HYBRIDMOE_DECODE_SHARE forces the count (never all k); anything but a count is a clear error."""
     from hybridmoe.runtime.steps.gpu_decode import forced_share

@@ -118,15 +118,32 @@ SHARE_BUS_EFFICIENCY = 0.84
 SHARE_GPU_KERNEL_BW = 630e9
 
 
-def decode_share(k: int, expert_bytes: int, rates, gpu: str) -> int:
+# A CPU expert kernel reading less than this share of the RAM probe's rate on one token is bound by its decoding,
+# not by RAM (Q4_0's reads 79-85%; the 1-3-bit types' 19-52%: docs/benchmarks.md, issue 24's table); the share
+# then takes the CPU at its own rate, as a memory-bound kernel's is to the RAM's (KERNEL_RAM_SHARE, Q4_0's)
+SHARE_COMPUTE_BOUND = 0.6
+KERNEL_RAM_SHARE = 0.8
+
+
+def share_cpu_rate(ram: float, kernel_bw: float | None = None) -> float:
+    """The CPU side's rate in the decode share: SHARE_CPU_EFFICIENCY of the RAM's read rate, or where the expert
+    type's kernel (kernel_bw: its one-token rate in its own bytes, measured alone) is bound by its decoding, that
+    rate scaled as a memory-bound kernel's would be (so the GPU takes more of such a layer's experts)."""
+    cpu = SHARE_CPU_EFFICIENCY * ram
+    if kernel_bw and kernel_bw < SHARE_COMPUTE_BOUND * ram:
+        cpu = min(cpu, kernel_bw * SHARE_CPU_EFFICIENCY / KERNEL_RAM_SHARE)
+    return cpu
+
+
+def decode_share(k: int, expert_bytes: int, rates, gpu: str, kernel_bw: float | None = None) -> int:
     """Of a CPU-expert layer's k active experts in a decode step (expert_bytes each), how many its GPU reads
     over the bus from the pinned host copy and runs itself (the decode share, runtime/steps/gpu_decode.py) while the CPU
     streams the others from RAM: the count whose slower side is fastest, the CPU at its share of the RAM read
-    rate, the GPU at its share of the pinned H2D rate plus its kernels on the copies (the two paths out of
-    RAM add up: ram_share.py). Never all k; ties go to fewer. Uncalibrated, the link is taken to read at half
-    the RAM's rate, as Rates.h2d does for an unmeasured one (RAM at 80 GB/s then)."""
+    rate (or its kernel's own, share_cpu_rate), the GPU at its share of the pinned H2D rate plus its kernels on
+    the copies (the two paths out of RAM add up: ram_share.py). Never all k; ties go to fewer. Uncalibrated, the
+    link is taken to read at half the RAM's rate, as Rates.h2d does for an unmeasured one (RAM at 80 GB/s then)."""
     ram = rates.ram_read_bw if rates is not None else 80e9
-    cpu = SHARE_CPU_EFFICIENCY * ram
+    cpu = share_cpu_rate(ram, kernel_bw)
     bus = SHARE_BUS_EFFICIENCY * (rates.h2d(gpu) if rates is not None else ram / 2)
     gpu_s = expert_bytes / bus + expert_bytes / SHARE_GPU_KERNEL_BW
     return min(range(k), key=lambda g: (max((k - g) * expert_bytes / cpu, g * gpu_s), g))
@@ -138,12 +155,12 @@ def decode_share(k: int, expert_bytes: int, rates, gpu: str) -> int:
 SHARE_BATCH_BUS_EFFICIENCY = 0.64
 
 
-def batch_share_fraction(rates, gpu: str) -> float:
+def batch_share_fraction(rates, gpu: str, kernel_bw: float | None = None) -> float:
     """For a batch's decode step: the fraction of a CPU-expert layer's distinct experts (tens of them) its GPU
     reads over the bus and runs while the CPU streams the others, the one at which both sides take as long (the
     counts of decode_share, continuous)."""
     ram = rates.ram_read_bw if rates is not None else 80e9
-    cpu = 1 / (SHARE_CPU_EFFICIENCY * ram)
+    cpu = 1 / share_cpu_rate(ram, kernel_bw)
     gpu_s = 1 / (SHARE_BATCH_BUS_EFFICIENCY * (rates.h2d(gpu) if rates is not None else ram / 2)) + \
         1 / SHARE_GPU_KERNEL_BW
     return cpu / (cpu + gpu_s)

@@ -169,6 +169,36 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
     return y
 
 
+_STREAM_RATES: dict = {}
+
+
+def cpu_stream_rate(exps: list, k: int, n_threads=None, nbytes: int = 256 * 2**20) -> float | None:
+    """The C expert kernel's rate on one token, in bytes of its experts a second: single-token calls of k distinct
+    experts each, over these layers' (gate, up, down) in turn, until about nbytes (beyond a last-level cache) were
+    read after a few untimed calls. Measured once a process per types and shapes; None without the C kernels or
+    experts (the decode share then takes the RAM's rate)."""
+    kern = kernels()
+    if kern is None or not exps or k < 1:
+        return None
+    g0, _, d0 = exps[0]
+    key = (g0.qtype, d0.qtype, tuple(g0.raw.shape), tuple(d0.raw.shape), k, n_threads)
+    if key not in _STREAM_RATES:
+        H, E = d0.raw.shape[1], g0.raw.shape[0]
+        x = torch.randn(1, H, generator=torch.Generator().manual_seed(0))
+        wts = torch.full((1, k), 1.0 / k)
+        calls = [(g, u, d, torch.arange(e, e + k, dtype=torch.int32)[None])
+                 for e in range(0, E - k + 1, k) for g, u, d in exps]
+        per = k * sum(w.raw[0].numel() for w in exps[0])
+        n = max(1, min(len(calls) - 4, nbytes // per))
+        for g, u, d, ids in calls[-4:]:                  # untimed: threads up, code in cache
+            kern.moe_ffn(x, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, n_threads=n_threads)
+        t0 = time.perf_counter()
+        for g, u, d, ids in calls[:n]:
+            kern.moe_ffn(x, ids, wts, g.raw, u.raw, d.raw, g.qtype, d.qtype, n_threads=n_threads)
+        _STREAM_RATES[key] = n * per / max(time.perf_counter() - t0, 1e-9)
+    return _STREAM_RATES[key]
+
+
 GATHER_MAX_SLOTS = 64      # token-expert pairs up to which each pair gets its own dequantized expert copy
 
 # the GPU MoE kernels by (token, slot) pairs. Experts of Q4_0/Q8_0 in split rows, batches of 2 to MMQ_MAX_TOKENS

@@ -81,23 +81,26 @@ def forced_share(k: int) -> int | None:
 
 
 def _share_rates(sched, dev, k: int, exps: list):
-    """(HYBRIDMOE_DECODE_SHARE's count or None, the rates to balance on) for the decode share of these CPU-expert
-    layers' (gate, up, down), or None where there is none: the experts are not pinned or a type has no GPU
-    kernel, k < 2, or the rates could not be measured."""
+    """(HYBRIDMOE_DECODE_SHARE's count or None, the rates to balance on, the CPU expert kernel's own one-token rate
+    on these types: experts.cpu_stream_rate) for the decode share of these CPU-expert layers' (gate, up, down), or
+    None where there is none: the experts are not pinned or a type has no GPU kernel, k < 2, or the rates could
+    not be measured."""
     if k < 2 or not exps or not all(gd.supports(g.qtype, u.qtype, d.qtype) and gd.share_layout_ok(
             (g.qtype, u.qtype, d.qtype), [w.raw[0].numel() for w in (g, u, d)]) and all(
             is_pinned(w.raw) and gd.stage_words(w.raw) is not None for w in (g, u, d)) for g, u, d in exps):
         return None
     forced = forced_share(k)
+    if forced is not None:
+        return forced, None, None
     rates = sched.rates
-    if forced is None and rates is None:   # no cached calibration: the two rates it needs, measured now
+    if rates is None:                      # no cached calibration: the two rates it needs, measured now
         try:
             from ...perf.calibrate import quick_link_rates
             rates = quick_link_rates(dev)
         except Exception as e:             # noqa: BLE001 - a failed probe must not stop decoding
             warn_fallback("measuring the RAM and PCIe rates for the decode share", e, "the CPU runs all experts")
             return None
-    return forced, rates
+    return None, rates, X.cpu_stream_rate(exps, k, sched.n_threads)
 
 
 def share_count(sched, dev, k: int, exps: list) -> int:
@@ -105,15 +108,16 @@ def share_count(sched, dev, k: int, exps: list) -> int:
     during a decode step, while the CPU streams the others from RAM; the GPU reads its own over the bus (zero-copy
     from the pinned arena, gd.stage_experts). exps: each CPU-expert layer's (gate, up, down). 0 where there is
     none (_share_rates) or HYBRIDMOE_DECODE_SHARE=0; that variable also forces a count. Otherwise the count that
-    balances the two sides at the calibrated rates (roofline.decode_share)."""
+    balances the two sides at the calibrated rates and the CPU kernel's own on these types (roofline.decode_share:
+    a type whose kernel is bound by its decoding leaves more experts to the GPU)."""
     got = _share_rates(sched, dev, k, exps)
     if got is None:
         return 0
-    forced, rates = got
+    forced, rates, kernel_bw = got
     if forced is not None:
         return forced
     per = sum(w.raw[0].numel() for e in exps for w in e) / len(exps)       # bytes of one expert, mean
-    return decode_share(k, per, rates, dev.name)
+    return decode_share(k, per, rates, dev.name, kernel_bw)
 
 
 def share_fraction(sched, dev, k: int, exps: list) -> float:
@@ -122,8 +126,8 @@ def share_fraction(sched, dev, k: int, exps: list) -> float:
     got = _share_rates(sched, dev, k, exps)
     if got is None:
         return 0.0
-    forced, rates = got
-    return forced / k if forced is not None else batch_share_fraction(rates, dev.name)
+    forced, rates, kernel_bw = got
+    return forced / k if forced is not None else batch_share_fraction(rates, dev.name, kernel_bw)
 
 
 _FLOAT = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
