@@ -79,10 +79,24 @@ HM_INLINE __m512i qc_b32(const int ti, const uint8_t *b0, const int ts) {
     return q;
 }
 
-/* sum over 4 weights of u (256 q1 + q2) per lane, exact (one term, two = 0: q2 = 0, its products skipped) */
-HM_INLINE __m512i qc_dot(__m512i u, __m512i x1, __m512i x2, const int two) {
-    const __m512i a = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x1), 8);
-    return two ? _mm512_dpbusd_epi32(a, u, x2) : a;
+/* sum over 4 weights of u (256 q1 + q2) per lane, exact */
+HM_INLINE __m512i qc_dot(__m512i u, __m512i x1, __m512i x2) {
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x1), 8), u, x2);
+}
+
+/* rows4_lanes of the R rows' (1-4) products u[r] . (256 q1 + q2) with the activations at q1, q2 (64 bytes each).
+ * One term (two = 0: q2 = 0): the q1 products only, and the shift by 8 once after the lanes are summed
+ * (exact integers: the same sums). */
+HM_INLINE __m512i qc_rows4(const __m512i *qv, const int R, const int8_t *q1, const int8_t *q2, const int two) {
+    const __m512i z = _mm512_setzero_si512(), x1 = _mm512_load_si512(q1);
+    if (!two)
+        return _mm512_slli_epi32(rows4_lanes(_mm512_dpbusd_epi32(z, qv[0], x1),
+                                             R > 1 ? _mm512_dpbusd_epi32(z, qv[1], x1) : z,
+                                             R > 2 ? _mm512_dpbusd_epi32(z, qv[2], x1) : z,
+                                             R > 3 ? _mm512_dpbusd_epi32(z, qv[3], x1) : z), 8);
+    const __m512i x2 = _mm512_load_si512(q2);
+    return rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z, R > 2 ? qc_dot(qv[2], x1, x2) : z,
+                       R > 3 ? qc_dot(qv[3], x1, x2) : z);
 }
 
 #include "cpu_vnni_x.h"   /* x_u64, x_scales16 */
@@ -130,9 +144,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {
                 const xq8 *q = xq[t];
-                const __m512i x1 = _mm512_load_si512(q->q1 + e), x2 = _mm512_load_si512(q->q2 + e);
-                __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2, two), R > 1 ? qc_dot(qv[1], x1, x2, two) : z,
-                                         R > 2 ? qc_dot(qv[2], x1, x2, two) : z, R > 3 ? qc_dot(qv[3], x1, x2, two) : z);
+                __m512i l4 = qc_rows4(qv, R, q->q1 + e, q->q2 + e, two);
                 l4 = _mm512_add_epi32(l4, _mm512_shuffle_i32x4(l4, l4, 0xB1));     /* lanes 0: block b, 2: b + 1 */
                 const __m128i i0 = _mm_sub_epi32(_mm512_castsi512_si128(l4), _mm_set1_epi32(QC_OFF(ti) * q->sxi[b]));
                 const __m128i i1 = _mm_sub_epi32(_mm512_extracti32x4_epi32(l4, 2),
@@ -175,9 +187,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++) {
                     const xq8 *q = xq[t];
-                    const __m512i x1 = _mm512_load_si512(q->q1 + j), x2 = _mm512_load_si512(q->q2 + j);
-                    __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2, two), R > 1 ? qc_dot(qv[1], x1, x2, two) : z,
-                                             R > 2 ? qc_dot(qv[2], x1, x2, two) : z, R > 3 ? qc_dot(qv[3], x1, x2, two) : z);
+                    __m512i l4 = qc_rows4(qv, R, q->q1 + j, q->q2 + j, two);
                     if (X_OFF(ti))
                         l4 = _mm512_sub_epi32(l4, _mm512_slli_epi32(_mm512_load_si512(q->sxi4 + j / 4), X_OFF_SH(ti)));
                     const __m512 f = _mm512_cvtepi32_ps(l4);
@@ -216,9 +226,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
 #pragma GCC unroll 4
                     for (int t = 0; t < NT; t++) {
                         const xq8 *q = xq[t];
-                        const __m512i x1 = _mm512_load_si512(q->q1 + j), x2 = _mm512_load_si512(q->q2 + j);
-                        __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2, two), R > 1 ? qc_dot(qv[1], x1, x2, two) : z,
-                                                 R > 2 ? qc_dot(qv[2], x1, x2, two) : z, R > 3 ? qc_dot(qv[3], x1, x2, two) : z);
+                        __m512i l4 = qc_rows4(qv, R, q->q1 + j, q->q2 + j, two);
                         l4 = _mm512_sub_epi32(l4, _mm512_slli_epi32(_mm512_load_si512(q->sxi4 + j / 4), 5));
                         const __m512 f = _mm512_cvtepi32_ps(l4);
                         const __m512 sc = _mm512_mul_ps(sv, _mm512_load_ps(q->xs + 16 * (j / 64)));
@@ -275,9 +283,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++) {
                     const xq8 *q = xq[t];
-                    const __m512i x1 = _mm512_load_si512(q->q1 + jj), x2 = _mm512_load_si512(q->q2 + jj);
-                    __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2, two), R > 1 ? qc_dot(qv[1], x1, x2, two) : z,
-                                             R > 2 ? qc_dot(qv[2], x1, x2, two) : z, R > 3 ? qc_dot(qv[3], x1, x2, two) : z);
+                    __m512i l4 = qc_rows4(qv, R, q->q1 + jj, q->q2 + jj, two);
                     l4 = _mm512_add_epi32(l4, _mm512_shuffle_i32x4(l4, l4, 0xB1));
                     acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_castsi512_si128(l4)), _mm_mul_ps(s0, _mm_set1_ps(q->xsb[b])),
                                           acc[t]);
