@@ -11,8 +11,11 @@ The rule's margin is the weight error over the one-term activation error (errors
 the result's error grows by 0.5%). Activations x ~ N(0, 1), and again with outlier channels (8 of H at 10x, as
 hidden states after RMSNorm have), which coarsen one-term blocks.
 
-    PYTHONPATH=src python benchmarks/act_error.py --ggml /path/to/libggml-base.so [--ik /path/to/libik.so]
+    PYTHONPATH=src python benchmarks/act_error.py --ggml /path/to/libggml-base.so [--ik /path/to/libikq.so]
         [--types Q4_0,Q2_K,IQ2_K] [--tokens 32]
+
+libggml-base.so: any llama.cpp build; libikq.so: ik_llama.cpp's quantizers alone (benchmarks/ik_quant_shim.c
+says how to build it).
 
 A library missing or without a type's quantizer: that type's weight error is left blank.
 """
@@ -106,8 +109,7 @@ def main(argv=None):
     ap.add_argument("--types", default=TYPES)
     ap.add_argument("--ggml", help="llama.cpp's libggml-base.so (mainline types' quantizers)")
     ap.add_argument("--ik", help="a library with ik_llama.cpp's quantize_<type> functions (its types): "
-                                 "iqk_quantize.cpp and ggml-quants.c linked alone take ikq_set_type(type, block, "
-                                 "bytes, header) for the ggml sizes they ask (docs/cpu-kernels.md says how)")
+                                 "iqk_quantize.cpp and ggml-quants.c linked with benchmarks/ik_quant_shim.c")
     ap.add_argument("--tokens", type=int, default=32)
     a = ap.parse_args(argv)
     if not cpu.available():
