@@ -77,9 +77,11 @@ static inline void xq8_sums(const xq8 *q, int64_t b, float xs, int t1, int t2, c
  * its weight type's own quantization error on a layer's output is >= ~10x the one-term activation error
  * (benchmarks/act_error.py: errors add in quadrature, so the result's error grows by < 1%), two elsewhere; the
  * count is the weight type's, the same for every number of tokens, and the activations a matrix reads are
- * quantized with its type's count. g_xterms: 0 the rule; 1 or 2 for every type (hm_set_act_terms). */
+ * quantized with its type's count. MXFP4 keeps two: it is gpt-oss's own trained format, its weights are the
+ * model's, with no quantization error of their own to hide a one-term error in. g_xterms: 0 the rule; 1 or 2 for
+ * every type (hm_set_act_terms). */
 HM_STATE(int g_xterms, 0);
-#define ONE_TERM_TYPES ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_IQ4_NL) | (1u << I_MXFP4) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
+#define ONE_TERM_TYPES ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_IQ4_NL) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
                         (1u << I_Q2_K) | (1u << I_IQ4_KS) | (1u << I_IQ4_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K) | \
                         (1u << I_IQ2_KS) | (1u << I_IQ2_KL) | (1u << I_IQ3_XXS) | (1u << I_IQ3_S) | \
                         (1u << I_IQ2_XXS) | (1u << I_IQ2_XS) | (1u << I_IQ1_S) | (1u << I_IQ1_M) | \
