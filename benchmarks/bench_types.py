@@ -14,8 +14,8 @@ gives each type's rate against Q4_0's instead).
     python benchmarks/bench_types.py [--types Q4_0,IQ4_XS,Q3_K,Q2_K | issue24] [--threads N] [--layers L]
         [--repeat R] [--batches 1,8,512] [--simd avx2|generic] [--fp32] [--cpu-time] [--act-terms 2,1]
 
---act-terms 2,1 runs every row once per forced activation-term count (cpu.set_act_terms), alternating in the
-same process on the same layers, and adds each count's columns (the default: the per-type rule only).
+--act-terms 2,1 runs every row once per forced activation-term count (cpu.set_act_terms; 0: the per-type rule),
+alternating in the same process on the same layers, and adds each count's columns (the default: the rule only).
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def main(argv=None):
     ap.add_argument("--simd", default=None, choices=["avx2", "generic"], help="run a lower vector path")
     ap.add_argument("--fp32", action="store_true", help="fp32 activations only (integer path off)")
     ap.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time (shared machines)")
-    ap.add_argument("--act-terms", default="", help="e.g. 2,1: each row under each forced activation-term count")
+    ap.add_argument("--act-terms", default="", help="e.g. 2,0: each row under each activation-term count "
+                                                    "(1, 2 forced; 0 the per-type rule)")
     a = ap.parse_args(argv)
     if a.cpu_time:
         a.threads = 1
@@ -127,7 +128,7 @@ def main(argv=None):
                         best[n] = (dt, nbytes, bw)
             for n in terms:
                 res[q, T, n] = dt, nbytes, bw = best[n]
-                tag = f" terms={n}" if n else ""
+                tag = (f" terms={n}" if n else " rule") if len(terms) > 1 else ""
                 read = "" if a.cpu_time else f" of {bw / 1e9:.1f} read"
                 print(f"  {q.name} T={T}{tag}: {dt * 1e3:.3f} ms, {nbytes / dt / 1e9:.1f} GB/s{read}, "
                       f"{2 * T * K_USED * 3 * H * F / dt / 1e9:.0f} GFLOP/s", flush=True)
@@ -135,7 +136,7 @@ def main(argv=None):
     head = ["type", "bits/weight", "path (T=1)"]
     for T in batches:
         for n in terms:
-            tag = f", {n} term{'s' * (n > 1)}" if n else ""
+            tag = (f", {n} term{'s' * (n > 1)}" if n else ", rule") if len(terms) > 1 else ""
             head += ([f"T={T}{tag} GFLOP/s", "vs Q4_0"] if T >= 64 else
                      [f"T={T}{tag} GB/s", "vs Q4_0" if a.cpu_time else "share of read BW"])
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
