@@ -8,10 +8,14 @@ hidden 2048, expert width 768, random valid blocks), as a markdown table.
 
 Layers of expert tensors are rotated so the weights come from RAM, not cache. --cpu-time (one thread, timed by
 its CPU time) is for shared machines, where other programs' load makes wall-clock rates and the read probe noise:
-the GB/s it gives are a core's, to hold against a core's share of the read bandwidth.
+the GB/s it gives are a core's, to hold against a core's share of the read bandwidth (no probe runs; the table
+gives each type's rate against Q4_0's instead).
 
     python benchmarks/bench_types.py [--types Q4_0,IQ4_XS,Q3_K,Q2_K | issue24] [--threads N] [--layers L]
-        [--repeat R] [--batches 1,8,512] [--simd avx2|generic] [--fp32] [--cpu-time]
+        [--repeat R] [--batches 1,8,512] [--simd avx2|generic] [--fp32] [--cpu-time] [--act-terms 2,1]
+
+--act-terms 2,1 runs every row once per forced activation-term count (cpu.set_act_terms; 0: the per-type rule),
+alternating in the same process on the same layers, and adds each count's columns (the default: the rule only).
 """
 from __future__ import annotations
 
@@ -67,7 +71,7 @@ def time_layer(layers, q, T, g, nth, calls, clock=time.perf_counter):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--types", default=TYPES, help="comma-separated, or issue24 (every type of its point 1)")
+    ap.add_argument("--types", default=TYPES, help="comma-separated; issue24 stands for every type of its point 1")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--layers", type=int, default=6, help="copies of the layer to rotate through (RAM, not cache)")
     ap.add_argument("--batches", default="1,8,512")
@@ -75,6 +79,8 @@ def main(argv=None):
     ap.add_argument("--simd", default=None, choices=["avx2", "generic"], help="run a lower vector path")
     ap.add_argument("--fp32", action="store_true", help="fp32 activations only (integer path off)")
     ap.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time (shared machines)")
+    ap.add_argument("--act-terms", default="", help="e.g. 2,0: each row under each activation-term count "
+                                                    "(1, 2 forced; 0 the per-type rule)")
     a = ap.parse_args(argv)
     if a.cpu_time:
         a.threads = 1
@@ -84,10 +90,16 @@ def main(argv=None):
         cpu.set_simd(a.simd)
     if a.fp32:
         cpu.set_int8(False)
-    types = [GGMLType[t.strip()] for t in (ISSUE24 if a.types == "issue24" else a.types).split(",")]
+    names = [t.strip() for t in a.types.replace("issue24", ISSUE24).split(",")]
+    if bad := [t for t in names if t not in GGMLType.__members__]:
+        ap.error(f"--types: unknown type(s) {', '.join(bad)}")
+    types = list(dict.fromkeys(GGMLType[t] for t in names))
     if GGMLType.Q4_0 not in types and "512" in a.batches.split(","):
         types.insert(0, GGMLType.Q4_0)                 # the prompt rate's reference
     batches = [int(b) for b in a.batches.split(",")]
+    terms = [int(n) for n in a.act_terms.split(",") if n] or [0]      # 0: the per-type rule
+    if any(n not in (0, 1, 2) for n in terms):
+        ap.error(f"--act-terms {a.act_terms}: give 1, 2 or both (1,2)")
     print(f"kernel: {cpu.simd()}{' (fp32 activations)' if a.fp32 else ''}, tile products: {cpu.tile_mode()}, "
           f"threads {a.threads}, layers {a.layers}{', CPU time' if a.cpu_time else ''}")
     g = torch.Generator().manual_seed(0)
@@ -98,31 +110,49 @@ def main(argv=None):
         del base
         for T in batches:
             calls = {1: 200, 8: 40}.get(T, 2)
-            best = None
+            best = {}
             for _ in range(a.repeat):
-                bw0 = ram_read_now(2)
-                dt, nbytes = time_layer(layers, q, T, g, a.threads, calls, clock)
-                bw = (bw0 + ram_read_now(2)) / 2
-                if best is None or nbytes / dt / bw > best[1] / best[0] / best[2]:
-                    best = (dt, nbytes, bw)
-            res[q, T] = best
-            dt, nbytes, bw = best
-            print(f"  {q.name} T={T}: {dt * 1e3:.3f} ms, {nbytes / dt / 1e9:.1f} GB/s of {bw / 1e9:.1f} read, "
-                  f"{2 * T * K_USED * 3 * H * F / dt / 1e9:.0f} GFLOP/s", flush=True)
+                for n in terms:                          # alternated, so drifts in load hit every count alike
+                    prev = cpu.set_act_terms(n) if n else None
+                    try:
+                        probe = (lambda: float("nan")) if a.cpu_time else (lambda: ram_read_now(2))
+                        bw0 = probe()
+                        dt, nbytes = time_layer(layers, q, T, g, a.threads, calls, clock)
+                        bw = (bw0 + probe()) / 2
+                    finally:
+                        if n:
+                            cpu.set_act_terms(prev)
+                    b = best.get(n)
+                    # a core's CPU time needs no probe: the fastest repeat; wall time: the best share of the probe
+                    if b is None or (dt < b[0] if a.cpu_time else nbytes / dt / bw > b[1] / b[0] / b[2]):
+                        best[n] = (dt, nbytes, bw)
+            for n in terms:
+                res[q, T, n] = dt, nbytes, bw = best[n]
+                tag = (f" terms={n}" if n else " rule") if len(terms) > 1 else ""
+                read = "" if a.cpu_time else f" of {bw / 1e9:.1f} read"
+                print(f"  {q.name} T={T}{tag}: {dt * 1e3:.3f} ms, {nbytes / dt / 1e9:.1f} GB/s{read}, "
+                      f"{2 * T * K_USED * 3 * H * F / dt / 1e9:.0f} GFLOP/s", flush=True)
         del layers
     head = ["type", "bits/weight", "path (T=1)"]
     for T in batches:
-        head += [f"T={T} GFLOP/s", "vs Q4_0"] if T >= 64 else [f"T={T} GB/s", "share of read BW"]
+        for n in terms:
+            tag = (f", {n} term{'s' * (n > 1)}" if n else ", rule") if len(terms) > 1 else ""
+            head += ([f"T={T}{tag} GFLOP/s", "vs Q4_0"] if T >= 64 else
+                     [f"T={T}{tag} GB/s", "vs Q4_0" if a.cpu_time else "share of read BW"])
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for q in types:
         cells = [q.name, f"{8 * row_bytes(q, 256) / 256:.3f}", "integer" if cpu.int8_path(q) else "fp32"]
         for T in batches:
-            dt, nbytes, bw = res[q, T]
-            if T >= 64:
-                rate, base = 1 / dt, 1 / res[GGMLType.Q4_0, T][0]
-                cells += [f"{2 * T * K_USED * 3 * H * F * rate / 1e9:.0f}", f"{rate / base:.2f}"]
-            else:
-                cells += [f"{nbytes / dt / 1e9:.1f}", f"{nbytes / dt / bw * 100:.0f}%"]
+            for n in terms:
+                dt, nbytes, bw = res[q, T, n]
+                q40 = res.get((GGMLType.Q4_0, T, n))
+                if T >= 64:
+                    rate, base = 1 / dt, 1 / q40[0]
+                    cells += [f"{2 * T * K_USED * 3 * H * F * rate / 1e9:.0f}", f"{rate / base:.2f}"]
+                elif a.cpu_time:                         # a core's rate: held against Q4_0's, not the probe
+                    cells += [f"{nbytes / dt / 1e9:.2f}", f"{nbytes / dt / (q40[1] / q40[0]):.2f}" if q40 else ""]
+                else:
+                    cells += [f"{nbytes / dt / 1e9:.1f}", f"{nbytes / dt / bw * 100:.0f}%"]
         print("| " + " | ".join(cells) + " |")
 
 

@@ -149,9 +149,9 @@ for s in "$@"; do
               for PL in "-ngl 99 -ot exps=CPU" "-ngl 99 --n-cpu-moe 24"; do
                 echo "### HYBRIDMOE_KERNEL_CFLAGS=$F $PL"
                 HYBRIDMOE_KERNEL_CFLAGS="$F" hm bench -m $M $PL -p 0 -n 128 -r 3 --roofline 2>&1 | grep tg128; done; done ;;
-    int8one) for F in "" -DHM_INT8_ONE "" -DHM_INT8_ONE; do   # x in one int8 term (ggml's q8_0) against two
-               echo "### HYBRIDMOE_KERNEL_CFLAGS=$F"
-               HYBRIDMOE_KERNEL_CFLAGS="$F" python3 benchmarks/bench_core.py --types Q4_0 --threads 1,8,16 2>&1 | tail -6; done ;;
+    acterms) # the CPU integer path's activations: two int8 terms for every type against the per-type rule, 16 threads
+             python3 benchmarks/bench_types.py --types ${TYPES:-Q4_0,Q2_K,Q3_K,IQ4_XS,IQ2_K,IQ3_K,IQ4_K,IQ4_KS,IQ2_KS,IQ2_KL} \
+                 --threads 16 --repeat 2 --batches 1 --layers 4 --act-terms 2,0 2>&1 | grep -E "^kernel|^\| " ;;
     tileab) for V in old new old new; do   # the T=512 tile kernel against bench_old/src (see oldnew)
               P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V"
               PYTHONPATH="$P:/tmp/hm-site" python3 benchmarks/bench_kernels.py --types Q4_0,Q8_0,Q4_K --batches 512 --layers 8 2>&1 | grep -E "^read|\| 512 \|"; done ;;

@@ -18,6 +18,10 @@ percentile, 300 and 1,000 tokens:
 | F32, F16, BF16 | 1.8e-6 / 4.0e-6, 3.0e-6 / 9.8e-6 | 8.1e-3 to 9.6e-3 / 1.5e-2 to 0.40 |
 | Q8_0, Q4_0, Q4_K, Q5_K, Q6_K | 9.6e-5 to 9.8e-5 / 1.5e-4 to 1.6e-4 | 1.2e-2 to 1.4e-2 / 2.6e-2 to 0.63 |
 
+Those quantized rows are of two-term activations. Since 2026-11-26 the weight types whose own quantization error
+dwarfs a one-term activation error take one term (docs/cpu-kernels.md, "Activation terms per weight type"): Q4_0
+and Q4_K here, at median 2.5e-2 / 2.6e-2, 99th percentile 0.38 to 0.57 (router flips), whole 8.4e-2 to 1.2e-1,
+top-1 94%, 300 and 1,000 tokens (llama.cpp's q8_0 activations on the same test: 8.1e-2 to 1.5e-1, top-1 89-94%).
 Whole-matrix relative L2: now 2.1e-6 / 3.9e-6 (float) and 1.0e-4 (quantized; Q8_0 at 1,000 tokens 1.6e-2: one
 token whose top-2 experts are a near tie in this random model takes the other expert, as with an f16 cache);
 before 2.4e-2 to 9.0e-2 (llama.cpp, per the issue: 7.5e-3 at 500 tokens for F32). Top-1 agreement now 99.9-100%,
@@ -40,8 +44,9 @@ from hybridmoe.quant.types import GGMLType as G
 
 FLOAT = [G.F32, G.F16, G.BF16]
 QUANT = [G.Q8_0, G.Q4_0, G.Q4_K, G.Q5_K, G.Q6_K]
-# per-row error bounds (median, 99th percentile), about 5x (float) and 4x (quantized) the measured ones above
-TOL = {"float": (1.5e-5, 5e-5), "quant": (4e-4, 6.5e-4)}
+# per-row error bounds (median, 99th percentile), about 5x (float) and 4x (quantized) the measured ones above;
+# one activation term: 2x the median, the 99th percentile (router flips) below 1, and top-1 at least 90%
+TOL = {"float": (1.5e-5, 5e-5), "quant": (4e-4, 6.5e-4), "quant1": (5e-2, 1.0)}
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler for the CPU kernels")
 
@@ -77,10 +82,11 @@ def test_dense_products_do_not_depend_on_the_batch(q):
 
 
 @pytest.mark.parametrize("q,dq", [(G.Q4_0, G.Q4_0), (G.Q8_0, G.Q8_0), (G.Q4_K, G.Q6_K), (G.Q5_K, G.Q5_K),
-                                  (G.MXFP4, G.IQ4_NL), (G.F16, G.BF16)], ids=lambda v: v.name)
+                                  (G.MXFP4, G.IQ4_NL), (G.Q6_K, G.Q4_0), (G.F16, G.BF16)], ids=lambda v: v.name)
 def test_experts_do_not_depend_on_the_batch(q, dq):
     """moe_ffn of 80 tokens (the tile path where this CPU has one), split 33 + 47, and one token at a time:
-    the same bits, with repeated and skipped expert ids."""
+    the same bits, with repeated and skipped expert ids; gate/up and down of types that take different
+    activation-term counts (Q4_K one, Q6_K two, and the reverse) each keep their own on every path."""
     if not (_exact(q) and _exact(dq)):
         pytest.skip("not computed alike at every batch size on this CPU")
     E, H, F, T = 8, 512, 256, 80
@@ -97,7 +103,8 @@ def test_experts_do_not_depend_on_the_batch(q, dq):
     assert torch.equal(full, torch.cat([cpu.moe_ffn(x[i:i + 1], ids[i:i + 1], w[i:i + 1], gate, up, down, q, dq)
                                         for i in range(T)]))
     ref = cpu.reference_moe_ffn(x, ids, w, gate, up, down, q, dq, torch.float64)
-    assert rel_l2(full, ref) < (2e-5 if q in FLOAT else 2e-4)
+    one = q not in FLOAT and min(cpu.act_terms(q), cpu.act_terms(dq)) == 1      # one activation term: ~1e-2
+    assert rel_l2(full, ref) < (2e-5 if q in FLOAT else 3e-2 if one else 2e-4)
 
 
 # ----------------------------------------------------------------- whole models
@@ -174,7 +181,8 @@ def test_long_prompts_match_float32_transformers(q, hf_moe, gguf_of):
     ref_model = load_dequantized_into_hf(tf.Qwen3MoeForCausalLM.from_pretrained(hf_moe), path)
     m = hybridmoe.load(path, ctx_size=1024, cache_type_k="f32", cache_type_v="f32")
     ids = _ids(1000).tolist()
-    med_tol, p99_tol = TOL["float" if q in FLOAT else "quant"]
+    one = q not in FLOAT and cpu.act_terms(q) == 1
+    med_tol, p99_tol = TOL["float" if q in FLOAT else "quant1" if one else "quant"]
     for n in (300, 1000):
         ours, ref = m.logits(ids[:n]).double(), hf_logits(ref_model, ids[:n]).double()
         err = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
@@ -182,7 +190,7 @@ def test_long_prompts_match_float32_transformers(q, hf_moe, gguf_of):
         assert med <= med_tol and p99 <= p99_tol, (n, med, p99)
         if q in FLOAT:                            # no quantized activations: no routing flips either
             assert rel_l2(ours, ref) <= 5e-5, n
-        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.99, n
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= (0.9 if one else 0.99), n
 
 
 # ----------------------------------------------------------------- on a real GPU

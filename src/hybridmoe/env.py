@@ -32,8 +32,9 @@ SWITCHES = {
     "HYBRIDMOE_CPU_ATTN": Switch("auto", "fp32 | bf16: the CPU prompt attention's dtype (auto: bf16 with AMX)"),
     "HYBRIDMOE_CPU_PROMPT": Switch("exact", "exact: CPU prompts compute every token as decode does (split-invariant; "
                                             "int8 AMX tiles); bf16: the bf16 tiles (faster, ~1e-2, batch-dependent)"),
-    "HYBRIDMOE_CPU_ACT_TERMS": Switch("2", "1: the CPU integer path's activations in one int8 term (ggml's q8_0; "
-                                           "faster prompts, ~1e-2 a layer) instead of two (~15 bits)"),
+    "HYBRIDMOE_CPU_ACT_TERMS": Switch("", "1 or 2: the CPU integer path's activations in that many int8 terms "
+                                          "for every weight type (1: ggml's q8_0, ~1e-2 a layer; 2: ~15 bits) "
+                                          "instead of the per-type rule (docs/cpu-kernels.md)"),
     "HYBRIDMOE_HOST_ARENA": Switch("", "1: CPU experts go to the pinned arena without a GPU too; 0: never"),
     "HYBRIDMOE_SPLIT_ROWS": Switch("1", "0: GPU Q4_0/Q8_0 tensors keep GGUF rows instead of the split layout"),
     "HYBRIDMOE_DECODE_SHARE": Switch("", "experts of each CPU layer's k the GPU runs in a decode step, and in a "

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as Fn
 
 from .. import env
-from ..errors import warn
+from ..errors import HybridMoeError, warn
 from ..quant import ref_interleaved
 from ..quant.dequant import DEINTERLEAVE, dequantize, deinterleave
 from ..quant.types import GGMLType, row_bytes
@@ -155,14 +155,23 @@ def _load():
         for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_moe_handoff_rows,
                   lib.hm_tile_mode,
                   lib.hm_qmatmul, lib.hm_tile_mm, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8,
-                  lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_dp256_test, lib.hm_set_act_terms, lib.hm_set_exact,
-                  lib.hm_deinterleave):
+                  lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_dp256_test, lib.hm_set_act_terms, lib.hm_act_terms,
+                  lib.hm_set_exact, lib.hm_deinterleave):
             f.restype = i32
         lib.hm_set_exact(0 if env.get("HYBRIDMOE_CPU_PROMPT").lower() == "bf16" else 1)
-        lib.hm_set_act_terms(1 if env.get("HYBRIDMOE_CPU_ACT_TERMS") == "1" else 2)
+        lib.hm_set_act_terms(_act_terms_env())
         _moe, _qmm, _deq = lib.hm_moe_ffn, lib.hm_qmatmul, lib.hm_dequant
         _lib = lib
         return lib
+
+
+def _act_terms_env() -> int:
+    """HYBRIDMOE_CPU_ACT_TERMS as hm_set_act_terms takes it: 0 (unset: the per-type rule), 1 or 2."""
+    v = env.get("HYBRIDMOE_CPU_ACT_TERMS").strip()
+    if v not in ("", "1", "2"):
+        warn(f"HYBRIDMOE_CPU_ACT_TERMS={v!r} is not 1 or 2: the per-type rule stays")
+        return 0
+    return int(v or 0)
 
 
 def available() -> bool:
@@ -285,12 +294,23 @@ def set_int8(types=True):
     return prev
 
 
-def set_act_terms(n: int | None = None) -> int:
-    """The integer path's activations: 2 int8 terms a value (about 15 bits; the default) or 1 (plain int8, as
-    ggml's q8_0: prompts' int8 AMX tiles skip the second term's products). Every batch size follows the
-    setting alike, so prompts stay split-invariant either way. None: no change. Returns the previous count."""
+def set_act_terms(n: int | None = None) -> int | None:
+    """The integer path's activations: 0 the per-type rule (the default; docs/cpu-kernels.md, "Activation terms
+    per weight type": one int8 term for the types whose own quantization error dwarfs it, two elsewhere), or 1
+    (plain int8, as ggml's q8_0) or 2 (two terms, about 15 bits) for every type. Every batch size follows the
+    setting alike, so prompts stay split-invariant either way. None: no change. Returns the previous setting
+    (None without the C kernels)."""
+    if n is not None and n not in (0, 1, 2):
+        raise HybridMoeError(f"set_act_terms({n!r}): give 0 (the per-type rule), 1 or 2")
     lib = _load()
-    return lib.hm_set_act_terms(int(n) if n else 0) if lib else 2
+    return lib.hm_set_act_terms(-1 if n is None else int(n)) if lib else None
+
+
+def act_terms(qtype) -> int:
+    """The int8 terms the activations of `qtype` rows take on the integer path now (1 or 2; the rule or the
+    forced setting). Only meaningful where int8_path(qtype) holds."""
+    lib = _load()
+    return lib.hm_act_terms(int(qtype)) if lib else 2
 
 
 def int8_path(qtype) -> bool:

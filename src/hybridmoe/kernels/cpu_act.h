@@ -71,14 +71,29 @@ static inline void xq8_sums(const xq8 *q, int64_t b, float xs, int t1, int t2, c
         for (int i = 0; i < 4; i++) q->sxi4[(2 * b + h) * 4 + i] = 256 * g1[h] + g2[h];
 }
 
-/* Activation terms of the integer path: 2 (default), x ~ d/256 (256 q1 + q2), about 15 bits; 1: q2 = 0, plain
- * int8 as ggml's q8_0 (the same formulas with q2 = 0, so every kernel stays canonical; the kernels then skip the
- * second term's products: int8 AMX tiles ~1.45x faster a block, docs/cpu-kernels.md). hm_set_act_terms. */
-HM_STATE(int g_xterms, 2);
+/* Activation terms of the integer path, per weight type (docs/cpu-kernels.md, "Activation terms per weight type").
+ * 2: x ~ d/256 (256 q1 + q2), about 15 bits; 1: q2 = 0, plain int8 as ggml's q8_0 (the same formulas with q2 = 0,
+ * so every kernel stays canonical; the kernels skip the second term's products). A matrix takes one term where
+ * its weight type's own quantization error on a layer's output is >= ~10x the one-term activation error
+ * (benchmarks/act_error.py: errors add in quadrature, so the result's error grows by < 1%), two elsewhere; the
+ * count is the weight type's, the same for every number of tokens, and the activations a matrix reads are
+ * quantized with its type's count. MXFP4 keeps two: it is gpt-oss's own trained format, its weights are the
+ * model's, with no quantization error of their own to hide a one-term error in. g_xterms: 0 the rule; 1 or 2 for
+ * every type (hm_set_act_terms). */
+HM_STATE(int g_xterms, 0);
+#define ONE_TERM_TYPES ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_IQ4_NL) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
+                        (1u << I_Q2_K) | (1u << I_IQ4_KS) | (1u << I_IQ4_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K) | \
+                        (1u << I_IQ2_KS) | (1u << I_IQ2_KL) | (1u << I_IQ3_XXS) | (1u << I_IQ3_S) | \
+                        (1u << I_IQ2_XXS) | (1u << I_IQ2_XS) | (1u << I_IQ1_S) | (1u << I_IQ1_M) | \
+                        (1u << I_IQ2_KT) | (1u << I_IQ3_KT) | (1u << I_IQ4_KT))
+static inline int act_terms(int ti) {
+    return g_xterms ? g_xterms : (ONE_TERM_TYPES >> ti & 1) ? 1 : 2;
+}
 
-/* quantize blocks [b0, b1) of 32 elements of x (b0, b1 even) */
-static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
-    const float t2 = g_xterms > 1 ? 1.0f : 0.0f;        /* the second term, or none */
+/* quantize blocks [b0, b1) of 32 elements of x (b0, b1 even) in `terms` int8 terms (act_terms of the weight
+ * type that reads them) */
+static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q, int terms) {
+    const float t2 = terms > 1 ? 1.0f : 0.0f;            /* the second term, or none */
 #if HM_VNNI
     if (INT8_512) {
         for (int64_t b = b0; b < b1; b++) {
@@ -211,7 +226,8 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q) {
  * cdot_ref below, and every kernel that computes it reproduces it exactly: the streaming kernels for any
  * number of tokens (decode, small batches) and the AMX tile kernels of prompts. So a token's results do
  * not depend on which other tokens share its batch, and a prompt split anywhere gives the same logits.
- * With X = 256 q1 + q2 the quantized activations (quant_x8: xs_b = d/256 per 32-block b):
+ * With X = 256 q1 + q2 the quantized activations (quant_x8: xs_b = d/256 per 32-block b; q2 = 0 for the weight
+ * types that take one term, act_terms):
  * - 32-weight block types (Q4_0: v = q - 8; Q8_0: v = q; IQ4_NL, MXFP4: v = the table's integer; scale dw):
  *     I_b = sum v X over the block (exact int32), acc = fma((float)I_b, dw_b * xs_b, acc), b ascending.
  * - Q4_K, Q5_K (sub-block j of 32 in a super-block; S_j = d sc_j, M_j = dmin m_j, v = q unsigned):

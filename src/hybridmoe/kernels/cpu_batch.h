@@ -421,12 +421,18 @@ int hm_set_exact(int on) {
     return prev;
 }
 
-/* activation terms of the integer path: 1 (int8, as ggml's q8_0) or 2 (two int8 terms, ~15 bits; the default);
- * another value: query. Returns the previous (or current) count. */
+/* activation terms of the integer path: 0 the per-type rule (act_terms; the default), 1 (int8, as ggml's q8_0) or
+ * 2 (two int8 terms, ~15 bits) for every type; another value: query. Returns the previous (or current) setting. */
 int hm_set_act_terms(int n) {
     const int prev = g_xterms;
-    if (n == 1 || n == 2) g_xterms = n;
+    if (n >= 0 && n <= 2) g_xterms = n;
     return prev;
+}
+
+/* the activation terms rows of GGML type wtype take on the integer path now (1 or 2); -1 for an unknown type */
+int hm_act_terms(int wtype) {
+    const int ti = type_index(wtype);
+    return ti < 0 ? -1 : act_terms(ti);
 }
 
 /* the vector kernels to use: 2 AVX-512, 1 AVX2, 0 portable C; -1 (or more than this CPU has): the best

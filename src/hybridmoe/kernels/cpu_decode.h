@@ -41,11 +41,13 @@ typedef struct {
 #define ATT_MAXCH 64     /* position runs per KV head at most */
 #define DEC_MAXD 256     /* head size bound (thread-local rows) */
 
+/* q8: the activation terms of an integer-path part (act_terms of its type), 0 for the fp32 path */
 typedef struct { const uint8_t *w; int64_t n, rb; float *out; int ti, q8; } gv_part;
 
 static gv_part gv_mk(const hm_mat *m, int64_t K, float *out) {
     const int ti = type_index(m->type);
-    const gv_part p = {m->w, m->rows, row_bytes(ti, K), out, ti, (INT8_MASK >> ti & 1) && q8_type(ti, K)};
+    const gv_part p = {m->w, m->rows, row_bytes(ti, K), out, ti,
+                       (INT8_MASK >> ti & 1) && q8_type(ti, K) ? act_terms(ti) : 0};
     return p;
 }
 
@@ -78,19 +80,25 @@ static void gv_range(const gv_part *p, const int64_t *start, int np, int64_t K, 
         const uint8_t *rows[4] = {P->w + r * P->rb, NULL, NULL, NULL};
         for (int c = 1; c < R; c++) rows[c] = rows[0] + c * P->rb;
         float res[16];
-        dot_rows1(P->ti, R, rows, pf, K, x, P->q8 ? xq : NULL, res);
+        dot_rows1(P->ti, R, rows, pf, K, x, P->q8 ? &xq[P->q8 - 1] : NULL, res);
         for (int c = 0; c < R; c++) P->out[r + c] = res[c];
         g += R;
     }
 }
 
-/* the parts laid end to end: start [np + 1] (part i's rows from start[i]); returns whether any part takes x
- * quantized (the integer path) */
+/* the parts laid end to end: start [np + 1] (part i's rows from start[i]); returns which quantized forms of x
+ * the parts take (the integer path): bit 0 one activation term, bit 1 two */
 static int gv_starts(const gv_part *p, int np, int64_t *start) {
     int q8 = 0;
     start[0] = 0;
-    for (int i = 0; i < np; i++) { start[i + 1] = start[i] + p[i].n; q8 |= p[i].q8; }
+    for (int i = 0; i < np; i++) { start[i + 1] = start[i] + p[i].n; q8 |= p[i].q8 ? 1 << (p[i].q8 - 1) : 0; }
     return q8;
+}
+
+/* x (K) quantized into xq[0] (one term) and / or xq[1] (two), as gv_starts' mask asks */
+static void gv_quant(int need, const float *x, int64_t K, const xq8 *xq) {
+    for (int n = 1; n <= 2; n++)
+        if (need >> (n - 1) & 1) quant_x8(x, 0, K / 32, &xq[n - 1], n);
 }
 
 /* one thread's share of a product inside a parallel region: chunks of GV_CHUNK rows claimed from *ctr (0 at
@@ -107,10 +115,10 @@ static void gemv_team(const gv_part *p, const int64_t *start, int np, int64_t K,
     }
 }
 
-/* out of each part = its rows . x (K columns); xq: room for x quantized (integer-path parts) */
+/* out of each part = its rows . x (K columns); xq[2]: room for x quantized (integer-path parts: one term, two) */
 static void gemv_run(const gv_part *p, int np, int64_t K, const float *x, const xq8 *xq, int nth) {
     int64_t start[5];
-    if (gv_starts(p, np, start)) quant_x8(x, 0, K / 32, xq);
+    gv_quant(gv_starts(p, np, start), x, K, xq);
     int64_t ctr = 0;
 #pragma omp parallel num_threads(nth)
     gemv_team(p, start, np, K, x, xq, &ctr);
@@ -368,7 +376,7 @@ static void route_softmax(const float *l, int64_t E, int64_t k, int norm, float 
 }
 
 /* the scratch layout: float buffers of the step, then x quantized; base NULL: only the size */
-typedef struct { float *x, *h, *y, *y2, *qkv, *att, *rl, *ff, *part; xq8 xq; } dec_bufs;
+typedef struct { float *x, *h, *y, *y2, *qkv, *att, *rl, *ff, *part; xq8 xq[2]; } dec_bufs;   /* xq: gv_quant's */
 
 static int64_t dec_layout(const hm_dmodel *m, uint8_t *base, dec_bufs *b) {
     const int64_t H = m->H, nq = m->nh * m->D, kmax = H > nq ? (H > m->n_ff ? H : m->n_ff) : (nq > m->n_ff ? nq : m->n_ff);
@@ -380,8 +388,9 @@ static int64_t dec_layout(const hm_dmodel *m, uint8_t *base, dec_bufs *b) {
         if (base) *dst[i] = (float *)(base + off);
         off += (n[i] * 4 + 63) & ~(int64_t)63;
     }
-    if (base) xq8_init(&b->xq, base + off, kmax);
-    return off + (int64_t)xq8_bytes(kmax) + 64;
+    const int64_t xqb = ((int64_t)xq8_bytes(kmax) + 127) & ~(int64_t)63;
+    for (int i = 0; base && i < 2; i++) xq8_init(&b->xq[i], base + off + i * xqb, kmax);
+    return off + 2 * xqb;
 }
 
 int64_t hm_decode_scratch(const hm_dmodel *m) {
@@ -415,10 +424,10 @@ static int layer_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b
     moe_ctx mc;
     int rc = 0;
     double t0 = times ? hm_now() : 0, t1 = t0, t2 = t0, t3 = t0, t4 = t0;
-    if (q8_qkv) quant_x8(b->h, 0, H / 32, &b->xq);
+    gv_quant(q8_qkv, b->h, H, b->xq);
 #pragma omp parallel num_threads(nth)
     {
-        gemv_team(pqkv, s_qkv, 3, H, b->h, &b->xq, &ctr[0]);
+        gemv_team(pqkv, s_qkv, 3, H, b->h, b->xq, &ctr[0]);
 #pragma omp barrier
         if (times && omp_get_thread_num() == 0) t1 = hm_now();
 #pragma omp single
@@ -441,18 +450,18 @@ static int layer_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b
 #pragma omp single
         {
             if (times) t2 = hm_now();
-            if (q8_o) quant_x8(b->att, 0, nq / 32, &b->xq);
+            gv_quant(q8_o, b->att, nq, b->xq);
         }
-        gemv_team(&po, s_o, 1, nq, b->att, &b->xq, &ctr[1]);
+        gemv_team(&po, s_o, 1, nq, b->att, b->xq, &ctr[1]);
         if (router) {
 #pragma omp barrier
 #pragma omp single
             {
                 for (int64_t i = 0; i < H; i++) b->x[i] += b->y[i];
                 rmsnorm(b->x, L->ffn_norm, H, m->eps, b->h);
-                if (q8_r) quant_x8(b->h, 0, H / 32, &b->xq);
+                gv_quant(q8_r, b->h, H, b->xq);
             }
-            gemv_team(&pr, s_r, 1, H, b->h, &b->xq, &ctr[2]);
+            gemv_team(&pr, s_r, 1, H, b->h, b->xq, &ctr[2]);
 #pragma omp barrier
 #pragma omp single
             {
@@ -506,10 +515,10 @@ int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *
             const int64_t F = L->gate.rows;
             const gv_part pgu[2] = {gv_mk(&L->gate, H, b.ff), gv_mk(&L->up, H, b.ff + F)};
             UNTIMED();
-            gemv_run(pgu, 2, H, b.h, &b.xq, nth);
+            gemv_run(pgu, 2, H, b.h, b.xq, nth);
             for (int64_t i = 0; i < F; i++) b.ff[i] = silu(b.ff[i]) * b.ff[F + i];
             const gv_part pd = gv_mk(&L->down, F, ffo);
-            gemv_run(&pd, 1, F, b.ff, &b.xq, nth);
+            gemv_run(&pd, 1, F, b.ff, b.xq, nth);
             LAP(0);
             if (L->router.rows)
                 for (int64_t i = 0; i < H; i++) b.y[i] += b.y2[i];
@@ -519,7 +528,7 @@ int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *
     rmsnorm(b.x, m->out_norm, H, m->eps, b.h);
     const gv_part ph = gv_mk(&m->head, H, logits);
     UNTIMED();
-    gemv_run(&ph, 1, H, b.h, &b.xq, nth);
+    gemv_run(&ph, 1, H, b.h, b.xq, nth);
     LAP(0);
 #undef LAP
 #undef UNTIMED

@@ -250,7 +250,7 @@ static void stage1_range(const moe_ctx *c, int64_t g0, int64_t g1, int64_t n0, i
             for (int64_t i = 0; i < n; i++) {
                 xq8 q;
                 xq8_init(&q, c->hqm + (s0 + i) * c->hqb, F);
-                quant_x8(c->h + (s0 + i) * F, b0, b0 + 2, &q);
+                quant_x8(c->h + (s0 + i) * F, b0, b0 + 2, &q, act_terms(c->di));
             }
         }
     }
@@ -412,7 +412,7 @@ static void moe_team(const moe_ctx *c, int64_t *ctr) {
         for (int64_t t = t0; t < t1; t++) {
             xq8 q;
             xq8_init(&q, c->xqm + t * c->xqb, c->H);
-            quant_x8(c->x + t * c->H, 0, c->H / 32, &q);
+            quant_x8(c->x + t * c->H, 0, c->H / 32, &q, act_terms(c->gi));
         }
 #pragma omp barrier
     }
@@ -461,7 +461,7 @@ int hm_qmatmul(const float *x, int64_t T, int64_t K, const uint8_t *w, int wtype
             for (int64_t t = t0; t < t1; t++) {
                 xq8 q;
                 xq8_init(&q, mem + t * xqb, K);
-                quant_x8(x + t * K, 0, K / 32, &q);
+                quant_x8(x + t * K, 0, K / 32, &q, act_terms(wi));
             }
 #pragma omp barrier
         }
@@ -518,7 +518,7 @@ int hm_qdot_ref(const float *x, int64_t T, int64_t K, const uint8_t *w, int wtyp
     xq8_init(&q, mem, K);
     const int64_t rb = row_bytes(wi, K);
     for (int64_t t = 0; t < T; t++) {
-        quant_x8(x + t * K, 0, K / 32, &q);
+        quant_x8(x + t * K, 0, K / 32, &q, act_terms(wi));
         for (int64_t n = 0; n < N; n++) out[t * N + n] = cdot_ref(wi, w + n * rb, K, &q);
     }
     free(mem);

@@ -30,14 +30,15 @@ static void qrows_init(qrows *r, void *mem, int64_t T, int64_t K) {
     r->K = K;
 }
 
-/* row t of r = x (K floats) quantized by quant_x8, the function every path quantizes with; tmp: xq8_bytes(K) */
-static void qrows_quant(const qrows *r, int64_t t, const float *x, void *tmp) {
+/* row t of r = x (K floats) quantized by quant_x8, the function every path quantizes with, for rows of type ti;
+ * tmp: xq8_bytes(K) */
+static void qrows_quant(const qrows *r, int64_t t, const float *x, void *tmp, int ti) {
     const int64_t K = r->K;
     xq8 q;
     xq8_init(&q, tmp, K);
     q.q1 = r->q1 + t * K;
     q.q2 = r->q2 + t * K;
-    quant_x8(x, 0, K / 32, &q);
+    quant_x8(x, 0, K / 32, &q, act_terms(ti));
     memcpy(r->xsb + t * (K / 32), q.xsb, (size_t)(K / 32) * 4);
     memcpy(r->sxf + t * (K / 32), q.sxf, (size_t)(K / 32) * 4);
 }
@@ -168,7 +169,7 @@ static void a8_unpack_row(int ti, const uint8_t *row, int64_t k0, int64_t kc, in
 static void a8_chain(int ti, const int8_t *A, const float *ws, const uint8_t *tb, int64_t K, int64_t k0, int64_t kc,
                      float *c, int acc_in, pfq *pq, int64_t per) {
     const int q6 = SB16(ti), us = ti == I_Q4_K || ti == I_Q5_K;
-    const int two = g_xterms > 1;                          /* one term: q2 = 0, its tiles skipped */
+    const int two = act_terms(ti) > 1;                     /* one term: q2 = 0, its tiles skipped */
     const int8_t *B1 = (const int8_t *)tb, *B2 = B1 + 16 * K;
     const float *xs = (const float *)(tb + 32 * K);
     int32_t cb[2][16][16] __attribute__((aligned(64)));
@@ -323,7 +324,7 @@ static int tile_mm_q8(const float *x, int64_t T, int64_t K, const uint8_t *w, in
         amx8_config(SB16(wi));
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
-            qrows_quant(&xr, t, x + t * K, bf.xq);
+            qrows_quant(&xr, t, x + t * K, bf.xq, wi);
             tok[t] = (int32_t)t;
         }
 #pragma omp for schedule(static)
@@ -396,7 +397,7 @@ static int moe_tile_q8(const float *x, int64_t T, int64_t H, const int32_t *ids,
         const a8_bufs bf = a8_layout(scr + (size_t)tid * scratch, KM, nbmax_cap);
         /* ---- stage 0: x quantized per token; each expert's token blocks */
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) qrows_quant(&xr, t, x + t * H, bf.xq);
+        for (int64_t t = 0; t < T; t++) qrows_quant(&xr, t, x + t * H, bf.xq, gi);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) pidx[p] = (int32_t)p;
 #pragma omp for schedule(static)
@@ -457,7 +458,7 @@ static int moe_tile_q8(const float *x, int64_t T, int64_t H, const int32_t *ids,
 #pragma omp barrier
         /* ---- stage 1b: each pair's h quantized (as the streaming kernel quantizes it), the h blocks packed */
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < off[na]; p++) qrows_quant(&hr, p, h + p * F, bf.xq);
+        for (int64_t p = 0; p < off[na]; p++) qrows_quant(&hr, p, h + p * F, bf.xq, di);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < NB; b++) {
             int a = 0;

@@ -79,10 +79,24 @@ HM_INLINE __m512i qc_b32(const int ti, const uint8_t *b0, const int ts) {
     return q;
 }
 
-/* sum over 4 weights of u (256 q1 + q2) per lane, exact (one term: q2 = 0, its products skipped) */
+/* sum over 4 weights of u (256 q1 + q2) per lane, exact */
 HM_INLINE __m512i qc_dot(__m512i u, __m512i x1, __m512i x2) {
-    const __m512i a = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x1), 8);
-    return g_xterms > 1 ? _mm512_dpbusd_epi32(a, u, x2) : a;
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x1), 8), u, x2);
+}
+
+/* rows4_lanes of the R rows' (1-4) products u[r] . (256 q1 + q2) with the activations at q1, q2 (64 bytes each).
+ * One term (two = 0: q2 = 0): the q1 products only, and the shift by 8 once after the lanes are summed
+ * (exact integers: the same sums). */
+HM_INLINE __m512i qc_rows4(const __m512i *qv, const int R, const int8_t *q1, const int8_t *q2, const int two) {
+    const __m512i z = _mm512_setzero_si512(), x1 = _mm512_load_si512(q1);
+    if (!two)
+        return _mm512_slli_epi32(rows4_lanes(_mm512_dpbusd_epi32(z, qv[0], x1),
+                                             R > 1 ? _mm512_dpbusd_epi32(z, qv[1], x1) : z,
+                                             R > 2 ? _mm512_dpbusd_epi32(z, qv[2], x1) : z,
+                                             R > 3 ? _mm512_dpbusd_epi32(z, qv[3], x1) : z), 8);
+    const __m512i x2 = _mm512_load_si512(q2);
+    return rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z, R > 2 ? qc_dot(qv[2], x1, x2) : z,
+                       R > 3 ? qc_dot(qv[3], x1, x2) : z);
 }
 
 #include "cpu_vnni_x.h"   /* x_u64, x_scales16 */
@@ -110,6 +124,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
 #pragma GCC unroll 4
     for (int t = 0; t < NT; t++) acc[t] = accm[t] = _mm_setzero_ps();
     const __m512i z = _mm512_setzero_si512();
+    const int two = act_terms(ti) > 1;                  /* the activations' terms (the weight type's count) */
     const int ts = TINFO[ti].ts;
     const int step = IS_K(ti) ? ts : 2 * ts;            /* bytes per iteration: 64 or 256 weights */
     const pfreg pr = pf_regions(R, w, pf);
@@ -129,9 +144,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {
                 const xq8 *q = xq[t];
-                const __m512i x1 = _mm512_load_si512(q->q1 + e), x2 = _mm512_load_si512(q->q2 + e);
-                __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
-                                         R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                __m512i l4 = qc_rows4(qv, R, q->q1 + e, q->q2 + e, two);
                 l4 = _mm512_add_epi32(l4, _mm512_shuffle_i32x4(l4, l4, 0xB1));     /* lanes 0: block b, 2: b + 1 */
                 const __m128i i0 = _mm_sub_epi32(_mm512_castsi512_si128(l4), _mm_set1_epi32(QC_OFF(ti) * q->sxi[b]));
                 const __m128i i1 = _mm_sub_epi32(_mm512_extracti32x4_epi32(l4, 2),
@@ -174,9 +187,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++) {
                     const xq8 *q = xq[t];
-                    const __m512i x1 = _mm512_load_si512(q->q1 + j), x2 = _mm512_load_si512(q->q2 + j);
-                    __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
-                                             R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                    __m512i l4 = qc_rows4(qv, R, q->q1 + j, q->q2 + j, two);
                     if (X_OFF(ti))
                         l4 = _mm512_sub_epi32(l4, _mm512_slli_epi32(_mm512_load_si512(q->sxi4 + j / 4), X_OFF_SH(ti)));
                     const __m512 f = _mm512_cvtepi32_ps(l4);
@@ -215,9 +226,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
 #pragma GCC unroll 4
                     for (int t = 0; t < NT; t++) {
                         const xq8 *q = xq[t];
-                        const __m512i x1 = _mm512_load_si512(q->q1 + j), x2 = _mm512_load_si512(q->q2 + j);
-                        __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
-                                                 R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                        __m512i l4 = qc_rows4(qv, R, q->q1 + j, q->q2 + j, two);
                         l4 = _mm512_sub_epi32(l4, _mm512_slli_epi32(_mm512_load_si512(q->sxi4 + j / 4), 5));
                         const __m512 f = _mm512_cvtepi32_ps(l4);
                         const __m512 sc = _mm512_mul_ps(sv, _mm512_load_ps(q->xs + 16 * (j / 64)));
@@ -274,9 +283,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
 #pragma GCC unroll 4
                 for (int t = 0; t < NT; t++) {
                     const xq8 *q = xq[t];
-                    const __m512i x1 = _mm512_load_si512(q->q1 + jj), x2 = _mm512_load_si512(q->q2 + jj);
-                    __m512i l4 = rows4_lanes(qc_dot(qv[0], x1, x2), R > 1 ? qc_dot(qv[1], x1, x2) : z,
-                                             R > 2 ? qc_dot(qv[2], x1, x2) : z, R > 3 ? qc_dot(qv[3], x1, x2) : z);
+                    __m512i l4 = qc_rows4(qv, R, q->q1 + jj, q->q2 + jj, two);
                     l4 = _mm512_add_epi32(l4, _mm512_shuffle_i32x4(l4, l4, 0xB1));
                     acc[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm512_castsi512_si128(l4)), _mm_mul_ps(s0, _mm_set1_ps(q->xsb[b])),
                                           acc[t]);
@@ -487,6 +494,7 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = accm[r] = _mm256_setzero_ps();
     const int ts = TINFO[ti].ts;
+    const int two = act_terms(ti) > 1;                   /* one term: q2 = 0, its products skipped */
     const int step = IS_B32(ti) ? 2 * ts : ts;           /* bytes per iteration: 64 or 256 weights */
     const pfreg pr = pf_regions(R, w, pf);
     const int64_t rb = IS_B32(ti) ? K / 32 * ts : K / 256 * ts;
@@ -514,9 +522,8 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
                     const uint8_t *bl = w[r] + o + h * ts;
                     __m256i q = nib32(bl + B32_QS(ti));
                     if (ti != I_Q4_0) q = _mm256_shuffle_epi8(tab, q);  /* nibble -> table value + offset */
-                    __m256i a = dp256(c1, q, x1, ti == I_IQ4_NL);         /* c1, c2: the offset */
-                    a = dp256(_mm256_slli_epi32(a, 8), q, x2, ti == I_IQ4_NL);
-                    a = _mm256_add_epi32(a, c2);
+                    __m256i a = _mm256_slli_epi32(dp256(c1, q, x1, ti == I_IQ4_NL), 8);   /* c1, c2: the offset */
+                    if (two) a = _mm256_add_epi32(dp256(a, q, x2, ti == I_IQ4_NL), c2);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(_mm256_broadcast_ss(B32_D(ti, bl)), xs),
                                              acc[r]);
                 }
@@ -541,8 +548,8 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
                     const __m256i q = x_u32(ti, w[r] + TINFO[ti].hdr + o, u);
-                    __m256i a = dp256(_mm256_setzero_si256(), q, x1, X_OFF(ti) > 64);
-                    a = dp256(_mm256_slli_epi32(a, 8), q, x2, X_OFF(ti) > 64);
+                    __m256i a = _mm256_slli_epi32(dp256(_mm256_setzero_si256(), q, x1, X_OFF(ti) > 64), 8);
+                    if (two) a = dp256(a, q, x2, X_OFF(ti) > 64);
                     const __m256 ws = _mm256_permutevar8x32_ps(_mm256_loadu_ps(ks[r].s + 8 * (u >> 2)), si);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(ws, xs), acc[r]);
                 }
@@ -573,8 +580,8 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
                         const __m256i nib = _mm256_and_si256(g < 2 ? raw : _mm256_srli_epi16(raw, 4), m4);
                         const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
                         const __m256i q = _mm256_or_si256(nib, bits_to4(qh, 2 * g, 1));
-                        __m256i a = dp256(_mm256_setzero_si256(), q, x1, 0);
-                        a = dp256(_mm256_slli_epi32(a, 8), q, x2, 0);
+                        __m256i a = _mm256_slli_epi32(dp256(_mm256_setzero_si256(), q, x1, 0), 8);
+                        if (two) a = dp256(a, q, x2, 0);
                         const __m256 ws = _mm256_permutevar8x32_ps(_mm256_loadu_ps(ks[r].s + 8 * n), si);
                         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(ws, xs), acc[r]);
                     }
@@ -603,8 +610,8 @@ HM_INLINE void kern_q8_256(const int ti, const int R, const uint8_t *const *w, c
                         __m256i q = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
                         if (ti == I_Q5_K)   /* 5th bit: bit 2c + h of qh[l] -> bit 4 */
                             q = _mm256_or_si256(q, bits_to4(_mm256_loadu_si256((const __m256i *)(b + 16)), 2 * c + h, 0));
-                        __m256i a = dp256(_mm256_setzero_si256(), q, x1, 0);
-                        a = dp256(_mm256_slli_epi32(a, 8), q, x2, 0);
+                        __m256i a = _mm256_slli_epi32(dp256(_mm256_setzero_si256(), q, x1, 0), 8);
+                        if (two) a = dp256(a, q, x2, 0);
                         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a),
                                                  _mm256_mul_ps(_mm256_broadcast_ss(&ks[r].s[2 * c + h]), xs), acc[r]);
                     }
