@@ -74,18 +74,18 @@ static inline void xq8_sums(const xq8 *q, int64_t b, float xs, int t1, int t2, c
 /* Activation terms of the integer path, per weight type (docs/cpu-kernels.md, "Activation terms per weight type").
  * 2: x ~ d/256 (256 q1 + q2), about 15 bits; 1: q2 = 0, plain int8 as ggml's q8_0 (the same formulas with q2 = 0,
  * so every kernel stays canonical; the kernels skip the second term's products). A matrix takes one term where
- * its weight type's own quantization error on a layer's output is >= ~10x the one-term activation error
- * (benchmarks/act_error.py: errors add in quadrature, so the result's error grows by < 1%), two elsewhere; the
- * count is the weight type's, the same for every number of tokens, and the activations a matrix reads are
- * quantized with its type's count. MXFP4 keeps two: it is gpt-oss's own trained format, its weights are the
- * model's, with no quantization error of their own to hide a one-term error in. g_xterms: 0 the rule; 1 or 2 for
- * every type (hm_set_act_terms). */
+ * its weight type's own quantization error on a layer's output is >= ~20x the one-term activation error
+ * (benchmarks/act_error.py: errors add in quadrature, so the result's error grows by ~0.1%; the 1-3.5-bit types),
+ * two elsewhere: the 4-4.5-bit types sit at 11-16x (9-12x with outlier channels), where one term bought 2-6% of a
+ * core and cost their logits llama.cpp's distance from the dequantized weights (docs/cpu-kernels.md). The count
+ * is the weight type's, the same for every number of tokens, and the activations a matrix reads are quantized
+ * with its type's count. MXFP4 keeps two: it is gpt-oss's own trained format, its weights are the model's, with
+ * no quantization error of their own to hide a one-term error in. g_xterms: 0 the rule; 1 or 2 for every type
+ * (hm_set_act_terms). */
 HM_STATE(int g_xterms, 0);
-#define ONE_TERM_TYPES ((1u << I_Q4_0) | (1u << I_Q4_K) | (1u << I_IQ4_NL) | (1u << I_IQ4_XS) | (1u << I_Q3_K) | \
-                        (1u << I_Q2_K) | (1u << I_IQ4_KS) | (1u << I_IQ4_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K) | \
-                        (1u << I_IQ2_KS) | (1u << I_IQ2_KL) | (1u << I_IQ3_XXS) | (1u << I_IQ3_S) | \
-                        (1u << I_IQ2_XXS) | (1u << I_IQ2_XS) | (1u << I_IQ1_S) | (1u << I_IQ1_M) | \
-                        (1u << I_IQ2_KT) | (1u << I_IQ3_KT) | (1u << I_IQ4_KT))
+#define ONE_TERM_TYPES ((1u << I_Q3_K) | (1u << I_Q2_K) | (1u << I_IQ3_K) | (1u << I_IQ2_K) | (1u << I_IQ2_KS) | \
+                        (1u << I_IQ2_KL) | (1u << I_IQ3_XXS) | (1u << I_IQ3_S) | (1u << I_IQ2_XXS) | \
+                        (1u << I_IQ2_XS) | (1u << I_IQ1_S) | (1u << I_IQ1_M) | (1u << I_IQ2_KT) | (1u << I_IQ3_KT))
 static inline int act_terms(int ti) {
     return g_xterms ? g_xterms : (ONE_TERM_TYPES >> ti & 1) ? 1 : 2;
 }
