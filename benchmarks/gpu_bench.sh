@@ -145,10 +145,10 @@ for s in "$@"; do
                   P="$PWD/src"; [ $V = old ] && P="$PWD/bench_old/src"; echo "### $V"
                   PYTHONPATH="$P:/tmp/hm-site" python3 benchmarks/profile_decode.py handoff 2>&1 | tail -6; done ;;
     core) python3 benchmarks/bench_core.py --threads 1,4,16 2>&1 | tail -20 ;;
-    int8tg) for F in "" -DHM_INT8_ONE "" -DHM_INT8_ONE; do
+    int8tg) for V in 2 1 2 1; do                # Q4_0's activations in two int8 terms (its rule) against one
               for PL in "-ngl 99 -ot exps=CPU" "-ngl 99 --n-cpu-moe 24"; do
-                echo "### HYBRIDMOE_KERNEL_CFLAGS=$F $PL"
-                HYBRIDMOE_KERNEL_CFLAGS="$F" hm bench -m $M $PL -p 0 -n 128 -r 3 --roofline 2>&1 | grep tg128; done; done ;;
+                echo "### HYBRIDMOE_CPU_ACT_TERMS=$V $PL"
+                HYBRIDMOE_CPU_ACT_TERMS=$V hm bench -m $M $PL -p 0 -n 128 -r 3 --roofline 2>&1 | grep tg128; done; done ;;
     acterms) # the CPU integer path's activations: two int8 terms for every type against the per-type rule, 16 threads
              python3 benchmarks/bench_types.py --types ${TYPES:-Q4_0,Q2_K,Q3_K,IQ4_XS,IQ2_K,IQ3_K,IQ4_K,IQ4_KS,IQ2_KS,IQ2_KL} \
                  --threads 16 --repeat 2 --batches 1 --layers 4 --act-terms 2,0 2>&1 | grep -E "^kernel|^\| " ;;
