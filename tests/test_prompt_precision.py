@@ -39,6 +39,7 @@ from conftest import rel_l2
 
 import hybridmoe
 from hybridmoe.kernels import cpu
+from hybridmoe.quant.random_blocks import random_tensor
 from hybridmoe.quant.ref import random_blocks
 from hybridmoe.quant.types import GGMLType as G
 
@@ -92,7 +93,7 @@ def test_experts_do_not_depend_on_the_batch(q, dq):
         pytest.skip("not computed alike at every batch size on this CPU")
     E, H, F, T = 8, 512, 256, 80
     g = torch.Generator().manual_seed(7)
-    gate, up, down = random_blocks(q, (E, F, H), g), random_blocks(q, (E, F, H), g), random_blocks(dq, (E, H, F), g)
+    gate, up, down = random_tensor(q, (E, F, H), g), random_tensor(q, (E, F, H), g), random_tensor(dq, (E, H, F), g)
     x = torch.randn(T, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(T)]).to(torch.int32)
     w = torch.rand(T, 4, generator=g)
