@@ -428,7 +428,9 @@ def test_gpu_slots_answer_concurrent_requests(opts, capsys):
     """-np 4 on a real GPU: 8 concurrent greedy chats all answered, in batched steps; prints how many texts
     equal their sequential ones (a GPU batch rounds differently: docs/server.md)."""
     model = hybridmoe.load("synth:tiny-wide", ctx_size=N_CTX, **opts)
-    gen = serving(create_app(model, alias="t", n_parallel=NP), model)
+    app = create_app(model, alias="t", n_parallel=NP)
+    assert app.state.hybridmoe.batcher.warm_slots() > 0          # serve's slot warm-up: steps and buckets built
+    gen = serving(app, model)
     srv = next(gen)
     try:
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300) as c:
@@ -441,6 +443,25 @@ def test_gpu_slots_answer_concurrent_requests(opts, capsys):
                   f"sequential ones; {b.counts['batch_sequences'] / b.counts['decodes']:.2f} sequences a step")
     finally:
         gen.close()
+
+
+def test_warm_slots_leaves_them_empty_and_answers_alike(model):
+    """serve's slot warm-up (Batcher.warm_slots): every slot's cache made and its decode step run, each batch size
+    up to the slots' count run, the tokens forgotten; a prompt on a warmed slot gives what it gives on a fresh
+    cache, bit for bit."""
+    from hybridmoe.serve.batching import Batcher
+    b = Batcher(model, 3, 3 * 256)
+    calls = []
+    orig = model.decode_batch
+    model.decode_batch = lambda toks, *a, **k: calls.append(len(toks)) or orig(toks, *a, **k)
+    try:
+        assert b.warm_slots() > 0
+    finally:
+        del model.decode_batch
+    assert calls == [2, 3] and all(s.kv is not None and not s.tokens for s in b.slots)
+    ids = torch.tensor([5, 9, 13, 2])
+    assert torch.equal(model.forward(ids, 0, b.slots[1].kv, all_logits=True),
+                       model.forward(ids, 0, model.new_cache(256), all_logits=True))
 
 
 def test_decode_batch_is_forward_batch_bit_for_bit(model):

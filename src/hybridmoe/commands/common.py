@@ -49,6 +49,7 @@ def warmup(model, args, prompt_sizes: bool = False):
     after it; prompt_sizes: a prompt of each size whose GPU kernels compile apart too (a server's)."""
     if not args.no_warmup:
         import sys
+        prompt_sizes = prompt_sizes and any(d.kind == "cuda" and not d.fake for d in model.devices.values())
         what = "a two-token prompt, one decode step" + (" and a prompt of each GPU kernel size" if prompt_sizes else "")
         print(f"warming up ({what}: compiles kernels, captures graphs; --no-warmup skips it) ...", file=sys.stderr,
               flush=True)

@@ -93,6 +93,31 @@ class Batcher:
     def n_ctx_slot(self) -> int:
         return self.slots[0].n_ctx
 
+    def warm_slots(self) -> float:
+        """The slots' part of a server's warm-up (before it serves; llama-server's slots are ready at its start):
+        each slot's cache made and its decode step built (one token at position 0, then forgotten), and the
+        batched decode step run at each batch size up to the slots' count, so no request pays a slot's or a batch
+        size's first use (a static step's graphs captured: ~1.4 s a slot with experts in RAM). Seconds it took."""
+        t0 = time.perf_counter()
+        m = self.model
+        tok = m.tokenizer.bos_id if m.tokenizer.bos_id is not None else 0
+        kvs = [s.cache(m) for s in self.slots]
+        try:
+            for kv in kvs:
+                m.forward(torch.tensor([tok]), 0, kv, all_logits=False)
+                kv.tokens.clear()
+            n = len(kvs)
+            for B in sorted({min(b, n) for b in (2, 4, 8, 16, 32, 64) if b // 2 < n}):
+                m.decode_batch([tok] * B, [0] * B, kvs[:B])
+                for kv in kvs[:B]:
+                    kv.tokens.clear()
+            m.sync()
+        finally:
+            for kv in kvs:
+                kv.tokens.clear()
+            m.stats.reset()
+        return time.perf_counter() - t0
+
     # ---------------------------------------------------------------- from the event loop
     def _start(self):
         if self.thread is None:
