@@ -174,14 +174,18 @@ _STREAM_RATES: dict = {}
 
 def cpu_stream_rate(exps: list, k: int, n_threads=None, nbytes: int = 256 * 2**20) -> float | None:
     """The C expert kernel's rate on one token, in bytes of its experts a second: single-token calls of k distinct
-    experts each, over these layers' (gate, up, down) in turn, until about nbytes (beyond a last-level cache) were
-    read after a few untimed calls. Measured once a process per types and shapes; None without the C kernels or
-    experts (the decode share then takes the RAM's rate)."""
+    experts each, over these layers' (gate, up, down) in turn (those of the types and shapes most layers have),
+    until about nbytes (beyond a last-level cache) were read after a few untimed calls. Measured once a process per
+    types and shapes; None without the C kernels or experts (the decode share then takes the RAM's rate)."""
     kern = kernels()
     if kern is None or not exps or k < 1:
         return None
+    kind = lambda e: (e[0].qtype, e[2].qtype, tuple(e[0].raw.shape), tuple(e[2].raw.shape))   # noqa: E731
+    kinds = [kind(e) for e in exps]
+    most = max(set(kinds), key=kinds.count)          # a mix's layers differ (its first, higher): the most layers'
+    exps = [e for e, kd in zip(exps, kinds) if kd == most]
     g0, _, d0 = exps[0]
-    key = (g0.qtype, d0.qtype, tuple(g0.raw.shape), tuple(d0.raw.shape), k, n_threads)
+    key = (*most, k, n_threads)
     if key not in _STREAM_RATES:
         H, E = d0.raw.shape[1], g0.raw.shape[0]
         x = torch.randn(1, H, generator=torch.Generator().manual_seed(0))
