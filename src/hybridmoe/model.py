@@ -351,7 +351,9 @@ class Model:
         if min(sizes) > 1 or max(sizes) == 1 or not self.runtime.graphs or not self.decoder.static_decode:
             return False
         dec = [it for it, n in zip(items, sizes) if n == 1]
-        return len(dec) == 1 or self._batch_step(dec) is not None
+        if len(dec) == 1:                                  # (a placement without a static step: one eager pass)
+            return self._step_for("decode", dec[0][2]) is not None
+        return self._batch_step(dec) is not None
 
     def _forward_split(self, items, all_logits: bool):
         """_forward_batch's result for a batch split by _split_mixed: the rows item after item, each layer's distinct
