@@ -228,6 +228,12 @@ def test_mixed_batch_splits_decode_from_prompt(monkeypatch):
         assert lb["distinct_experts"] >= m.cfg.n_expert_used
         prompts = [torch.cat([p, t]) for p, t in zip(prompts, pieces)]
     assert len(split) == 2
+    # one decode token next to a chunk: it splits off to its cache's static decode step (the CPU step here)
+    def two(kvs):
+        return [(torch.tensor([7]), prompts[0].shape[0], kvs[0]), (pieces[1], prompts[1].shape[0], kvs[1])]
+    for g, r in zip(m.forward_batch(two(kb), True), _per_item(m, two(kr), True)):
+        assert torch.equal(g, r)
+    assert len(split) == 3
 
 
 @pytest.mark.parametrize("preset", ["tiny-deepseek2", "tiny-gpt-oss", "tiny-dense"])
