@@ -33,7 +33,7 @@ from ...kernels import gpu_decode as gd
 from ...kernels import gpu_handoff as gh
 from .. import experts as X
 from .base import NonFinite, NotApplicable
-from .gpu_decode import capturing, gc_paused, share_fraction
+from .gpu_decode import capturing, expert_shapes, gc_paused, handoff_failure, share_fraction, stage_buffers
 from .gpu_prefill import StaticPrefill
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -142,11 +142,7 @@ class BatchDecode(StaticPrefill):
         B, td = buf["x"].shape[0], self.dev.torch_device
         k, E, H = self.cfg.n_expert_used, self.cfg.n_expert, self.cfg.n_embd
         gmax = max(1, math.ceil(self.share_frac * min(B * k, E)))
-        stage = {}
-        for i in self.host_layers:
-            key = tuple(tuple(w.raw.shape[1:]) for w in self.layers[i]["exps"])
-            if key not in stage:
-                stage[key] = [torch.zeros(gmax + 1, *shape, dtype=torch.uint8, device=td) for shape in key]
+        stage = stage_buffers([self.layers[i]["exps"] for i in self.host_layers], gmax + 1, td)
         buf["share"] = {"gmax": gmax, "stage": stage, "gout": torch.zeros(B * k, H, device=td),
                         "experts": torch.arange(E, dtype=torch.int32, device=td)}
 
@@ -174,7 +170,7 @@ class BatchDecode(StaticPrefill):
         """The GPU's pairs of host-expert layer i: their experts copied over the bus, run into sh["gout"]."""
         exps = self.layers[i]["exps"]
         g, u, d = exps
-        stage = sh["stage"][tuple(tuple(w.raw.shape[1:]) for w in exps)]
+        stage = sh["stage"][expert_shapes(exps)]
         gd.stage_experts(sel, 0, [gd.stage_words(w.raw) for w in exps],
                          [gd.stage_words(w[:sh["gmax"]]) for w in stage])
         gd.moe(h, lids, wts, *stage, g.qtype, d.qtype, reduce=False, gate_split=g.split, down_split=d.split,
@@ -409,10 +405,7 @@ class BatchDecode(StaticPrefill):
                 i = pieces[s][1]
                 rc = hk["calls"][i][1](n, B)
                 if rc:
-                    raise RuntimeError(f"layer {i}: the router chose an expert id that is not an expert (a NaN in the "
-                                       "hidden state?)" if rc == -1 else f"layer {i}: the CPU expert kernel failed "
-                                       f"({rc})" if rc != -3 else f"layer {i}: the GPU did not hand over the rows in "
-                                       "30 s")
+                    raise RuntimeError(handoff_failure(i, rc))
         except BaseException:
             hk["done"][:, 0].fill_(n)                   # let every waiting graph go on
             raise

@@ -158,9 +158,29 @@ def graph_blocker(model) -> str | None:
     return None
 
 
-def _expert_shapes(exps) -> tuple:
+def expert_shapes(exps) -> tuple:
     """(rows, row bytes) of one expert of each of gate, up and down."""
     return tuple(tuple(w.raw.shape[1:]) for w in exps)
+
+
+def stage_buffers(layers_exps, n: int, device) -> dict:
+    """The decode share's device copies of the experts the GPU takes: n experts of each expert shape these layers'
+    (gate, up, down) have, one buffer set per shape (used layer by layer), zeroed."""
+    stage = {}
+    for exps in layers_exps:
+        key = expert_shapes(exps)
+        if key not in stage:
+            stage[key] = [torch.zeros(n, *shape, dtype=torch.uint8, device=device) for shape in key]
+    return stage
+
+
+def handoff_failure(layer: int, rc: int) -> str:
+    """Why a CPU-expert layer's polled hand-off call returned rc (hm_moe_handoff's codes)."""
+    if rc == -1:
+        return f"layer {layer}: the router chose an expert id that is not an expert (a NaN in the hidden state?)"
+    if rc == -3:
+        return f"layer {layer}: the GPU did not hand over the CPU experts' input in 30 s"
+    return f"layer {layer}: the CPU expert kernel failed ({rc})"
 
 
 class _Seg:
@@ -320,12 +340,8 @@ class StaticDecoder:
             per = g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel()
             hk.bytes += (k - hk.share) * per
             hk.share_bytes += hk.share * per
-        if hk.share:             # the GPU's copies of its experts: one buffer per expert shape, used layer by layer
-            hk.stage = {}
-            for s in cpu_segs:
-                key = _expert_shapes(self.layers[self.segments[s].layer]["exps"])
-                if key not in hk.stage:
-                    hk.stage[key] = [torch.empty(hk.share, *shape, dtype=torch.uint8, device=td) for shape in key]
+        if hk.share:             # the GPU's copies of its experts
+            hk.stage = stage_buffers([self.layers[self.segments[s].layer]["exps"] for s in cpu_segs], hk.share, td)
             hk.lids = torch.arange(hk.share, dtype=torch.int32, device=td)[None]
             hk.gout = torch.zeros(hk.share, H, device=td)
         return hk
@@ -456,7 +472,7 @@ class StaticDecoder:
         hk = self.hk
         g, u, d = lay["exps"]
         j0 = self.cfg.n_expert_used - hk.share
-        stage = hk.stage[_expert_shapes(lay["exps"])]
+        stage = hk.stage[expert_shapes(lay["exps"])]
         gd.stage_experts(ids, j0, [gd.stage_words(w.raw) for w in (g, u, d)], [gd.stage_words(w) for w in stage])
         gd.moe(h, hk.lids, wts[:, j0:], *stage, g.qtype, d.qtype, reduce=False, gate_split=g.split,
                down_split=d.split, out=hk.gout)
@@ -576,10 +592,7 @@ class StaticDecoder:
                 self.graphs[s + 1].replay()            # waits on the GPU for the call below
                 rc = hk.calls[hk.slot[s]](hk.n)
                 if rc:
-                    b = self.segments[s].layer
-                    raise RuntimeError(f"layer {b}: the router chose an expert id that is not an expert (a NaN "
-                                       f"in the hidden state?)" if rc == -1 else
-                                       f"layer {b}: the GPU did not hand over the CPU experts' input in 30 s")
+                    raise RuntimeError(handoff_failure(self.segments[s].layer, rc))
         except BaseException:
             hk.done[:, 0].fill_(hk.n)                   # let every waiting GPU segment go on
             raise
