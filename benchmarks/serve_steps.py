@@ -4,7 +4,8 @@ request), each greedy with `ignore_eos` on a fixed prompt of `--prompt-tokens`, 
 It prints, per concurrency, the generation thread's CPU time a step and a generated token, the sequences a
 step, and its CPU time a request beyond its decode steps (job setup, the prompt's step, the end), which is what
 a step of one sequence and of several cost without the HTTP side; --cprofile prints cProfile's top functions of
-the thread.
+the thread; --trace times the model's calls by kind (batched decode steps by size, batches with prompt chunks,
+single prompts and decode tokens, eager passes, static steps built, graphs captured), wall time inclusive.
 
     python benchmarks/serve_steps.py -m synth:tiny --concurrency 1,8
     python benchmarks/serve_steps.py -m synth:tiny --concurrency 8 --cprofile
@@ -25,11 +26,12 @@ from hybridmoe.serve.jobs import Job
 from hybridmoe.serve.requests import GenParams
 
 
-def run(model, conc: int, n_req: int, max_tokens: int, prompt: list[int], profile: bool, slots: int = 0) -> dict:
-    """n_req jobs, conc at a time, on a fresh Batcher of `slots` slots (default conc); the generation thread's CPU
-    use."""
+def run(model, conc: int, n_req: int, max_tokens: int, prompt: list[int], profile: bool, slots: int = 0,
+        n_ctx_slot: int = 0) -> dict:
+    """n_req jobs, conc at a time, on a fresh Batcher of `slots` slots (default conc) of n_ctx_slot positions
+    each (default: the jobs' length); the generation thread's CPU use."""
     n_slots = slots or conc
-    batcher = Batcher(model, n_slots, n_slots * (len(prompt) + max_tokens + 8))
+    batcher = Batcher(model, n_slots, n_slots * (n_ctx_slot or len(prompt) + max_tokens + 8))
     clock: dict = {}
     prof = cProfile.Profile() if profile else None
     loop_fn = batcher._loop
@@ -83,6 +85,51 @@ def run(model, conc: int, n_req: int, max_tokens: int, prompt: list[int], profil
     return out
 
 
+class Trace:
+    """Wall time and calls of the model's entry points and of what they build, keyed by kind; wraps them in place
+    (the calls return host tensors, so each timing includes the GPU's work)."""
+
+    def __init__(self, model):
+        self.t: dict[str, list] = {}
+        from hybridmoe.runtime.steps import gpu_batch
+        dec = model.decoder
+        self._wrap(model, "decode_batch", lambda a, kw: f"decode_batch B={len(a[0])}")
+        self._wrap(model, "forward_batch", lambda a, kw: self._items(a[0]))
+        self._wrap(model, "forward", lambda a, kw: "forward T=1" if a[0].shape[0] == 1 else "forward prompt")
+        self._wrap(dec, "forward_batch", lambda a, kw: "  eager decoder.forward_batch")
+        self._wrap(dec, "forward", lambda a, kw: "  eager decoder.forward")
+        self._wrap(model, "_step_for", lambda a, kw: f"  static {a[0]} step looked up (built at first use)")
+        self._wrap(gpu_batch.BatchDecode, "_capture_bucket", lambda a, kw: "  batch bucket captured", cls=True)
+
+    @staticmethod
+    def _items(items):
+        sizes = [int(t.shape[0]) for t, _, _ in items]
+        n1 = sum(1 for n in sizes if n == 1)
+        return f"forward_batch {n1} decode + {len(sizes) - n1} prompt chunks"
+
+    def _wrap(self, obj, name, key, cls=False):
+        fn = getattr(obj, name)
+        rec = self.t
+
+        def timed(*a, **kw):
+            k = key(a[1:] if cls else a, kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                r = rec.setdefault(k, [0, 0.0])
+                r[0] += 1
+                r[1] += time.perf_counter() - t0
+        setattr(obj, name, timed)
+
+    def report(self) -> str:
+        rows = sorted(self.t.items(), key=lambda kv: -kv[1][1])
+        lines = [f"{'call':<58} {'calls':>6} {'ms total':>9} {'ms each':>8}"]
+        lines += [f"{k:<58} {n:>6} {1e3 * s:>9.1f} {1e3 * s / n:>8.2f}" for k, (n, s) in rows]
+        self.t.clear()
+        return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p, model_default="synth:tiny")
@@ -94,6 +141,7 @@ def main():
     p.add_argument("--repeat", type=int, default=3, help="rounds a concurrency; the lowest CPU time is reported")
     p.add_argument("--cprofile", action="store_true", help="print cProfile's top functions of the thread")
     p.add_argument("--slots", type=int, default=0, help="the server's slots (default: the concurrency)")
+    p.add_argument("--trace", action="store_true", help="time the model's calls by kind (wall, inclusive)")
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     kw = runtime_kwargs(args)
@@ -105,11 +153,16 @@ def main():
           f"{args.prompt_tokens} tokens; the generation thread's CPU time, best of {args.repeat}")
     print(f"{'jobs':>5} {'seqs/step':>10} {'us/step':>8} {'us/token':>9} {'us/request':>11} {'CPU/wall':>9} "
           f"{'tok/s':>8}")
+    n_ctx_slot = args.prompt_tokens + args.max_tokens + 8
+    trace = None
     for conc in levels:
-        run(m, conc, conc, min(8, args.max_tokens), prompt, False, args.slots)     # warm-up
+        run(m, conc, conc, min(8, args.max_tokens), prompt, False, args.slots, n_ctx_slot)     # warm-up
+        if args.trace and trace is None:
+            trace = Trace(m)
         best = None
         for _ in range(args.repeat if not args.cprofile else 1):
-            r = run(m, conc, max(args.requests, conc), args.max_tokens, prompt, args.cprofile, args.slots)
+            r = run(m, conc, max(args.requests, conc), args.max_tokens, prompt, args.cprofile, args.slots,
+                    n_ctx_slot)
             if best is None or r["cpu"] < best["cpu"]:
                 best = r
         r = best
@@ -120,6 +173,8 @@ def main():
               f"{r['cpu'] / r['wall']:>9.2f} {r['tokens'] / r['wall']:>8.1f}", flush=True)
         if args.cprofile:
             print(r["profile"])
+        if trace is not None:
+            print(trace.report())
 
 
 if __name__ == "__main__":

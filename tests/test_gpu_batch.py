@@ -7,7 +7,7 @@ python -m pytest tests/test_gpu_batch.py`, with triton importable); otherwise th
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rel_l2, triton_test_device
+from conftest import rel_l2, top1_agreement, triton_test_device
 
 from hybridmoe.runtime.ops import apply_rope, rope_tables
 
@@ -156,7 +156,6 @@ def test_batch_decode_step_matches_eager(monkeypatch):
     real GPU, its kernels run eagerly on a fake one) against the eager batched path: 3 sequences (bucket 4, one
     padded row), then 2 of them (bucket 2), each at its own position, then each sequence alone; every other
     batched step through Model.decode_batch (the server's: argmax and expert counts taken on the GPU)."""
-    from conftest import top1_agreement
 
     import hybridmoe
     from hybridmoe.errors import HybridMoeError
@@ -204,8 +203,9 @@ def test_batch_decode_step_matches_eager(monkeypatch):
 
 @pytest.mark.parametrize("ot", [[], ["exps=CPU"]], ids=["ngl99", "exps-cpu"])
 def test_mixed_batch_runs_the_decode_step(ot, monkeypatch):
-    """A server step with decode tokens and a prompt chunk: the decode tokens go through the batched decode step
-    (bucket 2), the chunk through the prompt path, not one eager pass; each row as forward gives it alone."""
+    """A server step with decode tokens and a prompt chunk: the chunk's tokens are rows of the batched decode
+    step next to the decode tokens (1 + 6 + 1 rows: bucket 8), not one eager pass; each row as forward gives it
+    alone (the chunk's rows attend causally to each other through the cache)."""
     import hybridmoe
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode
     real = _fake_gpu_or_real(monkeypatch)
@@ -226,7 +226,35 @@ def test_mixed_batch_runs_the_decode_step(ot, monkeypatch):
             assert torch.equal(g.argmax(-1), w.argmax(-1))
         assert m.stats.last_batch["sequences"] == 3 and m.stats.last_batch["tokens"] == 8
         prompts = [p + t.tolist() for p, t in zip(prompts, pieces)]
-    assert isinstance(m._batch, BatchDecode) and 2 in m._batch.buckets
+    assert isinstance(m._batch, BatchDecode) and sorted(m._batch.buckets) == [8]
+
+
+def test_batch_rows_over_steps_and_long_chunks(monkeypatch):
+    """A step with a decode token, a chunk longer than the batch step's max_chunk and two shorter ones: the long
+    one runs alone through its cache's prompt step, the rest as rows, 71 of them over two batch steps (64 + 7,
+    one chunk's rows in both: the second step's rows attend to the keys the first wrote); each item's logits,
+    every row's and the last only, as forward gives them alone."""
+    import hybridmoe
+    from hybridmoe.runtime.steps.gpu_batch import BatchDecode
+    real = _fake_gpu_or_real(monkeypatch)
+    m = hybridmoe.load("synth:tiny", ctx_size=192, n_gpu_layers=99)
+    ids = [(i * 53 + 7) % 1000 + 3 for i in range(200)]
+    pieces = [torch.tensor(ids[:1]), torch.tensor(ids[1:71]), torch.tensor(ids[71:111]), torch.tensor(ids[111:141])]
+    starts = [9, 0, 3, 0]
+    for all_logits in (False, True):
+        kb, kr = [m.new_cache(192) for _ in pieces], [m.new_cache(192) for _ in pieces]
+        for p0, a, b in zip(starts, kb, kr):
+            if p0:
+                m.forward(torch.tensor(ids[150:150 + p0]), 0, a)
+                m.forward(torch.tensor(ids[150:150 + p0]), 0, b)
+        got = m.forward_batch([(t, p0, kv) for t, p0, kv in zip(pieces, starts, kb)], all_logits=all_logits)
+        want = [m.forward(t, p0, kv, all_logits=all_logits) for t, p0, kv in zip(pieces, starts, kr)]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            assert rel_l2(g, w) < (1e-2 if real else 1e-4)
+            assert torch.equal(g.argmax(-1), w.argmax(-1)) if not real else top1_agreement(g, w) >= 0.9
+        assert [len(kv.tokens) for kv in kb] == [p0 + t.shape[0] for t, p0 in zip(pieces, starts)]
+    assert isinstance(m._batch, BatchDecode) and sorted(m._batch.buckets) == [8, 64]
 
 
 @pytest.mark.parametrize("ot,share", [(["exps=CPU"], "0"), (["exps=CPU"], "3"), ([r"blk\.1\.ffn_.*_exps=CPU"], "1")],
@@ -266,8 +294,6 @@ def test_batch_step_moe_kernels_match_alone(path, monkeypatch):
     sequences (bucket 8, 3 padded rows) at their own positions give each sequence's greedy tokens as its
     static decode step gives them alone (per-pair kernels). On a GPU synth:tiny-wide (split rows: the dp4a
     kernels), in the interpreter synth:tiny (GGUF rows; mmq reads split rows only, so it runs on a GPU)."""
-    from conftest import top1_agreement
-
     import hybridmoe
     from hybridmoe.kernels import gpu_decode, gpu_mmq, gpu_moe_grouped
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode

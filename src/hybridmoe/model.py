@@ -305,8 +305,9 @@ class Model:
         to}) by the CPU batch step where it applies, else the eager decoder over the whole batch (a single item:
         forward's own path)."""
         step = self._batch_step(items)
-        if step is None and self._split_mixed(items):
-            return self._forward_split(items, all_logits)
+        parts = self._split_parts(items) if step is None else None
+        if parts is not None:
+            return self._forward_split(items, parts, all_logits)
         if step is not None:
             try:
                 out, distinct = step.forward_batch(items, all_logits)
@@ -343,23 +344,39 @@ class Model:
             return out, {i: k for i in self._moe_layers()}
         return out, {i: int(torch.unique(ids).numel()) for i, ids in routing.items()}
 
-    def _split_mixed(self, items) -> bool:
-        """Whether a batch of decode tokens and prompt chunks runs as two batches: its decode tokens through a batch
-        step (or the static decode step, one alone) and its prompt chunks through the prompt path, instead of one
-        eager pass (Python launching every op of every layer: ~10x a captured step with every weight on a GPU)."""
+    def _split_parts(self, items) -> list[list[int]] | None:
+        """Where a batch of decode tokens and prompt chunks runs as several (its items' indices, part after part),
+        not as one eager pass (Python launching every op of every layer: ~10x a captured step with every weight
+        on a GPU): with the GPU batch step, the items it takes as rows (chunks up to its max_chunk) in it and each
+        longer chunk through its cache's prompt step (together in one eager pass where host experts may be
+        uploaded for them: once for all); elsewhere the decode tokens through a batch step (or the static decode
+        step, one alone) and the prompt chunks through the prompt path. None: one pass."""
         sizes = [int(t.shape[0]) for t, _, _ in items]
-        if min(sizes) > 1 or max(sizes) == 1 or not self.runtime.graphs or not self.decoder.static_decode:
-            return False
-        dec = [it for it, n in zip(items, sizes) if n == 1]
+        if len(items) < 2 or not self.runtime.graphs or not self.decoder.static_decode:
+            return None
+        step = self._batch_for(items[0][2], max(sizes) == 1)
+        rows = getattr(step, "max_chunk", 0)
+        if rows:
+            if not all(step.accepts(kv) for _, _, kv in items):
+                return None
+            small = [j for j, n in enumerate(sizes) if n <= rows]
+            big = [j for j, n in enumerate(sizes) if n > rows]
+            parts = ([small] if small else []) + ([big] if step.host else [[j] for j in big])
+            return parts if len(parts) > 1 else None
+        if min(sizes) > 1 or max(sizes) == 1:
+            return None
+        dec = [j for j, n in enumerate(sizes) if n == 1]
+        chunks = [j for j, n in enumerate(sizes) if n > 1]
         if len(dec) == 1:                                  # (a placement without a static step: one eager pass)
-            return self._step_for("decode", dec[0][2]) is not None
-        return self._batch_step(dec) is not None
+            ok = self._step_for("decode", items[dec[0]][2]) is not None
+        else:
+            ok = self._batch_step([items[j] for j in dec]) is not None
+        return [dec, chunks] if ok else None
 
-    def _forward_split(self, items, all_logits: bool):
-        """_forward_batch's result for a batch split by _split_mixed: the rows item after item, each layer's distinct
-        experts summed over the two batches (what the step read)."""
+    def _forward_split(self, items, parts: list[list[int]], all_logits: bool):
+        """_forward_batch's result for a batch split by _split_parts: the rows item after item, each layer's
+        distinct experts summed over the parts (what the step read)."""
         sizes = [int(t.shape[0]) for t, _, _ in items]
-        parts = [[j for j, n in enumerate(sizes) if n == 1], [j for j, n in enumerate(sizes) if n > 1]]
         rows, routed = [None] * len(items), {}
         for idx in parts:
             out, r = self._forward_batch([items[j] for j in idx], all_logits)
@@ -375,33 +392,46 @@ class Model:
         return self._moe_ids
 
     def _batch_step(self, items):
-        """The CPU batch step (runtime/steps/cpu_decode.py) when every weight and every item's cache is on the
-        CPU and it covers the model, the GPU one (runtime/steps/gpu_batch.py) for decode tokens when every weight
-        and cache is on one GPU; else None. Batches with prompt chunks take the eager path where a GPU may
-        take host weights' ops (op offload, as build_step decides for prompts)."""
+        """The batch step that runs these items (decode tokens, and chunks of up to the GPU step's max_chunk
+        tokens), or None: one decode token alone takes the static decode step, and elsewhere batches with prompt
+        chunks take the eager path where a GPU may take host weights' ops (op offload, as build_step decides for
+        prompts)."""
+        from .runtime.steps import may_offload
+        sizes = [int(t.shape[0]) for t, _, _ in items]
+        single = max(sizes) == 1
+        step = self._batch_for(items[0][2], single)
+        if step is None:
+            return None
+        rows = getattr(step, "max_chunk", 0)
+        if rows:
+            if max(sizes) > rows or (len(items) == 1 and single):
+                return None
+        elif not single and may_offload(self):
+            return None
+        return step if all(step.accepts(kv) for _, _, kv in items) else None
+
+    def _batch_for(self, kv0, single: bool):
+        """self._batch, built at first use for caches like kv0: the CPU batch step (runtime/steps/cpu_decode.py)
+        when every weight and the cache are on the CPU and it covers the model (not built for a first batch with
+        prompt chunks a GPU may take), the GPU one (runtime/steps/gpu_batch.py) when every weight but host experts
+        and the cache are on one GPU; None where none applies."""
         if not self.runtime.graphs or not self.decoder.static_decode or self._batch is False:
             return None
-        from .runtime.steps import may_offload
-        if any(int(t.shape[0]) > 1 for t, _, _ in items) and may_offload(self):
-            return None
-        single = all(int(t.shape[0]) == 1 for t, _, _ in items)
         if self._batch is None:
-            kv0 = items[0][2]
+            from .runtime.steps import may_offload
             from .runtime.steps.base import NotApplicable
             if all(d.kind == "cpu" for d in kv0.devs):
+                if not single and may_offload(self):
+                    return None
                 from .runtime.steps.cpu_decode import CpuDecoder as Step
-            elif single:                                 # decode tokens on a GPU: runtime/steps/gpu_batch.py
-                from .runtime.steps.gpu_batch import BatchDecode as Step
             else:
-                return None
+                from .runtime.steps.gpu_batch import BatchDecode as Step
             try:
                 self._batch = Step(self, kv0)
             except NotApplicable:
                 self._batch = False
                 return None
-        if getattr(self._batch, "single_tokens", False) and (not single or len(items) == 1):
-            return None                                  # (one sequence alone: the static decode step)
-        return self._batch if all(self._batch.accepts(kv) for _, _, kv in items) else None
+        return self._batch
 
     def _nonfinite_message(self, tokens: torch.Tensor, pos0: int, kv: KVCache) -> str:
         """Why the logits were not finite: the first layer whose output is not, found by running the tokens

@@ -96,7 +96,8 @@ class Batcher:
     def warm_slots(self) -> float:
         """The slots' part of a server's warm-up (before it serves; llama-server's slots are ready at its start):
         each slot's cache made and its decode step built (one token at position 0, then forgotten), and the
-        batched decode step run at each batch size up to the slots' count, so no request pays a slot's or a batch
+        batched decode step run at each batch size up to the slots' count (and, where the GPU batch step takes
+        prompt chunks as rows, a chunk of each larger bucket's size), so no request pays a slot's or a batch
         size's first use (a static step's graphs captured: ~1.4 s a slot with experts in RAM). Seconds it took."""
         t0 = time.perf_counter()
         m = self.model
@@ -111,6 +112,10 @@ class Batcher:
                 m.decode_batch([tok] * B, [0] * B, kvs[:B])
                 for kv in kvs[:B]:
                     kv.tokens.clear()
+            rows = getattr(getattr(m, "_batch", None), "max_chunk", 0)
+            for B in (b for b in (2, 4, 8, 16, 32, 64) if n < b <= min(rows, kvs[0].n_ctx)):
+                m.forward_batch([(torch.full((B,), tok), 0, kvs[0])])
+                kvs[0].tokens.clear()
             m.sync()
         finally:
             for kv in kvs:
@@ -344,7 +349,7 @@ class Batcher:
                 return out
             except Exception as e:                   # noqa: BLE001 - each alone, to find whose it is
                 log.debug("batched step failed (%s); running its sequences one by one", e)
-        elif len(items) > 1 and batched is not None:
+        elif (len(items) > 1 or n_tok > 1) and batched is not None:
             try:
                 # the step's tokens in one tensor, cut into the items' views
                 ids = torch.tensor([x for _, t in items for x in t], dtype=torch.long).split([len(t) for _, t in items])

@@ -45,7 +45,7 @@ def bucket(n: int) -> int:
 
 
 class BatchDecode(StaticPrefill):
-    single_tokens = True                 # Model runs batches with prompt chunks eagerly
+    max_chunk = 64                       # longest prompt chunk taken as rows (Model runs longer ones apart)
     host_experts = True
 
     def __init__(self, model, kv):
@@ -264,14 +264,21 @@ class BatchDecode(StaticPrefill):
 
     # -- running -------------------------------------------------------------------------------------------------
     def forward_batch(self, items, all_logits: bool = False):
-        """items [(tokens [1], pos_i, kv_i)] -> (logits [B, n_vocab] float32 on the CPU, {MoE layer: distinct
-        experts the batch routed to})."""
+        """items [(tokens [T_i], pos_i, kv_i)], T_i <= max_chunk -> (logits [sum T_i or B, n_vocab] float32 on the
+        CPU: each item's rows, or its last one, {MoE layer: the most distinct experts a step routed to}). Every token
+        is a row at its own position: a decode token, or one of a prompt chunk's, whose rows write their keys before
+        any row attends (qk_rope_cache_batch, then attention_batch), so a chunk's row sees the rows before it as a
+        prompt's causal attention does. At most 64 rows a step; a chunk's rows stay in order over the steps."""
+        rows = [(tok, int(p0) + t, kv, all_logits or t == len(ids) - 1)
+                for ids, p0, kv in ((t.tolist(), p, kv) for t, p, kv in items) for t, tok in enumerate(ids)]
         outs, distinct = [], {}
-        for a in range(0, len(items), BUCKETS[-1]):
-            chunk = items[a:a + BUCKETS[-1]]
-            logits, n = self._run(torch.cat([t for t, _, _ in chunk]), [int(p) for _, p, _ in chunk],
-                                  [kv for _, _, kv in chunk])
-            out, n = self._to_host(logits[:len(chunk)], n)
+        for a in range(0, len(rows), BUCKETS[-1]):
+            group = rows[a:a + BUCKETS[-1]]
+            logits, n = self._run(torch.tensor([r[0] for r in group]), [r[1] for r in group], [r[2] for r in group])
+            want = [j for j, r in enumerate(group) if r[3]]
+            live = logits[:len(group)] if len(want) == len(group) else \
+                logits.index_select(0, torch.tensor(want, device=logits.device))
+            out, n = self._to_host(live, n)
             outs.append(out)
             n = n.tolist()
             self._account(n)
