@@ -215,6 +215,46 @@ def dense(types):
             print("  best tiles: " + ", ".join(f"{c} {t * 1e6:.1f} us ({nbytes / t / 1e9:.0f} GB/s)" for t, c in best))
 
 
+def split_batch(types, sizes=(4, 16, 32)):
+    """The per-pair split-row kernels (the batched step's below 129 pairs) over a grid of tiles at B tokens' pairs
+    (_batch_case's routing), each replayed from CUDA graphs: the rule's tile (split_tile, chosen at one token) and
+    the five fastest per kernel, then the whole gd.moe on the rule's tiles and on the best ones."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grid = [(bn, nb, w) for bn in (4, 8, 16, 32) for nb in (8, 16, 32) for w in (2, 4, 8) if bn * nb <= 256]
+    for name in types:
+        q = GGMLType[name]
+        qt = gd.QTYPES[q]
+        for B in sizes:
+            x, ids, wts, gs, us, ds, nbytes = _batch_case(q, B, g)
+            n = B * K_USED
+            h, out = torch.randn(n, F, device="cuda", generator=g), torch.empty(n, H, device="cuda")
+            xq, hq = gd.quant_x8(x), gd.quant_x8(h)
+            best = {}
+            for gate_up in (True, False):
+                def run(t, gate_up=gate_up):
+                    bn, nb, w = t
+                    if gate_up:
+                        gd._moe_gate_up8_kernel[(n, triton.cdiv(F, bn))](
+                            *xq, ids, gs, us, h, H, F, K_USED, gs.stride(0), gs.stride(1), us.stride(0),
+                            us.stride(1), QT=qt, BN=bn, NB=nb, EMU=False, num_warps=w)
+                    else:
+                        gd._moe_down8_kernel[(n, triton.cdiv(H, bn))](
+                            *hq, ids, wts, ds, out, F, H, ds.stride(0), ds.stride(1), QT=qt, BN=bn, NB=nb, EMU=False,
+                            num_warps=w)
+                res = sorted((graph_timed(lambda: run(t), n=10, reps=10), t) for t in grid)
+                pick = gd.split_tile(q, gate_up)
+                t_pick = next(s for s, t in res if t == pick)
+                best[gate_up] = res[0][1]
+                print(f"{name} B={B} ({n} pairs) {'gate/up' if gate_up else 'down'}: rule {pick} {t_pick * 1e6:.1f} us; "
+                      "best: " + ", ".join(f"{t} {s * 1e6:.1f} us" for s, t in res[:5]), flush=True)
+            kw = dict(gate_split=True, down_split=True)
+            rule = graph_timed(lambda: gd.moe(x, ids, wts, gs, us, ds, q, q, **kw), n=10, reps=10)
+            tb = (best[True], best[False])
+            top = graph_timed(lambda: gd.moe(x, ids, wts, gs, us, ds, q, q, tiles8=tb, **kw), n=10, reps=10)
+            print(f"{name} B={B} layer: rule {rule * 1e6:.1f} us ({nbytes / rule / 1e9:.0f} GB/s of the distinct "
+                  f"experts), best tiles {tb} {top * 1e6:.1f} us ({nbytes / top / 1e9:.0f} GB/s)", flush=True)
+
+
 def _batch_case(q, B, g):
     """The 30B layer's experts in split rows (as the GPU keeps them) and B tokens' routing: each token's k
     experts uniformly at random (a real router is skewed: fewer distinct experts, more pairs each); and the
@@ -347,7 +387,8 @@ if __name__ == "__main__":
     # --option [TYPES]: (function, default types); no option: main over its default types
     modes = {"--mmq-tiles": (mmq_tiles, "Q4_0,Q8_0"), "--grouped": (grouped, "Q4_0,Q8_0"),
              "--grouped-tiles": (grouped_tiles, "Q4_0,Q8_0"), "--dense": (dense, "Q8_0,Q4_0"),
-             "--split": (split, "Q4_0,Q8_0"), "--tiles": (tiles, "Q4_0,Q8_0,Q4_K,Q6_K")}
+             "--split": (split, "Q4_0,Q8_0"),
+             "--split-batch": (split_batch, "Q4_0"), "--tiles": (tiles, "Q4_0,Q8_0,Q4_K,Q6_K")}
     if sys.argv[1:2] and sys.argv[1] in modes:
         fn, default = modes[sys.argv[1]]
         fn((sys.argv[2] if len(sys.argv) > 2 else default).split(","))

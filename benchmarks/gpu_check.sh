@@ -151,6 +151,42 @@ for s in "$@"; do
                 --steps 8 --repeat 2 2>&1 | tail -14
               timeout 200 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 1 -- -m synth:qwen3-30b-a3b \
                 -ngl 99 -np 16 2>&1 | tail -25 ;;
+    # the all-GPU server after the slots' warm-up at 1, 4 and 16 clients with both tables, then its generation thread
+    # alone at 4 and 16 jobs on 16 slots with cProfile: where the 16 clients' steps go (issue 27's 6x at 16)
+    servelost) timeout 230 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 1 -- -m synth:qwen3-30b-a3b \
+                 -ngl 99 -np 16 2>&1 | grep -E "^\||warm" | head -16
+               timeout 250 python3 -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 --concurrency 4,16 --slots 16 \
+                 --requests 32 --repeat 1 --cprofile 2>&1 | grep -v "^$" | head -80 ;;
+    # the all-GPU server's generation thread alone at 1, 4 and 16 jobs on 16 slots, its model calls timed by kind
+    servetrace) timeout 300 python3 -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 --concurrency 1,4,16 \
+                  --slots 16 --requests 32 --repeat 1 --trace 2>&1 | grep -v "^$" | tail -45 ;;
+    # prompt chunks as rows of the batched step: its GPU tests, the generation thread alone at 4 and 16 jobs, the
+    # all-GPU server at 1, 4 and 16 clients, the server with experts in RAM at 1, 4 and 8 (issue 27)
+    rows) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpu_batch.py tests/test_static_steps.py \
+            tests/test_server_slots.py -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+          timeout 150 python3 -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 --concurrency 4,16 \
+            --slots 16 --requests 32 --repeat 1 --trace 2>&1 | grep -v "^$" | tail -24
+          timeout 200 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 2 -- -m synth:qwen3-30b-a3b \
+            -ngl 99 -np 16 2>&1 | grep -E "^\||warm" | head -14
+          timeout 200 python3 benchmarks/serve_load.py --concurrency 1,4,8 --rounds 1 -- -m synth:qwen3-30b-a3b \
+            -ngl 99 -ot exps=CPU -np 8 2>&1 | grep -E "^\||warm" | head -8 ;;
+    # the two tests that failed on the GPU machine, in full (the server one also on base_src_tmp/src when present),
+    # the per-pair split kernels' tiles at batch sizes, the server with experts in RAM at 1, 4 and 8 clients
+    s29b) for t in tests/test_server_slots.py::test_logprobs_penalties_and_grammar_per_sequence_in_a_batch \
+               "tests/test_static_steps.py::test_no_capture_fails_on_a_gpu[IQ2_KL]"; do
+            HYBRIDMOE_CACHE=/tmp/hm-test timeout 120 python3 -m pytest -q -x "$t" -p no:cacheprovider --tb=short 2>&1 \
+              | grep -E "^E |assert|passed|failed" | head -14; done
+          if [ -d base_src_tmp/src ]; then echo "### base"; PYTHONPATH=$PWD/base_src_tmp/src:/tmp/hm-site HYBRIDMOE_CACHE=/tmp/hm-test \
+            timeout 120 python3 -m pytest -q -x tests/test_server_slots.py::test_logprobs_penalties_and_grammar_per_sequence_in_a_batch \
+            -p no:cacheprovider --tb=line 2>&1 | tail -2; fi
+          timeout 200 python3 -u benchmarks/bench_moe_decode.py --split-batch Q4_0 2>&1 | tail -12
+          timeout 300 python3 benchmarks/serve_load.py --concurrency 1,4,8 --rounds 1 -- -m synth:qwen3-30b-a3b \
+            -ngl 99 -ot exps=CPU -np 8 2>&1 | grep -E "^\||warm" | head -8 ;;
+    # IQ2_KT experts in RAM with the decode share counting its CPU kernel's own rate, then the per-type CPU kernels
+    iq2kt) python3 -m hybridmoe.cli synth qwen3-30b-a3b-iq2_kt 2>&1 | tail -1
+           timeout 200 python3 -m hybridmoe.cli bench -m synth:qwen3-30b-a3b-iq2_kt -ngl 99 -ot exps=CPU -p 512 -n 128 -r 2 \
+             --roofline 2>&1 | tail -8
+           timeout 240 python3 benchmarks/bench_types.py --types issue24 --threads 16 --repeat 2 --batches 1,8 2>&1 | tail -30 ;;
     # issue 24 point 2: the fused kernels on IQ4_XS, IQ4_KS and Q3_K experts (kernels/gpu_qdot.py: decode GEMVs for
     # all three, prompt GEMMs for the IQ4s) against the reference, then the decode tiles at the 30B expert shape
     # next to Q4_0 / Q4_K (for gpu_decode._MOE_TILE_RULE)
