@@ -242,7 +242,7 @@ def split_batch(types, sizes=(4, 16, 32)):
                             *hq, ids, wts, ds, out, F, H, ds.stride(0), ds.stride(1), QT=qt, BN=bn, NB=nb, EMU=False,
                             num_warps=w)
                 res = sorted((graph_timed(lambda: run(t), n=10, reps=10), t) for t in grid)
-                pick = gd.split_tile(q, gate_up)
+                pick = gd.split_tile(q, gate_up, n)
                 t_pick = next(s for s, t in res if t == pick)
                 best[gate_up] = res[0][1]
                 print(f"{name} B={B} ({n} pairs) {'gate/up' if gate_up else 'down'}: rule {pick} {t_pick * 1e6:.1f} us; "

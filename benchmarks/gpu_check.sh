@@ -182,6 +182,30 @@ for s in "$@"; do
           timeout 200 python3 -u benchmarks/bench_moe_decode.py --split-batch Q4_0 2>&1 | tail -12
           timeout 300 python3 benchmarks/serve_load.py --concurrency 1,4,8 --rounds 1 -- -m synth:qwen3-30b-a3b \
             -ngl 99 -ot exps=CPU -np 8 2>&1 | grep -E "^\||warm" | head -8 ;;
+    # the generation thread with experts in RAM at 4 jobs (all threads' stacks if it hangs), the IQ2_KL GPU-vs-CPU
+    # test with two activation terms on the CPU, the batched all-GPU step on the batch tiles, the all-GPU server
+    s29c) timeout -s ABRT 150 python3 -X faulthandler -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 \
+            -ot exps=CPU --concurrency 4 --slots 8 --requests 8 --repeat 1 --trace 2>&1 | grep -v "^$" | tail -50
+          HYBRIDMOE_CPU_ACT_TERMS=2 HYBRIDMOE_CACHE=/tmp/hm-test timeout 120 python3 -m pytest -q -x \
+            "tests/test_static_steps.py::test_no_capture_fails_on_a_gpu[IQ2_KL]" -p no:cacheprovider --tb=line 2>&1 | tail -2
+          timeout 150 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 1,4,16,32 \
+            --steps 8 --repeat 2 2>&1 | tail -7
+          timeout 200 python3 benchmarks/serve_load.py --concurrency 1,16 --rounds 2 -- -m synth:qwen3-30b-a3b \
+            -ngl 99 -np 16 2>&1 | grep -E "^\| [0-9]" | head -3 ;;
+    # the server with experts in RAM at 1, 4 and 8 clients with its whole output, then the batched all-GPU step's
+    # kernels at B = 16
+    s29d) timeout 300 python3 benchmarks/serve_load.py --concurrency 1,4,8 --rounds 1 -- -m synth:qwen3-30b-a3b \
+            -ngl 99 -ot exps=CPU -np 8 2>&1 | grep -v "^$" | tail -40
+          timeout 150 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 \
+            --steps 8 --repeat 2 --kprofile 14 2>&1 | tail -22 ;;
+    # the CPU server's batched-vs-alone test (fails on the GPU machine's CPU, passes on the AVX-512 VNNI dev VM)
+    # under each switch of a CPU path that differs with AMX
+    s29e) for V in "" HYBRIDMOE_CPU_ATTN=fp32 HYBRIDMOE_CPU_GEMM_MIN_T=100000 HYBRIDMOE_CPU_QMM_MIN_T=100000 \
+                   HYBRIDMOE_CPU_PROMPT=bf16; do echo "### $V"
+            env $V HYBRIDMOE_CACHE=/tmp/hm-test timeout 100 python3 -m pytest -q -x \
+              tests/test_server_slots.py::test_logprobs_penalties_and_grammar_per_sequence_in_a_batch -p no:cacheprovider \
+              --tb=no 2>&1 | tail -1; done
+          python3 -c "from hybridmoe.kernels import cpu; print(cpu.simd())"; grep -o -w -E "amx_bf16|amx_int8|avx512_vnni" /proc/cpuinfo | sort -u ;;
     # IQ2_KT experts in RAM with the decode share counting its CPU kernel's own rate, then the per-type CPU kernels
     iq2kt) python3 -m hybridmoe.cli synth qwen3-30b-a3b-iq2_kt 2>&1 | tail -1
            timeout 200 python3 -m hybridmoe.cli bench -m synth:qwen3-30b-a3b-iq2_kt -ngl 99 -ot exps=CPU -p 512 -n 128 -r 2 \

@@ -31,9 +31,12 @@ STORIES = ["Tell me a story about a dragon.", "Name three rivers.", "What is the
 @pytest.fixture(scope="module")
 def model():
     # -ub 16: prompts take several steps, so prompt chunks and decode tokens share steps. One thread: on a
-    # loaded CI machine two OpenMP threads wait for each other at every barrier (10-100x slower steps)
+    # loaded CI machine two OpenMP threads wait for each other at every barrier (10-100x slower steps).
+    # --no-op-offload: on a machine with a GPU, -ngl 0 would leave prompt chunks to the eager path (their ops may
+    # be offloaded), whose results depend on the chunking (bf16 prompt attention on AMX CPUs); the CPU batch
+    # step computes every token alike, so batched and alone answers are equal on every machine
     threads = torch.get_num_threads()
-    m = hybridmoe.load("synth:tiny", ctx_size=N_CTX, ubatch_size=UB, threads=1)
+    m = hybridmoe.load("synth:tiny", ctx_size=N_CTX, ubatch_size=UB, threads=1, op_offload=False)
     m.logits([1, 2])          # builds the CPU kernels (minutes on a fresh 2-core machine) before any client waits
     yield m
     torch.set_num_threads(threads)

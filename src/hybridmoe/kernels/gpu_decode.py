@@ -536,10 +536,19 @@ _SPLIT_TILE_RULE = {
     (GGMLType.Q4_0, True): (4, 32, 2), (GGMLType.Q4_0, False): (16, 8, 2),
     (GGMLType.Q8_0, True): (4, 32, 2), (GGMLType.Q8_0, False): (8, 8, 4),
 }
+# from BATCH_PAIRS pairs (a batched step of 4 tokens and more) where they differ: the fastest at 32, 128 and 256
+# pairs on H100 (bench_moe_decode.py --split-batch, 2026-11-26: a 30B layer at 16 tokens 148.9 us against 163.5)
+BATCH_PAIRS = 32
+_SPLIT_BATCH_TILE_RULE = {(GGMLType.Q4_0, True): (4, 16, 2), (GGMLType.Q4_0, False): (8, 8, 2)}
 
 
-def split_tile(qtype, gate_up: bool):
-    return (16, 8, 4) if _INTERPRET else _SPLIT_TILE_RULE[(GGMLType(qtype), gate_up)]
+def split_tile(qtype, gate_up: bool, n_pairs: int = 1):
+    """(BN, NB, warps) of a split-row MoE kernel for this type over n_pairs (token, expert) pairs."""
+    if _INTERPRET:
+        return (16, 8, 4)
+    key = (GGMLType(qtype), gate_up)
+    return _SPLIT_BATCH_TILE_RULE.get(key, _SPLIT_TILE_RULE[key]) if n_pairs >= BATCH_PAIRS else \
+        _SPLIT_TILE_RULE[key]
 
 
 def x8_buffers(R: int, K: int, device):
@@ -601,7 +610,7 @@ def _launch(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool):
 
 def _launch8(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool, tile=None):
     """A split-row (dp4a) MoE kernel over (pair, column tile): split_tile's tile unless one is given."""
-    bn, nb, w = tile or split_tile(qtype, gate_up)
+    bn, nb, w = tile or split_tile(qtype, gate_up, n_pairs)
     kernel[(n_pairs, triton.cdiv(n_out, bn))](*args, QT=QTYPES[qtype], BN=bn, NB=nb, EMU=_INTERPRET, num_warps=w)
 
 
