@@ -206,6 +206,22 @@ for s in "$@"; do
               tests/test_server_slots.py::test_logprobs_penalties_and_grammar_per_sequence_in_a_batch -p no:cacheprovider \
               --tb=no 2>&1 | tail -1; done
           python3 -c "from hybridmoe.kernels import cpu; print(cpu.simd())"; grep -o -w -E "amx_bf16|amx_int8|avx512_vnni" /proc/cpuinfo | sort -u ;;
+    # the batch decode share's count swept at B = 4 and 8 with experts in RAM (auto first), then the two prompt rows
+    # of --suggest's 24 GiB ranking that came out against the bytes, each benched twice in turn
+    s29f) for V in "" 0 1 2 3; do echo "### HYBRIDMOE_DECODE_SHARE=$V"
+            HYBRIDMOE_DECODE_SHARE=$V timeout 100 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
+              -ot exps=CPU --batch 4,8 --steps 6 --repeat 2 2>&1 | grep -E "alone|^ +[48] "; done
+          $0 ncmoepp ;;
+    ncmoepp) for r in 1 2; do for N in 1 2; do
+               timeout 80 python3 -m hybridmoe.cli bench -m synth:qwen3-30b-a3b -ngl 99 -ncmoe $N -nopo 1 -ub 512 \
+                 -p 512 -n 0 -r 3 2>&1 | grep pp512; done; done ;;
+    # the session's last check: the GPU tests of what changed, the all-GPU server at 1, 4 and 16 clients, and the
+    # two prompt rows of s29f
+    s29g) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpu_batch.py tests/test_static_steps.py \
+            tests/test_server_slots.py -p no:cacheprovider --tb=short -rfE 2>&1 | tail -4
+          timeout 220 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 2 -- -m synth:qwen3-30b-a3b \
+            -ngl 99 -np 16 2>&1 | grep -E "^\| [0-9]+ \| [0-9]+ \| [0-9]" | head -3
+          ;;
     # IQ2_KT experts in RAM with the decode share counting its CPU kernel's own rate, then the per-type CPU kernels
     iq2kt) python3 -m hybridmoe.cli synth qwen3-30b-a3b-iq2_kt 2>&1 | tail -1
            timeout 200 python3 -m hybridmoe.cli bench -m synth:qwen3-30b-a3b-iq2_kt -ngl 99 -ot exps=CPU -p 512 -n 128 -r 2 \
