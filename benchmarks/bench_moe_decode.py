@@ -215,6 +215,14 @@ def dense(types):
             print("  best tiles: " + ", ".join(f"{c} {t * 1e6:.1f} us ({nbytes / t / 1e9:.0f} GB/s)" for t, c in best))
 
 
+def _tile_report(head: str, res, pick):
+    """Print the picked tile's time and the five fastest of res (sorted [(seconds, tile)]); the fastest tile."""
+    t_pick = next((s for s, t in res if t == pick), float("nan"))
+    print(f"{head} {pick} {t_pick * 1e6:.1f} us; best: " + ", ".join(f"{t} {s * 1e6:.1f} us" for s, t in res[:5]),
+          flush=True)
+    return res[0][1]
+
+
 def split_batch(types, sizes=(4, 16, 32)):
     """The per-pair split-row kernels (the batched step's below 129 pairs) over a grid of tiles at B tokens' pairs
     (_batch_case's routing), each replayed from CUDA graphs: the rule's tile (split_tile, chosen at one token) and
@@ -242,11 +250,8 @@ def split_batch(types, sizes=(4, 16, 32)):
                             *hq, ids, wts, ds, out, F, H, ds.stride(0), ds.stride(1), QT=qt, BN=bn, NB=nb, EMU=False,
                             num_warps=w)
                 res = sorted((graph_timed(lambda: run(t), n=10, reps=10), t) for t in grid)
-                pick = gd.split_tile(q, gate_up, n)
-                t_pick = next(s for s, t in res if t == pick)
-                best[gate_up] = res[0][1]
-                print(f"{name} B={B} ({n} pairs) {'gate/up' if gate_up else 'down'}: rule {pick} {t_pick * 1e6:.1f} us; "
-                      "best: " + ", ".join(f"{t} {s * 1e6:.1f} us" for s, t in res[:5]), flush=True)
+                best[gate_up] = _tile_report(f"{name} B={B} ({n} pairs) {'gate/up' if gate_up else 'down'}: rule", res,
+                                             gd.split_tile(q, gate_up, n))
             kw = dict(gate_split=True, down_split=True)
             rule = graph_timed(lambda: gd.moe(x, ids, wts, gs, us, ds, q, q, **kw), n=10, reps=10)
             tb = (best[True], best[False])
@@ -366,11 +371,8 @@ def mmq_tiles(types, sizes=(16, 64)):
                     except Exception as e:          # noqa: BLE001 - a config this GPU can't build
                         print(f"  {t}: {type(e).__name__}: {str(e)[:120]}")
                 res.sort()
-                pick = mq.TILES[gate_up]
-                t_pick = next((s for s, t in res if t == pick), float("nan"))
-                best[gate_up] = res[0][1]
-                print(f"{name} B={B} BP={bp} {'gate/up' if gate_up else 'down'}: TILES' {pick} {t_pick * 1e6:.1f} us; "
-                      "best: " + ", ".join(f"{t} {s * 1e6:.1f} us" for s, t in res[:5]), flush=True)
+                best[gate_up] = _tile_report(f"{name} B={B} BP={bp} {'gate/up' if gate_up else 'down'}: TILES'", res,
+                                             mq.TILES[gate_up])
             kw = dict(gate_split=True, down_split=True)
             rule = graph_timed(lambda: mq.moe(x, ids, wts, gs, us, ds, q, q, **kw), n=10, reps=10)
             tb = (best[True], best[False])
