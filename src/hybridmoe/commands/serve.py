@@ -161,9 +161,9 @@ def main(args) -> int:
                          slot_similarity=args.slot_prompt_similarity)
         state = app.state.hybridmoe
         state.n_predict = args.n_predict
-        if not args.no_warmup and len(state.batcher.slots) > 1:
-            print(f"warming up the {len(state.batcher.slots)} slots (each slot's decode step, each batch size) ...",
-                  file=sys.stderr, flush=True)
+        if not args.no_warmup:
+            print(f"warming up the {len(state.batcher.slots)} slot(s) (each slot's decode step, each batch size of "
+                  "the batched step, which also runs short prompts) ...", file=sys.stderr, flush=True)
             print(f"slots warmed up in {state.batcher.warm_slots():.2f} s", file=sys.stderr)
         url = url_of(sock)
         n_slots = len(state.batcher.slots)
