@@ -305,20 +305,24 @@ def grouped(types, sizes=(1, 2, 4, 8, 16, 32, 64)):
                   f"{t['gemm'] / t['mmq']:.2f} | {', '.join(f'{d:.1e}' for d in diff)} |", flush=True)
 
 
-def grouped_tiles(types, sizes=(16, 64)):
+def grouped_tiles(types, sizes=(16, 64), bms=(2, 4, 8, 16), warps=(4, 8)):
     """The grouped GEMVs over block heights and tiles (gate/up and down alike), graph-replayed: the five
-    fastest per (type, B), against the rule's (block_rows, grouped_tile)."""
+    fastest per (type, B), against the rule's (block_rows, grouped_tile) and the per-pair kernels' on the same
+    routing."""
     from hybridmoe.kernels import gpu_moe_grouped as gg
     g = torch.Generator(device="cuda").manual_seed(1)
-    grid = [(bn, nb, w) for bn in (2, 4, 8, 16) for nb in (8, 16, 32) for w in (4, 8)]
+    grid = [(bn, nb, w) for bn in (2, 4, 8, 16) for nb in (8, 16, 32) for w in warps]
     for name in types:
         q = GGMLType[name]
         for B in sizes:
             x, ids, wts, gs, us, ds, nbytes = _batch_case(q, B, g)
             rule = graph_timed(lambda: gg.moe(x, ids, wts, gs, us, ds, q, q, gate_split=True, down_split=True),
                                n=10, reps=10)
+            pair = graph_timed(lambda: gd.moe(x, ids, wts, gs, us, ds, q, q, gate_split=True, down_split=True),
+                               n=10, reps=10)
+            print(f"{name} B={B}: per-pair {pair * 1e6:.1f} us ({nbytes / pair / 1e9:.0f} GB/s)", flush=True)
             res = []
-            for bm in (2, 4, 8, 16):
+            for bm in bms:
                 for tile in grid:
                     if bm * tile[0] * tile[1] > 2048:
                         continue
@@ -390,7 +394,8 @@ if __name__ == "__main__":
     modes = {"--mmq-tiles": (mmq_tiles, "Q4_0,Q8_0"), "--grouped": (grouped, "Q4_0,Q8_0"),
              "--grouped-tiles": (grouped_tiles, "Q4_0,Q8_0"), "--dense": (dense, "Q8_0,Q4_0"),
              "--split": (split, "Q4_0,Q8_0"),
-             "--split-batch": (split_batch, "Q4_0"), "--tiles": (tiles, "Q4_0,Q8_0,Q4_K,Q6_K")}
+             "--split-batch": (split_batch, "Q4_0"),
+             "--grouped-tiles-16": (lambda t: grouped_tiles(t, (16,), (2, 4), (2, 4)), "Q4_0"), "--tiles": (tiles, "Q4_0,Q8_0,Q4_K,Q6_K")}
     if sys.argv[1:2] and sys.argv[1] in modes:
         fn, default = modes[sys.argv[1]]
         fn((sys.argv[2] if len(sys.argv) > 2 else default).split(","))

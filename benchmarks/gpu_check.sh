@@ -225,6 +225,8 @@ for s in "$@"; do
     # one slot (serve's default -np 1) all on the GPU: its warm-up builds the batched step for prompts as rows
     np1) timeout 200 python3 benchmarks/serve_load.py --concurrency 1 --rounds 8 -- -m synth:qwen3-30b-a3b -ngl 99 -np 1 \
            2>&1 | grep -E "warm|^\| 1 \| [0-9]" | head -6 ;;
+    # the grouped GEMVs at B = 16 over block heights 2 and 4 and tiles, against the per-pair kernels (issue 27)
+    grouped16) timeout 400 python3 -u benchmarks/bench_moe_decode.py --grouped-tiles-16 Q4_0 2>&1 | tail -6 ;;
     # IQ2_KT experts in RAM with the decode share counting its CPU kernel's own rate, then the per-type CPU kernels
     iq2kt) python3 -m hybridmoe.cli synth qwen3-30b-a3b-iq2_kt 2>&1 | tail -1
            timeout 200 python3 -m hybridmoe.cli bench -m synth:qwen3-30b-a3b-iq2_kt -ngl 99 -ot exps=CPU -p 512 -n 128 -r 2 \
