@@ -229,15 +229,16 @@ def test_mixed_batch_runs_the_decode_step(ot, monkeypatch):
     assert isinstance(m._batch, BatchDecode) and sorted(m._batch.buckets) == [8]
 
 
-def test_batch_rows_over_steps_and_long_chunks(monkeypatch):
+@pytest.mark.parametrize("ot", [[], ["exps=CPU"]], ids=["ngl99", "exps-cpu"])
+def test_batch_rows_over_steps_and_long_chunks(ot, monkeypatch):
     """A step with a decode token, a chunk longer than the batch step's max_chunk and two shorter ones: the long
-    one runs alone through its cache's prompt step, the rest as rows, 71 of them over two batch steps (64 + 7,
-    one chunk's rows in both: the second step's rows attend to the keys the first wrote); each item's logits,
-    every row's and the last only, as forward gives them alone."""
+    one runs apart (its cache's prompt step; with host experts the eager pass), the rest as rows, 71 of them over
+    two batch steps (64 + 7, one chunk's rows in both: the second step's rows attend to the keys the first
+    wrote); each item's logits, every row's and the last only, as forward gives them alone."""
     import hybridmoe
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode
     real = _fake_gpu_or_real(monkeypatch)
-    m = hybridmoe.load("synth:tiny", ctx_size=192, n_gpu_layers=99)
+    m = hybridmoe.load("synth:tiny", ctx_size=192, n_gpu_layers=99, override_tensor=ot)
     ids = [(i * 53 + 7) % 1000 + 3 for i in range(200)]
     pieces = [torch.tensor(ids[:1]), torch.tensor(ids[1:71]), torch.tensor(ids[71:111]), torch.tensor(ids[111:141])]
     starts = [9, 0, 3, 0]
