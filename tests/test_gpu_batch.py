@@ -330,3 +330,20 @@ def test_batch_step_moe_kernels_match_alone(path, monkeypatch):
     # the bucket's rows went through the kernels at every layer (eagerly, and into the graph on a GPU)
     assert isinstance(m._batch, BatchDecode) and m._batch.buckets[8]["moe"] == path
     assert seen and set(seen) == {(8, m.cfg.n_expert_used)} and len(seen) % m.cfg.n_layer == 0
+
+
+def test_warm_slots_builds_the_row_buckets(monkeypatch):
+    """serve's slot warm-up with one slot (-np 1) all on a GPU: short prompts take the batched step's rows, so the
+    warm-up runs each bucket up to the slot's context with a chunk of its size and leaves the cache empty."""
+    import hybridmoe
+    from hybridmoe.runtime.steps.gpu_batch import BatchDecode
+    from hybridmoe.serve.batching import Batcher
+    _fake_gpu_or_real(monkeypatch)
+    m = hybridmoe.load("synth:tiny", ctx_size=16, n_gpu_layers=99)
+    b = Batcher(m, 1, 16)
+    try:
+        assert b.warm_slots() > 0
+        assert isinstance(m._batch, BatchDecode) and sorted(m._batch.buckets) == [2, 4, 8, 16]
+        assert b.slots[0].cache(m).tokens == []
+    finally:
+        b.close()

@@ -410,6 +410,12 @@ class Model:
             return None
         return step if all(step.accepts(kv) for _, _, kv in items) else None
 
+    def batch_chunk_rows(self, kv) -> int:
+        """The longest prompt chunk the batched step takes as rows for caches like kv (the GPU batch step's
+        max_chunk; the step built now if it was not), 0 where prompt chunks do not run as its rows."""
+        step = self._batch_for(kv, True)
+        return getattr(step, "max_chunk", 0) if step is not None and step.accepts(kv) else 0
+
     def _batch_for(self, kv0, single: bool):
         """self._batch, built at first use for caches like kv0: the CPU batch step (runtime/steps/cpu_decode.py)
         when every weight and the cache are on the CPU and it covers the model (not built for a first batch with

@@ -112,10 +112,7 @@ class Batcher:
                 m.decode_batch([tok] * B, [0] * B, kvs[:B])
                 for kv in kvs[:B]:
                     kv.tokens.clear()
-            if n < 2 and getattr(m, "_batch", False) is None and any(d.kind == "cuda" for d in kvs[0].devs):
-                m.forward_batch([(torch.full((2,), tok), 0, kvs[0])])     # one slot: builds the GPU batch step
-                kvs[0].tokens.clear()
-            rows = getattr(getattr(m, "_batch", None), "max_chunk", 0)
+            rows = m.batch_chunk_rows(kvs[0]) if hasattr(m, "batch_chunk_rows") else 0
             for B in (b for b in (2, 4, 8, 16, 32, 64) if n < b <= min(rows, kvs[0].n_ctx)):
                 m.forward_batch([(torch.full((B,), tok), 0, kvs[0])])
                 kvs[0].tokens.clear()
