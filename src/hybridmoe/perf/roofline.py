@@ -135,6 +135,13 @@ def share_cpu_rate(ram: float, kernel_bw: float | None = None) -> float:
     return cpu
 
 
+def _share_sides(rates, gpu: str, kernel_bw: float | None) -> tuple[float, float]:
+    """(the CPU side's rate, the pinned H2D rate) a decode share balances; uncalibrated, RAM at 80 GB/s and the link
+    at half of it, as Rates.h2d takes an unmeasured one."""
+    ram = rates.ram_read_bw if rates is not None else 80e9
+    return share_cpu_rate(ram, kernel_bw), (rates.h2d(gpu) if rates is not None else ram / 2)
+
+
 def decode_share(k: int, expert_bytes: int, rates, gpu: str, kernel_bw: float | None = None) -> int:
     """Of a CPU-expert layer's k active experts in a decode step (expert_bytes each), how many its GPU reads
     over the bus from the pinned host copy and runs itself (the decode share, runtime/steps/gpu_decode.py) while the CPU
@@ -142,10 +149,8 @@ def decode_share(k: int, expert_bytes: int, rates, gpu: str, kernel_bw: float | 
     rate (or its kernel's own, share_cpu_rate), the GPU at its share of the pinned H2D rate plus its kernels on
     the copies (the two paths out of RAM add up: ram_share.py). Never all k; ties go to fewer. Uncalibrated, the
     link is taken to read at half the RAM's rate, as Rates.h2d does for an unmeasured one (RAM at 80 GB/s then)."""
-    ram = rates.ram_read_bw if rates is not None else 80e9
-    cpu = share_cpu_rate(ram, kernel_bw)
-    bus = SHARE_BUS_EFFICIENCY * (rates.h2d(gpu) if rates is not None else ram / 2)
-    gpu_s = expert_bytes / bus + expert_bytes / SHARE_GPU_KERNEL_BW
+    cpu, h2d = _share_sides(rates, gpu, kernel_bw)
+    gpu_s = expert_bytes / (SHARE_BUS_EFFICIENCY * h2d) + expert_bytes / SHARE_GPU_KERNEL_BW
     return min(range(k), key=lambda g: (max((k - g) * expert_bytes / cpu, g * gpu_s), g))
 
 
@@ -159,11 +164,9 @@ def batch_share_fraction(rates, gpu: str, kernel_bw: float | None = None) -> flo
     """For a batch's decode step: the fraction of a CPU-expert layer's distinct experts (tens of them) its GPU
     reads over the bus and runs while the CPU streams the others, the one at which both sides take as long (the
     counts of decode_share, continuous)."""
-    ram = rates.ram_read_bw if rates is not None else 80e9
-    cpu = 1 / share_cpu_rate(ram, kernel_bw)
-    gpu_s = 1 / (SHARE_BATCH_BUS_EFFICIENCY * (rates.h2d(gpu) if rates is not None else ram / 2)) + \
-        1 / SHARE_GPU_KERNEL_BW
-    return cpu / (cpu + gpu_s)
+    cpu, h2d = _share_sides(rates, gpu, kernel_bw)
+    gpu_s = 1 / (SHARE_BATCH_BUS_EFFICIENCY * h2d) + 1 / SHARE_GPU_KERNEL_BW
+    return (1 / cpu) / (1 / cpu + gpu_s)
 
 
 def tg_bound(work: Work, cfg, kv_devices: list[str], rates, n_gen: int, n_depth: int = 0,

@@ -99,6 +99,7 @@ class Batcher:
         batched decode step run at each batch size up to the slots' count (and, where the GPU batch step takes
         prompt chunks as rows, a chunk of each larger bucket's size), so no request pays a slot's or a batch
         size's first use (a static step's graphs captured: ~1.4 s a slot with experts in RAM). Seconds it took."""
+        from ..runtime.steps.gpu_batch import BUCKETS
         t0 = time.perf_counter()
         m = self.model
         tok = m.tokenizer.bos_id if m.tokenizer.bos_id is not None else 0
@@ -108,12 +109,12 @@ class Batcher:
                 m.forward(torch.tensor([tok]), 0, kv, all_logits=False)
                 kv.tokens.clear()
             n = len(kvs)
-            for B in sorted({min(b, n) for b in (2, 4, 8, 16, 32, 64) if b // 2 < n}):
+            for B in sorted({min(b, n) for b in BUCKETS[1:] if b // 2 < n}):
                 m.decode_batch([tok] * B, [0] * B, kvs[:B])
                 for kv in kvs[:B]:
                     kv.tokens.clear()
             rows = m.batch_chunk_rows(kvs[0]) if hasattr(m, "batch_chunk_rows") else 0
-            for B in (b for b in (2, 4, 8, 16, 32, 64) if n < b <= min(rows, kvs[0].n_ctx)):
+            for B in (b for b in BUCKETS[1:] if n < b <= min(rows, kvs[0].n_ctx)):
                 m.forward_batch([(torch.full((B,), tok), 0, kvs[0])])
                 kvs[0].tokens.clear()
             m.sync()
