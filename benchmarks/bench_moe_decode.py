@@ -44,6 +44,13 @@ def random_blocks(q, shape, g):
         return random_tensor(q, shape, torch.Generator().manual_seed(int(q))).cuda()
 
 
+def tile_grid():
+    """(BN, NB, warps) tiles of the dp4a kernels: BN rows, NB 32-blocks a K step. Where NB covers the program's
+    threads (NB >= 32 x warps) a thread holds one block of all BN rows, so the activations' words are loaded once
+    a program, not once a row: the tiles up to NB 64 and one warp hold those."""
+    return [(bn, nb, w) for bn in (2, 4, 8, 16) for nb in (8, 16, 32, 64) for w in (1, 2, 4)]
+
+
 def timed(fn, reps=200):
     fn()
     torch.cuda.synchronize()
@@ -150,7 +157,7 @@ def split(types):
     """GGUF rows (fp32 activations) against split rows (int8 activations, dp4a): the whole gd.moe and each
     kernel over a grid of tiles, replayed from CUDA graphs."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    grid = [(bn, nb, w) for bn in (4, 8, 16, 32) for nb in (8, 16, 32) for w in (2, 4, 8) if bn * nb <= 256]
+    grid = tile_grid()
     for name in types:
         q = GGMLType[name]
         qt = gd.QTYPES[q]
@@ -189,7 +196,7 @@ def dense(types):
     dp4a (gpu_decode.gemv8) against cuBLAS on bf16 weights, and gemv8 over a grid of tiles, replayed from
     CUDA graphs."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    grid = [(bn, nb, w) for bn in (4, 8, 16, 32) for nb in (8, 16, 32) for w in (2, 4, 8) if bn * nb <= 256]
+    grid = tile_grid()
     for name in types:
         q = GGMLType[name]
         for label, N, K in (("qkv", 5120, 2048), ("output", 2048, 4096), ("head", 151936, 2048)):
@@ -228,7 +235,7 @@ def split_batch(types, sizes=(4, 16, 32)):
     (_batch_case's routing), each replayed from CUDA graphs: the rule's tile (split_tile, chosen at one token) and
     the five fastest per kernel, then the whole gd.moe on the rule's tiles and on the best ones."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    grid = [(bn, nb, w) for bn in (4, 8, 16, 32) for nb in (8, 16, 32) for w in (2, 4, 8) if bn * nb <= 256]
+    grid = tile_grid()
     for name in types:
         q = GGMLType[name]
         qt = gd.QTYPES[q]
@@ -389,13 +396,33 @@ def mmq_tiles(types, sizes=(16, 64)):
                   ", ".join(f"BP {b} {t * 1e6:.1f} us" for b, t in other.items()), flush=True)
 
 
+def ncu_case(types, B=16):
+    """One MoE layer of B tokens by the per-pair GEMVs, the grouped GEMVs and mmq, each called eagerly three
+    times (the first compiles): a short program for Nsight Compute to profile those kernels, e.g.
+    ncu --clock-control none -k regex:"gate_up8|down8|mmq" --section SpeedOfLight ... bench_moe_decode.py --ncu"""
+    from hybridmoe.kernels import gpu_mmq as mq
+    from hybridmoe.kernels import gpu_moe_grouped as gg
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name in types:
+        q = GGMLType[name]
+        x, ids, wts, gs, us, ds, nbytes = _batch_case(q, B, g)
+        kw = dict(gate_split=True, down_split=True)
+        for mod in (gd, gg, mq):
+            for _ in range(3):
+                mod.moe(x, ids, wts, gs, us, ds, q, q, **kw)
+            torch.cuda.synchronize()
+        print(f"{name} B={B}: {torch.unique(ids).numel()} distinct experts, {nbytes / 1e6:.0f} MB", flush=True)
+
+
 if __name__ == "__main__":
     # --option [TYPES]: (function, default types); no option: main over its default types
     modes = {"--mmq-tiles": (mmq_tiles, "Q4_0,Q8_0"), "--grouped": (grouped, "Q4_0,Q8_0"),
              "--grouped-tiles": (grouped_tiles, "Q4_0,Q8_0"), "--dense": (dense, "Q8_0,Q4_0"),
              "--split": (split, "Q4_0,Q8_0"),
              "--split-batch": (split_batch, "Q4_0"),
-             "--grouped-tiles-16": (lambda t: grouped_tiles(t, (16,), (2, 4), (2, 4)), "Q4_0"), "--tiles": (tiles, "Q4_0,Q8_0,Q4_K,Q6_K")}
+             "--split-batch-16": (lambda t: split_batch(t, (16,)), "Q4_0"),
+             "--split-batch-4-32": (lambda t: split_batch(t, (4, 32)), "Q4_0"), "--ncu": (ncu_case, "Q4_0"),
+             "--grouped-tiles-16": (lambda t: grouped_tiles(t, (16,), (2, 4), (1, 2)), "Q4_0"), "--tiles": (tiles, "Q4_0,Q8_0,Q4_K,Q6_K")}
     if sys.argv[1:2] and sys.argv[1] in modes:
         fn, default = modes[sys.argv[1]]
         fn((sys.argv[2] if len(sys.argv) > 2 else default).split(","))

@@ -86,8 +86,8 @@ def test_gpu_moe_path_by_pairs(monkeypatch):
     q4, q8 = (G.Q4_0,) * 3, (G.Q8_0, G.Q8_0, G.Q4_0)
     mmq, mid = ("mmq", "pair") if gpu_mmq.available() else ("gemm", "gemm")
     assert [X.gpu_moe_path(b, 8 * b, q4, True) for b in (1, 8, 16, 32, 64, X.MMQ_MAX_TOKENS + 1)] == \
-        ["pair", "pair", mid, mmq, mmq, "gemm"]
-    assert X.gpu_moe_path(32, 256, q8, True) == mmq
+        ["pair", "pair", mid, mid, mmq, "gemm"]
+    assert X.gpu_moe_path(64, 512, q8, True) == mmq and X.gpu_moe_path(32, 256, q8, True) == mid
     monkeypatch.setattr(X, "MMQ_MIN_PAIRS", 16)                      # the lower bound is one constant
     few = "mmq" if gpu_mmq.available() else "pair"
     assert [X.gpu_moe_path(b, 8 * b, q4, True) for b in (1, 2, 8)] == ["pair", few, few]

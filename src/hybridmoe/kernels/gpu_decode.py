@@ -530,16 +530,18 @@ def disable(gate_qtype, down_qtype, err: Exception):
 
 
 # (BN, NB, warps) of the split-row kernels per (type, gate/up kernel): the fastest at the Qwen3-30B-A3B
-# expert shape on H200 (bench_moe_decode.py --split, 2026-11-24: gate/up 6.7 / 8.0 us, down 4.4 / 5.0 us
-# for Q4_0 / Q8_0); the interpreter takes one larger tile (fewer programs to step through)
+# expert shape on H100 over tiles of one to four warps (bench_moe_decode.py --split, 2026-11-26: Q4_0 gate/up
+# 6.0 us against 6.5 for (4, 32, 2), down 4.4; Q8_0 gate/up 6.8 against 8.4, down 4.9); the interpreter takes
+# one larger tile (fewer programs to step through)
 _SPLIT_TILE_RULE = {
-    (GGMLType.Q4_0, True): (4, 32, 2), (GGMLType.Q4_0, False): (16, 8, 2),
-    (GGMLType.Q8_0, True): (4, 32, 2), (GGMLType.Q8_0, False): (8, 8, 4),
+    (GGMLType.Q4_0, True): (4, 64, 1), (GGMLType.Q4_0, False): (16, 32, 1),
+    (GGMLType.Q8_0, True): (2, 32, 1), (GGMLType.Q8_0, False): (8, 8, 4),
 }
-# from BATCH_PAIRS pairs (a batched step of 4 tokens and more) where they differ: the fastest at 32, 128 and 256
-# pairs on H100 (bench_moe_decode.py --split-batch, 2026-11-26: a 30B layer at 16 tokens 148.9 us against 163.5)
+# from BATCH_PAIRS pairs (a batched step of 4 tokens and more) where they differ: the fastest at 128 pairs on
+# H100 (bench_moe_decode.py --split-batch-16, 2026-11-26: one-warp programs, a 30B layer at 16 tokens 124.9 us
+# against 147.6 for the two-warp (4, 16, 2) / (8, 8, 2))
 BATCH_PAIRS = 32
-_SPLIT_BATCH_TILE_RULE = {(GGMLType.Q4_0, True): (4, 16, 2), (GGMLType.Q4_0, False): (8, 8, 2)}
+_SPLIT_BATCH_TILE_RULE = {(GGMLType.Q4_0, True): (2, 16, 1), (GGMLType.Q4_0, False): (4, 8, 1)}
 
 
 def split_tile(qtype, gate_up: bool, n_pairs: int = 1):
@@ -567,10 +569,10 @@ def quant_x8(x: torch.Tensor):
 
 
 def gemv8_tile(K: int):
-    """(rows, blocks, warps) of gemv8's programs: the fastest on H200 at the Qwen3-30B-A3B shapes
-    (bench_moe_decode.py --dense, Q8_0: QKV and head at K = 2048 (4, 32, 2) / (4, 16, 2), within 2%; the
-    output projection at K = 4096 (4, 32, 8), 4.0 us against 5.5 us for (4, 32, 2))."""
-    return (16, 8, 4) if _INTERPRET else (4, 32, 8) if K >= 4096 else (4, 32, 2)
+    """(rows, blocks, warps) of gemv8's programs: the fastest on H100 at the Qwen3-30B-A3B shapes
+    (bench_moe_decode.py --dense, Q8_0, 2026-11-26: QKV and head at K = 2048 (2, 16, 1), 4.2 / 108.7 us against
+    4.5 / 110.1 for (4, 32, 2); the output projection at K = 4096 (2, 32, 4), 3.4 us against 4.0 for (4, 32, 8))."""
+    return (16, 8, 4) if _INTERPRET else (2, 32, 4) if K >= 4096 else (2, 16, 1)
 
 
 def gemv8(xq, ws, qtype, K: int, out: torch.Tensor):

@@ -207,12 +207,13 @@ GATHER_MAX_SLOTS = 64      # token-expert pairs up to which each pair gets its o
 
 # the GPU MoE kernels by (token, slot) pairs. Experts of Q4_0/Q8_0 in split rows, batches of 2 to MMQ_MAX_TOKENS
 # tokens: the per-pair GEMVs below MMQ_MIN_PAIRS pairs, the int8 tensor-core kernels (gpu_mmq) from there (one
-# layer of the 30B shape on an H200, us, per-pair / mmq / grouped GEMMs: B=8 88 / 161 / 201, B=16 159 / 229 / 282,
-# B=32 286 / 278 / 365, B=64 522 / 356 / 399; bench_moe_decode.py --grouped, docs/benchmarks.md). Other types:
-# the per-pair GEMVs up to GATHER_MAX_SLOTS pairs, the grouped GEMMs above. The grouped GEMVs run only when
-# HYBRIDMOE_GPU_MOE=grouped (they won at no batch size on an H100).
+# layer of the 30B shape on an H100, the per-pair kernels on their one-warp tiles, us, per-pair / mmq / grouped
+# GEMMs: B=8 74 / 165 / 203, B=16 127 / 231 / 283, B=32 224 / 285 / 369, B=64 420 / 356 / 400; bench_moe_decode.py
+# --grouped, docs/benchmarks.md: the two cross near 384 pairs). Other types: the per-pair GEMVs up to
+# GATHER_MAX_SLOTS pairs, the grouped GEMMs above. The grouped GEMVs run only when HYBRIDMOE_GPU_MOE=grouped (they
+# won at no batch size on an H100).
 _GPU_PATHS = ("pair", "grouped", "gemm", "mmq")
-MMQ_MIN_PAIRS = 129
+MMQ_MIN_PAIRS = 384
 MMQ_MAX_TOKENS = 64
 
 
