@@ -155,7 +155,8 @@ def test_batch_decode_step_matches_eager(monkeypatch):
     """synth:tiny all on one GPU: the batched decode step (runtime/steps/gpu_batch.py; captured per bucket on a
     real GPU, its kernels run eagerly on a fake one) against the eager batched path: 3 sequences (bucket 4, one
     padded row), then 2 of them (bucket 2), each at its own position, then each sequence alone; every other
-    batched step through Model.decode_batch (the server's: argmax and expert counts taken on the GPU)."""
+    batched step through Model.decode_batch (the server's: argmax and expert counts taken on the GPU; once with the
+    logits left on the GPU)."""
 
     import hybridmoe
     from hybridmoe.errors import HybridMoeError
@@ -175,7 +176,9 @@ def test_batch_decode_step_matches_eager(monkeypatch):
             live = [0, 1, 2] if step < 3 else [0, 2]
             if step % 2:                          # the server's path: lists in, the argmax taken on the GPU
                 out, top = m.decode_batch([nxt[j] for j in live], [pos[j] for j in live], [kvs[j] for j in live],
-                                          argmax=True)
+                                          argmax=True, host_logits=step != 3)
+                assert out.is_cuda == (real and graphs and step == 3)     # step 3: the logits left on the GPU
+                out = out.cpu()
                 assert top == out.argmax(-1).tolist()
                 rows = list(out.split(1))
             else:

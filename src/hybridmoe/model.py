@@ -228,13 +228,16 @@ class Model:
         return outs
 
     @torch.inference_mode()
-    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list[KVCache], argmax: bool = False):
+    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list[KVCache], argmax: bool = False,
+                     host_logits: bool = True):
         """forward_batch for one decode token a sequence, given as lists: token ids, their positions and the
         sequences' caches (each its own). Returns their logits [B, n_vocab] (row j: what forward(tokens[j], pos[j],
         kvs[j]) gives), with `argmax` (logits, each row's argmax as a list: the greedy tokens); a server's decode
         step, with little Python a sequence where the CPU batch step runs it: the caches' records are made (and
         the caches checked) when the batch's caches change, the ids and positions checked by the C step, and
-        explained here when it refuses them."""
+        explained here when it refuses them. host_logits=False: the logits may stay where the step left them (the
+        GPU batch step's own buffer, valid until the model's next step): for a caller that reads a few rows, or
+        none, beside the argmax (a server of greedy requests), so the step sends B x n_vocab floats nowhere."""
         if not (len(tokens) == len(pos) == len(kvs)) or not tokens:
             raise HybridMoeError("decode_batch: give as many tokens, positions and caches, at least one")
         step = self._batch if len(tokens) > 1 else None
@@ -243,7 +246,7 @@ class Model:
             self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
         t0 = time.perf_counter()
         try:
-            res = fast(tokens, pos, kvs) if fast is not None else None
+            res = fast(tokens, pos, kvs, host_logits) if fast is not None else None
         except IndexError:                              # nothing ran: say which id or position
             self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
             raise

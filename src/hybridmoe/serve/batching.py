@@ -53,6 +53,11 @@ class Slot:
         return self.kv
 
 
+def _host_row(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Row k of a step's logits on the host (a copy where the step left them on the GPU)."""
+    return logits.select(0, k).cpu()
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -309,9 +314,9 @@ class Batcher:
                     top[k] = t
         rows = isinstance(outs, torch.Tensor)
         for k, (job, toks) in enumerate(items):
-            # the logits: a row of the batch's, taken only if the job's sampling reads them; else this item's, or the
-            # exception its forward raised
-            out = functools.partial(outs.select, 0, k) if rows else outs[k]
+            # the logits: a row of the batch's (on the host; the batch's may still be on the GPU), taken only if the
+            # job's sampling reads them; else this item's, or the exception its forward raised
+            out = functools.partial(_host_row, outs, k) if rows else outs[k]
             if isinstance(out, BaseException):
                 job.fail(out)
                 self._end(job, failed=True)
@@ -345,7 +350,7 @@ class Batcher:
         if len(items) > 1 and n_tok == len(items) and getattr(model, "decode_batch", None) is not None:
             try:                                     # decode tokens only: the lists' path, logits [B, n_vocab]
                 out = model.decode_batch([t[0] for _, t in items], [j.pos for j, _ in items], [j.kv for j, _ in items],
-                                         argmax=True)
+                                         argmax=True, host_logits=False)
                 self._note_batch()
                 return out
             except Exception as e:                   # noqa: BLE001 - each alone, to find whose it is

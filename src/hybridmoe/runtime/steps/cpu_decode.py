@@ -320,8 +320,8 @@ class CpuDecoder:
         """Whether decode_batch's last batch had these caches, in this order (their records are kept)."""
         return self._batch is not None and self._batch.holds(kvs)
 
-    def decode_batch(self, tokens: list[int], pos: list[int],
-                     kvs: list) -> tuple[torch.Tensor, list[int], list[int]] | None:
+    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list,
+                     host_logits: bool = True) -> tuple[torch.Tensor, list[int], list[int]] | None:
         """One decode token for each of B sequences, ids, positions and caches as lists (each cache a distinct
         KVCache): their logits [B, n_vocab], per layer the distinct experts, as forward_batch gives them, and each
         row's argmax, by the same hm_batch_step (hm_decode_batch: the RoPE rows gathered, the logits' finiteness
@@ -329,7 +329,7 @@ class CpuDecoder:
         sequences' records are made once for a batch of the same caches, so a step costs a few list copies of
         Python. None when a cache is one accepts() refuses (nothing ran). Raises IndexError for an id or position
         out of range (nothing written), NonFinite (a subclass of ValueError) when some logits are not finite (the
-        caches written), RuntimeError for a kernel's failure."""
+        caches written), RuntimeError for a kernel's failure. (host_logits: these logits are on the host anyway.)"""
         B = len(tokens)
         bt = self._batch
         if bt is None or not bt.holds(kvs):

@@ -291,10 +291,11 @@ class BatchDecode(StaticPrefill):
         last = self._last
         return last is not None and len(last) == len(kvs) and all(r() is kv for r, kv in zip(last, kvs))
 
-    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list):
+    def decode_batch(self, tokens: list[int], pos: list[int], kvs: list, host_logits: bool = True):
         """One decode token for each of B <= 64 sequences, as lists: (logits [B, n_vocab] on the CPU, per layer the
         distinct experts, each row's argmax), the argmax, the logits' finiteness and the expert counts taken on
-        the GPU and sent back with the logits in one copy to pinned memory. None where a cache is one accepts()
+        the GPU and sent back with the logits in one copy to pinned memory (host_logits=False: the logits stay on
+        the GPU, a view of the bucket's buffer that the next step overwrites). None where a cache is one accepts()
         refuses, or B > 64 (nothing ran: forward_batch takes them). Raises IndexError for an id or position out
         of range (nothing ran), NonFinite when some logits are not finite (the caches written)."""
         B = len(tokens)
@@ -309,7 +310,8 @@ class BatchDecode(StaticPrefill):
         logits, n = self._run(torch.tensor(tokens), pos, kvs)
         live = logits[:B]
         tail = torch.cat([live.argmax(-1).to(n.dtype), torch.isfinite(live).all().to(n.dtype).view(1), n])
-        out, tail = self._to_host(live, tail)
+        out, tail = self._to_host(live if host_logits else None, tail)
+        out = live if out is None else out
         top, finite, n = tail[:B].tolist(), bool(tail[B]), tail[B + 1:].tolist()
         self._account(n)
         distinct = [0] * len(self.layers)
@@ -331,13 +333,17 @@ class BatchDecode(StaticPrefill):
                 st.gpu_share_bytes += g * per.get(i, 0)
 
     def _to_host(self, logits, small):
-        """The logits [B, n_vocab] and a small int tensor to the CPU: copies into pinned memory, one wait."""
-        self.sched.stats.copy(self.dev.name, "CPU", logits.numel() * 4)
-        if logits.device.type != "cuda":                 # fake GPUs (tests): their tensors are in host memory
-            return logits.clone(), small.clone()
-        out = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+        """The logits [B, n_vocab] (None: no logits) and a small int tensor to the CPU: copies into pinned memory,
+        one wait."""
+        if logits is not None:
+            self.sched.stats.copy(self.dev.name, "CPU", logits.numel() * 4)
+        if small.device.type != "cuda":                  # fake GPUs (tests): their tensors are in host memory
+            return (logits.clone() if logits is not None else None), small.clone()
+        out = None
+        if logits is not None:
+            out = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+            out.copy_(logits, non_blocking=True)
         tail = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
-        out.copy_(logits, non_blocking=True)
         tail.copy_(small, non_blocking=True)
         torch.cuda.current_stream(self.dev.torch_device).synchronize()
         hk = self._cur.get("hk")
