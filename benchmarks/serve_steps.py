@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import io
 import pstats
 import time
@@ -130,6 +131,28 @@ class Trace:
         return "\n".join(lines)
 
 
+class GcClock:
+    """The interpreter's garbage collections while a level runs: count and seconds per generation (gc.callbacks)."""
+
+    def __init__(self):
+        self.t = {}
+        self._t0 = 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            r = self.t.setdefault(info["generation"], [0, 0.0])
+            r[0] += 1
+            r[1] += time.perf_counter() - self._t0
+
+    def report(self) -> str:
+        out = ", ".join(f"gen {g}: {n} in {1e3 * s:.1f} ms" for g, (n, s) in sorted(self.t.items())) or "none"
+        self.t.clear()
+        return "  garbage collections: " + out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p, model_default="synth:tiny")
@@ -142,12 +165,18 @@ def main():
     p.add_argument("--cprofile", action="store_true", help="print cProfile's top functions of the thread")
     p.add_argument("--slots", type=int, default=0, help="the server's slots (default: the concurrency)")
     p.add_argument("--trace", action="store_true", help="time the model's calls by kind (wall, inclusive)")
+    p.add_argument("--freeze", action="store_true",
+                   help="after the warm-up, gc.freeze() the objects alive (as `serve` does before it listens)")
     args = p.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     kw = runtime_kwargs(args)
     kw["ctx_size"] = max(levels + [args.slots]) * (args.prompt_tokens + args.max_tokens + 8)
     m = hybridmoe.load(args.model, **kw)
     m.warmup()
+    if args.freeze:
+        gc.collect()
+        gc.freeze()
+    clock = GcClock()
     prompt = [(7 * i + 3) % m.cfg.n_vocab for i in range(args.prompt_tokens)]
     print(f"{args.model}: {args.requests} jobs of {args.max_tokens} greedy tokens a concurrency, prompt "
           f"{args.prompt_tokens} tokens; the generation thread's CPU time, best of {args.repeat}")
@@ -157,6 +186,7 @@ def main():
     trace = None
     for conc in levels:
         run(m, conc, conc, min(8, args.max_tokens), prompt, False, args.slots, n_ctx_slot)     # warm-up
+        clock.t.clear()
         if args.trace and trace is None:
             trace = Trace(m)
         best = None
@@ -171,6 +201,7 @@ def main():
         per_req = 1e6 * r["cpu"] / n_req
         print(f"{conc:>5} {r['seqs']:>10.2f} {us_step:>8.1f} {1e6 * r['cpu'] / r['tokens']:>9.1f} {per_req:>11.0f} "
               f"{r['cpu'] / r['wall']:>9.2f} {r['tokens'] / r['wall']:>8.1f}", flush=True)
+        print(clock.report())
         if args.cprofile:
             print(r["profile"])
         if trace is not None:

@@ -319,6 +319,7 @@ def main(args) -> int:
 
     from ..perf.calibrate import load_or_calibrate, ram_read_now
     from ..perf.roofline import model_bound
+    from .common import freeze_heap
     for note in compat_notes(args, BENCH_COMPAT, say="changes nothing here"):
         print(note, file=sys.stderr)
     if args.delay < 0:
@@ -348,6 +349,7 @@ def main(args) -> int:
                 for group in groups.values():
                     bar.describe(f"loading {path}")
                     model = hybridmoe.load(path, **load_kwargs(group, ctx), check_tensors=args.check_tensors)
+                    freeze_heap()                       # no collector pass walks the model mid-run
                     # llama-bench's order: config by config (or, --interleave, all of them per test)
                     batches = [group] if args.interleave else [[p] for p in group]
                     # --roofline with weights in host RAM: the RAM's read bandwidth is measured again around
@@ -390,6 +392,7 @@ def main(args) -> int:
                                     rates, ram_read_bw=rates.ram_read_bw + rates.h2d(gpu)), n_p, n_g, d, up)
                                 results[-1].update(roofline_bus_ts=both.ts,
                                                    roofline_bus_frac=results[-1]["avg_ts"] / both.ts)
+                    gc.unfreeze()                       # so the model can be freed
                     del model
                     gc.collect()
                     if torch.cuda.is_available():

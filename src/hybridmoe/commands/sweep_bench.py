@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from ..errors import progress
-from .common import add_model_args, add_runtime_args, runtime_kwargs
+from .common import add_model_args, add_runtime_args, freeze_heap, runtime_kwargs
 
 HEADER = ("PP", "TG", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s")
 
@@ -112,6 +112,7 @@ def main(args) -> int:
     from ..errors import HybridMoeError
     kw = runtime_kwargs(args)
     model = hybridmoe.load(args.model, **kw)                # load() says the placement's warnings
+    freeze_heap()
     o = model.options
     n_ctx = o.ctx_size or model.cfg.n_ctx_train
     pp = o.ubatch_size
