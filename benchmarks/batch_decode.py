@@ -121,8 +121,9 @@ def main():
     p.add_argument("--repeat", type=int, default=3, help="rounds of --steps; the best is reported")
     p.add_argument("--loop", action="store_true", help="also time the per-sequence loop at each batch size")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
-                   help="after each batch size, the N functions with the most own time over --steps batched steps "
-                        "(Python's profiler, on stderr)")
+                   help="after each batch size, the N functions with the most own time, then the most time with their calls, "
+                        "over --steps batched steps "
+                        "(Python's profiler, on stderr; decode_batch's steps where the model has them)")
     p.add_argument("--kprofile", type=int, default=0, metavar="N",
                    help="after each batch size, the N GPU kernels with the most time over --steps batched steps")
     args = p.parse_args()
@@ -156,17 +157,19 @@ def main():
             lt, _ = _time_steps(m, kvs, toks, args.prompt, args.steps, batched=False, repeat=args.repeat)
             line += f" {B / lt:>9.1f}"
         print(line + "  " + _step_name(m, B), flush=True)
+        how = "decode" if dd != "-" else True          # the server's path where it has one
         if args.cprofile:
             kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
             prof = cProfile.Profile()
             prof.enable()
-            _time_steps(m, kvs, toks, args.prompt, args.steps, batched=True, repeat=1)
+            _time_steps(m, kvs, toks, args.prompt, args.steps, batched=how, repeat=1)
             prof.disable()
             print(f"B={B}:", file=sys.stderr)
-            pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(args.cprofile)
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(prof, stream=sys.stderr).sort_stats(key).print_stats(args.cprofile)
         if args.kprofile and torch.cuda.is_available():
             kvs, toks = _prefill(m, B, args.prompt, ctx, gen)
-            _kernel_profile(lambda: _time_steps(m, kvs, toks, args.prompt, args.steps, batched=True, repeat=1),
+            _kernel_profile(lambda: _time_steps(m, kvs, toks, args.prompt, args.steps, batched=how, repeat=1),
                             B, args.steps, args.kprofile)
 
 

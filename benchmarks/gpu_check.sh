@@ -226,6 +226,52 @@ for s in "$@"; do
     np1) timeout 200 python3 benchmarks/serve_load.py --concurrency 1 --rounds 8 -- -m synth:qwen3-30b-a3b -ngl 99 -np 1 \
            2>&1 | grep -E "warm|^\| 1 \| [0-9]" | head -6 ;;
     # the grouped GEMVs at B = 16 over block heights 2 and 4 and tiles, against the per-pair kernels (issue 27)
+    # issue 27: what bounds the batched step's MoE kernels at B=16 (Nsight Compute on the per-pair, grouped and mmq
+    # kernels of one 30B layer; the full report in $OUT/ncu16.txt), then where the B=16 step's host time goes
+    ncu16) timeout 420 ncu --clock-control none -k regex:"gate_up8|down8|mmq_kernel" --launch-count 18 \
+             --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
+             --section LaunchStats --section InstructionStats --section MemoryWorkloadAnalysis \
+             python3 benchmarks/bench_moe_decode.py --ncu Q4_0 > ${OUT:-/tmp}/ncu16.txt 2>&1; echo "ncu rc $?"
+           grep -E "^  [_a-zA-Z].*\(|Duration|Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|Executed Ipc A|highest-utilized|stalled|Block Limit|Theoretical Occ" \
+             ${OUT:-/tmp}/ncu16.txt | cut -c1-220 | head -170 ;;
+    # the dp4a kernels' tiles with a thread holding one block of several rows (bench_moe_decode.tile_grid): the
+    # batched step's per-pair kernels at B=16, one token's, and the static step's dense GEMVs
+    tiles64) timeout 250 python3 -u benchmarks/bench_moe_decode.py --split-batch-16 Q4_0 2>&1 | tail -4
+             timeout 150 python3 -u benchmarks/bench_moe_decode.py --split Q4_0,Q8_0 2>&1 | tail -8
+             timeout 150 python3 -u benchmarks/bench_moe_decode.py --dense Q8_0 2>&1 | tail -6 ;;
+    # the new tiles: the batch rule at 4 and 32 tokens, the all-GPU step at each batch size, where a B=16 step's host
+    # time goes, and the server at 1, 4 and 16 clients
+    s30a) timeout 200 python3 -u benchmarks/bench_moe_decode.py --split-batch-4-32 Q4_0 2>&1 | grep -E "rule|layer"
+          timeout 300 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 4,8,16,32 --steps 16 \
+            --cprofile 40 2>${OUT:-/tmp}/cprofile16.txt | tail -6
+          timeout 200 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 2 -- -m synth:qwen3-30b-a3b -ngl 99 \
+            -np 16 2>&1 | tail -8 ;;
+    # the per-pair kernels on their new tiles against mmq from 2 to 64 tokens (gpu_moe_path's MMQ_MIN_PAIRS), the
+    # step on per-pair kernels alone at 32 and 64, the server at 1, 4 and 16 clients
+    s30b) timeout 200 python3 -u benchmarks/bench_moe_decode.py --grouped Q4_0 2>&1 | tail -8
+          HYBRIDMOE_GPU_MOE=pair timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 \
+            --batch 32,64 --steps 16 2>&1 | tail -3
+          timeout 220 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 2 -- -m synth:qwen3-30b-a3b -ngl 99 \
+            -np 16 2>&1 | grep -E "^\| [0-9]|warm|^\| clients" | head -12 ;;
+    # the GPU tests of the retiled kernels and the device-resident logits, then the server all on the GPU
+    s30c) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpu_decode.py tests/test_gpu_batch.py \
+            tests/test_static_steps.py tests/test_experts.py tests/test_gpu_mmq.py -p no:cacheprovider --tb=short -rfE \
+            2>&1 | tail -8
+          timeout 220 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 2 -- -m synth:qwen3-30b-a3b -ngl 99 \
+            -np 16 2>&1 | grep -E "^\| [0-9]|warm|^\| clients" | head -12 ;;
+    s30d) timeout 300 python3 benchmarks/serve_load.py --concurrency 1,4,8 --rounds 1 -- -m synth:qwen3-30b-a3b \
+            -ngl 99 -ot exps=CPU -np 8 2>&1 | grep -E "^\| [0-9]|^\| clients" | head -12 ;;
+    # the B=16 step's GPU time on the new tiles, the server's generation thread at 16 jobs (model calls by kind, the
+    # garbage collections; then with the objects frozen as serve does), the grouped GEMVs on one- and two-warp tiles
+    s30e) timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
+            --kprofile 8 2>&1 | tail -11
+          for F in "" --freeze; do timeout 150 python3 -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 \
+            --concurrency 16 --requests 64 --repeat 1 --trace $F 2>&1 | tail -14; done
+          timeout 240 python3 -u benchmarks/bench_moe_decode.py --grouped-tiles-16 Q4_0 2>&1 | tail -4 ;;
+    hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
+                --cprofile 30 2>&1 | tail -45
+              timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
+                --kprofile 6 2>&1 | tail -12 ;;
     grouped16) timeout 400 python3 -u benchmarks/bench_moe_decode.py --grouped-tiles-16 Q4_0 2>&1 | tail -6 ;;
     # IQ2_KT experts in RAM with the decode share counting its CPU kernel's own rate, then the per-type CPU kernels
     iq2kt) python3 -m hybridmoe.cli synth qwen3-30b-a3b-iq2_kt 2>&1 | tail -1
