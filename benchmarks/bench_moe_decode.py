@@ -416,7 +416,8 @@ def ncu_case(types, B=16):
 
 if __name__ == "__main__":
     # --option [TYPES]: (function, default types); no option: main over its default types
-    modes = {"--mmq-tiles": (mmq_tiles, "Q4_0,Q8_0"), "--grouped": (grouped, "Q4_0,Q8_0"),
+    modes = {"--mmq-tiles": (mmq_tiles, "Q4_0,Q8_0"),
+             "--mmq-tiles-64": (lambda t: mmq_tiles(t, (64,)), "Q4_0"), "--grouped": (grouped, "Q4_0,Q8_0"),
              "--grouped-tiles": (grouped_tiles, "Q4_0,Q8_0"), "--dense": (dense, "Q8_0,Q4_0"),
              "--split": (split, "Q4_0,Q8_0"),
              "--split-batch": (split_batch, "Q4_0"),

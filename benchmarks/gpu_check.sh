@@ -268,6 +268,18 @@ for s in "$@"; do
           for F in "" --freeze; do timeout 150 python3 -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 \
             --concurrency 16 --requests 64 --repeat 1 --trace $F 2>&1 | tail -14; done
           timeout 240 python3 -u benchmarks/bench_moe_decode.py --grouped-tiles-16 Q4_0 2>&1 | tail -4 ;;
+    # the server after gc.freeze: all on the GPU (16 clients; target 6x one), experts in RAM (8 clients; target 1.8x)
+    s30f) timeout 220 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 2 -- -m synth:qwen3-30b-a3b -ngl 99 \
+            -np 16 2>&1 | grep -E "^\| [0-9]|^\| clients" | head -12
+          timeout 300 python3 benchmarks/serve_load.py --concurrency 1,4,8 --rounds 1 -- -m synth:qwen3-30b-a3b \
+            -ngl 99 -ot exps=CPU -np 8 2>&1 | grep -E "^\| [0-9]|^\| clients" | head -12 ;;
+    # gpu_mmq's tiles at 64 tokens (the prompt bursts' rows and the largest decode bucket), then the GPU tests of the
+    # changed files, one process a file
+    s30g) timeout 240 python3 -u benchmarks/bench_moe_decode.py --mmq-tiles-64 Q4_0 2>&1 | grep -E "TILES|layer"
+          for f in tests/test_gpu_decode.py tests/test_gpu_batch.py tests/test_static_steps.py tests/test_gpu_mmq.py \
+                   tests/test_experts.py tests/test_server_slots.py; do
+            HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q $f -p no:cacheprovider --tb=short -rfE 2>&1 \
+              | tail -2 | sed "s|^|$f: |"; done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
