@@ -280,6 +280,17 @@ for s in "$@"; do
                    tests/test_experts.py tests/test_server_slots.py; do
             HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q $f -p no:cacheprovider --tb=short -rfE 2>&1 \
               | tail -2 | sed "s|^|$f: |"; done ;;
+    # the queued decode steps: their tests on the GPU, the server all on the GPU (16 clients; target 6x one), then the
+    # generation thread alone at 16 jobs (model calls by kind), with experts in RAM (8 clients; target 1.8x)
+    s30h) for f in tests/test_gpu_batch.py tests/test_server_slots.py; do
+            HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q $f -p no:cacheprovider --tb=short -rfE 2>&1 \
+              | tail -2 | sed "s|^|$f: |"; done
+          timeout 220 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 2 -- -m synth:qwen3-30b-a3b -ngl 99 \
+            -np 16 2>&1 | grep -E "^\| [0-9]|^\| clients" | head -12 ;;
+    s30i) timeout 300 python3 benchmarks/serve_load.py --concurrency 1,4,8 --rounds 1 -- -m synth:qwen3-30b-a3b \
+            -ngl 99 -ot exps=CPU -np 8 2>&1 | grep -E "^\| [0-9]|^\| clients" | head -12
+          timeout 150 python3 -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 --concurrency 16 --requests 64 \
+            --repeat 1 --trace --freeze 2>&1 | tail -9 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -350,3 +350,67 @@ def test_warm_slots_builds_the_row_buckets(monkeypatch):
         assert b.slots[0].cache(m).tokens == []
     finally:
         b.close()
+
+
+def _serve(m, prompts, max_tokens: int, stops, queue: bool):
+    """Greedy jobs on a Batcher of len(prompts) slots, all at once: each one's (text, completion tokens,
+    finish reason), and the batcher. queue=False: no decode step is queued ahead (_queue_next off)."""
+    import asyncio
+
+    from hybridmoe.serve.batching import Batcher
+    from hybridmoe.serve.jobs import Job
+    from hybridmoe.serve.requests import GenParams
+    b = Batcher(m, len(prompts), len(prompts) * 48)
+    queued = []
+    if queue:
+        inner = b._queue_next
+        b._queue_next = lambda items, top: queued.append(inner(items, top)) or queued[-1]
+    else:
+        b._queue_next = lambda items, top: None
+
+    async def drive():
+        loop = asyncio.get_running_loop()
+
+        async def one(p, stop):
+            body = {"prompt": "x", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "cache_prompt": False, **({"stop": [stop]} if stop else {})}
+            job = Job(loop, list(p), max_tokens, GenParams(body, chat=False))
+            b.submit(job)
+            text = []
+            while True:
+                item = await job.queue.get()
+                if item[0] == "end":
+                    return "".join(text), item[1]["usage"]["completion_tokens"], item[1]["finish_reason"]
+                assert item[0] != "error", item
+                if item[0] == "text":
+                    text.append(item[1])
+        return await asyncio.gather(*[one(p, s) for p, s in zip(prompts, stops)])
+    try:
+        return asyncio.run(drive()), b, sum(q is not None for q in queued)
+    finally:
+        b.close()
+        b.thread.join()
+
+
+def test_server_queues_the_next_decode_step(monkeypatch):
+    """The server's batcher queues a greedy decode step on the GPU before the last step's jobs advance
+    (Batcher._queue_next, Model.decode_batch_async): three concurrent jobs give the same replies as with no step
+    queued, and so does a job that a stop string ends while its next row was queued (the row unused), the other
+    jobs going on; the slots then answer again alike."""
+    import hybridmoe
+    _fake_gpu_or_real(monkeypatch)
+    m = hybridmoe.load("synth:tiny", ctx_size=144, n_gpu_layers=99)
+    prompts = [IDS[:5], IDS[5:17], IDS[17:20]]
+    plain, b0, n0 = _serve(m, prompts, 12, [None] * 3, queue=False)
+    assert n0 == 0 and all(n == 12 for _, n, _ in plain)
+    got, b1, n1 = _serve(m, prompts, 12, [None] * 3, queue=True)
+    assert n1 > 0 and got == plain
+    assert b1.counts["batch_sequences"] == b0.counts["batch_sequences"]
+    text = plain[1][0]
+    cut = next(i for i in range(len(text) // 3, len(text)) if text[i:i + 2].strip() == text[i:i + 2])
+    stop = text[cut:cut + 2]                     # ends job 1 a few tokens before its limit
+    stops = [None, stop, None]
+    want, _, _ = _serve(m, prompts, 12, stops, queue=False)
+    got, _, n2 = _serve(m, prompts, 12, stops, queue=True)
+    assert want[1][2] == "stop" and want[1][1] < 12 and n2 > 0
+    assert got == want and got[0] == plain[0] and got[2] == plain[2]

@@ -245,8 +245,43 @@ class Model:
         if fast is not None and not step.same_batch(kvs):
             self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
         t0 = time.perf_counter()
+        res = self._decode_call(lambda: fast(tokens, pos, kvs, host_logits), tokens, pos, kvs) \
+            if fast is not None else None
+        if res is None:
+            self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
+            out = torch.cat(self.forward_batch([(torch.tensor([t]), p, kv) for t, p, kv in zip(tokens, pos, kvs)]))
+            return (out, out.argmax(-1).tolist()) if argmax else out
+        out, top = self._decoded(res, tokens, pos, kvs, t0)
+        return (out, top) if argmax else out
+
+    @torch.inference_mode()
+    def decode_batch_async(self, tokens: list[int], pos: list[int], kvs: list[KVCache]):
+        """decode_batch(argmax=True, host_logits=False) in two halves, for a caller with work of its own while the
+        GPU runs the step (a server's bookkeeping of the step before): where the GPU batch step runs it and the
+        caches are its last batch's (checked then), the step is queued now and the returned function waits for it
+        and returns (logits, argmax) as decode_batch does, the caches' records made then. Until that call the
+        caches are the step's: no other step may use them. None where that does not apply (nothing ran)."""
+        step = self._batch if len(tokens) > 1 else None
+        launch = getattr(step, "decode_launch", None) if step else None
+        if launch is None or not (len(tokens) == len(pos) == len(kvs)) or not step.same_batch(kvs):
+            return None
+        t0 = time.perf_counter()
+        launched = self._decode_call(lambda: launch(tokens, pos, kvs), tokens, pos, kvs)
+        if launched is None:
+            return None
+
+        @torch.inference_mode()
+        def finish():
+            return self._decoded(self._decode_call(lambda: step.decode_finish(launched), tokens, pos, kvs),
+                                 tokens, pos, kvs, t0)
+        return finish
+
+    def _decode_call(self, fn, tokens, pos, kvs):
+        """fn() of a batch step's decode (its result, or None where it did not run), its failures explained: an id
+        or position out of range named, non-finite logits as NonFiniteError; the caches' records of the step's
+        positions dropped where it failed after writing them."""
         try:
-            res = fast(tokens, pos, kvs, host_logits) if fast is not None else None
+            return fn()
         except IndexError:                              # nothing ran: say which id or position
             self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
             raise
@@ -259,10 +294,10 @@ class Model:
             for p, kv in zip(pos, kvs):
                 kv.begin_write(p, 1)
             raise
-        if res is None:
-            self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
-            out = torch.cat(self.forward_batch([(torch.tensor([t]), p, kv) for t, p, kv in zip(tokens, pos, kvs)]))
-            return (out, out.argmax(-1).tolist()) if argmax else out
+
+    def _decoded(self, res, tokens, pos, kvs, t0: float):
+        """A batch step's decode result (logits, distinct experts a layer, argmax): the caches' records of the new
+        tokens and the batch's stats made; (logits, argmax)."""
         if self.runtime.profile:
             self.stats.wall[0] += time.perf_counter() - t0
         out, distinct, top = res
@@ -272,7 +307,7 @@ class Model:
         self.stats.last_batch = {"sequences": len(tokens), "tokens": len(tokens),
                                  "distinct_experts": sum(routed.values()) / len(routed) if routed else None,
                                  "distinct_per_layer": routed}
-        return (out, top) if argmax else out
+        return out, top
 
     def _check_batch(self, items) -> list[list[int]]:
         """A clear error for a batch forward_batch can't run, before any cache is touched; each item's token ids

@@ -58,6 +58,18 @@ def _host_row(logits: torch.Tensor, k: int) -> torch.Tensor:
     return logits.select(0, k).cpu()
 
 
+def _settled(finish):
+    """finish() now; a function that returns its result (or raises its exception) later."""
+    try:
+        res = finish()
+    except Exception as e:                           # noqa: BLE001 - raised where the result is taken
+
+        def again():
+            raise e
+        return again
+    return lambda: res
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -92,6 +104,7 @@ class Batcher:
         self.counts = dict(decodes=0, busy_slots=0, batch_sequences=0, batch_tokens=0, expert_steps=0,
                            distinct_experts=0)
         self.last_batch: dict = {}
+        self.ahead = None                    # (items, finish) of a decode step queued before the last one's advance
         self.outbox: list = []               # (job, item) written this step, delivered in one event loop call
 
     @property
@@ -179,6 +192,8 @@ class Batcher:
                 tasks = [t for t in self.tasks if self.slots[t[0]].job is None]
                 for t in tasks:
                     self.tasks.remove(t)
+                if tasks and self.ahead is not None:  # a queued step's caches are its own until it is done
+                    self.ahead = (self.ahead[0], _settled(self.ahead[1]))
                 self._admit()
             for sid, fn, fut in tasks:
                 try:
@@ -291,17 +306,32 @@ class Batcher:
     def _step(self):
         for job in [j for j in self.order if j.cancel.is_set()]:
             self._end(job)
-        decoding = [j for j in self.order if not j.in_prompt]
-        budget = self.budget - len(decoding)
-        items = [(j, j.next_tokens(1)) for j in decoding]
-        for j in self.order:
-            if j.in_prompt and budget > 0:
-                chunk = j.next_tokens(budget)
-                budget -= len(chunk)
-                items.append((j, chunk))
-        if not items:
-            return
-        outs, top = self._forward(items)
+        if self.ahead is not None:                    # the step queued while the last one's jobs advanced
+            items, finish = self.ahead
+            self.ahead = None
+            self.counts["batch_sequences"] += len(items)
+            self.counts["batch_tokens"] += len(items)
+            try:
+                outs, top = finish()
+                self._note_batch()
+            except Exception as e:                   # noqa: BLE001 - nothing of it recorded: its jobs run again
+                log.debug("queued step failed (%s); running it again", e)
+                items = [(j, t) for j, t in items if j in self.order]
+                if not items:
+                    return
+                outs, top = self._forward(items)
+        else:
+            decoding = [j for j in self.order if not j.in_prompt]
+            budget = self.budget - len(decoding)
+            items = [(j, j.next_tokens(1)) for j in decoding]
+            for j in self.order:
+                if j.in_prompt and budget > 0:
+                    chunk = j.next_tokens(budget)
+                    budget -= len(chunk)
+                    items.append((j, chunk))
+            if not items:
+                return
+            outs, top = self._forward(items)
         self.counts["decodes"] += 1
         self.counts["busy_slots"] += len(self.order)
         if top is None:
@@ -313,7 +343,11 @@ class Batcher:
                 for k, t in zip(greedy, torch.stack([outs[k] for k in greedy]).argmax(-1).tolist()):
                     top[k] = t
         rows = isinstance(outs, torch.Tensor)
+        self.ahead = self._queue_next(items, top) if rows and top is not None else None
+        running = set(self.order)
         for k, (job, toks) in enumerate(items):
+            if job not in running:                   # ended (cancelled) after its row was queued
+                continue
             # the logits: a row of the batch's (on the host; the batch's may still be on the GPU), taken only if the
             # job's sampling reads them; else this item's, or the exception its forward raised
             out = functools.partial(_host_row, outs, k) if rows else outs[k]
@@ -329,6 +363,33 @@ class Batcher:
                 continue
             if over:
                 self._end(job)
+        if self.ahead is not None and any(j not in self.order for j, _ in self.ahead[0]):
+            # a job of the queued step ended (a stop string, a failure): its slot may take a new job or a slot task
+            # before the next step, so the step's writes and records of that cache end now (its row is unused)
+            self.ahead = (self.ahead[0], _settled(self.ahead[1]))
+
+    def _queue_next(self, items, top):
+        """The next decode step queued on the GPU now, before this step's jobs advance (their text, stop strings,
+        clients: the host's part of a step, then done while the GPU runs the next one), where it is certain: every
+        running job decodes greedily from the logits as they are (its next token is this step's argmax), reads no
+        logits (logprobs), has tokens and context left, and no job waits for a slot (its prompt would join the next
+        step). (the next items, their result's function), or None. A job that ends anyway (a stop string) leaves its
+        row unused: its cache holds one more valid key than its reply."""
+        m = self.model
+        if len(items) < 2 or len(items) != len(self.order) or getattr(m, "decode_batch_async", None) is None:
+            return None
+        with self.cond:
+            if self.tasks or (self.waiting and any(s.job is None and not s.n_tasks for s in self.slots)):
+                return None
+        nxt = []
+        for (job, toks), t in zip(items, top):
+            if t is None or len(toks) != 1 or not job.greedy_after(1) or job.params.logprobs is not None or \
+                    job.cancel.is_set() or job.left <= 1 or job.pos + 1 >= job.kv.n_ctx or \
+                    not job.sampler.takes(t) or (t in job.eos and not job.params.ignore_eos):
+                return None
+            nxt.append((job, [t]))
+        finish = m.decode_batch_async([t for _, (t,) in nxt], [j.pos + 1 for j, _ in nxt], [j.kv for j, _ in nxt])
+        return None if finish is None else (nxt, finish)
 
     def _note_batch(self):
         """The batched step's sequences, tokens and distinct experts (model.stats.last_batch), for /metrics."""

@@ -298,6 +298,13 @@ class BatchDecode(StaticPrefill):
         the GPU, a view of the bucket's buffer that the next step overwrites). None where a cache is one accepts()
         refuses, or B > 64 (nothing ran: forward_batch takes them). Raises IndexError for an id or position out
         of range (nothing ran), NonFinite when some logits are not finite (the caches written)."""
+        launched = self.decode_launch(tokens, pos, kvs, host_logits)
+        return None if launched is None else self.decode_finish(launched)
+
+    def decode_launch(self, tokens: list[int], pos: list[int], kvs: list, host_logits: bool = False):
+        """decode_batch's first half: the step queued on the GPU (with host experts, their rows run on the way) and
+        its results' copies to pinned memory queued behind it; decode_finish(the returned state) waits for them.
+        None and IndexError as decode_batch's."""
         B = len(tokens)
         if B > BUCKETS[-1]:
             return None
@@ -310,8 +317,13 @@ class BatchDecode(StaticPrefill):
         logits, n = self._run(torch.tensor(tokens), pos, kvs)
         live = logits[:B]
         tail = torch.cat([live.argmax(-1).to(n.dtype), torch.isfinite(live).all().to(n.dtype).view(1), n])
-        out, tail = self._to_host(live if host_logits else None, tail)
-        out = live if out is None else out
+        out, tail = self._copy_out(live if host_logits else None, tail)
+        return B, (live if out is None else out), tail
+
+    def decode_finish(self, launched):
+        """decode_batch's second half: waits for the step decode_launch queued; decode_batch's result."""
+        B, out, tail = launched
+        self._wait()
         top, finite, n = tail[:B].tolist(), bool(tail[B]), tail[B + 1:].tolist()
         self._account(n)
         distinct = [0] * len(self.layers)
@@ -333,8 +345,13 @@ class BatchDecode(StaticPrefill):
                 st.gpu_share_bytes += g * per.get(i, 0)
 
     def _to_host(self, logits, small):
-        """The logits [B, n_vocab] (None: no logits) and a small int tensor to the CPU: copies into pinned memory,
-        one wait."""
+        """The logits [B, n_vocab] and a small int tensor to the CPU: copies into pinned memory, one wait."""
+        out, tail = self._copy_out(logits, small)
+        self._wait()
+        return out, tail
+
+    def _copy_out(self, logits, small):
+        """The logits (None: none) and a small int tensor's copies to pinned memory, queued (_wait waits)."""
         if logits is not None:
             self.sched.stats.copy(self.dev.name, "CPU", logits.numel() * 4)
         if small.device.type != "cuda":                  # fake GPUs (tests): their tensors are in host memory
@@ -345,12 +362,16 @@ class BatchDecode(StaticPrefill):
             out.copy_(logits, non_blocking=True)
         tail = torch.empty(small.shape, dtype=small.dtype, pin_memory=True)
         tail.copy_(small, non_blocking=True)
-        torch.cuda.current_stream(self.dev.torch_device).synchronize()
+        return out, tail
+
+    def _wait(self):
+        """Waits for the GPU's queued work; a polled hand-off whose GPU waited in vain for the host is an error."""
+        if self.dev.torch_device.type == "cuda":
+            torch.cuda.current_stream(self.dev.torch_device).synchronize()
         hk = self._cur.get("hk")
         if hk is not None and hk["err"][0]:
             hk["err"][0] = 0
             raise RuntimeError("the batched decode step's GPU waited in vain for the CPU experts' rows")
-        return out, tail
 
     def _run(self, tokens, pos: list[int], kvs: list):
         """The batch's step on the GPU (nothing waited for): (logits [Bp, n_vocab] on the GPU, the distinct experts
