@@ -260,10 +260,11 @@ class Model:
         GPU runs the step (a server's bookkeeping of the step before): where the GPU batch step runs it and the
         caches are its last batch's (checked then), the step is queued now and the returned function waits for it
         and returns (logits, argmax) as decode_batch does, the caches' records made then. Until that call the
-        caches are the step's: no other step may use them. None where that does not apply (nothing ran)."""
+        caches are the step's: no other step may use them. None where that does not apply (nothing ran), and
+        with host experts, whose rows the calling thread runs while it queues the step (nothing to overlap)."""
         step = self._batch if len(tokens) > 1 else None
         launch = getattr(step, "decode_launch", None) if step else None
-        if launch is None or not (len(tokens) == len(pos) == len(kvs)) or not step.same_batch(kvs):
+        if launch is None or step.host or not (len(tokens) == len(pos) == len(kvs)) or not step.same_batch(kvs):
             return None
         t0 = time.perf_counter()
         launched = self._decode_call(lambda: launch(tokens, pos, kvs), tokens, pos, kvs)
