@@ -197,15 +197,12 @@ class Model:
 
     @torch.inference_mode()
     def forward_batch(self, items, all_logits: bool = False) -> list[torch.Tensor]:
-        """Several sequences in one pass: items [(tokens [T_i] int64, pos0_i, kv_i)], each kv_i a different cache
-        (one per server slot, from new_cache). Returns what forward(tokens_i, pos0_i, kv_i, all_logits) would
-        for each item ([T_i, n_vocab], or the last token's [1, n_vocab]; float32 on the CPU), but the projections
-        and experts run over all items' tokens together (each expert the batch needs read once), attention per
-        item on its own cache; T_i may differ (decode tokens next to a prompt chunk). With every weight and
-        cache on the CPU each item's logits are bit-identical to forward's alone (hm_batch_step); elsewhere they
-        differ as the kernels' batch sizes make them (docs/server.md). The work space grows with sum T_i: the
-        caller bounds it, as llama-server's -b / -ub bound a step's tokens. Afterwards stats.last_batch holds
-        the batch's sequences, tokens and distinct experts."""
+        """Several sequences in one pass: items [(tokens [T_i] int64, pos0_i, kv_i)], each kv_i its own cache (a
+        server slot's). Returns what forward(tokens_i, pos0_i, kv_i, all_logits) would for each item (float32 on
+        the CPU), the projections and experts over all items' tokens together (each expert read once), attention
+        per item on its cache; T_i may differ. All on the CPU each item's logits are bit-identical to forward's
+        alone (hm_batch_step); elsewhere they differ as the kernels' batch sizes make them (docs/server.md). The
+        caller bounds sum T_i (llama-server's -b / -ub). stats.last_batch: sequences, tokens, distinct experts."""
         if not items:
             return []
         lists = self._check_batch(items)
@@ -235,9 +232,8 @@ class Model:
         kvs[j]) gives), with `argmax` (logits, each row's argmax as a list: the greedy tokens); a server's decode
         step, with little Python a sequence where the CPU batch step runs it: the caches' records are made (and
         the caches checked) when the batch's caches change, the ids and positions checked by the C step, and
-        explained here when it refuses them. host_logits=False: the logits may stay where the step left them (the
-        GPU batch step's own buffer, valid until the model's next step): for a caller that reads a few rows, or
-        none, beside the argmax (a server of greedy requests), so the step sends B x n_vocab floats nowhere."""
+        explained here when it refuses them. host_logits=False: the logits may stay on the GPU (the step's buffer,
+        valid until the next step), for a caller that reads a few rows or none beside the argmax."""
         if not (len(tokens) == len(pos) == len(kvs)) or not tokens:
             raise HybridMoeError("decode_batch: give as many tokens, positions and caches, at least one")
         step = self._batch if len(tokens) > 1 else None
@@ -256,49 +252,41 @@ class Model:
 
     @torch.inference_mode()
     def decode_batch_async(self, tokens: list[int], pos: list[int], kvs: list[KVCache]):
-        """decode_batch(argmax=True, host_logits=False) in two halves, for a caller with work of its own while the
-        GPU runs the step (a server's bookkeeping of the step before): where the GPU batch step runs it and the
-        caches are its last batch's (checked then), the step is queued now and the returned function waits for it
-        and returns (logits, argmax) as decode_batch does, the caches' records made then. Until that call the
-        caches are the step's: no other step may use them. None where that does not apply (nothing ran), and
-        with host experts, whose rows the calling thread runs while it queues the step (nothing to overlap)."""
+        """decode_batch(argmax=True, host_logits=False) in two halves, for a caller with work of its own meanwhile:
+        with the GPU batch step, no host experts (their rows would run now) and its last batch's caches, the step is
+        queued now and the returned function waits for it and returns what decode_batch would (the caches' records
+        made then; until then no other step may use the caches). None elsewhere (nothing ran)."""
         step = self._batch if len(tokens) > 1 else None
         launch = getattr(step, "decode_launch", None) if step else None
         if launch is None or step.host or not (len(tokens) == len(pos) == len(kvs)) or not step.same_batch(kvs):
             return None
         t0 = time.perf_counter()
         launched = self._decode_call(lambda: launch(tokens, pos, kvs), tokens, pos, kvs)
-        if launched is None:
-            return None
 
         @torch.inference_mode()
         def finish():
             return self._decoded(self._decode_call(lambda: step.decode_finish(launched), tokens, pos, kvs),
                                  tokens, pos, kvs, t0)
-        return finish
+        return finish if launched is not None else None
 
     def _decode_call(self, fn, tokens, pos, kvs):
-        """fn() of a batch step's decode (its result, or None where it did not run), its failures explained: an id
-        or position out of range named, non-finite logits as NonFiniteError; the caches' records of the step's
-        positions dropped where it failed after writing them."""
+        """fn() of a batch step's decode (None: it did not run), failures explained: an id or position out of range
+        named, non-finite logits a NonFiniteError; the records of the step's positions dropped where it failed."""
         try:
             return fn()
         except IndexError:                              # nothing ran: say which id or position
             self._check_sequences("decode_batch", [[t] for t in tokens], pos, kvs)
             raise
-        except NonFinite as e:                          # the caches hold this step's keys, but no record of them
+        except Exception as e:                          # the caches hold this step's keys, but no record of them
             for p, kv in zip(pos, kvs):
                 kv.begin_write(p, 1)
-            j = next(j for j in range(len(tokens)) if not all_finite(e.out[j]))
-            raise NonFiniteError(self._nonfinite_message(torch.tensor([tokens[j]]), pos[j], kvs[j])) from None
-        except Exception:
-            for p, kv in zip(pos, kvs):
-                kv.begin_write(p, 1)
+            if isinstance(e, NonFinite):
+                j = next(j for j in range(len(tokens)) if not all_finite(e.out[j]))
+                raise NonFiniteError(self._nonfinite_message(torch.tensor([tokens[j]]), pos[j], kvs[j])) from None
             raise
 
     def _decoded(self, res, tokens, pos, kvs, t0: float):
-        """A batch step's decode result (logits, distinct experts a layer, argmax): the caches' records of the new
-        tokens and the batch's stats made; (logits, argmax)."""
+        """(logits, argmax) of a batch step's decode result, the caches' records and the batch's stats made."""
         if self.runtime.profile:
             self.stats.wall[0] += time.perf_counter() - t0
         out, distinct, top = res
