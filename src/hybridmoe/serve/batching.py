@@ -192,9 +192,9 @@ class Batcher:
                 tasks = [t for t in self.tasks if self.slots[t[0]].job is None]
                 for t in tasks:
                     self.tasks.remove(t)
-                if tasks and self.ahead is not None:  # a queued step's caches are its own until it is done
-                    self.ahead = (self.ahead[0], _settled(self.ahead[1]))
                 self._admit()
+            if tasks and self.ahead is not None:      # a queued step is done before a slot task touches the model
+                self.ahead = (self.ahead[0], _settled(self.ahead[1]))
             for sid, fn, fut in tasks:
                 try:
                     fut.set_result(fn())
