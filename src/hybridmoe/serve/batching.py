@@ -376,7 +376,7 @@ class Batcher:
         step). (the next items, their result's function), or None. A job that ends anyway (a stop string) leaves its
         row unused: its cache holds one more valid key than its reply."""
         m = self.model
-        if len(items) < 2 or len(items) != len(self.order) or getattr(m, "decode_batch_async", None) is None:
+        if len(items) < 2 or len(items) != len(self.order) or not getattr(m, "queues_decode", False):
             return None
         with self.cond:
             if self.tasks or (self.waiting and any(s.job is None and not s.n_tasks for s in self.slots)):

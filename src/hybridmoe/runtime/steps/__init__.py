@@ -1,7 +1,7 @@
 """The static steps (see base.py): build_step picks the one for a model and cache."""
 from __future__ import annotations
 
-from .base import DecodeStep, NonFinite, NotApplicable, PromptStep
+from .base import DecodeStep, NonFinite, NotApplicable, PromptStep, all_finite
 
 
 def build_step(model, kv, which: str) -> DecodeStep | PromptStep | None:
