@@ -259,7 +259,7 @@ class Model:
                 not step.same_batch(kvs):
             return None
         t0 = time.perf_counter()
-        launched = self._decode_call(lambda: step.decode_launch(tokens, pos, kvs), tokens, pos, kvs)
+        launched = self._decode_call(lambda: step.decode_launch(tokens, pos, kvs, False), tokens, pos, kvs)
 
         @torch.inference_mode()
         def finish():

@@ -56,13 +56,7 @@ def freeze_heap():
 
 def warmup(model, args, prompt_sizes: bool = False):
     """llama.cpp's warm-up, said before its pause (the first run compiles the CPU kernels: seconds) and timed
-    after it; prompt_sizes: a prompt of each size whose GPU kernels compile apart too (a server's). Then the
-    heap is frozen (freeze_heap)."""
-    _warmup(model, args, prompt_sizes)
-    freeze_heap()
-
-
-def _warmup(model, args, prompt_sizes: bool):
+    after it; prompt_sizes: a prompt of each size whose GPU kernels compile apart too (a server's)."""
     if not args.no_warmup:
         import sys
         prompt_sizes = prompt_sizes and any(d.kind == "cuda" and not d.fake for d in model.devices.values())

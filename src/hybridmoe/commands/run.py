@@ -8,6 +8,7 @@ from .common import (
     add_runtime_args,
     add_template_args,
     add_warmup_arg,
+    freeze_heap,
     runtime_kwargs,
     template_setup,
     text_or_file,
@@ -72,6 +73,7 @@ def main(args) -> int:
     print(f"loaded {model.cfg.name} ({model.cfg.arch}, {model.file.nbytes / 2**30:.2f} GiB) "
           f"in {model.load_seconds:.2f} s", file=sys.stderr)
     warmup(model, args)
+    freeze_heap()
     if args.conversation:
         converse(model, args, prompt, sys.stdin, sys.stdout, sys.stderr, template_kwargs, gen)
         return 0

@@ -166,7 +166,7 @@ def main(args) -> int:
             print(f"warming up the {len(state.batcher.slots)} slot(s) (each slot's decode step, each batch size of "
                   "the batched step, which also runs short prompts) ...", file=sys.stderr, flush=True)
             print(f"slots warmed up in {state.batcher.warm_slots():.2f} s", file=sys.stderr)
-        freeze_heap()                                   # the slots' caches and the app's objects too
+        freeze_heap()                                   # the model's, the slots' caches and the app's objects
         url = url_of(sock)
         n_slots = len(state.batcher.slots)
         slots = f" in {n_slots} slots ({state.n_ctx_slot} each)" if n_slots > 1 else ""

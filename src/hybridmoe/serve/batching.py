@@ -193,8 +193,8 @@ class Batcher:
                 for t in tasks:
                     self.tasks.remove(t)
                 self._admit()
-            if tasks and self.ahead is not None:      # a queued step is done before a slot task touches the model
-                self.ahead = (self.ahead[0], _settled(self.ahead[1]))
+            if tasks:                                 # a queued step is done before a slot task touches the model
+                self._settle_ahead()
             for sid, fn, fut in tasks:
                 try:
                     fut.set_result(fn())
@@ -309,8 +309,6 @@ class Batcher:
         if self.ahead is not None:                    # the step queued while the last one's jobs advanced
             items, finish = self.ahead
             self.ahead = None
-            self.counts["batch_sequences"] += len(items)
-            self.counts["batch_tokens"] += len(items)
             try:
                 outs, top = finish()
                 self._note_batch()
@@ -334,6 +332,8 @@ class Batcher:
             outs, top = self._forward(items)
         self.counts["decodes"] += 1
         self.counts["busy_slots"] += len(self.order)
+        self.counts["batch_sequences"] += len(items)
+        self.counts["batch_tokens"] += sum(len(t) for _, t in items)
         if top is None:
             # the greedy samplers' tokens: the argmax of their rows in one op, not one op a sequence
             greedy = [k for k, ((job, toks), out) in enumerate(zip(items, outs))
@@ -366,6 +366,11 @@ class Batcher:
         if self.ahead is not None and any(j not in self.order for j, _ in self.ahead[0]):
             # a job of the queued step ended (a stop string, a failure): its slot may take a new job or a slot task
             # before the next step, so the step's writes and records of that cache end now (its row is unused)
+            self._settle_ahead()
+
+    def _settle_ahead(self):
+        """The queued step (if any) waited for now; its result (or failure) kept for the next step."""
+        if self.ahead is not None:
             self.ahead = (self.ahead[0], _settled(self.ahead[1]))
 
     def _queue_next(self, items, top):
@@ -406,8 +411,6 @@ class Batcher:
         model = self.model
         batched = getattr(model, "forward_batch", None)
         n_tok = sum(len(t) for _, t in items)
-        self.counts["batch_sequences"] += len(items)
-        self.counts["batch_tokens"] += n_tok
         if len(items) > 1 and n_tok == len(items) and getattr(model, "decode_batch", None) is not None:
             try:                                     # decode tokens only: the lists' path, logits [B, n_vocab]
                 out = model.decode_batch([t[0] for _, t in items], [j.pos for j, _ in items], [j.kv for j, _ in items],

@@ -301,7 +301,7 @@ class BatchDecode(StaticPrefill):
         launched = self.decode_launch(tokens, pos, kvs, host_logits)
         return None if launched is None else self.decode_finish(launched)
 
-    def decode_launch(self, tokens: list[int], pos: list[int], kvs: list, host_logits: bool = False):
+    def decode_launch(self, tokens: list[int], pos: list[int], kvs: list, host_logits: bool):
         """decode_batch's first half: the step queued on the GPU (with host experts, their rows run on the way) and
         its results' copies to pinned memory queued behind it; decode_finish(the returned state) waits for them.
         None and IndexError as decode_batch's."""
