@@ -15,11 +15,14 @@ from a CUDA graph (as decode runs it: no launch overhead in the figure).
 
     python3 benchmarks/bench_moe_decode.py --mmq-tiles [Q4_0,Q8_0]
 
+    python3 benchmarks/bench_moe_decode.py --grouped-rows [Q4_0]
+
 --grouped: one MoE layer of B = 1..64 decode tokens (the batch step's buckets) by the per-pair GEMVs, the
 grouped GEMVs (kernels/gpu_moe_grouped.py), the prompt's grouped GEMMs and the int8 tensor-core kernels
 (kernels/gpu_mmq.py), graph-replayed, in GB/s of the distinct experts' bytes; --grouped-tiles: the grouped GEMVs
 over block heights and tiles; --mmq-tiles: gpu_mmq's two kernels over a grid of tiles (for gpu_mmq.TILES), one
-and two int8 terms, and the rule's whole layer against the best tiles'.
+and two int8 terms, and the rule's whole layer against the best tiles'; --grouped-rows: the same as --grouped at
+64 to 256 rows (the batch step's row buckets all on the GPU).
 """
 import itertools
 import sys
@@ -418,6 +421,7 @@ if __name__ == "__main__":
     # --option [TYPES]: (function, default types); no option: main over its default types
     modes = {"--mmq-tiles": (mmq_tiles, "Q4_0,Q8_0"),
              "--mmq-tiles-64": (lambda t: mmq_tiles(t, (64,)), "Q4_0"), "--grouped": (grouped, "Q4_0,Q8_0"),
+             "--grouped-rows": (lambda t: grouped(t, (64, 128, 192, 256)), "Q4_0"),
              "--grouped-tiles": (grouped_tiles, "Q4_0,Q8_0"), "--dense": (dense, "Q8_0,Q4_0"),
              "--split": (split, "Q4_0,Q8_0"),
              "--split-batch": (split_batch, "Q4_0"),

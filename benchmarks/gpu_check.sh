@@ -294,6 +294,15 @@ for s in "$@"; do
     # experts in RAM with the queued steps left to all-GPU placements (8 clients; target 1.8x)
     s30j) timeout 300 python3 benchmarks/serve_load.py --concurrency 1,4,8 --rounds 1 -- -m synth:qwen3-30b-a3b \
             -ngl 99 -ot exps=CPU -np 8 2>&1 | grep -E "^\| [0-9]|^\| clients" | head -12 ;;
+    # row buckets of 128 and 256 all on the GPU: the MoE kernels at 64-256 rows, the batch tests, the server at 1,
+    # 4 and 16 clients and where its generation thread's time goes at 16
+    s31a) timeout 150 python3 -u benchmarks/bench_moe_decode.py --grouped-rows Q4_0 2>&1 | tail -5
+          HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpu_batch.py -p no:cacheprovider \
+            --tb=short -rfE 2>&1 | tail -4
+          timeout 220 python3 benchmarks/serve_load.py --concurrency 1,4,16 --rounds 2 -- -m synth:qwen3-30b-a3b -ngl 99 \
+            -np 16 2>&1 | grep -E "^\| [0-9]|^\| clients|warm" | head -12
+          timeout 150 python3 -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 --concurrency 16 --requests 64 \
+            --repeat 1 --trace --freeze 2>&1 | tail -9 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -235,9 +235,10 @@ def test_mixed_batch_runs_the_decode_step(ot, monkeypatch):
 @pytest.mark.parametrize("ot", [[], ["exps=CPU"]], ids=["ngl99", "exps-cpu"])
 def test_batch_rows_over_steps_and_long_chunks(ot, monkeypatch):
     """A step with a decode token, a chunk longer than the batch step's max_chunk and two shorter ones: the long
-    one runs apart (its cache's prompt step; with host experts the eager pass), the rest as rows, 71 of them over
-    two batch steps (64 + 7, one chunk's rows in both: the second step's rows attend to the keys the first
-    wrote); each item's logits, every row's and the last only, as forward gives them alone."""
+    one runs apart (its cache's prompt step; with host experts the eager pass), the rest as rows, 71 of them: all
+    on the GPU in one step of bucket 128, with host experts over two batch steps (64 + 7, one chunk's rows in
+    both: the second step's rows attend to the keys the first wrote); each item's logits, every row's and the
+    last only, as forward gives them alone."""
     import hybridmoe
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode
     real = _fake_gpu_or_real(monkeypatch)
@@ -258,7 +259,7 @@ def test_batch_rows_over_steps_and_long_chunks(ot, monkeypatch):
             assert rel_l2(g, w) < (1e-2 if real else 1e-4)
             assert torch.equal(g.argmax(-1), w.argmax(-1)) if not real else top1_agreement(g, w) >= 0.9
         assert [len(kv.tokens) for kv in kb] == [p0 + t.shape[0] for t, p0 in zip(pieces, starts)]
-    assert isinstance(m._batch, BatchDecode) and sorted(m._batch.buckets) == [8, 64]
+    assert isinstance(m._batch, BatchDecode) and sorted(m._batch.buckets) == ([8, 64] if ot else [128])
 
 
 @pytest.mark.parametrize("ot,share", [(["exps=CPU"], "0"), (["exps=CPU"], "3"), ([r"blk\.1\.ffn_.*_exps=CPU"], "1")],
@@ -335,19 +336,22 @@ def test_batch_step_moe_kernels_match_alone(path, monkeypatch):
     assert seen and set(seen) == {(8, m.cfg.n_expert_used)} and len(seen) % m.cfg.n_layer == 0
 
 
-def test_warm_slots_builds_the_row_buckets(monkeypatch):
-    """serve's slot warm-up with one slot (-np 1) all on a GPU: short prompts take the batched step's rows, so the
-    warm-up runs each bucket up to the slot's context with a chunk of its size and leaves the cache empty."""
+@pytest.mark.parametrize("n_slots,ctx,buckets", [(1, 16, [2, 4, 8, 16]), (2, 80, [2, 4, 8, 16, 32, 64, 128])],
+                         ids=["one-slot", "two-slots"])
+def test_warm_slots_builds_the_row_buckets(n_slots, ctx, buckets, monkeypatch):
+    """serve's slot warm-up all on a GPU: short prompts take the batched step's rows, so the warm-up runs each
+    bucket a step's rows can reach (one slot: up to its context; two slots of 40: 80 rows, bucket 128, two chunks)
+    and leaves the caches empty."""
     import hybridmoe
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode
     from hybridmoe.serve.batching import Batcher
     _fake_gpu_or_real(monkeypatch)
-    m = hybridmoe.load("synth:tiny", ctx_size=16, n_gpu_layers=99)
-    b = Batcher(m, 1, 16)
+    m = hybridmoe.load("synth:tiny", ctx_size=ctx, n_gpu_layers=99)
+    b = Batcher(m, n_slots, ctx)
     try:
         assert b.warm_slots() > 0
-        assert isinstance(m._batch, BatchDecode) and sorted(m._batch.buckets) == [2, 4, 8, 16]
-        assert b.slots[0].cache(m).tokens == []
+        assert isinstance(m._batch, BatchDecode) and sorted(m._batch.buckets) == buckets
+        assert all(s.cache(m).tokens == [] for s in b.slots)
     finally:
         b.close()
 

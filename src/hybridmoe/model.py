@@ -441,11 +441,13 @@ class Model:
             return None
         return step if all(step.accepts(kv) for _, _, kv in items) else None
 
-    def batch_chunk_rows(self, kv) -> int:
-        """The longest prompt chunk the batched step takes as rows for caches like kv (the GPU batch step's
-        max_chunk; the step built now if it was not), 0 where prompt chunks do not run as its rows."""
+    def batch_rows(self, kv) -> tuple[int, tuple[int, ...]]:
+        """(the longest prompt chunk the batched step takes as rows for caches like kv, the row counts its steps
+        run in): the GPU batch step's max_chunk and row_buckets, the step built now if it was not; (0, ()) where
+        prompt chunks do not run as its rows."""
         step = self._batch_for(kv, True)
-        return getattr(step, "max_chunk", 0) if step is not None and step.accepts(kv) else 0
+        ok = step is not None and getattr(step, "max_chunk", 0) and step.accepts(kv)
+        return (step.max_chunk, step.row_buckets) if ok else (0, ())
 
     def _batch_for(self, kv0, single: bool):
         """self._batch, built at first use for caches like kv0: the CPU batch step (runtime/steps/cpu_decode.py)

@@ -117,7 +117,7 @@ class Batcher:
         batched decode step run at each batch size up to the slots' count (and, where the GPU batch step takes
         prompt chunks as rows, a chunk of each larger bucket's size), so no request pays a slot's or a batch
         size's first use (a static step's graphs captured: ~1.4 s a slot with experts in RAM). Seconds it took."""
-        from ..runtime.steps.gpu_batch import BUCKETS
+        from ..runtime.steps.gpu_batch import BUCKETS, bucket
         t0 = time.perf_counter()
         m = self.model
         tok = m.tokenizer.bos_id if m.tokenizer.bos_id is not None else 0
@@ -131,10 +131,14 @@ class Batcher:
                 m.decode_batch([tok] * B, [0] * B, kvs[:B])
                 for kv in kvs[:B]:
                     kv.tokens.clear()
-            rows = m.batch_chunk_rows(kvs[0]) if hasattr(m, "batch_chunk_rows") else 0
-            for B in (b for b in BUCKETS[1:] if n < b <= min(rows, kvs[0].n_ctx)):
-                m.forward_batch([(torch.full((B,), tok), 0, kvs[0])])
-                kvs[0].tokens.clear()
+            chunk, buckets = m.batch_rows(kvs[0]) if hasattr(m, "batch_rows") else (0, ())
+            chunk = min(chunk, kvs[0].n_ctx)
+            most = min(n * chunk, self.budget)           # the most rows a step can have
+            for B in (b for b in buckets if b > bucket(n) and b // 2 < most):
+                sizes = [min(chunk, min(B, most) - a) for a in range(0, min(B, most), chunk)]
+                m.forward_batch([(torch.full((c,), tok), 0, kv) for c, kv in zip(sizes, kvs)])
+                for kv in kvs[:len(sizes)]:
+                    kv.tokens.clear()
             m.sync()
         finally:
             for kv in kvs:

@@ -15,7 +15,10 @@ graph captured for a bucket serves any sequences at any positions.
 B sequences run in the smallest bucket (1, 2, 4, 8, 16, 32, 64) that holds them; the padded rows have position
 -1: they write no cache and attend to nothing (their zero rows still go through the GEMMs and experts). A
 bucket's first batch runs eagerly (it compiles the kernels); its graph is captured right after and replayed
-from the next batch on. More than 64 sequences run in chunks of 64.
+from the next batch on. With every expert on the GPU a step's rows (prompt chunks' tokens next to the decode
+tokens) also run in buckets of 128 and 256: sixteen slots' new prompts arriving together are one replay of the
+prompt's grouped MoE GEMMs, not three of 64 rows each reading every expert. Host-expert layers take at most 64
+rows a call (the C hand-off's buffers), so with experts in RAM more rows run in steps of 64.
 """
 from __future__ import annotations
 
@@ -36,12 +39,14 @@ from .base import NonFinite, NotApplicable
 from .gpu_decode import capturing, expert_shapes, gc_paused, handoff_failure, share_fraction, stage_buffers
 from .gpu_prefill import StaticPrefill
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)              # decode batches (one token a sequence)
+ROW_BUCKETS = BUCKETS + (128, 256)              # a step's rows with every expert on the GPU
+ROW_PARTIALS_BYTES = 256 << 20                  # a row bucket's attention partials at most (256 rows: 16k context)
 
 
-def bucket(n: int) -> int:
-    """The smallest bucket holding n rows (n <= 64)."""
-    return next(b for b in BUCKETS if b >= n)
+def bucket(n: int, buckets=BUCKETS) -> int:
+    """The smallest of buckets holding n rows (n <= buckets[-1])."""
+    return next(b for b in buckets if b >= n)
 
 
 class BatchDecode(StaticPrefill):
@@ -63,6 +68,11 @@ class BatchDecode(StaticPrefill):
         if not ga.batch_caches_ok([kv.k[i] for i in range(len(kv.k))], [kv.v[i] for i in range(len(kv.v))]):
             raise NotApplicable("KV cache layers of different shapes or dtypes")
         self.shape, self.dtype, self.n_ctx = tuple(kc.shape), kc.dtype, kv.n_ctx
+        # the buckets forward_batch's rows run in: past 64 only with every expert here, and while a bucket's
+        # attention partials (B x heads x splits of the context) stay within ROW_PARTIALS_BYTES
+        part = self.cfg.n_head * ga.n_splits(self.n_ctx)[1] * (self.cfg.head_dim + 2) * 4
+        self.row_buckets = tuple(b for b in ROW_BUCKETS if b <= BUCKETS[-1] or
+                                 (not self.host and b * part <= ROW_PARTIALS_BYTES))
         # every cache is reached as anchor + offset: the graphs hold this tensor's address, not the caches'
         self.anchor = torch.empty(ga.ALIGN, dtype=kc.dtype, device=self.dev.torch_device)
         self._offsets = weakref.WeakKeyDictionary()     # KVCache -> [n_layer, 2] int64 offsets (k, v)
@@ -268,12 +278,14 @@ class BatchDecode(StaticPrefill):
         CPU: each item's rows, or its last one, {MoE layer: the most distinct experts a step routed to}). Every token
         is a row at its own position: a decode token, or one of a prompt chunk's, whose rows write their keys before
         any row attends (qk_rope_cache_batch, then attention_batch), so a chunk's row sees the rows before it as a
-        prompt's causal attention does. At most 64 rows a step; a chunk's rows stay in order over the steps."""
+        prompt's causal attention does. At most row_buckets[-1] rows a step; a chunk's rows stay in order over the
+        steps."""
         rows = [(tok, int(p0) + t, kv, all_logits or t == len(ids) - 1)
                 for ids, p0, kv in ((t.tolist(), p, kv) for t, p, kv in items) for t, tok in enumerate(ids)]
         outs, distinct = [], {}
-        for a in range(0, len(rows), BUCKETS[-1]):
-            group = rows[a:a + BUCKETS[-1]]
+        most = self.row_buckets[-1]
+        for a in range(0, len(rows), most):
+            group = rows[a:a + most]
             logits, n = self._run(torch.tensor([r[0] for r in group]), [r[1] for r in group], [r[2] for r in group])
             want = [j for j, r in enumerate(group) if r[3]]
             live = logits[:len(group)] if len(want) == len(group) else \
@@ -377,7 +389,7 @@ class BatchDecode(StaticPrefill):
         """The batch's step on the GPU (nothing waited for): (logits [Bp, n_vocab] on the GPU, the distinct experts
         each MoE layer routed the real rows to, int64 [n MoE layers] on the GPU)."""
         B = self._rows = len(kvs)
-        Bp = bucket(B)
+        Bp = bucket(B, self.row_buckets)
         buf = self._cur = self._buffers(Bp)
         st, dev, td = self.sched.stats, self.dev, self.dev.torch_device
         emb = self.model.decoder.token_embd
