@@ -200,6 +200,8 @@ def test_calibrate_costs_then_plan_check(tmp_path, monkeypatch, capsys):
     rc, out = run_plan(argv + ["--json"], capsys)
     doc = json.loads(out.out)
     assert doc["calibrated"] and [t["test"] for t in doc["tests"]] == ["pp32", "tg4"]
+    # the expert kernel's streaming rate probed now (calibrate's sweep), beside the calibration's
+    assert doc["stream_bw"]["calibrated"] == cpu["stream_bw"] and doc["stream_bw"]["now"] > 1e8
     for t in doc["tests"]:
         assert t["step"] == {"predicted": "cpu", "measured": "cpu"}
         assert t["predicted_ts"] > 0 and t["measured_ts"] > 0 and t["ratio"] == pytest.approx(
@@ -460,6 +462,14 @@ def test_a_moved_ram_rate_scales_the_ram_bound_terms(qwen30):
     for k in a:
         moved = k in ("CPU weights", "CPU experts", "KV cache")
         assert b[k] == pytest.approx(a[k] / 1.25 if moved else a[k]), k
+    # the kernel's streaming rate probed too: the C kernel's terms take that rate, not the torch.sum probe's
+    probed = rates.with_ram_read(1.25 * rates.ram_read_bw, 0.8 * rates.costs["cpu"]["stream_bw"])
+    assert probed.ram_read_bw == pytest.approx(1.25 * rates.ram_read_bw)
+    assert probed.costs["cpu"]["stream_bw"] == pytest.approx(0.8 * rates.costs["cpu"]["stream_bw"])
+    c = predict(p, probed, n_gen=128).tg_terms
+    for k in a:
+        moved = k in ("CPU weights", "CPU experts", "KV cache")
+        assert c[k] == pytest.approx(a[k] / 0.8 if moved else a[k]), k
     # the decode share's count: the runtime picks it on its cached calibration, whatever the RAM reads now
     hy, _ = _plan(qwen30, ["-ngl", "99", "-ot", "exps=CPU"], rig="h100-vm")
     assert predict(hy, now).share != predict(hy, rates).share                      # 2 of 8 against 3 of 8

@@ -48,11 +48,8 @@ def _median_time(fn, reps: int) -> float:
 
 def kernel_costs(quick: bool = False) -> dict[str, float]:
     """{"call_s", "stream_bw"} of the C expert kernel at T=1 (Q4_0), or {} without it."""
-    try:
-        from ..kernels import cpu as k
-        if not k.available():
-            return {}
-    except ImportError:
+    k = _cpu_kernels()
+    if k is None:
         return {}
     from ..quant.ref import random_blocks
     from ..quant.types import GGMLType
@@ -63,11 +60,45 @@ def kernel_costs(quick: bool = False) -> dict[str, float]:
     ids = torch.tensor([[0, 1]], dtype=torch.int32)
     wts = torch.full((1, 2), 0.5)
     call = min(_median_time(lambda: k.moe_ffn(x, ids, wts, *small, q, q), 200) for _ in range(3))
-    # streaming: a pool of layers far larger than L3 (full: 48 layers of 32 Qwen3-30B-A3B experts, 4 GB, so that
-    # a 300 MiB L3 holds under a tenth of it; quick: 256 MB), 8 random experts of one layer a call, layer after
-    # layer, as a decode step reads them
+    return {"call_s": call, "stream_bw": _stream_rate(k, call, 3 if quick else STREAM_LAYERS, 2 if quick else 3)}
+
+
+def stream_rate_now(call_s: float, quick: bool = False) -> float | None:
+    """The C expert kernel's streaming rate now (bytes/s), by calibrate's own sweep, or None without the kernel:
+    plan --check predicts with it (a VM's RAM rate moves between calls, and a torch.sum probe's rate did not
+    move with the kernel's: on the lent H100 VM 107.5 GB/s at one check against 85.2 at calibrate, while the
+    kernel's experts decoded as at calibrate). quick: the pool of calibrate --quick; either at most a quarter of
+    the memory available."""
+    k = _cpu_kernels()
+    if k is None:
+        return None
+    from ..perf.calibrate import _host_ram
+    _, avail = _host_ram()
+    n = max(3, min(3 if quick else STREAM_LAYERS, avail // 4 // STREAM_LAYER_BYTES))
+    return _stream_rate(k, call_s, n, 2 if quick else 3)
+
+
+STREAM_LAYERS = 48                      # the streaming pool's layers (4 GB: a 300 MiB L3 holds under a tenth)
+STREAM_LAYER_BYTES = 3 * 32 * 768 * 2048 * 18 // 32      # one pool layer: 32 Q4_0 experts of 768 x 2048
+
+
+def _cpu_kernels():
+    try:
+        from ..kernels import cpu as k
+    except ImportError:
+        return None
+    return k if k.available() else None
+
+
+def _stream_rate(k, call: float, n_layers: int, reps: int) -> float:
+    """Bytes/s the C kernel streams a decode step's experts at T=1: a pool of n_layers layers of 32 Qwen3-30B-A3B
+    experts (Q4_0), 8 random experts of one layer a call, layer after layer as a decode step reads them, less
+    the kernel's fixed cost per call."""
+    from ..quant.ref import random_blocks
+    from ..quant.types import GGMLType
+    q = GGMLType.Q4_0
+    g = torch.Generator().manual_seed(1)
     E, F, H, used = 32, 768, 2048, 8
-    n_layers = 3 if quick else 48
     base = [random_blocks(q, (E, F, H), g), random_blocks(q, (E, F, H), g), random_blocks(q, (E, H, F), g)]
     pool = [[w.clone() for w in base] for _ in range(n_layers)]
     per_expert = sum(w[0].numel() for w in base)
@@ -79,9 +110,8 @@ def kernel_costs(quick: bool = False) -> dict[str, float]:
         for i, ids_ in enumerate(picks):
             lay = pool[i % n_layers]
             k.moe_ffn(xs, ids_, w8, lay[0], lay[1], lay[2], q, q)
-    secs = min(_median_time(sweep, 2 if quick else 3) for _ in range(2))
-    stream = used * per_expert * len(picks) / max(secs - len(picks) * call, 1e-9)
-    return {"call_s": call, "stream_bw": stream}
+    secs = min(_median_time(sweep, reps) for _ in range(2))
+    return used * per_expert * len(picks) / max(secs - len(picks) * call, 1e-9)
 
 
 def link_costs(index: int | None, nbytes: int, sync_s: float, reps: int = 5) -> dict[str, float]:

@@ -5,8 +5,9 @@ The tests are llama-bench's pp{-p} (default 512) and tg{-n} (default 128), timed
 then -r repetitions; t/s is the mean). Beside the times: which step the runtime built against the one predicted
 (cpu / graph / eager), the host expert bytes uploaded per prompt, and the decode share's count.
 
-A VM's RAM read rate moves between calls (83-104 GB/s on the lent H100 VM): the check probes it first, as
-calibrate did, and predicts with the RAM-bound rates scaled to it (Rates.with_ram_read), printing both rates.
+A VM's RAM read rate moves between calls (83-112 GB/s on the lent H100 VM): the check probes it first, as
+calibrate did (torch.sum over a tensor, and the C expert kernel's streaming sweep, which do not move together),
+and predicts with those rates (Rates.with_ram_read), printing them beside the calibration's.
 """
 from __future__ import annotations
 
@@ -135,10 +136,17 @@ def run_check(args, placement, rates, source: str, predict_fn) -> int:
         raise HybridMoeError("--check compares with this machine's calibration: run `hybridmoe calibrate` first")
     placement.check_fits()
     from ..perf.calibrate import ram_read_now
+    from .calibrate_costs import stream_rate_now
     cached, calibrated_ram = rates, rates.ram_read_bw
-    rates = rates.with_ram_read(ram_read_now())
+    cpu = rates.costs.get("cpu", {})
+    stream0 = cpu.get("stream_bw")
+    stream = stream_rate_now(cpu.get("call_s", 0.0), rates.quick) if stream0 else None
+    rates = rates.with_ram_read(ram_read_now(), stream)
     source = (f"{source}; RAM read {rates.ram_read_bw / 1e9:.1f} GB/s now, {calibrated_ram / 1e9:.1f} GB/s at "
-              f"calibration (RAM-bound terms scaled by {rates.ram_read_bw / calibrated_ram:.2f})")
+              f"calibration")
+    if stream0:
+        source += (f"; the expert kernel streams {rates.costs['cpu']['stream_bw'] / 1e9:.1f} GB/s now, "
+                   f"{stream0 / 1e9:.1f} GB/s at calibration" + ("" if stream else " (scaled as the RAM read)"))
     # (the runtime picks its decode share's count on the cached rates: so does the prediction)
     preds = {n: predict_fn(placement, rates, n_prompt=n, n_gen=args.n_gen, share_rates=cached)
              for n in args.n_prompts}
@@ -149,6 +157,7 @@ def run_check(args, placement, rates, source: str, predict_fn) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "flags": flags, "rates": source, "calibrated": pred.calibrated,
                           "ram_read_bw": {"calibrated": calibrated_ram, "now": rates.ram_read_bw},
+                          "stream_bw": {"calibrated": stream0, "now": rates.costs.get("cpu", {}).get("stream_bw")},
                           "ubatch": pred.ubatch, "tests": rows}, indent=1))
     else:
         print(format_check(rows, f"-m {args.model} {flags}".strip(), source))

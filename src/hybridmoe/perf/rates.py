@@ -66,14 +66,14 @@ class Rates:
                                      prefetched)
         return gpu_s < cpu_s
 
-    def with_ram_read(self, now: float) -> "Rates":
+    def with_ram_read(self, now: float, stream: float | None = None) -> "Rates":
         """These rates on RAM that reads at `now` bytes/s (a VM's rate moves between calls): the probe's rate
-        and the C kernel's streaming rate (the RAM-bound terms) scaled by now / ram_read_bw; compute rates,
-        links and the other costs as they are."""
+        `now`, and the C kernel's streaming rate `stream` where it was measured too (else scaled by now /
+        ram_read_bw); compute rates, links and the other costs as they are."""
         f = now / self.ram_read_bw if self.ram_read_bw > 0 else 1.0
         costs = {k: dict(v) if isinstance(v, dict) else v for k, v in self.costs.items()}
         if "stream_bw" in costs.get("cpu", {}):
-            costs["cpu"]["stream_bw"] *= f
+            costs["cpu"]["stream_bw"] = stream if stream else costs["cpu"]["stream_bw"] * f
         return dataclasses.replace(self, ram_read_bw=self.ram_read_bw * f, costs=costs)
 
     # -- (de)serialization ----------------------------------------------------------------------
