@@ -59,24 +59,27 @@ def check(model: str, argv: list[str], prompts: str, reps: int, timeout: int = 4
              timeout)
     if not doc:
         return []
-    for t in doc["tests"]:                      # the RAM rate the check probed, beside calibrate's
-        t["ram_read_bw"] = doc.get("ram_read_bw")
+    for t in doc["tests"]:                      # the RAM rates the check probed, beside calibrate's
+        t["ram_read_bw"], t["stream_bw"] = doc.get("ram_read_bw"), doc.get("stream_bw")
     return doc["tests"]
 
 
 def table(rows: list[tuple[str, dict]]) -> list[str]:
     out = ["| placement | test | step (predicted / run) | predicted t/s | measured t/s | measured / predicted | "
-           "uploaded GB or decode share (predicted / run) | RAM read GB/s (now / calibrated) | largest predicted terms |",
-           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+           "uploaded GB or decode share (predicted / run) | RAM read GB/s (now / calibrated) | expert kernel stream GB/s "
+           "(now / calibrated) | largest predicted terms |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for label, t in rows:
         u, g = t.get("uploaded_bytes"), t.get("decode_share")
         up = f"{u['predicted'] / 1e9:.2f} / {u['measured'] / 1e9:.2f} GB" if u else \
             f"share {g['predicted']} / {g['measured']}" if g else "-"
         ram = t.get("ram_read_bw")
         ram = f"{ram['now'] / 1e9:.1f} / {ram['calibrated'] / 1e9:.1f}" if ram else "-"
+        sb = t.get("stream_bw") or {}
+        sb = f"{sb['now'] / 1e9:.1f} / {sb['calibrated'] / 1e9:.1f}" if sb.get("now") and sb.get("calibrated") else "-"
         out.append(f"| `{label}` | {t['test']} | {t['step']['predicted']} / {t['step']['measured']} | "
                    f"{t['predicted_ts']:.2f} | {t['measured_ts']:.2f} ± {t['stddev_ts']:.2f} | "
-                   f"{t['ratio']:.2f}{'' if 0.85 <= t['ratio'] <= 1.15 else ' (out)'} | {up} | {ram} | "
+                   f"{t['ratio']:.2f}{'' if 0.85 <= t['ratio'] <= 1.15 else ' (out)'} | {up} | {ram} | {sb} | "
                    f"{top_terms(t['terms'])} |")
     within = sum(1 for _, t in rows if 0.85 <= t["ratio"] <= 1.15)
     out.append(f"\n{within} of {len(rows)} within 0.85-1.15")
