@@ -60,7 +60,7 @@ def kernel_costs(quick: bool = False) -> dict[str, float]:
     ids = torch.tensor([[0, 1]], dtype=torch.int32)
     wts = torch.full((1, 2), 0.5)
     call = min(_median_time(lambda: k.moe_ffn(x, ids, wts, *small, q, q), 200) for _ in range(3))
-    return {"call_s": call, "stream_bw": _stream_rate(k, call, 3 if quick else STREAM_LAYERS, 2 if quick else 3)}
+    return {"call_s": call, "stream_bw": _stream_rate(k, call, 3 if quick else STREAM_LAYERS, 2 if quick else 9)}
 
 
 def stream_rate_now(call_s: float, quick: bool = False) -> float | None:
@@ -75,7 +75,7 @@ def stream_rate_now(call_s: float, quick: bool = False) -> float | None:
     from ..perf.calibrate import _host_ram
     _, avail = _host_ram()
     n = max(3, min(3 if quick else STREAM_LAYERS, avail // 4 // STREAM_LAYER_BYTES))
-    return _stream_rate(k, call_s, n, 2 if quick else 3)
+    return _stream_rate(k, call_s, n, 2 if quick else 9)
 
 
 STREAM_LAYERS = 48                      # the streaming pool's layers (4 GB: a 300 MiB L3 holds under a tenth)
@@ -93,7 +93,8 @@ def _cpu_kernels():
 def _stream_rate(k, call: float, n_layers: int, reps: int) -> float:
     """Bytes/s the C kernel streams a decode step's experts at T=1: a pool of n_layers layers of 32 Qwen3-30B-A3B
     experts (Q4_0), 8 random experts of one layer a call, layer after layer as a decode step reads them, less
-    the kernel's fixed cost per call."""
+    the kernel's fixed cost per call; the faster of two medians of `reps` sweeps (a full pool's sweep reads 2 GB
+    in ~25 ms on the H100 VM: one sweep alone is at the mercy of a moment's noise)."""
     from ..quant.ref import random_blocks
     from ..quant.types import GGMLType
     q = GGMLType.Q4_0
