@@ -303,6 +303,12 @@ for s in "$@"; do
             -np 16 2>&1 | grep -E "^\| [0-9]|^\| clients|warm" | head -12
           timeout 150 python3 -u benchmarks/serve_steps.py -m synth:qwen3-30b-a3b -ngl 99 --concurrency 16 --requests 64 \
             --repeat 1 --trace --freeze 2>&1 | tail -9 ;;
+    # issue 27's table: the server at 1, 4, 16 and 64 clients (64 slots) all on the GPU, with 24 layers' experts
+    # in RAM and with every expert in RAM
+    s31b) for fl in "-ngl 99" "-ngl 99 --n-cpu-moe 24" "-ngl 99 -ot exps=CPU"; do
+            echo "--- $fl"
+            timeout 180 python3 benchmarks/serve_load.py --concurrency 1,4,16,64 --rounds 1 -- -m synth:qwen3-30b-a3b \
+              $fl 2>&1 | grep -E "^\| [0-9]|^\| clients|warm" | head -14; done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
