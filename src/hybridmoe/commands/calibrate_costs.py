@@ -291,6 +291,23 @@ class _Fitter:
         sr, ir = self.modelled(T, depth)
         return sm, sr, im, ir
 
+    def pp_pair(self, label: str, T: int, depth: int) -> tuple[tuple, tuple]:
+        """pp at depth 0 and at `depth`. A ubatch after `depth` cached tokens does the same work and attention over
+        them too, so where depth 0 reads slower a layer, noise hit it (one calibration read an eager ubatch of the
+        8-layer model at 51 ms, 10 on other VMs, and fitted every eager prompt 1.5x slow): it is timed again, at
+        most twice, and the faster kept."""
+        a, b = self.pp(label, T), self.pp(label, T, depth)
+        key = f"{label}_{T}_d0"
+        kept = self.measured[key]
+        for _ in range(2):
+            if a[0] <= b[0]:
+                break
+            again = self.pp(label, T)
+            if again[0] < a[0]:
+                a, kept = again, self.measured[key]
+        self.measured[key] = kept
+        return a, b
+
     def modelled(self, T: int, depth: int = 0) -> tuple[float, float]:
         """(per-layer, intercept) seconds of a T-token ubatch as predict() gives them on the costs so far."""
         mod = tuple(T / p.pp for p in self.run.predict(self.rates, self.costs, n_gen=self.n_tg, n_prompt=T,
@@ -343,8 +360,7 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
         # a ubatch at depth 0 and one after D cached tokens: the per-layer floor (or a factor on the modelled
         # compute, where the step beats it) and the attention's rate, with attention left out of the model
         c.update(prompt_layer_s=0.0, prompt_scale=1.0, prompt_ubatch_s=0.0, attn_flops=math.inf)
-        s0, r0, i0, j0 = f.pp("cpu_prompt_s", T1)
-        sD, rD, _, _ = f.pp("cpu_prompt_s", T1, D)
+        (s0, r0, i0, j0), (sD, rD, _, _) = f.pp_pair("cpu_prompt_s", T1, D)
         a0, aD = _attn_flops(cfg, T1, 0), _attn_flops(cfg, T1, D)
         extra = (sD - rD) - (s0 - r0)
         c["attn_flops"] = (aD - a0) / extra if extra > 0 else rates.cpu_bf16_flops
@@ -406,8 +422,7 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
             for m in run.models:
                 _eager(m, True)
             g.update(eager_prompt_layer_s=0.0, eager_ubatch_s=0.0, eager_attn_flops=math.inf)
-            s0, r0, i0, j0 = f.pp(f"{dev}_eager_prompt_s", T1)
-            sD, rD, _, _ = f.pp(f"{dev}_eager_prompt_s", T1, D)
+            (s0, r0, i0, j0), (sD, rD, _, _) = f.pp_pair(f"{dev}_eager_prompt_s", T1, D)
             extra = (sD - rD) - (s0 - r0)
             g["eager_attn_flops"] = (at[2] - at[0]) / extra if extra > 0 else rates.flops(dev)
             g["eager_attn_flops"] = max(g["eager_attn_flops"], 2 * at[0] / max(s0 - r0, 1e-9))
@@ -459,11 +474,10 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
             cfg = run.models[0].cfg
             g.update(offload_prompt_layer_s=0.0, offload_ubatch_s=0.0,
                      offload_attn_flops=cpu_attention_flops(cfg, T1, D))
-            s0, _, i0, _ = f.pp(f"{dev}_offload_prompt_s", T1)
+            (s0, _, i0, _), (sD, _, _, _) = f.pp_pair(f"{dev}_offload_prompt_s", T1, D)
             f.solve_floor(dev, "offload_prompt_layer_s", T1, s0)
             g["offload_ubatch_s"] = max(i0 - f.modelled(T1)[1], 0.0)
-            sD, rD, _, _ = f.pp(f"{dev}_offload_prompt_s", T1, D)
-            checks[f"{dev}_offload_prompt_layer_s_d{D}"] = [sD, rD]
+            checks[f"{dev}_offload_prompt_layer_s_d{D}"] = [sD, f.modelled(T1, D)[0]]
         finally:
             run.close()
     costs["_calibration"] = {"layers": list(layers), "ubatches": [T1, T2], "depth": D, "decode_steps": n_tg,
