@@ -134,7 +134,7 @@ class Batcher:
             chunk, buckets = m.batch_rows(kvs[0]) if hasattr(m, "batch_rows") else (0, ())
             chunk = min(chunk, kvs[0].n_ctx)
             most = min(n * chunk, self.budget)           # the most rows a step can have
-            for B in (b for b in buckets if b > bucket(n) and b // 2 < most):
+            for B in (b for b in buckets if b > bucket(min(n, BUCKETS[-1])) and b // 2 < most):
                 sizes = [min(chunk, min(B, most) - a) for a in range(0, min(B, most), chunk)]
                 m.forward_batch([(torch.full((c,), tok), 0, kv) for c, kv in zip(sizes, kvs)])
                 for kv in kvs[:len(sizes)]:
