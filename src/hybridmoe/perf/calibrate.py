@@ -111,9 +111,9 @@ def measure_cpu_moe_flops(quick: bool = False) -> dict[str, float]:
     """FLOP/s of the CPU expert kernel (kernels/cpu.py) on a Qwen3-30B-A3B Q4_0 expert layer (128 experts of
     768 x 2048, 340 MB, 8 used; quick: 32 of them), at 32 tokens (its streaming path) and 512 (its GEMM path),
     each token routed to 8 random experts. The whole layer's 128 experts, not a slice: 512 tokens give each
-    expert 32 rows as a prompt's ubatch does, where 32 experts' 128 rows each ran 1.5-1.9x the rate (a layer of
-    experts in RAM without uploads took 30-36 ms of a pp512 ubatch on the H100 VM against 19 predicted from
-    the slice). Empty without the kernel."""
+    expert 32 rows as a prompt's ubatch does, where 32 experts' 128 rows each ran 1.2x the rate (2.03 against
+    1.65-1.67 TFLOP/s on the H100 VM, whose layer of experts in RAM without uploads took 30-36 ms of a pp512
+    ubatch: 19 predicted from the slice). Empty without the kernel."""
     try:
         from ..kernels import cpu as k
         if not k.available():
