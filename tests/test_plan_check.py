@@ -346,7 +346,6 @@ def test_calibration_fits_recover_known_costs(monkeypatch):
             assert got[dev][k] == pytest.approx(v, rel=1e-6, abs=1e-12), (dev, k)
 
 
-@pytest.mark.slow
 def test_a_noisy_depth_zero_ubatch_is_timed_again():
     """calibrate's prompt pairs (_Fitter.pp_pair): a ubatch at depth 0 that reads slower a layer than the same
     ubatch after cached tokens was hit by noise, and is timed again (at most twice); the faster of its timings is
@@ -372,6 +371,7 @@ def test_a_noisy_depth_zero_ubatch_is_timed_again():
     assert f.pp_pair("x", 512, 2048)[0][0] == 1.0
 
 
+@pytest.mark.slow
 def test_calibration_models_have_layers_of_the_48_layer_stack():
     """calibrate's models (quick shape, 3 layers): random weights per layer, residual branches scaled as in a
     48-layer stack (synth:qwen3-30b-a3b's 0.02 / 48), and a prompt's ubatch routed to nearly every expert in every
