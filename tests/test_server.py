@@ -1341,7 +1341,7 @@ def test_serve_command(srv, tmp_path):
         line = [None]
         reader = threading.Thread(target=lambda: line.__setitem__(0, p.stdout.readline()), daemon=True)
         reader.start()
-        reader.join(60)
+        reader.join(240)                 # a cache without the C kernels builds them first (1-2 minutes on 2 cores)
         assert line[0], f"serve printed no URL; stderr: {p.stderr.read() if p.poll() is not None else ''}"
         m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line[0])
         assert m, line[0]
