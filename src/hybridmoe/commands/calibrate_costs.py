@@ -25,6 +25,7 @@ import torch
 
 from ..perf.costs import fit_line, floor_or_scale
 from ..perf.roofline import touched_fraction
+from ..runtime.experts import kernels
 
 FULL = dict(arch="qwen3moe", n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_vocab=8192, n_ctx_train=8192,
             rms_eps=1e-6, rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=768)
@@ -48,7 +49,7 @@ def _median_time(fn, reps: int) -> float:
 
 def kernel_costs(quick: bool = False) -> dict[str, float]:
     """{"call_s", "stream_bw"} of the C expert kernel at T=1 (Q4_0), or {} without it."""
-    k = _cpu_kernels()
+    k = kernels()
     if k is None:
         return {}
     from ..quant.ref import random_blocks
@@ -60,16 +61,16 @@ def kernel_costs(quick: bool = False) -> dict[str, float]:
     ids = torch.tensor([[0, 1]], dtype=torch.int32)
     wts = torch.full((1, 2), 0.5)
     call = min(_median_time(lambda: k.moe_ffn(x, ids, wts, *small, q, q), 200) for _ in range(3))
-    return {"call_s": call, "stream_bw": _stream_rate(k, call, 3 if quick else STREAM_LAYERS, 2 if quick else 9)}
+    return {"call_s": call, "stream_bw": stream_rate_now(call, quick)}
 
 
 def stream_rate_now(call_s: float, quick: bool = False) -> float | None:
     """The C expert kernel's streaming rate now (bytes/s), by calibrate's own sweep, or None without the kernel:
     plan --check predicts with it (a VM's RAM rate moves between calls, and a torch.sum probe's rate did not
     move with the kernel's: on the lent H100 VM 107.5 GB/s at one check against 85.2 at calibrate, while the
-    kernel's experts decoded as at calibrate). quick: the pool of calibrate --quick; either at most a quarter of
-    the memory available."""
-    k = _cpu_kernels()
+    kernel's experts decoded as at calibrate); calibrate measures `stream_bw` by it. quick: calibrate --quick's
+    pool (3 layers); either at most a quarter of the memory available."""
+    k = kernels()
     if k is None:
         return None
     from ..perf.calibrate import _host_ram
@@ -79,15 +80,8 @@ def stream_rate_now(call_s: float, quick: bool = False) -> float | None:
 
 
 STREAM_LAYERS = 48                      # the streaming pool's layers (4 GB: a 300 MiB L3 holds under a tenth)
-STREAM_LAYER_BYTES = 3 * 32 * 768 * 2048 * 18 // 32      # one pool layer: 32 Q4_0 experts of 768 x 2048
-
-
-def _cpu_kernels():
-    try:
-        from ..kernels import cpu as k
-    except ImportError:
-        return None
-    return k if k.available() else None
+POOL_E, POOL_F, POOL_H, POOL_USED = 32, 768, 2048, 8     # a pool layer: 32 Qwen3-30B-A3B experts, 8 a call
+STREAM_LAYER_BYTES = 3 * POOL_E * POOL_F * POOL_H * 18 // 32            # (Q4_0: 18 bytes a 32-block)
 
 
 def _stream_rate(k, call: float, n_layers: int, reps: int) -> float:
@@ -99,7 +93,7 @@ def _stream_rate(k, call: float, n_layers: int, reps: int) -> float:
     from ..quant.types import GGMLType
     q = GGMLType.Q4_0
     g = torch.Generator().manual_seed(1)
-    E, F, H, used = 32, 768, 2048, 8
+    E, F, H, used = POOL_E, POOL_F, POOL_H, POOL_USED
     base = [random_blocks(q, (E, F, H), g), random_blocks(q, (E, F, H), g), random_blocks(q, (E, H, F), g)]
     pool = [[w.clone() for w in base] for _ in range(n_layers)]
     per_expert = sum(w[0].numel() for w in base)
