@@ -215,6 +215,11 @@ def attention_batch(q, anchor, koff, voff, pos, kshape, vshape, scale, n_keys: i
     return out
 
 
+def split_bytes(B: int, nh: int, Dv: int, n_split: int) -> int:
+    """The bytes split_buffers allocates for these sizes."""
+    return B * nh * n_split * (Dv + 2) * 4
+
+
 def split_buffers(B: int, nh: int, Dv: int, n_split: int, device):
     """The partial results' buffers of attention_batch for B sequences and n_split splits."""
     o_part = torch.empty(B * nh * n_split, Dv, dtype=torch.float32, device=device)

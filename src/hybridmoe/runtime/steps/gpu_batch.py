@@ -70,9 +70,9 @@ class BatchDecode(StaticPrefill):
         self.shape, self.dtype, self.n_ctx = tuple(kc.shape), kc.dtype, kv.n_ctx
         # the buckets forward_batch's rows run in: past 64 only with every expert here, and while a bucket's
         # attention partials (B x heads x splits of the context) stay within ROW_PARTIALS_BYTES
-        part = self.cfg.n_head * ga.n_splits(self.n_ctx)[1] * (self.cfg.head_dim + 2) * 4
-        self.row_buckets = tuple(b for b in ROW_BUCKETS if b <= BUCKETS[-1] or
-                                 (not self.host and b * part <= ROW_PARTIALS_BYTES))
+        n_split = ga.n_splits(self.n_ctx)[1]
+        self.row_buckets = tuple(b for b in ROW_BUCKETS if b <= BUCKETS[-1] or (not self.host and ga.split_bytes(
+            b, self.cfg.n_head, self.cfg.head_dim, n_split) <= ROW_PARTIALS_BYTES))
         # every cache is reached as anchor + offset: the graphs hold this tensor's address, not the caches'
         self.anchor = torch.empty(ga.ALIGN, dtype=kc.dtype, device=self.dev.torch_device)
         self._offsets = weakref.WeakKeyDictionary()     # KVCache -> [n_layer, 2] int64 offsets (k, v)
