@@ -135,7 +135,8 @@ class Batcher:
             chunk = min(chunk, kvs[0].n_ctx)
             most = min(n * chunk, self.budget)           # the most rows a step can have
             for B in (b for b in buckets if b > bucket(min(n, BUCKETS[-1])) and b // 2 < most):
-                sizes = [min(chunk, min(B, most) - a) for a in range(0, min(B, most), chunk)]
+                rows = min(B, most)
+                sizes = [min(chunk, rows - a) for a in range(0, rows, chunk)]
                 m.forward_batch([(torch.full((c,), tok), 0, kv) for c, kv in zip(sizes, kvs)])
                 for kv in kvs[:len(sizes)]:
                     kv.tokens.clear()
