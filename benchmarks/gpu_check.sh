@@ -309,6 +309,39 @@ for s in "$@"; do
             echo "--- $fl"
             timeout 180 python3 benchmarks/serve_load.py --concurrency 1,4,16,64 --rounds 1 -- -m synth:qwen3-30b-a3b \
               $fl 2>&1 | grep -E "^\| [0-9]|^\| clients|warm" | head -14; done ;;
+    # issue 24: the x types' scales decoded 4 rows at a time (x_scales4), the kernel before (.carry/base_src: the
+    # parent commit's src) and after, alternated; then the canonical-products tests on this CPU
+    s32a) for r in 1 2; do for v in base src; do
+            P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
+            echo "### $v, round $r"
+            PYTHONPATH=$P:/tmp/hm-site timeout 200 python3 benchmarks/bench_types.py --threads 16 --repeat 2 \
+              --batches 1,8 --types IQ4_XS,Q3_K,IQ4_KS,IQ4_K,IQ5_K,Q2_K,IQ2_K,Q4_0 2>&1 | grep -E "^\| [IQ]"
+          done; done
+          HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_cpu_kernel_types.py -p no:cacheprovider \
+            -k "any_batch or moe_ffn or qmatmul or activation_terms" 2>&1 | tail -3 ;;
+    # issue 24: experts in RAM, tg128 with IQ4_KS and the Q3_K mix's experts, before and after x_scales4
+    s32b) for m in iq4_ks q3_k_mix; do python3 -m hybridmoe.cli synth qwen3-30b-a3b-$m 2>&1 | tail -1
+            for r in 1 2; do for v in base src; do
+              P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
+              echo "### $m $v, round $r"
+              PYTHONPATH=$P:/tmp/hm-site timeout 150 python3 -m hybridmoe.cli bench -m synth:qwen3-30b-a3b-$m -ngl 99 \
+                -ot exps=CPU -p 512 -n 128 -r 2 --roofline 2>&1 | grep -E "^\| " | tail -2
+            done; done; done ;;
+    # issue 24: x_scales4 at T=1 on 8 and 16 threads, before / after alternated three times; then tg128 of the Q3_K
+    # mix's experts in RAM with the decode share held at 3 experts (the kernel alone decides the difference)
+    s32c) for th in 8 16; do for r in 1 2 3; do for v in base src; do
+            P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
+            echo "### $v, $th threads, round $r"
+            PYTHONPATH=$P:/tmp/hm-site timeout 100 python3 benchmarks/bench_types.py --threads $th --repeat 2 --batches 1 \
+              --types IQ4_XS,Q3_K,IQ4_KS,IQ4_K,Q2_K,Q4_0 2>&1 | grep -E "^\| [IQ]"
+          done; done; done
+          python3 -m hybridmoe.cli synth qwen3-30b-a3b-q3_k_mix 2>&1 | tail -1
+          for r in 1 2; do for v in base src; do
+            P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
+            echo "### q3_k_mix $v, share 3, round $r"
+            HYBRIDMOE_DECODE_SHARE=3 PYTHONPATH=$P:/tmp/hm-site timeout 100 python3 -m hybridmoe.cli bench \
+              -m synth:qwen3-30b-a3b-q3_k_mix -ngl 99 -ot exps=CPU -p 0 -n 128 -r 3 2>&1 | grep -E "^\| " | tail -1
+          done; done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

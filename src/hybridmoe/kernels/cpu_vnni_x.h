@@ -488,3 +488,110 @@ HM_INLINE void x_scales16(const int ti, const uint8_t *b, const float rd, __m512
     }
     *S = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(s8));
 }
+
+/* x_scales16 of 4 rows at once, for the types whose scales are a per-row multiplier times small integer codes:
+ * the 4 rows' scale bytes are unpacked side by side (a row's 16 bytes in each 128-bit lane: one vector op for all
+ * four rows) and moved by one vpermb into rows4_T's layout, so the unpacking, the converts and the transpose are
+ * paid once per 4 rows. The floats are x_scales16's: S = multiplier * (float)code, one rounding. */
+#if defined(__AVX512VBMI__)
+#define XS4_VEC 1
+#define XS4(ti) ((ti) == I_IQ4_XS || (ti) == I_IQ4_KS || (ti) == I_Q3_K || (ti) == I_IQ4_K || (ti) == I_IQ5_K || \
+                 (ti) == I_Q2_K || (ti) == I_IQ2_K)
+
+/* the 16 bytes at p[r] + off as 128-bit lane r */
+HM_INLINE __m512i rows4_x16(const uint8_t *const *p, const int64_t off) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p[0] + off)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p[1] + off)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p[2] + off)), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p[3] + off)), 3);
+}
+
+/* the vpermb index taking code i of lane r to byte 16 (i / 4) + 4 (i % 4) + r (rows4_T's [sub-block 4c + L][row r]):
+ * from byte k + i (XS4_BYTE), k + i / 2 (XS4_PER32: a code per 32 weights), or, from two sources (vpermt2b), byte
+ * 8 + i of the first for i < 8 and byte i - 8 of the second after (XS4_SPLIT) */
+enum { XS4_BYTE, XS4_PER32, XS4_SPLIT };
+HM_INLINE __m512i xs4_index(const int k, const int mode) {
+    uint8_t ix[64] __attribute__((aligned(64)));
+    for (int i = 0; i < 16; i++)
+        for (int r = 0; r < 4; r++)
+            ix[4 * i + r] = (uint8_t)(16 * r + (mode == XS4_BYTE ? k + i : mode == XS4_PER32 ? k + i / 2 :
+                                                i < 8 ? 8 + i : 64 + i - 8));
+    return _mm512_load_si512(ix);
+}
+
+/* [c][L][r] int8 codes C times the rows' multipliers m (lanes 4L + r) -> Sc[c] as rows4_T gives them */
+HM_INLINE void xs4_floats(const __m512i C, const __m512 m, __m512 *Sc) {
+    Sc[0] = _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(C))));
+    Sc[1] = _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(C, 1))));
+    Sc[2] = _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(C, 2))));
+    Sc[3] = _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(C, 3))));
+}
+
+/* the fp16 at byte k of each lane of s -> [the 4 lanes' values] in every 128-bit lane */
+HM_INLINE __m512 xs4_f16(const __m512i s, const int k) {
+    const __m512i ix = _mm512_castsi128_si512(_mm_setr_epi8((char)k, (char)(k + 1), (char)(16 + k), (char)(17 + k),
+        (char)(32 + k), (char)(33 + k), (char)(48 + k), (char)(49 + k), 0, 0, 0, 0, 0, 0, 0, 0));
+    return _mm512_broadcast_f32x4(_mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi8(ix, s))));
+}
+
+/* (lo | (hi & 0x30)) - 32 per byte: a 6-bit code from its low nibble and its 2 high bits already at bits 4-5 */
+HM_INLINE __m512i xs4_six(const __m512i lo, const __m512i hi) {
+    return _mm512_sub_epi8(_mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x30), 0xF8), _mm512_set1_epi8(32));
+}
+
+/* a vpmultishiftqb control: output byte i (0..15) of every lane takes the 8 bits from bit F(i) of its qword on */
+#define XS4_MS(F) _mm512_broadcast_i32x4(_mm_setr_epi8(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), F(8), F(9), \
+                                                       F(10), F(11), F(12), F(13), F(14), F(15)))
+/* IQ4_XS: bits 2j, 2j + 1 of the u16 at byte 2 (qword 0's bits 16 + 2j) -> bits 4-5 of byte 8 + j */
+#define XS4_MS_IQ4XS(i) ((i) < 8 ? 0 : 12 + 2 * ((i) - 8))
+/* Q3_K: bits 2(i/4), +1 of scale byte 8 + i%4 (qword 1's bits 8(i%4) on) -> bits 4-5 of byte i (the offsets rotate:
+ * -4 is bit 60) */
+#define XS4_MS_Q3K(i) ((8 * ((i) % 4) + 2 * ((i) / 4) + 60) % 64)
+/* IQ4_K, IQ5_K: bits 2(i%4), +1 of byte 4 + i/4 (qword 0's bits 32 + 8(i/4) on) -> bits 4-5 of byte i */
+#define XS4_MS_IQ4K(i) (28 + 8 * ((i) / 4) + 2 * ((i) % 4))
+
+/* the scales (and Q2_K's mins) of super-block o of rows w[0..3] (an XS4 type) as rows4_T gives them from x_scales16;
+ * rd4: the rows' x_rowscale, row r's in lanes 4L + r */
+HM_INLINE void x_scales4(const int ti, const uint8_t *const *w, const int64_t o, const __m512 rd4, __m512 *Sc,
+                         __m512 *Mc) {
+    const int64_t off = TINFO[ti].hdr + o;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (ti == I_IQ4_KS) {         /* lanes: 8 scale bytes; code (byte & 254) - 127 */
+        const __m512i s = rows4_x16(w, off);
+        const __m512i v = _mm512_sub_epi8(_mm512_and_si512(s, _mm512_set1_epi8((char)254)), _mm512_set1_epi8(127));
+        xs4_floats(_mm512_permutexvar_epi8(xs4_index(0, XS4_PER32), v), rd4, Sc);
+        return;
+    }
+    if (ti == I_Q2_K) {           /* lanes: 16 bytes of scale | min << 4; d and dmin at bytes 80, 82 */
+        const __m512i s = rows4_x16(w, off), ix = xs4_index(0, XS4_BYTE);
+        uint32_t dd[4];
+        for (int r = 0; r < 4; r++) memcpy(&dd[r], w[r] + off + 80, 4);
+        const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dd)));
+        const __m512 d4 = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6), dm);
+        const __m512 n4 = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7), dm);
+        xs4_floats(_mm512_permutexvar_epi8(ix, _mm512_and_si512(s, m4)), d4, Sc);
+        xs4_floats(_mm512_permutexvar_epi8(ix, _mm512_and_si512(_mm512_srli_epi16(s, 4), m4)), n4, Mc);
+        return;
+    }
+    /* Q3_K's 16 bytes end with its super-block's: loaded 2 bytes early and shifted down (scales at 0-11, d at 12) */
+    const __m512i s = ti == I_Q3_K ? _mm512_bsrli_epi128(rows4_x16(w, off + 94), 2) : rows4_x16(w, off);
+    const __m512i a = _mm512_and_si512(s, m4), b = _mm512_and_si512(_mm512_srli_epi16(s, 4), m4);
+    __m512i v;
+    if (ti == I_IQ4_XS)           /* lanes: d, the u16 of high bits, 4 bytes of low nibbles (-> bytes 8-15) */
+        v = _mm512_permutexvar_epi8(xs4_index(8, XS4_PER32), xs4_six(_mm512_unpacklo_epi8(a, b),
+            _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_IQ4XS), _mm512_unpacklo_epi64(s, s))));
+    else if (ti == I_Q3_K)        /* low 4 bits: s[i] & 15 (i < 8), s[i - 8] >> 4; bits 4-5 from s[8 + i%4] */
+        v = _mm512_permutexvar_epi8(xs4_index(0, XS4_BYTE), xs4_six(_mm512_unpacklo_epi64(a, b),
+            _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_Q3K), _mm512_unpackhi_epi64(s, s))));
+    else if (ti == I_IQ2_K)       /* lanes: d, extra, 8 bytes of nibbles (low, high, ...); code - 8 */
+        v = _mm512_sub_epi8(_mm512_permutex2var_epi8(_mm512_unpacklo_epi8(a, b), xs4_index(0, XS4_SPLIT),
+                                                     _mm512_unpackhi_epi8(a, b)), _mm512_set1_epi8(8));
+    else                          /* IQ4_K, IQ5_K: d, extra, 4 bytes of high bits, 8 of low nibbles */
+        v = _mm512_permutexvar_epi8(xs4_index(0, XS4_BYTE), xs4_six(_mm512_unpackhi_epi8(a, b),
+            _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_IQ4K), _mm512_unpacklo_epi64(s, s))));
+    xs4_floats(v, xs4_f16(s, ti == I_Q3_K ? 12 : 0), Sc);
+}
+#else
+#define XS4_VEC 0
+#define XS4(ti) 0
+#endif
