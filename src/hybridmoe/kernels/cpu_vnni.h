@@ -99,21 +99,7 @@ HM_INLINE __m512i qc_rows4(const __m512i *qv, const int R, const int8_t *q1, con
                        R > 3 ? qc_dot(qv[3], x1, x2) : z);
 }
 
-#include "cpu_vnni_x.h"   /* x_u64, x_scales16 */
-
-/* 4 rows' 16 values v[r] -> o[c] = [values 4c..4c+3 of rows 0-3]: lane 4L + r holds v[r][4c + L] */
-HM_INLINE void rows4_T(const __m512 *v, __m512 *o) {
-    const __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
-    const __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
-    const __m512 u0 = _mm512_shuffle_ps(t0, t2, 0x44), u1 = _mm512_shuffle_ps(t0, t2, 0xEE);
-    const __m512 u2 = _mm512_shuffle_ps(t1, t3, 0x44), u3 = _mm512_shuffle_ps(t1, t3, 0xEE);
-    const __m512 v0 = _mm512_shuffle_f32x4(u0, u1, 0x44), v1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
-    const __m512 v2 = _mm512_shuffle_f32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_f32x4(u2, u3, 0xEE);
-    o[0] = _mm512_shuffle_f32x4(v0, v1, 0x88);
-    o[1] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
-    o[2] = _mm512_shuffle_f32x4(v2, v3, 0x88);
-    o[3] = _mm512_shuffle_f32x4(v2, v3, 0xDD);
-}
+#include "cpu_vnni_x.h"   /* x_u64, x_scales16, rows4_T, x_scales4 */
 
 /* res[r * NT + t] = cdot_ref(row w[r], token xq[t]) for R rows (1, 2 or 4) and NT tokens (1-4), bit for bit:
  * the weights of a step are unpacked once for all NT tokens; per token the rows' lane sums are reduced to

@@ -1,5 +1,6 @@
 /* The x types on AVX-512: x_u64 (64 weights of a super-block as u: nibbles, crumbs, bit planes, tables, grids,
- * trellis values) and x_scales16 (its 16 scales in vectors), for the integer path and the int8 tiles.
+ * trellis values) and x_scales16 (its 16 scales in vectors), for the integer path and the int8 tiles; rows4_T and
+ * x_scales4 (4 rows' scales in the integer path's layout).
  * Part of cpu_moe.c: included by cpu_vnni.h (inside its HM_VNNI block), never compiled alone. */
 
 /* x_extra16 in a few vector ops */
@@ -487,6 +488,20 @@ HM_INLINE void x_scales16(const int ti, const uint8_t *b, const float rd, __m512
         s8 = _mm256_mul_ps(_mm256_set1_ps(F16(b)), _mm256_cvtepi32_ps(ls));
     }
     *S = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(s8));
+}
+
+/* 4 rows' 16 values v[r] -> o[c] = [values 4c..4c+3 of rows 0-3]: lane 4L + r holds v[r][4c + L] */
+HM_INLINE void rows4_T(const __m512 *v, __m512 *o) {
+    const __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
+    const __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
+    const __m512 u0 = _mm512_shuffle_ps(t0, t2, 0x44), u1 = _mm512_shuffle_ps(t0, t2, 0xEE);
+    const __m512 u2 = _mm512_shuffle_ps(t1, t3, 0x44), u3 = _mm512_shuffle_ps(t1, t3, 0xEE);
+    const __m512 v0 = _mm512_shuffle_f32x4(u0, u1, 0x44), v1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
+    const __m512 v2 = _mm512_shuffle_f32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_f32x4(u2, u3, 0xEE);
+    o[0] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+    o[1] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+    o[2] = _mm512_shuffle_f32x4(v2, v3, 0x88);
+    o[3] = _mm512_shuffle_f32x4(v2, v3, 0xDD);
 }
 
 /* x_scales16 of 4 rows at once, for the types whose scales are a per-row multiplier times small integer codes:
