@@ -342,6 +342,21 @@ for s in "$@"; do
             HYBRIDMOE_DECODE_SHARE=3 PYTHONPATH=$P:/tmp/hm-site timeout 100 python3 -m hybridmoe.cli bench \
               -m synth:qwen3-30b-a3b-q3_k_mix -ngl 99 -ot exps=CPU -p 0 -n 128 -r 3 2>&1 | grep -E "^\| " | tail -1
           done; done ;;
+    # the decode share's count on Q4_0 and the Q3_K mix's experts in RAM: the planner's own (and what it chose)
+    # against 2, 3 and 4 experts of 8 forced, alternated twice
+    s32d) for m in "" -q3_k_mix; do python3 -m hybridmoe.cli synth qwen3-30b-a3b$m 2>&1 | tail -1
+            for r in 1 2; do for sh in "" 2 3 4; do
+              echo "### qwen3-30b-a3b$m share [${sh:-auto}] round $r"
+              HYBRIDMOE_DECODE_SHARE=$sh timeout 100 python3 -m hybridmoe.cli bench -m synth:qwen3-30b-a3b$m -ngl 99 \
+                -ot exps=CPU -p 0 -n 128 -r 3 2>&1 | grep -E "^\| .*tg128|decode share:" | cut -c1-150
+            done; done; done ;;
+    # issue 24: x_scales4 with IQ3_K and IQ2_KS too, T=1 on 16 threads, before (.carry/base_src) / after, 3 rounds
+    s32e) for r in 1 2 3; do for v in base src; do
+            P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
+            echo "### $v, round $r"
+            PYTHONPATH=$P:/tmp/hm-site timeout 100 python3 benchmarks/bench_types.py --threads 16 --repeat 2 --batches 1 \
+              --types IQ3_K,IQ2_KS,IQ4_XS,Q3_K,IQ4_KS,Q4_0 2>&1 | grep -E "^\| [IQ]"
+          done; done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -511,7 +511,7 @@ HM_INLINE void rows4_T(const __m512 *v, __m512 *o) {
 #if defined(__AVX512VBMI__)
 #define XS4_VEC 1
 #define XS4(ti) ((ti) == I_IQ4_XS || (ti) == I_IQ4_KS || (ti) == I_Q3_K || (ti) == I_IQ4_K || (ti) == I_IQ5_K || \
-                 (ti) == I_Q2_K || (ti) == I_IQ2_K)
+                 (ti) == I_Q2_K || (ti) == I_IQ2_K || (ti) == I_IQ3_K || (ti) == I_IQ2_KS)
 
 /* the 16 bytes at p[r] + off as 128-bit lane r */
 HM_INLINE __m512i rows4_x16(const uint8_t *const *p, const int64_t off) {
@@ -522,15 +522,16 @@ HM_INLINE __m512i rows4_x16(const uint8_t *const *p, const int64_t off) {
 }
 
 /* the vpermb index taking code i of lane r to byte 16 (i / 4) + 4 (i % 4) + r (rows4_T's [sub-block 4c + L][row r]):
- * from byte k + i (XS4_BYTE), k + i / 2 (XS4_PER32: a code per 32 weights), or, from two sources (vpermt2b), byte
- * 8 + i of the first for i < 8 and byte i - 8 of the second after (XS4_SPLIT) */
+ * from byte k + i (XS4_BYTE), k + i / 2 (XS4_PER32: a code per 32 weights), or, from two sources (vpermt2b),
+ * byte k + i of the first for i < n and byte i - n of the second after (XS4_SPLIT: nibbles that straddle an
+ * unpack's halves) */
 enum { XS4_BYTE, XS4_PER32, XS4_SPLIT };
-HM_INLINE __m512i xs4_index(const int k, const int mode) {
+HM_INLINE __m512i xs4_index(const int k, const int mode, const int n) {
     uint8_t ix[64] __attribute__((aligned(64)));
     for (int i = 0; i < 16; i++)
         for (int r = 0; r < 4; r++)
             ix[4 * i + r] = (uint8_t)(16 * r + (mode == XS4_BYTE ? k + i : mode == XS4_PER32 ? k + i / 2 :
-                                                i < 8 ? 8 + i : 64 + i - 8));
+                                                i < n ? k + i : 64 + i - n));
     return _mm512_load_si512(ix);
 }
 
@@ -549,9 +550,9 @@ HM_INLINE __m512 xs4_f16(const __m512i s, const int k) {
     return _mm512_broadcast_f32x4(_mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi8(ix, s))));
 }
 
-/* (lo | (hi & 0x30)) - 32 per byte: a 6-bit code from its low nibble and its 2 high bits already at bits 4-5 */
-HM_INLINE __m512i xs4_six(const __m512i lo, const __m512i hi) {
-    return _mm512_sub_epi8(_mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x30), 0xF8), _mm512_set1_epi8(32));
+/* (lo | (hi & hm)) - bias per byte: a code from its low nibble and its high bits already in place (hm: where) */
+HM_INLINE __m512i xs4_code(const __m512i lo, const __m512i hi, const char hm, const char bias) {
+    return _mm512_sub_epi8(_mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(hm), 0xF8), _mm512_set1_epi8(bias));
 }
 
 /* a vpmultishiftqb control: output byte i (0..15) of every lane takes the 8 bits from bit F(i) of its qword on */
@@ -564,6 +565,10 @@ HM_INLINE __m512i xs4_six(const __m512i lo, const __m512i hi) {
 #define XS4_MS_Q3K(i) ((8 * ((i) % 4) + 2 * ((i) / 4) + 60) % 64)
 /* IQ4_K, IQ5_K: bits 2(i%4), +1 of byte 4 + i/4 (qword 0's bits 32 + 8(i/4) on) -> bits 4-5 of byte i */
 #define XS4_MS_IQ4K(i) (28 + 8 * ((i) / 4) + 2 * ((i) % 4))
+/* IQ2_KS: bit 8 + s of the u16 at byte 0 -> bit 4 of byte 4 + s (beside its nibble) */
+#define XS4_MS_IQ2KS(i) ((i) >= 4 && (i) < 12 ? (i) : 0)
+/* IQ3_K: bit i of the u16 at byte 4 (its sign) -> bit 0 of byte i */
+#define XS4_MS_IQ3K(i) (32 + (i))
 
 /* the scales (and Q2_K's mins) of super-block o of rows w[0..3] (an XS4 type) as rows4_T gives them from x_scales16;
  * rd4: the rows' x_rowscale, row r's in lanes 4L + r */
@@ -574,11 +579,11 @@ HM_INLINE void x_scales4(const int ti, const uint8_t *const *w, const int64_t o,
     if (ti == I_IQ4_KS) {         /* lanes: 8 scale bytes; code (byte & 254) - 127 */
         const __m512i s = rows4_x16(w, off);
         const __m512i v = _mm512_sub_epi8(_mm512_and_si512(s, _mm512_set1_epi8((char)254)), _mm512_set1_epi8(127));
-        xs4_floats(_mm512_permutexvar_epi8(xs4_index(0, XS4_PER32), v), rd4, Sc);
+        xs4_floats(_mm512_permutexvar_epi8(xs4_index(0, XS4_PER32, 0), v), rd4, Sc);
         return;
     }
     if (ti == I_Q2_K) {           /* lanes: 16 bytes of scale | min << 4; d and dmin at bytes 80, 82 */
-        const __m512i s = rows4_x16(w, off), ix = xs4_index(0, XS4_BYTE);
+        const __m512i s = rows4_x16(w, off), ix = xs4_index(0, XS4_BYTE, 0);
         uint32_t dd[4];
         for (int r = 0; r < 4; r++) memcpy(&dd[r], w[r] + off + 80, 4);
         const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dd)));
@@ -593,18 +598,28 @@ HM_INLINE void x_scales4(const int ti, const uint8_t *const *w, const int64_t o,
     const __m512i a = _mm512_and_si512(s, m4), b = _mm512_and_si512(_mm512_srli_epi16(s, 4), m4);
     __m512i v;
     if (ti == I_IQ4_XS)           /* lanes: d, the u16 of high bits, 4 bytes of low nibbles (-> bytes 8-15) */
-        v = _mm512_permutexvar_epi8(xs4_index(8, XS4_PER32), xs4_six(_mm512_unpacklo_epi8(a, b),
-            _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_IQ4XS), _mm512_unpacklo_epi64(s, s))));
+        v = _mm512_permutexvar_epi8(xs4_index(8, XS4_PER32, 0), xs4_code(_mm512_unpacklo_epi8(a, b),
+            _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_IQ4XS), _mm512_unpacklo_epi64(s, s)), 0x30, 32));
     else if (ti == I_Q3_K)        /* low 4 bits: s[i] & 15 (i < 8), s[i - 8] >> 4; bits 4-5 from s[8 + i%4] */
-        v = _mm512_permutexvar_epi8(xs4_index(0, XS4_BYTE), xs4_six(_mm512_unpacklo_epi64(a, b),
-            _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_Q3K), _mm512_unpackhi_epi64(s, s))));
+        v = _mm512_permutexvar_epi8(xs4_index(0, XS4_BYTE, 0), xs4_code(_mm512_unpacklo_epi64(a, b),
+            _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_Q3K), _mm512_unpackhi_epi64(s, s)), 0x30, 32));
     else if (ti == I_IQ2_K)       /* lanes: d, extra, 8 bytes of nibbles (low, high, ...); code - 8 */
-        v = _mm512_sub_epi8(_mm512_permutex2var_epi8(_mm512_unpacklo_epi8(a, b), xs4_index(0, XS4_SPLIT),
+        v = _mm512_sub_epi8(_mm512_permutex2var_epi8(_mm512_unpacklo_epi8(a, b), xs4_index(8, XS4_SPLIT, 8),
                                                      _mm512_unpackhi_epi8(a, b)), _mm512_set1_epi8(8));
-    else                          /* IQ4_K, IQ5_K: d, extra, 4 bytes of high bits, 8 of low nibbles */
-        v = _mm512_permutexvar_epi8(xs4_index(0, XS4_BYTE), xs4_six(_mm512_unpackhi_epi8(a, b),
-            _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_IQ4K), _mm512_unpacklo_epi64(s, s))));
-    xs4_floats(v, xs4_f16(s, ti == I_Q3_K ? 12 : 0), Sc);
+    else if (ti == I_IQ2_KS)      /* lanes: the u16 of high bits (8-15), 4 bytes of low nibbles; code - 16 */
+        v = _mm512_permutexvar_epi8(xs4_index(4, XS4_PER32, 0), xs4_code(_mm512_unpacklo_epi8(a, b),
+            _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_IQ2KS), _mm512_unpacklo_epi64(s, s)), 0x10, 16));
+    else if (ti == I_IQ3_K) {     /* lanes: d, extra, the u16 of signs, 8 bytes of nibbles from byte 6: +-(2 lo + 1) */
+        const __m512i lo = _mm512_permutex2var_epi8(_mm512_unpacklo_epi8(a, b), xs4_index(12, XS4_SPLIT, 4),
+                                                    _mm512_unpackhi_epi8(a, b));
+        const __m512i mag = _mm512_add_epi8(_mm512_add_epi8(lo, lo), _mm512_set1_epi8(1));
+        const __m512i sg = _mm512_permutexvar_epi8(xs4_index(0, XS4_BYTE, 0), _mm512_multishift_epi64_epi8(
+            XS4_MS(XS4_MS_IQ3K), _mm512_unpacklo_epi64(s, s)));
+        v = _mm512_mask_sub_epi8(mag, _mm512_test_epi8_mask(sg, _mm512_set1_epi8(1)), _mm512_setzero_si512(), mag);
+    } else                        /* IQ4_K, IQ5_K: d, extra, 4 bytes of high bits, 8 of low nibbles */
+        v = _mm512_permutexvar_epi8(xs4_index(0, XS4_BYTE, 0), xs4_code(_mm512_unpackhi_epi8(a, b),
+            _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_IQ4K), _mm512_unpacklo_epi64(s, s)), 0x30, 32));
+    xs4_floats(v, ti == I_IQ2_KS ? rd4 : xs4_f16(s, ti == I_Q3_K ? 12 : 0), Sc);
 }
 #else
 #define XS4_VEC 0
