@@ -511,7 +511,7 @@ HM_INLINE void rows4_T(const __m512 *v, __m512 *o) {
 #if defined(__AVX512VBMI__)
 #define XS4_VEC 1
 #define XS4(ti) ((ti) == I_IQ4_XS || (ti) == I_IQ4_KS || (ti) == I_Q3_K || (ti) == I_IQ4_K || (ti) == I_IQ5_K || \
-                 (ti) == I_Q2_K || (ti) == I_IQ2_K || (ti) == I_IQ3_K || (ti) == I_IQ2_KS)
+                 (ti) == I_Q2_K || (ti) == I_IQ2_K || (ti) == I_IQ3_K || (ti) == I_IQ2_KS || (ti) == I_IQ2_KL)
 
 /* the 16 bytes at p[r] + off as 128-bit lane r */
 HM_INLINE __m512i rows4_x16(const uint8_t *const *p, const int64_t off) {
@@ -567,6 +567,8 @@ HM_INLINE __m512i xs4_code(const __m512i lo, const __m512i hi, const char hm, co
 #define XS4_MS_IQ4K(i) (28 + 8 * ((i) / 4) + 2 * ((i) % 4))
 /* IQ2_KS: bit 8 + s of the u16 at byte 0 -> bit 4 of byte 4 + s (beside its nibble) */
 #define XS4_MS_IQ2KS(i) ((i) >= 4 && (i) < 12 ? (i) : 0)
+/* IQ2_KL: bits 2s, 2s + 1 of the u16 at byte 0 -> bits 4-5 of byte 2 + s (beside its nibble) */
+#define XS4_MS_IQ2KL(i) ((i) >= 2 && (i) < 10 ? (2 * ((i) - 2) + 60) % 64 : 0)
 /* IQ3_K: bit i of the u16 at byte 4 (its sign) -> bit 0 of byte i */
 #define XS4_MS_IQ3K(i) (32 + (i))
 
@@ -609,6 +611,10 @@ HM_INLINE void x_scales4(const int ti, const uint8_t *const *w, const int64_t o,
     else if (ti == I_IQ2_KS)      /* lanes: the u16 of high bits (8-15), 4 bytes of low nibbles; code - 16 */
         v = _mm512_permutexvar_epi8(xs4_index(4, XS4_PER32, 0), xs4_code(_mm512_unpacklo_epi8(a, b),
             _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_IQ2KS), _mm512_unpacklo_epi64(s, s)), 0x10, 16));
+    else if (ti == I_IQ2_KL)      /* lanes: the u16 of high bits, nibble s/4 of byte 2 + s%4: low ones, then high */
+        v = _mm512_permutexvar_epi8(xs4_index(2, XS4_PER32, 0), xs4_code(
+            _mm512_mask_blend_epi8(0x03C003C003C003C0ull, a, _mm512_bslli_epi128(b, 4)),
+            _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_IQ2KL), _mm512_unpacklo_epi64(s, s)), 0x30, 32));
     else if (ti == I_IQ3_K) {     /* lanes: d, extra, the u16 of signs, 8 bytes of nibbles from byte 6: +-(2 lo + 1) */
         const __m512i lo = _mm512_permutex2var_epi8(_mm512_unpacklo_epi8(a, b), xs4_index(12, XS4_SPLIT, 4),
                                                     _mm512_unpackhi_epi8(a, b));
@@ -619,7 +625,7 @@ HM_INLINE void x_scales4(const int ti, const uint8_t *const *w, const int64_t o,
     } else                        /* IQ4_K, IQ5_K: d, extra, 4 bytes of high bits, 8 of low nibbles */
         v = _mm512_permutexvar_epi8(xs4_index(0, XS4_BYTE, 0), xs4_code(_mm512_unpackhi_epi8(a, b),
             _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_IQ4K), _mm512_unpacklo_epi64(s, s)), 0x30, 32));
-    xs4_floats(v, ti == I_IQ2_KS ? rd4 : xs4_f16(s, ti == I_Q3_K ? 12 : 0), Sc);
+    xs4_floats(v, ti == I_IQ2_KS || ti == I_IQ2_KL ? rd4 : xs4_f16(s, ti == I_Q3_K ? 12 : 0), Sc);
 }
 #else
 #define XS4_VEC 0
