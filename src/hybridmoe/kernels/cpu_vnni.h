@@ -198,12 +198,8 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
                 }
             }
         } else if (ti == I_Q6_K) {
-            float Sm[16][4] __attribute__((aligned(64)));
-            kscale ks[4];
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) prep_k(ti, w[r] + o, 1.0f, &ks[r]);
-            for (int i = 0; i < 16; i++)
-                for (int r = 0; r < 4; r++) Sm[i][r] = r < R ? ks[r].s[i] : 0.0f;
+            float Sm[16][4] __attribute__((aligned(64)));   /* [sub-block i][row] */
+            q6_scales(R, w, o, Sm);
             const __m512i m4 = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 2
             for (int n = 0; n < 2; n++) {                 /* halves of 128 weights: ql 64 bytes, qh 32 */

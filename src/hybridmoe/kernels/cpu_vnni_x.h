@@ -627,7 +627,31 @@ HM_INLINE void x_scales4(const int ti, const uint8_t *const *w, const int64_t o,
             _mm512_multishift_epi64_epi8(XS4_MS(XS4_MS_IQ4K), _mm512_unpacklo_epi64(s, s)), 0x30, 32));
     xs4_floats(v, ti == I_IQ2_KS || ti == I_IQ2_KL ? rd4 : xs4_f16(s, ti == I_Q3_K ? 12 : 0), Sc);
 }
+
+/* Q6_K's 16 int8 scales (byte 192) times d (byte 208) of rows w[0..3] in rows4_T's layout: prep_k's S, 4 rows at once */
+HM_INLINE void q6_scales4(const uint8_t *const *w, const int64_t o, __m512 *Sc) {
+    const __m128i d = _mm_setr_epi16((short)rd16(w[0] + o + 208), (short)rd16(w[1] + o + 208), (short)rd16(w[2] + o + 208),
+                                     (short)rd16(w[3] + o + 208), 0, 0, 0, 0);
+    xs4_floats(_mm512_permutexvar_epi8(xs4_index(0, XS4_BYTE, 0), rows4_x16(w, o + 192)),
+               _mm512_broadcast_f32x4(_mm_cvtph_ps(d)), Sc);
+}
 #else
 #define XS4_VEC 0
 #define XS4(ti) 0
 #endif
+
+/* Q6_K's scales of super-block o of rows w[0..R) as Sm[sub-block i][row] (prep_k's S; 0 for rows past R) */
+HM_INLINE void q6_scales(const int R, const uint8_t *const *w, const int64_t o, float Sm[16][4]) {
+#if XS4_VEC
+    if (R == 4) {
+        __m512 Sq[4];
+        q6_scales4(w, o, Sq);
+        for (int c = 0; c < 4; c++) _mm512_store_ps(Sm[4 * c], Sq[c]);
+        return;
+    }
+#endif
+    kscale ks[4];
+    for (int r = 0; r < R; r++) prep_k(I_Q6_K, w[r] + o, 1.0f, &ks[r]);
+    for (int i = 0; i < 16; i++)
+        for (int r = 0; r < 4; r++) Sm[i][r] = r < R ? ks[r].s[i] : 0.0f;
+}
