@@ -357,6 +357,13 @@ for s in "$@"; do
             PYTHONPATH=$P:/tmp/hm-site timeout 100 python3 benchmarks/bench_types.py --threads 16 --repeat 2 --batches 1 \
               --types IQ3_K,IQ2_KS,IQ4_XS,Q3_K,IQ4_KS,Q4_0 2>&1 | grep -E "^\| [IQ]"
           done; done ;;
+    # issue 24: IQ2_KL's and Q6_K's scales 4 rows at a time, T=1 on 16 threads, before / after, 3 rounds
+    s32f) for r in 1 2 3; do for v in base src; do
+            P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
+            echo "### $v, round $r"
+            PYTHONPATH=$P:/tmp/hm-site timeout 100 python3 benchmarks/bench_types.py --threads 16 --repeat 2 --batches 1 \
+              --types IQ2_KL,Q6_K,IQ4_XS,Q4_0 2>&1 | grep -E "^\| [IQ]"
+          done; done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
