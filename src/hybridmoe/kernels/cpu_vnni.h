@@ -119,7 +119,6 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
     const __m512 rd4 = XS4(ti) && R == 4 && X_HDR(ti) ?
         _mm512_broadcast_f32x4(_mm_setr_ps(x_rowscale(ti, w[0]), x_rowscale(ti, w[1]), x_rowscale(ti, w[2]),
                                            x_rowscale(ti, w[3]))) : _mm512_setzero_ps();
-    (void)rd4;
     for (int64_t o = 0, e = 0; o < rb; o += step, e += IS_K(ti) ? 256 : 64) {
         prefetch_step(pr, o, step);
         if (!IS_K(ti)) {
@@ -149,23 +148,7 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
             int ex[4];
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) ex[r] = x_extra16v(ti, w[r] + TINFO[ti].hdr + o);
-#if XS4_VEC
-            if (XS4(ti) && R == 4) {
-                x_scales4(ti, w, o, rd4, Sc, Mc);
-            } else
-#endif
-            {
-                __m512 Sr[4], Mr[4];
-#pragma GCC unroll 4
-                for (int r = 0; r < 4; r++) {
-                    if (r < R)
-                        x_scales16(ti, w[r] + TINFO[ti].hdr + o, X_HDR(ti) ? x_rowscale(ti, w[r]) : 1.0f, &Sr[r], &Mr[r]);
-                    else
-                        Sr[r] = Mr[r] = _mm512_setzero_ps();
-                }
-                rows4_T(Sr, Sc);
-                if (X_MIN(ti)) rows4_T(Mr, Mc);
-            }
+            x_scales_rows(ti, R, w, o, rd4, Sc, Mc);
             if (X_MIN(ti)) {
                 float Mm[16][4] __attribute__((aligned(64)));
 #pragma GCC unroll 4

@@ -550,6 +550,13 @@ HM_INLINE __m512 xs4_f16(const __m512i s, const int k) {
     return _mm512_broadcast_f32x4(_mm_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi8(ix, s))));
 }
 
+/* the fp16 at p[r] + off of rows 0-3 -> [the 4 values] in every 128-bit lane (row r's in lanes 4L + r) */
+HM_INLINE __m512 rows4_f16(const uint8_t *const *p, const int64_t off) {
+    const __m128i d = _mm_setr_epi16((short)rd16(p[0] + off), (short)rd16(p[1] + off), (short)rd16(p[2] + off),
+                                     (short)rd16(p[3] + off), 0, 0, 0, 0);
+    return _mm512_broadcast_f32x4(_mm_cvtph_ps(d));
+}
+
 /* (lo | (hi & hm)) - bias per byte: a code from its low nibble and its high bits already in place (hm: where) */
 HM_INLINE __m512i xs4_code(const __m512i lo, const __m512i hi, const char hm, const char bias) {
     return _mm512_sub_epi8(_mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(hm), 0xF8), _mm512_set1_epi8(bias));
@@ -586,13 +593,8 @@ HM_INLINE void x_scales4(const int ti, const uint8_t *const *w, const int64_t o,
     }
     if (ti == I_Q2_K) {           /* lanes: 16 bytes of scale | min << 4; d and dmin at bytes 80, 82 */
         const __m512i s = rows4_x16(w, off), ix = xs4_index(0, XS4_BYTE, 0);
-        uint32_t dd[4];
-        for (int r = 0; r < 4; r++) memcpy(&dd[r], w[r] + off + 80, 4);
-        const __m512 dm = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dd)));
-        const __m512 d4 = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6), dm);
-        const __m512 n4 = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7), dm);
-        xs4_floats(_mm512_permutexvar_epi8(ix, _mm512_and_si512(s, m4)), d4, Sc);
-        xs4_floats(_mm512_permutexvar_epi8(ix, _mm512_and_si512(_mm512_srli_epi16(s, 4), m4)), n4, Mc);
+        xs4_floats(_mm512_permutexvar_epi8(ix, _mm512_and_si512(s, m4)), rows4_f16(w, off + 80), Sc);
+        xs4_floats(_mm512_permutexvar_epi8(ix, _mm512_and_si512(_mm512_srli_epi16(s, 4), m4)), rows4_f16(w, off + 82), Mc);
         return;
     }
     /* Q3_K's 16 bytes end with its super-block's: loaded 2 bytes early and shifted down (scales at 0-11, d at 12) */
@@ -630,16 +632,34 @@ HM_INLINE void x_scales4(const int ti, const uint8_t *const *w, const int64_t o,
 
 /* Q6_K's 16 int8 scales (byte 192) times d (byte 208) of rows w[0..3] in rows4_T's layout: prep_k's S, 4 rows at once */
 HM_INLINE void q6_scales4(const uint8_t *const *w, const int64_t o, __m512 *Sc) {
-    const __m128i d = _mm_setr_epi16((short)rd16(w[0] + o + 208), (short)rd16(w[1] + o + 208), (short)rd16(w[2] + o + 208),
-                                     (short)rd16(w[3] + o + 208), 0, 0, 0, 0);
-    xs4_floats(_mm512_permutexvar_epi8(xs4_index(0, XS4_BYTE, 0), rows4_x16(w, o + 192)),
-               _mm512_broadcast_f32x4(_mm_cvtph_ps(d)), Sc);
+    xs4_floats(_mm512_permutexvar_epi8(xs4_index(0, XS4_BYTE, 0), rows4_x16(w, o + 192)), rows4_f16(w, o + 208), Sc);
 }
 #else
 #define XS4_VEC 0
 #define XS4(ti) 0
 #endif
 
+/* the scales (and Q2_K's mins) of x-type super-block o of rows w[0..R) in rows4_T's layout (zero for rows past R):
+ * x_scales4 where it applies (4 rows of an XS4 type; rd4 as it takes it), else x_scales16 a row */
+HM_INLINE void x_scales_rows(const int ti, const int R, const uint8_t *const *w, const int64_t o, const __m512 rd4,
+                             __m512 *Sc, __m512 *Mc) {
+#if XS4_VEC
+    if (XS4(ti) && R == 4) {
+        x_scales4(ti, w, o, rd4, Sc, Mc);
+        return;
+    }
+#endif
+    (void)rd4;
+    __m512 Sr[4], Mr[4];
+    for (int r = 0; r < 4; r++) {
+        if (r < R)
+            x_scales16(ti, w[r] + TINFO[ti].hdr + o, X_HDR(ti) ? x_rowscale(ti, w[r]) : 1.0f, &Sr[r], &Mr[r]);
+        else
+            Sr[r] = Mr[r] = _mm512_setzero_ps();
+    }
+    rows4_T(Sr, Sc);
+    if (X_MIN(ti)) rows4_T(Mr, Mc);
+}
 /* Q6_K's scales of super-block o of rows w[0..R) as Sm[sub-block i][row] (prep_k's S; 0 for rows past R) */
 HM_INLINE void q6_scales(const int R, const uint8_t *const *w, const int64_t o, float Sm[16][4]) {
 #if XS4_VEC
