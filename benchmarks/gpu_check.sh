@@ -9,6 +9,18 @@ source benchmarks/device_setup.sh
 set +e
 if [ -d .gpu_testdata ]; then mkdir -p ../shared/testdata && ln -sfn "$PWD/.gpu_testdata" ../shared/testdata/quant-vectors; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+# `ab N LABEL CMD...`: CMD N times with the code before (.carry/base_src: a copy of an earlier commit's src/) and
+# after (src/) on the path, alternated; `types` and `bench_rows`: bench_types.py's and bench's table rows
+ab() {
+  local n=$1 label=$2 r v
+  shift 2
+  for r in $(seq "$n"); do for v in base src; do
+    echo "### $label$v, round $r"
+    ( if [ $v = base ]; then export PYTHONPATH=$PWD/.carry/base_src:/tmp/hm-site; fi; "$@" )
+  done; done
+}
+types() { timeout 200 python3 benchmarks/bench_types.py --repeat 2 "$@" 2>&1 | grep -E "^\| [IQ]"; }
+bench_rows() { timeout 150 python3 -m hybridmoe.cli bench "$@" 2>&1 | grep -E "^\| " | tail -2; }
 for s in "$@"; do
   echo "=============== $s"
   case $s in
@@ -311,37 +323,19 @@ for s in "$@"; do
               $fl 2>&1 | grep -E "^\| [0-9]|^\| clients|warm" | head -14; done ;;
     # issue 24: the x types' scales decoded 4 rows at a time (x_scales4), the kernel before (.carry/base_src: the
     # parent commit's src) and after, alternated; then the canonical-products tests on this CPU
-    s32a) for r in 1 2; do for v in base src; do
-            P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
-            echo "### $v, round $r"
-            PYTHONPATH=$P:/tmp/hm-site timeout 200 python3 benchmarks/bench_types.py --threads 16 --repeat 2 \
-              --batches 1,8 --types IQ4_XS,Q3_K,IQ4_KS,IQ4_K,IQ5_K,Q2_K,IQ2_K,Q4_0 2>&1 | grep -E "^\| [IQ]"
-          done; done
+    s32a) ab 2 "" types --threads 16 --batches 1,8 --types IQ4_XS,Q3_K,IQ4_KS,IQ4_K,IQ5_K,Q2_K,IQ2_K,Q4_0
           HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_cpu_kernel_types.py -p no:cacheprovider \
             -k "any_batch or moe_ffn or qmatmul or activation_terms" 2>&1 | tail -3 ;;
     # issue 24: experts in RAM, tg128 with IQ4_KS and the Q3_K mix's experts, before and after x_scales4
     s32b) for m in iq4_ks q3_k_mix; do python3 -m hybridmoe.cli synth qwen3-30b-a3b-$m 2>&1 | tail -1
-            for r in 1 2; do for v in base src; do
-              P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
-              echo "### $m $v, round $r"
-              PYTHONPATH=$P:/tmp/hm-site timeout 150 python3 -m hybridmoe.cli bench -m synth:qwen3-30b-a3b-$m -ngl 99 \
-                -ot exps=CPU -p 512 -n 128 -r 2 --roofline 2>&1 | grep -E "^\| " | tail -2
-            done; done; done ;;
+            ab 2 "$m " bench_rows -m synth:qwen3-30b-a3b-$m -ngl 99 -ot exps=CPU -p 512 -n 128 -r 2 --roofline; done ;;
     # issue 24: x_scales4 at T=1 on 8 and 16 threads, before / after alternated three times; then tg128 of the Q3_K
     # mix's experts in RAM with the decode share held at 3 experts (the kernel alone decides the difference)
-    s32c) for th in 8 16; do for r in 1 2 3; do for v in base src; do
-            P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
-            echo "### $v, $th threads, round $r"
-            PYTHONPATH=$P:/tmp/hm-site timeout 100 python3 benchmarks/bench_types.py --threads $th --repeat 2 --batches 1 \
-              --types IQ4_XS,Q3_K,IQ4_KS,IQ4_K,Q2_K,Q4_0 2>&1 | grep -E "^\| [IQ]"
-          done; done; done
+    s32c) for th in 8 16; do ab 3 "$th threads " types --threads $th --batches 1 --types IQ4_XS,Q3_K,IQ4_KS,IQ4_K,Q2_K,Q4_0
+          done
           python3 -m hybridmoe.cli synth qwen3-30b-a3b-q3_k_mix 2>&1 | tail -1
-          for r in 1 2; do for v in base src; do
-            P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
-            echo "### q3_k_mix $v, share 3, round $r"
-            HYBRIDMOE_DECODE_SHARE=3 PYTHONPATH=$P:/tmp/hm-site timeout 100 python3 -m hybridmoe.cli bench \
-              -m synth:qwen3-30b-a3b-q3_k_mix -ngl 99 -ot exps=CPU -p 0 -n 128 -r 3 2>&1 | grep -E "^\| " | tail -1
-          done; done ;;
+          HYBRIDMOE_DECODE_SHARE=3 ab 2 "q3_k_mix, share 3, " bench_rows -m synth:qwen3-30b-a3b-q3_k_mix -ngl 99 \
+            -ot exps=CPU -p 0 -n 128 -r 3 ;;
     # the decode share's count on Q4_0 and the Q3_K mix's experts in RAM: the planner's own (and what it chose)
     # against 2, 3 and 4 experts of 8 forced, alternated twice
     s32d) for m in "" -q3_k_mix; do python3 -m hybridmoe.cli synth qwen3-30b-a3b$m 2>&1 | tail -1
@@ -351,19 +345,9 @@ for s in "$@"; do
                 -ot exps=CPU -p 0 -n 128 -r 3 2>&1 | grep -E "^\| .*tg128|decode share:" | cut -c1-150
             done; done; done ;;
     # issue 24: x_scales4 with IQ3_K and IQ2_KS too, T=1 on 16 threads, before (.carry/base_src) / after, 3 rounds
-    s32e) for r in 1 2 3; do for v in base src; do
-            P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
-            echo "### $v, round $r"
-            PYTHONPATH=$P:/tmp/hm-site timeout 100 python3 benchmarks/bench_types.py --threads 16 --repeat 2 --batches 1 \
-              --types IQ3_K,IQ2_KS,IQ4_XS,Q3_K,IQ4_KS,Q4_0 2>&1 | grep -E "^\| [IQ]"
-          done; done ;;
+    s32e) ab 3 "" types --threads 16 --batches 1 --types IQ3_K,IQ2_KS,IQ4_XS,Q3_K,IQ4_KS,Q4_0 ;;
     # issue 24: IQ2_KL's and Q6_K's scales 4 rows at a time, T=1 on 16 threads, before / after, 3 rounds
-    s32f) for r in 1 2 3; do for v in base src; do
-            P=$PWD/src; [ $v = base ] && P=$PWD/.carry/base_src
-            echo "### $v, round $r"
-            PYTHONPATH=$P:/tmp/hm-site timeout 100 python3 benchmarks/bench_types.py --threads 16 --repeat 2 --batches 1 \
-              --types IQ2_KL,Q6_K,IQ4_XS,Q4_0 2>&1 | grep -E "^\| [IQ]"
-          done; done ;;
+    s32f) ab 3 "" types --threads 16 --batches 1 --types IQ2_KL,Q6_K,IQ4_XS,Q4_0 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
