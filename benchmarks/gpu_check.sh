@@ -348,6 +348,17 @@ for s in "$@"; do
     s32e) ab 3 "" types --threads 16 --batches 1 --types IQ3_K,IQ2_KS,IQ4_XS,Q3_K,IQ4_KS,Q4_0 ;;
     # issue 24: IQ2_KL's and Q6_K's scales 4 rows at a time, T=1 on 16 threads, before / after, 3 rounds
     s32f) ab 3 "" types --threads 16 --batches 1 --types IQ2_KL,Q6_K,IQ4_XS,Q4_0 ;;
+    # issue 24: the per-16 types' float chains four to a row in one zmm (cdot_ref's four chains), before
+    # (.carry/base_src: the parent commit's src) / after alternated: T=1 on 16 threads three times; the
+    # canonical-products tests on this CPU (AMX tiles included)
+    s33a) ab 3 "" types --threads 16 --batches 1 --types IQ4_XS,Q3_K,IQ4_KS,IQ4_K,Q6_K,Q2_K,IQ3_K,IQ2_KS,Q4_0
+          HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_cpu_kernel_types.py \
+            tests/test_prompt_precision.py -p no:cacheprovider -k "any_batch or moe_ffn or qmatmul or activation_terms \
+            or dense_products" 2>&1 | tail -3 ;;
+    # the same on 1 and 4 threads, two rounds (~6.5 minutes); s33c: T=256 on 16 threads (the AMX int8 tiles' chains)
+    s33b) ab 2 "1 thread " types --threads 1 --batches 1 --repeat 1 --types IQ4_XS,Q3_K,Q6_K,Q2_K,Q4_0
+          ab 2 "4 threads " types --threads 4 --batches 1 --repeat 1 --types IQ4_XS,Q3_K,IQ4_KS,Q6_K,Q2_K,Q4_0 ;;
+    s33c) ab 2 "T=256 " types --threads 16 --batches 256 --repeat 1 --types IQ4_XS,IQ4_KS,Q6_K,Q3_K,Q4_0 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -233,12 +233,13 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q, int t
  * - Q4_K, Q5_K (sub-block j of 32 in a super-block; S_j = d sc_j, M_j = dmin m_j, v = q unsigned):
  *     acc = fma((float)I_b, S_j * xs_b, acc), accm = fma(M_j, sx_b, accm) (sx_b = xs_b sum X, quant_x8's sxf),
  *     two chains, b ascending; the result is acc - accm.
- * - Q6_K (sub-block i of 16, S_i = d sc_i, v = q - 32):
- *     I_i = sum v X over the 16, acc = fma((float)I_i, S_i * xs_(i/2), acc).
- * - x types (IQ4_XS, Q3_K, Q2_K, IQ4_KS, IQ4_K, IQ3_K, IQ2_K; sub-block i of 16, v = u - X_OFF, S_i, M_i as x_scales):
- *     I_i = sum v X over the 16, acc = fma((float)I_i, S_i * xs_(i/2), acc), Q2_K: accm = fma(M_i, sx16_i, accm)
- *     (sx16_i = xs sum X over the 16, quant_x8's sx16); the result is acc - accm.
- * One chain per (row, token) over the blocks in order: the integers are exact however a kernel sums them
+ * - Q6_K and the x types (every type whose scales are per 16: IQ4_XS, Q3_K, Q2_K, the K/KS/KL, grid and trellis
+ *   types; sub-block i of 16 along the row, S_i, M_i as x_scales or prep_k, v = u - X_OFF, Q6_K: q - 32):
+ *     I_i = sum v X over the 16, four chains by i mod 4: acc_(i%4) = fma((float)I_i, S_i * xs_(i/2), acc_(i%4)),
+ *     Q2_K: accm_(i%4) = fma(M_i, sx16_i, accm_(i%4)) (sx16_i = xs sum X over the 16, quant_x8's sx16); the
+ *     result is ((acc_0 + acc_1) + (acc_2 + acc_3)) - ((accm_0 + accm_1) + (accm_2 + accm_3)). Four chains, so
+ *     that a kernel holding 4 sub-blocks of 4 rows in one vector takes them with one FMA (kern_qc).
+ * Chains per (row, token) over the blocks in order: the integers are exact however a kernel sums them
  * (lanes, tiles), and the float steps are the same few roundings in the same order everywhere.
  */
 static inline int b32_value(int ti, const uint8_t *blk, int l) {
@@ -295,7 +296,7 @@ static float cdot_ref(int ti, const uint8_t *row, int64_t K, const xq8 *q) {
         }
         return acc;
     }
-    float accm = 0.0f;
+    float accm = 0.0f, a4[4] = {0.0f, 0.0f, 0.0f, 0.0f}, m4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (IS_X(ti)) {
         const float rd = x_rowscale(ti, row);
         for (int64_t s = 0; s < K / 256; s++) {
@@ -307,11 +308,11 @@ static float cdot_ref(int ti, const uint8_t *row, int64_t K, const xq8 *q) {
                 int32_t I = 0;
                 for (int l = 0; l < 16; l++)
                     I += (x_value(ti, b, 16 * i + l) - X_OFF(ti)) * (256 * q->q1[e0 + l] + q->q2[e0 + l]);
-                acc = fmaf((float)I, S[i] * q->xsb[e0 / 32], acc);
-                if (X_MIN(ti)) accm = fmaf(M[i], q->sx16[e0 / 16], accm);
+                a4[i % 4] = fmaf((float)I, S[i] * q->xsb[e0 / 32], a4[i % 4]);
+                if (X_MIN(ti)) m4[i % 4] = fmaf(M[i], q->sx16[e0 / 16], m4[i % 4]);
             }
         }
-        return acc - accm;
+        return ((a4[0] + a4[1]) + (a4[2] + a4[3])) - ((m4[0] + m4[1]) + (m4[2] + m4[3]));
     }
     for (int64_t s = 0; s < K / 256; s++) {
         const uint8_t *b = row + s * TINFO[ti].ts;
@@ -322,9 +323,13 @@ static float cdot_ref(int ti, const uint8_t *row, int64_t K, const xq8 *q) {
             int32_t I = 0;
             const int64_t e0 = 256 * s + len * i, blk = e0 / 32;
             for (int l = 0; l < len; l++) I += kq_value(ti, b, len * i + l) * (256 * q->q1[e0 + l] + q->q2[e0 + l]);
+            if (ti == I_Q6_K) {
+                a4[i % 4] = fmaf((float)I, S[i] * q->xsb[blk], a4[i % 4]);
+                continue;
+            }
             acc = fmaf((float)I, S[i] * q->xsb[blk], acc);
-            if (ti != I_Q6_K) accm = fmaf(M[i], q->sxf[blk], accm);
+            accm = fmaf(M[i], q->sxf[blk], accm);
         }
     }
-    return acc - accm;
+    return ti == I_Q6_K ? (a4[0] + a4[1]) + (a4[2] + a4[3]) : acc - accm;
 }

@@ -161,59 +161,65 @@ static void a8_unpack_row(int ti, const uint8_t *row, int64_t k0, int64_t kc, in
         else { _tile_dpbssd(c1, 2, 3); if (two) _tile_dpbssd(c2, 2, 4); } \
     } while (0)
 
-/* c[16 rows][16 tokens] (+)= the canonical chain of 16 unpacked weight rows (A, A8_LDA apart; scales ws, 32
- * apart per block) and token block tb over the pass's blocks: elements [k0, k0 + kc) of K. Software-pipelined:
- * block b's products run (tiles 0, 1 or 5, 6 in turn) while block b - 1's sums are stored and go into the
- * float chain; a block's loads, products and store otherwise wait on each other in turn. (Double-buffering
- * the operand tiles instead, the sums single: 10% slower in the model, 2026-11-25.) */
+/* c[16 rows][16 tokens] (+)= the canonical chains of 16 unpacked weight rows (A, A8_LDA apart; scales ws, 32
+ * apart per block) and token block tb over the pass's blocks: elements [k0, k0 + kc) of K. The per-16 types'
+ * four chains (cdot_ref: sub-blocks i = L mod 4) one after the other, chain L at c + L * cst; the others' one.
+ * Software-pipelined: a block's products run (tiles 0, 1 or 5, 6 in turn) while the previous block's sums are
+ * stored and go into the float chain; a block's loads, products and store otherwise wait on each other in turn.
+ * (Double-buffering the operand tiles instead, the sums single: 10% slower in the model, 2026-11-25.) */
 static void a8_chain(int ti, const int8_t *A, const float *ws, const uint8_t *tb, int64_t K, int64_t k0, int64_t kc,
-                     float *c, int acc_in, pfq *pq, int64_t per) {
-    const int q6 = SB16(ti), us = ti == I_Q4_K || ti == I_Q5_K;
+                     float *c, int64_t cst, int acc_in, pfq *pq, int64_t per) {
+    const int q6 = SB16(ti), us = ti == I_Q4_K || ti == I_Q5_K, nch = q6 ? 4 : 1;
     const int two = act_terms(ti) > 1;                     /* one term: q2 = 0, its tiles skipped */
     const int8_t *B1 = (const int8_t *)tb, *B2 = B1 + 16 * K;
     const float *xs = (const float *)(tb + 32 * K);
     int32_t cb[2][16][16] __attribute__((aligned(64)));
-    __m512 acc[16];
-#pragma GCC unroll 16
-    for (int m = 0; m < 16; m++) acc[m] = acc_in ? _mm512_loadu_ps(c + 16 * m) : _mm512_setzero_ps();
     const int64_t len = q6 ? 16 : 32, nbk = kc / len;
-    for (int64_t b = 0; b <= nbk; b++) {
-        if (b < nbk) {
-            const int64_t ba = k0 / len + b;               /* block (sub-block) index within K */
-            if (b & 1) A8_PRODUCTS(5, 6);
-            else A8_PRODUCTS(0, 1);
-        }
-        if (b == 0) continue;
-        const int64_t bp = b - 1, bpa = k0 / len + bp;     /* the previous block: store, then its float chain */
-        if (bp & 1) { _tile_stored(5, cb[0], 64); if (two) _tile_stored(6, cb[1], 64); }
-        else { _tile_stored(0, cb[0], 64); if (two) _tile_stored(1, cb[1], 64); }
-        pfq_run(pq, per);
-        const __m512 xv = _mm512_loadu_ps(xs + 16 * (q6 ? bpa / 2 : bpa));
-        const float *wb = ws + bp * 32;
-        if (two) {
+    for (int L = 0; L < nch; L++) {
+        float *cl = c + L * cst;
+        __m512 acc[16];
 #pragma GCC unroll 16
-            for (int m = 0; m < 16; m++) {
-                const __m512i i = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cb[0][m]), 8),
-                                                   _mm512_load_si512(cb[1][m]));
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(_mm512_set1_ps(wb[m]), xv), acc[m]);
+        for (int m = 0; m < 16; m++) acc[m] = acc_in ? _mm512_loadu_ps(cl + 16 * m) : _mm512_setzero_ps();
+        const int64_t nn = (nbk - L + nch - 1) / nch;      /* the chain's blocks L, L + nch, ... */
+        for (int64_t n = 0; n <= nn; n++) {
+            if (n < nn) {
+                const int64_t b = L + n * nch, ba = k0 / len + b;   /* block (sub-block) index within K */
+                if (n & 1) A8_PRODUCTS(5, 6);
+                else A8_PRODUCTS(0, 1);
             }
-        } else {
+            if (n == 0) continue;
+            const int64_t bp = L + (n - 1) * nch, bpa = k0 / len + bp;   /* the previous block: store, chain */
+            if ((n - 1) & 1) { _tile_stored(5, cb[0], 64); if (two) _tile_stored(6, cb[1], 64); }
+            else { _tile_stored(0, cb[0], 64); if (two) _tile_stored(1, cb[1], 64); }
+            pfq_run(pq, per);
+            const __m512 xv = _mm512_loadu_ps(xs + 16 * (q6 ? bpa / 2 : bpa));
+            const float *wb = ws + bp * 32;
+            if (two) {
 #pragma GCC unroll 16
-            for (int m = 0; m < 16; m++) {
-                const __m512i i = _mm512_slli_epi32(_mm512_load_si512(cb[0][m]), 8);
-                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(_mm512_set1_ps(wb[m]), xv), acc[m]);
+                for (int m = 0; m < 16; m++) {
+                    const __m512i i = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cb[0][m]), 8),
+                                                       _mm512_load_si512(cb[1][m]));
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(_mm512_set1_ps(wb[m]), xv), acc[m]);
+                }
+            } else {
+#pragma GCC unroll 16
+                for (int m = 0; m < 16; m++) {
+                    const __m512i i = _mm512_slli_epi32(_mm512_load_si512(cb[0][m]), 8);
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(_mm512_set1_ps(wb[m]), xv), acc[m]);
+                }
             }
         }
+#pragma GCC unroll 16
+        for (int m = 0; m < 16; m++) _mm512_storeu_ps(cl + 16 * m, acc[m]);
     }
-#pragma GCC unroll 16
-    for (int m = 0; m < 16; m++) _mm512_storeu_ps(c + 16 * m, acc[m]);
 }
 #undef A8_PRODUCTS
 #endif
 
 /* One int8 tile step: C[j][g] ([16 rows][16 tokens] floats, g = 0: the 16 rows at w0, 1: at w1) = the
  * canonical products of those rows (rb bytes each, K long) with token blocks j < nb (tbs bytes apart).
- * Passes of TILE_KC (scratch A: 32 x A8_LDA bytes, ws: 32 x TILE_KC/16 floats, wm: 32 x K/32 floats). */
+ * Passes of TILE_KC (scratch A: 32 x A8_LDA bytes, ws: 32 x TILE_KC/16 floats, wm: 32 x K/32 floats; C: the
+ * per-16 types' four chains, nb x 512 floats apart, summed into the first after the last pass). */
 static void tile_step_q8(int ti, const uint8_t *w0, const uint8_t *w1, int64_t rb, int64_t K, const uint8_t *tb,
                          int64_t tbs, int nb, int8_t *A, float *ws, float *wm, float *C, pfq *pq) {
 #if HM_AMX8
@@ -227,9 +233,16 @@ static void tile_step_q8(int ti, const uint8_t *w0, const uint8_t *w1, int64_t r
             a8_unpack_row(ti, m < 16 ? w0 + m * rb : w1 + (m - 16) * rb, k0, kc, A + m * A8_LDA, ws + m, wm + m);
         for (int j = 0; j < nb; j++)
             for (int g = 0; g < 2; g++)
-                a8_chain(ti, A + g * 16 * A8_LDA, ws + 16 * g, tb + j * tbs, K, k0, kc, C + (j * 2 + g) * 256, k0 > 0,
-                         pq, per);
+                a8_chain(ti, A + g * 16 * A8_LDA, ws + 16 * g, tb + j * tbs, K, k0, kc, C + (j * 2 + g) * 256,
+                         (int64_t)nb * 512, k0 > 0, pq, per);
     }
+    if (SB16(ti))                                         /* the four chains: (0 + 1) + (2 + 3), into chain 0 */
+        for (int64_t i = 0; i < (int64_t)nb * 512; i += 16) {
+            const int64_t cs = (int64_t)nb * 512;
+            const __m512 s01 = _mm512_add_ps(_mm512_loadu_ps(C + i), _mm512_loadu_ps(C + cs + i));
+            const __m512 s23 = _mm512_add_ps(_mm512_loadu_ps(C + 2 * cs + i), _mm512_loadu_ps(C + 3 * cs + i));
+            _mm512_storeu_ps(C + i, _mm512_add_ps(s01, s23));
+        }
     if (ti == I_Q4_K || ti == I_Q5_K)                     /* the mins' chain, then acc - accm */
         for (int j = 0; j < nb; j++) {
             const float *sx = (const float *)(tb + j * tbs + 32 * K) + K / 32 * 16;
@@ -252,10 +265,11 @@ static void tile_step_q8(int ti, const uint8_t *w0, const uint8_t *w1, int64_t r
 #endif
 }
 
-/* per-thread scratch of tile_step_q8 for rows of K: A, ws, wm, C for nbmax token blocks, and quant_x8's */
+/* per-thread scratch of tile_step_q8 for rows of K: A, ws, wm, C for nbmax token blocks (four chains each: the
+ * per-16 types'), and quant_x8's */
 static size_t a8_scratch(int64_t K, int64_t nbmax) {
     return ((size_t)32 * A8_LDA + (size_t)32 * (TILE_KC / 16) * 4 + (size_t)32 * (K / 32) * 4 +
-            (size_t)nbmax * 2048 + xq8_bytes(K) + 5 * 64 + 63) & ~(size_t)63;
+            (size_t)nbmax * 2048 * 4 + xq8_bytes(K) + 5 * 64 + 63) & ~(size_t)63;
 }
 
 typedef struct { int8_t *A; float *ws, *wm, *C; void *xq; } a8_bufs;
@@ -268,7 +282,7 @@ static a8_bufs a8_layout(char *p, int64_t K, int64_t nbmax) {
     q = (q + 63) & ~(uintptr_t)63;
     b.wm = (float *)q; q += (size_t)32 * (K / 32) * 4;
     q = (q + 63) & ~(uintptr_t)63;
-    b.C = (float *)q; q += (size_t)nbmax * 2048;
+    b.C = (float *)q; q += (size_t)nbmax * 2048 * 4;
     b.xq = (void *)((q + 63) & ~(uintptr_t)63);
     return b;
 }

@@ -101,14 +101,26 @@ HM_INLINE __m512i qc_rows4(const __m512i *qv, const int R, const int8_t *q1, con
 
 #include "cpu_vnni_x.h"   /* x_u64, x_scales16, rows4_T, x_scales4 */
 
+/* cdot_ref's four chains of a per-16 type in one vector (lane 4L + r: row r's chain L) -> per row r (lane r):
+ * (chain 0 + chain 1) + (chain 2 + chain 3) */
+HM_INLINE __m128 chains4(const __m512 a) {
+    const __m512 s = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, 0xB1));   /* lanes 0: L0 + L1, 2: L2 + L3 */
+    return _mm_add_ps(_mm512_castps512_ps128(s), _mm512_extractf32x4_ps(s, 2));
+}
+
 /* res[r * NT + t] = cdot_ref(row w[r], token xq[t]) for R rows (1, 2 or 4) and NT tokens (1-4), bit for bit:
  * the weights of a step are unpacked once for all NT tokens; per token the rows' lane sums are reduced to
- * block sums (rows4_lanes) and the float chain runs over the rows in an xmm (one lane a row). */
+ * block sums (rows4_lanes) and the float chains run over the rows: the per-32 types' in an xmm (one lane a
+ * row), the per-16 types' four chains in a zmm (lane 4L + r: row r's sub-blocks i = L mod 4). */
 HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *const *w, const uint8_t *const *pf,
                        int64_t K, const xq8 *const *xq, float *res) {
     __m128 acc[4], accm[4];                              /* accm: the K-quants' mins */
+    __m512 a16[4], m16[4];                               /* the per-16 types' chains and Q2_K's mins */
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; t++) acc[t] = accm[t] = _mm_setzero_ps();
+    for (int t = 0; t < NT; t++) {
+        acc[t] = accm[t] = _mm_setzero_ps();
+        a16[t] = m16[t] = _mm512_setzero_ps();
+    }
     const __m512i z = _mm512_setzero_si512();
     const int two = act_terms(ti) > 1;                  /* the activations' terms (the weight type's count) */
     const int ts = TINFO[ti].ts;
@@ -150,14 +162,16 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
             for (int r = 0; r < R; r++) ex[r] = x_extra16v(ti, w[r] + TINFO[ti].hdr + o);
             x_scales_rows(ti, R, w, o, rd4, Sc, Mc);
             if (X_MIN(ti)) {
-                float Mm[16][4] __attribute__((aligned(64)));
+                const __m512i i4 = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                       14, 15), 2);
 #pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) _mm512_store_ps(Mm[4 * c], Mc[c]);
+                for (int t = 0; t < NT; t++) {
+                    const __m512 sx = _mm512_loadu_ps(xq[t]->sx16 + e / 16);
 #pragma GCC unroll 4
-                for (int t = 0; t < NT; t++)
-#pragma GCC unroll 16
-                    for (int i = 0; i < 16; i++)
-                        accm[t] = _mm_fmadd_ps(_mm_load_ps(Mm[i]), _mm_set1_ps(xq[t]->sx16[e / 16 + i]), accm[t]);
+                    for (int c = 0; c < 4; c++)   /* lane 4L + r: sx16 of sub-block 4c + L */
+                        m16[t] = _mm512_fmadd_ps(Mc[c], _mm512_permutexvar_ps(_mm512_add_epi32(i4,
+                                                     _mm512_set1_epi32(4 * c)), sx), m16[t]);
+                }
             }
 #pragma GCC unroll 4
             for (int c = 0; c < 4; c++) {
@@ -172,12 +186,8 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
                     __m512i l4 = qc_rows4(qv, R, q->q1 + j, q->q2 + j, two);
                     if (X_OFF(ti))
                         l4 = _mm512_sub_epi32(l4, _mm512_slli_epi32(_mm512_load_si512(q->sxi4 + j / 4), X_OFF_SH(ti)));
-                    const __m512 f = _mm512_cvtepi32_ps(l4);
                     const __m512 sc = _mm512_mul_ps(sv, _mm512_load_ps(q->xs + 16 * (j / 64)));
-                    acc[t] = _mm_fmadd_ps(_mm512_castps512_ps128(f), _mm512_castps512_ps128(sc), acc[t]);
-                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 1), _mm512_extractf32x4_ps(sc, 1), acc[t]);
-                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 2), _mm512_extractf32x4_ps(sc, 2), acc[t]);
-                    acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 3), _mm512_extractf32x4_ps(sc, 3), acc[t]);
+                    a16[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l4), sc, a16[t]);
                 }
             }
         } else if (ti == I_Q6_K) {
@@ -206,12 +216,8 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
                         const xq8 *q = xq[t];
                         __m512i l4 = qc_rows4(qv, R, q->q1 + j, q->q2 + j, two);
                         l4 = _mm512_sub_epi32(l4, _mm512_slli_epi32(_mm512_load_si512(q->sxi4 + j / 4), 5));
-                        const __m512 f = _mm512_cvtepi32_ps(l4);
                         const __m512 sc = _mm512_mul_ps(sv, _mm512_load_ps(q->xs + 16 * (j / 64)));
-                        acc[t] = _mm_fmadd_ps(_mm512_castps512_ps128(f), _mm512_castps512_ps128(sc), acc[t]);
-                        acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 1), _mm512_extractf32x4_ps(sc, 1), acc[t]);
-                        acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 2), _mm512_extractf32x4_ps(sc, 2), acc[t]);
-                        acc[t] = _mm_fmadd_ps(_mm512_extractf32x4_ps(f, 3), _mm512_extractf32x4_ps(sc, 3), acc[t]);
+                        a16[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l4), sc, a16[t]);
                     }
                 }
             }
@@ -276,7 +282,8 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
 #pragma GCC unroll 4
     for (int t = 0; t < NT; t++) {
         float v[4];
-        _mm_storeu_ps(v, IS_K(ti) && ti != I_Q6_K ? _mm_sub_ps(acc[t], accm[t]) : acc[t]);
+        _mm_storeu_ps(v, SB16(ti) ? chains4(a16[t]) : X_MIN(ti) ? _mm_sub_ps(chains4(a16[t]), chains4(m16[t])) :
+                         IS_K(ti) ? _mm_sub_ps(acc[t], accm[t]) : acc[t]);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) res[r * NT + t] = v[r];
     }
