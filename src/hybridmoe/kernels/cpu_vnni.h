@@ -121,7 +121,6 @@ HM_INLINE void kern_qc(const int ti, const int R, const int NT, const uint8_t *c
         acc[t] = accm[t] = _mm_setzero_ps();
         a16[t] = m16[t] = _mm512_setzero_ps();
     }
-    const __m512i z = _mm512_setzero_si512();
     const int two = act_terms(ti) > 1;                  /* the activations' terms (the weight type's count) */
     const int ts = TINFO[ti].ts;
     const int step = IS_K(ti) ? ts : 2 * ts;            /* bytes per iteration: 64 or 256 weights */

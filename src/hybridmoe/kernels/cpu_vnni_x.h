@@ -294,6 +294,21 @@ HM_INLINE __m512i kt_u64(const int ti, const uint8_t *b, const int c) {
     return _mm512_add_epi8(kt_sums64(s), _mm512_set1_epi8(2));      /* 128 + v = sum + 2 */
 }
 
+#if GRID_VEC
+/* the table values of indices q (< 32) of chunk c, lane L taking table (bit 4c + L of ex) of XTAB[ti]: that bit is
+ * put at bit 5 of each byte (vpmultishiftqb rotates it out of the broadcast ex), so one vpermb over both tables'
+ * 64 bytes looks them up */
+HM_INLINE __m512i x_tab2(const int ti, const __m512i q, const int c, const int ex) {
+#define XT_O(L) (long long)(0x0101010101010101ull * (uint64_t)((4 * c + (L) + 59) & 63))
+    const __m512i sel = _mm512_multishift_epi64_epi8(_mm512_set_epi64(XT_O(3), XT_O(3), XT_O(2), XT_O(2), XT_O(1),
+                                                                       XT_O(1), XT_O(0), XT_O(0)),
+                                                     _mm512_set1_epi64((long long)(unsigned)ex));
+#undef XT_O
+    return _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(q, sel, _mm512_set1_epi8(0x20), 0xF8),   /* a | (b & c) */
+                                   _mm512_loadu_si512((const void *)XTAB[ti]));
+}
+#endif
+
 /* chunk c (elements 64c..64c+63) of x-type super-block b as unsigned bytes, in element order (ex: x_extra16) */
 HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int ex) {
     __m512i q;
@@ -317,6 +332,9 @@ HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int e
             (const __m256i *)(b + X_QS(ti) + 32 * c))), mqk, 0);
         q = _mm512_or_si512(q, _mm512_gf2p8affine_epi64_epi8(_mm512_broadcast_i64x4(_mm256_loadu_si256(
             (const __m256i *)(b + X_QH(ti)))), mh, 0));
+#if GRID_VEC
+        return x_tab2(ti, q, c, ex);
+#endif
         /* 32-entry tables, two per extra bit: four vpshufb, merged by bit 4 and the lanes' extra bits */
         const __mmask64 h = _mm512_test_epi8_mask(q, _mm512_set1_epi8(0x10)), e = lanes_mask((unsigned)(ex >> 4 * c) & 0xF);
 #define XT(k, o) _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(XTAB[ti][k] + (o))))
@@ -347,6 +365,9 @@ HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int e
         }
     }
     if (!X_TAB(ti)) return q;
+#if GRID_VEC
+    if (X_EXTRA(ti)) return x_tab2(ti, q, c, ex);
+#endif
     const __m512i u = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)XTAB[ti][0])), q);
     if (!X_EXTRA(ti)) return u;
     return _mm512_mask_shuffle_epi8(u, lanes_mask((unsigned)(ex >> 4 * c) & 0xF),
