@@ -227,6 +227,7 @@ static void tile_step_q8(int ti, const uint8_t *w0, const uint8_t *w1, int64_t r
      * own loads from memory then): spread evenly over the chains' blocks (bursts every 8 blocks slowed them) */
     const int64_t calls = (int64_t)nb * 2 * (K / 16) + 1;
     const int64_t per = (pfq_left(pq) + calls - 1) / calls;
+    const int64_t cs = (int64_t)nb * 512;                 /* the per-16 types' chain L at C + L cs */
     for (int64_t k0 = 0; k0 < K; k0 += TILE_KC) {
         const int64_t kc = K - k0 < TILE_KC ? K - k0 : TILE_KC;
         for (int m = 0; m < 32; m++)
@@ -234,11 +235,10 @@ static void tile_step_q8(int ti, const uint8_t *w0, const uint8_t *w1, int64_t r
         for (int j = 0; j < nb; j++)
             for (int g = 0; g < 2; g++)
                 a8_chain(ti, A + g * 16 * A8_LDA, ws + 16 * g, tb + j * tbs, K, k0, kc, C + (j * 2 + g) * 256,
-                         (int64_t)nb * 512, k0 > 0, pq, per);
+                         cs, k0 > 0, pq, per);
     }
     if (SB16(ti))                                         /* the four chains: (0 + 1) + (2 + 3), into chain 0 */
-        for (int64_t i = 0; i < (int64_t)nb * 512; i += 16) {
-            const int64_t cs = (int64_t)nb * 512;
+        for (int64_t i = 0; i < cs; i += 16) {
             const __m512 s01 = _mm512_add_ps(_mm512_loadu_ps(C + i), _mm512_loadu_ps(C + cs + i));
             const __m512 s23 = _mm512_add_ps(_mm512_loadu_ps(C + 2 * cs + i), _mm512_loadu_ps(C + 3 * cs + i));
             _mm512_storeu_ps(C + i, _mm512_add_ps(s01, s23));
