@@ -315,13 +315,14 @@ HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int e
     if (X_GRID(ti)) return grid_u64(ti, b, c);
     if (X_KT(ti)) return kt_u64(ti, b, c);
     if (X_PAIRS(ti)) {   /* sub-blocks 2c, 2c + 1: 32 pair indices -> 32 u16 of two u each (vpermw) */
-        const __m128i m4 = _mm_set1_epi8(0x0F), b4 = _mm_set1_epi8(0x10);
-        const __m128i qs = _mm_loadu_si128((const __m128i *)(b + 6 + 16 * c));
-        const __m128i qh = _mm_loadu_si128((const __m128i *)(b + 70));
-        const __m128i i0 = _mm_or_si128(_mm_and_si128(qs, m4), _mm_and_si128(_mm_slli_epi16(_mm_srli_epi16(qh, 2 * c), 4), b4));
-        const __m128i i1 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), m4),
-                                        _mm_and_si128(_mm_slli_epi16(_mm_srli_epi16(qh, 2 * c + 1), 4), b4));
-        const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(i1, i0));
+        /* [qs, qs] -> [low nibbles, high nibbles]; bit 2c (2c + 1) of qh -> bit 4 of the low (high) half */
+        const __m256i nib = _mm256_gf2p8affine_epi64_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(
+            (const __m128i *)(b + 6 + 16 * c))), _mm256_set_epi64x((long long)GF_HI, (long long)GF_HI,
+                                                                  (long long)GF_LO, (long long)GF_LO), 0);
+        const __m256i hb = _mm256_gf2p8affine_epi64_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(
+            (const __m128i *)(b + 70))), _mm256_set_epi64x((long long)GF_BIT(2 * c + 1), (long long)GF_BIT(2 * c + 1),
+                                                           (long long)GF_BIT(2 * c), (long long)GF_BIT(2 * c)), 0);
+        const __m512i idx = _mm512_cvtepu8_epi16(_mm256_or_si256(nib, hb));
         return _mm512_permutexvar_epi16(idx, _mm512_load_si512((const void *)KL_PAIRS));
     }
     if (X_NIB64(ti)) {   /* [qs, qs] -> [low nibbles, high nibbles], bits 2c, 2c + 1 of qh -> bit 4 */
