@@ -359,6 +359,9 @@ for s in "$@"; do
     s33b) ab 2 "1 thread " types --threads 1 --batches 1 --repeat 1 --types IQ4_XS,Q3_K,Q6_K,Q2_K,Q4_0
           ab 2 "4 threads " types --threads 4 --batches 1 --repeat 1 --types IQ4_XS,Q3_K,IQ4_KS,Q6_K,Q2_K,Q4_0 ;;
     s33c) ab 2 "T=256 " types --threads 16 --batches 256 --repeat 1 --types IQ4_XS,IQ4_KS,Q6_K,Q3_K,Q4_0 ;;
+    # issue 24: the two-table types' lookups by one vpermb (x_tab2) and IQ2_KL's indices by gf2p8affine, T=1 on 16
+    # threads, before (.carry/base_src: a copy of 513d192's src/) / after, 3 rounds (not yet run)
+    s33d) ab 3 "" types --threads 16 --batches 1 --repeat 1 --types IQ4_KS,IQ4_K,IQ5_K,IQ2_K,IQ3_K,IQ2_KS,IQ2_KL,Q4_0 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
