@@ -42,6 +42,19 @@ __attribute__((constructor)) static void init_e8m0_table(void) {
 #define B32_D(ti, b) ((ti) == I_MXFP4 ? &g_e8m0[(b)[0]] : &F16(b))
 #endif
 
+#if HM_AVX2
+/* the 32 nibbles of 16 bytes: low nibbles (weights 0-15) in the low lane, high nibbles (16-31) in the high one */
+HM_INLINE __m256i nib32(const uint8_t *p) {
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+#if defined(__GFNI__)
+    return _mm256_gf2p8affine_epi64_epi8(q, _mm256_set_epi64x((long long)GF_HI, (long long)GF_HI, (long long)GF_LO,
+                                                              (long long)GF_LO), 0);
+#else
+    return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+#endif
+}
+#endif
+
 static int q8_type(int ti, int64_t K) {
     return K % 64 == 0 && (INT8_512 || INT8_256) &&
            (IS_B32(ti) || ti == I_Q4_K || ti == I_Q5_K || ti == I_Q6_K || ((ti == I_Q8_0 || IS_X(ti)) && INT8_512) ||
@@ -359,17 +372,6 @@ HM_INLINE __m256i bits_to4(const __m256i v, const int k, const int two) {
 #else
     const __m256i t = k < 4 ? _mm256_slli_epi16(v, 4 - k) : _mm256_srli_epi16(v, k - 4);
     return _mm256_and_si256(t, _mm256_set1_epi8(two ? 0x30 : 0x10));
-#endif
-}
-
-/* the 32 nibbles of 16 bytes: low nibbles (weights 0-15) in the low lane, high nibbles (16-31) in the high one */
-HM_INLINE __m256i nib32(const uint8_t *p) {
-    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-#if defined(__GFNI__)
-    return _mm256_gf2p8affine_epi64_epi8(q, _mm256_set_epi64x((long long)GF_HI, (long long)GF_HI, (long long)GF_LO,
-                                                              (long long)GF_LO), 0);
-#else
-    return _mm256_and_si256(_mm256_srlv_epi64(q, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 #endif
 }
 

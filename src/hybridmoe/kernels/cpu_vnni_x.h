@@ -315,10 +315,8 @@ HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int e
     if (X_GRID(ti)) return grid_u64(ti, b, c);
     if (X_KT(ti)) return kt_u64(ti, b, c);
     if (X_PAIRS(ti)) {   /* sub-blocks 2c, 2c + 1: 32 pair indices -> 32 u16 of two u each (vpermw) */
-        /* [qs, qs] -> [low nibbles, high nibbles]; bit 2c (2c + 1) of qh -> bit 4 of the low (high) half */
-        const __m256i nib = _mm256_gf2p8affine_epi64_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(
-            (const __m128i *)(b + 6 + 16 * c))), _mm256_set_epi64x((long long)GF_HI, (long long)GF_HI,
-                                                                  (long long)GF_LO, (long long)GF_LO), 0);
+        /* the nibbles of qs (low ones, then high); bit 2c (2c + 1) of qh -> bit 4 of the low (high) half */
+        const __m256i nib = nib32(b + 6 + 16 * c);
         const __m256i hb = _mm256_gf2p8affine_epi64_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(
             (const __m128i *)(b + 70))), _mm256_set_epi64x((long long)GF_BIT(2 * c + 1), (long long)GF_BIT(2 * c + 1),
                                                            (long long)GF_BIT(2 * c), (long long)GF_BIT(2 * c)), 0);
@@ -335,7 +333,7 @@ HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int e
             (const __m256i *)(b + X_QH(ti)))), mh, 0));
 #if GRID_VEC
         return x_tab2(ti, q, c, ex);
-#endif
+#else
         /* 32-entry tables, two per extra bit: four vpshufb, merged by bit 4 and the lanes' extra bits */
         const __mmask64 h = _mm512_test_epi8_mask(q, _mm512_set1_epi8(0x10)), e = lanes_mask((unsigned)(ex >> 4 * c) & 0xF);
 #define XT(k, o) _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)(XTAB[ti][k] + (o))))
@@ -344,6 +342,7 @@ HM_INLINE __m512i x_u64(const int ti, const uint8_t *b, const int c, const int e
         u = _mm512_mask_shuffle_epi8(u, ~h & e, XT(1, 0), q);
         return _mm512_mask_shuffle_epi8(u, h & e, XT(1, 16), q);
 #undef XT
+#endif
     }
     if (X_NIB(ti)) {   /* 32-blocks 2c, 2c + 1: [qs0, qs0, qs1, qs1] -> nibbles [lo0, hi0, lo1, hi1] */
         const __m512i mq40 = _mm512_set_epi64(GF_HI, GF_HI, GF_LO, GF_LO, GF_HI, GF_HI, GF_LO, GF_LO);
