@@ -20,6 +20,19 @@ ab() {
   done; done
 }
 types() { timeout 200 python3 benchmarks/bench_types.py --repeat 2 "$@" 2>&1 | grep -E "^\| [IQ]"; }
+# `share_sweep PRESET COUNT...`: tg128 with experts in RAM at each decode-share count (auto: the planner's)
+share_sweep() {
+  local p=$1 v
+  shift
+  python3 -m hybridmoe.cli synth "$p" 2>&1 | tail -1
+  for v in "$@"; do
+    echo "### synth:$p -ot exps=CPU, decode share $v"
+    ( [ "$v" = auto ] || export HYBRIDMOE_DECODE_SHARE=$v
+      timeout 120 python3 -m hybridmoe.cli bench -m synth:$p -ngl 99 -ot exps=CPU -p 0 -n 128 -r 3 --roofline 2>&1 \
+        | grep -E "tg128" )
+  done
+  find "$HYBRIDMOE_CACHE" -name "synth-$p-v*.gguf" -delete
+}
 bench_rows() { timeout 150 python3 -m hybridmoe.cli bench "$@" 2>&1 | grep -E "^\| " | tail -2; }
 for s in "$@"; do
   echo "=============== $s"
@@ -360,8 +373,12 @@ for s in "$@"; do
           ab 2 "4 threads " types --threads 4 --batches 1 --repeat 1 --types IQ4_XS,Q3_K,IQ4_KS,Q6_K,Q2_K,Q4_0 ;;
     s33c) ab 2 "T=256 " types --threads 16 --batches 256 --repeat 1 --types IQ4_XS,IQ4_KS,Q6_K,Q3_K,Q4_0 ;;
     # issue 24: the two-table types' lookups by one vpermb (x_tab2) and IQ2_KL's indices by gf2p8affine, T=1 on 16
-    # threads, before (.carry/base_src: a copy of 513d192's src/) / after, 3 rounds (not yet run)
+    # threads, before (.carry/base_src: a copy of 513d192's src/) / after, 3 rounds
     s33d) ab 3 "" types --threads 16 --batches 1 --repeat 1 --types IQ4_KS,IQ4_K,IQ5_K,IQ2_K,IQ3_K,IQ2_KS,IQ2_KL,Q4_0 ;;
+    # issue 24: the decode share's count with experts in RAM, the planner's own (auto) against forced counts
+    # around it, tg128 of the IQ4_KS and IQ2_KT experts (the CPU kernel near the RAM's rate / bound by its decoding)
+    s34a) share_sweep qwen3-30b-a3b-iq4_ks auto 2 3 4 auto
+          share_sweep qwen3-30b-a3b-iq2_kt auto 4 5 6 auto ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
