@@ -4,7 +4,7 @@ torch._grouped_mm (runtime/experts._grouped_moe), in one run. Reports ms a layer
 bytes the batch touches, the same run's bf16 GEMM rate and device copy bandwidth, and the relative
 difference of the two paths. Usage (GPU machine):
 
-    python3 benchmarks/bench_moe_prefill.py [Q4_0,Q8_0] [128,512,2048,4096]
+    python3 benchmarks/bench_moe_prefill.py [Q4_0,Q8_0] [128,512,2048,4096]     (also Q4_K, Q6_K, IQ4_XS, ...)
     python3 benchmarks/bench_moe_prefill.py --tiles [Q4_0,Q8_0] [64,128,512,2048,4096]
 
 --tiles times each of gpu_moe.TILES on the gate/up and the down kernel separately (us a call, rows per
@@ -58,7 +58,7 @@ def main(types, batches):
         ws = [QTensor(n, random_blocks(q, s, g), q, s, dev) for n, s in (("g", (E, F, H)), ("u", (E, F, H)),
                                                                            ("d", (E, H, F)))]
         raws = [w.raw for w in ws]
-        sraws = [split_rows(r, q) for r in raws]
+        sraws = [split_rows(r, q) for r in raws] if q in (GGMLType.Q4_0, GGMLType.Q8_0) else None
         nbytes = 2 * E * F * row_bytes(q, H) + E * H * row_bytes(q, F)
         for T in batches:
             x = torch.randn(T, H, device="cuda", generator=g)
@@ -66,7 +66,7 @@ def main(types, batches):
             wts = torch.softmax(torch.randn(T, K_USED, device="cuda", generator=g), -1)
             touched = int(torch.unique(ids).numel()) / E
             fused = timed(lambda: gpu_moe.moe(x, ids, wts, *raws, q, q))
-            fsplit = timed(lambda: gpu_moe.moe(x, ids, wts, *sraws, q, q, gate_split=True, down_split=True))
+            fsplit = sraws and timed(lambda: gpu_moe.moe(x, ids, wts, *sraws, q, q, gate_split=True, down_split=True))
             ref = timed(lambda: X._grouped_moe(x, ids, wts, *raws, ws[0], ws[2]))
             y1 = gpu_moe.moe(x, ids, wts, *raws, q, q)
             y2 = X._grouped_moe(x, ids, wts, *raws, ws[0], ws[2])
@@ -74,7 +74,7 @@ def main(types, batches):
             flops = 2 * 3 * T * K_USED * H * F
             print(f"| {name} | {T} | {fused * 1e3:.3f} | {flops / fused / 1e12:.1f} | "
                   f"{nbytes * touched / fused / 1e9:.0f} | {ref * 1e3:.3f} | {ref / fused:.2f} | {diff:.1e} | "
-                  f"{fsplit * 1e3:.3f} |")
+                  f"{f'{fsplit * 1e3:.3f}' if sraws else ''} |")
             if T == 512 and name == "Q4_0":                 # rows per block around block_rows' choice
                 for bm in (16, 32, 64, 128):
                     t = timed(lambda: gpu_moe.moe(x, ids, wts, *raws, q, q, bm=bm))

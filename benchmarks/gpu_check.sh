@@ -379,6 +379,20 @@ for s in "$@"; do
     # around it, tg128 of the IQ4_KS and IQ2_KT experts (the CPU kernel near the RAM's rate / bound by its decoding)
     s34a) share_sweep qwen3-30b-a3b-iq4_ks auto 2 3 4 auto
           share_sweep qwen3-30b-a3b-iq2_kt auto 4 5 6 auto ;;
+    # issue 24 point 2: the K-quants' prompt GEMMs fused (gpu_qdot.k_tile) on a GPU: the tests, one layer against
+    # dequantize + grouped_mm, then pp512 all on the GPU and at --n-cpu-moe 24, before (.carry/base_src: the
+    # parent's src, which dequantizes them) / after
+    s34b) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpu_qdot.py tests/test_gpu_decode.py \
+            -k "prefill_moe or tile_rules" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+          HYBRIDMOE_CACHE=/tmp/hm-test timeout 150 python3 -m pytest -q tests/test_static_steps.py -k "no_capture" \
+            -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+          timeout 150 python3 benchmarks/bench_moe_prefill.py Q4_0,Q4_K,Q6_K,Q5_K,Q3_K,IQ4_XS 512,2048 2>&1 | grep -E "^\| [QI]"
+          for P in qwen3-30b-a3b-q3_k_mix qwen3-30b-a3b-q4_k; do
+            python3 -m hybridmoe.cli synth $P 2>&1 | tail -1
+            ab 1 "$P all on GPU, " bench_rows -m synth:$P -ngl 99 -p 512 -n 0 -r 3
+            ab 1 "$P --n-cpu-moe 24, " bench_rows -m synth:$P -ngl 99 --n-cpu-moe 24 -p 512 -n 0 -r 2
+            find "$HYBRIDMOE_CACHE" -name "synth-$P-v*.gguf" -delete
+          done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -61,11 +61,13 @@ def test_every_tile(gq, dq, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gq,dq", [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.IQ4_KS, G.Q8_0)],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("gq,dq", [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.IQ4_KS, G.Q8_0),
+                                   (G.Q4_K, G.Q6_K), (G.Q3_K, G.Q4_K), (G.Q5_K, G.Q5_K), (G.Q6_K, G.Q3_K),
+                                   (G.Q4_K, G.Q4_0), (G.Q4_0, G.Q5_K)], ids=lambda t: t.name)
 def test_prefill_moe_from_bytes(gq, dq):
-    """gpu_moe's grouped GEMMs on IQ4_XS / IQ4_KS rows (one expert with many rows, rows of 3 blocks, a partial
-    column tile) against float64; bf16 operands on a GPU, float32 in the interpreter."""
+    """gpu_moe's grouped GEMMs on IQ4_XS / IQ4_KS and K-quant rows, and mixed with Q4_0's interleaved K order
+    (one expert with many rows, rows of 3 blocks, a partial column tile) against float64; bf16 operands on a
+    GPU, float32 in the interpreter."""
     from hybridmoe.kernels import gpu_moe
     assert gpu_moe.supports(gq, gq, dq)
     E, k, T, H, Fd = (8, 2, 40, 768, 256) if DEV == "cpu" else (16, 4, 70, 2048, 768)

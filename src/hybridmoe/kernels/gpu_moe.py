@@ -37,11 +37,12 @@ try:
     import triton
     import triton.language as tl
 
-    from .gpu_qdot import iq4_tile
+    from .gpu_qdot import iq4_tile, k_tile
 except ImportError:                                      # CPU-only installs
     triton = None
 
-QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.IQ4_XS: 5, GGMLType.IQ4_KS: 6}   # gpu_decode's codes
+QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3, GGMLType.Q5_K: 4,
+          GGMLType.IQ4_XS: 5, GGMLType.IQ4_KS: 6, GGMLType.Q3_K: 7}                # gpu_decode's codes
 # types whose 32-blocks hold Q4_0's nibble layout: the kernel's K order is Q4_0's interleaved one
 _Q4_ORDER = (GGMLType.Q4_0, GGMLType.IQ4_XS, GGMLType.IQ4_KS)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -94,8 +95,10 @@ if triton is not None:
         module docstring; the split layout's 32-bit words give the same order)."""
         b = kb + tl.arange(0, NBK)
         bm = nm[:, None] & (b < nblk)[None, :]                                 # [BN, NBK]
-        if QT >= 5:                                  # IQ4_XS / IQ4_KS: 32-blocks of 256-element blocks
+        if QT == 5 or QT == 6:                       # IQ4_XS / IQ4_KS: 32-blocks of 256-element blocks
             v = iq4_tile(wp, rs, n64, nm, b, bm, QT == 6, BN, NBK)
+        elif QT >= 2:                                # K-quants: the same, in natural order
+            v = k_tile(wp, rs, n64, nm, b, bm, QT, BN, NBK)
         elif SPLIT:                                    # quants as 16-byte vectors, then the f16 scales
             QB: tl.constexpr = 16 if QT == 0 else 32
             rows = wp + n64[:, None] * rs

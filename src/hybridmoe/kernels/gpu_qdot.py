@@ -1,6 +1,7 @@
 """Dot products of GGUF rows with a float activation for the types of the files users run: IQ4_XS, IQ4_KS, Q3_K
 and the trellis IQ2_KT, decoded in registers from their file bytes (gpu_decode._qdot's QT codes 5 to 8 call
-these), and the weight tiles of IQ4_XS / IQ4_KS for gpu_moe's grouped prompt GEMMs (iq4_tile).
+these), and the weight tiles of gpu_moe's grouped prompt GEMMs for IQ4_XS / IQ4_KS (iq4_tile) and the K-quants
+Q3_K, Q4_K, Q5_K, Q6_K (k_tile).
 
 Same block formats as gpu_dequant.py's _iq4_xs_kernel / _iq4_ks_kernel / _q3_k_kernel / _iq2_kt_kernel (read
 those for the byte layouts). Each step takes NB // 8 blocks of 256 of BN rows, so a tile holds as many elements as
@@ -13,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gpu_dequant import f16_at, f32_at
+from .gpu_dequant import f16_at, f32_at, k4_scale_min
 
 
 def _pack(vals) -> int:
@@ -187,3 +188,65 @@ def iq4_tile(wp, rs, n64, nm, b, bm, KS: tl.constexpr, BN: tl.constexpr, NBK: tl
         lb = (tl.load(blk + 4 + s[None, :] // 2, mask=bm, other=0).to(tl.int32) >> (4 * (s % 2))[None, :]) & 15
         dl = f16_at(blk, bm) * ((lb | (hb << 4)) - 32).to(tl.float32)
     return v * dl[:, :, None, None]
+
+
+@triton.jit
+def _bytes32(p, m, W: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
+    """The 32 bytes at byte pointers p [BN, NBK] (real where m), as int32 [BN, NBK, 32] in order: read as 8
+    int32 words (W 4: p a multiple of 4) or 16 halfwords (W 2)."""
+    if W == 4:
+        c = tl.arange(0, 8)
+        w = tl.load(p.to(tl.pointer_type(tl.int32))[:, :, None] + c[None, None, :], mask=m[:, :, None], other=0)
+        # byte i of word c: element 4c + i
+        v = tl.join(tl.join(w & 255, (w >> 16) & 255), tl.join((w >> 8) & 255, (w >> 24) & 255))
+    else:
+        c = tl.arange(0, 16)
+        w = tl.load(p.to(tl.pointer_type(tl.uint16))[:, :, None] + c[None, None, :], mask=m[:, :, None],
+                    other=0).to(tl.int32)
+        v = tl.join(w & 255, w >> 8)
+    return tl.reshape(v, [BN, NBK, 32])
+
+
+@triton.jit
+def k_tile(wp, rs, n64, nm, b, bm, QT: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
+    """Weights [BN, NBK, 32] (float32) of rows n64 (rs bytes each, from wp; real where nm) of a Q4_K (QT 2),
+    Q6_K (3), Q5_K (4) or Q3_K (7) matrix, 32-blocks b (sub-block s = b % 8 of super-block b // 8, or its two
+    16-element sub-blocks; real where bm [BN, NBK]), elements in their natural order. Q4_K's and Q5_K's 144-
+    and 176-byte blocks are read as int32 words, Q6_K's 210 and Q3_K's 110 bytes as halfwords (the layouts:
+    gpu_dequant.py's kernels of these types)."""
+    row = wp + n64 * rs
+    s = b % 8
+    if QT == 2 or QT == 4:           # d, dmin, 12 scale bytes, (Q5_K: qh[32]), 4 x 32 bytes of nibbles
+        BS: tl.constexpr = 144 if QT == 2 else 176
+        QS: tl.constexpr = 16 if QT == 2 else 48
+        blk = row[:, None] + (b // 8)[None, :] * BS                                    # [BN, NBK]
+        # sub-block s: the low (s even) or high nibbles of the 32 bytes of group s // 2
+        q = (_bytes32(blk + QS + (32 * (s // 2))[None, :], bm, 4, BN, NBK) >> (4 * (s % 2))[None, :, None]) & 15
+        if QT == 4:                  # bit s of qh[l]: the 5th bit of element l
+            q = q | (((_bytes32(blk + 16, bm, 4, BN, NBK) >> s[None, :, None]) & 1) << 4)
+        sc, mn = k4_scale_min(blk + 4, s[None, :], bm)
+        v = (f16_at(blk, bm) * sc)[:, :, None] * q.to(tl.float32) - (f16_at(blk + 2, bm) * mn)[:, :, None]
+    else:                            # element 128 h + 32 k + l of a block: h = s // 4, k = s % 4
+        h = s // 4
+        k = s % 4
+        i = (8 * h + 2 * k)[None, :, None] + tl.arange(0, 2)[None, None, :]            # [1, NBK, 2]: the 16s' scales
+        m3 = bm[:, :, None]
+        if QT == 3:                  # Q6_K: ql[128], qh[64], 16 int8 scales, f16 d
+            blk = row[:, None] + (b // 8)[None, :] * 210
+            ql = _bytes32(blk + (64 * h + 32 * (k % 2))[None, :], bm, 2, BN, NBK)
+            qh = _bytes32(blk + (128 + 32 * h)[None, :], bm, 2, BN, NBK)
+            q = ((ql >> (4 * (k // 2))[None, :, None]) & 15) | (((qh >> (2 * k)[None, :, None]) & 3) << 4)
+            q = q - 32
+            sc = tl.load(blk[:, :, None] + 192 + i, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            d = f16_at(blk + 208, bm)
+        else:                        # Q3_K: hmask[32], qs[64], 12 scale bytes, f16 d; bit 4h + k of hmask[l]
+            blk = row[:, None] + (b // 8)[None, :] * 110
+            qs = _bytes32(blk + (32 + 32 * h)[None, :], bm, 2, BN, NBK)
+            hm = _bytes32(blk, bm, 2, BN, NBK)
+            q = ((qs >> (2 * k)[None, :, None]) & 3) - ((((hm >> (4 * h + k)[None, :, None]) & 1) ^ 1) << 2)
+            lo = (tl.load(blk[:, :, None] + 96 + i % 8, mask=m3, other=0).to(tl.int32) >> (4 * (i // 8))) & 15
+            hi = (tl.load(blk[:, :, None] + 104 + i % 4, mask=m3, other=0).to(tl.int32) >> (2 * (i // 4))) & 3
+            sc = ((lo | (hi << 4)) - 32).to(tl.float32)
+            d = f16_at(blk + 108, bm)
+        v = tl.reshape(q.to(tl.float32), [BN, NBK, 2, 16]) * (d[:, :, None] * sc)[:, :, :, None]
+    return v
