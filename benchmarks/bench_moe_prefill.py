@@ -17,6 +17,7 @@ import torch
 
 from hybridmoe.devices import Device
 from hybridmoe.kernels import gpu_moe
+from hybridmoe.quant.random_blocks import random_tensor
 from hybridmoe.quant.ref import random_blocks, split_rows
 from hybridmoe.quant.types import GGMLType, row_bytes
 from hybridmoe.runtime import experts as X
@@ -55,8 +56,10 @@ def main(types, batches):
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in types:
         q = GGMLType[name]
-        ws = [QTensor(n, random_blocks(q, s, g), q, s, dev) for n, s in (("g", (E, F, H)), ("u", (E, F, H)),
-                                                                           ("d", (E, H, F)))]
+        # ref's generator where it has the type (the Q4_0 / Q8_0 rows measured before), every other type's else
+        mk = (lambda s: random_blocks(q, s, g)) if q in (GGMLType.Q4_0, GGMLType.Q8_0) else \
+            (lambda s: random_tensor(q, s, torch.Generator().manual_seed(0)).cuda())
+        ws = [QTensor(n, mk(s), q, s, dev) for n, s in (("g", (E, F, H)), ("u", (E, F, H)), ("d", (E, H, F)))]
         raws = [w.raw for w in ws]
         sraws = [split_rows(r, q) for r in raws] if q in (GGMLType.Q4_0, GGMLType.Q8_0) else None
         nbytes = 2 * E * F * row_bytes(q, H) + E * H * row_bytes(q, F)

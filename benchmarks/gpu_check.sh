@@ -393,6 +393,12 @@ for s in "$@"; do
             ab 1 "$P --n-cpu-moe 24, " bench_rows -m synth:$P -ngl 99 --n-cpu-moe 24 -p 512 -n 0 -r 2
             find "$HYBRIDMOE_CACHE" -name "synth-$P-v*.gguf" -delete
           done ;;
+    # the rest of s34b (its call ended at Q4_K's --n-cpu-moe 24 row): Q3_K's and IQ4_XS's layer, that row
+    s34c) timeout 120 python3 benchmarks/bench_moe_prefill.py Q3_K,IQ4_XS,Q4_K 512,2048 2>&1 | grep -E "^\| [QI]"
+          python3 -m hybridmoe.cli synth qwen3-30b-a3b-q4_k 2>&1 | tail -1
+          ab 1 "qwen3-30b-a3b-q4_k --n-cpu-moe 24, " bench_rows -m synth:qwen3-30b-a3b-q4_k -ngl 99 --n-cpu-moe 24 \
+            -p 512 -n 0 -r 2
+          find "$HYBRIDMOE_CACHE" -name "synth-qwen3-30b-a3b-q4_k-v*.gguf" -delete ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
