@@ -399,6 +399,17 @@ for s in "$@"; do
           ab 1 "qwen3-30b-a3b-q4_k --n-cpu-moe 24, " bench_rows -m synth:qwen3-30b-a3b-q4_k -ngl 99 --n-cpu-moe 24 \
             -p 512 -n 0 -r 2
           find "$HYBRIDMOE_CACHE" -name "synth-qwen3-30b-a3b-q4_k-v*.gguf" -delete ;;
+    # Q2_K's GPU kernels (gpu_qdot.qdot_q2_k, k_tile): the tests, the decode tiles, one prompt layer, then the
+    # UD-Q2_K_XL-like mix with experts in RAM (the decode share, which Q2_K lacked) and all on the GPU, before
+    # (.carry/base_src: the parent's src) / after
+    s34d) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpu_qdot.py -k "Q2_K or q2_k" \
+            -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+          timeout 60 python3 benchmarks/bench_moe_decode.py --tiles Q2_K,Q3_K 2>&1 | tail -6
+          timeout 60 python3 benchmarks/bench_moe_prefill.py Q2_K 512,2048 2>&1 | grep -E "^\| [QI]"
+          python3 -m hybridmoe.cli synth qwen3-30b-a3b-q2_k_mix 2>&1 | tail -1
+          ab 1 "q2_k_mix -ot exps=CPU, " bench_rows -m synth:qwen3-30b-a3b-q2_k_mix -ngl 99 -ot exps=CPU -p 512 -n 128 \
+            -r 2 --roofline
+          ab 1 "q2_k_mix all on GPU, " bench_rows -m synth:qwen3-30b-a3b-q2_k_mix -ngl 99 -p 512 -n 128 -r 2 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -1,6 +1,6 @@
-"""gpu_decode's MoE GEMV kernels on the expert types of users' files (IQ4_XS, IQ4_KS, Q3_K; kernels/gpu_qdot.py)
-against the reference dequantizer in float64, and a model with such experts on a GPU decoding through the
-static step as the eager decoder does.
+"""gpu_decode's MoE GEMV kernels on the expert types of users' files (IQ4_XS, IQ4_KS, Q3_K, Q2_K, IQ2_KT;
+kernels/gpu_qdot.py) against the reference dequantizer in float64, and a model with such experts on a GPU decoding
+through the static step as the eager decoder does.
 
 They run on a GPU, or on the CPU in Triton's interpreter (`PYTHONPATH=src:/tmp/tritonpkg:/tmp/np23
 TRITON_INTERPRET=1 python -m pytest tests/test_gpu_qdot.py`); otherwise they are skipped (CI has neither). The
@@ -24,7 +24,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 
-TYPES = [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.Q3_K, G.Q4_K), (G.Q3_K, G.Q3_K), (G.IQ2_KT, G.IQ2_KT)]
+TYPES = [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.Q3_K, G.Q4_K), (G.Q3_K, G.Q3_K), (G.IQ2_KT, G.IQ2_KT),
+         (G.Q2_K, G.Q3_K)]
 # (E, k, H, F, T): Qwen3-30B-A3B's expert shape; 3 blocks a row (fewer than a step's); one block a row
 SHAPES = [(8, 4, 2048, 768, 2), (6, 3, 768, 256, 1), (4, 2, 256, 512, 1)] if DEV == "cuda" else \
     [(4, 2, 768, 256, 1)]
@@ -63,7 +64,7 @@ def test_every_tile(gq, dq, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("gq,dq", [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.IQ4_KS, G.Q8_0),
                                    (G.Q4_K, G.Q6_K), (G.Q3_K, G.Q4_K), (G.Q5_K, G.Q5_K), (G.Q6_K, G.Q3_K),
-                                   (G.Q4_K, G.Q4_0), (G.Q4_0, G.Q5_K)], ids=lambda t: t.name)
+                                   (G.Q4_K, G.Q4_0), (G.Q4_0, G.Q5_K), (G.Q2_K, G.Q3_K)], ids=lambda t: t.name)
 def test_prefill_moe_from_bytes(gq, dq):
     """gpu_moe's grouped GEMMs on IQ4_XS / IQ4_KS and K-quant rows, and mixed with Q4_0's interleaved K order
     (one expert with many rows, rows of 3 blocks, a partial column tile) against float64; bf16 operands on a
@@ -117,7 +118,7 @@ IDS = [(i * 37 + 11) % 1000 + 3 for i in range(12)]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny-iq4_ks", "tiny-iq4_xs"] +
-                         (["tiny-q3_k_mix", "tiny-iq2_kt"] if DEV == "cuda" else []))
+                         (["tiny-q3_k_mix", "tiny-iq2_kt", "tiny-q2_k_mix"] if DEV == "cuda" else []))
 def test_static_decode_matches_eager(preset, monkeypatch):
     """-ngl 99 with these experts: the static decode step (the fused kernels from the file's bytes) decodes the
     same greedy tokens as the eager decoder (dequantize + GEMMs), logits within float32 noise (bf16 noise on a

@@ -16,7 +16,7 @@ from hybridmoe.models.synth import PRESETS, ensure_synth, preset_config, preset_
 from hybridmoe.quant.dequant import dequantize
 from hybridmoe.quant.types import GGMLType as T
 
-TINY_MIXES = ("tiny-iq4_ks", "tiny-q3_k_mix", "tiny-iq2_kt", "tiny-iq4_xs", "tiny-deepseek2-iq4_ks_r4")
+TINY_MIXES = ("tiny-iq4_ks", "tiny-q3_k_mix", "tiny-iq2_kt", "tiny-iq4_xs", "tiny-q2_k_mix", "tiny-deepseek2-iq4_ks_r4")
 IDS = [(7 * i + 3) % 1000 + 1 for i in range(24)]
 PLACEMENTS = {
     "cpu": {},

@@ -34,12 +34,13 @@ try:
     import triton.language as tl
 
     from .gpu_dequant import f16_at, k4_scale_min, quant_blocks as _quant_blocks
-    from .gpu_qdot import qdot_iq2_kt, qdot_iq4, qdot_q3_k
+    from .gpu_qdot import qdot_iq2_kt, qdot_iq4, qdot_q2_k, qdot_q3_k
 except ImportError:                                      # CPU-only installs
     triton = None
 
 QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3, GGMLType.Q5_K: 4,
-          GGMLType.IQ4_XS: 5, GGMLType.IQ4_KS: 6, GGMLType.Q3_K: 7, GGMLType.IQ2_KT: 8}   # 5-8: kernels/gpu_qdot.py
+          GGMLType.IQ4_XS: 5, GGMLType.IQ4_KS: 6, GGMLType.Q3_K: 7, GGMLType.IQ2_KT: 8,
+          GGMLType.Q2_K: 9}                                                     # 5-9: kernels/gpu_qdot.py
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: one tile, no inline PTX
 AWAIT_MAX_POLLS = 1 << 26                                # add_rms_norm(wait=): ~1 us a poll over PCIe, ~a minute
 
@@ -158,10 +159,12 @@ if triton is not None:
 
         Q4_0/Q8_0 blocks are read as 16-bit words (their 18 and 34 bytes keep them 2-byte aligned), half the
         loads of a byte-wise read. K-quants take NB // 8 blocks of 256 per step (the same elements per tile);
-        IQ4_XS, IQ4_KS, Q3_K and IQ2_KT (QT 5-8) are gpu_qdot's."""
+        IQ4_XS, IQ4_KS, Q3_K, IQ2_KT and Q2_K (QT 5-9) are gpu_qdot's."""
         acc = tl.zeros([BN], tl.float32)
         if QT >= 5:
-            if QT == 8:
+            if QT == 9:
+                acc = qdot_q2_k(wrow, row_stride, n, nm, xp, K, BN, NB)
+            elif QT == 8:
                 acc = qdot_iq2_kt(wrow, row_stride, n, nm, xp, K, BN, NB)
             elif QT == 7:
                 acc = qdot_q3_k(wrow, row_stride, n, nm, xp, K, BN, NB)
@@ -508,7 +511,7 @@ def share_layout_ok(qtypes, expert_bytes) -> bool:
 
 # The users' types with fused kernels of their own (kernels/gpu_qdot.py); HYBRIDMOE_GPU_QDOT=0 dequantizes these
 # experts first instead (runtime/experts.py), the path they took before those kernels
-QDOT = frozenset({GGMLType.IQ4_XS, GGMLType.IQ4_KS, GGMLType.Q3_K, GGMLType.IQ2_KT})
+QDOT = frozenset({GGMLType.IQ4_XS, GGMLType.IQ4_KS, GGMLType.Q3_K, GGMLType.IQ2_KT, GGMLType.Q2_K})
 
 
 def fused(qtype) -> bool:

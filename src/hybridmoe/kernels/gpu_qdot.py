@@ -1,11 +1,12 @@
-"""Dot products of GGUF rows with a float activation for the types of the files users run: IQ4_XS, IQ4_KS, Q3_K
-and the trellis IQ2_KT, decoded in registers from their file bytes (gpu_decode._qdot's QT codes 5 to 8 call
+"""Dot products of GGUF rows with a float activation for the types of the files users run: IQ4_XS, IQ4_KS, Q3_K,
+Q2_K and the trellis IQ2_KT, decoded in registers from their file bytes (gpu_decode._qdot's QT codes 5 to 9 call
 these), and the weight tiles of gpu_moe's grouped prompt GEMMs for IQ4_XS / IQ4_KS (iq4_tile) and the K-quants
-Q3_K, Q4_K, Q5_K, Q6_K (k_tile).
+Q2_K to Q6_K (k_tile).
 
-Same block formats as gpu_dequant.py's _iq4_xs_kernel / _iq4_ks_kernel / _q3_k_kernel / _iq2_kt_kernel (read
-those for the byte layouts). Each step takes NB // 8 blocks of 256 of BN rows, so a tile holds as many elements as
-gpu_decode's Q4_0 and K-quant steps; sums are taken per sub-block and scaled once, not per element.
+Same block formats as gpu_dequant.py's _iq4_xs_kernel / _iq4_ks_kernel / _q3_k_kernel / _iq2_kt_kernel and
+quant/ref.py's Q2_K (read those for the byte layouts). Each step takes NB // 8 blocks of 256 of BN rows, so a tile
+holds as many elements as gpu_decode's Q4_0 and K-quant steps; sums are taken per sub-block and scaled once, not
+per element.
 IQ4_NL's 16-value table lives in two int64 constants (byte q of the pair is value q), so a lookup is a shift,
 not a load; IQ4_KS's second table is IQ4_NL's plus 4 (quant/ref_ik.py _IQ4K), added per sub-block.
 """
@@ -124,6 +125,38 @@ def qdot_q3_k(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr
 
 
 @triton.jit
+def qdot_q2_k(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr):
+    """Q2_K (84 bytes: 16 scale bytes, qs[64], f16 d, f16 dmin). Element 128 h + 32 k + l is bits 2k of qs[32 h +
+    l]; sub-block i = e // 16 has scale byte i: d (its low nibble) q - dmin (its high nibble). The tile as Q3_K's."""
+    NBK: tl.constexpr = NB // 8
+    bi = tl.arange(0, NBK)
+    nblk = K // 256
+    r = tl.arange(0, 4)
+    h = r // 2
+    l = (r % 2)[:, None] * 16 + tl.arange(0, 16)[None, :]                             # [4, 16]
+    acc = tl.zeros([BN, NBK, 4], tl.float32)
+    for kb in range(0, nblk, NBK):
+        b = kb + bi
+        bm = b < nblk
+        m2 = nm[:, None] & bm[None, :]
+        m3 = m2[:, :, None]
+        blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 84              # [BN, NBK]
+        qs = tl.load(blk[:, :, None, None] + (16 + 32 * h[:, None] + l)[None, None], mask=m3[:, :, :, None],
+                     other=0).to(tl.int32)                                              # [BN, NBK, 4, 16]
+        xb = xp + b[:, None, None] * 256 + (128 * h[:, None] + l)[None]                  # [NBK, 4, 16]
+        part = tl.zeros([BN, NBK, 4], tl.float32)
+        mins = tl.zeros([BN, NBK, 4], tl.float32)
+        for k in tl.static_range(4):
+            xv = tl.load(xb + 32 * k, mask=bm[:, None, None], other=0)
+            sq = tl.sum(((qs >> (2 * k)) & 3).to(tl.float32) * xv[None], axis=3)         # [BN, NBK, 4]
+            sc = tl.load(blk[:, :, None] + (8 * h + 2 * k + r % 2)[None, None, :], mask=m3, other=0).to(tl.int32)
+            part += (sc & 15).to(tl.float32) * sq
+            mins += (sc >> 4).to(tl.float32) * tl.sum(xv, axis=2)[None]
+        acc += f16_at(blk + 80, m2)[:, :, None] * part - f16_at(blk + 82, m2)[:, :, None] * mins
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
 def qdot_iq2_kt(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr):
     """IQ2_KT: a float32 d per row, then 68-byte blocks of 256: 4 bytes of scale nibbles (sub-block s of 32:
     nibble s // 4 of byte s % 4, into IQ4_NL's table), then 32 u16 trellis indices, one per group of 8
@@ -210,10 +243,10 @@ def _bytes32(p, m, W: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
 @triton.jit
 def k_tile(wp, rs, n64, nm, b, bm, QT: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
     """Weights [BN, NBK, 32] (float32) of rows n64 (rs bytes each, from wp; real where nm) of a Q4_K (QT 2),
-    Q6_K (3), Q5_K (4) or Q3_K (7) matrix, 32-blocks b (sub-block s = b % 8 of super-block b // 8, or its two
-    16-element sub-blocks; real where bm [BN, NBK]), elements in their natural order. Q4_K's and Q5_K's 144-
-    and 176-byte blocks are read as int32 words, Q6_K's 210 and Q3_K's 110 bytes as halfwords (the layouts:
-    gpu_dequant.py's kernels of these types)."""
+    Q6_K (3), Q5_K (4), Q3_K (7) or Q2_K (9) matrix, 32-blocks b (sub-block s = b % 8 of super-block b // 8, or its two
+    16-element sub-blocks; real where bm [BN, NBK]), elements in their natural order. Q4_K's, Q5_K's and Q2_K's
+    144-, 176- and 84-byte blocks are read as int32 words, Q6_K's 210 and Q3_K's 110 bytes as halfwords (the
+    layouts: gpu_dequant.py's kernels of these types, qdot_q2_k)."""
     row = wp + n64 * rs
     s = b % 8
     if QT == 2 or QT == 4:           # d, dmin, 12 scale bytes, (Q5_K: qh[32]), 4 x 32 bytes of nibbles
@@ -231,7 +264,15 @@ def k_tile(wp, rs, n64, nm, b, bm, QT: tl.constexpr, BN: tl.constexpr, NBK: tl.c
         k = s % 4
         i = (8 * h + 2 * k)[None, :, None] + tl.arange(0, 2)[None, None, :]            # [1, NBK, 2]: the 16s' scales
         m3 = bm[:, :, None]
-        if QT == 3:                  # Q6_K: ql[128], qh[64], 16 int8 scales, f16 d
+        dm = tl.zeros([BN, NBK, 2], tl.float32)                                            # the mins' term
+        if QT == 9:                  # Q2_K: 16 scale bytes (scale | min << 4), qs[64], f16 d, f16 dmin
+            blk = row[:, None] + (b // 8)[None, :] * 84
+            q = (_bytes32(blk + (16 + 32 * h)[None, :], bm, 4, BN, NBK) >> (2 * k)[None, :, None]) & 3
+            sb = tl.load(blk[:, :, None] + i, mask=m3, other=0).to(tl.int32)
+            sc = (sb & 15).to(tl.float32)
+            d = f16_at(blk + 80, bm)
+            dm = f16_at(blk + 82, bm)[:, :, None] * (sb >> 4).to(tl.float32)
+        elif QT == 3:                # Q6_K: ql[128], qh[64], 16 int8 scales, f16 d
             blk = row[:, None] + (b // 8)[None, :] * 210
             ql = _bytes32(blk + (64 * h + 32 * (k % 2))[None, :], bm, 2, BN, NBK)
             qh = _bytes32(blk + (128 + 32 * h)[None, :], bm, 2, BN, NBK)
@@ -248,5 +289,5 @@ def k_tile(wp, rs, n64, nm, b, bm, QT: tl.constexpr, BN: tl.constexpr, NBK: tl.c
             hi = (tl.load(blk[:, :, None] + 104 + i % 4, mask=m3, other=0).to(tl.int32) >> (2 * (i // 4))) & 3
             sc = ((lo | (hi << 4)) - 32).to(tl.float32)
             d = f16_at(blk + 108, bm)
-        v = tl.reshape(q.to(tl.float32), [BN, NBK, 2, 16]) * (d[:, :, None] * sc)[:, :, :, None]
+        v = tl.reshape(q.to(tl.float32), [BN, NBK, 2, 16]) * (d[:, :, None] * sc)[:, :, :, None] - dm[:, :, :, None]
     return v

@@ -25,7 +25,7 @@ _QWEN3_30B = dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv
 _TINY_256 = dict(arch="qwen3moe", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_vocab=1024,
                  n_ctx_train=4096, rms_eps=1e-6, rope_base=1e6, n_expert=8, n_expert_used=2, n_ff_exp=256)
 # preset mix names -> models/mixes.py's
-_MIX = {"q3_k_mix": "q3_k_xl"}
+_MIX = {"q3_k_mix": "q3_k_xl", "q2_k_mix": "ud-q2_k_xl"}
 
 PRESETS = {
     # a few MB: qwen3moe with 8 experts, 2 used; shapes keep every row a multiple of 32 for Q4_0/Q8_0
@@ -47,10 +47,10 @@ PRESETS = {
                                other_type=GGMLType.Q8_0),
     # the same shape in the per-tensor mixes of the files users run (models/mixes.py says what each holds):
     # IQ4_KS (ik_llama.cpp; 15.99 GiB), a UD-Q3_K_XL-like K-quant mix (14.03 GiB), IQ2_KT (trellis; 8.81 GiB),
-    # IQ4_XS (mainline; 15.90 GiB)
-    **{f"qwen3-30b-a3b-{m}": dict(_QWEN3_30B, mix=m) for m in ("iq4_ks", "q3_k_mix", "iq2_kt", "iq4_xs")},
+    # IQ4_XS (mainline; 15.90 GiB), a UD-Q2_K_XL-like one (experts gate/up Q2_K, down Q3_K)
+    **{f"qwen3-30b-a3b-{m}": dict(_QWEN3_30B, mix=m) for m in ("iq4_ks", "q3_k_mix", "iq2_kt", "iq4_xs", "q2_k_mix")},
     # and tiny, with every row a multiple of 256 (the block of these types)
-    **{f"tiny-{m}": dict(_TINY_256, mix=m) for m in ("iq4_ks", "q3_k_mix", "iq2_kt", "iq4_xs")},
+    **{f"tiny-{m}": dict(_TINY_256, mix=m) for m in ("iq4_ks", "q3_k_mix", "iq2_kt", "iq4_xs", "q2_k_mix")},
     # DeepSeek V3's layout, tiny: MLA, a dense first layer, shared expert, sigmoid routing in 2 groups
     "tiny-deepseek2": dict(arch="deepseek2", n_layer=2, n_embd=64, n_head=4, n_head_kv=4, head_dim=64,
                            n_vocab=1024, n_ctx_train=4096, rms_eps=1e-6, rope_base=1e4, n_ff=128, n_expert=8,
