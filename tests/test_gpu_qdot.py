@@ -51,7 +51,7 @@ def test_moe_from_bytes(gq, dq, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gq,dq", TYPES[:3], ids=lambda t: t.name)
+@pytest.mark.parametrize("gq,dq", TYPES[:3] + TYPES[5:], ids=lambda t: t.name)
 def test_every_tile(gq, dq, monkeypatch):
     """Each decode tile gives the reference's result, whichever the rule picks."""
     (graw, uraw, draw), x, ids, wts = _case(gq, dq, 16, 4, 512, 256, 2, seed=7)
