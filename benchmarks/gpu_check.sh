@@ -409,6 +409,10 @@ for s in "$@"; do
           F=$(python3 -m hybridmoe.cli synth qwen3-30b-a3b-q2_k_mix 2>&1 | tail -1); echo "$F"   # a path: base has no preset
           ab 1 "q2_k_mix -ot exps=CPU, " bench_rows -m "$F" -ngl 99 -ot exps=CPU -p 512 -n 128 -r 2 --roofline
           ab 1 "q2_k_mix all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 128 -r 2 ;;
+    # the GPU kernels' tests of the users' types and the decode MoE tests after the Q2_K tile rule; its tiles again
+    s34e) HYBRIDMOE_CACHE=/tmp/hm-test timeout 400 python3 -m pytest -q tests/test_gpu_qdot.py tests/test_gpu_decode.py \
+            -k "qdot or moe or tile" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+          timeout 60 python3 benchmarks/bench_moe_decode.py --tiles Q2_K 2>&1 | tail -3 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
