@@ -399,7 +399,7 @@ for s in "$@"; do
           ab 1 "qwen3-30b-a3b-q4_k --n-cpu-moe 24, " bench_rows -m synth:qwen3-30b-a3b-q4_k -ngl 99 --n-cpu-moe 24 \
             -p 512 -n 0 -r 2
           find "$HYBRIDMOE_CACHE" -name "synth-qwen3-30b-a3b-q4_k-v*.gguf" -delete ;;
-    # Q2_K's GPU kernels (gpu_qdot.qdot_q2_k, k_tile): the tests, the decode tiles, one prompt layer, then the
+    # Q2_K's GPU kernels (gpu_qdot.qdot_q23_k, k_tile): the tests, the decode tiles, one prompt layer, then the
     # UD-Q2_K_XL-like mix with experts in RAM (the decode share, which Q2_K lacked) and all on the GPU, before
     # (.carry/base_src: the parent's src) / after
     s34d) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpu_qdot.py -k "Q2_K or q2_k" \

@@ -34,7 +34,7 @@ try:
     import triton.language as tl
 
     from .gpu_dequant import f16_at, k4_scale_min, quant_blocks as _quant_blocks
-    from .gpu_qdot import qdot_iq2_kt, qdot_iq4, qdot_q2_k, qdot_q3_k
+    from .gpu_qdot import qdot_iq2_kt, qdot_iq4, qdot_q23_k
 except ImportError:                                      # CPU-only installs
     triton = None
 
@@ -162,12 +162,10 @@ if triton is not None:
         IQ4_XS, IQ4_KS, Q3_K, IQ2_KT and Q2_K (QT 5-9) are gpu_qdot's."""
         acc = tl.zeros([BN], tl.float32)
         if QT >= 5:
-            if QT == 9:
-                acc = qdot_q2_k(wrow, row_stride, n, nm, xp, K, BN, NB)
-            elif QT == 8:
+            if QT == 8:
                 acc = qdot_iq2_kt(wrow, row_stride, n, nm, xp, K, BN, NB)
-            elif QT == 7:
-                acc = qdot_q3_k(wrow, row_stride, n, nm, xp, K, BN, NB)
+            elif QT == 7 or QT == 9:
+                acc = qdot_q23_k(wrow, row_stride, n, nm, xp, K, QT == 9, BN, NB)
             else:
                 acc = qdot_iq4(wrow, row_stride, n, nm, xp, K, QT == 6, BN, NB)
         elif QT <= 1:

@@ -89,10 +89,14 @@ def qdot_iq4(wrow, row_stride, n, nm, xp, K, KS: tl.constexpr, BN: tl.constexpr,
 
 
 @triton.jit
-def qdot_q3_k(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr):
-    """Q3_K (110 bytes: hmask[32], qs[64], 12 scale bytes, f16 d). Element 128 h + 32 k + l is bits 2k of
-    qs[32 h + l], minus 4 unless bit 4h + k of hmask[l] is set; sub-block i = e // 16 has scale i (6 bits).
-    Row r of the [4, 16] tile is (h = r // 2, l = 16 (r % 2) + l0); step k of 4 takes one sub-block a row."""
+def qdot_q23_k(wrow, row_stride, n, nm, xp, K, Q2: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+    """Q3_K (Q2 False; 110 bytes: hmask[32], qs[64], 12 scale bytes, f16 d) or Q2_K (84 bytes: 16 scale bytes,
+    qs[64], f16 d, f16 dmin). Element 128 h + 32 k + l is bits 2k of qs[32 h + l]; Q3_K: minus 4 unless bit
+    4h + k of hmask[l] is set, sub-block i = e // 16 has scale i (6 bits); Q2_K: sub-block i has scale byte i,
+    d (its low nibble) q - dmin (its high nibble). Row r of the [4, 16] tile is (h = r // 2, l = 16 (r % 2) +
+    l0); step k of 4 takes one sub-block a row."""
+    BS: tl.constexpr = 84 if Q2 else 110
+    QS: tl.constexpr = 16 if Q2 else 32
     NBK: tl.constexpr = NB // 8
     bi = tl.arange(0, NBK)
     nblk = K // 256
@@ -106,53 +110,34 @@ def qdot_q3_k(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr
         m2 = nm[:, None] & bm[None, :]
         m3 = m2[:, :, None]
         m4 = m3[:, :, :, None]
-        blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 110             # [BN, NBK]
+        blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * BS              # [BN, NBK]
         bp = blk[:, :, None, None]
-        qs = tl.load(bp + (32 + 32 * h[:, None] + l)[None, None], mask=m4, other=0).to(tl.int32)   # [BN, NBK, 4, 16]
-        hm = tl.load(bp + l[None, None], mask=m4, other=0).to(tl.int32)
-        xb = xp + b[:, None, None] * 256 + (128 * h[:, None] + l)[None]                  # [NBK, 4, 16]
-        part = tl.zeros([BN, NBK, 4], tl.float32)
-        for k in tl.static_range(4):
-            q = ((qs >> (2 * k)) & 3) - ((((hm >> (4 * h[:, None] + k)[None, None]) & 1) ^ 1) << 2)
-            xv = tl.load(xb + 32 * k, mask=bm[:, None, None], other=0)
-            sq = tl.sum(q.to(tl.float32) * xv[None], axis=3)                             # [BN, NBK, 4]
-            i = (8 * h + 2 * k + r % 2)[None, None, :]                                   # scale index
-            lo = (tl.load(blk[:, :, None] + 96 + i % 8, mask=m3, other=0).to(tl.int32) >> (4 * (i // 8))) & 15
-            hi = (tl.load(blk[:, :, None] + 104 + i % 4, mask=m3, other=0).to(tl.int32) >> (2 * (i // 4))) & 3
-            part += ((lo | (hi << 4)) - 32).to(tl.float32) * sq
-        acc += f16_at(blk + 108, m2)[:, :, None] * part
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
-
-
-@triton.jit
-def qdot_q2_k(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr):
-    """Q2_K (84 bytes: 16 scale bytes, qs[64], f16 d, f16 dmin). Element 128 h + 32 k + l is bits 2k of qs[32 h +
-    l]; sub-block i = e // 16 has scale byte i: d (its low nibble) q - dmin (its high nibble). The tile as Q3_K's."""
-    NBK: tl.constexpr = NB // 8
-    bi = tl.arange(0, NBK)
-    nblk = K // 256
-    r = tl.arange(0, 4)
-    h = r // 2
-    l = (r % 2)[:, None] * 16 + tl.arange(0, 16)[None, :]                             # [4, 16]
-    acc = tl.zeros([BN, NBK, 4], tl.float32)
-    for kb in range(0, nblk, NBK):
-        b = kb + bi
-        bm = b < nblk
-        m2 = nm[:, None] & bm[None, :]
-        m3 = m2[:, :, None]
-        blk = wrow + n.to(tl.int64)[:, None] * row_stride + b[None, :] * 84              # [BN, NBK]
-        qs = tl.load(blk[:, :, None, None] + (16 + 32 * h[:, None] + l)[None, None], mask=m3[:, :, :, None],
-                     other=0).to(tl.int32)                                              # [BN, NBK, 4, 16]
+        qs = tl.load(bp + (QS + 32 * h[:, None] + l)[None, None], mask=m4, other=0).to(tl.int32)   # [BN, NBK, 4, 16]
+        if Q2:
+            hm = qs
+        else:
+            hm = tl.load(bp + l[None, None], mask=m4, other=0).to(tl.int32)
         xb = xp + b[:, None, None] * 256 + (128 * h[:, None] + l)[None]                  # [NBK, 4, 16]
         part = tl.zeros([BN, NBK, 4], tl.float32)
         mins = tl.zeros([BN, NBK, 4], tl.float32)
         for k in tl.static_range(4):
             xv = tl.load(xb + 32 * k, mask=bm[:, None, None], other=0)
-            sq = tl.sum(((qs >> (2 * k)) & 3).to(tl.float32) * xv[None], axis=3)         # [BN, NBK, 4]
-            sc = tl.load(blk[:, :, None] + (8 * h + 2 * k + r % 2)[None, None, :], mask=m3, other=0).to(tl.int32)
-            part += (sc & 15).to(tl.float32) * sq
-            mins += (sc >> 4).to(tl.float32) * tl.sum(xv, axis=2)[None]
-        acc += f16_at(blk + 80, m2)[:, :, None] * part - f16_at(blk + 82, m2)[:, :, None] * mins
+            i = (8 * h + 2 * k + r % 2)[None, None, :]                                   # scale index
+            if Q2:
+                sq = tl.sum(((qs >> (2 * k)) & 3).to(tl.float32) * xv[None], axis=3)     # [BN, NBK, 4]
+                sc = tl.load(blk[:, :, None] + i, mask=m3, other=0).to(tl.int32)
+                part += (sc & 15).to(tl.float32) * sq
+                mins += (sc >> 4).to(tl.float32) * tl.sum(xv, axis=2)[None]
+            else:
+                q = ((qs >> (2 * k)) & 3) - ((((hm >> (4 * h[:, None] + k)[None, None]) & 1) ^ 1) << 2)
+                sq = tl.sum(q.to(tl.float32) * xv[None], axis=3)
+                lo = (tl.load(blk[:, :, None] + 96 + i % 8, mask=m3, other=0).to(tl.int32) >> (4 * (i // 8))) & 15
+                hi = (tl.load(blk[:, :, None] + 104 + i % 4, mask=m3, other=0).to(tl.int32) >> (2 * (i // 4))) & 3
+                part += ((lo | (hi << 4)) - 32).to(tl.float32) * sq
+        if Q2:
+            acc += f16_at(blk + 80, m2)[:, :, None] * part - f16_at(blk + 82, m2)[:, :, None] * mins
+        else:
+            acc += f16_at(blk + 108, m2)[:, :, None] * part
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
@@ -246,7 +231,7 @@ def k_tile(wp, rs, n64, nm, b, bm, QT: tl.constexpr, BN: tl.constexpr, NBK: tl.c
     Q6_K (3), Q5_K (4), Q3_K (7) or Q2_K (9) matrix, 32-blocks b (sub-block s = b % 8 of super-block b // 8, or its two
     16-element sub-blocks; real where bm [BN, NBK]), elements in their natural order. Q4_K's, Q5_K's and Q2_K's
     144-, 176- and 84-byte blocks are read as int32 words, Q6_K's 210 and Q3_K's 110 bytes as halfwords (the
-    layouts: gpu_dequant.py's kernels of these types, qdot_q2_k)."""
+    layouts: gpu_dequant.py's kernels of these types, qdot_q23_k)."""
     row = wp + n64 * rs
     s = b % 8
     if QT == 2 or QT == 4:           # d, dmin, 12 scale bytes, (Q5_K: qh[32]), 4 x 32 bytes of nibbles
