@@ -63,12 +63,14 @@ static void xq8_init(xq8 *q, void *mem, int64_t K) {
     q->sxi4 = (int32_t *)p;
 }
 
-/* the canonical record of block b: d/256, the exact block sum of X, the per-16 sums (all paths) */
+/* the canonical record of block b: d/256, the exact block sum of X, the per-16 sums exact and as floats (all paths) */
 static inline void xq8_sums(const xq8 *q, int64_t b, float xs, int t1, int t2, const int g1[2], const int g2[2]) {
     q->xsb[b] = xs;
     q->sxi[b] = 256 * t1 + t2;
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < 2; h++) {
+        q->sx16[2 * b + h] = xs * (float)(256 * g1[h] + g2[h]);
         for (int i = 0; i < 4; i++) q->sxi4[(2 * b + h) * 4 + i] = 256 * g1[h] + g2[h];
+    }
 }
 
 /* Activation terms of the integer path, per weight type (docs/cpu-kernels.md, "Activation terms per weight type").
@@ -118,7 +120,6 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q, int t
                 h1[h] = _mm512_reduce_add_epi32(i1);
                 h2[h] = _mm512_reduce_add_epi32(i2);
             }
-            for (int h = 0; h < 2; h++) q->sx16[2 * b + h] = d / 256 * (float)(256 * h1[h] + h2[h]);
             const int t1 = _mm512_reduce_add_epi32(s1), t2 = _mm512_reduce_add_epi32(s2);
             xq8_sums(q, b, d / 256, t1, t2, h1, h2);
             const int64_t p = b / 2, l = (b & 1) * 8;
@@ -182,7 +183,6 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q, int t
                 _mm256_storeu_si256((__m256i *)u2, _mm256_add_epi32(i2[2 * h], i2[2 * h + 1]));
                 int g1 = 0, g2 = 0;
                 for (int j = 0; j < 8; j++) { g1 += u1[j]; g2 += u2[j]; }
-                q->sx16[2 * b + h] = d / 256 * (float)(256 * g1 + g2);
                 gg1[h] = g1;
                 gg2[h] = g2;
             }
@@ -208,7 +208,6 @@ static void quant_x8(const float *x, int64_t b0, int64_t b1, const xq8 *q, int t
             g1[i / 16] += (int)r1;
             g2[i / 16] += (int)r2;
         }
-        for (int h = 0; h < 2; h++) q->sx16[2 * b + h] = d / 256 * (float)(256 * g1[h] + g2[h]);
         xq8_sums(q, b, d / 256, s1, s2, g1, g2);
         const int64_t p = b / 2, l = (b & 1) * 8;
         for (int i = 0; i < 8; i++) {
