@@ -106,8 +106,9 @@ for s in "$@"; do
     split) B -ngl 99 -p 0 -n 64 -r 3 -ot 'ffn_(up|down)_exps=CPU;exps=CPU' ;;
     # issue 24: the expert types of users' files on the 30B shape (models/mixes.py) next to Q4_0 experts, experts
     # in RAM, 24 layers' in RAM, all on the GPU; each mix model is deleted after its rows (~16 GB each, 64 GB disk).
-    # MIXES= picks the presets (default: all five), PLACEMENTS= the placements ('|'-separated, default all three).
-    mixes) for P in ${MIXES:-qwen3-30b-a3b qwen3-30b-a3b-iq4_ks qwen3-30b-a3b-q3_k_mix qwen3-30b-a3b-iq2_kt qwen3-30b-a3b-iq4_xs}; do
+    # MIXES= picks the presets (default: all six), PLACEMENTS= the placements ('|'-separated, default all three).
+    mixes) for P in ${MIXES:-qwen3-30b-a3b qwen3-30b-a3b-iq4_ks qwen3-30b-a3b-q3_k_mix qwen3-30b-a3b-iq2_kt qwen3-30b-a3b-iq4_xs \
+                      qwen3-30b-a3b-q2_k_mix}; do
              ( time hm synth $P ) 2>&1 | grep -E "real|wrote|exists" | tr '\n' ' '; echo
              IFS='|' read -ra PLS <<< "${PLACEMENTS:--ot exps=CPU|--n-cpu-moe 24|gpu}"   # '|'-separated; gpu: all on it
              for PL in "${PLS[@]}"; do

@@ -20,10 +20,11 @@ read in the same order (gpu_qdot.iq4_tile). The activations are permuted the sam
 the gate/up epilogue writes its output permuted for a Q4_0 down), and a dot product doesn't care about the
 order of its terms. Q8_0 words give the natural order, and so do the K-quants Q2_K to Q6_K, each
 32 elements of a 256-element block read as 8 words or 16 halfwords (gpu_qdot.k_tile; a first version that
-gathered their blocks byte by byte ran at 0.74x of dequantize + grouped GEMM, this one 1.6-2.2x faster than it).
+gathered their blocks byte by byte ran at 0.74x of dequantize + grouped GEMM, this one 1.3-2.2x faster than it).
 Other types take that path.
 
-Checked against float64 on the GPU and in Triton's interpreter (tests/test_gpu_decode.py).
+Checked against float64 on the GPU and in Triton's interpreter (tests/test_gpu_decode.py, and test_gpu_qdot.py for
+the IQ4 and K-quant tiles).
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ PRESETS = {
                                other_type=GGMLType.Q8_0),
     # the same shape in the per-tensor mixes of the files users run (models/mixes.py says what each holds):
     # IQ4_KS (ik_llama.cpp; 15.99 GiB), a UD-Q3_K_XL-like K-quant mix (14.03 GiB), IQ2_KT (trellis; 8.81 GiB),
-    # IQ4_XS (mainline; 15.90 GiB), a UD-Q2_K_XL-like one (experts gate/up Q2_K, down Q3_K)
+    # IQ4_XS (mainline; 15.90 GiB), a UD-Q2_K_XL-like one (experts gate/up Q2_K, down Q3_K; 10.77 GiB)
     **{f"qwen3-30b-a3b-{m}": dict(_QWEN3_30B, mix=m) for m in ("iq4_ks", "q3_k_mix", "iq2_kt", "iq4_xs", "q2_k_mix")},
     # and tiny, with every row a multiple of 256 (the block of these types)
     **{f"tiny-{m}": dict(_TINY_256, mix=m) for m in ("iq4_ks", "q3_k_mix", "iq2_kt", "iq4_xs", "q2_k_mix")},
