@@ -41,6 +41,14 @@ def timed(fn, reps=20):
     return best
 
 
+def expert_raw(q, shape, g):
+    """Random experts of type q on the GPU: ref's generator where it has the type (the Q4_0 / Q8_0 rows measured
+    before), every other type's else."""
+    if q in (GGMLType.Q4_0, GGMLType.Q8_0):
+        return random_blocks(q, shape, g)
+    return random_tensor(q, shape, torch.Generator().manual_seed(0)).cuda()
+
+
 def main(types, batches):
     g = torch.Generator(device="cuda").manual_seed(0)
     big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -56,10 +64,8 @@ def main(types, batches):
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in types:
         q = GGMLType[name]
-        # ref's generator where it has the type (the Q4_0 / Q8_0 rows measured before), every other type's else
-        mk = (lambda s: random_blocks(q, s, g)) if q in (GGMLType.Q4_0, GGMLType.Q8_0) else \
-            (lambda s: random_tensor(q, s, torch.Generator().manual_seed(0)).cuda())
-        ws = [QTensor(n, mk(s), q, s, dev) for n, s in (("g", (E, F, H)), ("u", (E, F, H)), ("d", (E, H, F)))]
+        ws = [QTensor(n, expert_raw(q, s, g), q, s, dev) for n, s in (("g", (E, F, H)), ("u", (E, F, H)),
+                                                                      ("d", (E, H, F)))]
         raws = [w.raw for w in ws]
         sraws = [split_rows(r, q) for r in raws] if q in (GGMLType.Q4_0, GGMLType.Q8_0) else None
         nbytes = 2 * E * F * row_bytes(q, H) + E * H * row_bytes(q, F)
@@ -93,7 +99,7 @@ def tiles(types, batches, split=False):
     print("|---|---:|---:|---|" + "---:|" * (len(gpu_moe.TILES) + 1))
     for name in types:
         q = GGMLType[name]
-        gr, ur, dr = (random_blocks(q, s, g) for s in ((E, F, H), (E, F, H), (E, H, F)))
+        gr, ur, dr = (expert_raw(q, s, g) for s in ((E, F, H), (E, F, H), (E, H, F)))
         if split:
             gr, ur, dr = (split_rows(r, q) for r in (gr, ur, dr))
         for T in batches:
@@ -104,11 +110,12 @@ def tiles(types, batches, split=False):
             bm = gpu_moe.block_rows(n, E)
             pairs, blk_e = gpu_moe.align(ids, E, bm)
             a = x.to(torch.bfloat16)
-            a = a[:, gpu_moe.q4_0_order(H, x.device)] if q == GGMLType.Q4_0 else a
+            q4 = q in gpu_moe._Q4_ORDER
+            a = a[:, gpu_moe.q4_0_order(H, x.device)] if q4 else a
             h = torch.randn(pairs.numel(), F, dtype=torch.bfloat16, device="cuda")
             out = torch.empty(n, H, device="cuda")
-            for label, args in (("gate/up", (a, gr, ur, h, pairs, blk_e, wf, n, K_USED, H, F, q, bm, True,
-                                              q == GGMLType.Q4_0, split)),
+            for label, args in (("gate/up", (a, gr, ur, h, pairs, blk_e, wf, n, K_USED, H, F, q, bm, True, q4,
+                                              split)),
                                 ("down", (h, dr, dr, out, pairs, blk_e, wf, n, K_USED, F, H, q, bm, False, False,
                                           split))):
                 us = [timed(lambda t=t: gpu_moe._gemm(*args, t)) * 1e6 for t in gpu_moe.TILES]

@@ -413,6 +413,17 @@ for s in "$@"; do
     s34e) HYBRIDMOE_CACHE=/tmp/hm-test timeout 400 python3 -m pytest -q tests/test_gpu_qdot.py tests/test_gpu_decode.py \
             -k "qdot or moe or tile" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
           timeout 60 python3 benchmarks/bench_moe_decode.py --tiles Q2_K 2>&1 | tail -3 ;;
+    # IQ2_KT's prompt GEMMs fused (gpu_qdot.kt_tile) and its decode GEMV's byte sums by a multiply: the tests, the
+    # decode tiles and one prompt layer (fused against dequantize + grouped_mm), then the IQ2_KT file all on the GPU
+    # and at --n-cpu-moe 24, before (.carry/base_src: the parent's src, which dequantizes them) / after
+    s35a) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpu_qdot.py -k "IQ2_KT or iq2_kt" \
+            -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+          ab 1 "IQ2_KT decode tiles, " timeout 60 python3 benchmarks/bench_moe_decode.py --tiles IQ2_KT 2>&1 | tail -3
+          timeout 90 python3 benchmarks/bench_moe_prefill.py IQ2_KT,Q4_0 512,2048 2>&1 | grep -E "^\| [QI]"
+          F=$(python3 -m hybridmoe.cli synth qwen3-30b-a3b-iq2_kt 2>&1 | tail -1); echo "$F"
+          ab 1 "iq2_kt all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 128 -r 2
+          ab 1 "iq2_kt --n-cpu-moe 24, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 24 -p 512 -n 0 -r 2
+          timeout 120 python3 benchmarks/bench_moe_prefill.py --tiles IQ2_KT 512,2048 2>&1 | tail -12 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

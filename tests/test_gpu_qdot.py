@@ -64,9 +64,10 @@ def test_every_tile(gq, dq, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("gq,dq", [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.IQ4_KS, G.Q8_0),
                                    (G.Q4_K, G.Q6_K), (G.Q3_K, G.Q4_K), (G.Q5_K, G.Q5_K), (G.Q6_K, G.Q3_K),
-                                   (G.Q4_K, G.Q4_0), (G.Q4_0, G.Q5_K), (G.Q2_K, G.Q3_K)], ids=lambda t: t.name)
+                                   (G.Q4_K, G.Q4_0), (G.Q4_0, G.Q5_K), (G.Q2_K, G.Q3_K), (G.IQ2_KT, G.IQ2_KT),
+                                   (G.IQ2_KT, G.Q4_0)], ids=lambda t: t.name)
 def test_prefill_moe_from_bytes(gq, dq):
-    """gpu_moe's grouped GEMMs on IQ4_XS / IQ4_KS and K-quant rows, and mixed with Q4_0's interleaved K order
+    """gpu_moe's grouped GEMMs on IQ4_XS / IQ4_KS, K-quant and IQ2_KT rows, and mixed with Q4_0's interleaved K order
     (one expert with many rows, rows of 3 blocks, a partial column tile) against float64; bf16 operands on a
     GPU, float32 in the interpreter."""
     from hybridmoe.kernels import gpu_moe

@@ -20,8 +20,9 @@ read in the same order (gpu_qdot.iq4_tile). The activations are permuted the sam
 the gate/up epilogue writes its output permuted for a Q4_0 down), and a dot product doesn't care about the
 order of its terms. Q8_0 words give the natural order, and so do the K-quants Q2_K to Q6_K, each
 32 elements of a 256-element block read as 8 words or 16 halfwords (gpu_qdot.k_tile; a first version that
-gathered their blocks byte by byte ran at 0.74x of dequantize + grouped GEMM, this one 1.3-2.2x faster than it).
-Other types take that path.
+gathered their blocks byte by byte ran at 0.74x of dequantize + grouped GEMM, this one 1.3-2.2x faster than it),
+and IQ2_KT, whose values the tile computes from its trellis indices (gpu_qdot.kt_tile). Other types take that
+path.
 
 Checked against float64 on the GPU and in Triton's interpreter (tests/test_gpu_decode.py, and test_gpu_qdot.py for
 the IQ4 and K-quant tiles).
@@ -40,12 +41,13 @@ try:
     import triton
     import triton.language as tl
 
-    from .gpu_qdot import iq4_tile, k_tile
+    from .gpu_qdot import iq4_tile, k_tile, kt_tile
 except ImportError:                                      # CPU-only installs
     triton = None
 
 QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3, GGMLType.Q5_K: 4,
-          GGMLType.IQ4_XS: 5, GGMLType.IQ4_KS: 6, GGMLType.Q3_K: 7, GGMLType.Q2_K: 9}   # gpu_decode's codes
+          GGMLType.IQ4_XS: 5, GGMLType.IQ4_KS: 6, GGMLType.Q3_K: 7, GGMLType.IQ2_KT: 8,
+          GGMLType.Q2_K: 9}                              # gpu_decode's codes
 # types whose 32-blocks hold Q4_0's nibble layout: the kernel's K order is Q4_0's interleaved one
 _Q4_ORDER = (GGMLType.Q4_0, GGMLType.IQ4_XS, GGMLType.IQ4_KS)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -100,6 +102,8 @@ if triton is not None:
         bm = nm[:, None] & (b < nblk)[None, :]                                 # [BN, NBK]
         if QT == 5 or QT == 6:                       # IQ4_XS / IQ4_KS: 32-blocks of 256-element blocks
             v = iq4_tile(wp, rs, n64, nm, b, bm, QT == 6, BN, NBK)
+        elif QT == 8:                                # IQ2_KT: trellis values, natural order
+            v = kt_tile(wp, rs, n64, nm, b, bm, BN, NBK)
         elif QT >= 2:                                # K-quants: the same, in natural order
             v = k_tile(wp, rs, n64, nm, b, bm, QT, BN, NBK)
         elif SPLIT:                                    # quants as 16-byte vectors, then the f16 scales

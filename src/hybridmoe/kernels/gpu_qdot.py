@@ -1,7 +1,7 @@
 """Dot products of GGUF rows with a float activation for the types of the files users run: IQ4_XS, IQ4_KS, Q3_K,
 Q2_K and the trellis IQ2_KT, decoded in registers from their file bytes (gpu_decode._qdot's QT codes 5 to 9 call
-these), and the weight tiles of gpu_moe's grouped prompt GEMMs for IQ4_XS / IQ4_KS (iq4_tile) and the K-quants
-Q2_K to Q6_K (k_tile).
+these), and the weight tiles of gpu_moe's grouped prompt GEMMs for IQ4_XS / IQ4_KS (iq4_tile), the K-quants
+Q2_K to Q6_K (k_tile) and IQ2_KT (kt_tile).
 
 Same block formats as gpu_dequant.py's _iq4_xs_kernel / _iq4_ks_kernel / _q3_k_kernel / _iq2_kt_kernel and
 quant/ref.py's Q2_K (read those for the byte layouts). Each step takes NB // 8 blocks of 256 of BN rows, so a tile
@@ -170,8 +170,7 @@ def qdot_iq2_kt(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constex
         sq = tl.zeros([BN, NBK, 32], tl.float32)
         for k in tl.static_range(8):
             x = x * ka
-            t = x & 0x3F3F3F3F
-            v = ((t & 255) + ((t >> 8) & 255) + ((t >> 16) & 255) + (t >> 24)).to(tl.int32) - 126
+            v = (((x & 0x3F3F3F3F) * 0x01010101) >> 24).to(tl.int32) - 126                 # kt_tile's byte sum
             sq += v.to(tl.float32) * tl.load(xb + k, mask=bm[:, None], other=0)[None]
         acc += _nl(nib) * sq
     return dr * tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -276,3 +275,28 @@ def k_tile(wp, rs, n64, nm, b, bm, QT: tl.constexpr, BN: tl.constexpr, NBK: tl.c
             d = f16_at(blk + 108, bm)
         v = tl.reshape(q.to(tl.float32), [BN, NBK, 2, 16]) * (d[:, :, None] * sc)[:, :, :, None] - dm[:, :, :, None]
     return v
+
+
+@triton.jit
+def kt_tile(wp, rs, n64, nm, b, bm, BN: tl.constexpr, NBK: tl.constexpr):
+    """Weights [BN, NBK, 4, 8] (float32) of rows n64 (rs bytes each, from wp; real where nm) of an IQ2_KT matrix,
+    32-blocks b (sub-block s = b % 8 of super-block b // 8; real where bm [BN, NBK]), in natural order: [.., j, k]
+    is value k of the sub-block's index j, (index + 4096) * ka^(k+1) taken at once for the 8 values (powers of
+    ka made here, not a running product), their 4-byte sums as the top byte of a multiply by 0x01010101 (each
+    byte <= 63: no carries into it). Layout: qdot_iq2_kt."""
+    row = wp + n64 * rs
+    dr = f32_at(row, nm)                                                              # [BN]
+    s = b % 8
+    blk = row[:, None] + 4 + (b // 8)[None, :] * 68                                   # [BN, NBK]
+    j = tl.arange(0, 4)
+    i = tl.load((blk + 4 + 8 * s[None, :]).to(tl.pointer_type(tl.uint16))[:, :, None] + j[None, None, :],
+                mask=bm[:, :, None], other=0).to(tl.uint32) + 4096                     # [BN, NBK, 4]
+    k = tl.arange(0, 8)
+    pw = tl.full([8], 1, tl.uint32)
+    ka = tl.full([8], _KT_KA, tl.int32).to(tl.uint32, bitcast=True)
+    for step in tl.static_range(8):
+        pw = tl.where(k >= step, pw * ka, pw)                                         # ka^(k+1)
+    t = (i[:, :, :, None] * pw[None, None, None, :]) & 0x3F3F3F3F
+    v = ((t * 0x01010101) >> 24).to(tl.int32) - 126                                  # [BN, NBK, 4, 8]
+    nib = (tl.load(blk + s[None, :] % 4, mask=bm, other=0).to(tl.int32) >> (4 * (s // 4))[None, :]) & 15
+    return v.to(tl.float32) * (dr[:, None] * _nl(nib))[:, :, None, None]
