@@ -424,6 +424,15 @@ for s in "$@"; do
           ab 1 "iq2_kt all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 128 -r 2
           ab 1 "iq2_kt --n-cpu-moe 24, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 24 -p 512 -n 0 -r 2
           timeout 120 python3 benchmarks/bench_moe_prefill.py --tiles IQ2_KT 512,2048 2>&1 | tail -12 ;;
+    # gpt-oss on a GPU: MXFP4's one-pass dequantizer and decode GEMV, gpu_decode's experts with the biases and clamped
+    # SwiGLU (the tests), then gpt-oss-20b's shape all on the GPU and at --n-cpu-moe 12, before (.carry/base_src:
+    # MXFP4 through the torch reference on the GPU, a per-expert loop for decode tokens) / after; IQ2_KT's prompt tiles
+    s35b) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpu_qdot.py tests/test_gpu_dequant_types.py \
+            tests/test_gpt_oss.py -k "gpt_oss or MXFP4 or extreme or mxfp4" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 32 -r 2
+          ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 512 -n 32 -r 2
+          timeout 100 python3 benchmarks/bench_moe_prefill.py --tiles IQ2_KT 512,2048 2>&1 | tail -6 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -1,7 +1,7 @@
 """gpt-oss: logits against transformers' GptOssForCausalLM, cached decode, placements, bad files."""
 import pytest
 import torch
-from conftest import rel_l2
+from conftest import rel_l2, top1_agreement
 from hf_oracle import convert, hf_logits, make_hf_model
 
 import hybridmoe
@@ -130,6 +130,35 @@ def test_mxfp4_experts_match_their_f32_dequantization(tmp_path):
     assert mx.file.tensors["blk.0.ffn_up_exps.weight"].qtype == GGMLType.MXFP4
     ref = hybridmoe.load(str(tmp_path / "f32.gguf"), ctx_size=64).logits(IDS)
     assert rel_l2(mx.logits(IDS), ref) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [dict(n_gpu_layers=99), dict(n_gpu_layers=99, override_tensor=["exps=CPU"])],
+                         ids=["ngl99", "exps-cpu"])
+def test_mxfp4_experts_on_a_real_gpu_match_all_cpu(tmp_path, monkeypatch, opts):
+    """MXFP4 experts (as gpt-oss files hold them) on a GPU: prompts through the grouped GEMMs (their one-pass
+    dequantizer), decode tokens through gpu_decode's kernels from the bytes with the biases and clamped SwiGLU;
+    with -ot exps=CPU the C kernels. Logits and decode steps within bf16 tolerance of all-CPU."""
+    from hybridmoe.kernels import gpu_decode as gd
+    from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
+    from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
+    cfg, _, other = preset_config("tiny-gpt-oss")
+    md = {"general.name": "mxfp4", **config_metadata(cfg), **builtin_vocab_metadata(cfg.n_vocab)}
+    path = str(tmp_path / "mx.gguf")
+    write_gguf(path, "gpt-oss", md, synth_tensors(cfg, GGMLType.MXFP4, other, seed=7))
+    ids = IDS * 2                                      # 80 (token, expert) pairs: the grouped GEMMs' path
+    ref = hybridmoe.load(path, ctx_size=64).logits(ids)
+    m = hybridmoe.load(path, ctx_size=64, **opts)
+    got = m.logits(ids)
+    assert rel_l2(got, ref) <= 1e-2 and top1_agreement(got, ref) >= 0.95
+    kv = m.new_cache(64)
+    m.forward(torch.tensor(ids[:6]), 0, kv)
+    calls = []
+    moe = gd.moe
+    monkeypatch.setattr(gd, "moe", lambda *a, **kw: calls.append(kw.get("oai") is not None) or moe(*a, **kw))
+    steps = torch.cat([m.forward(torch.tensor([t]), 6 + i, kv) for i, t in enumerate(ids[6:])])
+    assert rel_l2(steps, ref[6:]) <= 1e-2 and top1_agreement(steps, ref[6:]) >= 0.95
+    assert calls == ([True] * (cfg.n_layer * (len(ids) - 6)) if "override_tensor" not in opts else [])
 
 
 def test_convert_refuses_what_gguf_cannot_carry(gpt_oss):

@@ -1,5 +1,5 @@
 """kernels/gpu_dequant.py's one-pass kernels for the types of the files users run (Q2_K, Q3_K, IQ4_NL, IQ4_XS,
-IQ4_K, IQ5_K, IQ4_KS, IQ5_KS, IQ2_KT, IQ3_KT, IQ4_KT) against the reference dequantizer (quant/dequant.py), on
+MXFP4, IQ4_K, IQ5_K, IQ4_KS, IQ5_KS, IQ2_KT, IQ3_KT, IQ4_KT) against the reference dequantizer (quant/dequant.py), on
 whole tensors and on selected experts.
 
 They run on a GPU (bf16 equal to the reference's float32 rounded to nearest) or on the CPU in Triton's
@@ -20,7 +20,7 @@ if gdq.triton is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 DEV = triton_test_device()
 
-TYPES = [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.IQ4_K, T.IQ5_K, T.IQ4_KS, T.IQ5_KS, T.IQ2_KT, T.IQ3_KT, T.IQ4_KT]
+TYPES = [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.IQ4_K, T.IQ5_K, T.IQ4_KS, T.IQ5_KS, T.IQ2_KT, T.IQ3_KT, T.IQ4_KT]
 SHAPES = [(1, 256), (3, 7, 512), (129, 256), (4, 32, 768)] + ([(5, 768, 2048)] if DEV == "cuda" else [])
 
 
@@ -58,13 +58,18 @@ def test_zero_and_extreme_scales():
     raw[1, :4] = torch.tensor([3e38], dtype=torch.float32).view(torch.uint8)
     q3 = random_tensor(T.Q3_K, (8, 256), torch.Generator().manual_seed(3))
     q3[:, 108:110] = torch.tensor([6.5e4], dtype=torch.float16).view(torch.uint8)
-    for qtype, r in ((T.IQ4_KS, raw), (T.Q3_K, q3)):
+    # MXFP4 exponents at both ends: 0 and 1 give denormal scales (on a GPU only: the interpreter's float32 ->
+    # bf16 conversion garbles denormals), 254 and 255 the largest
+    mx = random_tensor(T.MXFP4, (8, 256), torch.Generator().manual_seed(4))
+    mx[:, 0:17 * 5:17] = torch.tensor([0 if DEV == "cuda" else 2, 1 if DEV == "cuda" else 3, 2, 254, 255],
+                                      dtype=torch.uint8)
+    for qtype, r in ((T.IQ4_KS, raw), (T.Q3_K, q3), (T.MXFP4, mx)):
         r = r.to(DEV)
         got = gdq.dequantize_bf16(r, qtype, 256)
         assert torch.equal(got, _as_kernel_rounds(dequantize(r, qtype, 256)))
 
 
-@pytest.mark.parametrize("qtype", [T.IQ4_KS_R4, T.IQ4_K_R4, T.Q4_K_R4, T.IQ4_XS_R8, T.Q4_0_R8, T.IQ5_KS_R4],
+@pytest.mark.parametrize("qtype", [T.IQ4_KS_R4, T.IQ4_K_R4, T.Q4_K_R4, T.IQ4_XS_R8, T.Q4_0_R8, T.IQ5_KS_R4, T.MXFP4_R8],
                          ids=lambda t: t.name)
 def test_interleaved_through_the_base_kernel(qtype):
     # _R4 / _R8 rows are deinterleaved (torch) and then dequantized by their base type's kernel

@@ -114,6 +114,26 @@ def test_decode_share_layout(gq, dq):
     assert torch.equal(got, gd.moe(x, ids, wts, graw, uraw, draw, gq, dq))
 
 
+@pytest.mark.parametrize("gq,dq", [(G.MXFP4, G.MXFP4), (G.Q4_0, G.Q8_0)], ids=lambda t: t.name)
+def test_gpt_oss_experts(gq, dq):
+    """gpu_decode.moe(oai=): gpt-oss's biased experts and clamped SwiGLU (MXFP4 as its files hold them, at
+    gpt-oss-20b's shape on a GPU: rows of 90 blocks, not a whole number of a tile's steps; and a GGML pair)
+    against the float64 reference loop, with a limit the clamps reach; and MXFP4 without biases."""
+    from hybridmoe.kernels.cpu import reference_moe_ffn
+    E, k, H, Fd, T = (32, 4, 2880, 2880, 2) if DEV == "cuda" else (4, 2, 768, 256, 1)
+    (graw, uraw, draw), x, ids, wts = _case(gq, dq, E, k, H, Fd, T, seed=11)
+    g = torch.Generator().manual_seed(12)
+    bg, bu, bd = (0.3 * torch.randn(E, n, generator=g) for n in (Fd, Fd, H))
+    oai = (bg, bu, bd, 1.702, 0.25)
+    got = gd.moe(x, ids, wts, graw, uraw, draw, gq, dq, oai=(bg.to(DEV), bu.to(DEV), bd.to(DEV), 1.702, 0.25))
+    cpu = [t.cpu() for t in (x, ids, wts, graw, uraw, draw)]
+    ref = reference_moe_ffn(*cpu, gq, dq, dtype=torch.float64, oai=oai)
+    assert rel_l2(got.double().cpu(), ref) < 1e-5
+    if gq == G.MXFP4:
+        assert rel_l2(gd.moe(x, ids, wts, graw, uraw, draw, gq, dq).double(),
+                      moe_ref_f64(x, ids, wts, graw, uraw, draw, gq, dq)) < 1e-5
+
+
 IDS = [(i * 37 + 11) % 1000 + 3 for i in range(12)]
 
 

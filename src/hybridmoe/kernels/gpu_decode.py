@@ -34,13 +34,13 @@ try:
     import triton.language as tl
 
     from .gpu_dequant import f16_at, k4_scale_min, quant_blocks as _quant_blocks
-    from .gpu_qdot import qdot_iq2_kt, qdot_iq4, qdot_q23_k
+    from .gpu_qdot import qdot_iq2_kt, qdot_iq4, qdot_mxfp4, qdot_q23_k
 except ImportError:                                      # CPU-only installs
     triton = None
 
 QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3, GGMLType.Q5_K: 4,
           GGMLType.IQ4_XS: 5, GGMLType.IQ4_KS: 6, GGMLType.Q3_K: 7, GGMLType.IQ2_KT: 8,
-          GGMLType.Q2_K: 9}                                                     # 5-9: kernels/gpu_qdot.py
+          GGMLType.Q2_K: 9, GGMLType.MXFP4: 10}                                 # 5-10: kernels/gpu_qdot.py
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: one tile, no inline PTX
 AWAIT_MAX_POLLS = 1 << 26                                # add_rms_norm(wait=): ~1 us a poll over PCIe, ~a minute
 
@@ -159,10 +159,12 @@ if triton is not None:
 
         Q4_0/Q8_0 blocks are read as 16-bit words (their 18 and 34 bytes keep them 2-byte aligned), half the
         loads of a byte-wise read. K-quants take NB // 8 blocks of 256 per step (the same elements per tile);
-        IQ4_XS, IQ4_KS, Q3_K, IQ2_KT and Q2_K (QT 5-9) are gpu_qdot's."""
+        IQ4_XS, IQ4_KS, Q3_K, IQ2_KT, Q2_K and MXFP4 (QT 5-10) are gpu_qdot's."""
         acc = tl.zeros([BN], tl.float32)
         if QT >= 5:
-            if QT == 8:
+            if QT == 10:
+                acc = qdot_mxfp4(wrow, row_stride, n, nm, xp, K, BN, NB)
+            elif QT == 8:
                 acc = qdot_iq2_kt(wrow, row_stride, n, nm, xp, K, BN, NB)
             elif QT == 7 or QT == 9:
                 acc = qdot_q23_k(wrow, row_stride, n, nm, xp, K, QT == 9, BN, NB)
@@ -402,8 +404,10 @@ if triton is not None:
 
     @triton.autotune(configs=_MOE_CONFIGS, key=["K", "F"])
     @triton.jit
-    def _moe_gate_up_kernel(x, ids, graw, uraw, out, K, F, k_used, sge, sgn, sue, sun,
-                            QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+    def _moe_gate_up_kernel(x, ids, graw, uraw, out, K, F, k_used, sge, sgn, sue, sun, bg, bu, alpha, limit,
+                            QT: tl.constexpr, OAI: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+        """SiLU(gate) * up of one (token, slot) pair's expert; OAI: gpt-oss's, biases bg, bu [E, F] float32 added
+        and the clamped SwiGLU (swiglu_oai) taken instead."""
         s = tl.program_id(0)                           # (token, slot) pair
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < F
@@ -411,18 +415,26 @@ if triton is not None:
         e = tl.load(ids + s).to(tl.int64)
         g = _qdot(graw + e * sge, sgn, n, nm, x + t * K, K, QT, BN, NB)
         u = _qdot(uraw + e * sue, sun, n, nm, x + t * K, K, QT, BN, NB)
-        tl.store(out + s * F + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
+        if OAI:
+            g = tl.minimum(g + tl.load(bg + e * F + n, mask=nm, other=0), limit)
+            u = tl.minimum(tl.maximum(u + tl.load(bu + e * F + n, mask=nm, other=0), -limit), limit)
+            tl.store(out + s * F + n, g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0), mask=nm)
+        else:
+            tl.store(out + s * F + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
 
     @triton.autotune(configs=_MOE_CONFIGS, key=["K", "N"])
     @triton.jit
-    def _moe_down_kernel(h, ids, wts, draw, out, K, N, sde, sdn,
-                         QT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
-        s = tl.program_id(0)                           # (token, slot) pair: its weighted down row
+    def _moe_down_kernel(h, ids, wts, draw, out, K, N, sde, sdn, bd,
+                         QT: tl.constexpr, OAI: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+        """One (token, slot) pair's weighted down row (OAI: plus its expert's bias, bd [E, N] float32)."""
+        s = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < N
         e = tl.load(ids + s).to(tl.int64)
-        y = tl.load(wts + s).to(tl.float32) * _qdot(draw + e * sde, sdn, n, nm, h + s * K, K, QT, BN, NB)
-        tl.store(out + s * N + n, y, mask=nm)
+        y = _qdot(draw + e * sde, sdn, n, nm, h + s * K, K, QT, BN, NB)
+        if OAI:
+            y += tl.load(bd + e * N + n, mask=nm, other=0)
+        tl.store(out + s * N + n, tl.load(wts + s).to(tl.float32) * y, mask=nm)
 
 
 def add_rms_norm(a, w, eps, b=None, x_out=None, h_out=None, h_dtype=torch.float32, q8_out=None, h2_out=None,
@@ -509,7 +521,7 @@ def share_layout_ok(qtypes, expert_bytes) -> bool:
 
 # The users' types with fused kernels of their own (kernels/gpu_qdot.py); HYBRIDMOE_GPU_QDOT=0 dequantizes these
 # experts first instead (runtime/experts.py), the path they took before those kernels
-QDOT = frozenset({GGMLType.IQ4_XS, GGMLType.IQ4_KS, GGMLType.Q3_K, GGMLType.IQ2_KT, GGMLType.Q2_K})
+QDOT = frozenset({GGMLType.IQ4_XS, GGMLType.IQ4_KS, GGMLType.Q3_K, GGMLType.IQ2_KT, GGMLType.Q2_K, GGMLType.MXFP4})
 
 
 def fused(qtype) -> bool:
@@ -602,13 +614,13 @@ def can_gemv8(ws) -> bool:
         and w.raw.dim() == 2 and w.shape[0] % bn == 0 for w in ws)
 
 
-def _launch(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool):
+def _launch(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool, oai: bool):
     """A GGUF-row MoE kernel over (pair, column tile): moe_tile's tile, or the autotuner's (HYBRIDMOE_MOE_TUNE=1)."""
     if _MOE_AUTOTUNE:
-        kernel[lambda meta: (n_pairs, triton.cdiv(n_out, meta["BN"]))](*args, QT=QTYPES[qtype])
+        kernel[lambda meta: (n_pairs, triton.cdiv(n_out, meta["BN"]))](*args, QT=QTYPES[qtype], OAI=oai)
     else:
         bn, nb, w = moe_tile(qtype, gate_up)
-        kernel.fn[(n_pairs, triton.cdiv(n_out, bn))](*args, QT=QTYPES[qtype], BN=bn, NB=nb, num_warps=w)
+        kernel.fn[(n_pairs, triton.cdiv(n_out, bn))](*args, QT=QTYPES[qtype], OAI=oai, BN=bn, NB=nb, num_warps=w)
 
 
 def _launch8(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool, tile=None):
@@ -618,7 +630,7 @@ def _launch8(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool, tile=
 
 
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True, gate_split: bool = False,
-        down_split: bool = False, tiles8=None, xq=None, out=None):
+        down_split: bool = False, tiles8=None, xq=None, out=None, oai=None):
     """Routed experts for a few tokens straight from GGUF bytes: x [T, H] float32, ids [T, k] (int), wts
     [T, k]; graw/uraw [E, F, row bytes], draw [E, H, row bytes]. Returns float32 [T, H]; with reduce=False
     the k weighted expert outputs per token [T * k, H] (add_rms_norm sums them into the residual).
@@ -626,7 +638,9 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     gate_split / down_split: those rows are Q4_0/Q8_0 in the split layout (quant.ref.split_rows, as
     GPU-resident experts are kept): their kernel takes int8 activations (quant_x8, or xq: x already in
     them, from add_rms_norm) and dp4a; tiles8 (gate/up and down (BN, NB, warps)) instead of split_tile's.
-    out: the [T * k, H] float32 buffer for the expert rows (reduce=False)."""
+    out: the [T * k, H] float32 buffer for the expert rows (reduce=False). oai = (bg, bu, bd, alpha, limit):
+    gpt-oss's experts, float32 biases bg, bu [E, F] and bd [E, H] on the GPU and the clamped SwiGLU (GGUF rows
+    only, not split ones)."""
     T, H = x.shape
     k = ids.shape[1]
     F = graw.shape[1]
@@ -638,18 +652,23 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
         out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     strides = (graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1))
     tiles8 = tiles8 or (None, None)
+    if oai is not None and (gate_split or down_split):
+        raise ValueError("gpt-oss's biased experts take GGUF rows, not split ones")
+    bg, bu, bd, alpha, limit = oai if oai is not None else (h, h, h, 0.0, 0.0)     # (unread without OAI)
+    bg, bu, bd = (b.float().contiguous() for b in (bg, bu, bd))
     with on_device(x):
         if gate_split:
             _launch8(_moe_gate_up8_kernel, (*(xq or quant_x8(x)), ids, graw, uraw, h, H, F, k, *strides), T * k, F,
                      gate_qtype, True, tiles8[0])
         else:
-            _launch(_moe_gate_up_kernel, (x, ids, graw, uraw, h, H, F, k, *strides), T * k, F, gate_qtype, True)
+            _launch(_moe_gate_up_kernel, (x, ids, graw, uraw, h, H, F, k, *strides, bg, bu, float(alpha),
+                                          float(limit)), T * k, F, gate_qtype, True, oai is not None)
         if down_split:
             _launch8(_moe_down8_kernel, (*quant_x8(h), ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1)),
                      T * k, H, down_qtype, False, tiles8[1])
         else:
-            _launch(_moe_down_kernel, (h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1)), T * k, H,
-                    down_qtype, False)
+            _launch(_moe_down_kernel, (h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), bd), T * k, H,
+                    down_qtype, False, oai is not None)
     return out.view(T, k, H).sum(1) if reduce else out
 
 

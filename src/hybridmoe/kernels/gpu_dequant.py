@@ -3,8 +3,8 @@
 The torch reference dequantizer makes several passes over the data; for prompt processing with a whole
 layer's experts (hundreds of MB of blocks per layer) that pass count is the cost. One Triton program
 per group of blocks reads each byte once and writes bf16 once: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, and the types of
-the files users run (models/mixes.py): Q2_K, Q3_K, IQ4_NL, IQ4_XS, ik_llama.cpp's IQ4_K, IQ5_K, IQ4_KS, IQ5_KS
-and the trellis IQ2_KT, IQ3_KT, IQ4_KT (the _KS / _KT rows start with a float32 scale, so a block's bytes are
+the files users run (models/mixes.py): Q2_K, Q3_K, IQ4_NL, IQ4_XS, gpt-oss's MXFP4, ik_llama.cpp's IQ4_K, IQ5_K,
+IQ4_KS, IQ5_KS and the trellis IQ2_KT, IQ3_KT, IQ4_KT (the _KS / _KT rows start with a float32 scale, so a block's bytes are
 found from its row). The row-interleaved _R4 / _R8 layouts of these are deinterleaved with torch ops
 and then take their base type's kernel. Types without a kernel here (or whose kernel fails to build on a
 GPU) use quant/dequant.py's reference. Each kernel is checked against the
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from ..quant.ref import _KV_IQ4NL
+from ..quant.ref import _KV_IQ4NL, _KV_MXFP4
 from ..quant.ref_ik import _IQ4K, _IQ5NL
 from ..quant.types import GGMLType, interleave, row_bytes
 
@@ -149,6 +149,13 @@ if triton is not None:
         tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
 
     @triton.jit
+    def e8m0_half(e):
+        """Half the scale of e8m0 exponent bytes e, 2^(e - 128), as float32 (e < 2 denormal: ggml's
+        e8m0_to_fp32_half, bit for bit)."""
+        e = e.to(tl.int32)
+        return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def f32_at(p, mask):
         """The little-endian float32 at byte pointers p."""
         w = tl.load(p, mask=mask, other=0).to(tl.uint32)
@@ -252,6 +259,18 @@ if triton is not None:
         v = ((x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)).to(tl.int32) - 126
         val = (d * code) * v.to(tl.float32)
         tl.store(dst + b.to(tl.int64)[:, None] * 256 + e, val.to(tl.bfloat16), mask=m2)
+
+    @triton.jit
+    def _mxfp4_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr):
+        """17 bytes a 32: an e8m0 exponent (e8m0_half: tab holds the doubled e2m1 values), then Q4_0's nibbles
+        into tab."""
+        b, bm, base, _ = _row_blocks(n_blocks, idx, bpe, nbr, BB, HAS_IDX, 17, 0)
+        m2 = bm[:, None]
+        e = tl.arange(0, 32)[None, :]
+        d = e8m0_half(tl.load(src + base, mask=bm, other=0))[:, None]
+        q = (tl.load(src + base[:, None] + 1 + e % 16, mask=m2, other=0).to(tl.int32) >> (4 * (e // 16))) & 15
+        val = d * tl.load(tab + q)
+        tl.store(dst + b.to(tl.int64)[:, None] * 32 + e, val.to(tl.bfloat16), mask=m2)
 
     @triton.jit
     def _iq4_nl_kernel(src, dst, n_blocks, idx, bpe, nbr, tab, tab2, BB: tl.constexpr, HAS_IDX: tl.constexpr):
@@ -367,17 +386,20 @@ if triton is not None:
     # kernels that take (nbr, tab, tab2): blocks per row and value tables
     _ROW_KERNELS = {GGMLType.Q2_K: (_q2_k_kernel, {}), GGMLType.Q3_K: (_q3_k_kernel, {}),
                     GGMLType.IQ4_XS: (_iq4_xs_kernel, {}), GGMLType.IQ4_NL: (_iq4_nl_kernel, {}),
+                    GGMLType.MXFP4: (_mxfp4_kernel, {}),
                     GGMLType.IQ4_K: (_iq45_k_kernel, {"Q5": False}), GGMLType.IQ5_K: (_iq45_k_kernel, {"Q5": True}),
                     GGMLType.IQ4_KS: (_iq4_ks_kernel, {}), GGMLType.IQ5_KS: (_iq5_ks_kernel, {}),
                     GGMLType.IQ2_KT: (_iq2_kt_kernel, {}), GGMLType.IQ3_KT: (_iq3_kt_kernel, {}),
                     GGMLType.IQ4_KT: (_iq4_kt_kernel, {})}
     _KERNELS.update({t: (fn, {**c, "ROW": True}) for t, (fn, c) in _ROW_KERNELS.items()})
-    _BLOCK = {t: (32 if t in (GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.IQ4_NL) else 256) for t in _KERNELS}
+    _BLOCK = {t: (32 if t in (GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.IQ4_NL, GGMLType.MXFP4) else 256)
+              for t in _KERNELS}
 else:
     _KERNELS, _BLOCK = {}, {}
 
 # value tables of the row kernels (tab): the IQ4_K and IQ5_K grids for their families, else IQ4_NL's
-_TABLE_OF = {GGMLType.IQ4_K: _IQ4K, GGMLType.IQ4_KS: _IQ4K, GGMLType.IQ5_K: _IQ5NL, GGMLType.IQ5_KS: _IQ5NL}
+_TABLE_OF = {GGMLType.IQ4_K: _IQ4K, GGMLType.IQ4_KS: _IQ4K, GGMLType.IQ5_K: _IQ5NL, GGMLType.IQ5_KS: _IQ5NL,
+             GGMLType.MXFP4: _KV_MXFP4}
 _TABLES: dict = {}
 
 

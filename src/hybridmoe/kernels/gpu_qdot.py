@@ -1,6 +1,6 @@
 """Dot products of GGUF rows with a float activation for the types of the files users run: IQ4_XS, IQ4_KS, Q3_K,
-Q2_K and the trellis IQ2_KT, decoded in registers from their file bytes (gpu_decode._qdot's QT codes 5 to 9 call
-these), and the weight tiles of gpu_moe's grouped prompt GEMMs for IQ4_XS / IQ4_KS (iq4_tile), the K-quants
+Q2_K, the trellis IQ2_KT and gpt-oss's MXFP4, decoded in registers from their file bytes (gpu_decode._qdot's QT codes
+5 to 10 call these), and the weight tiles of gpu_moe's grouped prompt GEMMs for IQ4_XS / IQ4_KS (iq4_tile), the K-quants
 Q2_K to Q6_K (k_tile) and IQ2_KT (kt_tile).
 
 Same block formats as gpu_dequant.py's _iq4_xs_kernel / _iq4_ks_kernel / _q3_k_kernel / _iq2_kt_kernel and
@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gpu_dequant import f16_at, f32_at, k4_scale_min
+from .gpu_dequant import e8m0_half, f16_at, f32_at, k4_scale_min
 
 
 def _pack(vals) -> int:
@@ -27,6 +27,9 @@ def _pack(vals) -> int:
 _NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)   # quant/ref.py _KV_IQ4NL
 _NL_LO = tl.constexpr(_pack(_NL[:8]))
 _NL_HI = tl.constexpr(_pack(_NL[8:]))
+_MX = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)                    # quant/ref.py _KV_MXFP4 (doubled)
+_MX_LO = tl.constexpr(_pack(_MX[:8]))
+_MX_HI = tl.constexpr(_pack(_MX[8:]))
 _KT_KA = tl.constexpr(0xCBAC1FED - (1 << 32))     # the trellis generator's multiplier (quant/ref_trellis.py), as int32
 
 
@@ -35,6 +38,36 @@ def _nl(q):
     """IQ4_NL's value of nibbles q (int32), as float32."""
     w = tl.where(q < 8, _NL_LO, _NL_HI)
     return ((w << (56 - 8 * (q & 7)).to(tl.int64)) >> 56).to(tl.float32)
+
+
+@triton.jit
+def _mx(q):
+    """MXFP4's doubled e2m1 value of nibbles q (int32), as float32."""
+    w = tl.where(q < 8, _MX_LO, _MX_HI)
+    return ((w << (56 - 8 * (q & 7)).to(tl.int64)) >> 56).to(tl.float32)
+
+
+@triton.jit
+def qdot_mxfp4(wrow, row_stride, n, nm, xp, K, BN: tl.constexpr, NB: tl.constexpr):
+    """MXFP4 (gpt-oss's experts): 17-byte blocks of 32, an e8m0 exponent (e8m0_half: the values are doubled),
+    then Q4_0's nibbles (byte i: elements i and i + 16), read byte by byte (17 bytes keep no wider alignment)."""
+    bi = tl.arange(0, NB)
+    nblk = K // 32
+    c = tl.arange(0, 16)
+    rows = wrow + n.to(tl.int64)[:, None] * row_stride                               # [BN, 1]
+    acc = tl.zeros([BN], tl.float32)
+    for kb in range(0, nblk, NB):
+        b = kb + bi
+        bm = b < nblk
+        m2 = nm[:, None] & bm[None, :]
+        blk = rows + b[None, :] * 17                                                  # [BN, NB]
+        q = tl.load(blk[:, :, None] + 1 + c[None, None, :], mask=m2[:, :, None], other=0).to(tl.int32)
+        xb = xp + b[:, None] * 32 + c[None, :]                                        # [NB, 16]
+        xl = tl.load(xb, mask=bm[:, None], other=0)
+        xh = tl.load(xb + 16, mask=bm[:, None], other=0)
+        sq = tl.sum(_mx(q & 15) * xl[None] + _mx(q >> 4) * xh[None], axis=2)          # [BN, NB]
+        acc += tl.sum(sq * e8m0_half(tl.load(blk, mask=m2, other=0)), axis=1)
+    return acc
 
 
 @triton.jit

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 
@@ -24,6 +25,16 @@ _QWEN3_30B = dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv
                   n_ctx_train=40960, rms_eps=1e-6, rope_base=1e6, n_expert=128, n_expert_used=8, n_ff_exp=768)
 _TINY_256 = dict(arch="qwen3moe", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_vocab=1024,
                  n_ctx_train=4096, rms_eps=1e-6, rope_base=1e6, n_expert=8, n_expert_used=2, n_ff_exp=256)
+
+
+def _catalog_fields(name: str) -> dict:
+    """A catalog model's config (models/catalog.py) as a preset's fields."""
+    from .catalog import CATALOG
+    cfg = CATALOG[name]()
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)
+            if f.name not in ("qk_norm", "rope_neox", "name") and getattr(cfg, f.name) != f.default}
+
+
 # preset mix names -> models/mixes.py's
 _MIX = {"q3_k_mix": "q3_k_xl", "q2_k_mix": "ud-q2_k_xl"}
 
@@ -74,6 +85,9 @@ PRESETS = {
                          rope_yarn=dict(factor=4.0, orig_ctx=1024, beta_fast=32.0, beta_slow=1.0,
                                         mscale_all_dim=0.0, truncate=False),
                          expert_type=GGMLType.Q4_0, other_type=GGMLType.Q8_0),
+    # gpt-oss-20b's shape (models/catalog.py: 24 layers of 32 experts, 4 used, 2880 x 2880; a 128-token window on
+    # every other layer) in ggml-org's types: experts MXFP4, the rest Q8_0: 11.3 GiB
+    "gpt-oss-20b": dict(_catalog_fields("gpt-oss-20b"), expert_type=GGMLType.MXFP4, other_type=GGMLType.Q8_0),
     # dense qwen3, small: exercises the dense path
     "tiny-dense": dict(arch="qwen3", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_vocab=1024,
                        n_ctx_train=4096, rms_eps=1e-6, rope_base=1e6, n_ff=128,
