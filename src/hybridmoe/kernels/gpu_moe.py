@@ -272,14 +272,16 @@ def pick_tile(bm: int, gate_up: bool, qtype, split: bool = False):
     128 columns, except Q8_0 at >= 64 rows per block (64: 228 vs 267 us). Within 3% of the best of TILES
     at every type and T measured (64 to 4096 tokens). On split rows (--tiles-split) gate/up takes 64
     columns at every block height (BM 64: 351 vs 397 us Q4_0, 287 vs 343 us Q8_0) and down 64 for Q8_0,
-    128 for Q4_0: the best of TILES at each type and T measured (128, 512, 4096 tokens) but one within 1%."""
+    128 for Q4_0: the best of TILES at each type and T measured (128, 512, 4096 tokens) but one within 1%. IQ2_KT's
+    down takes 64 columns (H100, 2026-11-27: 184 vs 189 us at BM 64, 363 vs 389 at BM 128; its gate/up within 4%
+    of the best by the common rule)."""
     if _INTERPRET:
         return TILES[0]
     if split:
         return TILES[0] if gate_up or qtype == GGMLType.Q8_0 else TILES[1]
     if gate_up:
         return TILES[1] if 32 <= bm <= 64 else TILES[0]
-    return TILES[0] if qtype == GGMLType.Q8_0 and bm >= 64 else TILES[1]
+    return TILES[0] if (qtype == GGMLType.Q8_0 and bm >= 64) or qtype == GGMLType.IQ2_KT else TILES[1]
 
 
 def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, gate_up, perm_out, split, tile):
