@@ -433,6 +433,14 @@ for s in "$@"; do
           ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 32 -r 2
           ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 512 -n 32 -r 2
           timeout 100 python3 benchmarks/bench_moe_prefill.py --tiles IQ2_KT 512,2048 2>&1 | tail -6 ;;
+    # gpt-oss's captured decode step (runtime/steps/gpu_decode_oai.py): the tests, then gpt-oss-20b's shape in three
+    # placements, before (.carry/base_src: the parent's src, the eager decoder) / after
+    s35c) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_qdot.py \
+            -k "gpt_oss or mxfp4 or static_decode_step" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 128 -r 2
+          ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 0 -n 64 -r 2
+          ab 1 "gpt-oss-20b -ot exps=CPU, " bench_rows -m "$F" -ngl 99 -ot exps=CPU -p 512 -n 64 -r 2 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -9,6 +9,7 @@ from hybridmoe.errors import HybridMoeError, ModelFileError
 from hybridmoe.formats.gguf import open_gguf
 from hybridmoe.formats.gguf_write import write_gguf
 from hybridmoe.quant.types import GGMLType
+from hybridmoe.runtime.steps.gpu_decode_oai import GptOssStaticDecoder
 
 IDS = [1, 17, 300, 42, 7, 7, 99, 511, 256, 3, 120, 64, 5, 480, 33, 2, 200, 201, 202, 10]
 F32_CACHE = dict(cache_type_k="f32", cache_type_v="f32")
@@ -77,11 +78,30 @@ def test_placements_match_all_cpu(gpt_oss, monkeypatch, opts, expert_dev):
         assert ops[("mul_mat_id", "CPU")][0] == m.cfg.n_layer and ops[("mul_mat_id", "CUDA0")][0] == 2 * m.cfg.n_layer
     assert ops[("attention", "CUDA0")][0] == m.cfg.n_layer
     kv = m.new_cache(64)
-    assert m._step_for("decode", kv) is None                          # every layer on the GPU: still eager
+    step = m._step_for("decode", kv)                                  # split experts: eager
+    assert (step is None) == (expert_dev is None) and (step is None or isinstance(step, GptOssStaticDecoder))
     full = m.logits(IDS)
     m.forward(torch.tensor(IDS[:6]), 0, kv)
     steps = torch.cat([m.forward(torch.tensor([t]), 6 + i, kv) for i, t in enumerate(IDS[6:])])
     assert rel_l2(steps, full[6:]) <= 1e-5
+
+
+@pytest.mark.parametrize("opts", [dict(n_gpu_layers=99), dict(n_gpu_layers=99, override_tensor=["exps=CPU"])],
+                         ids=["ngl99", "exps-cpu"])
+def test_static_decode_step_matches_eager(gpt_oss, monkeypatch, opts):
+    """gpt-oss's static decode step (runtime/steps/gpu_decode_oai.py), run eagerly on a fake GPU, gives the eager
+    decoder's logits, through sliding-window rings that wrap (-ub 2: 6 - 1 + 2 slots for 20 positions)."""
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    outs = []
+    for graphs in (True, False):
+        m = hybridmoe.load(gpt_oss[1], ctx_size=64, ubatch_size=2, graphs=graphs, **opts)
+        kv = m.new_cache(64)
+        m.forward(torch.tensor(IDS[:4]), 0, kv)
+        outs.append(torch.cat([m.forward(torch.tensor([t]), 4 + i, kv) for i, t in enumerate(IDS[4:])]))
+        step = m._step_for("decode", kv)
+        assert min(kv.slots) == 7                                    # the window's ring
+        assert isinstance(step, GptOssStaticDecoder) and step.worked if graphs else step is None
+    assert rel_l2(outs[0], outs[1]) <= 1e-5
 
 
 def _rewrite(src: str, dst: str, drop_tensor: str | None = None, drop_key: str | None = None) -> str:
@@ -137,8 +157,9 @@ def test_mxfp4_experts_match_their_f32_dequantization(tmp_path):
                          ids=["ngl99", "exps-cpu"])
 def test_mxfp4_experts_on_a_real_gpu_match_all_cpu(tmp_path, monkeypatch, opts):
     """MXFP4 experts (as gpt-oss files hold them) on a GPU: prompts through the grouped GEMMs (their one-pass
-    dequantizer), decode tokens through gpu_decode's kernels from the bytes with the biases and clamped SwiGLU;
-    with -ot exps=CPU the C kernels. Logits and decode steps within bf16 tolerance of all-CPU."""
+    dequantizer), decode tokens through the captured step with gpu_decode's kernels from the bytes (biases and
+    clamped SwiGLU); with -ot exps=CPU the C kernels in the step's hand-off. Logits and decode steps within bf16
+    tolerance of all-CPU."""
     from hybridmoe.kernels import gpu_decode as gd
     from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
     from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
@@ -158,7 +179,9 @@ def test_mxfp4_experts_on_a_real_gpu_match_all_cpu(tmp_path, monkeypatch, opts):
     monkeypatch.setattr(gd, "moe", lambda *a, **kw: calls.append(kw.get("oai") is not None) or moe(*a, **kw))
     steps = torch.cat([m.forward(torch.tensor([t]), 6 + i, kv) for i, t in enumerate(ids[6:])])
     assert rel_l2(steps, ref[6:]) <= 1e-2 and top1_agreement(steps, ref[6:]) >= 0.95
-    assert calls == ([True] * (cfg.n_layer * (len(ids) - 6)) if "override_tensor" not in opts else [])
+    step = m._step_for("decode", kv)                  # the captured step (its kernels launched while capturing)
+    assert isinstance(step, GptOssStaticDecoder) and step.worked and step.graphs
+    assert (all(calls) and len(calls) >= cfg.n_layer) if "override_tensor" not in opts else calls == []
 
 
 def test_convert_refuses_what_gguf_cannot_carry(gpt_oss):

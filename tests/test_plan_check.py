@@ -57,6 +57,15 @@ def test_step_kinds_as_the_runtime_builds_them(qwen30, argv, decode, prompt):
     assert predict(p, rates, graphs=False).decode_kind == "eager"     # --no-graphs: no static step at all
 
 
+@pytest.mark.parametrize("argv, decode", [(["-ngl", "99"], "graph"), (["-ngl", "99", "-ot", "exps=CPU"], "graph"),
+                                          (["-ngl", "0", "--no-op-offload"], "eager"), (["-ngl", "10"], "eager")])
+def test_gpt_oss_step_kinds(argv, decode):
+    """gpt-oss: its decode step on one GPU (runtime/steps/gpu_decode_oai.py), no CPU step, prompts eager."""
+    p, rates = _plan(catalog_model("gpt-oss-20b"), argv)
+    pred = predict(p, rates)
+    assert (pred.decode_kind, pred.prompt_kind) == (decode, "eager")
+
+
 def test_uploads_follow_the_scheduler(qwen30):
     """-ot exps=CPU at -ub 512: every layer's experts uploaded, each a layer ahead (so the whole tensor, 16.3 GB a
     ubatch); a last ubatch under 32 tokens never uploads (OFFLOAD_MIN_BATCH): the CPU computes its experts;

@@ -79,7 +79,9 @@ class Layer:
 
 
 class Decoder:
-    static_decode = True              # runtime/steps/gpu_decode.py's static step can run this block (when placed for it)
+    # the static steps (runtime/steps) that can run this block when placed for them: a sequence's decode step, the
+    # prompt step and the batched decode steps
+    static_steps = frozenset({"decode", "prompt", "batch"})
     layer_class = Layer
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler):

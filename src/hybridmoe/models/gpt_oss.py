@@ -55,7 +55,9 @@ class GptOssLayer:
 
 
 class GptOssDecoder(Decoder):
-    static_decode = False             # runtime/steps/gpu_decode.py's step has neither biases, sinks nor swiglu_oai
+    # a sequence's decode step only (runtime/steps/gpu_decode_oai.py); the prompt and batched steps have neither
+    # biases, sinks, windows nor swiglu_oai
+    static_steps = frozenset({"decode"})
     layer_class = GptOssLayer
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler):

@@ -144,10 +144,11 @@ def _plain_kv(p: Placement) -> bool:
 
 
 def _static_model(p: Placement) -> bool:
-    """The static steps cover the model (decoder.static_decode and the steps' own checks): no MLA, no biases
-    or sinks (gpt-oss), softmax routing."""
+    """The static steps cover the model (decoder.static_steps and the steps' own checks): no MLA, softmax
+    routing, or gpt-oss (its decode step only: runtime/steps/gpu_decode_oai.py)."""
     cfg = p.cfg
-    return cfg.arch != "deepseek2" and cfg.arch != "gpt-oss" and getattr(cfg, "expert_gating", "softmax") == "softmax"
+    return cfg.arch == "gpt-oss" or (cfg.arch != "deepseek2" and
+                                     getattr(cfg, "expert_gating", "softmax") == "softmax")
 
 
 def decode_kind(p: Placement, layers: list[_Layer], graphs: bool = True) -> str:
@@ -159,8 +160,11 @@ def decode_kind(p: Placement, layers: list[_Layer], graphs: bool = True) -> str:
     devs = {d for n, d in p.device_of.items() if n != "token_embd.weight" or "output.weight" not in p.tensors}
     if not _static_model(p):
         return "eager"
+    oai = p.cfg.arch == "gpt-oss"                  # its step: one GPU, no CPU step (window rings, top-k softmax)
     if devs == {"CPU"} and all(L.kv == "CPU" for L in layers) and _plain_kv(p):
-        return "cpu"
+        return "eager" if oai else "cpu"
+    if oai and len(devs - {"CPU"}) > 1:
+        return "eager"
     if p.opts.cache_type_k == "q8_0" or p.opts.cache_type_v == "q8_0" or head_dev == "CPU":
         return "eager"
     for L in layers:
@@ -180,7 +184,8 @@ def prompt_kind(p: Placement, layers: list[_Layer], graphs: bool = True) -> str:
         return "eager" if p.gpus and p.opts.op_offload else "cpu"
     devs = {d for n, d in p.device_of.items() if n != "token_embd.weight" or "output.weight" not in p.tensors}
     cfg = p.cfg
-    if kind == "graph" and len(devs) == 1 and "CPU" not in devs and not getattr(cfg, "n_expert_shared", 0) \
+    if kind == "graph" and cfg.arch != "gpt-oss" and len(devs) == 1 and "CPU" not in devs and \
+            not getattr(cfg, "n_expert_shared", 0) \
             and cfg.head_dim >= 16 and cfg.head_dim & (cfg.head_dim - 1) == 0 and _plain_kv(p) \
             and all(L.exps in (None, L.attn) for L in layers):
         return "graph"

@@ -17,6 +17,9 @@ def build_step(model, kv, which: str) -> DecodeStep | PromptStep | None:
     if which == "prompt":
         from .gpu_prefill import StaticPrefill
         steps.append(StaticPrefill)
+    elif not steps and model.cfg.arch == "gpt-oss":
+        from .gpu_decode_oai import GptOssStaticDecoder
+        steps.append(GptOssStaticDecoder)
     elif not steps:
         from .gpu_decode import StaticDecoder
         steps.append(StaticDecoder)

@@ -193,6 +193,8 @@ class _Seg:
 
 
 class StaticDecoder:
+    fused = True                     # the fused kernels where Triton runs (a subclass whose block they lack: False)
+
     def __init__(self, model, kv, capture: bool = True):
         dec, cfg, sched = model.decoder, model.cfg, model.sched
         self.model, self.cfg, self.kv, self.sched = model, cfg, kv, sched
@@ -215,7 +217,7 @@ class StaticDecoder:
         # the fused Triton kernels (kernels/gpu_decode.py) on a GPU; on fake GPUs in Triton's interpreter
         # (how they are checked against this file's torch path without a GPU)
         D = cfg.head_dim
-        self.fast = gd.available() and D >= 16 and D & (D - 1) == 0 and \
+        self.fast = self.fused and gd.available() and D >= 16 and D & (D - 1) == 0 and \
             (not fake or os.environ.get("TRITON_INTERPRET") == "1")
         if len(devs) > 1 and not self.fast:
             raise NotApplicable(f"layers on {sorted(devs)} need the fused kernels (triton)")
@@ -562,7 +564,7 @@ class StaticDecoder:
             kern = X.kernels()
             if kern is not None:
                 kern.moe_ffn(hp[:, :H], self.h_ids, hp[:, H:H + k], g.raw, u.raw, d.raw, g.qtype, d.qtype,
-                             n_threads=self.sched.n_threads, out=self.h_moe)
+                             n_threads=self.sched.n_threads, out=self.h_moe, oai=self._host_oai(b))
             else:
                 self.h_moe.copy_(X.moe(hp[:, :H], self.h_ids.long(), hp[:, H:H + k], g.raw, u.raw, d.raw,
                                        g, u, d, self.sched.n_threads))
@@ -570,6 +572,10 @@ class StaticDecoder:
         st.cpu_expert_bytes += k * (g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel())
         st.copy(src, "CPU", hp.numel() * 4)
         st.copy("CPU", dst, H * 4)
+
+    def _host_oai(self, b: int):
+        """The C expert kernel's oai option for layer b's experts (gpt-oss's subclass), None here."""
+        return None
 
     def _run_segment(self, s: int):
         if self.graphs:
