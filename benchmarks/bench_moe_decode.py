@@ -94,10 +94,10 @@ def main(types):
             try:
                 t_gu = timed(lambda: gd._moe_gate_up_kernel.fn[(K_USED, triton.cdiv(F, bn))](
                     x, ids, graw, uraw, h, H, F, K_USED, graw.stride(0), graw.stride(1), uraw.stride(0),
-                    uraw.stride(1), QT=qt, BN=bn, NB=nb, num_warps=w))
+                    uraw.stride(1), h, h, 0.0, 0.0, QT=qt, OAI=False, BN=bn, NB=nb, num_warps=w))
                 t_d = timed(lambda: gd._moe_down_kernel.fn[(K_USED, triton.cdiv(H, bn))](
-                    h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), QT=qt, BN=bn, NB=nb,
-                    num_warps=w))
+                    h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), h, QT=qt, OAI=False, BN=bn,
+                    NB=nb, num_warps=w))
             except Exception as e:                      # noqa: BLE001 - a config this GPU can't build
                 print(f"  BN={bn} NB={nb} warps={w}: {type(e).__name__}")
                 continue
@@ -115,23 +115,28 @@ def tiles(types):
     for name in types:
         q = GGMLType[name]
         qt = gd.QTYPES[q]
-        graw, uraw = (random_blocks(q, (E, F, H), g) for _ in range(2))
-        draw = random_blocks(q, (E, H, F), g)
-        x = torch.randn(1, H, device="cuda", generator=g)
-        ids = torch.randperm(E, device="cuda", generator=g)[:K_USED][None].to(torch.int32)
+        # each type at its models' expert shape: MXFP4 is gpt-oss's (gpt-oss-20b: 32 experts of 2880 x 2880)
+        E_, F_, H_ = (32, 2880, 2880) if q == GGMLType.MXFP4 else (E, F, H)
+        graw, uraw = (random_blocks(q, (E_, F_, H_), g) for _ in range(2))
+        draw = random_blocks(q, (E_, H_, F_), g)
+        x = torch.randn(1, H_, device="cuda", generator=g)
+        ids = torch.randperm(E_, device="cuda", generator=g)[:K_USED][None].to(torch.int32)
         wts = torch.softmax(torch.randn(1, K_USED, device="cuda", generator=g), -1)
-        h, out = torch.empty(K_USED, F, device="cuda"), torch.empty(K_USED, H, device="cuda")
+        h, out = torch.empty(K_USED, F_, device="cuda"), torch.empty(K_USED, H_, device="cuda")
+        nbytes = {"gate/up": 2 * K_USED * graw[0].numel(), "down": K_USED * draw[0].numel()}
         for label, run in (
-                ("gate/up", lambda bn, nb, w: gd._moe_gate_up_kernel.fn[(K_USED, triton.cdiv(F, bn))](
-                    x, ids, graw, uraw, h, H, F, K_USED, graw.stride(0), graw.stride(1), uraw.stride(0),
-                    uraw.stride(1), QT=qt, BN=bn, NB=nb, num_warps=w)),
-                ("down", lambda bn, nb, w: gd._moe_down_kernel.fn[(K_USED, triton.cdiv(H, bn))](
-                    h, ids, wts, draw, out, F, H, draw.stride(0), draw.stride(1), QT=qt, BN=bn, NB=nb,
-                    num_warps=w))):
+                ("gate/up", lambda bn, nb, w: gd._moe_gate_up_kernel.fn[(K_USED, triton.cdiv(F_, bn))](
+                    x, ids, graw, uraw, h, H_, F_, K_USED, graw.stride(0), graw.stride(1), uraw.stride(0),
+                    uraw.stride(1), h, h, 0.0, 0.0, QT=qt, OAI=False, BN=bn, NB=nb, num_warps=w)),
+                ("down", lambda bn, nb, w: gd._moe_down_kernel.fn[(K_USED, triton.cdiv(H_, bn))](
+                    h, ids, wts, draw, out, F_, H_, draw.stride(0), draw.stride(1), h, QT=qt, OAI=False, BN=bn,
+                    NB=nb, num_warps=w))):
             us = [timed(lambda t=t: run(*t)) * 1e6 for t in gd._MOE_TILES]
             pick = gd.moe_tile(q, label == "gate/up")
+            best = min(us)
             print(f"| {name} | {label} | " + " | ".join(f"{u:.1f}" for u in us) +
-                  f" | {pick} ({us[gd._MOE_TILES.index(pick)] / min(us):.2f}x best) |")
+                  f" | {pick} ({us[gd._MOE_TILES.index(pick)] / best:.2f}x best; best "
+                  f"{nbytes[label] / best / 1e3:.0f} GB/s) |")
 
 
 def graph_timed(fn, n=20, reps=20):

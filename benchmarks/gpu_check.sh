@@ -441,6 +441,21 @@ for s in "$@"; do
           ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 128 -r 2
           ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 0 -n 64 -r 2
           ab 1 "gpt-oss-20b -ot exps=CPU, " bench_rows -m "$F" -ngl 99 -ot exps=CPU -p 512 -n 64 -r 2 ;;
+    # where gpt-oss-20b's captured decode step spends its time: the kernels of 8 replays, all on the GPU and with
+    # experts in RAM; the MXFP4 decode GEMV's tiles (30B expert shape)
+    s35d) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          timeout 150 python3 benchmarks/profile_step.py "$F" 2>&1 | tail -50
+          timeout 100 python3 benchmarks/profile_step.py "$F" -ot exps=CPU --rows 12 2>&1 | tail -32
+          timeout 100 python3 benchmarks/bench_moe_decode.py --tiles MXFP4,Q4_0 2>&1 | tail -6 ;;
+    # MXFP4's decode GEMV on aligned words (gpu_qdot.qdot_mxfp4): the tests, its tiles at gpt-oss-20b's expert shape,
+    # the captured step's kernels, then gpt-oss-20b before (.carry/base_src: byte loads) / after
+    s35e) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_qdot.py \
+            -k "gpt_oss or mxfp4" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+          timeout 100 python3 benchmarks/bench_moe_decode.py --tiles MXFP4 2>&1 | tail -4
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          timeout 150 python3 benchmarks/profile_step.py "$F" --rows 14 2>&1 | grep -E "ms a decode step|Self CUDA|^ *_moe|nvjet|elementwise" | head -16
+          ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 0 -n 128 -r 2
+          ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 0 -n 64 -r 2 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
