@@ -684,6 +684,7 @@ _MOE_TILE_RULE = {
     (GGMLType.IQ4_KS, True): (16, 16, 4), (GGMLType.IQ4_KS, False): (16, 16, 4),
     (GGMLType.Q3_K, True): (8, 32, 4), (GGMLType.Q3_K, False): (16, 16, 4),
     (GGMLType.Q2_K, True): (8, 64, 8), (GGMLType.Q2_K, False): (16, 32, 8),
+    (GGMLType.MXFP4, True): (16, 16, 4), (GGMLType.MXFP4, False): (16, 32, 8),      # at gpt-oss-20b's shape
 }
 
 

@@ -32,7 +32,6 @@ class GptOssStaticDecoder(StaticDecoder):
         super().__init__(model, kv, capture)
         dec, cfg, sched = model.decoder, self.cfg, self.sched
         td = self.dev.torch_device
-        slots: dict = {}                                    # slot count -> its indices on the GPU
         for L, lay in zip(dec.layers, self.layers):
             dev = self.ldev[L.i]
             exps = lay["exps"]
@@ -43,13 +42,10 @@ class GptOssStaticDecoder(StaticDecoder):
                     gd.supports(*(w.qtype for w in exps)) and not any(w.split for w in exps)):
                 raise NotApplicable(f"layer {L.i}: experts of {exps[0].qtype.name} / {exps[2].qtype.name} have no "
                                     "fused GPU kernel with gpt-oss's biases")
-            n = kv.k[L.i].shape[1]
-            if n not in slots:
-                slots[n] = torch.arange(n, device=td)
             bdev = exps[0].device
             lay.update(qkv_b=torch.cat([sched.small(b, dev) for b in (L.attn_q_b, L.attn_k_b, L.attn_v_b)]),
                        o_b=sched.small(L.attn_output_b, dev), sinks=sched.small(L.attn_sinks, dev),
-                       router_b=sched.small(L.ffn_gate_inp_b, self.fdev[L.i]), window=L.window, slot_ids=slots[n],
+                       router_b=sched.small(L.ffn_gate_inp_b, self.fdev[L.i]), window=L.window,
                        exps_b=tuple(sched.small(b, bdev) for b in (L.ffn_gate_exps_b, L.ffn_up_exps_b,
                                                                    L.ffn_down_exps_b)))
         cos, sin = rope_tables(torch.arange(kv.n_ctx, device=td), cfg.head_dim, cfg.rope_base, cfg.rope_neox,
@@ -57,26 +53,34 @@ class GptOssStaticDecoder(StaticDecoder):
         self.cos, self.sin = cos[:, 0], sin[:, 0]
         self.scale = dec.scale
 
+    def _segment(self, s: int):
+        self._step_tabs = {}                   # what the segment's layers share, made by the first that needs it
+        return super()._segment(s)
+
+    def _tabs(self, n: int, window: int):
+        """(cos, sin [1, D] of the step's position, the slot to write and the slots hidden from its query) of a
+        cache layer of n slots and this window (0: none), made once a segment."""
+        key = (n, window)
+        if key not in self._step_tabs:
+            if "rope" not in self._step_tabs:
+                self._step_tabs["rope"] = (self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos))
+            held = self.pos - (self.pos - torch.arange(n, device=self.pos.device)) % n     # each slot's position
+            hidden = (held < 0) | (held <= self.pos - window) if window else held < 0
+            self._step_tabs[key] = (*self._step_tabs["rope"], self.pos % n, hidden)
+        return self._step_tabs[key]
+
     def _attention(self, i, lay, x):
         cfg = self.cfg
         D, nh, nkv = cfg.head_dim, cfg.n_head, cfg.n_head_kv
         h = rms_norm(x, lay["attn_norm"], cfg.rms_eps)
         qkv = (h.to(self.cdt) @ lay["wqkv"].t()).float() + lay["qkv_b"]
-        q, k, v = qkv.split((nh * D, nkv * D, nkv * D), dim=-1)
-        cos, sin = self.cos.index_select(0, self.pos), self.sin.index_select(0, self.pos)   # [1, D]
-        q = apply_rope(q.view(nh, D), cos, sin, cfg.rope_neox)
-        k = apply_rope(k.view(nkv, D), cos, sin, cfg.rope_neox)
         kc, vc = self.kv.k[i], self.kv.v[i]                                  # [nkv, slots, D]
-        n = kc.shape[1]
-        slot = self.pos % n
-        kc.index_copy_(1, slot, k[:, None, :].to(kc.dtype))
-        vc.index_copy_(1, slot, v.view(nkv, 1, D).to(vc.dtype))
-        held = self.pos - (self.pos - lay["slot_ids"]) % n                 # the position each slot holds
-        seen = held >= 0
-        if lay["window"]:
-            seen &= held > self.pos - lay["window"]
-        qg = q.view(nkv, nh // nkv, D)
-        scores = torch.matmul(qg, kc.float().transpose(1, 2)).mul_(self.scale).masked_fill_(~seen, float("-inf"))
+        cos, sin, slot, hidden = self._tabs(kc.shape[1], lay["window"])
+        qk = apply_rope(qkv[:, :(nh + nkv) * D].view(nh + nkv, D), cos, sin, cfg.rope_neox)   # q and k at once
+        kc.index_copy_(1, slot, qk[nh:, None, :].to(kc.dtype))
+        vc.index_copy_(1, slot, qkv[:, (nh + nkv) * D:].view(nkv, 1, D).to(vc.dtype))
+        qg = qk[:nh].view(nkv, nh // nkv, D)
+        scores = torch.matmul(qg, kc.float().transpose(1, 2)).mul_(self.scale).masked_fill_(hidden, float("-inf"))
         sink = lay["sinks"].view(nkv, nh // nkv, 1)
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
         o = torch.matmul(probs, vc.float()).reshape(1, nh * D)
