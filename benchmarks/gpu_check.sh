@@ -456,6 +456,15 @@ for s in "$@"; do
           timeout 150 python3 benchmarks/profile_step.py "$F" --rows 14 2>&1 | grep -E "ms a decode step|Self CUDA|^ *_moe|nvjet|elementwise" | head -16
           ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 0 -n 128 -r 2
           ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 0 -n 64 -r 2 ;;
+    # gpt-oss's step with its shared tables and MXFP4's tile rule: the tests, the step's kernels, before
+    # (.carry/base_src: the parent's src) / after in three placements
+    s35f) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_qdot.py \
+            -k "gpt_oss or mxfp4" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          timeout 150 python3 benchmarks/profile_step.py "$F" --rows 10 2>&1 | grep -E "ms a decode step|Self CUDA time|cudaGraphLaunch|^ *_moe" | head -8
+          ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 0 -n 128 -r 2
+          ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 0 -n 64 -r 2
+          ab 1 "gpt-oss-20b -ot exps=CPU, " bench_rows -m "$F" -ngl 99 -ot exps=CPU -p 0 -n 64 -r 2 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
