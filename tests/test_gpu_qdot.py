@@ -65,7 +65,7 @@ def test_every_tile(gq, dq, monkeypatch):
 @pytest.mark.parametrize("gq,dq", [(G.IQ4_XS, G.IQ4_XS), (G.IQ4_KS, G.IQ4_KS), (G.IQ4_KS, G.Q8_0),
                                    (G.Q4_K, G.Q6_K), (G.Q3_K, G.Q4_K), (G.Q5_K, G.Q5_K), (G.Q6_K, G.Q3_K),
                                    (G.Q4_K, G.Q4_0), (G.Q4_0, G.Q5_K), (G.Q2_K, G.Q3_K), (G.IQ2_KT, G.IQ2_KT),
-                                   (G.IQ2_KT, G.Q4_0)], ids=lambda t: t.name)
+                                   (G.IQ2_KT, G.Q4_0), (G.MXFP4, G.MXFP4)], ids=lambda t: t.name)
 def test_prefill_moe_from_bytes(gq, dq):
     """gpu_moe's grouped GEMMs on IQ4_XS / IQ4_KS, K-quant and IQ2_KT rows, and mixed with Q4_0's interleaved K order
     (one expert with many rows, rows of 3 blocks, a partial column tile) against float64; bf16 operands on a
@@ -132,6 +132,25 @@ def test_gpt_oss_experts(gq, dq):
     if gq == G.MXFP4:
         assert rel_l2(gd.moe(x, ids, wts, graw, uraw, draw, gq, dq).double(),
                       moe_ref_f64(x, ids, wts, graw, uraw, draw, gq, dq)) < 1e-5
+
+
+def test_gpt_oss_prefill_experts():
+    """gpu_moe.moe(oai=): the grouped prompt GEMMs on MXFP4 with gpt-oss's biases and clamped SwiGLU in their
+    epilogues (one expert with many rows, padded blocks) against the float64 reference loop."""
+    from hybridmoe.kernels import gpu_moe
+    from hybridmoe.kernels.cpu import reference_moe_ffn
+    E, k, T, H, Fd = (8, 2, 40, 768, 256) if DEV == "cpu" else (32, 4, 70, 2880, 2880)
+    (graw, uraw, draw), x, ids, wts = _case(G.MXFP4, G.MXFP4, E, k, H, Fd, T, seed=13)
+    ids[: T // 2, 0] = 1
+    ids[: T // 2, 1] = 0
+    g = torch.Generator().manual_seed(14)
+    bg, bu, bd = (0.3 * torch.randn(E, n, generator=g) for n in (Fd, Fd, H))
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    got = gpu_moe.moe(x, ids, wts, graw, uraw, draw, G.MXFP4, G.MXFP4, dtype=dt,
+                      oai=(bg.to(DEV), bu.to(DEV), bd.to(DEV), 1.702, 0.25))
+    ref = reference_moe_ffn(*[t.cpu() for t in (x, ids, wts, graw, uraw, draw)], G.MXFP4, G.MXFP4,
+                            dtype=torch.float64, oai=(bg, bu, bd, 1.702, 0.25))
+    assert rel_l2(got.double().cpu(), ref) < (1e-2 if DEV == "cuda" else 1e-5)
 
 
 IDS = [(i * 37 + 11) % 1000 + 3 for i in range(12)]

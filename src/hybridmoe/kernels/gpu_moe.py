@@ -41,15 +41,15 @@ try:
     import triton
     import triton.language as tl
 
-    from .gpu_qdot import iq4_tile, k_tile, kt_tile
+    from .gpu_qdot import iq4_tile, k_tile, kt_tile, mx_tile
 except ImportError:                                      # CPU-only installs
     triton = None
 
 QTYPES = {GGMLType.Q4_0: 0, GGMLType.Q8_0: 1, GGMLType.Q4_K: 2, GGMLType.Q6_K: 3, GGMLType.Q5_K: 4,
           GGMLType.IQ4_XS: 5, GGMLType.IQ4_KS: 6, GGMLType.Q3_K: 7, GGMLType.IQ2_KT: 8,
-          GGMLType.Q2_K: 9}                              # gpu_decode's codes
+          GGMLType.Q2_K: 9, GGMLType.MXFP4: 10}          # gpu_decode's codes
 # types whose 32-blocks hold Q4_0's nibble layout: the kernel's K order is Q4_0's interleaved one
-_Q4_ORDER = (GGMLType.Q4_0, GGMLType.IQ4_XS, GGMLType.IQ4_KS)
+_Q4_ORDER = (GGMLType.Q4_0, GGMLType.IQ4_XS, GGMLType.IQ4_KS, GGMLType.MXFP4)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
@@ -102,6 +102,8 @@ if triton is not None:
         bm = nm[:, None] & (b < nblk)[None, :]                                 # [BN, NBK]
         if QT == 5 or QT == 6:                       # IQ4_XS / IQ4_KS: 32-blocks of 256-element blocks
             v = iq4_tile(wp, rs, n64, nm, b, bm, QT == 6, BN, NBK)
+        elif QT == 10:                               # MXFP4: Q4_0's nibbles, e8m0 scales
+            v = mx_tile(wp, rs, n64, nm, b, bm, BN, NBK)
         elif QT == 8:                                # IQ2_KT: trellis values, natural order
             v = kt_tile(wp, rs, n64, nm, b, bm, BN, NBK)
         elif QT >= 2:                                # K-quants: the same, in natural order
@@ -148,14 +150,16 @@ if triton is not None:
         return n - j + 2 * (j % 16) + j // 16
 
 
-    @triton.autotune(configs=_CONFIGS, key=["K", "N", "BM", "QT", "GATE_UP", "PERM_OUT", "SPLIT"])
+    @triton.autotune(configs=_CONFIGS, key=["K", "N", "BM", "QT", "GATE_UP", "PERM_OUT", "SPLIT", "OAI"])
     @triton.jit
     def _moe_gemm_kernel(a, a_stride, w1, w2, sw_e, sw_n, out, out_stride, pairs, blk_e, wts, n_pairs, k_used,
-                         K, N, QT: tl.constexpr, BM: tl.constexpr, GATE_UP: tl.constexpr,
-                         PERM_OUT: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr, NBK: tl.constexpr):
+                         K, N, b1, b2, alpha, limit, QT: tl.constexpr, BM: tl.constexpr, GATE_UP: tl.constexpr,
+                         PERM_OUT: tl.constexpr, SPLIT: tl.constexpr, OAI: tl.constexpr, BN: tl.constexpr,
+                         NBK: tl.constexpr):
         """One (row block, column tile); the tensor cores take a's dtype (bf16, or float32 in Triton's
         interpreter). a's columns are in the kernel's K order (contiguous loads: a version that gathered
-        float32 columns in Q4_0's order in here ran 1.5x slower than the torch gather it saved)."""
+        float32 columns in Q4_0's order in here ran 1.5x slower than the torch gather it saved). OAI: gpt-oss's
+        experts, float32 biases b1 (gate), b2 (up) [E, N] or b1 (down) [E, N] added and the clamped SwiGLU."""
         n_nt = tl.cdiv(N, BN)
         pid_m = tl.program_id(0) // n_nt
         pid_n = tl.program_id(0) % n_nt
@@ -183,13 +187,21 @@ if triton is not None:
                 if GATE_UP:
                     wt2 = _w_tile(wp2, sw_n, n64, nm, k0 // 32, nblk, QT, BN, NBK, SPLIT).to(at.dtype)
                     acc2 = tl.dot(at, tl.trans(wt2), acc2)
-            if GATE_UP:                              # SiLU(gate) * up for every row of the block (padding: 0)
+            if GATE_UP and OAI:                      # gpt-oss's clamped SwiGLU of the biased gate and up
+                g = tl.minimum(acc1 + tl.load(b1 + e.to(tl.int64) * N + n, mask=nm, other=0)[None, :], limit)
+                u = acc2 + tl.load(b2 + e.to(tl.int64) * N + n, mask=nm, other=0)[None, :]
+                u = tl.minimum(tl.maximum(u, -limit), limit)
+                h = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+            elif GATE_UP:                            # SiLU(gate) * up for every row of the block (padding: 0)
                 h = acc1 / (1.0 + tl.exp(-acc1)) * acc2
+            if GATE_UP:
                 col = _perm32(n) if PERM_OUT else n
                 tl.store(out + r.to(tl.int64)[:, None] * out_stride + col[None, :], h.to(out.dtype.element_ty),
                          mask=nm[None, :])
             else:                                    # the pair's weighted row
                 wv = tl.load(wts + pair, mask=valid, other=0)
+                if OAI:
+                    acc1 += tl.load(b1 + e.to(tl.int64) * N + n, mask=nm, other=0)[None, :]
                 tl.store(out + pair.to(tl.int64)[:, None] * out_stride + n[None, :], acc1 * wv[:, None],
                          mask=valid[:, None] & nm[None, :])
 
@@ -284,10 +296,13 @@ def pick_tile(bm: int, gate_up: bool, qtype, split: bool = False):
     return TILES[0] if (qtype == GGMLType.Q8_0 and bm >= 64) or qtype == GGMLType.IQ2_KT else TILES[1]
 
 
-def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, gate_up, perm_out, split, tile):
+def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, gate_up, perm_out, split, tile,
+          bias=None):
+    """One of the two grouped GEMMs; bias = (b1, b2, alpha, limit): gpt-oss's (b2 unread by the down GEMM)."""
+    b1, b2, alpha, limit = bias if bias is not None else (wts, wts, 0.0, 0.0)        # (unread without OAI)
     args = (a, a.stride(0), w1, w2, w1.stride(0), w1.stride(1), out, out.stride(0), pairs, blk_e, wts, n_pairs,
-            k_used, K, N)
-    kw = dict(QT=QTYPES[qtype], BM=bm, GATE_UP=gate_up, PERM_OUT=perm_out, SPLIT=split)
+            k_used, K, N, b1, b2, float(alpha), float(limit))
+    kw = dict(QT=QTYPES[qtype], BM=bm, GATE_UP=gate_up, PERM_OUT=perm_out, SPLIT=split, OAI=bias is not None)
     if tile is None and _AUTOTUNE:
         _moe_gemm_kernel[lambda meta: (blk_e.numel() * triton.cdiv(N, meta["BN"]),)](*args, **kw)
     else:
@@ -297,14 +312,15 @@ def _gemm(a, w1, w2, out, pairs, blk_e, wts, n_pairs, k_used, K, N, qtype, bm, g
 
 
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, dtype=torch.bfloat16, tile=None,
-        bm=None, gate_split: bool = False, down_split: bool = False) -> torch.Tensor:
+        bm=None, gate_split: bool = False, down_split: bool = False, oai=None) -> torch.Tensor:
     """Routed experts for a batch of tokens from GGUF bytes: x [T, H], ids [T, k] (int), wts [T, k];
     graw/uraw [E, F, row bytes], draw [E, H, row bytes] on one GPU (rows in the split layout where
     *_split, quant.ref.split_rows). Returns float32 [T, H].
 
     dtype: the tensor cores' operand type (bf16; float32 for Triton's interpreter, whose bf16 dot is wrong).
     tile: one of TILES for both kernels instead of the autotuner's choice; bm: rows per block instead of
-    block_rows' (tests, benchmarks)."""
+    block_rows' (tests, benchmarks). oai = (bg, bu, bd, alpha, limit): gpt-oss's experts, float32 biases [E, F],
+    [E, F], [E, H] on the GPU, and the clamped SwiGLU."""
     T, H = x.shape
     k = ids.shape[1]
     E, F = graw.shape[0], graw.shape[1]
@@ -316,8 +332,10 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, dtype=torch.bfloa
         a = a[:, q4_0_order(H, x.device)] if gate_qtype in _Q4_ORDER else a.contiguous()
         h = torch.empty(pairs.numel(), F, dtype=dtype, device=x.device)
         wf = wts.reshape(-1).float().contiguous()
+        bg, bu, bd = (None,) * 3 if oai is None else (b.float().contiguous() for b in oai[:3])
         _gemm(a, graw, uraw, h, pairs, blk_e, wf, n_pairs, k, H, F, gate_qtype, bm, True,
-              down_qtype in _Q4_ORDER, gate_split, tile)
+              down_qtype in _Q4_ORDER, gate_split, tile, None if oai is None else (bg, bu, *oai[3:]))
         out = torch.empty(n_pairs, H, dtype=torch.float32, device=x.device)
-        _gemm(h, draw, draw, out, pairs, blk_e, wf, n_pairs, k, F, H, down_qtype, bm, False, False, down_split, tile)
+        _gemm(h, draw, draw, out, pairs, blk_e, wf, n_pairs, k, F, H, down_qtype, bm, False, False, down_split, tile,
+              None if oai is None else (bd, bd, *oai[3:]))
     return out.view(T, k, H).sum(1)

@@ -1,7 +1,7 @@
 """Dot products of GGUF rows with a float activation for the types of the files users run: IQ4_XS, IQ4_KS, Q3_K,
 Q2_K, the trellis IQ2_KT and gpt-oss's MXFP4, decoded in registers from their file bytes (gpu_decode._qdot's QT codes
 5 to 10 call these), and the weight tiles of gpu_moe's grouped prompt GEMMs for IQ4_XS / IQ4_KS (iq4_tile), the K-quants
-Q2_K to Q6_K (k_tile) and IQ2_KT (kt_tile).
+Q2_K to Q6_K (k_tile), IQ2_KT (kt_tile) and MXFP4 (mx_tile).
 
 Same block formats as gpu_dequant.py's _iq4_xs_kernel / _iq4_ks_kernel / _q3_k_kernel / _iq2_kt_kernel and
 quant/ref.py's Q2_K (read those for the byte layouts). Each step takes NB // 8 blocks of 256 of BN rows, so a tile
@@ -249,6 +249,18 @@ def iq4_tile(wp, rs, n64, nm, b, bm, KS: tl.constexpr, BN: tl.constexpr, NBK: tl
         lb = (tl.load(blk + 4 + s[None, :] // 2, mask=bm, other=0).to(tl.int32) >> (4 * (s % 2))[None, :]) & 15
         dl = f16_at(blk, bm) * ((lb | (hb << 4)) - 32).to(tl.float32)
     return v * dl[:, :, None, None]
+
+
+@triton.jit
+def mx_tile(wp, rs, n64, nm, b, bm, BN: tl.constexpr, NBK: tl.constexpr):
+    """Weights [BN, NBK, 16, 2] (float32) of rows n64 (rs bytes each, from wp; real where nm) of an MXFP4 matrix,
+    32-blocks b (real where bm [BN, NBK]) in Q4_0's interleaved order (its nibbles are Q4_0's: [.., i, h] is
+    element i + 16 h), read byte by byte (17-byte blocks keep no wider alignment; a GEMM tile's bytes are read
+    once for BM rows)."""
+    blk = wp + n64[:, None] * rs + b[None, :] * 17                                   # [BN, NBK]
+    q = tl.load(blk[:, :, None] + 1 + tl.arange(0, 16)[None, None, :], mask=bm[:, :, None], other=0).to(tl.int32)
+    d = e8m0_half(tl.load(blk, mask=bm, other=0))
+    return _mx(tl.join(q & 15, q >> 4)) * d[:, :, None, None]
 
 
 @triton.jit

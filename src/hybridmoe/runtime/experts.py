@@ -337,8 +337,9 @@ def _grouped_moe(x, ids, wts, graw, uraw, draw, gate: QTensor, down: QTensor, oa
 
 
 # -- gpt-oss: biased experts with the clamped SwiGLU ("swiglu_oai"). In host memory the C kernels take them
-# (`oai=`); on a GPU prompts take the grouped GEMMs (`_grouped_moe(oai=)`) and a few tokens the decode kernels
-# from the bytes (gpu_decode.moe(oai=): MXFP4 and every type they read), else a per-expert dequantize + matmul loop.
+# (`oai=`); on a GPU prompts take the grouped GEMMs from the bytes (gpu_moe.moe(oai=), else dequantize +
+# `_grouped_moe(oai=)`) and a few tokens the decode kernels from the bytes (gpu_decode.moe(oai=): MXFP4 and every
+# type they read), else a per-expert dequantize + matmul loop.
 
 def expert_matmul_dequant(x: torch.Tensor, ids: torch.Tensor, w: QTensor) -> torch.Tensor:
     """MUL_MAT_ID by dequantized experts: x [T, K] (shared by the k slots) or [T, k, K]; W [E, N, K].
@@ -352,21 +353,24 @@ def moe_biased(x, ids, wts, raws, ws, biases, alpha: float, limit: float, stats=
     """Routed experts with biases from raw bytes `raws` (gate, up, down [E, ...]) on x's device; `biases`
     float32 [E, F], [E, F], [E, H] there. Returns float32 [T, H]: sum over slots of wts * expert(x).
     Bytes in host memory go through the C kernels (one call a layer); on a GPU prompts take the grouped
-    GEMMs and a few tokens the decode kernels from the bytes (types they read, GGUF rows), else the per-expert
-    reference loop."""
+    GEMMs and a few tokens the decode kernels, from the bytes where they read the type (GGUF rows), else the
+    dequantizing paths."""
     gate, up, down = ws
     graw, uraw, draw = raws
     oai = (*biases, alpha, limit)
     t0 = time.perf_counter()
     if graw.device.type == "cuda":
-        if ids.numel() > GATHER_MAX_SLOTS and hasattr(torch, "_grouped_mm"):
-            return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down, oai=oai)
         from ..kernels import gpu_decode as gd
-        if not (gate.split or down.split) and gd.supports(gate.qtype, up.qtype, down.qtype):
+        from ..kernels import gpu_moe as gm
+        many = ids.numel() > GATHER_MAX_SLOTS
+        fast = gm if many else gd                       # grouped GEMMs for prompts, GEMVs for a few tokens
+        if not (gate.split or down.split) and fast.supports(gate.qtype, up.qtype, down.qtype):
             try:
-                return gd.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype, oai=oai)
+                return fast.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype, oai=oai)
             except Exception as e:                      # noqa: BLE001 - a kernel this GPU can't build
-                gd.disable(gate.qtype, down.qtype, e)
+                fast.disable(gate.qtype, down.qtype, e)
+        if many and hasattr(torch, "_grouped_mm"):
+            return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down, oai=oai)
     kc = kernels() if graw.device.type == "cpu" else None
     if kc is not None and up.qtype == gate.qtype:
         out = kc.moe_ffn(x.float().contiguous(), ids.to(torch.int32).contiguous(), wts.float().contiguous(),
