@@ -465,6 +465,14 @@ for s in "$@"; do
           ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 0 -n 128 -r 2
           ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 0 -n 64 -r 2
           ab 1 "gpt-oss-20b -ot exps=CPU, " bench_rows -m "$F" -ngl 99 -ot exps=CPU -p 0 -n 64 -r 2 ;;
+    # gpt-oss's prompts on the grouped GEMMs from MXFP4's bytes with the biases in their epilogues: the tests, then
+    # pp512 in three placements, before (.carry/base_src: dequantize + grouped_mm) / after
+    s35g) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_qdot.py \
+            -k "gpt_oss or mxfp4 or MXFP4" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 0 -r 2
+          ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 512 -n 0 -r 2
+          ab 1 "gpt-oss-20b -ot exps=CPU, " bench_rows -m "$F" -ngl 99 -ot exps=CPU -p 512 -n 0 -r 2 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
