@@ -565,7 +565,7 @@ class Model:
         (a server's slots each keep theirs: a request on another slot does not capture the graphs again), or
         None where the placement or architecture has none: the eager path runs then."""
         if not self.runtime.graphs or which not in self.decoder.static_steps:
-            return None                                       # gpt-oss's prompts: eager
+            return None                                       # a step the decoder's block can't take: eager
         gen = self._step_gen[which]
         held = kv.static_steps.get(which)
         if held is None or held[0] != gen:
