@@ -60,10 +60,15 @@ def test_step_kinds_as_the_runtime_builds_them(qwen30, argv, decode, prompt):
 @pytest.mark.parametrize("argv, decode", [(["-ngl", "99"], "graph"), (["-ngl", "99", "-ot", "exps=CPU"], "graph"),
                                           (["-ngl", "0", "--no-op-offload"], "eager"), (["-ngl", "10"], "eager")])
 def test_gpt_oss_step_kinds(argv, decode):
-    """gpt-oss: its decode step on one GPU (runtime/steps/gpu_decode_oai.py), no CPU step, prompts eager."""
+    """gpt-oss: its decode step on one GPU (runtime/steps/gpu_decode_oai.py), no CPU step, prompts eager; with
+    host experts the synchronous hand-off (a sync a layer) and no decode share."""
     p, rates = _plan(catalog_model("gpt-oss-20b"), argv)
     pred = predict(p, rates)
     assert (pred.decode_kind, pred.prompt_kind) == (decode, "eager")
+    if "exps=CPU" in argv:
+        assert pred.share is None
+        handoff = Costs(rates).gpu("CUDA0", "handoff_s") + rates.sync("CUDA0")          # each layer waits
+        assert pred.tg_terms["hand-offs"] / pred.n_gen == pytest.approx(p.cfg.n_layer * handoff, rel=1e-6)
 
 
 def test_uploads_follow_the_scheduler(qwen30):
