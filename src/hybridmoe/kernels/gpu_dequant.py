@@ -4,8 +4,8 @@ The torch reference dequantizer makes several passes over the data; for prompt p
 layer's experts (hundreds of MB of blocks per layer) that pass count is the cost. One Triton program
 per group of blocks reads each byte once and writes bf16 once: Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, and the types of
 the files users run (models/mixes.py): Q2_K, Q3_K, IQ4_NL, IQ4_XS, gpt-oss's MXFP4, ik_llama.cpp's IQ4_K, IQ5_K,
-IQ4_KS, IQ5_KS and the trellis IQ2_KT, IQ3_KT, IQ4_KT (the _KS / _KT rows start with a float32 scale, so a block's bytes are
-found from its row). The row-interleaved _R4 / _R8 layouts of these are deinterleaved with torch ops
+IQ4_KS, IQ5_KS and the trellis IQ2_KT, IQ3_KT, IQ4_KT (the _KS / _KT rows start with a float32 scale, so a block's
+bytes are found from its row). The row-interleaved _R4 / _R8 layouts of these are deinterleaved with torch ops
 and then take their base type's kernel. Types without a kernel here (or whose kernel fails to build on a
 GPU) use quant/dequant.py's reference. Each kernel is checked against the
 reference, bit for bit on a GPU (tests/test_gpu_kernels.py, tests/test_gpu_decode.py) and within one bf16

@@ -140,6 +140,17 @@ def _deq(raw, e, meta: QTensor, dt):
     return QTensor(meta.name, raw[e], meta.qtype, meta.shape[1:], meta.device, meta.split).dequant(dt)
 
 
+def _from_bytes(fast, x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor, **kw):
+    """fast.moe (a gpu_kernels module) straight from the experts' bytes where it reads their types, else None (a
+    kernel that fails to build on this GPU disables its types, and the caller's dequantizing path runs)."""
+    if fast.supports(gate.qtype, up.qtype, down.qtype):
+        try:
+            return fast.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype, **kw)
+        except Exception as e:                          # noqa: BLE001 - a kernel this GPU can't build
+            fast.disable(gate.qtype, down.qtype, e)
+    return None
+
+
 def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor, n_threads=None,
         stats=None) -> torch.Tensor:
     """Routed experts from raw bytes graw/uraw/draw [E', ...] (ids index into E'). Returns float32 [T, H]."""
@@ -147,12 +158,10 @@ def moe(x, ids, wts, graw, uraw, draw, gate: QTensor, up: QTensor, down: QTensor
         few = ids.numel() <= GATHER_MAX_SLOTS
         fast = gpu_kernels(gpu_moe_path(ids.shape[0], ids.numel(), (gate.qtype, up.qtype, down.qtype),
                                          gate.split and down.split))
-        if fast.supports(gate.qtype, up.qtype, down.qtype):
-            try:
-                return fast.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype,      # from the bytes
-                                gate_split=gate.split, down_split=down.split)
-            except Exception as e:                      # noqa: BLE001 - a kernel this GPU can't build
-                fast.disable(gate.qtype, down.qtype, e)
+        y = _from_bytes(fast, x, ids, wts, graw, uraw, draw, gate, up, down, gate_split=gate.split,
+                        down_split=down.split)
+        if y is not None:
+            return y
         if few or not hasattr(torch, "_grouped_mm"):
             return _gathered_moe(x, ids, wts, graw, uraw, draw, gate, down)
         return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down)
@@ -360,15 +369,12 @@ def moe_biased(x, ids, wts, raws, ws, biases, alpha: float, limit: float, stats=
     oai = (*biases, alpha, limit)
     t0 = time.perf_counter()
     if graw.device.type == "cuda":
-        from ..kernels import gpu_decode as gd
-        from ..kernels import gpu_moe as gm
         many = ids.numel() > GATHER_MAX_SLOTS
-        fast = gm if many else gd                       # grouped GEMMs for prompts, GEMVs for a few tokens
-        if not (gate.split or down.split) and fast.supports(gate.qtype, up.qtype, down.qtype):
-            try:
-                return fast.moe(x, ids, wts, graw, uraw, draw, gate.qtype, down.qtype, oai=oai)
-            except Exception as e:                      # noqa: BLE001 - a kernel this GPU can't build
-                fast.disable(gate.qtype, down.qtype, e)
+        if not (gate.split or down.split):              # grouped GEMMs for prompts, GEMVs for a few tokens
+            y = _from_bytes(gpu_kernels("gemm" if many else "pair"), x, ids, wts, graw, uraw, draw, gate, up, down,
+                            oai=oai)
+            if y is not None:
+                return y
         if many and hasattr(torch, "_grouped_mm"):
             return _grouped_moe(x, ids, wts, graw, uraw, draw, gate, down, oai=oai)
     kc = kernels() if graw.device.type == "cpu" else None
