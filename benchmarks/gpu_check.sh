@@ -34,6 +34,18 @@ share_sweep() {
   find "$HYBRIDMOE_CACHE" -name "synth-$p-v*.gguf" -delete
 }
 bench_rows() { timeout 150 python3 -m hybridmoe.cli bench "$@" 2>&1 | grep -E "^\| " | tail -2; }
+# `oss_ab FILE "TEST FLAGS" PLACEMENT...`: a gpt-oss-20b file's bench rows, before (base) / after, in each placement
+# (its flags after -ngl 99; `gpu`: all on the GPU)
+oss_ab() {
+  local f=$1 t=$2 pl flags
+  shift 2
+  for pl in "$@"; do
+    flags=$pl
+    [ "$pl" = gpu ] && flags=
+    # shellcheck disable=SC2086
+    ab 1 "gpt-oss-20b ${pl/#gpu/all on GPU}, " bench_rows -m "$f" -ngl 99 $flags $t -r 2
+  done
+}
 for s in "$@"; do
   echo "=============== $s"
   case $s in
@@ -430,17 +442,16 @@ for s in "$@"; do
     s35b) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpu_qdot.py tests/test_gpu_dequant_types.py \
             tests/test_gpt_oss.py -k "gpt_oss or MXFP4 or extreme or mxfp4" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8
           F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
-          ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 32 -r 2
-          ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 512 -n 32 -r 2
+          oss_ab "$F" "-p 512 -n 32" gpu "--n-cpu-moe 12"
           timeout 100 python3 benchmarks/bench_moe_prefill.py --tiles IQ2_KT 512,2048 2>&1 | tail -6 ;;
     # gpt-oss's captured decode step (runtime/steps/gpu_decode_oai.py): the tests, then gpt-oss-20b's shape in three
     # placements, before (.carry/base_src: the parent's src, the eager decoder) / after
     s35c) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_qdot.py \
             -k "gpt_oss or mxfp4 or static_decode_step" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8
           F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
-          ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 128 -r 2
-          ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 0 -n 64 -r 2
-          ab 1 "gpt-oss-20b -ot exps=CPU, " bench_rows -m "$F" -ngl 99 -ot exps=CPU -p 512 -n 64 -r 2 ;;
+          oss_ab "$F" "-p 512 -n 128" gpu
+          oss_ab "$F" "-p 0 -n 64" "--n-cpu-moe 12"
+          oss_ab "$F" "-p 512 -n 64" "-ot exps=CPU" ;;
     # where gpt-oss-20b's captured decode step spends its time: the kernels of 8 replays, all on the GPU and with
     # experts in RAM; the MXFP4 decode GEMV's tiles (30B expert shape)
     s35d) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
@@ -454,25 +465,22 @@ for s in "$@"; do
           timeout 100 python3 benchmarks/bench_moe_decode.py --tiles MXFP4 2>&1 | tail -4
           F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
           timeout 150 python3 benchmarks/profile_step.py "$F" --rows 14 2>&1 | grep -E "ms a decode step|Self CUDA|^ *_moe|nvjet|elementwise" | head -16
-          ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 0 -n 128 -r 2
-          ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 0 -n 64 -r 2 ;;
+          oss_ab "$F" "-p 0 -n 128" gpu
+          oss_ab "$F" "-p 0 -n 64" "--n-cpu-moe 12" ;;
     # gpt-oss's step with its shared tables and MXFP4's tile rule: the tests, the step's kernels, before
     # (.carry/base_src: the parent's src) / after in three placements
     s35f) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_qdot.py \
             -k "gpt_oss or mxfp4" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
           F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
           timeout 150 python3 benchmarks/profile_step.py "$F" --rows 10 2>&1 | grep -E "ms a decode step|Self CUDA time|cudaGraphLaunch|^ *_moe" | head -8
-          ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 0 -n 128 -r 2
-          ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 0 -n 64 -r 2
-          ab 1 "gpt-oss-20b -ot exps=CPU, " bench_rows -m "$F" -ngl 99 -ot exps=CPU -p 0 -n 64 -r 2 ;;
+          oss_ab "$F" "-p 0 -n 128" gpu
+          oss_ab "$F" "-p 0 -n 64" "--n-cpu-moe 12" "-ot exps=CPU" ;;
     # gpt-oss's prompts on the grouped GEMMs from MXFP4's bytes with the biases in their epilogues: the tests, then
     # pp512 in three placements, before (.carry/base_src: dequantize + grouped_mm) / after
     s35g) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_qdot.py \
             -k "gpt_oss or mxfp4 or MXFP4" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
           F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
-          ab 1 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 0 -r 2
-          ab 1 "gpt-oss-20b --n-cpu-moe 12, " bench_rows -m "$F" -ngl 99 --n-cpu-moe 12 -p 512 -n 0 -r 2
-          ab 1 "gpt-oss-20b -ot exps=CPU, " bench_rows -m "$F" -ngl 99 -ot exps=CPU -p 512 -n 0 -r 2 ;;
+          oss_ab "$F" "-p 512 -n 0" gpu "--n-cpu-moe 12" "-ot exps=CPU" ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
