@@ -125,17 +125,26 @@ def test_missing_tensor_or_key_is_a_clear_error(gpt_oss, tmp_path):
         hybridmoe.load(bad, ctx_size=64)
 
 
+def _tiny_mxfp4(path: str, convert=None):
+    """tiny-gpt-oss with MXFP4 experts (as gpt-oss files hold them) written to path, each tensor (name, shape, type,
+    make) through convert where given (the same seed makes the same bytes: each tensor drawn in file order from one
+    generator); its config."""
+    from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
+    from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
+    cfg, _, other = preset_config("tiny-gpt-oss")
+    md = {"general.name": "mxfp4", **config_metadata(cfg), **builtin_vocab_metadata(cfg.n_vocab)}
+    tensors = synth_tensors(cfg, GGMLType.MXFP4, other, seed=7)
+    write_gguf(path, "gpt-oss", md, [convert(*t) for t in tensors] if convert else tensors)
+    return cfg
+
+
 def test_mxfp4_experts_match_their_f32_dequantization(tmp_path):
     """gpt-oss GGUFs ship MXFP4 experts: they load (for this architecture) and compute like the same experts
     dequantized to F32 by the gguf package."""
     import gguf
     import numpy as np
 
-    from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
-    from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
-    cfg, _, other = preset_config("tiny-gpt-oss")
-    md = {"general.name": "mxfp4", **config_metadata(cfg), **builtin_vocab_metadata(cfg.n_vocab)}
-    write_gguf(str(tmp_path / "mx.gguf"), "gpt-oss", md, synth_tensors(cfg, GGMLType.MXFP4, other, seed=7))
+    _tiny_mxfp4(str(tmp_path / "mx.gguf"))
 
     def f32(name, shape, qt, make):
         data = make()                                  # every tensor, in file order: the generator's order
@@ -143,9 +152,7 @@ def test_mxfp4_experts_match_their_f32_dequantization(tmp_path):
             return name, shape, qt, (lambda d=data: d)
         w = np.ascontiguousarray(gguf.quants.dequantize(data.numpy().reshape(*shape[:-1], -1), qt), dtype=np.float32)
         return name, shape, GGMLType.F32, (lambda w=w: torch.from_numpy(w).view(torch.uint8))
-    # the same seed makes the same bytes (each tensor drawn in file order from one generator)
-    write_gguf(str(tmp_path / "f32.gguf"), "gpt-oss", md,
-               [f32(*t) for t in synth_tensors(cfg, GGMLType.MXFP4, other, seed=7)])
+    _tiny_mxfp4(str(tmp_path / "f32.gguf"), f32)
     mx = hybridmoe.load(str(tmp_path / "mx.gguf"), ctx_size=64)
     assert mx.file.tensors["blk.0.ffn_up_exps.weight"].qtype == GGMLType.MXFP4
     ref = hybridmoe.load(str(tmp_path / "f32.gguf"), ctx_size=64).logits(IDS)
@@ -161,12 +168,8 @@ def test_mxfp4_experts_on_a_real_gpu_match_all_cpu(tmp_path, monkeypatch, opts):
     clamped SwiGLU); with -ot exps=CPU the C kernels in the step's hand-off. Logits and decode steps within bf16
     tolerance of all-CPU."""
     from hybridmoe.kernels import gpu_decode as gd
-    from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
-    from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
-    cfg, _, other = preset_config("tiny-gpt-oss")
-    md = {"general.name": "mxfp4", **config_metadata(cfg), **builtin_vocab_metadata(cfg.n_vocab)}
     path = str(tmp_path / "mx.gguf")
-    write_gguf(path, "gpt-oss", md, synth_tensors(cfg, GGMLType.MXFP4, other, seed=7))
+    cfg = _tiny_mxfp4(path)
     ids = IDS * 2                                      # 80 (token, expert) pairs: the grouped GEMMs' path
     ref = hybridmoe.load(path, ctx_size=64).logits(ids)
     m = hybridmoe.load(path, ctx_size=64, **opts)
