@@ -114,20 +114,27 @@ def test_decode_share_layout(gq, dq):
     assert torch.equal(got, gd.moe(x, ids, wts, graw, uraw, draw, gq, dq))
 
 
+def _gpt_oss_ref(graw, uraw, draw, x, ids, wts, gq, dq, seed: int):
+    """Random biases for these experts and gpt-oss's activation with a limit the clamps reach: (the oai option on
+    DEV, the float64 reference loop's output with them, on the CPU)."""
+    from hybridmoe.kernels.cpu import reference_moe_ffn
+    g = torch.Generator().manual_seed(seed)
+    E, Fd, H = graw.shape[0], graw.shape[1], x.shape[1]
+    bg, bu, bd = (0.3 * torch.randn(E, n, generator=g) for n in (Fd, Fd, H))
+    ref = reference_moe_ffn(*[t.cpu() for t in (x, ids, wts, graw, uraw, draw)], gq, dq, dtype=torch.float64,
+                            oai=(bg, bu, bd, 1.702, 0.25))
+    return (bg.to(DEV), bu.to(DEV), bd.to(DEV), 1.702, 0.25), ref
+
+
 @pytest.mark.parametrize("gq,dq", [(G.MXFP4, G.MXFP4), (G.Q4_0, G.Q8_0)], ids=lambda t: t.name)
 def test_gpt_oss_experts(gq, dq):
     """gpu_decode.moe(oai=): gpt-oss's biased experts and clamped SwiGLU (MXFP4 as its files hold them, at
     gpt-oss-20b's shape on a GPU: rows of 90 blocks, not a whole number of a tile's steps; and a GGML pair)
     against the float64 reference loop, with a limit the clamps reach; and MXFP4 without biases."""
-    from hybridmoe.kernels.cpu import reference_moe_ffn
     E, k, H, Fd, T = (32, 4, 2880, 2880, 2) if DEV == "cuda" else (4, 2, 768, 256, 1)
     (graw, uraw, draw), x, ids, wts = _case(gq, dq, E, k, H, Fd, T, seed=11)
-    g = torch.Generator().manual_seed(12)
-    bg, bu, bd = (0.3 * torch.randn(E, n, generator=g) for n in (Fd, Fd, H))
-    oai = (bg, bu, bd, 1.702, 0.25)
-    got = gd.moe(x, ids, wts, graw, uraw, draw, gq, dq, oai=(bg.to(DEV), bu.to(DEV), bd.to(DEV), 1.702, 0.25))
-    cpu = [t.cpu() for t in (x, ids, wts, graw, uraw, draw)]
-    ref = reference_moe_ffn(*cpu, gq, dq, dtype=torch.float64, oai=oai)
+    oai, ref = _gpt_oss_ref(graw, uraw, draw, x, ids, wts, gq, dq, seed=12)
+    got = gd.moe(x, ids, wts, graw, uraw, draw, gq, dq, oai=oai)
     assert rel_l2(got.double().cpu(), ref) < 1e-5
     if gq == G.MXFP4:
         assert rel_l2(gd.moe(x, ids, wts, graw, uraw, draw, gq, dq).double(),
@@ -138,18 +145,13 @@ def test_gpt_oss_prefill_experts():
     """gpu_moe.moe(oai=): the grouped prompt GEMMs on MXFP4 with gpt-oss's biases and clamped SwiGLU in their
     epilogues (one expert with many rows, padded blocks) against the float64 reference loop."""
     from hybridmoe.kernels import gpu_moe
-    from hybridmoe.kernels.cpu import reference_moe_ffn
     E, k, T, H, Fd = (8, 2, 40, 768, 256) if DEV == "cpu" else (32, 4, 70, 2880, 2880)
     (graw, uraw, draw), x, ids, wts = _case(G.MXFP4, G.MXFP4, E, k, H, Fd, T, seed=13)
     ids[: T // 2, 0] = 1
     ids[: T // 2, 1] = 0
-    g = torch.Generator().manual_seed(14)
-    bg, bu, bd = (0.3 * torch.randn(E, n, generator=g) for n in (Fd, Fd, H))
+    oai, ref = _gpt_oss_ref(graw, uraw, draw, x, ids, wts, G.MXFP4, G.MXFP4, seed=14)
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
-    got = gpu_moe.moe(x, ids, wts, graw, uraw, draw, G.MXFP4, G.MXFP4, dtype=dt,
-                      oai=(bg.to(DEV), bu.to(DEV), bd.to(DEV), 1.702, 0.25))
-    ref = reference_moe_ffn(*[t.cpu() for t in (x, ids, wts, graw, uraw, draw)], G.MXFP4, G.MXFP4,
-                            dtype=torch.float64, oai=(bg, bu, bd, 1.702, 0.25))
+    got = gpu_moe.moe(x, ids, wts, graw, uraw, draw, G.MXFP4, G.MXFP4, dtype=dt, oai=oai)
     assert rel_l2(got.double().cpu(), ref) < (1e-2 if DEV == "cuda" else 1e-5)
 
 

@@ -16,16 +16,16 @@ expert of a layer out as bf16 (2.4 GB a layer for Qwen3-30B-A3B) before `torch._
 Q4_0 blocks are read as 16-bit words; their nibbles come out of the word in the order low nibbles of byte
 pairs first, so the kernel's K axis is that of the block's elements interleaved: position p of a 32-block
 holds element p // 2 + 16 (p % 2); IQ4_XS / IQ4_KS and MXFP4 32-blocks hold their nibbles as Q4_0 does, so they
-are read in the same order (gpu_qdot.iq4_tile, mx_tile). The activations are permuted the same way (once per layer for gate/up;
-the gate/up epilogue writes its output permuted for a Q4_0 down), and a dot product doesn't care about the
-order of its terms. Q8_0 words give the natural order, and so do the K-quants Q2_K to Q6_K, each
+are read in the same order (gpu_qdot.iq4_tile, mx_tile). The activations are permuted the same way (once per layer
+for gate/up; the gate/up epilogue writes its output permuted for a Q4_0 down), and a dot product doesn't care about
+the order of its terms. Q8_0 words give the natural order, and so do the K-quants Q2_K to Q6_K, each
 32 elements of a 256-element block read as 8 words or 16 halfwords (gpu_qdot.k_tile; a first version that
 gathered their blocks byte by byte ran at 0.74x of dequantize + grouped GEMM, this one 1.3-2.2x faster than it),
 and IQ2_KT, whose values the tile computes from its trellis indices (gpu_qdot.kt_tile). Other types take that
 path. gpt-oss's experts add their biases and take the clamped SwiGLU in the two epilogues (moe(oai=)).
 
 Checked against float64 on the GPU and in Triton's interpreter (tests/test_gpu_decode.py, and test_gpu_qdot.py for
-the IQ4 and K-quant tiles).
+the IQ4, K-quant, IQ2_KT and MXFP4 tiles and gpt-oss's epilogues).
 """
 from __future__ import annotations
 
