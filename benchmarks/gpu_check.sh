@@ -481,6 +481,18 @@ for s in "$@"; do
             -k "gpt_oss or mxfp4 or MXFP4" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
           F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
           oss_ab "$F" "-p 512 -n 0" gpu "--n-cpu-moe 12" "-ot exps=CPU" ;;
+    # gpt-oss's polled hand-off and decode share with host experts: the tests, then gpt-oss-20b's decode before
+    # (.carry/base_src: the synchronous hand-off) / after, and the share's count swept with experts in RAM
+    s36a) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpt_oss.py tests/test_cpu_kernels.py \
+            tests/test_placement_runtime.py -k "gpt_oss or mxfp4 or handoff or share" -p no:cacheprovider --tb=short \
+            -rfE 2>&1 | tail -8
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          oss_ab "$F" "-p 0 -n 128" "-ot exps=CPU" "--n-cpu-moe 12"
+          for v in auto 0 1 2 3; do
+            echo "### gpt-oss-20b -ot exps=CPU, decode share $v"
+            ( [ "$v" = auto ] || export HYBRIDMOE_DECODE_SHARE=$v
+              bench_rows -m "$F" -ngl 99 -ot exps=CPU -p 0 -n 128 -r 3 --roofline )
+          done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -457,6 +457,27 @@ def test_handoff_runs_only_the_first_n_cpu_slots():
             cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], n_cpu=bad)
 
 
+def test_handoff_with_gpt_oss_biases():
+    """gpt-oss's host experts in the polled hand-off: MXFP4 with its biases and clamped SwiGLU, the first n_cpu
+    slots exactly what moe_ffn(oai=) computes for them; biases of the wrong shape or dtype are refused."""
+    w, b, _ = _handoff_layer(G.MXFP4)
+    E, F = w[0].shape[:2]
+    H, k = b["out"].numel(), 8
+    g = torch.Generator().manual_seed(5)
+    oai = (torch.randn(E, F, generator=g), torch.randn(E, F, generator=g), torch.randn(E, H, generator=g), 1.702, 0.5)
+    x, wts, ids = b["packed"][None, :H], b["packed"][None, H:H + k], b["packed"][None, H + k:].int()
+    for n_cpu in (8, 3):
+        call = cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], n_cpu=n_cpu, oai=oai)
+        b["ready"][0] = 20 + n_cpu
+        assert call(20 + n_cpu) == 0 and int(b["done"][0]) == 20 + n_cpu
+        want = cpu.moe_ffn(x, ids[:, :n_cpu].contiguous(), wts[:, :n_cpu].contiguous(), *w, oai=oai)[0]
+        plain = cpu.moe_ffn(x, ids[:, :n_cpu].contiguous(), wts[:, :n_cpu].contiguous(), *w)[0]
+        assert torch.equal(b["out"], want) and not torch.allclose(want, plain)
+    for bad in ((oai[0][:, :-1], *oai[1:]), (oai[0].double(), *oai[1:])):
+        with pytest.raises(ValueError, match="gpt-oss's float32 biases"):
+            cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], oai=bad)
+
+
 def test_handoff_errors_still_release_the_gpu():
     w, b, _ = _handoff_layer()
     call = cpu.handoff_call(*w, b["packed"], b["out"], b["ready"], b["done"], timeout_s=0.05)

@@ -160,14 +160,20 @@ def test_mxfp4_experts_match_their_f32_dequantization(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("opts", [dict(n_gpu_layers=99), dict(n_gpu_layers=99, override_tensor=["exps=CPU"])],
-                         ids=["ngl99", "exps-cpu"])
-def test_mxfp4_experts_on_a_real_gpu_match_all_cpu(tmp_path, monkeypatch, opts):
+@pytest.mark.parametrize("opts, share", [(dict(n_gpu_layers=99), None),
+                                         (dict(n_gpu_layers=99, override_tensor=["exps=CPU"]), 0),
+                                         (dict(n_gpu_layers=99, override_tensor=["exps=CPU"]), 1)],
+                         ids=["ngl99", "exps-cpu", "exps-cpu-share1"])
+def test_mxfp4_experts_on_a_real_gpu_match_all_cpu(tmp_path, monkeypatch, opts, share):
     """MXFP4 experts (as gpt-oss files hold them) on a GPU: prompts through the grouped GEMMs (their one-pass
     dequantizer), decode tokens through the captured step with gpu_decode's kernels from the bytes (biases and
-    clamped SwiGLU); with -ot exps=CPU the C kernels in the step's hand-off. Logits and decode steps within bf16
-    tolerance of all-CPU."""
+    clamped SwiGLU); with -ot exps=CPU the C kernels in the step's polled hand-off, and with a decode share the
+    GPU's copy of one of the k experts with its biases. Logits and decode steps within bf16 tolerance of
+    all-CPU; the hand-off's last CPU row equals the C kernel's on the published row."""
+    from hybridmoe.kernels import cpu
     from hybridmoe.kernels import gpu_decode as gd
+    if share is not None:
+        monkeypatch.setenv("HYBRIDMOE_DECODE_SHARE", str(share))
     path = str(tmp_path / "mx.gguf")
     cfg = _tiny_mxfp4(path)
     ids = IDS * 2                                      # 80 (token, expert) pairs: the grouped GEMMs' path
@@ -184,7 +190,23 @@ def test_mxfp4_experts_on_a_real_gpu_match_all_cpu(tmp_path, monkeypatch, opts):
     assert rel_l2(steps, ref[6:]) <= 1e-2 and top1_agreement(steps, ref[6:]) >= 0.95
     step = m._step_for("decode", kv)                  # the captured step (its kernels launched while capturing)
     assert isinstance(step, GptOssStaticDecoder) and step.worked and step.graphs
-    assert (all(calls) and len(calls) >= cfg.n_layer) if "override_tensor" not in opts else calls == []
+    assert (all(calls) and len(calls) >= cfg.n_layer) if share is None else calls == []
+    if share is None:
+        return
+    hk, H, k = step.hk, cfg.n_embd, cfg.n_expert_used
+    assert hk is not None and hk.share == share and len(hk.calls) == cfg.n_layer
+    j = len(hk.calls) - 1
+    lay = step.layers[step.segments[max(hk.slot)].layer]
+    g, u, d = lay["exps"]
+    x, wts, ids = hk.packed[j:j + 1, :H], hk.packed[j:j + 1, H:H + k], hk.packed[j:j + 1, H + k:].int()
+    mine = cpu.moe_ffn(x, ids[:, :k - share].contiguous(), wts[:, :k - share].contiguous(), g.raw, u.raw, d.raw,
+                       g.qtype, d.qtype, n_threads=step.sched.n_threads,
+                       oai=(*lay["exps_b"], cfg.swiglu_alpha, cfg.swiglu_limit))
+    assert torch.equal(hk.out[j], mine[0])
+    if share:
+        gpus = cpu.moe_ffn(x, ids[:, k - share:].contiguous(), wts[:, k - share:].contiguous(), g.raw, u.raw, d.raw,
+                           g.qtype, d.qtype, impl="torch", oai=(*lay["exps_b"], cfg.swiglu_alpha, cfg.swiglu_limit))
+        assert rel_l2(hk.gout.sum(0, keepdim=True).cpu(), gpus) <= 1e-4
 
 
 def test_convert_refuses_what_gguf_cannot_carry(gpt_oss):

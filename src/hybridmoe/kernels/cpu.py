@@ -148,11 +148,14 @@ def _load():
         lib.hm_trace.argtypes, lib.hm_trace_get.argtypes = [i32], [vp]
         lib.hm_moe_handoff.argtypes = [vp, vp, ctypes.c_double, vp, i64, i64, i64, vp, vp, i32, i64, i64, vp, i32,
                                        vp, i32, i32]
+        lib.hm_moe_handoff_oai.argtypes = lib.hm_moe_handoff.argtypes[:-1] + [vp, vp, vp, ctypes.c_float,
+                                                                              ctypes.c_float, i32]
         lib.hm_moe_handoff_rows.argtypes = [vp, vp, ctypes.c_double, vp, i64, i64, i64, i64, vp, vp, i32, i64, i64,
                                             vp, i32, vp, i32, i32]
         lib.hm_deinterleave.argtypes = [vp, vp, i64, i32, i64, i32, i32, vp, vp, i64, vp, i64, i32]
         lib.hm_simd.restype = ctypes.c_char_p
-        for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_moe_handoff_rows,
+        for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_moe_handoff_oai,
+                  lib.hm_moe_handoff_rows,
                   lib.hm_tile_mode,
                   lib.hm_qmatmul, lib.hm_tile_mm, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8,
                   lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_dp256_test, lib.hm_set_act_terms, lib.hm_act_terms,
@@ -476,7 +479,7 @@ def _handoff_checked(what, gate_raw, up_raw, down_raw, gate_qtype, down_qtype, H
 
 
 def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out, ready, done,
-                 n_threads=None, timeout_s: float = 30.0, n_cpu: int | None = None):
+                 n_threads=None, timeout_s: float = 30.0, n_cpu: int | None = None, oai=None):
     """One layer's side of the decode hand-off with a GPU (graphs.py), as a function of the step number.
 
     Calling it with `step` waits until ready[0] == step (the GPU has written one token's [x | router
@@ -484,15 +487,26 @@ def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out
     done[0] = step, also after an error, so that the GPU never waits forever. It returns 0, -1 for an id
     that is not an expert, or -3 when the GPU did not come within timeout_s. packed float32 [H + 2k] and
     out float32 [H] (pinned), ready and done int32 (pinned), all CPU tensors that outlive the function.
-    n_cpu: run only the experts of the first n_cpu of the k slots (the GPU takes the others); default all."""
+    n_cpu: run only the experts of the first n_cpu of the k slots (the GPU takes the others); default all.
+    oai = (bg, bu, bd, alpha, limit): gpt-oss's experts, as moe_ffn takes them (the biases must outlive the
+    function too)."""
     H = out.numel()
     k = (packed.numel() - H) // 2
     kc = k if n_cpu is None else int(n_cpu)
+    ok = packed.numel() == H + 2 * k and 1 <= kc <= k
+    if oai is not None:
+        bg, bu, bd, alpha, limit = oai
+        E, F = gate_raw.shape[:2] if gate_raw.dim() == 3 else (0, 0)
+        ok = ok and all(b.dtype == torch.float32 and b.is_contiguous() and b.device.type == "cpu" and
+                        tuple(b.shape) == s for b, s in ((bg, (E, F)), (bu, (E, F)), (bd, (E, H))))
     lib, gq, dq, E, F = _handoff_checked("handoff_call", gate_raw, up_raw, down_raw, gate_qtype, down_qtype, H, k,
-                                         packed.numel() == H + 2 * k and 1 <= kc <= k)
-    return functools.partial(lib.hm_moe_handoff, ready.data_ptr(), done.data_ptr(), timeout_s, packed.data_ptr(),
-                             H, k, kc, gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq,
-                             out.data_ptr(), _threads(n_threads))
+                                         ok, "" if oai is None else ", with gpt-oss's float32 biases")
+    args = (ready.data_ptr(), done.data_ptr(), timeout_s, packed.data_ptr(), H, k, kc, gate_raw.data_ptr(),
+            up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq, out.data_ptr(), _threads(n_threads))
+    if oai is None:
+        return functools.partial(lib.hm_moe_handoff, *args)
+    return functools.partial(lib.hm_moe_handoff_oai, *args, bg.data_ptr(), bu.data_ptr(), bd.data_ptr(),
+                             float(alpha), float(limit))
 
 
 def handoff_rows_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out, ready, done,

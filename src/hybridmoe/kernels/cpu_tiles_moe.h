@@ -1,5 +1,5 @@
 /* The grouped tile MoE FFN and hm_tile_mm; the MoE entry points (hm_moe_ffn, hm_moe_handoff,
- * hm_moe_tile, hm_moe_oai, hm_tile_mode).
+ * hm_moe_handoff_oai, hm_moe_tile, hm_moe_oai, hm_tile_mode).
  * Part of cpu_moe.c (its main unit): included there, in order, never compiled alone. */
 
 static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
@@ -259,7 +259,7 @@ static int handoff_wait(const int32_t *ready, int32_t step, double timeout_s) {
 static int handoff_rows(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t T,
                         int64_t Tp, int64_t H, int64_t k, int64_t kc, const uint8_t *gate, const uint8_t *up,
                         int gtype, int64_t F, int64_t E, const uint8_t *down, int dtype, float *out, int nthreads,
-                        int32_t step) {
+                        int32_t step, const moe_act *A) {
     static __thread float *xs;                    /* several rows' x, contiguous: kept from call to call */
     static __thread size_t xs_n;
     int32_t ids[64 * 64];
@@ -287,7 +287,7 @@ static int handoff_rows(const int32_t *ready, int32_t *done, double timeout_s, c
             }
         }
     }
-    if (!rc) rc = moe_ffn_act(x, T, H, ids, wts, kc, gate, up, gtype, F, E, down, dtype, out, nthreads, &ACT_SILU);
+    if (!rc) rc = moe_ffn_act(x, T, H, ids, wts, kc, gate, up, gtype, F, E, down, dtype, out, nthreads, A);
     if (Tp > T && Tp <= 64) memset(out + T * H, 0, (size_t)(Tp - T) * H * sizeof(float));
     __atomic_store_n(done, step, __ATOMIC_RELEASE);
     return rc;
@@ -298,7 +298,21 @@ int hm_moe_handoff(const int32_t *ready, int32_t *done, double timeout_s, const 
                    int64_t k, int64_t kc, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
                    const uint8_t *down, int dtype, float *out, int nthreads, int32_t step) {
     return handoff_rows(ready, done, timeout_s, packed, 1, 1, H, k, kc, gate, up, gtype, F, E, down, dtype, out,
-                        nthreads, step);
+                        nthreads, step, &ACT_SILU);
+}
+
+/* hm_moe_handoff for gpt-oss's experts: biases bg, bu [E, F] and bd [E, H] (float32), the clamped SwiGLU */
+int hm_moe_handoff_oai(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t H,
+                       int64_t k, int64_t kc, const uint8_t *gate, const uint8_t *up, int gtype, int64_t F, int64_t E,
+                       const uint8_t *down, int dtype, float *out, int nthreads, const float *bg, const float *bu,
+                       const float *bd, float alpha, float limit, int32_t step) {
+    const moe_act A = {1, alpha, limit, bg, bu, bd};
+    if (!bg || !bu || !bd) {                       /* still hand the step back: the GPU waits for it */
+        __atomic_store_n(done, step, __ATOMIC_RELEASE);
+        return -1;
+    }
+    return handoff_rows(ready, done, timeout_s, packed, 1, 1, H, k, kc, gate, up, gtype, F, E, down, dtype, out,
+                        nthreads, step, &A);
 }
 
 /* the batched decode step (runtime/steps/gpu_batch.py): the first T of Tp rows, every slot */
@@ -307,7 +321,7 @@ int hm_moe_handoff_rows(const int32_t *ready, int32_t *done, double timeout_s, c
                         int64_t F, int64_t E, const uint8_t *down, int dtype, float *out, int nthreads,
                         int32_t step) {
     return handoff_rows(ready, done, timeout_s, packed, T, Tp, H, k, k, gate, up, gtype, F, E, down, dtype, out,
-                        nthreads, step);
+                        nthreads, step, &ACT_SILU);
 }
 
 int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,

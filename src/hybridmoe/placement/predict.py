@@ -246,15 +246,13 @@ def _path_seconds(p: Placement, rates, n_tokens: int, expert_dev: dict[int, str]
 
 def _share(p: Placement, layers: list[_Layer], rates, kind: str) -> tuple[int, int] | None:
     """(g, k) where the decode step runs the decode share: the captured step on one GPU with the polled
-    hand-off, host experts pinned (op offload on) in a layout its kernels read (gpu_decode.share_layout_ok), not
-    gpt-oss's step (runtime/steps/gpu_decode_oai.py: neither share nor polled hand-off); g as the step picks it
-    (HYBRIDMOE_DECODE_SHARE, else roofline.decode_share on the same rates)."""
+    hand-off, host experts pinned (op offload on) in a layout its kernels read (gpu_decode.share_layout_ok); g as
+    the step picks it (HYBRIDMOE_DECODE_SHARE, else roofline.decode_share on the same rates)."""
     from ..kernels.gpu_decode import share_layout_ok
     k, E = p.cfg.n_expert_used, p.cfg.n_expert
     gpus = {L.attn for L in layers} | {_head(p)[0]}
     cpu_layers = [L for L in layers if L.exps == "CPU"]
-    if kind != "graph" or len(gpus) != 1 or not p.opts.op_offload or not cpu_layers or not E or k < 2 or \
-            p.cfg.arch == "gpt-oss":
+    if kind != "graph" or len(gpus) != 1 or not p.opts.op_offload or not cpu_layers or not E or k < 2:
         return None
     if not all(share_layout_ok(list(L.qtypes), list(L.per_expert)) for L in cpu_layers):
         return None
@@ -293,7 +291,7 @@ def decode_terms(p: Placement, layers: list[_Layer], rates, n_gen: int, n_depth:
             t.add("KV cache", read("CPU", kvb * pos))
         return sum(t.values()), t, kind, share
     gpus = sorted({L.attn for L in layers if L.attn != "CPU"} | ({head_dev} - {"CPU"}))
-    polled = kind == "graph" and len(gpus) == 1 and cfg.arch != "gpt-oss"     # gpt-oss's step: synchronous
+    polled = kind == "graph" and len(gpus) == 1
     main = gpus[0] if gpus else "CPU"
     if kind == "graph":
         t.add("step overhead", c.gpu(head_dev, "decode_token_s"))

@@ -194,6 +194,7 @@ class _Seg:
 
 class StaticDecoder:
     fused = True                     # the fused kernels where Triton runs (a subclass whose block they lack: False)
+    torch_polled = False             # the torch version of the layer runs the polled hand-off too (a subclass's)
 
     def __init__(self, model, kv, capture: bool = True):
         dec, cfg, sched = model.decoder, model.cfg, model.sched
@@ -217,8 +218,8 @@ class StaticDecoder:
         # the fused Triton kernels (kernels/gpu_decode.py) on a GPU; on fake GPUs in Triton's interpreter
         # (how they are checked against this file's torch path without a GPU)
         D = cfg.head_dim
-        self.fast = self.fused and gd.available() and D >= 16 and D & (D - 1) == 0 and \
-            (not fake or os.environ.get("TRITON_INTERPRET") == "1")
+        self.triton = gd.available() and (not fake or os.environ.get("TRITON_INTERPRET") == "1")
+        self.fast = self.fused and self.triton and D >= 16 and D & (D - 1) == 0
         if len(devs) > 1 and not self.fast:
             raise NotApplicable(f"layers on {sorted(devs)} need the fused kernels (triton)")
         if dec.output_norm.device.name != self.out_dev.name:
@@ -252,6 +253,7 @@ class StaticDecoder:
                 # the router is small (n_expert rows): copied once to the FFN part's GPU when it is elsewhere
                 lay.update(router=r.cached(rdt) if r.device.name == fdev.name else r.dequant(rdt).to(fdev.torch_device),
                            exps=exps, cpu_experts=exps[0].device.kind == "cpu")
+            self._extend_layer(L, lay)
             self.layers.append(lay)
         if self.capture:
             why = graph_blocker(model)
@@ -304,6 +306,9 @@ class StaticDecoder:
         self.graphs = None
         self.worked = False                             # a step has run (the model falls back before that)
 
+    def _extend_layer(self, L, lay: dict):
+        """What a subclass's block adds to layer L's tensors (lay), before the hand-off is built; none here."""
+
     @staticmethod
     def _ffn_device(L, attn):
         """The device of layer L's FFN part (kernels/decode_layout.py, the rule the planner warns by): the GPU of
@@ -321,7 +326,8 @@ class StaticDecoder:
         each segment with a sync), a type without the C kernel, or HYBRIDMOE_HANDOFF=sync."""
         cpu_segs = [s for s, seg in enumerate(self.segments) if seg.kind == "cpu"]
         kern = X.kernels()
-        if not cpu_segs or not (self.capture and self.fast) or n_devices > 1 or kern is None or \
+        polled = self.fast or (self.torch_polled and self.triton)
+        if not cpu_segs or not (self.capture and polled) or n_devices > 1 or kern is None or \
                 self.sched.stats.profile or env.get("HYBRIDMOE_HANDOFF") == "sync":
             return None
         H, k, n, td = self.cfg.n_embd, self.cfg.n_expert_used, len(cpu_segs), self.dev.torch_device
@@ -335,7 +341,7 @@ class StaticDecoder:
             try:
                 hk.calls.append(kern.handoff_call(g.raw, u.raw, d.raw, g.qtype, d.qtype, hk.packed[j], hk.out[j],
                                                   hk.ready[j], hk.done[j], self.sched.n_threads,
-                                                  n_cpu=k - hk.share))
+                                                  n_cpu=k - hk.share, oai=self._host_oai(self.segments[s].layer)))
             except ValueError:                          # a type or shape the C kernel lacks
                 return None
             hk.slot[s] = j
@@ -477,7 +483,11 @@ class StaticDecoder:
         stage = hk.stage[expert_shapes(lay["exps"])]
         gd.stage_experts(ids, j0, [gd.stage_words(w.raw) for w in (g, u, d)], [gd.stage_words(w) for w in stage])
         gd.moe(h, hk.lids, wts[:, j0:], *stage, g.qtype, d.qtype, reduce=False, gate_split=g.split,
-               down_split=d.split, out=hk.gout)
+               down_split=d.split, out=hk.gout, oai=self._share_oai(lay, ids, j0))
+
+    def _share_oai(self, lay, ids, j0: int):
+        """gd.moe's oai option for the decode share's staged experts (gpt-oss's subclass), None here."""
+        return None
 
     def _segment_fast(self, s: int):
         seg, hk = self.segments[s], self.hk
