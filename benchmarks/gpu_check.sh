@@ -493,6 +493,18 @@ for s in "$@"; do
             ( [ "$v" = auto ] || export HYBRIDMOE_DECODE_SHARE=$v
               bench_rows -m "$F" -ngl 99 -ot exps=CPU -p 0 -n 128 -r 3 --roofline )
           done ;;
+    # gpt-oss's attention in gpu_attention's kernels (sinks, window rings, RoPE fused): the tests, then gpt-oss-20b's
+    # decode with its torch attention (HYBRIDMOE_OAI_ATTN=torch) / the kernels, alternated, and the step's kernels
+    s36b) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_decode.py \
+            -k "gpt_oss or mxfp4 or attention" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          for pl in gpu "--n-cpu-moe 12" "-ot exps=CPU"; do for r in 1 2; do for a in torch triton; do
+            echo "### gpt-oss-20b ${pl/#gpu/all on GPU}, attention $a, round $r"
+            flags=$pl; [ "$pl" = gpu ] && flags=
+            # shellcheck disable=SC2086
+            HYBRIDMOE_OAI_ATTN=$a bench_rows -m "$F" -ngl 99 $flags -p 0 -n 128 -r 2
+          done; done; done
+          timeout 150 python3 benchmarks/profile_step.py "$F" --rows 10 2>&1 | grep -E "ms a decode step|Self CUDA time|cudaGraphLaunch|^ *_(moe|attn)" | head -8 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -83,7 +83,13 @@ def test_placements_match_all_cpu(gpt_oss, monkeypatch, opts, expert_dev):
     full = m.logits(IDS)
     m.forward(torch.tensor(IDS[:6]), 0, kv)
     steps = torch.cat([m.forward(torch.tensor([t]), 6 + i, kv) for i, t in enumerate(IDS[6:])])
-    assert rel_l2(steps, full[6:]) <= 1e-5
+    assert rel_l2(steps, full[6:]) <= _step_tol(step)
+
+
+def _step_tol(step):
+    """The static step's tolerance against the eager decoder: its torch attention is the eager arithmetic; the
+    Triton kernels' (Triton's interpreter on a fake GPU) take q and the probabilities in the f16 cache's type."""
+    return 1e-3 if step is not None and step.tri_attn else 1e-5
 
 
 @pytest.mark.parametrize("opts", [dict(n_gpu_layers=99), dict(n_gpu_layers=99, override_tensor=["exps=CPU"])],
@@ -101,7 +107,8 @@ def test_static_decode_step_matches_eager(gpt_oss, monkeypatch, opts):
         step = m._step_for("decode", kv)
         assert min(kv.slots) == 7                                    # the window's ring
         assert isinstance(step, GptOssStaticDecoder) and step.worked if graphs else step is None
-    assert rel_l2(outs[0], outs[1]) <= 1e-5
+        static = step if graphs else static
+    assert rel_l2(outs[0], outs[1]) <= _step_tol(static)
 
 
 def _rewrite(src: str, dst: str, drop_tensor: str | None = None, drop_key: str | None = None) -> str:

@@ -200,6 +200,43 @@ def test_attention_with_rope_fused(neox, norm, n_ctx, pos, D):
     assert rel_l2(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("window,slots,pos,D", [(8, 10, 5, 64), (8, 10, 9, 64), (8, 10, 27, 64), (0, 300, 270, 64),
+                                                  (128, 130, 700, 64), (8, 10, 23, 16), (0, 64, 40, 16)])
+def test_attention_with_sinks_and_window_rings(window, slots, pos, D):
+    """gpt-oss's decode attention: a sink logit per head in the softmax, and on window layers a ring of slots
+    (position p in slot p % slots, before and after it wraps) of which only the last `window` positions count;
+    the same as the reference (models/gpt_oss.attend_sinks over the keys in position order). With the rope fused,
+    the new key and value go to the position's slot and nowhere else."""
+    from hybridmoe.models.gpt_oss import attend_sinks
+    nh, nkv = 8, 2
+    g = _gen(pos + window)
+    keys, vals = (torch.randn(nkv, pos + 1, D, generator=g, device=DEV).half() for _ in range(2))
+    kc, vc = (torch.randn(nkv, slots, D, generator=g, device=DEV).half() for _ in range(2))
+    for p in range(pos + 1):                                  # the ring as decoding fills it
+        kc[:, p % slots], vc[:, p % slots] = keys[:, p], vals[:, p]
+    q = torch.randn(nh, D, generator=g, device=DEV)
+    sinks = torch.randn(nh, generator=g, device=DEV) + 5       # mass enough to show over 700 keys
+    scale = D ** -0.5 * 1.3
+    pt = torch.tensor([pos], device=DEV)
+    out = gd.attention(q, kc, vc, pt, scale, out_dtype=torch.float32, sinks=sinks, window=window)
+    ref = attend_sinks(q[None], keys, vals, pos, sinks, scale, window=window)
+    assert rel_l2(out, ref) < 1e-2
+    plain = gd.attention(q, kc, vc, pt, scale, out_dtype=torch.float32, window=window)
+    assert rel_l2(out, plain) > 1e-2                          # the sinks count
+    # the fused rope: the position's key and value written to its slot, the output as qk_rope_cache's + attention
+    qkv = torch.randn(1, (nh + 2 * nkv) * D, generator=g, device=DEV)
+    cos, sin = rope_tables(torch.arange(pos + 1), D, 10000.0, True)
+    cos, sin = cos[:, 0].to(DEV), sin[:, 0].to(DEV)
+    kc2, vc2 = kc.clone(), vc.clone()
+    qr = gd.qk_rope_cache(qkv, None, None, cos, sin, pt, kc, vc, nh, nkv, D, 1e-6, True)
+    want = gd.attention(qr[:, 0], kc, vc, pt, scale, out_dtype=torch.float32, sinks=sinks, window=window)
+    got = gd.attention(None, kc2, vc2, pt, scale, out_dtype=torch.float32, sinks=sinks, window=window,
+                       rope=(qkv, None, None, cos, sin, nh, 1e-6, True))
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    assert rel_l2(got, want) < 1e-5
+    assert torch.equal(vc[:, pos % slots], qkv[0, (nh + nkv) * D:].view(nkv, D).half())
+
+
 def test_handoff_kernels(monkeypatch):
     """router_topk(publish=) copies the packed row [h | weights | ids] into pinned host memory, then sets a
     host flag to the step. add_rms_norm(wait=) adds a row from pinned host memory once the host's flag

@@ -42,6 +42,8 @@ SWITCHES = {
                                          "cost model's)"),
     "HYBRIDMOE_HANDOFF": Switch("poll", "sync: CPU/GPU decode hand-offs through synchronizing copies, not polled "
                                         "flags"),
+    "HYBRIDMOE_OAI_ATTN": Switch("triton", "torch: gpt-oss's captured decode step computes attention with torch ops "
+                                           "instead of gpu_attention's kernels (to compare)"),
     "HYBRIDMOE_GEMV8": Switch("1", "0: GPU decode projections in bf16 instead of the int8 (dp4a) GEMV"),
     "HYBRIDMOE_GPU_MOE": Switch("auto", "pair, grouped, gemm or mmq: the GPU MoE kernels for every call (auto: by "
                                         "the (token, slot) pairs, runtime/experts.gpu_moe_path)"),

@@ -1,7 +1,11 @@
 """Triton attention kernels of the decode and prompt steps: q/k RMSNorm + RoPE with the cache write
 (qk_rope_cache), flash-decoding over the cache up to the position held in device memory (attention: splits,
 then one merge that can also write the output in int8 terms), and a prompt chunk's causal flash attention
-(attention_prefill). Checked against torch in tests/test_gpu_decode.py."""
+(attention_prefill). Checked against torch in tests/test_gpu_decode.py.
+
+A cache of n slots holds position p in slot p % n: the whole context where n exceeds every position, a sliding
+window's ring (kvcache.update_window's layout) where it does not. Decode attention takes gpt-oss's block too: a
+window (keys p - window + 1..p only) over such a ring, and one sink logit per head in the softmax's denominator."""
 from __future__ import annotations
 
 import contextlib
@@ -28,10 +32,10 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter: 
 if triton is not None:
     @triton.jit
     def _qk_rope_cache_kernel(qkv, qkv_stride, qn_w, kn_w, cos, sin, pos, pos0, cos_first, q_out, q_stride, kc, vc,
-                              skh, skn, svh, svn, T, nh, nkv, eps, D: tl.constexpr, NEOX: tl.constexpr,
+                              skh, skn, svh, svn, n_slots, T, nh, nkv, eps, D: tl.constexpr, NEOX: tl.constexpr,
                               HAS_NORM: tl.constexpr, POS_PTR: tl.constexpr, BT: tl.constexpr):
         """Tokens t of a block (positions p0 + t, p0 read from pos or given) of head hd: q heads are normed,
-        roped and stored as q_out[hd, t]; k heads normed, roped and written to the cache with v."""
+        roped and stored as q_out[hd, t]; k heads normed, roped and written to the cache with v (slot p % n_slots)."""
         hd = tl.program_id(0)                          # q heads, then k heads
         t = tl.program_id(1) * BT + tl.arange(0, BT)
         tm = t < T
@@ -48,9 +52,10 @@ if triton is not None:
         else:
             y = _rope_rows(row + hd * D, kn_w, cos + crow, sin + crow, i, rm, eps, D, NEOX, HAS_NORM)
             hk = hd - nh
-            tl.store(kc + hk * skh + p[:, None] * skn + i[None, :], y.to(kc.dtype.element_ty), mask=rm)
+            sl = (p % n_slots)[:, None]                # the slot of each position (a ring's, or the position)
+            tl.store(kc + hk * skh + sl * skn + i[None, :], y.to(kc.dtype.element_ty), mask=rm)
             v = tl.load(row + (nh + nkv + hk) * D + i[None, :], mask=rm, other=0)
-            tl.store(vc + hk * svh + p[:, None] * svn + i[None, :], v.to(vc.dtype.element_ty), mask=rm)
+            tl.store(vc + hk * svh + sl * svn + i[None, :], v.to(vc.dtype.element_ty), mask=rm)
 
     @triton.jit
     def _rope_rows(src, w, cos_p, sin_p, d, rm, eps, D: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
@@ -75,16 +80,19 @@ if triton is not None:
 
     @triton.jit
     def _attn_partial_kernel(q, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
-                             skh, skn, svh, svn, qn_w, kn_w, cos, sin, nh, nkv, eps,
+                             skh, skn, svh, svn, qn_w, kn_w, cos, sin, nh, nkv, eps, n_slots, window,
                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                             ROPE: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
-        """Flash-decoding split s of KV head h. ROPE: q is the fused qkv row; this program norms and ropes
-        its query heads itself, and the split holding the position computes the new key/value from qkv,
-        uses them for that position and writes them to the cache (no other split reads it this step)."""
+                             ROPE: tl.constexpr, NEOX: tl.constexpr, HAS_NORM: tl.constexpr, WIN: tl.constexpr):
+        """Flash-decoding split s of KV head h over the slots filled so far. ROPE: q is the fused qkv row; this
+        program norms and ropes its query heads itself, and the split holding the position's slot computes the
+        new key/value from qkv, uses them for that slot and writes them to the cache (no other split reads it this
+        step). WIN: slots holding a position at or before p - window are left out (each slot's position from the
+        ring's layout)."""
         h = tl.program_id(0)                           # KV head
         s = tl.program_id(1)                           # split of the cache
         p = tl.load(pos).to(tl.int32)
-        L = p + 1
+        L = tl.minimum(p + 1, n_slots)                 # slots in use
+        sp = p % n_slots                               # the position's slot
         lo = s * chunk
         hi = tl.minimum(lo + chunk, L)
         if lo < hi:
@@ -99,9 +107,9 @@ if triton is not None:
                 knew = _rope_rows(q + (nh + h + one)[:, None] * D, kn_w, cos_p, sin_p, d, one[:, None] < 1, eps,
                                   D, NEOX, HAS_NORM).to(kc.dtype.element_ty)                 # [1, D]
                 vnew = tl.load(q + (nh + nkv + h) * D + d[None, :] + one[:, None] * 0).to(vc.dtype.element_ty)
-                if hi == L:                            # this split holds the position: write the cache
-                    tl.store(kc + h * skh + p.to(tl.int64) * skn + d[None, :] + one[:, None] * 0, knew)
-                    tl.store(vc + h * svh + p.to(tl.int64) * svn + d[None, :] + one[:, None] * 0, vnew)
+                if (lo <= sp) & (sp < hi):             # this split holds the position's slot: write the cache
+                    tl.store(kc + h * skh + sp.to(tl.int64) * skn + d[None, :] + one[:, None] * 0, knew)
+                    tl.store(vc + h * svh + sp.to(tl.int64) * svn + d[None, :] + one[:, None] * 0, vnew)
             else:
                 qv = tl.load(q + (h * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0)
             qv = (qv * scale).to(kc.dtype.element_ty)
@@ -113,8 +121,10 @@ if triton is not None:
                 nm = n < hi
                 kt = tl.load(kc + h * skh + n.to(tl.int64)[:, None] * skn + d[None, :], mask=nm[:, None], other=0)
                 if ROPE:
-                    kt = tl.where((n == p)[:, None], knew, kt)
+                    kt = tl.where((n == sp)[:, None], knew, kt)
                 sc = tl.dot(qv, tl.trans(kt))                                  # [GP, BN]
+                if WIN:                                # slot n holds position p - (p - n) mod n_slots
+                    nm = nm & ((p - n) % n_slots < window)
                 sc = tl.where(nm[None, :], sc, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, axis=1))
                 alpha = tl.exp(m_i - m_new)
@@ -122,7 +132,7 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(pr, axis=1)
                 vt = tl.load(vc + h * svh + n.to(tl.int64)[:, None] * svn + d[None, :], mask=nm[:, None], other=0)
                 if ROPE:
-                    vt = tl.where((n == p)[:, None], vnew, vt)
+                    vt = tl.where((n == sp)[:, None], vnew, vt)
                 acc = acc * alpha[:, None] + tl.dot(pr.to(vt.dtype), vt)
                 m_i = m_new
             row = (h * n_split + s) * G + g
@@ -167,14 +177,16 @@ if triton is not None:
                  o.to(out.dtype.element_ty), mask=tm[:, None])
 
     @triton.jit
-    def _attn_merge_kernel(o_part, m_part, l_part, pos, out, chunk, n_split, q1, q2, xs, xc, K,
-                           G: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, Q8: tl.constexpr):
-        """Query head qh's output from its splits; Q8: also in two int8 terms (_quant_blocks), as the output
-        projection's gemv8 reads it (one quant_x8 launch less)."""
+    def _attn_merge_kernel(o_part, m_part, l_part, pos, out, chunk, n_split, q1, q2, xs, xc, K, n_slots, sinks,
+                           G: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, Q8: tl.constexpr,
+                           SINK: tl.constexpr):
+        """Query head qh's output from its splits; SINK: its sink logit sinks[qh] joins the softmax's denominator
+        (a key of no value); Q8: also in two int8 terms (_quant_blocks), as the output projection's gemv8 reads it
+        (one quant_x8 launch less)."""
         qh = tl.program_id(0)
         h = qh // G
         g = qh % G
-        L = tl.load(pos).to(tl.int32) + 1
+        L = tl.minimum(tl.load(pos).to(tl.int32) + 1, n_slots)
         n_valid = (L + chunk - 1) // chunk
         sb = tl.arange(0, SB)
         d = tl.arange(0, D)
@@ -183,6 +195,9 @@ if triton is not None:
             sm = s0 + sb < n_valid
             M = tl.maximum(M, tl.load(m_part + (h * n_split + s0 + sb) * G + g, mask=sm, other=float("-inf")))
         Mx = tl.max(M, axis=0)
+        if SINK:
+            sink = tl.load(sinks + qh).to(tl.float32)
+            Mx = tl.maximum(Mx, sink)
         acc = tl.zeros([D], tl.float32)
         lsum = tl.zeros([SB], tl.float32)
         for s0 in range(0, n_valid, SB):
@@ -192,7 +207,10 @@ if triton is not None:
             lsum += w * tl.load(l_part + row, mask=sm, other=0)
             o = tl.load(o_part + row[:, None] * D + d[None, :], mask=sm[:, None], other=0)
             acc += tl.sum(w[:, None] * o, axis=0)
-        v = acc / tl.sum(lsum, axis=0)
+        den = tl.sum(lsum, axis=0)
+        if SINK:
+            den += tl.exp(sink - Mx)
+        v = acc / den
         tl.store(out + qh * D + d, v.to(out.dtype.element_ty))
         if Q8:
             _quant_blocks(tl.reshape(v, (D // 32, 32)), qh * (D // 32) + tl.arange(0, D // 32), 0, K,
@@ -211,8 +229,9 @@ def _pow2(n: int) -> int:
 def qk_rope_cache(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, n_head, n_head_kv, head_dim, eps, neox,
                   q_dtype=torch.float32, cos_first: int = 0):
     """qkv [T, (nh + 2 nkv) * D] (rows may be strided) -> q [nh, T, D] in q_dtype (normed, roped); k (normed,
-    roped) and v are written to kc/vc [nkv, n_ctx, D] at positions pos.. (pos: an int, or a 1-element device
-    tensor, as the static decode step holds it). cos/sin [n, D] float32 hold positions cos_first.. ."""
+    roped) and v are written to kc/vc [nkv, n, D] at positions pos.. (pos: an int, or a 1-element device
+    tensor, as the static decode step holds it; position p in slot p % n). cos/sin [n, D] float32 hold positions
+    cos_first.. ."""
     T = qkv.shape[0]
     q = torch.empty(n_head, T, head_dim, dtype=q_dtype, device=qkv.device)
     has_norm = q_norm is not None
@@ -222,18 +241,22 @@ def qk_rope_cache(qkv, q_norm, k_norm, cos, sin, pos, kc, vc, n_head, n_head_kv,
         _qk_rope_cache_kernel[(n_head + n_head_kv, triton.cdiv(T, bt))](
             qkv, qkv.stride(0), q_norm if has_norm else cos, k_norm if has_norm else cos, cos, sin,
             pos if on_dev else cos, 0 if on_dev else pos, cos_first, q, q.stride(0), kc, vc,
-            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), T, n_head, n_head_kv, eps,
+            kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), kc.shape[1], T, n_head, n_head_kv, eps,
             D=head_dim, NEOX=neox, HAS_NORM=has_norm, POS_PTR=on_dev, BT=bt)
     return q
 
 
-def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None, q8_out=None):
-    """Decode attention of q [nh, D] over cache positions 0..pos of kc/vc [nkv, n_ctx, D]: [1, nh * D].
+def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None, q8_out=None, sinks=None,
+              window: int = 0):
+    """Decode attention of q [nh, D] over cache positions 0..pos of kc/vc [nkv, n, D] (position p in slot
+    p % n): [1, nh * D].
 
     rope=(qkv, q_norm, k_norm, cos, sin, n_head, eps, neox): q is None and the query comes from the fused
     qkv row [1, (nh + 2 nkv) D], normed and roped here, and this position's key/value are computed and
     written to the cache by the same launch (qk_rope_cache + attention in one kernel less).
-    q8_out (x8_buffers(1, nh * D), D a multiple of 32): the output in two int8 terms too, as quant_x8."""
+    q8_out (x8_buffers(1, nh * D), D a multiple of 32): the output in two int8 terms too, as quant_x8.
+    sinks: float32 [nh], one more logit per head in the softmax (gpt-oss); window > 0: only the keys of
+    positions pos - window + 1..pos."""
     nkv, n_ctx, D = kc.shape
     if rope is not None and D < FUSED_ROPE_MIN_D:
         qkv, qn, kn, cos, sin, nh, eps, neox = rope
@@ -258,14 +281,15 @@ def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None, q8_out
     with on_device(kc):
         _attn_partial_kernel[(nkv, n_split)](src, kc, vc, pos, o_part, m_part, l_part, chunk, n_split, scale,
                                              kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-                                             qn, kn, cos, sin, nh, nkv, eps,
+                                             qn, kn, cos, sin, nh, nkv, eps, n_ctx, int(window),
                                              G=G, GP=max(16, _pow2(G)), D=D, BN=ATTN_BLOCK,
-                                             ROPE=rope is not None, NEOX=neox, HAS_NORM=has_norm)
+                                             ROPE=rope is not None, NEOX=neox, HAS_NORM=has_norm, WIN=window > 0)
     out = torch.empty(1, nh * D, dtype=out_dtype, device=dev)
     with on_device(kc):
         _attn_merge_kernel[(nh,)](o_part, m_part, l_part, pos, out, chunk, n_split,
-                                  *(q8_out if q8_out is not None else (out,) * 4), nh * D,
-                                  G=G, D=D, SB=16, Q8=q8_out is not None)
+                                  *(q8_out if q8_out is not None else (out,) * 4), nh * D, n_ctx,
+                                  sinks if sinks is not None else m_part,
+                                  G=G, D=D, SB=16, Q8=q8_out is not None, SINK=sinks is not None)
     return out
 
 

@@ -14,13 +14,16 @@ layers up to a CPU-expert layer one CUDA graph, as StaticDecoder's torch version
 Host experts take StaticDecoder's polled hand-off where Triton runs (the router's top-k kernel publishes the
 row, the next segment's first kernel waits for the CPU's; softmax over the top k logits is the renormalised
 softmax over all of them) and its decode share (the staged experts' biases gathered beside them); else the
-synchronous one. The fused Triton layer has none of gpt-oss's attention, so this step is `fused = False`: about
-twenty launches a layer, replayed from a graph instead of the eager decoder's Python.
+synchronous one. Attention takes gpu_attention's kernels where Triton runs (sinks, window rings, RoPE and the
+cache write fused in: two launches), else the torch ops above (HYBRIDMOE_OAI_ATTN=torch: those on a GPU too, to
+compare). The fused Triton layer has none of gpt-oss's block, so this step is `fused = False`: a graph of torch
+ops and these kernels, replayed instead of the eager decoder's Python.
 """
 from __future__ import annotations
 
 import torch
 
+from ... import env
 from ...kernels import gpu_decode as gd
 from .. import experts as X
 from ..ops import apply_rope, rms_norm, rope_tables
@@ -39,6 +42,8 @@ class GptOssStaticDecoder(StaticDecoder):
                                cfg.rope_yarn)
         self.cos, self.sin = cos[:, 0], sin[:, 0]
         self.scale = model.decoder.scale
+        D = cfg.head_dim                        # gpu_attention's kernels: sinks, window rings, RoPE fused in
+        self.tri_attn = self.triton and D >= 16 and D & (D - 1) == 0 and env.get("HYBRIDMOE_OAI_ATTN") != "torch"
 
     def _extend_layer(self, L, lay: dict):
         sched, dev = self.sched, self.ldev[L.i]
@@ -122,6 +127,10 @@ class GptOssStaticDecoder(StaticDecoder):
         h = rms_norm(x, lay["attn_norm"], cfg.rms_eps) if h is None else h
         qkv = (h.to(self.cdt) @ lay["wqkv"].t()).float() + lay["qkv_b"]
         kc, vc = self.kv.k[i], self.kv.v[i]                                  # [nkv, slots, D]
+        if self.tri_attn:                     # two launches: the split attention (RoPE, cache write) and the merge
+            o = gd.attention(None, kc, vc, self.pos, self.scale, out_dtype=self.cdt, sinks=lay["sinks"],
+                             window=lay["window"], rope=(qkv, None, None, self.cos, self.sin, nh, 0.0, cfg.rope_neox))
+            return (o @ lay["wo"].t()).float() + lay["o_b"]
         cos, sin, slot, hidden = self._tabs(kc.shape[1], lay["window"])
         qk = apply_rope(qkv[:, :(nh + nkv) * D].view(nh + nkv, D), cos, sin, cfg.rope_neox)   # q and k at once
         kc.index_copy_(1, slot, qk[nh:, None, :].to(kc.dtype))
