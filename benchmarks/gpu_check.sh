@@ -505,6 +505,17 @@ for s in "$@"; do
             HYBRIDMOE_OAI_ATTN=$a bench_rows -m "$F" -ngl 99 $flags -p 0 -n 128 -r 2
           done; done; done
           timeout 150 python3 benchmarks/profile_step.py "$F" --rows 10 2>&1 | grep -E "ms a decode step|Self CUDA time|cudaGraphLaunch|^ *_(moe|attn)" | head -8 ;;
+    # the gpt-oss tests after the window fix, then calibrate and plan --check on gpt-oss-20b with experts in RAM and
+    # at --n-cpu-moe 12 (the planner's decode prediction for its captured step against bench)
+    s36c) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_decode.py \
+            -k "gpt_oss or mxfp4 or attention" -p no:cacheprovider --tb=short -rfE 2>&1 | tail -8
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          timeout 200 python3 -m hybridmoe.cli calibrate 2>&1 | tail -3
+          for pl in "-ot exps=CPU" "--n-cpu-moe 12" gpu; do
+            flags=$pl; [ "$pl" = gpu ] && flags=
+            # shellcheck disable=SC2086
+            timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 $flags --check -p 512 -n 128 -r 2 2>&1 | tail -14
+          done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -201,6 +201,7 @@ def test_attention_with_rope_fused(neox, norm, n_ctx, pos, D):
 
 
 @pytest.mark.parametrize("window,slots,pos,D", [(8, 10, 5, 64), (8, 10, 9, 64), (8, 10, 27, 64), (0, 300, 270, 64),
+                                                  (8, 300, 100, 64), (8, 519, 40, 16), (128, 639, 900, 64),
                                                   (128, 130, 700, 64), (8, 10, 23, 16), (0, 64, 40, 16)])
 def test_attention_with_sinks_and_window_rings(window, slots, pos, D):
     """gpt-oss's decode attention: a sink logit per head in the softmax, and on window layers a ring of slots

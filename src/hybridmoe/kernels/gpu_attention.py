@@ -127,8 +127,10 @@ if triton is not None:
                     nm = nm & ((p - n) % n_slots < window)
                 sc = tl.where(nm[None, :], sc, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                pr = tl.exp(sc - m_new[:, None])
+                # a window can hide every key so far (m_new -inf): then alpha and pr are 0, not exp(-inf + inf)
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_sub)
+                pr = tl.exp(sc - m_sub[:, None])
                 l_i = l_i * alpha + tl.sum(pr, axis=1)
                 vt = tl.load(vc + h * svh + n.to(tl.int64)[:, None] * svn + d[None, :], mask=nm[:, None], other=0)
                 if ROPE:
