@@ -514,7 +514,7 @@ for s in "$@"; do
           for pl in "-ot exps=CPU" "--n-cpu-moe 12" gpu; do
             flags=$pl; [ "$pl" = gpu ] && flags=
             # shellcheck disable=SC2086
-            timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 $flags --check -p 512 -n 128 -r 2 2>&1 | tail -14
+            timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 $flags --check -p 512 -n 128 -r 2 2>&1 | tail -22
           done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
