@@ -516,6 +516,14 @@ for s in "$@"; do
             # shellcheck disable=SC2086
             timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 $flags --check -p 512 -n 128 -r 2 2>&1 | tail -22
           done ;;
+    # calibrate with gpt-oss's own decode floors (oai_decode_layer_s), then plan --check on gpt-oss-20b as in s36c
+    s36d) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          timeout 240 python3 -m hybridmoe.cli calibrate 2>&1 | tail -3
+          for pl in gpu "--n-cpu-moe 12" "-ot exps=CPU"; do
+            flags=$pl; [ "$pl" = gpu ] && flags=
+            # shellcheck disable=SC2086
+            timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 $flags --check -p 512 -n 128 -r 2 2>&1 | tail -22
+          done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

@@ -8,7 +8,9 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
+import hybridmoe
 from hybridmoe.commands import plan as plan_cmd
 from hybridmoe.models.catalog import catalog_model
 from hybridmoe.perf.costs import CPU_KEYS, Costs, floor_or_scale
@@ -69,6 +71,17 @@ def test_gpt_oss_step_kinds(argv, decode):
         assert rates.sync("CUDA0") > 0 and pred.share is not None and pred.share[1] == p.cfg.n_expert_used
         handoff = Costs(rates).gpu("CUDA0", "handoff_s")
         assert pred.tg_terms["hand-offs"] / pred.n_gen == pytest.approx(p.cfg.n_layer * handoff, rel=1e-6)
+
+
+def test_check_names_a_subclassed_step_by_its_base(monkeypatch):
+    """plan --check's "run" column: gpt-oss's captured decode step (a StaticDecoder subclass) is a graph step."""
+    from hybridmoe.commands.plan_check import _step_kind
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    m = hybridmoe.load("synth:tiny-gpt-oss", ctx_size=64, n_gpu_layers=99)
+    kv = m.new_cache(64)
+    m.forward(torch.tensor([1, 2, 3]), 0, kv)
+    m.forward(torch.tensor([4]), 3, kv)
+    assert type(m.static_step("decode")).__name__ == "GptOssStaticDecoder" and _step_kind(m, "decode") == "graph"
 
 
 def test_uploads_follow_the_scheduler(qwen30):
@@ -336,7 +349,8 @@ def test_calibration_fits_recover_known_costs(monkeypatch):
     true = {"cpu": {"call_s": 9e-6, "stream_bw": 15e9, "decode_layer_s": 40e-6, "decode_token_s": 300e-6,
                     "prompt_layer_s": 2e-3, "prompt_scale": 1.0, "prompt_ubatch_s": 1e-3, "attn_flops": 0.1e12},
             "CUDA0": {"decode_layer_s": 50e-6, "decode_token_s": 400e-6, "eager_decode_layer_s": 300e-6,
-                      "eager_token_s": 2e-3, "handoff_s": 70e-6, "prompt_layer_s": 60e-6, "moe_flops": 5e12,
+                      "eager_token_s": 2e-3, "oai_decode_layer_s": 150e-6, "oai_decode_token_s": 900e-6,
+                      "handoff_s": 70e-6, "prompt_layer_s": 60e-6, "moe_flops": 5e12,
                       "prompt_ubatch_s": 1e-3, "attn_flops": 2e12, "eager_prompt_layer_s": 500e-6,
                       "eager_ubatch_s": 3e-3, "eager_attn_flops": 1e12, "upload_overlap": 0.6,
                       "upload_layer_s": 0.0, "offload_prompt_layer_s": 10e-6, "offload_ubatch_s": 2e-3,

@@ -145,13 +145,22 @@ def cpu_attention_flops(cfg, T: int, depth: int, reps: int = 3) -> float:
 
 # ---------------------------------------------------------------------------------- calibration models
 
-def calibration_model(n_layer: int, quick: bool) -> str:
+def _oai_shape(quick: bool) -> dict:
+    """gpt-oss's block for its own decode floors (its step is not the fused layer): tiny-gpt-oss's shape, or
+    gpt-oss-20b's layer with 8 experts (the floors do not grow with the count; the file stays small)."""
+    from ..models.synth import PRESETS
+    p = {k: v for k, v in PRESETS["tiny-gpt-oss" if quick else "gpt-oss-20b"].items()
+         if k not in ("expert_type", "other_type", "n_layer")}
+    return p if quick else {**p, "n_expert": 8, "n_vocab": 8192}
+
+
+def calibration_model(n_layer: int, quick: bool, arch: str = "qwen3moe") -> str:
     """Path of a calibration model (written once into $HYBRIDMOE_CACHE/models): random weights per layer, as
     models/synth.py writes them for a 48-layer stack (CALIB_DEPTH), so that a prompt's ubatch routes to as many
     experts in each layer as in synth:qwen3-30b-a3b (and, spread, in a trained model). Layers sharing one random
     tensor per shape drive every token's hidden state toward one direction (a 512-token ubatch reaches 121
     distinct experts a layer at 2 layers, 40 at 8), and prompt costs fitted on them are those of a few busy
-    experts."""
+    experts. arch "gpt-oss": _oai_shape's block, MXFP4 experts as gpt-oss ships them."""
     import tempfile
 
     from .. import env
@@ -160,20 +169,21 @@ def calibration_model(n_layer: int, quick: bool) -> str:
     from ..models.synth import config_metadata, synth_tensors
     from ..quant.types import GGMLType
     from ..text.builtin_vocab import builtin_vocab_metadata
-    shape = QUICK if quick else FULL
+    oai = arch == "gpt-oss"
+    shape = _oai_shape(quick) if oai else QUICK if quick else FULL
     d = env.cache_dir() / "models"
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"calibration-{'quick' if quick else 'full'}-{n_layer}-v{CALIB_VERSION}.gguf"
+    path = d / f"calibration-{'oss-' if oai else ''}{'quick' if quick else 'full'}-{n_layer}-v{CALIB_VERSION}.gguf"
     if path.exists():
         return str(path)
-    cfg = ModelConfig(**shape, n_layer=n_layer, qk_norm=True, rope_neox=True, name=f"calibration-{n_layer}")
+    cfg = ModelConfig(**shape, n_layer=n_layer, qk_norm=not oai, rope_neox=True, name=f"calibration-{n_layer}")
     md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg),
           **builtin_vocab_metadata(cfg.n_vocab)}
     fd, tmp = tempfile.mkstemp(dir=d, suffix=".part")
     os.close(fd)
     try:
-        write_gguf(tmp, cfg.arch, md, synth_tensors(cfg, GGMLType.Q4_0, GGMLType.Q8_0, seed=1234,
-                                                      depth=CALIB_DEPTH))
+        write_gguf(tmp, cfg.arch, md, synth_tensors(cfg, GGMLType.MXFP4 if oai else GGMLType.Q4_0, GGMLType.Q8_0,
+                                                      seed=1234, depth=CALIB_DEPTH))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -422,6 +432,16 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
             g["eager_attn_flops"] = max(g["eager_attn_flops"], 2 * at[0] / max(s0 - r0, 1e-9))
             g["eager_prompt_layer_s"] = max(s0 - r0 - at[0] / g["eager_attn_flops"], 0.0)
             g["eager_ubatch_s"] = max(i0 - j0, 0.0)
+        finally:
+            run.close()
+
+        say(f"{dev}: gpt-oss's captured decode step (-ngl 99)")
+        run = _Run([calibration_model(n, quick, "gpt-oss") for n in layers], layers, n_gpu_layers=99,
+                   split_mode="none", main_gpu=i)
+        try:
+            f = _Fitter(run, rates, costs, reps, n_tg, measured)
+            g.update(oai_decode_layer_s=0.0, oai_decode_token_s=0.0)
+            g["oai_decode_layer_s"], g["oai_decode_token_s"] = _fit(*f.tg(f"{dev}_oai_decode_layer_s"), layers)
         finally:
             run.close()
 

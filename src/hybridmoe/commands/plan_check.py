@@ -24,8 +24,10 @@ STEP_KINDS = {"StaticDecoder": "graph", "StaticPrefill": "graph", "CpuDecoder": 
 
 
 def _step_kind(model, which: str) -> str:
+    """The kind of the step the runtime built (a subclass's, e.g. gpt-oss's decoder, as its base's)."""
     step = model.static_step(which)
-    return STEP_KINDS.get(type(step).__name__, "eager") if step is not None else "eager"
+    names = [c.__name__ for c in type(step).__mro__] if step is not None else []
+    return next((STEP_KINDS[n] for n in names if n in STEP_KINDS), "eager")
 
 
 def measure(model_path: str, opts, n_prompts: list[int], n_gen: int, reps: int) -> list[dict]:

@@ -293,8 +293,9 @@ def decode_terms(p: Placement, layers: list[_Layer], rates, n_gen: int, n_depth:
     gpus = sorted({L.attn for L in layers if L.attn != "CPU"} | ({head_dev} - {"CPU"}))
     polled = kind == "graph" and len(gpus) == 1
     main = gpus[0] if gpus else "CPU"
+    oai = "oai_" if cfg.arch == "gpt-oss" else ""          # gpt-oss's step: its own floors (gpu_decode_oai.py)
     if kind == "graph":
-        t.add("step overhead", c.gpu(head_dev, "decode_token_s"))
+        t.add("step overhead", c.gpu(head_dev, oai + "decode_token_s"))
     else:
         t.add("step overhead", c.gpu(main, "eager_token_s") if gpus else c.cpu("decode_token_s"))
         cross, _ = _path_seconds(p, rates, 1, {})
@@ -307,7 +308,7 @@ def decode_terms(p: Placement, layers: list[_Layer], rates, n_gen: int, n_depth:
             # a layer whose experts are in RAM ends a GPU segment: its floor is in the hand-off's cost (the
             # segment's graph, the router's row to the CPU kernel and its result back), measured together
             if L.exps != "CPU":
-                t.add("GPU layer floors", c.gpu(A, "decode_layer_s"))
+                t.add("GPU layer floors", c.gpu(A, oai + "decode_layer_s"))
             if prev is not None and prev != A:
                 t.add("crossings", _crossing_seconds(rates, prev, A, cfg.n_embd * 4))
             prev = A
