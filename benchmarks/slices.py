@@ -7,16 +7,18 @@ import os
 import sys
 
 
-def slice_model(path: str, n_vocab: int, name: str, expert_type: str | None = None, n_layer: int = 4) -> str:
-    """An n_layer-layer Qwen3-30B-A3B-shaped model with an n_vocab-token vocabulary at `path` (written once):
-    experts of `expert_type` (the preset's, Q4_0, by default), the rest as the preset (Q8_0)."""
+def slice_model(path: str, n_vocab: int, name: str, expert_type: str | None = None, n_layer: int = 4,
+                preset: str = "qwen3-30b-a3b") -> str:
+    """An n_layer-layer model of a synth preset's shape (Qwen3-30B-A3B's by default) with an n_vocab-token
+    vocabulary at `path` (written once): experts of `expert_type` (the preset's by default), the rest as the
+    preset."""
     if os.path.exists(path):
         return path
     from hybridmoe.formats.gguf_write import write_gguf
     from hybridmoe.models.synth import config_metadata, preset_config, synth_tensors
     from hybridmoe.quant.types import GGMLType
     from hybridmoe.text.builtin_vocab import builtin_vocab_metadata
-    cfg, et, ot = preset_config("qwen3-30b-a3b")
+    cfg, et, ot = preset_config(preset)
     cfg = dataclasses.replace(cfg, n_layer=n_layer, n_vocab=n_vocab, name=name)
     md = {"general.name": cfg.name, "general.type": "model", **config_metadata(cfg),
           **builtin_vocab_metadata(cfg.n_vocab)}

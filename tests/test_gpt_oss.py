@@ -51,7 +51,7 @@ def test_cached_decode_equals_full_forward(gpt_oss, src):
     m = hybridmoe.load(path, ctx_size=64, ubatch_size=4)
     full = m.logits(IDS)
     kv = m.new_cache(64)
-    assert m._step_for("decode", kv) is None                                              # eager decode
+    assert type(m._step_for("decode", kv)).__name__ == "CpuDecoder"                      # the C decode step
     m.forward(torch.tensor(IDS[:5]), 0, kv)
     steps = torch.stack([m.forward(torch.tensor([t]), 5 + i, kv)[0] for i, t in enumerate(IDS[5:])])
     assert rel_l2(steps, full[5:]) <= 1e-5
@@ -109,6 +109,29 @@ def test_static_decode_step_matches_eager(gpt_oss, monkeypatch, opts):
         assert isinstance(step, GptOssStaticDecoder) and step.worked if graphs else step is None
         static = step if graphs else static
     assert rel_l2(outs[0], outs[1]) <= _step_tol(static)
+
+
+@pytest.mark.parametrize("ub", [2, 512])
+def test_cpu_decode_step_matches_eager(gpt_oss, tmp_path, ub):
+    """All on the CPU gpt-oss decodes through the C step (runtime/steps/cpu_decode.py: the q/k/v, output and
+    router biases, a sink logit per head, the window's ring (-ub 2: window - 1 + 2 slots, wrapping over 20
+    positions), the top-k softmax router, the clamped SwiGLU with the experts' biases): the eager decoder's
+    logits, for the F32 conversion of the transformers model and for MXFP4 experts with Q8_0 matrices."""
+    from hybridmoe.runtime.steps.cpu_decode import CpuDecoder
+    mx = str(tmp_path / "mx.gguf")
+    _tiny_mxfp4(mx)
+    for path, tol in ((gpt_oss[1], 1e-5), (mx, 1e-4)):
+        outs = []
+        for graphs in (True, False):
+            m = hybridmoe.load(path, ctx_size=64, ubatch_size=ub, graphs=graphs)
+            kv = m.new_cache(64)
+            m.forward(torch.tensor(IDS[:4]), 0, kv)
+            outs.append(torch.cat([m.forward(torch.tensor([t]), 4 + i, kv) for i, t in enumerate(IDS[4:])]))
+            step = m._step_for("decode", kv)
+            assert (isinstance(step, CpuDecoder) and step.worked) if graphs else step is None
+            assert m._step_for("prompt", kv) is None                 # its prompts run eagerly
+        assert min(kv.slots) == min(64, m.cfg.sliding_window - 1 + ub)          # -ub 2: a ring that wraps
+        assert rel_l2(outs[0], outs[1]) <= tol, path
 
 
 def _rewrite(src: str, dst: str, drop_tensor: str | None = None, drop_key: str | None = None) -> str:

@@ -60,9 +60,10 @@ def test_step_kinds_as_the_runtime_builds_them(qwen30, argv, decode, prompt):
 
 
 @pytest.mark.parametrize("argv, decode", [(["-ngl", "99"], "graph"), (["-ngl", "99", "-ot", "exps=CPU"], "graph"),
-                                          (["-ngl", "0", "--no-op-offload"], "eager"), (["-ngl", "10"], "eager")])
+                                          (["-ngl", "0", "--no-op-offload"], "cpu"), (["-ngl", "10"], "eager")])
 def test_gpt_oss_step_kinds(argv, decode):
-    """gpt-oss: its decode step on one GPU (runtime/steps/gpu_decode_oai.py), no CPU step, prompts eager; with
+    """gpt-oss: its decode step on one GPU (runtime/steps/gpu_decode_oai.py) or all on the CPU (the C decode step),
+    prompts eager; with
     host experts the polled hand-off (no sync a layer) and the decode share as the step counts it."""
     p, rates = _plan(catalog_model("gpt-oss-20b"), argv)
     pred = predict(p, rates)

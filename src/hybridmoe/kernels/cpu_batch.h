@@ -155,7 +155,8 @@ static void attend_batch(const hm_dmodel *m, const hm_dlayer *L, int64_t l, cons
                 while (r >= gr[j].nt * m->nh) { r -= gr[j].nt * m->nh; j++; }
                 const att_group *a = gr + j;
                 const int64_t i = r / m->nh, hh = r % m->nh, P = a->pos + i + 1;
-                att_merge(m, part + a->off + i * a->QS, (P + a->CH - 1) / a->CH, hh, o + (a->tq + i) * nq + hh * D);
+                att_merge(m, part + a->off + i * a->QS, (P + a->CH - 1) / a->CH, hh, o + (a->tq + i) * nq + hh * D,
+                          NULL);
             }
         }
         j0 = j1;

@@ -21,6 +21,11 @@ typedef struct {
     void *kc, *vc;                                         /* [nkv, slots, D] of kv_type */
     hm_mat router, gate_exps, up_exps, down_exps;          /* router.rows == 0: no routed experts */
     hm_mat gate, up, down;                                 /* SwiGLU FFN (dense or shared expert); gate.rows == 0: none */
+    /* gpt-oss's block (NULL / 0: none): q|k|v and output biases, the router's bias, a sink logit per head, the
+     * experts' biases ([E, F], [E, F], [E, H]: the clamped SwiGLU, m->alpha / m->limit); a cache of `slots`
+     * slots (0: m->slots) holding position p in slot p % slots, attended over its last `window` positions */
+    const float *qkv_b, *o_b, *router_b, *sinks, *bg, *bu, *bd;
+    int64_t slots, window;
 } hm_dlayer;
 
 typedef struct {
@@ -33,6 +38,7 @@ typedef struct {
     uint8_t *scratch;                                      /* hm_decode_scratch(m) bytes, 64-aligned */
     int32_t moe_tile_t, mm_tile_t;                         /* prompts: tokens from which the experts and the
                                                             * dense products take the tile kernels (0: never) */
+    float alpha, limit;                                    /* gpt-oss's clamped SwiGLU (layers with bg) */
 } hm_dmodel;
 
 #ifndef GV_CHUNK
@@ -313,22 +319,24 @@ static inline void att_init(const hm_dmodel *m, float *pt) {
  * n.. zero), values vf [n][D] */
 static inline void att_load(const hm_dmodel *m, const hm_dlayer *L, int64_t g, int64_t b, int64_t n, float *kt,
                             float *vf) {
-    const int64_t D = m->D, S = m->slots;
+    const int64_t D = m->D, S = L->slots ? L->slots : m->slots;   /* position p in slot p % S */
     float row[DEC_MAXD];
     if (n < ATT_SB)
         for (int64_t d = 0; d < D; d++) memset(kt + d * ATT_SB + n, 0, (size_t)(ATT_SB - n) * 4);
     for (int64_t i = 0; i < n; i++) {
-        kv_load(m->kv_type, L->kc, (g * S + b + i) * D, D, row);
+        const int64_t sl = (b + i) % S;
+        kv_load(m->kv_type, L->kc, (g * S + sl) * D, D, row);
         for (int64_t d = 0; d < D; d++) kt[d * ATT_SB + i] = row[d];
-        kv_load(m->kv_type, L->vc, (g * S + b + i) * D, D, vf + i * D);
+        kv_load(m->kv_type, L->vc, (g * S + sl) * D, D, vf + i * D);
     }
 }
 
-/* run c (CH positions from c CH, up to P) of KV head g for one query (q [nh, D]) -> pt */
-__attribute__((noinline)) static void att_task(const hm_dmodel *m, const hm_dlayer *L, const float *q, int64_t P,
-                                               int64_t g, int64_t c, int64_t CH, float *pt, float *kf, float *vf) {
+/* run c (CH positions from lo + c CH, up to P) of KV head g for one query (q [nh, D]) -> pt */
+__attribute__((noinline)) static void att_task(const hm_dmodel *m, const hm_dlayer *L, const float *q, int64_t lo,
+                                               int64_t P, int64_t g, int64_t c, int64_t CH, float *pt, float *kf,
+                                               float *vf) {
     const int64_t D = m->D, G = m->nh / m->nkv;
-    const int64_t p0 = c * CH, p1 = p0 + CH < P ? p0 + CH : P;
+    const int64_t p0 = lo + c * CH, p1 = p0 + CH < P ? p0 + CH : P;
     att_init(m, pt);
     for (int64_t b = p0; b < p1; b += ATT_SB) {
         const int64_t n = p1 - b < ATT_SB ? p1 - b : ATT_SB;
@@ -337,14 +345,17 @@ __attribute__((noinline)) static void att_task(const hm_dmodel *m, const hm_dlay
     }
 }
 
-/* head h's output o [D] from the nch runs of its KV head (part: [nkv][nch][G][D + 2] of one query) */
-__attribute__((noinline)) static void att_merge(const hm_dmodel *m, const float *part, int64_t nch, int64_t h, float *oh) {
+/* head h's output o [D] from the nch runs of its KV head (part: [nkv][nch][G][D + 2] of one query); sinks (NULL:
+ * none): one more logit per head in the softmax's denominator (gpt-oss) */
+__attribute__((noinline)) static void att_merge(const hm_dmodel *m, const float *part, int64_t nch, int64_t h, float *oh,
+                                                const float *sinks) {
     const int64_t D = m->D, G = m->nh / m->nkv, W = D + 2, g = h / G, j = h % G;
-    float mx = -INFINITY, l = 0;
+    float mx = sinks ? sinks[h] : -INFINITY, l = 0;
     for (int64_t c = 0; c < nch; c++) {
         const float mc = part[((g * nch + c) * G + j) * W];
         mx = mc > mx ? mc : mx;
     }
+    if (sinks) l = expf(sinks[h] - mx);
     memset(oh, 0, (size_t)D * 4);
     for (int64_t c = 0; c < nch; c++) {
         const float *a = part + ((g * nch + c) * G + j) * W;
@@ -410,7 +421,8 @@ int64_t hm_decode_scratch(const hm_dmodel *m) {
 static int layer_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b, int64_t pos, const float *cs,
                        const float *sn, int nth, double *times) {
     const int64_t H = m->H, D = m->D, nh = m->nh, nkv = m->nkv, nq = nh * D, nk = nkv * D, S = m->slots;
-    const int64_t G = nh / nkv, W = D + 2, P = pos + 1;
+    const int64_t G = nh / nkv, W = D + 2, P = pos + 1, LS = L->slots ? L->slots : S, sp = pos % LS;
+    const int64_t lo = L->window > 0 && P > L->window ? P - L->window : 0;    /* the window's first position */
     float *q = b->qkv, *k = b->qkv + nq, *v = b->qkv + nq + nk;
     const gv_part pqkv[3] = {gv_mk(&L->q, H, q), gv_mk(&L->k, H, k), gv_mk(&L->v, H, v)};
     const gv_part po = gv_mk(&L->o, nq, b->y), pr = gv_mk(&L->router, H, b->rl);
@@ -418,9 +430,10 @@ static int layer_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b
     const int q8_qkv = gv_starts(pqkv, 3, s_qkv), q8_o = gv_starts(&po, 1, s_o);
     const int router = L->router.rows > 0, q8_r = router && gv_starts(&pr, 1, s_r);
     int64_t nch, CH, mctr[2] = {0, 0};
-    att_runs(P, &nch, &CH);
+    att_runs(P - lo, &nch, &CH);
     int32_t ids[64];
     float wts[64];
+    const moe_act oai = {1, m->alpha, m->limit, L->bg, L->bu, L->bd};   /* read by moe_team after the single */
     moe_ctx mc;
     int rc = 0;
     double t0 = times ? hm_now() : 0, t1 = t0, t2 = t0, t3 = t0, t4 = t0;
@@ -432,21 +445,22 @@ static int layer_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b
         if (times && omp_get_thread_num() == 0) t1 = hm_now();
 #pragma omp single
         {
+            for (int64_t i = 0; L->qkv_b && i < nq + 2 * nk; i++) b->qkv[i] += L->qkv_b[i];
             for (int64_t i = 0; L->q_norm && i < nh; i++) rmsnorm(q + i * D, L->q_norm, D, m->eps, q + i * D);
             for (int64_t i = 0; L->k_norm && i < nkv; i++) rmsnorm(k + i * D, L->k_norm, D, m->eps, k + i * D);
             rope_heads(q, nh, D, cs, sn, m->neox);
             rope_heads(k, nkv, D, cs, sn, m->neox);
             for (int64_t g = 0; g < nkv; g++) {
-                kv_store(m->kv_type, L->kc, (g * S + pos) * D, D, k + g * D);
-                kv_store(m->kv_type, L->vc, (g * S + pos) * D, D, v + g * D);
+                kv_store(m->kv_type, L->kc, (g * LS + sp) * D, D, k + g * D);
+                kv_store(m->kv_type, L->vc, (g * LS + sp) * D, D, v + g * D);
             }
         }
         float kf[ATT_SB * DEC_MAXD] __attribute__((aligned(64))), vf[ATT_SB * DEC_MAXD];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < nkv * nch; t++)
-            att_task(m, L, q, P, t / nch, t % nch, CH, b->part + t * G * W, kf, vf);
+            att_task(m, L, q, lo, P, t / nch, t % nch, CH, b->part + t * G * W, kf, vf);
 #pragma omp for schedule(static)
-        for (int64_t h = 0; h < nh; h++) att_merge(m, b->part, nch, h, b->att + h * D);
+        for (int64_t h = 0; h < nh; h++) att_merge(m, b->part, nch, h, b->att + h * D, L->sinks);
 #pragma omp single
         {
             if (times) t2 = hm_now();
@@ -457,6 +471,7 @@ static int layer_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b
 #pragma omp barrier
 #pragma omp single
             {
+                for (int64_t i = 0; L->o_b && i < H; i++) b->y[i] += L->o_b[i];
                 for (int64_t i = 0; i < H; i++) b->x[i] += b->y[i];
                 rmsnorm(b->x, L->ffn_norm, H, m->eps, b->h);
                 gv_quant(q8_r, b->h, H, b->xq);
@@ -466,10 +481,12 @@ static int layer_block(const hm_dmodel *m, const hm_dlayer *L, const dec_bufs *b
 #pragma omp single
             {
                 if (times) t3 = hm_now();
+                for (int64_t e = 0; L->router_b && e < L->router.rows; e++) b->rl[e] += L->router_b[e];
                 route_softmax(b->rl, L->router.rows, m->k, m->norm_topk, m->wscale, ids, wts);
                 if (times) t4 = hm_now();
                 rc = moe_prep(b->h, 1, H, ids, wts, m->k, L->gate_exps.w, L->up_exps.w, L->gate_exps.type,
-                              m->n_ff_exp, L->router.rows, L->down_exps.w, L->down_exps.type, b->y, &ACT_SILU, &mc);
+                              m->n_ff_exp, L->router.rows, L->down_exps.w, L->down_exps.type, b->y,
+                              L->bg ? &oai : &ACT_SILU, &mc);
             }
             if (rc == 0) moe_team(&mc, mctr);
         }
@@ -492,6 +509,8 @@ int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *
     const int64_t H = m->H, D = m->D, S = m->slots;
     const int nth = m->nthreads > 0 ? m->nthreads : omp_get_max_threads();
     if (token < 0 || token >= m->embd.rows || pos < 0 || pos >= S || D > DEC_MAXD) return -1;
+    for (int64_t l = 0; l < m->n_layer; l++)               /* a ring's window must fit in it */
+        if (m->layers[l].slots && (m->layers[l].window < 1 || m->layers[l].window > m->layers[l].slots)) return -1;
     dec_bufs b;
     dec_layout(m, m->scratch, &b);
     double t = times ? hm_now() : 0;

@@ -160,9 +160,9 @@ def decode_kind(p: Placement, layers: list[_Layer], graphs: bool = True) -> str:
     devs = {d for n, d in p.device_of.items() if n != "token_embd.weight" or "output.weight" not in p.tensors}
     if not _static_model(p):
         return "eager"
-    oai = p.cfg.arch == "gpt-oss"                  # its step: one GPU, no CPU step (window rings, top-k softmax)
+    oai = p.cfg.arch == "gpt-oss"                  # its graph step: one GPU (runtime/steps/gpu_decode_oai.py)
     if devs == {"CPU"} and all(L.kv == "CPU" for L in layers) and _plain_kv(p):
-        return "eager" if oai else "cpu"
+        return "cpu"
     if oai and len(devs - {"CPU"}) > 1:
         return "eager"
     if p.opts.cache_type_k == "q8_0" or p.opts.cache_type_v == "q8_0" or head_dev == "CPU":
@@ -180,8 +180,9 @@ def prompt_kind(p: Placement, layers: list[_Layer], graphs: bool = True) -> str:
     kind = decode_kind(p, layers, graphs)
     if kind == "cpu":
         # as build_step: with a GPU that may take a batch's ops (op offload), the prompt runs the eager path,
-        # whose scheduler uploads the host weights where that pays (llama.cpp's -ngl 0 with a GPU)
-        return "eager" if p.gpus and p.opts.op_offload else "cpu"
+        # whose scheduler uploads the host weights where that pays (llama.cpp's -ngl 0 with a GPU); gpt-oss's
+        # C step decodes only (static_steps)
+        return "eager" if p.gpus and p.opts.op_offload or p.cfg.arch == "gpt-oss" else "cpu"
     devs = {d for n, d in p.device_of.items() if n != "token_embd.weight" or "output.weight" not in p.tensors}
     cfg = p.cfg
     if kind == "graph" and cfg.arch != "gpt-oss" and len(devs) == 1 and "CPU" not in devs and \

@@ -6,7 +6,8 @@ the whole step, embedding to logits, is one ctypes call over structs built once:
 write and attention in C, the matrix-vector products and the experts by the same kernels the eager path
 calls. It runs where the placement has every weight the step reads and the KV cache on the CPU (`-ngl 0`,
 or no GPU), for the decoders of models/decoder.py without MLA; elsewhere the eager path (or the GPU's
-static step, graphs.py) runs.
+static step, graphs.py) runs. gpt-oss's block (biases, a sink logit per head, window rings, the top-k softmax
+router, the clamped SwiGLU) is in the decode step only: its prompts and batches run eagerly.
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ class _Mat(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [(n, c_vp) for n in ("attn_norm", "q_norm", "k_norm", "ffn_norm")] + \
                [(n, _Mat) for n in ("q", "k", "v", "o")] + [("kc", c_vp), ("vc", c_vp)] + \
-               [(n, _Mat) for n in ("router", "gate_exps", "up_exps", "down_exps", "gate", "up", "down")]
+               [(n, _Mat) for n in ("router", "gate_exps", "up_exps", "down_exps", "gate", "up", "down")] + \
+               [(n, c_vp) for n in ("qkv_b", "o_b", "router_b", "sinks", "bg", "bu", "bd")] + \
+               [("slots", c_i64), ("window", c_i64)]
 
 
 class _Model(ctypes.Structure):
@@ -38,7 +41,7 @@ class _Model(ctypes.Structure):
                [(n, c_i32) for n in ("kv_type", "neox", "norm_topk", "nthreads")] + \
                [(n, c_f32) for n in ("eps", "scale", "wscale", "pad")] + \
                [("out_norm", c_vp), ("embd", _Mat), ("head", _Mat), ("layers", ctypes.POINTER(_Layer)),
-                ("scratch", c_vp), ("moe_tile_t", c_i32), ("mm_tile_t", c_i32)]
+                ("scratch", c_vp), ("moe_tile_t", c_i32), ("mm_tile_t", c_i32), ("alpha", c_f32), ("limit", c_f32)]
 
 
 class _Seq(ctypes.Structure):
@@ -89,13 +92,15 @@ class CpuDecoder:
 
     def __init__(self, model, kv):
         dec, cfg, sched = model.decoder, model.cfg, model.sched
+        self.oai = oai = cfg.arch == "gpt-oss"          # its block: decode steps only (static_steps)
         if any(L.mla for L in dec.layers):
             raise NotApplicable("multi-head latent attention (deepseek2) decodes eagerly")
-        if cfg.expert_gating != "softmax":
+        if cfg.expert_gating != ("softmax_topk" if oai else "softmax"):
             raise NotApplicable(f"{cfg.expert_gating} expert gating decodes eagerly")
         if kv.type_k != kv.type_v or kv.type_k not in _KV_TYPES:
             raise NotApplicable(f"a {kv.type_k}/{kv.type_v} KV cache decodes eagerly")
-        if any(n != kv.n_ctx for n in kv.slots) or any(d.kind != "cpu" for d in kv.devs):
+        if any(n != kv.n_ctx and not w for n, w in zip(kv.slots, kv.windows)) or \
+                any(d.kind != "cpu" for d in kv.devs) or (any(kv.windows) and not oai):
             raise NotApplicable("a sliding-window or GPU KV cache")
         D, H = cfg.head_dim, cfg.n_embd
         if D > 256 or D % 2 or cfg.n_expert_used > 64:
@@ -123,10 +128,12 @@ class CpuDecoder:
         layers = (_Layer * cfg.n_layer)()
         n_ff = n_ff_exp = 0
         for i, L in enumerate(dec.layers):
-            if getattr(L, "exp_probs_b", None) is not None or any(
+            if getattr(L, "exp_probs_b", None) is not None or not oai and any(
                     getattr(L, b, None) is not None for b in ("attn_q_b", "attn_qkv_b", "attn_output_b")):
                 raise NotApplicable(f"layer {i} has biases")
             S = layers[i]
+            if oai:
+                self._oai_layer(S, L, vec, kv.slots[i], kv.windows[i])
             S.attn_norm, S.ffn_norm = vec(L.attn_norm, H), vec(L.ffn_norm, H)
             S.q_norm, S.k_norm = vec(L.attn_q_norm, D), vec(L.attn_k_norm, D)
             S.q, S.k, S.v = mat(L.attn_q, H), mat(L.attn_k, H), mat(L.attn_v, H)
@@ -143,7 +150,8 @@ class CpuDecoder:
                                        S.gate_exps.type, S.down_exps.type, H) or \
                         not L.ffn_gate_exps.shape[0] == S.router.rows == cfg.n_expert:
                     raise NotApplicable(f"layer {i}: expert tensors the kernel can't take")
-                shared = (L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp) if L.ffn_gate_shexp is not None else None
+                shared = (L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp) \
+                    if getattr(L, "ffn_gate_shexp", None) is not None else None
             else:
                 shared = (L.ffn_gate, L.ffn_up, L.ffn_down)
             if shared is not None:
@@ -156,7 +164,9 @@ class CpuDecoder:
         m.n_layer, m.H, m.nh, m.nkv, m.D, m.slots = cfg.n_layer, H, cfg.n_head, cfg.n_head_kv, D, kv.n_ctx
         m.E, m.k, m.n_ff_exp, m.n_ff = cfg.n_expert, cfg.n_expert_used, n_ff_exp, n_ff
         m.kv_type, m.neox, m.norm_topk = _KV_TYPES[kv.type_k], int(cfg.rope_neox), int(cfg.norm_topk_prob)
-        m.eps, m.scale, m.wscale = cfg.rms_eps, D ** -0.5, cfg.expert_weights_scale
+        m.eps, m.scale, m.wscale = cfg.rms_eps, dec.scale if oai else D ** -0.5, cfg.expert_weights_scale
+        if oai:                                         # softmax over the top k = the renormalised softmax
+            m.norm_topk, m.alpha, m.limit = 1, cfg.swiglu_alpha, cfg.swiglu_limit
         m.out_norm = vec(dec.output_norm, H)
         m.embd, m.head = mat(dec.token_embd, H), mat(dec.output, H)
         self.layers = layers
@@ -192,8 +202,31 @@ class CpuDecoder:
         self.token_bytes = model.file.nbytes - routed + self.expert_bytes    # weights a token reads (about)
         # matrix-vector calls a token, counted as the eager path counts them: q/k/v (one), output, router,
         # the FFN's three, the head
-        self.gemvs = sum(2 + (L.ffn_gate_inp is not None) + 3 * (L.ffn_gate_inp is None or L.ffn_gate_shexp is not None)
+        self.gemvs = sum(2 + (L.ffn_gate_inp is not None) +
+                         3 * (L.ffn_gate_inp is None or getattr(L, "ffn_gate_shexp", None) is not None)
                          for L in dec.layers) + 1
+
+    def _oai_layer(self, S, L, vec, slots: int, window: int):
+        """gpt-oss's parts of layer L's struct S: its biases and sinks, its cache's ring and window."""
+        cfg, H = self.cfg, self.cfg.n_embd
+        nqkv = (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim
+        qkv_b = torch.cat([b.dequant(torch.float32).reshape(-1) for b in (L.attn_q_b, L.attn_k_b, L.attn_v_b)])
+        if qkv_b.numel() != nqkv:
+            raise NotApplicable(f"layer {L.i}: q/k/v biases of {qkv_b.numel()} values, not {nqkv}")
+        self.keep.append(qkv_b)
+        S.qkv_b, S.o_b, S.sinks = qkv_b.data_ptr(), vec(L.attn_output_b, H), vec(L.attn_sinks, cfg.n_head)
+        S.router_b = vec(L.ffn_gate_inp_b, cfg.n_expert)
+        E, F = cfg.n_expert, L.ffn_gate_exps.shape[1]
+        S.bg, S.bu, S.bd = (vec(b, n) for b, n in ((L.ffn_gate_exps_b, E * F), (L.ffn_up_exps_b, E * F),
+                                                    (L.ffn_down_exps_b, E * H)))
+        if window:                                      # a ring: position p in slot p % slots
+            S.slots, S.window = slots, min(window, slots)
+
+    def _decode_only(self):
+        """gpt-oss's block is in the decode step only (hm_prompt_step and the batch steps lack it): its decoder
+        names no other static step, so the model never asks for one."""
+        if self.oai:
+            raise NotApplicable("gpt-oss's C step decodes one token at a time")
 
     def _threads(self) -> int:
         """-t, else every core, but one for a small model (SMALL_TOKEN_BYTES)."""
@@ -247,6 +280,7 @@ class CpuDecoder:
     def forward(self, tokens: torch.Tensor, pos0: int, all_logits: bool = True) -> torch.Tensor:
         """A prompt chunk: logits [T, n_vocab] (or [1, n_vocab], the last token's), the cache written at
         pos0..pos0 + T - 1."""
+        self._decode_only()
         T = int(tokens.shape[0])
         self.kv.check_fits(pos0, T)
         ids = tokens.to(torch.int64).contiguous()
@@ -288,6 +322,7 @@ class CpuDecoder:
         item's last token, [B, n_vocab]; per layer the number of distinct experts the batch routed to, 0 for
         layers without routed experts). Each item's logits are bit-identical to forward / step on its cache
         alone."""
+        self._decode_only()
         B = len(items)
         seqs = (_Seq * B)()
         pos = []
@@ -330,6 +365,7 @@ class CpuDecoder:
         Python. None when a cache is one accepts() refuses (nothing ran). Raises IndexError for an id or position
         out of range (nothing written), NonFinite (a subclass of ValueError) when some logits are not finite (the
         caches written), RuntimeError for a kernel's failure. (host_logits: these logits are on the host anyway.)"""
+        self._decode_only()
         B = len(tokens)
         bt = self._batch
         if bt is None or not bt.holds(kvs):
