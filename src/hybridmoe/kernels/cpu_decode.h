@@ -410,7 +410,8 @@ int64_t hm_decode_scratch(const hm_dmodel *m) {
 }
 
 /* A decode layer in one parallel region: q/k/v = h W (h: x normed), their norms, RoPE and the cache write at
- * pos (one thread), attention over positions [0, pos], y = att W_o; with routed experts also x += y,
+ * pos (one thread), attention over positions [0, pos] (gpt-oss: a window's last positions, from its ring's
+ * slots; the biases, the sinks), y = att W_o; with routed experts also x += y,
  * h = ffn_norm(x), the router's logits rl = h W_r, the routing (one thread) and y = the routed experts of h.
  * Each step, and every value, is the one the separate calls (gemv_run, the attention's att_task / att_merge,
  * moe_ffn_act) compute; the team only meets at barriers between them instead of entering a region for each
