@@ -129,9 +129,29 @@ def test_cpu_decode_step_matches_eager(gpt_oss, tmp_path, ub):
             outs.append(torch.cat([m.forward(torch.tensor([t]), 4 + i, kv) for i, t in enumerate(IDS[4:])]))
             step = m._step_for("decode", kv)
             assert (isinstance(step, CpuDecoder) and step.worked) if graphs else step is None
-            assert m._step_for("prompt", kv) is None                 # its prompts run eagerly
+            assert isinstance(m._step_for("prompt", kv), CpuDecoder) if graphs else True    # its prompts in C too
         assert min(kv.slots) == min(64, m.cfg.sliding_window - 1 + ub)          # -ub 2: a ring that wraps
         assert rel_l2(outs[0], outs[1]) <= tol, path
+
+
+def test_cpu_batch_step_is_each_sequence_alone(gpt_oss):
+    """A server's batched decode all on the CPU (hm_decode_batch with gpt-oss's block): each sequence's logits bit
+    for bit what its own decode steps give alone, through window rings that wrap (-ub 2), prompts of different
+    lengths; a prompt chunk longer than the ring holds beside its window is refused with the reason."""
+    m = hybridmoe.load(gpt_oss[1], ctx_size=64, ubatch_size=2)
+    alone, kvs = [], []
+    for j in range(3):
+        kv = m.new_cache(64)
+        m.forward(torch.tensor(IDS[j:j + 4 + j]), 0, kv)
+        alone.append(torch.cat([m.forward(torch.tensor([t]), 4 + j + i, kv) for i, t in enumerate(IDS[10:17])]))
+        kvs.append(m.new_cache(64))
+        m.forward(torch.tensor(IDS[j:j + 4 + j]), 0, kvs[-1])
+    rows = [m.decode_batch([t] * 3, [4 + j + i for j in range(3)], kvs) for i, t in enumerate(IDS[10:17])]
+    assert type(m._batch).__name__ == "CpuDecoder" and min(kvs[0].slots) < 4 + 2 + 7
+    for j in range(3):
+        assert torch.equal(torch.stack([r[j] for r in rows]), alone[j])
+    with pytest.raises(HybridMoeError, match="sliding-window cache was sized for"):
+        m._step_for("prompt", kvs[0]).forward(torch.tensor(IDS[:5]), 20, kvs[0])
 
 
 def _rewrite(src: str, dst: str, drop_tensor: str | None = None, drop_key: str | None = None) -> str:

@@ -156,10 +156,56 @@ static void attend_batch(const hm_dmodel *m, const hm_dlayer *L, int64_t l, cons
                 const att_group *a = gr + j;
                 const int64_t i = r / m->nh, hh = r % m->nh, P = a->pos + i + 1;
                 att_merge(m, part + a->off + i * a->QS, (P + a->CH - 1) / a->CH, hh, o + (a->tq + i) * nq + hh * D,
-                          NULL);
+                          L->sinks);
             }
         }
         j0 = j1;
+    }
+}
+
+/* attend_batch for a window layer (L->window > 0, its caches rings of L->slots): each query as hm_decode_step's
+ * layer_block attends it (att_task over the runs of its window from lo = P - window, att_merge with the sinks),
+ * so a token's values are the same batched or alone; (query, KV head, run) tasks in waves that fit npart. */
+static void attend_window(const hm_dmodel *m, const hm_dlayer *L, int64_t l, const hm_seq *seqs, int64_t nseq,
+                          const float *q, float *part, int64_t npart, float *o, int nth) {
+    const int64_t nq = m->nh * m->D, nkv = m->nkv, G = m->nh / m->nkv, D = m->D, W = D + 2;
+    int64_t T = 0;
+    for (int64_t s = 0; s < nseq; s++) T += seqs[s].T;
+    for (int64_t t0 = 0; t0 < T;) {
+        int64_t t1 = t0, used = 0;
+        while (t1 < T && (t1 == t0 || used + m->nh * ATT_MAXCH * W <= npart)) {
+            used += m->nh * ATT_MAXCH * W;
+            t1++;
+        }
+#pragma omp parallel num_threads(nth)
+        {
+            float kf[ATT_SB * DEC_MAXD] __attribute__((aligned(64))), vf[ATT_SB * DEC_MAXD];
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t u = 0; u < (t1 - t0) * nkv * ATT_MAXCH; u++) {
+                const int64_t t = t0 + u / (nkv * ATT_MAXCH), g = u / ATT_MAXCH % nkv, c = u % ATT_MAXCH;
+                int64_t s = 0, r = t;
+                while (r >= seqs[s].T) r -= seqs[s].T, s++;
+                const int64_t P = seqs[s].pos0 + r + 1, lo = P > L->window ? P - L->window : 0;
+                int64_t nch, CH;
+                att_runs(P - lo, &nch, &CH);
+                if (c >= nch) continue;
+                hm_dlayer Ls = *L;
+                if (seqs[s].kc) { Ls.kc = seqs[s].kc[l]; Ls.vc = seqs[s].vc[l]; }
+                att_task(m, &Ls, q + t * nq, lo, P, g, c, CH, part + ((t - t0) * nkv * ATT_MAXCH + g * nch + c) * G * W,
+                         kf, vf);
+            }
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < (t1 - t0) * m->nh; u++) {
+                const int64_t t = t0 + u / m->nh, hh = u % m->nh;
+                int64_t s = 0, r = t;
+                while (r >= seqs[s].T) r -= seqs[s].T, s++;
+                const int64_t P = seqs[s].pos0 + r + 1, lo = P > L->window ? P - L->window : 0;
+                int64_t nch, CH;
+                att_runs(P - lo, &nch, &CH);
+                att_merge(m, part + (t - t0) * nkv * ATT_MAXCH * G * W, nch, hh, o + t * nq + hh * D, L->sinks);
+            }
+        }
+        t0 = t1;
     }
 }
 
@@ -207,10 +253,15 @@ int hm_batch_step(const hm_dmodel *m, const int64_t *tokens, const hm_seq *seqs,
         if (!rc) rc = pr_mm(m, b.h, T, H, &L->v, b.v, nth);
         LAP(0);
         if (rc) break;
+        for (int64_t t = 0; L->qkv_b && t < T; t++) {        /* gpt-oss: q | k | v biases */
+            for (int64_t i = 0; i < nq; i++) b.q[t * nq + i] += L->qkv_b[i];
+            for (int64_t i = 0; i < nk; i++) b.k[t * nk + i] += L->qkv_b[nq + i];
+            for (int64_t i = 0; i < nk; i++) b.v[t * nk + i] += L->qkv_b[nq + nk + i];
+        }
         for (int64_t s = 0, t = 0; s < nseq; s++) {
             const hm_seq *sq = seqs + s;
             void *kc = sq->kc ? sq->kc[l] : L->kc, *vc = sq->kc ? sq->vc[l] : L->vc;
-            const int64_t S = sq->kc ? sq->slots : m->slots;
+            const int64_t S = L->slots ? L->slots : sq->kc ? sq->slots : m->slots;   /* position p in slot p % S */
             for (int64_t i = 0; i < sq->T; i++, t++) {
                 float *q = b.q + t * nq, *k = b.k + t * nk, *v = b.v + t * nk;
                 const int64_t pos = sq->pos0 + i;
@@ -219,17 +270,20 @@ int hm_batch_step(const hm_dmodel *m, const int64_t *tokens, const hm_seq *seqs,
                 rope_heads(q, nh, D, cs + t * D, sn + t * D, m->neox);
                 rope_heads(k, nkv, D, cs + t * D, sn + t * D, m->neox);
                 for (int64_t g = 0; g < nkv; g++) {
-                    kv_store(m->kv_type, kc, (g * S + pos) * D, D, k + g * D);
-                    kv_store(m->kv_type, vc, (g * S + pos) * D, D, v + g * D);
+                    kv_store(m->kv_type, kc, (g * S + pos % S) * D, D, k + g * D);
+                    kv_store(m->kv_type, vc, (g * S + pos % S) * D, D, v + g * D);
                 }
             }
         }
         UNTIMED();
-        attend_batch(m, L, l, seqs, gr, ng, b.q, b.part, npart, b.att, nth);
+        if (L->window > 0) attend_window(m, L, l, seqs, nseq, b.q, b.part, npart, b.att, nth);
+        else attend_batch(m, L, l, seqs, gr, ng, b.q, b.part, npart, b.att, nth);
         LAP(1);
         rc = pr_mm(m, b.att, T, nq, &L->o, b.y, nth);
         LAP(0);
         if (rc) break;
+        for (int64_t t = 0; L->o_b && t < T; t++)
+            for (int64_t i = 0; i < H; i++) b.y[t * H + i] += L->o_b[i];
         for (int64_t i = 0; i < T * H; i++) b.x[i] += b.y[i];
         for (int64_t t = 0; t < T; t++) rmsnorm(b.x + t * H, L->ffn_norm, H, m->eps, b.h + t * H);
         float *ffo = b.y;
@@ -240,8 +294,10 @@ int hm_batch_step(const hm_dmodel *m, const int64_t *tokens, const hm_seq *seqs,
             rc = pr_mm(m, b.h, T, H, &L->router, b.rl, nth);
             LAP(0);
             if (rc) break;
-            for (int64_t t = 0; t < T; t++)
+            for (int64_t t = 0; t < T; t++) {
+                for (int64_t e = 0; L->router_b && e < E; e++) b.rl[t * E + e] += L->router_b[e];
                 route_softmax(b.rl + t * E, E, k, m->norm_topk, m->wscale, b.ids + t * k, b.wts + t * k);
+            }
             if (distinct) {
                 uint64_t seen[64] = {0};                   /* E <= 4096: the experts counted once each */
                 int32_t n = 0;
@@ -254,9 +310,10 @@ int hm_batch_step(const hm_dmodel *m, const int64_t *tokens, const hm_seq *seqs,
                 distinct[l] = n;
             }
             UNTIMED();
+            const moe_act oai = {1, m->alpha, m->limit, L->bg, L->bu, L->bd};
             rc = (m->moe_tile_t > 0 && T >= m->moe_tile_t ? moe_tile_act : moe_ffn_act)(
                 b.h, T, H, b.ids, b.wts, k, L->gate_exps.w, L->up_exps.w, L->gate_exps.type, m->n_ff_exp, E,
-                L->down_exps.w, L->down_exps.type, b.y, nth, &ACT_SILU);
+                L->down_exps.w, L->down_exps.type, b.y, nth, L->bg ? &oai : &ACT_SILU);
             LAP(2);
             if (rc) break;
             ffo = b.y2;

@@ -55,9 +55,6 @@ class GptOssLayer:
 
 
 class GptOssDecoder(Decoder):
-    # a sequence's decode step only (runtime/steps/gpu_decode_oai.py); the prompt and batched steps have neither
-    # biases, sinks, windows nor swiglu_oai
-    static_steps = frozenset({"decode"})
     layer_class = GptOssLayer
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler):

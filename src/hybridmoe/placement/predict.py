@@ -180,9 +180,8 @@ def prompt_kind(p: Placement, layers: list[_Layer], graphs: bool = True) -> str:
     kind = decode_kind(p, layers, graphs)
     if kind == "cpu":
         # as build_step: with a GPU that may take a batch's ops (op offload), the prompt runs the eager path,
-        # whose scheduler uploads the host weights where that pays (llama.cpp's -ngl 0 with a GPU); gpt-oss's
-        # C step decodes only (static_steps)
-        return "eager" if p.gpus and p.opts.op_offload or p.cfg.arch == "gpt-oss" else "cpu"
+        # whose scheduler uploads the host weights where that pays (llama.cpp's -ngl 0 with a GPU)
+        return "eager" if p.gpus and p.opts.op_offload else "cpu"
     devs = {d for n, d in p.device_of.items() if n != "token_embd.weight" or "output.weight" not in p.tensors}
     cfg = p.cfg
     if kind == "graph" and cfg.arch != "gpt-oss" and len(devs) == 1 and "CPU" not in devs and \

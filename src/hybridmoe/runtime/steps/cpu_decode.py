@@ -7,7 +7,7 @@ write and attention in C, the matrix-vector products and the experts by the same
 calls. It runs where the placement has every weight the step reads and the KV cache on the CPU (`-ngl 0`,
 or no GPU), for the decoders of models/decoder.py without MLA; elsewhere the eager path (or the GPU's
 static step, graphs.py) runs. gpt-oss's block (biases, a sink logit per head, window rings, the top-k softmax
-router, the clamped SwiGLU) is in the decode step only: its prompts and batches run eagerly.
+router, the clamped SwiGLU) is in all three steps (a window layer's queries attend one by one, as in decode).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from ...errors import HybridMoeError
 from ...kernels import cpu
 from ...quant.types import GGMLType, block_size
 from ..ops import rope_tables
@@ -92,7 +93,7 @@ class CpuDecoder:
 
     def __init__(self, model, kv):
         dec, cfg, sched = model.decoder, model.cfg, model.sched
-        self.oai = oai = cfg.arch == "gpt-oss"          # its block: decode steps only (static_steps)
+        self.oai = oai = cfg.arch == "gpt-oss"
         if any(L.mla for L in dec.layers):
             raise NotApplicable("multi-head latent attention (deepseek2) decodes eagerly")
         if cfg.expert_gating != ("softmax_topk" if oai else "softmax"):
@@ -222,11 +223,15 @@ class CpuDecoder:
         if window:                                      # a ring: position p in slot p % slots
             S.slots, S.window = slots, min(window, slots)
 
-    def _decode_only(self):
-        """gpt-oss's block is in the decode step only (hm_prompt_step and the batch steps lack it): its decoder
-        names no other static step, so the model never asks for one."""
-        if self.oai:
-            raise NotApplicable("gpt-oss's C step decodes one token at a time")
+    @staticmethod
+    def _check_fits(kv, pos0: int, T: int):
+        """kv takes T tokens at pos0: the context, and each sliding window's ring (whose slots must hold the
+        chunk beside the window before it: kvcache.update_window's rule)."""
+        kv.check_fits(pos0, T)
+        if any(w and n < kv.n_ctx and T > n - w + 1 for w, n in zip(kv.windows, kv.slots)):
+            n, w = min((n, w) for w, n in zip(kv.windows, kv.slots) if w and n < kv.n_ctx)
+            raise HybridMoeError(f"a batch of {T} tokens is more than this sliding-window cache was sized for "
+                                 f"({n - w + 1}); raise -ub or give fewer tokens per forward")
 
     def _threads(self) -> int:
         """-t, else every core, but one for a small model (SMALL_TOKEN_BYTES)."""
@@ -280,9 +285,8 @@ class CpuDecoder:
     def forward(self, tokens: torch.Tensor, pos0: int, all_logits: bool = True) -> torch.Tensor:
         """A prompt chunk: logits [T, n_vocab] (or [1, n_vocab], the last token's), the cache written at
         pos0..pos0 + T - 1."""
-        self._decode_only()
         T = int(tokens.shape[0])
-        self.kv.check_fits(pos0, T)
+        self._check_fits(self.kv, pos0, T)
         ids = tokens.to(torch.int64).contiguous()
         if T and not (0 <= int(ids.min()) and int(ids.max()) < self.m.embd.rows):
             raise ValueError(f"a token id is not in the vocabulary (0..{self.m.embd.rows - 1})")
@@ -310,8 +314,9 @@ class CpuDecoder:
         ptrs = self._ptrs.get(kv, self)
         if ptrs is self:
             n = self.cfg.n_layer
-            ok = (kv.type_k == kv.type_v == self.kv.type_k and all(s == kv.n_ctx for s in kv.slots)
-                  and all(d.kind == "cpu" for d in kv.devs) and len(kv.k) == n)
+            ok = (kv.type_k == kv.type_v == self.kv.type_k and len(kv.k) == n and kv.windows == self.kv.windows
+                  and all(s == (s0 if w else kv.n_ctx) for s, s0, w in zip(kv.slots, self.kv.slots, kv.windows))
+                  and all(d.kind == "cpu" for d in kv.devs))
             ptrs = self._ptrs[kv] = ((c_vp * n)(*[t.data_ptr() for t in kv.k]),
                                      (c_vp * n)(*[t.data_ptr() for t in kv.v])) if ok else None
         return ptrs
@@ -322,13 +327,12 @@ class CpuDecoder:
         item's last token, [B, n_vocab]; per layer the number of distinct experts the batch routed to, 0 for
         layers without routed experts). Each item's logits are bit-identical to forward / step on its cache
         alone."""
-        self._decode_only()
         B = len(items)
         seqs = (_Seq * B)()
         pos = []
         for j, (tokens, pos0, kv) in enumerate(items):
             T = int(tokens.shape[0])
-            kv.check_fits(pos0, T)
+            self._check_fits(kv, pos0, T)
             kc, vc = self._seq_ptrs(kv)
             seqs[j].T, seqs[j].pos0, seqs[j].slots = T, pos0, kv.n_ctx
             seqs[j].kc, seqs[j].vc = ctypes.addressof(kc), ctypes.addressof(vc)
@@ -365,7 +369,6 @@ class CpuDecoder:
         Python. None when a cache is one accepts() refuses (nothing ran). Raises IndexError for an id or position
         out of range (nothing written), NonFinite (a subclass of ValueError) when some logits are not finite (the
         caches written), RuntimeError for a kernel's failure. (host_logits: these logits are on the host anyway.)"""
-        self._decode_only()
         B = len(tokens)
         bt = self._batch
         if bt is None or not bt.holds(kvs):
