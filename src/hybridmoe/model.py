@@ -383,7 +383,7 @@ class Model:
         uploaded for them: once for all); elsewhere the decode tokens through a batch step (or the static decode
         step, one alone) and the prompt chunks through the prompt path. None: one pass."""
         sizes = [int(t.shape[0]) for t, _, _ in items]
-        if len(items) < 2 or not self.runtime.graphs or "batch" not in self.decoder.static_steps:
+        if len(items) < 2 or not self.runtime.graphs:
             return None
         step = self._batch_for(items[0][2], max(sizes) == 1)
         rows = getattr(step, "max_chunk", 0)
@@ -454,7 +454,7 @@ class Model:
         when every weight and the cache are on the CPU and it covers the model (not built for a first batch with
         prompt chunks a GPU may take), the GPU one (runtime/steps/gpu_batch.py) when every weight but host experts
         and the cache are on one GPU; None where none applies."""
-        if not self.runtime.graphs or "batch" not in self.decoder.static_steps or self._batch is False:
+        if not self.runtime.graphs or self._batch is False:
             return None
         if self._batch is None:
             from .runtime.steps import may_offload
@@ -564,8 +564,8 @@ class Model:
         """The static "decode" or "prompt" step of this cache, built at its first use and kept with the cache
         (a server's slots each keep theirs: a request on another slot does not capture the graphs again), or
         None where the placement or architecture has none: the eager path runs then."""
-        if not self.runtime.graphs or which not in self.decoder.static_steps:
-            return None                                       # a step the decoder's block can't take: eager
+        if not self.runtime.graphs:
+            return None
         gen = self._step_gen[which]
         held = kv.static_steps.get(which)
         if held is None or held[0] != gen:

@@ -79,9 +79,6 @@ class Layer:
 
 
 class Decoder:
-    # the static steps (runtime/steps) that can run this block when placed for them: a sequence's decode step, the
-    # prompt step and the batched decode steps
-    static_steps = frozenset({"decode", "prompt", "batch"})
     layer_class = Layer
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, QTensor], sched: Scheduler):

@@ -144,8 +144,8 @@ def _plain_kv(p: Placement) -> bool:
 
 
 def _static_model(p: Placement) -> bool:
-    """The static steps cover the model (decoder.static_steps and the steps' own checks): no MLA, softmax
-    routing, or gpt-oss (its decode step only: runtime/steps/gpu_decode_oai.py)."""
+    """The static steps cover the model (the steps' own checks): no MLA, softmax routing, or gpt-oss (its own
+    GPU decode step, runtime/steps/gpu_decode_oai.py, and the C steps)."""
     cfg = p.cfg
     return cfg.arch == "gpt-oss" or (cfg.arch != "deepseek2" and
                                      getattr(cfg, "expert_gating", "softmax") == "softmax")

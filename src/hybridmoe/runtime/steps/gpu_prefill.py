@@ -59,8 +59,6 @@ class StaticPrefill:
         cached = lambda w: w.cached(torch.float32 if w.qtype == GGMLType.F32 else self.cdt)   # noqa: E731
         self.layers = []
         for i, L in enumerate(dec.layers):
-            if getattr(L, "attn_sinks", None) is not None:
-                raise NotApplicable("gpt-oss's block (sinks, biases, window rings) prefills eagerly on a GPU")
             if L.attn_qkv is None or getattr(L, "attn_qkv_b", None) is not None:
                 raise NotApplicable(f"layer {i}: q, k and v are not one fused matrix without biases")
             if kv.device(i).name != dev.name or not kv.plain(i):
