@@ -105,6 +105,15 @@ class KVCache:
         if pos0 + n > self.n_ctx:
             raise HybridMoeError(f"context is full: {pos0 + n} tokens do not fit in -c {self.n_ctx}; raise -c")
 
+    def check_rings(self, n: int, layers=None):
+        """n tokens written by one forward fit each sliding-window ring (of these layers; default all): its slots
+        hold them beside the window - 1 positions before them."""
+        for i in range(len(self.slots)) if layers is None else layers:
+            w, s = self.windows[i], self.slots[i]
+            if w and s < self.n_ctx and n > s - w + 1:
+                raise HybridMoeError(f"a batch of {n} tokens is more than this sliding-window cache was sized for "
+                                     f"({s - w + 1}); raise -ub or give fewer tokens per forward")
+
     def update(self, layer: int, pos0: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v [T, n_kv, D] at pos0..pos0+T; return keys, values [n_kv, pos0+T, D] as float."""
         keys, values, _ = self.update_window(layer, pos0, k, v)
@@ -117,12 +126,10 @@ class KVCache:
         T = k.shape[0]
         end = pos0 + T
         self.check_fits(pos0, T)
+        self.check_rings(T, (layer,))
         w, n = self.windows[layer], self.slots[layer]
         start = max(0, pos0 + 1 - w) if w else 0
         ring = n < self.n_ctx
-        if ring and T > n - w + 1:
-            raise HybridMoeError(f"a batch of {T} tokens is more than this sliding-window cache was sized for "
-                                 f"({n - w + 1}); raise -ub or give fewer tokens per forward")
         put = torch.arange(pos0, end, device=k.device) % n if ring else slice(pos0, end)
         get = torch.arange(start, end, device=k.device) % n if ring else slice(start, end)
         out = []

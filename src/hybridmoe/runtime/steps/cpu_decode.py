@@ -16,7 +16,6 @@ import weakref
 
 import torch
 
-from ...errors import HybridMoeError
 from ...kernels import cpu
 from ...quant.types import GGMLType, block_size
 from ..ops import rope_tables
@@ -223,16 +222,6 @@ class CpuDecoder:
         if window:                                      # a ring: position p in slot p % slots
             S.slots, S.window = slots, min(window, slots)
 
-    @staticmethod
-    def _check_fits(kv, pos0: int, T: int):
-        """kv takes T tokens at pos0: the context, and each sliding window's ring (whose slots must hold the
-        chunk beside the window before it: kvcache.update_window's rule)."""
-        kv.check_fits(pos0, T)
-        if any(w and n < kv.n_ctx and T > n - w + 1 for w, n in zip(kv.windows, kv.slots)):
-            n, w = min((n, w) for w, n in zip(kv.windows, kv.slots) if w and n < kv.n_ctx)
-            raise HybridMoeError(f"a batch of {T} tokens is more than this sliding-window cache was sized for "
-                                 f"({n - w + 1}); raise -ub or give fewer tokens per forward")
-
     def _threads(self) -> int:
         """-t, else every core, but one for a small model (SMALL_TOKEN_BYTES)."""
         if self.sched.n_threads:
@@ -286,7 +275,8 @@ class CpuDecoder:
         """A prompt chunk: logits [T, n_vocab] (or [1, n_vocab], the last token's), the cache written at
         pos0..pos0 + T - 1."""
         T = int(tokens.shape[0])
-        self._check_fits(self.kv, pos0, T)
+        self.kv.check_fits(pos0, T)
+        self.kv.check_rings(T)
         ids = tokens.to(torch.int64).contiguous()
         if T and not (0 <= int(ids.min()) and int(ids.max()) < self.m.embd.rows):
             raise ValueError(f"a token id is not in the vocabulary (0..{self.m.embd.rows - 1})")
@@ -332,7 +322,8 @@ class CpuDecoder:
         pos = []
         for j, (tokens, pos0, kv) in enumerate(items):
             T = int(tokens.shape[0])
-            self._check_fits(kv, pos0, T)
+            kv.check_fits(pos0, T)
+            kv.check_rings(T)
             kc, vc = self._seq_ptrs(kv)
             seqs[j].T, seqs[j].pos0, seqs[j].slots = T, pos0, kv.n_ctx
             seqs[j].kc, seqs[j].vc = ctypes.addressof(kc), ctypes.addressof(vc)
