@@ -23,7 +23,8 @@ typedef struct {
     hm_mat gate, up, down;                                 /* SwiGLU FFN (dense or shared expert); gate.rows == 0: none */
     /* gpt-oss's block (NULL / 0: none): q|k|v and output biases, the router's bias, a sink logit per head, the
      * experts' biases ([E, F], [E, F], [E, H]: the clamped SwiGLU, m->alpha / m->limit); a cache of `slots`
-     * slots (0: m->slots) holding position p in slot p % slots, attended over its last `window` positions */
+     * slots (0: m->slots) holding position p in slot p % slots, attended over its last `window` positions
+     * (1 <= window <= slots where slots is set: the caller's check, cpu_decode.py) */
     const float *qkv_b, *o_b, *router_b, *sinks, *bg, *bu, *bd;
     int64_t slots, window;
 } hm_dlayer;
@@ -510,8 +511,6 @@ int hm_decode_step(const hm_dmodel *m, int64_t token, int64_t pos, const float *
     const int64_t H = m->H, D = m->D, S = m->slots;
     const int nth = m->nthreads > 0 ? m->nthreads : omp_get_max_threads();
     if (token < 0 || token >= m->embd.rows || pos < 0 || pos >= S || D > DEC_MAXD) return -1;
-    for (int64_t l = 0; l < m->n_layer; l++)               /* a ring's window must fit in it */
-        if (m->layers[l].slots && (m->layers[l].window < 1 || m->layers[l].window > m->layers[l].slots)) return -1;
     dec_bufs b;
     dec_layout(m, m->scratch, &b);
     double t = times ? hm_now() : 0;
