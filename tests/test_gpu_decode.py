@@ -238,6 +238,37 @@ def test_attention_with_sinks_and_window_rings(window, slots, pos, D):
     assert torch.equal(vc[:, pos % slots], qkv[0, (nh + nkv) * D:].view(nkv, D).half())
 
 
+@pytest.mark.parametrize("window,slots,pos0,T,D", [(8, 12, 0, 5, 64), (8, 12, 30, 5, 64), (8, 47, 70, 40, 64),
+                                                    (0, 200, 60, 70, 64), (128, 255, 600, 128, 64),
+                                                    (6, 7, 17, 2, 16), (5, 40, 3, 36, 32)])
+def test_attention_prefill_with_sinks_and_window_rings(window, slots, pos0, T, D):
+    """gpt-oss's prompt attention: a chunk of T queries at positions pos0.. over a ring of slots that holds the
+    chunk beside the window - 1 positions before it (window - 1 + T <= slots: kvcache's sizing, tight in some
+    cases), the chunk's keys written; with sinks, as the reference over the keys in position order. Rows whose
+    window hides whole blocks of keys (window 5-8 against blocks of 16 or 64) come out finite."""
+    from hybridmoe.models.gpt_oss import attend_sinks
+    nh, nkv = 8, 2
+    g = _gen(pos0 + T + window)
+    P = pos0 + T
+    keys, vals = (torch.randn(nkv, P, D, generator=g, device=DEV).half() for _ in range(2))
+    kc, vc = (torch.randn(nkv, slots, D, generator=g, device=DEV).half() for _ in range(2))
+    for p in range(P):                                          # the ring as prompts and decoding fill it
+        kc[:, p % slots], vc[:, p % slots] = keys[:, p], vals[:, p]
+    q = torch.randn(nh, T, D, generator=g, device=DEV).half()
+    sinks = torch.randn(nh, generator=g, device=DEV) + 3
+    scale = D ** -0.5 * 1.3
+    pt = torch.tensor([pos0], device=DEV)
+    out = gd.attention_prefill(q, kc, vc, pt, scale, out_dtype=torch.float32, sinks=sinks, window=window)
+    ref = attend_sinks(q.transpose(0, 1), keys, vals, pos0, sinks, scale, window=window)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, ref) < 1e-2
+    plain = gd.attention_prefill(q, kc, vc, pt, scale, out_dtype=torch.float32, window=window)
+    assert rel_l2(out, plain) > 1e-2                            # the sinks count
+    if window and P > window:                                   # and the window
+        wide = gd.attention_prefill(q, kc, vc, pt, scale, out_dtype=torch.float32, sinks=sinks)
+        assert not torch.isfinite(wide).all() or rel_l2(out, wide) > 1e-2
+
+
 def test_handoff_kernels(monkeypatch):
     """router_topk(publish=) copies the packed row [h | weights | ids] into pinned host memory, then sets a
     host flag to the step. add_rms_norm(wait=) adds a row from pinned host memory once the host's flag

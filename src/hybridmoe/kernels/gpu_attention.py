@@ -5,7 +5,8 @@ then one merge that can also write the output in int8 terms), and a prompt chunk
 
 A cache of n slots holds position p in slot p % n: the whole context where n exceeds every position, a sliding
 window's ring (kvcache.update_window's layout) where it does not. Decode attention takes gpt-oss's block too: a
-window (keys p - window + 1..p only) over such a ring, and one sink logit per head in the softmax's denominator."""
+window (keys p - window + 1..p only) over such a ring, and one sink logit per head in the softmax's denominator;
+so does a prompt chunk's attention."""
 from __future__ import annotations
 
 import contextlib
@@ -143,10 +144,13 @@ if triton is not None:
             tl.store(l_part + row, l_i, mask=gm)
 
     @triton.jit
-    def _attn_prefill_kernel(q, kc, vc, pos, out, T, scale, skh, skn, svh, svn, so,
-                             G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    def _attn_prefill_kernel(q, kc, vc, pos, out, T, scale, skh, skn, svh, svn, so, n_slots, window, sinks,
+                             G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             WIN: tl.constexpr, SINK: tl.constexpr):
         """Causal attention of BM query rows of head qh (positions p0 + t, p0 read from pos) over the cache up to
-        each row's position: flash attention with the online softmax, K/V read in blocks of BN keys."""
+        each row's position: flash attention with the online softmax, K/V read in blocks of BN key positions
+        (position n in slot n % n_slots). WIN: a row at position p sees keys p - window + 1..p only; SINK: the
+        head's sink logit sinks[qh] joins each row's softmax denominator."""
         mb = tl.program_id(0)
         qh = tl.program_id(1)
         h = qh // G
@@ -158,23 +162,38 @@ if triton is not None:
         qv = (qv * scale).to(q.dtype.element_ty)
         qpos = p0 + t
         hi = p0 + tl.minimum(mb * BM + BM, T)          # keys 0..hi-1: the block's last row sees them all
+        lo = 0
+        if WIN:                                        # the block's first row sees nothing before this
+            lo = tl.maximum(p0 + mb * BM - window + 1, 0)
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
-        for start in range(0, hi, BN):
+        for start in range(lo, hi, BN):
             n = start + tl.arange(0, BN)
             nm = n < hi
-            kt = tl.load(kc + h * skh + n.to(tl.int64)[:, None] * skn + d[None, :], mask=nm[:, None], other=0)
+            sl = (n % n_slots).to(tl.int64)
+            kt = tl.load(kc + h * skh + sl[:, None] * skn + d[None, :], mask=nm[:, None], other=0)
             sc = tl.dot(qv, tl.trans(kt.to(qv.dtype)))                         # [BM, BN]
-            sc = tl.where((n[None, :] <= qpos[:, None]) & nm[None, :], sc, float("-inf"))
+            seen = (n[None, :] <= qpos[:, None]) & nm[None, :]
+            if WIN:
+                seen = seen & (n[None, :] > qpos[:, None] - window)
+            sc = tl.where(seen, sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(sc - m_new[:, None])
+            # a window can hide every key of a block from a row (m_new -inf): alpha and pr 0, not exp(-inf + inf)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_sub)
+            pr = tl.exp(sc - m_sub[:, None])
             l_i = l_i * alpha + tl.sum(pr, axis=1)
-            vt = tl.load(vc + h * svh + n.to(tl.int64)[:, None] * svn + d[None, :], mask=nm[:, None], other=0)
+            vt = tl.load(vc + h * svh + sl[:, None] * svn + d[None, :], mask=nm[:, None], other=0)
             acc = acc * alpha[:, None] + tl.dot(pr.to(qv.dtype), vt.to(qv.dtype))
             m_i = m_new
-        o = acc / l_i[:, None]
+        if SINK:                                       # one more logit in the denominator, of no value
+            sink = tl.load(sinks + qh).to(tl.float32)
+            mx = tl.maximum(m_i, sink)
+            c = tl.exp(m_i - mx)
+            o = acc * c[:, None] / (l_i * c + tl.exp(sink - mx))[:, None]
+        else:
+            o = acc / l_i[:, None]
         tl.store(out + t.to(tl.int64)[:, None] * so + qh * D + d[None, :],
                  o.to(out.dtype.element_ty), mask=tm[:, None])
 
@@ -295,16 +314,21 @@ def attention(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, rope=None, q8_out
     return out
 
 
-def attention_prefill(q, kc, vc, pos, scale, out_dtype=torch.bfloat16):
+def attention_prefill(q, kc, vc, pos, scale, out_dtype=torch.bfloat16, sinks=None, window: int = 0):
     """Causal attention of a prompt's chunk: q [nh, T, D] (qk_rope_cache's output) at positions pos.. (pos: a
     1-element device tensor, so one CUDA graph serves a chunk of T tokens at any position) over kc/vc
-    [nkv, n_ctx, D], where the chunk's keys and values are already written. Returns [T, nh * D]."""
+    [nkv, n, D] (position p in slot p % n), where the chunk's keys and values are already written. Returns
+    [T, nh * D]. sinks: float32 [nh], one more logit per head in the softmax (gpt-oss); window > 0: a query at
+    position p sees the keys of positions p - window + 1..p only (a ring of n slots must hold the chunk beside
+    the window - 1 positions before it: kvcache.KVCache.check_rings)."""
     nh, T, D = q.shape
-    nkv = kc.shape[0]
+    nkv, n_slots = kc.shape[:2]
     out = torch.empty(T, nh * D, dtype=out_dtype, device=q.device)
     bm = 16 if _INTERPRET else 64
     with on_device(q):
         _attn_prefill_kernel[(triton.cdiv(T, bm), nh)](q, kc, vc, pos, out, T, scale, kc.stride(0), kc.stride(1),
-                                                       vc.stride(0), vc.stride(1), out.stride(0),
-                                                       G=nh // nkv, D=D, BM=bm, BN=bm, num_warps=4)
+                                                       vc.stride(0), vc.stride(1), out.stride(0), n_slots,
+                                                       int(window), sinks if sinks is not None else q,
+                                                       G=nh // nkv, D=D, BM=bm, BN=bm, WIN=window > 0,
+                                                       SINK=sinks is not None, num_warps=4)
     return out

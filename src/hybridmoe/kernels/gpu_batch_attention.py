@@ -28,10 +28,10 @@ ALIGN = 16                                               # offsets are multiples
 if triton is not None:
     @triton.jit
     def _qk_rope_cache_batch_kernel(qkv, qkv_stride, qn_w, kn_w, cos, sin, pos, anchor, koff, voff, q_out,
-                                    skh, skn, svh, svn, nh, nkv, eps, D: tl.constexpr, NEOX: tl.constexpr,
+                                    skh, skn, svh, svn, nh, nkv, eps, n_slots, D: tl.constexpr, NEOX: tl.constexpr,
                                     HAS_NORM: tl.constexpr):
         """Row b's head hd: q heads normed, roped, stored as q_out[b, hd]; k heads normed, roped and written
-        with v to sequence b's cache at its position (cos/sin rows indexed by the position)."""
+        with v to sequence b's cache at its position's slot, p % n_slots (cos/sin rows indexed by the position)."""
         hd = tl.program_id(0)                          # q heads, then k heads
         b = tl.program_id(1)
         p = tl.load(pos + b).to(tl.int64)
@@ -50,22 +50,26 @@ if triton is not None:
                 ko = tl.multiple_of(tl.load(koff + b), 16)
                 vo = tl.multiple_of(tl.load(voff + b), 16)
                 y = _rope_rows(row + hd * D, kn_w, cos_p, sin_p, d, rm, eps, D, NEOX, HAS_NORM)
-                tl.store(anchor + ko + hk * skh + p * skn + one[:, None] * 0 + d[None, :],
+                sl = p % n_slots
+                tl.store(anchor + ko + hk * skh + sl * skn + one[:, None] * 0 + d[None, :],
                          y.to(anchor.dtype.element_ty))
                 v = tl.load(row + (nh + nkv + hk) * D + d[None, :])
-                tl.store(anchor + vo + hk * svh + p * svn + one[:, None] * 0 + d[None, :],
+                tl.store(anchor + vo + hk * svh + sl * svn + one[:, None] * 0 + d[None, :],
                          v.to(anchor.dtype.element_ty))
 
     @triton.jit
     def _attn_batch_partial_kernel(q, anchor, koff, voff, pos, o_part, m_part, l_part, chunk, n_split, scale,
-                                   skh, skn, svh, svn, nkv, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                                   BN: tl.constexpr, IEEE: tl.constexpr):
-        """Split s of KV head h of sequence b: the G query heads of h over keys s*chunk.. of b's cache (up to
-        its position), unnormalized, with the running max and sum for the merge."""
+                                   skh, skn, svh, svn, nkv, n_slots, window, G: tl.constexpr, GP: tl.constexpr,
+                                   D: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, WIN: tl.constexpr):
+        """Split s of KV head h of sequence b: the G query heads of h over slots s*chunk.. of b's cache (those
+        in use at its position p), unnormalized, with the running max and sum for the merge. WIN: slots holding
+        a position at or before p - window are left out (slot n holds p - (p - n) mod n_slots, or a later row's
+        position of the same prompt chunk, which the window hides as well: kvcache.KVCache.check_rings)."""
         h = tl.program_id(0)
         s = tl.program_id(1)
         b = tl.program_id(2)
-        L = tl.load(pos + b).to(tl.int32) + 1          # a padded row (-1) has no keys
+        p = tl.load(pos + b).to(tl.int32)
+        L = tl.minimum(p + 1, n_slots)                 # a padded row (-1) has no keys
         lo = s * chunk
         hi = tl.minimum(lo + chunk, L)
         if lo < hi:
@@ -89,10 +93,13 @@ if triton is not None:
                     sc = tl.dot(qv, tl.trans(kt), input_precision="ieee")             # [GP, BN]
                 else:
                     sc = tl.dot(qv, tl.trans(kt))
+                if WIN:
+                    nm = nm & ((p - n) % n_slots < window)
                 sc = tl.where(nm[None, :], sc, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                pr = tl.exp(sc - m_new[:, None])
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)     # every key so far hidden: no NaN
+                alpha = tl.exp(m_i - m_sub)
+                pr = tl.exp(sc - m_sub[:, None])
                 l_i = l_i * alpha + tl.sum(pr, axis=1)
                 vt = tl.load(vbase + n.to(tl.int64)[:, None] * svn + d[None, :], mask=nm[:, None], other=0)
                 if IEEE:
@@ -106,14 +113,15 @@ if triton is not None:
             tl.store(l_part + row, l_i, mask=gm)
 
     @triton.jit
-    def _attn_batch_merge_kernel(o_part, m_part, l_part, pos, out, out_stride, chunk, n_split, nkv,
-                                 G: tl.constexpr, D: tl.constexpr, SB: tl.constexpr):
-        """Query head qh of sequence b from its splits (zeros for a padded row)."""
+    def _attn_batch_merge_kernel(o_part, m_part, l_part, pos, out, out_stride, chunk, n_split, nkv, n_slots, sinks,
+                                 G: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, SINK: tl.constexpr):
+        """Query head qh of sequence b from its splits (zeros for a padded row); SINK: its sink logit sinks[qh]
+        joins the softmax's denominator."""
         qh = tl.program_id(0)
         b = tl.program_id(1)
         h = qh // G
         g = qh % G
-        L = tl.load(pos + b).to(tl.int32) + 1
+        L = tl.minimum(tl.load(pos + b).to(tl.int32) + 1, n_slots)
         n_valid = tl.minimum((L + chunk - 1) // chunk, n_split)
         sb = tl.arange(0, SB)
         d = tl.arange(0, D)
@@ -123,6 +131,9 @@ if triton is not None:
             sm = s0 + sb < n_valid
             M = tl.maximum(M, tl.load(m_part + (base + s0 + sb) * G + g, mask=sm, other=float("-inf")))
         Mx = tl.max(M, axis=0)
+        if SINK:
+            sink = tl.load(sinks + qh).to(tl.float32)
+            Mx = tl.where(n_valid > 0, tl.maximum(Mx, sink), Mx)
         acc = tl.zeros([D], tl.float32)
         lsum = tl.zeros([SB], tl.float32)
         for s0 in range(0, n_valid, SB):
@@ -133,6 +144,8 @@ if triton is not None:
             o = tl.load(o_part + row.to(tl.int64)[:, None] * D + d[None, :], mask=sm[:, None], other=0)
             acc += tl.sum(tl.where(sm[:, None], w[:, None] * o, 0.0), axis=0)
         tot = tl.sum(lsum, axis=0)
+        if SINK:
+            tot += tl.exp(sink - Mx)
         v = tl.where(n_valid > 0, acc / tl.where(n_valid > 0, tot, 1.0), 0.0)
         tl.store(out + b.to(tl.int64) * out_stride + qh * D + d, v.to(out.dtype.element_ty))
 
@@ -176,7 +189,8 @@ def qk_rope_cache_batch(qkv, q_norm, k_norm, cos, sin, pos, anchor, koff, voff, 
     """qkv [B, (nh + 2 nkv) D] (rows may be strided): one token per sequence, at positions pos [B] (int64
     device tensor; -1: a padded row). Returns q [B, nh, D] in q_dtype, normed and roped; k (normed, roped) and
     v are written to each sequence's cache: anchor + koff[b] / voff[b] (element offsets, int64 [B] on the
-    device) hold [nkv, n_ctx, D] tensors of anchor's dtype (kshape, vshape). cos/sin [n_ctx, D] float32."""
+    device) hold [nkv, n, D] tensors of anchor's dtype (kshape, vshape; position p in slot p % n). cos/sin
+    [n_ctx, D] float32."""
     B = qkv.shape[0]
     nkv, n_ctx, D = kshape
     q = q_out if q_out is not None else torch.empty(B, n_head, D, dtype=q_dtype, device=qkv.device)
@@ -184,17 +198,19 @@ def qk_rope_cache_batch(qkv, q_norm, k_norm, cos, sin, pos, anchor, koff, voff, 
     with on_device(qkv):
         _qk_rope_cache_batch_kernel[(n_head + nkv, B)](
             qkv, qkv.stride(0), q_norm if has_norm else cos, k_norm if has_norm else cos, cos, sin, pos, anchor,
-            koff, voff, q, n_ctx * D, D, vshape[1] * vshape[2], vshape[2], n_head, nkv, eps,
+            koff, voff, q, n_ctx * D, D, vshape[1] * vshape[2], vshape[2], n_head, nkv, eps, n_ctx,
             D=D, NEOX=neox, HAS_NORM=has_norm)
     return q
 
 
 def attention_batch(q, anchor, koff, voff, pos, kshape, vshape, scale, n_keys: int, out=None,
-                    out_dtype=torch.bfloat16, parts=None):
+                    out_dtype=torch.bfloat16, parts=None, sinks=None, window: int = 0):
     """q [B, nh, D]: sequence b's query at position pos[b] over its cache's positions 0..pos[b] (anchor +
-    koff[b], voff[b]: [nkv, n_ctx, D]); n_keys bounds every pos[b] + 1 (the context, for a captured step; the
-    longest sequence, eagerly). Returns out [B, nh * Dv] (zeros for a padded row). parts: the split buffers
-    (split_buffers), for a captured step's fixed addresses."""
+    koff[b], voff[b]: [nkv, n, D], position p in slot p % n); n_keys bounds every pos[b] + 1 (the context, for
+    a captured step; the longest sequence, eagerly). Returns out [B, nh * Dv] (zeros for a padded row). parts:
+    the split buffers (split_buffers), for a captured step's fixed addresses. sinks: float32 [nh], one more
+    logit per head in the softmax (gpt-oss); window > 0: the keys of positions pos[b] - window + 1..pos[b]
+    only (a ring's slots)."""
     B, nh, D = q.shape
     nkv, n_ctx, _ = kshape
     Dv = vshape[2]
@@ -208,10 +224,11 @@ def attention_batch(q, anchor, koff, voff, pos, kshape, vshape, scale, n_keys: i
     with on_device(q):
         _attn_batch_partial_kernel[(nkv, n_split, B)](
             q, anchor, koff, voff, pos, o_part, m_part, l_part, chunk, n_split, scale,
-            n_ctx * D, D, vshape[1] * Dv, Dv, nkv, G=G, GP=max(16, _pow2(G)), D=D, BN=ATTN_BLOCK,
-            IEEE=anchor.dtype == torch.float32)
+            n_ctx * D, D, vshape[1] * Dv, Dv, nkv, n_ctx, int(window), G=G, GP=max(16, _pow2(G)), D=D,
+            BN=ATTN_BLOCK, IEEE=anchor.dtype == torch.float32, WIN=window > 0)
         _attn_batch_merge_kernel[(nh, B)](o_part, m_part, l_part, pos, out, out.stride(0), chunk, n_split, nkv,
-                                          G=G, D=Dv, SB=16)
+                                          n_ctx, sinks if sinks is not None else m_part,
+                                          G=G, D=Dv, SB=16, SINK=sinks is not None)
     return out
 
 
