@@ -16,13 +16,15 @@ from a CUDA graph (as decode runs it: no launch overhead in the figure).
     python3 benchmarks/bench_moe_decode.py --mmq-tiles [Q4_0,Q8_0]
 
     python3 benchmarks/bench_moe_decode.py --grouped-rows [Q4_0]
+    python3 benchmarks/bench_moe_decode.py --oai [MXFP4]
 
 --grouped: one MoE layer of B = 1..64 decode tokens (the batch step's buckets) by the per-pair GEMVs, the
 grouped GEMVs (kernels/gpu_moe_grouped.py), the prompt's grouped GEMMs and the int8 tensor-core kernels
 (kernels/gpu_mmq.py), graph-replayed, in GB/s of the distinct experts' bytes; --grouped-tiles: the grouped GEMVs
 over block heights and tiles; --mmq-tiles: gpu_mmq's two kernels over a grid of tiles (for gpu_mmq.TILES), one
 and two int8 terms, and the rule's whole layer against the best tiles'; --grouped-rows: the same as --grouped at
-64 to 256 rows (the batch step's row buckets all on the GPU).
+64 to 256 rows (the batch step's row buckets all on the GPU); --oai: gpt-oss's biased experts at gpt-oss-20b's
+shape by the per-pair GEMVs, the grouped GEMVs and the grouped GEMMs.
 """
 import itertools
 import sys
@@ -320,6 +322,41 @@ def grouped(types, sizes=(1, 2, 4, 8, 16, 32, 64)):
                   f"{t['gemm'] / t['mmq']:.2f} | {', '.join(f'{d:.1e}' for d in diff)} |", flush=True)
 
 
+def oai(types, sizes=(1, 2, 4, 8, 16, 32, 64)):
+    """gpt-oss's biased experts (GGUF rows; MXFP4 in its files) at gpt-oss-20b's shape (32 experts of 2880 x 2880,
+    4 a token) on one MoE layer of B tokens: the per-pair GEMVs, the grouped GEMVs and the grouped GEMMs, each
+    replayed from a CUDA graph: us a layer, GB/s of the distinct experts' bytes, runtime/experts.oai_moe_path's
+    pick, and each result's distance from the per-pair kernels'."""
+    from hybridmoe.kernels import gpu_moe as gm
+    from hybridmoe.kernels import gpu_moe_grouped as gg
+    from hybridmoe.runtime.experts import oai_moe_path
+    E_, k, H_, F_ = 32, 4, 2880, 2880
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print("| type | B | distinct experts | MB read | per-pair us (GB/s) | grouped us (GB/s) | gemm us (GB/s) | "
+          "auto picks | rel diff grouped, gemm |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
+    for name in types:
+        q = GGMLType[name]
+        gs, us = (random_blocks(q, (E_, F_, H_), g) for _ in range(2))
+        ds = random_blocks(q, (E_, H_, F_), g)
+        biases = (torch.randn(E_, F_, device="cuda", generator=g), torch.randn(E_, F_, device="cuda", generator=g),
+                  torch.randn(E_, H_, device="cuda", generator=g), 1.702, 7.0)
+        for B in sizes:
+            x = torch.randn(B, H_, device="cuda", generator=g)
+            ids = torch.stack([torch.randperm(E_, device="cuda", generator=g)[:k] for _ in range(B)]).to(torch.int32)
+            wts = torch.softmax(torch.randn(B, k, device="cuda", generator=g), -1)
+            nbytes = int(torch.unique(ids).numel()) * (2 * F_ * row_bytes(q, H_) + H_ * row_bytes(q, F_))
+            runs = {"pair": lambda: gd.moe(x, ids, wts, gs, us, ds, q, q, oai=biases),
+                    "grouped": lambda: gg.moe(x, ids, wts, gs, us, ds, q, q, oai=biases),
+                    "gemm": lambda: gm.moe(x, ids, wts, gs, us, ds, q, q, oai=biases)}
+            t = {kk: graph_timed(f, n=10, reps=10) for kk, f in runs.items()}
+            ref = runs["pair"]()
+            diff = [float((runs[kk]() - ref).norm() / ref.norm()) for kk in ("grouped", "gemm")]
+            cell = " | ".join(f"{t[kk] * 1e6:.1f} ({nbytes / t[kk] / 1e9:.0f})" for kk in runs)
+            print(f"| {name} | {B} | {torch.unique(ids).numel()} | {nbytes / 1e6:.0f} | {cell} | "
+                  f"{oai_moe_path(B, B * k)} | {', '.join(f'{d:.1e}' for d in diff)} |", flush=True)
+
+
 def grouped_tiles(types, sizes=(16, 64), bms=(2, 4, 8, 16), warps=(4, 8)):
     """The grouped GEMVs over block heights and tiles (gate/up and down alike), graph-replayed: the five
     fastest per (type, B), against the rule's (block_rows, grouped_tile) and the per-pair kernels' on the same
@@ -425,7 +462,7 @@ def ncu_case(types, B=16):
 if __name__ == "__main__":
     # --option [TYPES]: (function, default types); no option: main over its default types
     modes = {"--mmq-tiles": (mmq_tiles, "Q4_0,Q8_0"),
-             "--mmq-tiles-64": (lambda t: mmq_tiles(t, (64,)), "Q4_0"), "--grouped": (grouped, "Q4_0,Q8_0"),
+             "--mmq-tiles-64": (lambda t: mmq_tiles(t, (64,)), "Q4_0"), "--grouped": (grouped, "Q4_0,Q8_0"), "--oai": (oai, "MXFP4"),
              "--grouped-rows": (lambda t: grouped(t, (64, 128, 192, 256)), "Q4_0"),
              "--grouped-tiles": (grouped_tiles, "Q4_0,Q8_0"), "--dense": (dense, "Q8_0,Q4_0"),
              "--split": (split, "Q4_0,Q8_0"),

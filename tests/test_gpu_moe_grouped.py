@@ -67,6 +67,22 @@ def test_grouped_moe_gguf_rows(gq, dq, H, Fd):
     assert rel_l2(got.view(*ids.shape, H).sum(1).double(), ref) < 1e-5
 
 
+def test_grouped_moe_gpt_oss_biases():
+    """gpt-oss's experts (MXFP4 rows, biases, the clamped SwiGLU with a limit the values reach): each pair's
+    weighted row is the per-pair kernel's with the same biases, at 2 and 4 rows a block; without the biases the
+    rows differ."""
+    gq = GGMLType.MXFP4
+    x, ids, wts, graw, uraw, draw = _case(gq, gq, 64, 64, 5)
+    g = torch.Generator(device=DEV).manual_seed(9)
+    oai = (torch.randn(8, 64, generator=g, device=DEV), torch.randn(8, 64, generator=g, device=DEV),
+           torch.randn(8, 64, generator=g, device=DEV), 1.702, 1.5)
+    pairs = gd.moe(x, ids, wts, graw, uraw, draw, gq, gq, reduce=False, oai=oai)
+    for bm in (2, 4):
+        got = gg.moe(x, ids, wts, graw, uraw, draw, gq, gq, reduce=False, bm=bm, oai=oai)
+        assert rel_l2(got, pairs) < 1e-6, bm
+    assert rel_l2(gg.moe(x, ids, wts, graw, uraw, draw, gq, gq, reduce=False), pairs) > 1e-2
+
+
 def test_block_rows_and_tiles():
     """Blocks of 2 to 16 rows by the mean pairs an expert (the 30B shape's buckets: 128 experts, k = 8), and
     a tile for every block height."""

@@ -122,9 +122,11 @@ if triton is not None:
                      mask=valid[:, None] & nm[None, :])
 
     @triton.jit
-    def _gate_up_kernel(x, pairs, blk_e, n_pairs, graw, uraw, out, K, F, k_used, sge, sgn, sue, sun,
-                        QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
-        """GGUF rows: the block's pairs one after another, the weights from HBM for the first (L1/L2 after)."""
+    def _gate_up_kernel(x, pairs, blk_e, n_pairs, graw, uraw, out, K, F, k_used, sge, sgn, sue, sun, bg, bu, alpha,
+                        limit, QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+                        OAI: tl.constexpr):
+        """GGUF rows: the block's pairs one after another, the weights from HBM for the first (L1/L2 after). OAI:
+        gpt-oss's experts, biases bg, bu [E, F] added and the clamped SwiGLU (gpu_decode._moe_gate_up_kernel's)."""
         blk = tl.program_id(0)
         e = tl.load(blk_e + blk)
         if e >= 0:
@@ -138,11 +140,18 @@ if triton is not None:
                     xp = x + (s // k_used).to(tl.int64) * K
                     g = _qdot(gp, sgn, n, nm, xp, K, QT, BN, NB)
                     u = _qdot(up, sun, n, nm, xp, K, QT, BN, NB)
-                    tl.store(out + s.to(tl.int64) * F + n, g / (1.0 + tl.exp(-g)) * u, mask=nm)
+                    if OAI:
+                        e64 = e.to(tl.int64)
+                        g = tl.minimum(g + tl.load(bg + e64 * F + n, mask=nm, other=0), limit)
+                        u = tl.minimum(tl.maximum(u + tl.load(bu + e64 * F + n, mask=nm, other=0), -limit), limit)
+                        a = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+                    else:
+                        a = g / (1.0 + tl.exp(-g)) * u
+                    tl.store(out + s.to(tl.int64) * F + n, a, mask=nm)
 
     @triton.jit
-    def _down_kernel(h, pairs, blk_e, n_pairs, wts, draw, out, K, N, sde, sdn,
-                     QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr):
+    def _down_kernel(h, pairs, blk_e, n_pairs, wts, draw, out, K, N, sde, sdn, bd,
+                     QT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, OAI: tl.constexpr):
         blk = tl.program_id(0)
         e = tl.load(blk_e + blk)
         if e >= 0:
@@ -153,8 +162,10 @@ if triton is not None:
                 s = tl.load(pairs + blk * BM + r)
                 if s < n_pairs:
                     s64 = s.to(tl.int64)
-                    y = tl.load(wts + s).to(tl.float32) * _qdot(dp, sdn, n, nm, h + s64 * K, K, QT, BN, NB)
-                    tl.store(out + s64 * N + n, y, mask=nm)
+                    y = _qdot(dp, sdn, n, nm, h + s64 * K, K, QT, BN, NB)
+                    if OAI:                        # plus the expert's bias bd [E, N]
+                        y += tl.load(bd + e.to(tl.int64) * N + n, mask=nm, other=0)
+                    tl.store(out + s64 * N + n, tl.load(wts + s).to(tl.float32) * y, mask=nm)
 
 
 def available() -> bool:
@@ -193,12 +204,13 @@ def grouped_tile(qtype, gate_up: bool, bm: int):
 
 
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True, gate_split: bool = False,
-        down_split: bool = False, bm: int | None = None, tiles8=None, xq=None, out=None):
+        down_split: bool = False, bm: int | None = None, tiles8=None, xq=None, out=None, oai=None):
     """Routed experts for a batch of decode tokens from GGUF bytes, each expert's bytes read once per block of
     its pairs: x [T, H] float32, ids [T, k] (int), wts [T, k]; graw/uraw [E, F, row bytes], draw [E, H, row
     bytes] (split rows where *_split). Returns float32 [T, H]; reduce=False: the k weighted rows per token
     [T * k, H] (into out where given). bm: pairs per block instead of block_rows'; tiles8: (gate/up, down)
-    (BN, NB, warps) of the split-row kernels instead of grouped_tile's; xq: x already in int8 terms."""
+    (BN, NB, warps) of the split-row kernels instead of grouped_tile's; xq: x already in int8 terms. oai =
+    (bg, bu, bd, alpha, limit): gpt-oss's experts (GGUF rows), as gpu_decode.moe takes them."""
     T, H = x.shape
     k = ids.shape[1]
     E, F = graw.shape[0], graw.shape[1]
@@ -210,6 +222,10 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     if out is None:
         out = torch.empty(n, H, dtype=torch.float32, device=x.device)
     tiles8 = tiles8 or (grouped_tile(gate_qtype, True, bm), grouped_tile(down_qtype, False, bm))
+    if oai is not None and (gate_split or down_split):
+        raise ValueError("gpt-oss's biased experts take GGUF rows, not split ones")
+    bg, bu, bd, alpha, limit = oai if oai is not None else (h, h, h, 0.0, 0.0)     # (unread without OAI)
+    bg, bu, bd = (b.float().contiguous() for b in (bg, bu, bd))
     with on_device(x):
         pairs, blk_e = align(ids, E, bm)
         nb = blk_e.numel()
@@ -221,8 +237,9 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
                                                       EMU=_INTERPRET, num_warps=w)
         else:
             bn, nbk, w = gd.moe_tile(gate_qtype, True)
-            _gate_up_kernel[(nb, triton.cdiv(F, bn))](x, pairs, blk_e, n, graw, uraw, h, H, F, k, *gs,
-                                                     QT=QTYPES[gate_qtype], BM=bm, BN=bn, NB=nbk, num_warps=w)
+            _gate_up_kernel[(nb, triton.cdiv(F, bn))](x, pairs, blk_e, n, graw, uraw, h, H, F, k, *gs, bg, bu,
+                                                     float(alpha), float(limit), QT=QTYPES[gate_qtype], BM=bm, BN=bn,
+                                                     NB=nbk, OAI=oai is not None, num_warps=w)
         ds = (draw.stride(0), draw.stride(1))
         if down_split:
             bn, nbk, w = tiles8[1]
@@ -231,6 +248,7 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
                                                    num_warps=w)
         else:
             bn, nbk, w = gd.moe_tile(down_qtype, False)
-            _down_kernel[(nb, triton.cdiv(H, bn))](h, pairs, blk_e, n, wf, draw, out, F, H, *ds,
-                                                  QT=QTYPES[down_qtype], BM=bm, BN=bn, NB=nbk, num_warps=w)
+            _down_kernel[(nb, triton.cdiv(H, bn))](h, pairs, blk_e, n, wf, draw, out, F, H, *ds, bd,
+                                                  QT=QTYPES[down_qtype], BM=bm, BN=bn, NB=nbk, OAI=oai is not None,
+                                                  num_warps=w)
     return out.view(T, k, H).sum(1) if reduce else out

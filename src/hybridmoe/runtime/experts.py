@@ -232,6 +232,25 @@ MMQ_MIN_PAIRS = 384
 MMQ_MAX_TOKENS = 64
 
 
+# gpt-oss's biased experts (GGUF rows, MXFP4 in its files): the per-pair GEMVs up to OAI_PAIR_MAX pairs, the grouped
+# GEMMs above. One layer at gpt-oss-20b's shape on an H100 (bench_moe_decode.py --oai, us, per-pair / grouped GEMVs
+# / grouped GEMMs): B=4 354 / 463 / 529, B=8 676 / 853 / 691, B=16 1323 / 1736 / 964, B=32 2608 / 3394 / 1014: the
+# MXFP4 GEMVs are bound by decoding the weights, which every pair repeats (the grouped GEMVs too), the GEMMs decode
+# each expert's once. The grouped GEMVs run only when HYBRIDMOE_GPU_MOE=grouped.
+OAI_PAIR_MAX = 32
+
+
+def oai_moe_path(n_tokens: int, n_pairs: int) -> str:
+    """Which GPU MoE kernels run a call of gpt-oss's experts: "pair" or "gemm" (HYBRIDMOE_GPU_MOE names one of
+    pair, grouped and gemm; "mmq" is taken as "gemm": its kernels read split rows only)."""
+    forced = env.get("HYBRIDMOE_GPU_MOE")
+    if forced != "auto":
+        if forced not in _GPU_PATHS:
+            raise HybridMoeError(f"HYBRIDMOE_GPU_MOE={forced!r}: give auto, pair, grouped, gemm or mmq")
+        return "gemm" if forced == "mmq" else forced
+    return "pair" if n_tokens <= 1 or n_pairs <= OAI_PAIR_MAX else "gemm"
+
+
 def _mmq_ok(qtypes, split: bool) -> bool:
     if not split or qtypes is None:
         return False
@@ -370,9 +389,9 @@ def moe_biased(x, ids, wts, raws, ws, biases, alpha: float, limit: float, stats=
     t0 = time.perf_counter()
     if graw.device.type == "cuda":
         many = ids.numel() > GATHER_MAX_SLOTS
-        if not (gate.split or down.split):              # grouped GEMMs for prompts, GEMVs for a few tokens
-            y = _from_bytes(gpu_kernels("gemm" if many else "pair"), x, ids, wts, graw, uraw, draw, gate, up, down,
-                            oai=oai)
+        if not (gate.split or down.split):              # GGUF rows: oai_moe_path's kernels
+            y = _from_bytes(gpu_kernels(oai_moe_path(ids.shape[0], ids.numel())), x, ids, wts, graw, uraw, draw,
+                            gate, up, down, oai=oai)
             if y is not None:
                 return y
         if many and hasattr(torch, "_grouped_mm"):
