@@ -525,6 +525,17 @@ def test_handoff_rows_runs_the_first_rows_and_zeros_the_rest():
     assert call(10, 4) == -3 and int(done[0]) == 10    # the GPU never came: a timeout, not a hang
     with pytest.raises(ValueError, match="no kernel"):
         cpu.handoff_rows_call(*w, packed[:, 1:], out, ready, done)
+    # gpt-oss's experts (biases, the clamped SwiGLU): as moe_ffn(oai=) over the same rows
+    oai = (torch.randn(E, F, generator=g), torch.randn(E, F, generator=g), torch.randn(E, H, generator=g), 1.702, 0.5)
+    call = cpu.handoff_rows_call(*w, packed, out, ready, done, timeout_s=0.05, oai=oai)
+    packed[:, H + k:] = ids.float()
+    ready[0] = 11
+    assert call(11, 5) == 0 and int(done[0]) == 11
+    want = cpu.moe_ffn(x[:5], ids[:5], wts[:5], *w, oai=oai)
+    assert torch.equal(out[:5], want) and not out[5:].any()
+    assert not torch.allclose(want, cpu.moe_ffn(x[:5], ids[:5], wts[:5], *w))
+    with pytest.raises(ValueError, match="biases"):
+        cpu.handoff_rows_call(*w, packed, out, ready, done, oai=(oai[0][1:], *oai[1:]))
 
 
 def test_torch_fallback():

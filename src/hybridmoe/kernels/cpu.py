@@ -152,10 +152,12 @@ def _load():
                                                                               ctypes.c_float, i32]
         lib.hm_moe_handoff_rows.argtypes = [vp, vp, ctypes.c_double, vp, i64, i64, i64, i64, vp, vp, i32, i64, i64,
                                             vp, i32, vp, i32, i32]
+        lib.hm_moe_handoff_rows_oai.argtypes = lib.hm_moe_handoff_rows.argtypes[:-1] + [
+            vp, vp, vp, ctypes.c_float, ctypes.c_float, i32]
         lib.hm_deinterleave.argtypes = [vp, vp, i64, i32, i64, i32, i32, vp, vp, i64, vp, i64, i32]
         lib.hm_simd.restype = ctypes.c_char_p
         for f in (lib.hm_moe_ffn, lib.hm_moe_tile, lib.hm_moe_oai, lib.hm_moe_handoff, lib.hm_moe_handoff_oai,
-                  lib.hm_moe_handoff_rows,
+                  lib.hm_moe_handoff_rows, lib.hm_moe_handoff_rows_oai,
                   lib.hm_tile_mode,
                   lib.hm_qmatmul, lib.hm_tile_mm, lib.hm_dequant, lib.hm_set_simd, lib.hm_set_int8,
                   lib.hm_int8_type, lib.hm_qdot_ref, lib.hm_dp256_test, lib.hm_set_act_terms, lib.hm_act_terms,
@@ -478,6 +480,16 @@ def _handoff_checked(what, gate_raw, up_raw, down_raw, gate_qtype, down_qtype, H
     return lib, gq, dq, gate_raw.shape[0], gate_raw.shape[1]
 
 
+def _oai_ok(oai, gate_raw, H: int) -> bool:
+    """gpt-oss's (bg, bu, bd, alpha, limit) as the C kernels take them (or None): float32 [E, F], [E, F], [E, H],
+    contiguous, in host memory."""
+    if oai is None:
+        return True
+    E, F = gate_raw.shape[:2] if gate_raw.dim() == 3 else (0, 0)
+    return all(b.dtype == torch.float32 and b.is_contiguous() and b.device.type == "cpu" and tuple(b.shape) == s
+               for b, s in zip(oai[:3], ((E, F), (E, F), (E, H))))
+
+
 def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out, ready, done,
                  n_threads=None, timeout_s: float = 30.0, n_cpu: int | None = None, oai=None):
     """One layer's side of the decode hand-off with a GPU (graphs.py), as a function of the step number.
@@ -493,38 +505,39 @@ def handoff_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out
     H = out.numel()
     k = (packed.numel() - H) // 2
     kc = k if n_cpu is None else int(n_cpu)
-    ok = packed.numel() == H + 2 * k and 1 <= kc <= k
-    if oai is not None:
-        bg, bu, bd, alpha, limit = oai
-        E, F = gate_raw.shape[:2] if gate_raw.dim() == 3 else (0, 0)
-        ok = ok and all(b.dtype == torch.float32 and b.is_contiguous() and b.device.type == "cpu" and
-                        tuple(b.shape) == s for b, s in ((bg, (E, F)), (bu, (E, F)), (bd, (E, H))))
+    ok = packed.numel() == H + 2 * k and 1 <= kc <= k and _oai_ok(oai, gate_raw, H)
     lib, gq, dq, E, F = _handoff_checked("handoff_call", gate_raw, up_raw, down_raw, gate_qtype, down_qtype, H, k,
                                          ok, "" if oai is None else ", with gpt-oss's float32 biases")
     args = (ready.data_ptr(), done.data_ptr(), timeout_s, packed.data_ptr(), H, k, kc, gate_raw.data_ptr(),
             up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq, out.data_ptr(), _threads(n_threads))
     if oai is None:
         return functools.partial(lib.hm_moe_handoff, *args)
+    bg, bu, bd, alpha, limit = oai
     return functools.partial(lib.hm_moe_handoff_oai, *args, bg.data_ptr(), bu.data_ptr(), bd.data_ptr(),
                              float(alpha), float(limit))
 
 
 def handoff_rows_call(gate_raw, up_raw, down_raw, gate_qtype, down_qtype, packed, out, ready, done,
-                      n_threads=None, timeout_s: float = 30.0):
+                      n_threads=None, timeout_s: float = 30.0, oai=None):
     """handoff_call for a batch of rows: calling it with (step, T) waits until ready[0] == step, then runs the k
     experts of the first T rows of packed float32 [Tp, H + 2k] (pinned; an id of -1 is a pair the GPU runs itself,
     skipped here) into out float32 [Tp, H] (pinned; the rows after T become zeros), and sets done[0] = step, also
-    after an error. Returns as handoff_call's."""
+    after an error. Returns as handoff_call's. oai: gpt-oss's experts, as handoff_call's (held by the call)."""
     Tp, H = out.shape
     k = (packed.shape[1] - H) // 2
+    ok = packed.shape == (Tp, H + 2 * k) and 1 <= Tp <= 64 and _oai_ok(oai, gate_raw, H)
     lib, gq, dq, E, F = _handoff_checked("handoff_rows_call", gate_raw, up_raw, down_raw, gate_qtype, down_qtype, H,
-                                         k, packed.shape == (Tp, H + 2 * k) and 1 <= Tp <= 64, f", rows={Tp}")
+                                         k, ok, f", rows={Tp}" + ("" if oai is None else ", with gpt-oss's biases"))
     nth = _threads(n_threads)
+    args = (ready.data_ptr(), done.data_ptr(), timeout_s, packed.data_ptr())
+    tail = (H, k, gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq, out.data_ptr(), nth)
+    if oai is not None:
+        bias = (*(b.data_ptr() for b in oai[:3]), float(oai[3]), float(oai[4]))
 
     def call(step: int, T: int) -> int:
-        return lib.hm_moe_handoff_rows(ready.data_ptr(), done.data_ptr(), timeout_s, packed.data_ptr(), T, Tp, H,
-                                       k, gate_raw.data_ptr(), up_raw.data_ptr(), gq, F, E, down_raw.data_ptr(), dq,
-                                       out.data_ptr(), nth, step)
+        if oai is None:
+            return lib.hm_moe_handoff_rows(*args, T, Tp, *tail, step)
+        return lib.hm_moe_handoff_rows_oai(*args, T, Tp, *tail, *bias, step)
     return call
 
 

@@ -1,5 +1,5 @@
 /* The grouped tile MoE FFN and hm_tile_mm; the MoE entry points (hm_moe_ffn, hm_moe_handoff,
- * hm_moe_handoff_oai, hm_moe_tile, hm_moe_oai, hm_tile_mode).
+ * hm_moe_handoff_oai, hm_moe_handoff_rows_oai, hm_moe_tile, hm_moe_oai, hm_tile_mode).
  * Part of cpu_moe.c (its main unit): included there, in order, never compiled alone. */
 
 static int moe_tile_act(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
@@ -322,6 +322,21 @@ int hm_moe_handoff_rows(const int32_t *ready, int32_t *done, double timeout_s, c
                         int32_t step) {
     return handoff_rows(ready, done, timeout_s, packed, T, Tp, H, k, k, gate, up, gtype, F, E, down, dtype, out,
                         nthreads, step, &ACT_SILU);
+}
+
+/* hm_moe_handoff_rows for gpt-oss's experts: biases bg, bu [E, F] and bd [E, H] (float32), the clamped SwiGLU */
+int hm_moe_handoff_rows_oai(const int32_t *ready, int32_t *done, double timeout_s, const float *packed, int64_t T,
+                            int64_t Tp, int64_t H, int64_t k, const uint8_t *gate, const uint8_t *up, int gtype,
+                            int64_t F, int64_t E, const uint8_t *down, int dtype, float *out, int nthreads,
+                            const float *bg, const float *bu, const float *bd, float alpha, float limit,
+                            int32_t step) {
+    const moe_act A = {1, alpha, limit, bg, bu, bd};
+    if (!bg || !bu || !bd) {                       /* still hand the step back: the GPU waits for it */
+        __atomic_store_n(done, step, __ATOMIC_RELEASE);
+        return -1;
+    }
+    return handoff_rows(ready, done, timeout_s, packed, T, Tp, H, k, k, gate, up, gtype, F, E, down, dtype, out,
+                        nthreads, step, &A);
 }
 
 int hm_moe_tile(const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts,
