@@ -524,6 +524,35 @@ for s in "$@"; do
             # shellcheck disable=SC2086
             timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 $flags --check -p 512 -n 128 -r 2 2>&1 | tail -22
           done ;;
+    # gpt-oss's captured prompt step and batched GPU step (its block in gpu_prefill / gpu_batch): the tests, then
+    # gpt-oss-20b's prompts all on the GPU before (.carry/base_src: the eager decoder) / after
+    s37a) HYBRIDMOE_CACHE=/tmp/hm-test timeout 300 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_batch.py \
+            tests/test_gpu_decode.py -k "gpt_oss or mxfp4 or attention or batch or prefill" -p no:cacheprovider \
+            --tb=short -rfE 2>&1 | tail -8
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          oss_ab "$F" "-p 512 -n 0" gpu
+          oss_ab "$F" "-p 2048 -ub 2048 -n 0" gpu ;;
+    # a server's batches of gpt-oss-20b (benchmarks/batch_decode.py) before (eager batches) / after (the batch step)
+    s37b) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          ab 1 "gpt-oss-20b batches, all on GPU, " timeout 200 python3 -u benchmarks/batch_decode.py -m "$F" -ngl 99 \
+            --batch 1,4,16 --steps 16 --repeat 2
+          ab 1 "gpt-oss-20b batches, -ot exps=CPU, " timeout 200 python3 -u benchmarks/batch_decode.py -m "$F" -ngl 99 \
+            -ot exps=CPU --batch 1,4,8 --steps 16 --repeat 2 ;;
+    # gpt-oss's batches by each MoE kernel path: the kernels alone at gpt-oss-20b's shape, then batch_decode.py
+    # with HYBRIDMOE_GPU_MOE forcing each path (for runtime/experts.oai_moe_path's thresholds)
+    s37c) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_gpu_moe_grouped.py \
+            -p no:cacheprovider --tb=short -rfE 2>&1 | tail -4
+          timeout 200 python3 -u benchmarks/bench_moe_decode.py --oai MXFP4 2>&1 | tail -9
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          for path in pair grouped gemm; do
+            echo "### gpt-oss-20b batches, all on GPU, HYBRIDMOE_GPU_MOE=$path"
+            HYBRIDMOE_GPU_MOE=$path timeout 150 python3 -u benchmarks/batch_decode.py -m "$F" -ngl 99 \
+              --batch 2,4,8,16,32 --steps 16 --repeat 2 2>&1 | tail -6
+          done ;;
+    # s37b after oai_moe_path's thresholds (the grouped GEMMs above 32 pairs), with the gpt-oss and batch tests
+    s37d) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_batch.py \
+            -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+          bash benchmarks/gpu_check.sh s37b 2>&1 | grep -E "^###|^ +[0-9]+ |alone" ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

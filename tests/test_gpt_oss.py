@@ -1,4 +1,6 @@
 """gpt-oss: logits against transformers' GptOssForCausalLM, cached decode, placements, bad files."""
+import os
+
 import pytest
 import torch
 from conftest import rel_l2, top1_agreement
@@ -123,7 +125,8 @@ def test_cpu_decode_step_matches_eager(gpt_oss, tmp_path, ub):
     for path, tol in ((gpt_oss[1], 1e-5), (mx, 1e-4)):
         outs = []
         for graphs in (True, False):
-            m = hybridmoe.load(path, ctx_size=64, ubatch_size=ub, graphs=graphs)
+            # op_offload off: on a machine with a GPU, prompts would be the eager path's (a GPU may take their ops)
+            m = hybridmoe.load(path, ctx_size=64, ubatch_size=ub, graphs=graphs, op_offload=False)
             kv = m.new_cache(64)
             m.forward(torch.tensor(IDS[:4]), 0, kv)
             outs.append(torch.cat([m.forward(torch.tensor([t]), 4 + i, kv) for i, t in enumerate(IDS[4:])]))
@@ -138,7 +141,7 @@ def test_cpu_batch_step_is_each_sequence_alone(gpt_oss):
     """A server's batched decode all on the CPU (hm_decode_batch with gpt-oss's block): each sequence's logits bit
     for bit what its own decode steps give alone, through window rings that wrap (-ub 2), prompts of different
     lengths; a prompt chunk longer than the ring holds beside its window is refused with the reason."""
-    m = hybridmoe.load(gpt_oss[1], ctx_size=64, ubatch_size=2)
+    m = hybridmoe.load(gpt_oss[1], ctx_size=64, ubatch_size=2, op_offload=False)     # the C steps with a GPU too
     alone, kvs = [], []
     for j in range(3):
         kv = m.new_cache(64)
@@ -258,6 +261,80 @@ def test_mxfp4_experts_on_a_real_gpu_match_all_cpu(tmp_path, monkeypatch, opts, 
         gpus = cpu.moe_ffn(x, ids[:, k - share:].contiguous(), wts[:, k - share:].contiguous(), g.raw, u.raw, d.raw,
                            g.qtype, d.qtype, impl="torch", oai=(*lay["exps_b"], cfg.swiglu_alpha, cfg.swiglu_limit))
         assert rel_l2(hk.gout.sum(0, keepdim=True).cpu(), gpus) <= 1e-4
+
+
+def _triton_gpu(monkeypatch) -> bool:
+    """A real GPU (True), or a fake one whose Triton kernels run in Triton's interpreter (False); else a skip."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        return True
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
+    return False
+
+
+def test_gpu_prompt_step_matches_eager(tmp_path, monkeypatch):
+    """gpt-oss all on one GPU: a prompt's ubatches through the captured prompt step (runtime/steps/gpu_prefill.py
+    with its block: q/k/v, output and router biases, YaRN's tables and scale, sinks, the window layers' rings, the
+    top-k softmax, the experts' grouped GEMMs with their biases and clamped SwiGLU), ubatches of 8 over rings of
+    8 - 1 + 8 slots that wrap over 36 positions: the eager decoder's logits, every row's; then decode steps on
+    the cache the step wrote."""
+    from hybridmoe.runtime.steps.gpu_prefill import StaticPrefill
+    real = _triton_gpu(monkeypatch)
+    path = str(tmp_path / "mx.gguf")
+    _tiny_mxfp4(path)
+    ids = (IDS * 2)[:36]
+    outs, steps = [], []
+    for graphs in (True, False):
+        m = hybridmoe.load(path, ctx_size=64, ubatch_size=8, graphs=graphs, n_gpu_layers=99)
+        kv = m.new_cache(64)
+        rows = torch.cat([m.forward(torch.tensor(ids[a:a + 8]), a, kv, all_logits=True) for a in range(0, 36, 8)])
+        steps.append(m._step_for("prompt", kv))
+        outs.append(torch.cat([rows, *(m.forward(torch.tensor([t]), 36 + i, kv) for i, t in enumerate(IDS[:6]))]))
+        assert min(kv.slots) == 15
+    assert isinstance(steps[0], StaticPrefill) and steps[0].worked and steps[1] is None
+    if real:
+        assert steps[0].graphs                                    # full ubatches replayed a graph
+    assert rel_l2(outs[0], outs[1]) <= (1e-2 if real else 1e-4)
+    assert top1_agreement(outs[0], outs[1]) >= (0.95 if real else 1.0)
+
+
+@pytest.mark.parametrize("ot", [[], ["exps=CPU"]], ids=["ngl99", "exps-cpu"])
+def test_gpu_batch_step_is_each_sequence_alone(tmp_path, monkeypatch, ot):
+    """A server's batches of gpt-oss on a GPU (runtime/steps/gpu_batch.py with its block; host experts through
+    the C kernel's biases, on a real GPU by the polled hand-off): three sequences at their own positions, decode
+    tokens and then a prompt chunk as rows beside them, through window rings that wrap (-ub 8: chunks of at most 8
+    rows); each row's logits as the sequence's own forward gives them."""
+    from hybridmoe.runtime.steps.gpu_batch import BatchDecode
+    real = _triton_gpu(monkeypatch)
+    path = str(tmp_path / "mx.gguf")
+    _tiny_mxfp4(path)
+    m = hybridmoe.load(path, ctx_size=64, ubatch_size=8, n_gpu_layers=99, override_tensor=ot)
+    prompts = [IDS[:5], IDS[5:17], IDS[17:18]]
+    alone, batched = [m.new_cache(64) for _ in prompts], [m.new_cache(64) for _ in prompts]
+    for p, a, b in zip(prompts, alone, batched):
+        for kv in (a, b):
+            for s in range(0, len(p), 8):
+                m.forward(torch.tensor(p[s:s + 8]), s, kv)
+    pos = [len(p) for p in prompts]
+    nxt = [IDS[10 + j] for j in range(3)]
+    tol = 1e-2 if real else 1e-4
+    for step in range(12):                       # past the 15-slot rings: positions up to 29
+        want = [m.forward(torch.tensor([t]), p, kv) for t, p, kv in zip(nxt, pos, alone)]
+        got = m.forward_batch([(torch.tensor([t]), p, kv) for t, p, kv in zip(nxt, pos, batched)])
+        for g, w in zip(got, want):
+            assert rel_l2(g, w) <= tol and torch.equal(g.argmax(-1), w.argmax(-1))
+        nxt, pos = [int(w.argmax()) for w in want], [p + 1 for p in pos]
+    assert isinstance(m._batch, BatchDecode)
+    assert m.batch_rows(batched[0])[0] == 8          # chunks as rows: at most what the rings hold beside the window
+    chunk = torch.tensor(IDS[2:8])                   # 6 rows of a prompt beside two decode tokens
+    items = [(torch.tensor([nxt[0]]), pos[0]), (chunk, pos[1]), (torch.tensor([nxt[2]]), pos[2])]
+    got = m.forward_batch([(t, p, kv) for (t, p), kv in zip(items, batched)], all_logits=True)
+    want = [m.forward(t, p, kv, all_logits=True) for (t, p), kv in zip(items, alone)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and rel_l2(g, w) <= tol and torch.equal(g.argmax(-1), w.argmax(-1))
+    assert m.stats.last_batch["tokens"] == 8
 
 
 def test_convert_refuses_what_gguf_cannot_carry(gpt_oss):

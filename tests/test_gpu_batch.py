@@ -65,6 +65,48 @@ def test_batch_attention_per_sequence(nh, nkv, n_ctx, pos, dt):
     assert torch.allclose(short, out, atol=1e-6)
 
 
+@pytest.mark.parametrize("window,slots,pos", [(8, 10, [5, 9, 27, 300]), (128, 639, [900, 100, 638, 639]),
+                                              (0, 300, [270, 0, 299])])
+def test_batch_attention_with_sinks_and_window_rings(window, slots, pos):
+    """gpt-oss's batched decode attention: each row over its own ring (position p in slot p % slots, before and
+    after it wraps; only the last `window` positions count), a sink logit per head in the softmax; as the
+    reference over each sequence's keys in position order. A padded row gives zeros; the key a row writes goes to
+    its position's slot."""
+    from hybridmoe.models.gpt_oss import attend_sinks
+    nh, nkv, D, B = 8, 2, 64, len(pos) + 1
+    g = torch.Generator(device=DEV).manual_seed(slots + window)
+    keys = [torch.randn(nkv, p + 1, D, generator=g, device=DEV).half() for p in pos]
+    vals = [torch.randn(nkv, p + 1, D, generator=g, device=DEV).half() for p in pos]
+    kcs, vcs = _caches(len(pos), nkv, slots, D, torch.float16, g)
+    for kc, vc, k, v, pb in zip(kcs, vcs, keys, vals, pos):
+        for p in range(pb + 1):
+            kc[:, p % slots], vc[:, p % slots] = k[:, p], v[:, p]
+    q = torch.randn(B, nh, D, generator=g, device=DEV)
+    sinks = torch.randn(nh, generator=g, device=DEV) + 5
+    p = torch.tensor([*pos, -1], dtype=torch.int64, device=DEV)
+    anchor, scale = kcs[0], D ** -0.5 * 1.3
+    run = lambda **kw: ga.attention_batch(q, anchor, _offsets(anchor, kcs), _offsets(anchor, vcs), p,  # noqa: E731
+                                          kcs[0].shape, vcs[0].shape, scale, 1024, out_dtype=torch.float32, **kw)
+    out = run(sinks=sinks, window=window)
+    for b, pb in enumerate(pos):
+        ref = attend_sinks(q[b][None], keys[b], vals[b], pb, sinks, scale, window=window)
+        assert rel_l2(out[b], ref[0]) < 1e-2
+    assert not out[-1].any()
+    assert rel_l2(out[:-1], run(window=window)[:-1]) > 1e-2               # the sinks count
+    # the cache write: row b's key and value at its position's slot
+    n_ctx = max(pos) + 1
+    cos, sin = rope_tables(torch.arange(n_ctx), D, 10000.0, True)
+    cos, sin = cos[:, 0].to(DEV), sin[:, 0].to(DEV)
+    qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=g, device=DEV)
+    before = [v.clone() for v in vcs]
+    ga.qk_rope_cache_batch(qkv, None, None, cos, sin, p, anchor, _offsets(anchor, kcs), _offsets(anchor, vcs),
+                           kcs[0].shape, vcs[0].shape, nh, 1e-6, True)
+    for b, pb in enumerate(pos):
+        assert torch.equal(vcs[b][:, pb % slots], qkv[b, (nh + nkv) * D:].view(nkv, D).half())
+        before[b][:, pb % slots] = vcs[b][:, pb % slots]
+        assert torch.equal(before[b], vcs[b])
+
+
 @pytest.mark.parametrize("neox,norm", [(True, True), (False, False)])
 def test_qk_rope_cache_batch(neox, norm):
     """Row b: q normed and roped at its own position; k and v written to its own cache there and nowhere else;
@@ -401,6 +443,7 @@ def test_server_queues_the_next_decode_step(monkeypatch):
     (Batcher._queue_next, Model.decode_batch_async): three concurrent jobs give the same replies as with no step
     queued, and so does a job that a stop string ends while its next row was queued (the row unused), the other
     jobs going on; the slots then answer again alike."""
+    pytest.importorskip("fastapi")                       # the server's (not on the GPU machine's bare image)
     import hybridmoe
     _fake_gpu_or_real(monkeypatch)
     m = hybridmoe.load("synth:tiny", ctx_size=144, n_gpu_layers=99)

@@ -62,12 +62,13 @@ def test_step_kinds_as_the_runtime_builds_them(qwen30, argv, decode, prompt):
 @pytest.mark.parametrize("argv, decode", [(["-ngl", "99"], "graph"), (["-ngl", "99", "-ot", "exps=CPU"], "graph"),
                                           (["-ngl", "0", "--no-op-offload"], "cpu"), (["-ngl", "10"], "eager")])
 def test_gpt_oss_step_kinds(argv, decode):
-    """gpt-oss: its decode step on one GPU (runtime/steps/gpu_decode_oai.py; prompts eager there) or all on the CPU
-    (the C steps, prompts too); with host experts the polled hand-off (no sync a layer) and the decode share as the
-    step counts it."""
+    """gpt-oss: its decode step on one GPU (runtime/steps/gpu_decode_oai.py; prompts captured with every weight
+    there, else eager) or all on the CPU (the C steps, prompts too); with host experts the polled hand-off (no sync
+    a layer) and the decode share as the step counts it."""
     p, rates = _plan(catalog_model("gpt-oss-20b"), argv)
     pred = predict(p, rates)
-    assert (pred.decode_kind, pred.prompt_kind) == (decode, "cpu" if decode == "cpu" else "eager")
+    prompt = "cpu" if decode == "cpu" else "graph" if argv == ["-ngl", "99"] else "eager"
+    assert (pred.decode_kind, pred.prompt_kind) == (decode, prompt)
     if "exps=CPU" in argv:
         assert rates.sync("CUDA0") > 0 and pred.share is not None and pred.share[1] == p.cfg.n_expert_used
         handoff = Costs(rates).gpu("CUDA0", "handoff_s")

@@ -184,7 +184,7 @@ def prompt_kind(p: Placement, layers: list[_Layer], graphs: bool = True) -> str:
         return "eager" if p.gpus and p.opts.op_offload else "cpu"
     devs = {d for n, d in p.device_of.items() if n != "token_embd.weight" or "output.weight" not in p.tensors}
     cfg = p.cfg
-    if kind == "graph" and cfg.arch != "gpt-oss" and len(devs) == 1 and "CPU" not in devs and \
+    if kind == "graph" and len(devs) == 1 and "CPU" not in devs and \
             not getattr(cfg, "n_expert_shared", 0) \
             and cfg.head_dim >= 16 and cfg.head_dim & (cfg.head_dim - 1) == 0 and _plain_kv(p) \
             and all(L.exps in (None, L.attn) for L in layers):

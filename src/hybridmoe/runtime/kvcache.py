@@ -54,10 +54,12 @@ class KVCache:
     def device(self, layer: int):
         return self.devs[layer]
 
-    def plain(self, layer: int) -> bool:
-        """Keys and values of this layer are 16-bit floats of one dtype at slots = positions (no ring, no
-        q8_0): kernels may write and read them in place."""
-        return self.type_k == self.type_v and self.type_k in ("f16", "bf16") and self.slots[layer] == self.n_ctx
+    def plain(self, layer: int, ring: bool = False) -> bool:
+        """Keys and values of this layer are 16-bit floats of one dtype at slots = positions (no q8_0; no ring,
+        unless ring: then position p may be in slot p % slots, as the kernels that take windows read them):
+        kernels may write and read them in place."""
+        return self.type_k == self.type_v and self.type_k in ("f16", "bf16") and (
+            ring or self.slots[layer] == self.n_ctx)
 
     def begin_write(self, pos0: int, n: int):
         """A forward is about to write n positions from pos0 on: what the cache held there is gone (also if

@@ -26,11 +26,18 @@ def rope_tables(positions: torch.Tensor, head_dim: int, base: float, neox: bool,
 
 
 @functools.lru_cache(maxsize=4)
-def context_rope_tables(n_ctx: int, head_dim: int, base: float, neox: bool, device: torch.device):
+def context_rope_tables(n_ctx: int, head_dim: int, base: float, neox: bool, device: torch.device,
+                        yarn: tuple | None = None):
     """cos, sin [n_ctx, D] of every position of a context, on `device`: what the static decode and prompt
-    steps index with the position they read from device memory (built once for both; the last four kept)."""
-    cos, sin = rope_tables(torch.arange(n_ctx), head_dim, base, neox)
+    steps index with the position they read from device memory (built once for both; the last four kept).
+    yarn: yarn_key of the config's YaRN parameters."""
+    cos, sin = rope_tables(torch.arange(n_ctx), head_dim, base, neox, dict(yarn) if yarn else None)
     return cos[:, 0].to(device), sin[:, 0].to(device)
+
+
+def yarn_key(yarn: dict | None) -> tuple | None:
+    """YaRN's parameters as a hashable key (context_rope_tables caches by its arguments)."""
+    return tuple(sorted(yarn.items())) if yarn else None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:

@@ -65,9 +65,13 @@ class BatchDecode(StaticPrefill):
         self._moe = [i for i, lay in enumerate(self.layers) if "exps" in lay]
         self._moe_idx = torch.tensor(self._moe, dtype=torch.long, device=self.dev.torch_device)
         kc = kv.k[0]
-        if not ga.batch_caches_ok([kv.k[i] for i in range(len(kv.k))], [kv.v[i] for i in range(len(kv.v))]):
-            raise NotApplicable("KV cache layers of different shapes or dtypes")
-        self.shape, self.dtype, self.n_ctx = tuple(kc.shape), kc.dtype, kv.n_ctx
+        # one dtype; each layer's keys and values of one shape (a sliding window's ring has fewer slots)
+        if not all(ga.batch_caches_ok([kv.k[i]], [kv.v[i]]) and kv.k[i].dtype == kc.dtype for i in range(len(kv.k))):
+            raise NotApplicable("KV cache layers of different dtypes, or keys and values of different shapes")
+        self.shapes, self.dtype, self.n_ctx = [tuple(t.shape) for t in kv.k], kc.dtype, kv.n_ctx
+        # a chunk's rows write their keys before any row attends: a sliding window's ring holds them beside the
+        # window - 1 positions before them (KVCache.check_rings), so chunks as rows are at most that long
+        self.max_chunk = min([self.max_chunk] + [n - w + 1 for w, n in zip(kv.windows, kv.slots) if w and n < kv.n_ctx])
         # the buckets forward_batch's rows run in: past 64 only with every expert here, and while a bucket's
         # attention partials (B x heads x splits of the context) stay within ROW_PARTIALS_BYTES
         n_split = ga.n_splits(self.n_ctx)[1]
@@ -87,15 +91,16 @@ class BatchDecode(StaticPrefill):
         self.polled = bool(self.host_layers) and self.capture and X.kernels() is not None and \
             not self.sched.stats.profile and env.get("HYBRIDMOE_HANDOFF") != "sync"
         # the decode share, for batches: while the CPU runs the others, the GPU reads this fraction of the distinct
-        # experts a host-expert layer's rows route to over the bus and runs their pairs (_share_pairs)
-        self.share_frac = share_fraction(self.sched, self.dev, self.cfg.n_expert_used or 1,
-                                         [self.layers[i]["exps"] for i in self.host_layers]) if self.polled else 0.0
+        # experts a host-expert layer's rows route to over the bus and runs their pairs (_share_pairs; not gpt-oss's,
+        # whose GPU pairs would need their biases)
+        self.share_frac = share_fraction(self.sched, self.dev, self.cfg.n_expert_used or 1, [
+            self.layers[i]["exps"] for i in self.host_layers]) if self.polled and not self.oai else 0.0
 
     def accepts(self, kv) -> bool:
         """Whether kv can be one of this step's sequences: a plain cache on this GPU shaped as the first."""
         return (kv.n_ctx == self.n_ctx and all(d.name == self.dev.name for d in kv.devs)
-                and all(kv.plain(i) and tuple(kv.k[i].shape) == self.shape and kv.k[i].dtype == self.dtype
-                        and tuple(kv.v[i].shape) == self.shape for i in range(len(kv.k))))
+                and all(kv.plain(i, ring=self.oai) and tuple(kv.k[i].shape) == shape and kv.k[i].dtype == self.dtype
+                        and tuple(kv.v[i].shape) == shape for i, shape in enumerate(self.shapes)))
 
     def _offsets_of(self, kv) -> torch.Tensor:
         off = self._offsets.get(kv)
@@ -135,9 +140,14 @@ class BatchDecode(StaticPrefill):
         calls = {}
         for j, i in enumerate(self.host_layers):
             g, u, d = self.layers[i]["exps"]
+            L = self.model.decoder.layers[i]
+            oai = (*(b.dequant(torch.float32).contiguous() for b in (L.ffn_gate_exps_b, L.ffn_up_exps_b,
+                                                                       L.ffn_down_exps_b)),
+                   self.cfg.swiglu_alpha, self.cfg.swiglu_limit) if self.oai else None
             try:
                 calls[i] = (j, kern.handoff_rows_call(g.raw, u.raw, d.raw, g.qtype, d.qtype, buf["pin_in"],
-                                                      buf["pin_out"], ready[j], done[j], self.sched.n_threads))
+                                                      buf["pin_out"], ready[j], done[j], self.sched.n_threads,
+                                                      oai=oai))
             except ValueError:
                 return
         buf["hk"] = {"ready": ready, "done": done, "err": pin(1), "calls": calls,
@@ -190,18 +200,22 @@ class BatchDecode(StaticPrefill):
     def _attention(self, i: int, lay: dict, qkv):
         cfg, buf = self.cfg, self._cur
         koff, voff = buf["offs"][i]
+        shape = self.shapes[i]
         q = ga.qk_rope_cache_batch(qkv, lay["q_norm"], lay["k_norm"], self.cos, self.sin, buf["pos"], self.anchor,
-                                   koff, voff, self.shape, self.shape, cfg.n_head, cfg.rms_eps, cfg.rope_neox,
+                                   koff, voff, shape, shape, cfg.n_head, cfg.rms_eps, cfg.rope_neox,
                                    q_dtype=self.dtype if self.cdt != torch.float32 else self.cdt)
-        return ga.attention_batch(q, self.anchor, koff, voff, buf["pos"], self.shape, self.shape,
-                                  cfg.head_dim ** -0.5, self.n_ctx, out_dtype=self.cdt, parts=buf["parts"])
+        return ga.attention_batch(q, self.anchor, koff, voff, buf["pos"], shape, shape, self.scale, self.n_ctx,
+                                  out_dtype=self.cdt, parts=buf["parts"], sinks=lay["sinks"], window=lay["window"])
 
-    def _experts(self, h, ids, wts, exps):
+    def _experts(self, h, ids, wts, exps, biases=None):
         """The bucket's (token, slot) pairs pick the kernels (runtime/experts.gpu_moe_path): per-pair GEMVs, the
         grouped GEMVs or int8 tensor-core kernels (gpu_mmq) reading each active expert once per block of its
         pairs, or the prompt's grouped GEMMs.
         The GEMVs are called here, so fake GPUs run them too (in Triton's interpreter, as the tests do)."""
         g, u, d = exps
+        if biases is not None:                           # gpt-oss's: experts.moe_biased, by oai_moe_path
+            self._cur["moe"] = X.oai_moe_path(ids.shape[0], ids.numel())
+            return super()._experts(h, ids, wts, exps, biases)
         path = X.gpu_moe_path(ids.shape[0], ids.numel(), (g.qtype, u.qtype, d.qtype), g.split and d.split)
         mod = X.gpu_kernels(path)
         self._cur["moe"] = path                          # what ran, for benchmarks/batch_decode.py
@@ -227,20 +241,26 @@ class BatchDecode(StaticPrefill):
         coming back (_replay runs the host part between them)."""
         if self._open is not None:
             return self._split_capture(i, h, ids, wts)
-        B, L = self._rows, self.model.decoder.layers[i]
         s = self.sched
-        y = s.moe(s.tag(h[:B], self.dev), ids[:B], wts[:B], L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps, layer=i)
+        y = self._host_op(i, s.tag(h[:self._rows], self.dev), ids[:self._rows], wts[:self._rows])
         out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
-        out[:B].copy_(y)
+        out[:self._rows].copy_(y)
         return out
+
+    def _host_op(self, i: int, h, ids, wts):
+        """The scheduler's expert op of host-expert layer i over rows h (gpt-oss's with its biases)."""
+        L, s = self.model.decoder.layers[i], self.sched
+        exps = (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
+        if self.oai:
+            return s.moe_biased(h, ids, wts, exps, (L.ffn_gate_exps_b, L.ffn_up_exps_b, L.ffn_down_exps_b),
+                                self.cfg.swiglu_alpha, self.cfg.swiglu_limit, layer=i)
+        return s.moe(h, ids, wts, *exps, layer=i)
 
     def _host_rows(self, i: int, buf):
         """Replaying: host-expert layer i over the rows in buf["pin_in"] (the real ones), into buf["pin_out"]."""
-        B, H, k, L = self._rows, self.cfg.n_embd, self.cfg.n_expert_used, self.model.decoder.layers[i]
+        B, H, k = self._rows, self.cfg.n_embd, self.cfg.n_expert_used
         rows, out = buf["pin_in"][:B], buf["pin_out"]
-        y = self.sched.moe(rows[:, :H], rows[:, H + k:].long(), rows[:, H:H + k], L.ffn_gate_exps, L.ffn_up_exps,
-                           L.ffn_down_exps, layer=i)
-        out[:B].copy_(y)
+        out[:B].copy_(self._host_op(i, rows[:, :H], rows[:, H + k:].long(), rows[:, H:H + k]))
         out[B:].zero_()
 
     def _split_capture(self, i: int, h, ids, wts):
@@ -390,6 +410,9 @@ class BatchDecode(StaticPrefill):
         each MoE layer routed the real rows to, int64 [n MoE layers] on the GPU)."""
         B = self._rows = len(kvs)
         Bp = bucket(B, self.row_buckets)
+        if self.oai:                                     # a prompt chunk's rows fit each sliding-window ring
+            for kv in {id(kv): kv for kv in kvs}.values():
+                kv.check_rings(sum(1 for c in kvs if c is kv))
         buf = self._cur = self._buffers(Bp)
         st, dev, td = self.sched.stats, self.dev, self.dev.torch_device
         emb = self.model.decoder.token_embd

@@ -27,7 +27,7 @@ from ...kernels import gpu_decode as gd
 from ...kernels import gpu_moe as gm
 from ...quant.types import GGMLType
 from .. import experts as X
-from ..ops import context_rope_tables
+from ..ops import context_rope_tables, yarn_key
 from .base import NotApplicable
 from .gpu_decode import capturing
 
@@ -40,7 +40,8 @@ class StaticPrefill:
         self.model, self.cfg, self.kv, self.sched = model, cfg, kv, sched
         if not gd.available():
             raise NotApplicable("triton is not installed")
-        if any(L.mla for L in dec.layers) or cfg.expert_gating != "softmax" or cfg.n_expert_shared:
+        if any(L.mla for L in dec.layers) or cfg.expert_gating not in ("softmax", "softmax_topk") or \
+                cfg.n_expert_shared:
             raise NotApplicable("MLA, sigmoid routing or shared experts")
         dev = dec.output.device
         if dev.kind != "cuda":
@@ -57,18 +58,20 @@ class StaticPrefill:
         self.dev, self.capture = dev, not dev.fake
         self.cdt = torch.bfloat16 if not dev.fake else torch.float32
         cached = lambda w: w.cached(torch.float32 if w.qtype == GGMLType.F32 else self.cdt)   # noqa: E731
+        self.oai = cfg.arch == "gpt-oss"         # gpt-oss's block: biases, sinks, window rings, clamped SwiGLU
+        small = lambda w: sched.small(w, dev) if w is not None else None              # noqa: E731
         self.layers = []
         for i, L in enumerate(dec.layers):
-            if L.attn_qkv is None or getattr(L, "attn_qkv_b", None) is not None:
-                raise NotApplicable(f"layer {i}: q, k and v are not one fused matrix without biases")
-            if kv.device(i).name != dev.name or not kv.plain(i):
+            if L.attn_qkv is None:
+                raise NotApplicable(f"layer {i}: q, k and v are not one fused matrix")
+            if kv.device(i).name != dev.name or not kv.plain(i, ring=self.oai):
                 raise NotApplicable(f"layer {i}: KV cache not a plain 16-bit cache on {dev.name}")
-            if not here(L.attn_norm, L.attn_qkv, L.attn_output, L.attn_q_norm, L.attn_k_norm, L.ffn_norm):
+            biases = tuple(getattr(L, n, None) for n in ("attn_qkv_b", "attn_output_b", "attn_sinks"))
+            if not here(L.attn_norm, L.attn_qkv, L.attn_output, L.attn_q_norm, L.attn_k_norm, L.ffn_norm, *biases):
                 raise NotApplicable(f"layer {i}: attention off {dev.name}")
-            lay = dict(attn_norm=sched.small(L.attn_norm, dev), ffn_norm=sched.small(L.ffn_norm, dev),
-                       q_norm=sched.small(L.attn_q_norm, dev) if L.attn_q_norm is not None else None,
-                       k_norm=sched.small(L.attn_k_norm, dev) if L.attn_k_norm is not None else None,
-                       wqkv=L.attn_qkv, wo=L.attn_output)
+            lay = dict(attn_norm=small(L.attn_norm), ffn_norm=small(L.ffn_norm), q_norm=small(L.attn_q_norm),
+                       k_norm=small(L.attn_k_norm), wqkv=L.attn_qkv, wo=L.attn_output, qkv_b=small(biases[0]),
+                       o_b=small(biases[1]), sinks=small(biases[2]), window=getattr(L, "window", 0))
             if L.ffn_gate_inp is None:
                 if not here(L.ffn_gate, L.ffn_up, L.ffn_down):
                     raise NotApplicable(f"layer {i}: FFN off {dev.name}")
@@ -76,18 +79,25 @@ class StaticPrefill:
             else:
                 exps = (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps)
                 host = self.host_experts and all(w.device.kind == "cpu" for w in exps)
-                if not here(L.ffn_gate_inp, *(() if host else exps)) or L.exp_probs_b is not None:
+                router_b = getattr(L, "ffn_gate_inp_b", None)
+                exps_b = tuple(getattr(L, n + "_b", None) for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+                if not here(L.ffn_gate_inp, router_b, *(() if host else exps + exps_b)) or \
+                        getattr(L, "exp_probs_b", None) is not None:
                     raise NotApplicable(f"layer {i}: router or experts off {dev.name}")
                 # other types take dequantize + grouped GEMMs, whose expert counts wait for the GPU
-                if not host and not gm.supports(*(w.qtype for w in exps)):
+                if not host and (not gm.supports(*(w.qtype for w in exps)) or
+                                 exps_b[0] is not None and any(w.split for w in exps)):
                     raise NotApplicable(f"layer {i}: experts of {exps[0].qtype.name} / {exps[2].qtype.name} "
                                         "have no fused prefill kernel")
-                lay.update(router=L.ffn_gate_inp, exps=exps, host=host)
+                lay.update(router=L.ffn_gate_inp, router_b=small(router_b), exps=exps, host=host,
+                           exps_b=None if host or exps_b[0] is None else tuple(small(b) for b in exps_b))
             self.layers.append(lay)
         # weights as the eager path multiplies them (dequantized once, kept): made at the first forward
         self._cached = cached
         self.out_norm = sched.small(dec.output_norm, dev)
-        self.cos, self.sin = context_rope_tables(kv.n_ctx, D, cfg.rope_base, cfg.rope_neox, dev.torch_device)
+        self.cos, self.sin = context_rope_tables(kv.n_ctx, D, cfg.rope_base, cfg.rope_neox, dev.torch_device,
+                                                 yarn_key(cfg.rope_yarn))
+        self.scale = getattr(dec, "scale", D ** -0.5)      # gpt-oss's has YaRN's magnitude factor in it
         self.pos = torch.zeros(1, dtype=torch.long, device=dev.torch_device)
         self.graphs = {}                 # (ubatch, all_logits) -> (graph, input rows, logits)
         self.worked = False
@@ -98,28 +108,31 @@ class StaticPrefill:
         cfg, cdt, w = self.cfg, self.cdt, self._cached
         eps, k = cfg.rms_eps, cfg.n_expert_used
 
-        def mm(h, t):                    # h @ W^T in W's dtype (F32 weights stay float32), back in h's dtype
-            wt = w(t)
-            return (h.to(wt.dtype) @ wt.t()).to(h.dtype)
+        def mm(h, t, b=None):            # h @ W^T in W's dtype (F32 weights stay float32), back in h's dtype;
+            wt = w(t)                    # with a bias: + b in float32, as the scheduler's linear
+            y = (h.to(wt.dtype) @ wt.t()).to(h.dtype)
+            return y if b is None else y.float() + b
         addend = None                    # the previous layer's FFN output, added by the next norm
         for i, lay in enumerate(self.layers):
             xs, h = gd.add_rms_norm(x, lay["attn_norm"], eps, b=addend,
                                     x_out=torch.empty_like(x) if addend is not None else None, h_dtype=cdt)
             x = xs if addend is not None else x
-            qkv = mm(h, lay["wqkv"])
+            qkv = mm(h, lay["wqkv"], lay["qkv_b"])
             o = self._attention(i, lay, qkv)
-            x, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=mm(o, lay["wo"]), x_out=torch.empty_like(x))
+            x, h = gd.add_rms_norm(x, lay["ffn_norm"], eps, b=mm(o, lay["wo"], lay["o_b"]), x_out=torch.empty_like(x))
             if "dense" in lay:
                 g, u, d = lay["dense"]
                 hc = h.to(cdt)
                 addend = mm(F.silu(mm(hc, g)) * mm(hc, u), d).float()
                 continue
-            r = w(lay["router"])
-            wts, ids = gd.router_topk(h.to(r.dtype) @ r.t(), k, cfg.norm_topk_prob)
+            logits = mm(h.to(w(lay["router"]).dtype), lay["router"], lay["router_b"])
+            # softmax_topk (gpt-oss): softmax over the top k logits, the renormalised softmax over all of them
+            wts, ids = gd.router_topk(logits, k, cfg.norm_topk_prob or cfg.expert_gating == "softmax_topk")
             self._routed(i, ids)
             if cfg.expert_weights_scale != 1.0:
                 wts = wts * cfg.expert_weights_scale
-            addend = self._host_moe(i, h, ids, wts) if lay["host"] else self._experts(h, ids, wts, lay["exps"])
+            addend = self._host_moe(i, h, ids, wts) if lay["host"] else self._experts(h, ids, wts, lay["exps"],
+                                                                                     lay["exps_b"])
         if not all_logits:
             x, addend = x[-1:], addend[-1:]
         _, h = gd.add_rms_norm(x, self.out_norm, eps, b=addend, h_dtype=cdt)
@@ -134,12 +147,17 @@ class StaticPrefill:
         q = gd.qk_rope_cache(qkv, lay["q_norm"], lay["k_norm"], self.cos, self.sin, self.pos, kc, vc, cfg.n_head,
                              cfg.n_head_kv, cfg.head_dim, cfg.rms_eps, cfg.rope_neox,
                              q_dtype=kc.dtype if cdt != torch.float32 else cdt)
-        return gd.attention_prefill(q, kc, vc, self.pos, cfg.head_dim ** -0.5, out_dtype=cdt)
+        return gd.attention_prefill(q, kc, vc, self.pos, self.scale, out_dtype=cdt, sinks=lay["sinks"],
+                                    window=lay["window"])
 
-    def _experts(self, h, ids, wts, exps):
+    def _experts(self, h, ids, wts, exps, biases=None):
         """The routed experts of rows h [T, H] -> float32 [T, H] (runtime/experts.moe: the grouped GEMMs for a
-        ubatch; the batch step picks its kernels by bucket)."""
+        ubatch; the batch step picks its kernels by bucket). biases: gpt-oss's (gate, up, down) on this GPU,
+        with its clamped SwiGLU (runtime/experts.moe_biased)."""
         g, u, d = exps
+        if biases is not None:
+            cfg = self.cfg
+            return X.moe_biased(h, ids, wts, [t.raw for t in exps], exps, biases, cfg.swiglu_alpha, cfg.swiglu_limit)
         return X.moe(h, ids, wts, g.raw, u.raw, d.raw, g, u, d, self.sched.n_threads)
 
     def _routed(self, i: int, ids):
@@ -165,6 +183,7 @@ class StaticPrefill:
         """One ubatch of tokens at positions pos0..: logits [T or 1, n_vocab] on the CPU."""
         T = tokens.shape[0]
         self.kv.check_fits(pos0, T)
+        self.kv.check_rings(T)
         st, dev = self.sched.stats, self.dev
         emb = self.model.decoder.token_embd
         x = emb.dequant(torch.float32, index=tokens.to(emb.raw.device)).to(dev.torch_device, non_blocking=True)
