@@ -553,6 +553,11 @@ for s in "$@"; do
     s37d) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpt_oss.py tests/test_gpu_batch.py \
             -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
           bash benchmarks/gpu_check.sh s37b 2>&1 | grep -E "^###|^ +[0-9]+ |alone" ;;
+    # plan --check on gpt-oss-20b all on the GPU, its prompts now the captured prompt step ("graph")
+    s37e) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          timeout 200 python3 -m hybridmoe.cli calibrate 2>&1 | tail -3
+          timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 --check -p 512 -n 128 -r 2 2>&1 | tail -22
+          timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 -ub 2048 --check -p 2048 -n 0 -r 2 2>&1 | tail -22 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
