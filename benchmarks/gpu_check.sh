@@ -558,6 +558,17 @@ for s in "$@"; do
           timeout 200 python3 -m hybridmoe.cli calibrate 2>&1 | tail -3
           timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 --check -p 512 -n 128 -r 2 2>&1 | tail -22
           timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 -ub 2048 --check -p 2048 -n 0 -r 2 2>&1 | tail -22 ;;
+    # the decode share for gpt-oss's batches with experts in RAM: the tests, then batch_decode.py with the share
+    # off (HYBRIDMOE_DECODE_SHARE=0) and at the planner's count
+    s37f) HYBRIDMOE_CACHE=/tmp/hm-test timeout 150 python3 -m pytest -q tests/test_gpt_oss.py -k "gpu_batch_step" \
+            -p no:cacheprovider --tb=short -rfE 2>&1 | tail -6
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          for v in 0 auto; do
+            echo "### gpt-oss-20b batches, -ot exps=CPU, decode share $v"
+            ( [ "$v" = auto ] || export HYBRIDMOE_DECODE_SHARE=$v
+              timeout 150 python3 -u benchmarks/batch_decode.py -m "$F" -ngl 99 -ot exps=CPU --batch 1,4,8 \
+                --steps 16 --repeat 2 2>&1 | grep -E "^ +[0-9]+ |alone" )
+          done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

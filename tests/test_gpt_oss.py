@@ -300,14 +300,20 @@ def test_gpu_prompt_step_matches_eager(tmp_path, monkeypatch):
     assert top1_agreement(outs[0], outs[1]) >= (0.95 if real else 1.0)
 
 
-@pytest.mark.parametrize("ot", [[], ["exps=CPU"]], ids=["ngl99", "exps-cpu"])
-def test_gpu_batch_step_is_each_sequence_alone(tmp_path, monkeypatch, ot):
+@pytest.mark.parametrize("ot, share", [([], None), (["exps=CPU"], None), (["exps=CPU"], 1)],
+                         ids=["ngl99", "exps-cpu", "exps-cpu-share1"])
+def test_gpu_batch_step_is_each_sequence_alone(tmp_path, monkeypatch, ot, share):
     """A server's batches of gpt-oss on a GPU (runtime/steps/gpu_batch.py with its block; host experts through
-    the C kernel's biases, on a real GPU by the polled hand-off): three sequences at their own positions, decode
+    the C kernel's biases, on a real GPU by the polled hand-off, with a decode share: the GPU's pairs with their
+    experts' biases gathered beside the staged experts): three sequences at their own positions, decode
     tokens and then a prompt chunk as rows beside them, through window rings that wrap (-ub 8: chunks of at most 8
     rows); each row's logits as the sequence's own forward gives them."""
     from hybridmoe.runtime.steps.gpu_batch import BatchDecode
     real = _triton_gpu(monkeypatch)
+    if share is not None:
+        if not real:
+            pytest.skip("the decode share runs in the polled hand-off: a real GPU's")
+        monkeypatch.setenv("HYBRIDMOE_DECODE_SHARE", str(share))
     path = str(tmp_path / "mx.gguf")
     _tiny_mxfp4(path)
     m = hybridmoe.load(path, ctx_size=64, ubatch_size=8, n_gpu_layers=99, override_tensor=ot)
@@ -327,6 +333,8 @@ def test_gpu_batch_step_is_each_sequence_alone(tmp_path, monkeypatch, ot):
             assert rel_l2(g, w) <= tol and torch.equal(g.argmax(-1), w.argmax(-1))
         nxt, pos = [int(w.argmax()) for w in want], [p + 1 for p in pos]
     assert isinstance(m._batch, BatchDecode)
+    if share:
+        assert m._batch.share_frac > 0 and m.stats.gpu_share_bytes > 0
     assert m.batch_rows(batched[0])[0] == 8          # chunks as rows: at most what the rings hold beside the window
     chunk = torch.tensor(IDS[2:8])                   # 6 rows of a prompt beside two decode tokens
     items = [(torch.tensor([nxt[0]]), pos[0]), (chunk, pos[1]), (torch.tensor([nxt[2]]), pos[2])]

@@ -91,10 +91,14 @@ class BatchDecode(StaticPrefill):
         self.polled = bool(self.host_layers) and self.capture and X.kernels() is not None and \
             not self.sched.stats.profile and env.get("HYBRIDMOE_HANDOFF") != "sync"
         # the decode share, for batches: while the CPU runs the others, the GPU reads this fraction of the distinct
-        # experts a host-expert layer's rows route to over the bus and runs their pairs (_share_pairs; not gpt-oss's,
-        # whose GPU pairs would need their biases)
-        self.share_frac = share_fraction(self.sched, self.dev, self.cfg.n_expert_used or 1, [
-            self.layers[i]["exps"] for i in self.host_layers]) if self.polled and not self.oai else 0.0
+        # experts a host-expert layer's rows route to over the bus and runs their pairs (_share_pairs; gpt-oss's with
+        # their biases gathered beside them)
+        self.share_frac = share_fraction(self.sched, self.dev, self.cfg.n_expert_used or 1,
+                                         [self.layers[i]["exps"] for i in self.host_layers]) if self.polled else 0.0
+        L = self.model.decoder.layers
+        self._share_b = {i: tuple(b.dequant(torch.float32).to(self.dev.torch_device) for b in (
+            L[i].ffn_gate_exps_b, L[i].ffn_up_exps_b, L[i].ffn_down_exps_b))
+            for i in self.host_layers} if self.oai and self.share_frac else {}
 
     def accepts(self, kv) -> bool:
         """Whether kv can be one of this step's sequences: a plain cache on this GPU shaped as the first."""
@@ -165,6 +169,9 @@ class BatchDecode(StaticPrefill):
         stage = stage_buffers([self.layers[i]["exps"] for i in self.host_layers], gmax + 1, td)
         buf["share"] = {"gmax": gmax, "stage": stage, "gout": torch.zeros(B * k, H, device=td),
                         "experts": torch.arange(E, dtype=torch.int32, device=td)}
+        if self.oai:        # the staged experts' biases (the zero slot's stay zero: its pairs' rows come out zero)
+            F = self.cfg.n_ff_exp
+            buf["share"]["stage_b"] = tuple(torch.zeros(gmax + 1, n, device=td) for n in (F, F, H))
 
     def _share_pairs(self, ids, sh):
         """The decode share of a host-expert layer, on the GPU: of the distinct experts the real rows route to, the
@@ -193,8 +200,14 @@ class BatchDecode(StaticPrefill):
         stage = sh["stage"][expert_shapes(exps)]
         gd.stage_experts(sel, 0, [gd.stage_words(w.raw) for w in exps],
                          [gd.stage_words(w[:sh["gmax"]]) for w in stage])
+        oai = None
+        if self.oai:                                     # slots of unused experts (-1) get expert 0's: never read
+            idx = sel[0].clamp(min=0).long()
+            for src, dst in zip(self._share_b[i], sh["stage_b"]):
+                torch.index_select(src, 0, idx, out=dst[:sh["gmax"]])
+            oai = (*sh["stage_b"], self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
         gd.moe(h, lids, wts, *stage, g.qtype, d.qtype, reduce=False, gate_split=g.split, down_split=d.split,
-               out=sh["gout"])
+               out=sh["gout"], oai=oai)
 
     # -- the prompt step's layer loop, with these hooks --------------------------------------------------------
     def _attention(self, i: int, lay: dict, qkv):
