@@ -17,9 +17,13 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0):
     torch.manual_seed(seed)
     common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.08)
-    if kind == "qwen3moe":
+    if kind in ("qwen3moe", "qwen3moe-yarn"):
+        # -yarn: Qwen3's long-context setting (factor 4 over a short original context, so that the interpolated
+        # frequencies and the magnitude matter at 20 tokens)
+        rope = dict(rope_theta=1e6) if kind == "qwen3moe" else dict(rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16})
         cfg = tf.Qwen3MoeConfig(**common, head_dim=32, intermediate_size=128, moe_intermediate_size=64,
-                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, rope_theta=1e6)
+                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, **rope)
         model = tf.Qwen3MoeForCausalLM(cfg)
     elif kind == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=32, intermediate_size=128, rope_theta=1e6)

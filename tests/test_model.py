@@ -1,5 +1,6 @@
 """Our forward pass against transformers on tiny random models; KV-cached decode; split files; synth."""
 import json
+import math
 import re
 import subprocess
 import sys
@@ -28,13 +29,13 @@ def f32_attention(monkeypatch):
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     out = {}
-    for kind in ("qwen3moe", "qwen3", "llama", "deepseek2", "deepseek2-yarn"):
+    for kind in ("qwen3moe", "qwen3", "llama", "deepseek2", "deepseek2-yarn", "qwen3moe-yarn"):
         d = tmp_path_factory.mktemp(f"hf-{kind}")
         out[kind] = (make_hf_model(kind, str(d)), str(d))
     return out
 
 
-@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3", "llama", "deepseek2", "deepseek2-yarn"])
+@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3", "llama", "deepseek2", "deepseek2-yarn", "qwen3moe-yarn"])
 def test_f32_matches_transformers(hf_models, kind, tmp_path, f32_attention):
     model, d = hf_models[kind]
     path = convert(d, str(tmp_path / "m-f32.gguf"), GGMLType.F32)
@@ -42,6 +43,37 @@ def test_f32_matches_transformers(hf_models, kind, tmp_path, f32_attention):
     ref = hf_logits(model, IDS)
     assert ours.shape == ref.shape
     assert rel_l2(ours, ref) <= 1e-3
+
+
+def test_yarn_decode_steps_match_transformers(hf_models, tmp_path, f32_attention):
+    """Qwen3 with YaRN (its long-context files): the decode steps (the C step all on the CPU, whose RoPE tables
+    carry YaRN's frequencies and magnitude) after a cached prompt give transformers' logits."""
+    model, d = hf_models["qwen3moe-yarn"]
+    path = convert(d, str(tmp_path / "m-f32.gguf"), GGMLType.F32)
+    m = hybridmoe.load(path, ctx_size=64)
+    assert m.cfg.rope_yarn and m.cfg.rope_yarn["attn_factor"] == pytest.approx(0.1 * math.log(4.0) + 1)
+    kv = m.new_cache(64)
+    m.forward(torch.tensor(IDS[:5]), 0, kv)
+    steps = torch.cat([m.forward(torch.tensor([t]), 5 + i, kv) for i, t in enumerate(IDS[5:])])
+    assert rel_l2(steps, hf_logits(model, IDS)[5:]) <= 1e-3
+
+
+@pytest.mark.gpu
+def test_yarn_on_a_real_gpu_matches_all_cpu(hf_models, tmp_path):
+    """Qwen3 with YaRN all on a GPU: the captured prompt and decode steps (their RoPE tables from
+    context_rope_tables with YaRN) give all-CPU's logits within bf16."""
+    from conftest import top1_agreement
+    _, d = hf_models["qwen3moe-yarn"]
+    path = convert(d, str(tmp_path / "m-q8.gguf"), GGMLType.Q8_0)
+    outs = []
+    for opts in (dict(), dict(n_gpu_layers=99)):
+        m = hybridmoe.load(path, ctx_size=64, **opts)
+        kv = m.new_cache(64)
+        prompt = m.forward(torch.tensor(IDS[:8]), 0, kv, all_logits=True)
+        outs.append(torch.cat([prompt, *(m.forward(torch.tensor([t]), 8 + i, kv) for i, t in enumerate(IDS[8:]))]))
+    step = m._step_for("decode", kv)
+    assert step is not None and step.worked
+    assert rel_l2(outs[1], outs[0]) <= 1e-2 and top1_agreement(outs[1], outs[0]) >= 0.9
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_0])

@@ -1,11 +1,18 @@
 """ModelConfig: the architecture's dimensions, read from GGUF metadata."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import ModelFileError, printable
 
 ARCHITECTURES = ("qwen3moe", "qwen3", "llama", "deepseek2", "gpt-oss")
+
+
+def yarn_attn_factor(factor: float) -> float:
+    """YaRN's magnitude on cos/sin for a context stretched by `factor` (transformers' get_mscale, llama.cpp's
+    rope): 0.1 ln(factor) + 1."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def kv_slots(n_ctx: int, window: int, ubatch: int) -> int:
@@ -150,6 +157,15 @@ class ModelConfig:
             elif scaling not in ("none", ""):
                 raise ModelFileError(path, f"RoPE scaling {printable(scaling)} is not supported yet",
                                      "supported: none, yarn; plan and inspect work")
+        elif arch in ("qwen3moe", "qwen3", "llama") and m.text("rope.scaling.type", "none", limit=64) == "yarn":
+            # Qwen3's long-context files (e.g. 128K with factor 4 over 32768): YaRN's frequencies, and its
+            # magnitude 0.1 ln(factor) + 1 on cos/sin as llama.cpp's rope and transformers' attention_factor
+            factor = m.real("rope.scaling.factor", lo=1.0, hi=1e6)
+            cfg.rope_yarn = dict(
+                factor=factor, orig_ctx=m.count("rope.scaling.original_context_length", hi=v.MAX_CTX),
+                beta_fast=m.real("rope.scaling.yarn_beta_fast", 32.0, lo=0.0, hi=1e6, lo_open=True),
+                beta_slow=m.real("rope.scaling.yarn_beta_slow", 1.0, lo=0.0, hi=1e6, lo_open=True),
+                mscale_all_dim=0.0, attn_factor=yarn_attn_factor(factor))
         if arch in ("qwen3moe", "gpt-oss") and not (cfg.n_expert and cfg.n_expert_used and cfg.n_ff_exp):
             raise ModelFileError(path, f"{arch} metadata lacks expert_count, expert_used_count or "
                                  "expert_feed_forward_length", "the file is incomplete")

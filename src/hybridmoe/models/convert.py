@@ -10,7 +10,7 @@ import re
 import torch
 from safetensors import safe_open
 
-from ..config import ModelConfig
+from ..config import ModelConfig, yarn_attn_factor
 from ..errors import ModelFileError, progress
 from ..formats.gguf_write import PROGRESS_BYTES, write_gguf
 from ..quant.types import GGMLType
@@ -69,6 +69,15 @@ def hf_config(hf: dict) -> ModelConfig:
             n_layer_dense_lead=hf.get("first_k_dense_replace", 0), n_expert_shared=hf.get("n_shared_experts", 0),
             expert_gating="sigmoid", expert_weights_scale=hf.get("routed_scaling_factor", 1.0),
             n_expert_groups=hf.get("n_group", 1), n_group_used=hf.get("topk_group", 1), rope_yarn=yarn)
+    yarn = None
+    if rope.get("rope_type", "default") == "yarn":      # llama.cpp's YaRN: rounded range, magnitude by the factor
+        if rope.get("attention_factor") or rope.get("mscale") or rope.get("mscale_all_dim") or \
+                rope.get("truncate", True) is False:
+            raise ModelFileError("config.json", "YaRN with attention_factor, mscale or truncate=false is not "
+                                 f"supported for {mt}", "GGUF carries the factor and the original context only")
+        yarn = dict(factor=rope["factor"], orig_ctx=rope["original_max_position_embeddings"],
+                    beta_fast=rope.get("beta_fast") or 32, beta_slow=rope.get("beta_slow") or 1, mscale_all_dim=0.0,
+                    attn_factor=yarn_attn_factor(rope["factor"]))
     return ModelConfig(
         arch=arch, n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"], n_head=n_head,
         n_head_kv=hf.get("num_key_value_heads", n_head),
@@ -80,7 +89,7 @@ def hf_config(hf: dict) -> ModelConfig:
         n_expert_used=hf.get("num_experts_per_tok", 0) if arch == "qwen3moe" else 0,
         n_ff_exp=hf.get("moe_intermediate_size", 0) if arch == "qwen3moe" else 0,
         norm_topk_prob=hf.get("norm_topk_prob", True), rope_neox=arch != "llama",
-        qk_norm=arch != "llama", name=hf.get("_name_or_path") or mt,
+        qk_norm=arch != "llama", name=hf.get("_name_or_path") or mt, rope_yarn=yarn,
     )
 
 

@@ -22,6 +22,7 @@ from ..runtime.ops import (
     gpu_kernels,
     rms_norm,
     rope_tables,
+    yarn_key,
     yarn_softmax_mscale,
 )
 from ..runtime.scheduler import Scheduler
@@ -168,7 +169,7 @@ class Decoder:
         if L.attn_q_norm is not None:
             q = rms_norm(q, s.small(L.attn_q_norm, dev), cfg.rms_eps)
             k = rms_norm(k, s.small(L.attn_k_norm, dev), cfg.rms_eps)
-        cos, sin = self.rope_for(rope, dev, torch.cat(positions))
+        cos, sin = self.rope_for(rope, dev, torch.cat(positions), yarn=cfg.rope_yarn)
         q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
         outs = []
         with s.stats.op("attention", dev):
@@ -200,7 +201,8 @@ class Decoder:
             # of each sequence) from one anchor, the first of those layers' key caches
             td = dev.torch_device
             pos = torch.tensor([int(p[0]) for p in positions], dtype=torch.int64).to(td, non_blocking=True)
-            cos, sin = context_rope_tables(kvs[0].n_ctx, cfg.head_dim, cfg.rope_base, cfg.rope_neox, td)
+            cos, sin = context_rope_tables(kvs[0].n_ctx, cfg.head_dim, cfg.rope_base, cfg.rope_neox, td,
+                                           yarn_key(cfg.rope_yarn))
             here = [i for i in range(cfg.n_layer) if kvs[0].device(i).name == dev.name]
             anchor = kvs[0].k[here[0]]
             table = [ga.cache_offsets(anchor, [kv.k[i] for kv in kvs] + [kv.v[i] for kv in kvs]) for i in here]
@@ -257,7 +259,7 @@ class Decoder:
         if L.attn_q_norm is not None:
             q = rms_norm(q, s.small(L.attn_q_norm, dev), cfg.rms_eps)
             k = rms_norm(k, s.small(L.attn_k_norm, dev), cfg.rms_eps)
-        cos, sin = self.rope_for(rope, dev, positions)
+        cos, sin = self.rope_for(rope, dev, positions, yarn=cfg.rope_yarn)
         q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
         keys, values = kv.update(L.i, int(positions[0]), k, v)              # [n_kv, P+T, D]
         with s.stats.op("attention", dev):
@@ -275,7 +277,7 @@ class Decoder:
         kv.check_fits(pos0, T)
         h = s.norm(x, L.attn_norm, cfg.rms_eps)
         rows = s.move(s.linear(h, L.attn_qkv, getattr(L, "attn_qkv_b", None), f32=False), dev)
-        cos, sin = self.rope_for(rope, dev, positions)
+        cos, sin = self.rope_for(rope, dev, positions, yarn=cfg.rope_yarn)
         kc, vc = kv.k[L.i], kv.v[L.i]
         qn, kn = ((s.small(L.attn_q_norm, dev), s.small(L.attn_k_norm, dev)) if L.attn_q_norm is not None
                   else (None, None))

@@ -9,6 +9,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..config import yarn_attn_factor
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """float32 RMSNorm over the last dim, one fused op."""
@@ -16,13 +18,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, base: float, neox: bool, yarn: dict | None = None):
-    """cos, sin [T, 1, D] laid out to match rotate() for the model's RoPE style, in float32."""
+    """cos, sin [T, 1, D] laid out to match rotate() for the model's RoPE style, in float32. yarn: YaRN's
+    frequencies, and its "attn_factor" (where the config sets one) on both tables, so q.k grows by its square."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
     if yarn:
         inv = yarn_inv_freq(inv, head_dim, base, yarn)
     ang = positions.to(torch.float64)[:, None] * inv[None, :]                 # [T, D/2]
     ang = torch.cat((ang, ang), -1) if neox else ang.repeat_interleave(2, -1)
-    return ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+    m = yarn.get("attn_factor", 1.0) if yarn else 1.0    # YaRN's magnitude on cos/sin (llama.cpp's rope mscale)
+    return (ang.cos() * m).float()[:, None, :], (ang.sin() * m).float()[:, None, :]
 
 
 @functools.lru_cache(maxsize=4)
@@ -69,7 +73,7 @@ def yarn_rope_mscale(yarn: dict | None) -> float:
     so q.k grows by its square (transformers' attention_factor, llama.cpp's rope mscale)."""
     if not yarn or yarn["factor"] <= 1 or yarn.get("mscale_all_dim"):
         return 1.0
-    return 0.1 * math.log(yarn["factor"]) + 1.0
+    return yarn_attn_factor(yarn["factor"])
 
 
 def yarn_softmax_mscale(yarn: dict | None) -> float:

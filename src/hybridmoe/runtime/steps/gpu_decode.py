@@ -35,7 +35,7 @@ from ...perf.roofline import batch_share_fraction, decode_share
 from ...quant.types import GGMLType
 from .. import experts as X
 from ..hostmem import is_pinned
-from ..ops import apply_rope, context_rope_tables, rms_norm
+from ..ops import apply_rope, context_rope_tables, rms_norm, yarn_key
 from .base import NotApplicable
 
 
@@ -272,7 +272,8 @@ class StaticDecoder:
         for name, d in devs.items():
             td = d.torch_device
             z = lambda *shape, td=td: torch.zeros(*shape, device=td)                             # noqa: E731
-            cos, sin = context_rope_tables(kv.n_ctx, cfg.head_dim, cfg.rope_base, cfg.rope_neox, td) \
+            cos, sin = context_rope_tables(kv.n_ctx, cfg.head_dim, cfg.rope_base, cfg.rope_neox, td,
+                                           yarn_key(cfg.rope_yarn)) \
                 if name in attn_gpus else (None, None)
             self.ds[name] = SimpleNamespace(
                 pos=torch.zeros(1, dtype=torch.long, device=td), cos=cos, sin=sin,
