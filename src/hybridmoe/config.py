@@ -162,7 +162,8 @@ class ModelConfig:
             # magnitude 0.1 ln(factor) + 1 on cos/sin as llama.cpp's rope and transformers' attention_factor
             factor = m.real("rope.scaling.factor", lo=1.0, hi=1e6)
             cfg.rope_yarn = dict(
-                factor=factor, orig_ctx=m.count("rope.scaling.original_context_length", hi=v.MAX_CTX),
+                factor=factor,       # the original context: the training context where not given (llama.cpp's)
+                orig_ctx=m.count("rope.scaling.original_context_length", cfg.n_ctx_train, hi=v.MAX_CTX),
                 beta_fast=m.real("rope.scaling.yarn_beta_fast", 32.0, lo=0.0, hi=1e6, lo_open=True),
                 beta_slow=m.real("rope.scaling.yarn_beta_slow", 1.0, lo=0.0, hi=1e6, lo_open=True),
                 mscale_all_dim=0.0, attn_factor=yarn_attn_factor(factor))

@@ -70,14 +70,16 @@ def hf_config(hf: dict) -> ModelConfig:
             expert_gating="sigmoid", expert_weights_scale=hf.get("routed_scaling_factor", 1.0),
             n_expert_groups=hf.get("n_group", 1), n_group_used=hf.get("topk_group", 1), rope_yarn=yarn)
     yarn = None
-    if rope.get("rope_type", "default") == "yarn":      # llama.cpp's YaRN: rounded range, magnitude by the factor
-        if rope.get("attention_factor") or rope.get("mscale") or rope.get("mscale_all_dim") or \
-                rope.get("truncate", True) is False:
+    scaling = rope if rope.get("rope_type") else hf.get("rope_scaling") or {}     # (older configs: rope_scaling)
+    if (scaling.get("rope_type") or scaling.get("type")) == "yarn":   # llama.cpp's YaRN: rounded range, magnitude
+        if scaling.get("attention_factor") or scaling.get("mscale") or scaling.get("mscale_all_dim") or \
+                scaling.get("truncate", True) is False:
             raise ModelFileError("config.json", "YaRN with attention_factor, mscale or truncate=false is not "
                                  f"supported for {mt}", "GGUF carries the factor and the original context only")
-        yarn = dict(factor=rope["factor"], orig_ctx=rope["original_max_position_embeddings"],
-                    beta_fast=rope.get("beta_fast") or 32, beta_slow=rope.get("beta_slow") or 1, mscale_all_dim=0.0,
-                    attn_factor=yarn_attn_factor(rope["factor"]))
+        yarn = dict(factor=scaling["factor"], orig_ctx=scaling.get("original_max_position_embeddings") or
+                    hf.get("max_position_embeddings", 4096), beta_fast=scaling.get("beta_fast") or 32,
+                    beta_slow=scaling.get("beta_slow") or 1, mscale_all_dim=0.0,
+                    attn_factor=yarn_attn_factor(scaling["factor"]))
     return ModelConfig(
         arch=arch, n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"], n_head=n_head,
         n_head_kv=hf.get("num_key_value_heads", n_head),
