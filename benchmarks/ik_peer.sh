@@ -11,7 +11,8 @@
 # call sent back as $OUT/ik-llama-bench) runs there; then per preset: the synth file, ik's llama-bench with
 # -rtr 0 and -rtr 1 (its run-time repacking into the interleaved _R4/_R8 types), hybridmoe's bench with no GPU
 # visible, alternated twice; the file is deleted after its rows (the machine's disk holds three or four).
-# Each: -t 16 -p 512 -n 64 -r 2 (TG, PP and ROUNDS overridable; PP=0: decode only).
+# Each: -t 16 -p 512 -n 64 -r 2 (TG, PP, ROUNDS and THREADS overridable; PP=0: decode only). A PRESET that is a
+# file's path runs that file (kept). IK_BIN: a llama-bench built elsewhere (e.g. here, for the dev VM's CPU).
 set -e
 cmd=$1
 shift
@@ -35,8 +36,11 @@ set +e
 TG=${TG:-64}
 PP=${PP:-512}
 ROUNDS=${ROUNDS:-2}
+THREADS=${THREADS:-16}
 BIN=/tmp/ik-llama-bench
-if [ -x .carry/ik-llama-bench ] && .carry/ik-llama-bench --help >/dev/null 2>&1; then
+if [ -n "${IK_BIN:-}" ]; then
+  cp "$IK_BIN" $BIN
+elif [ -x .carry/ik-llama-bench ] && .carry/ik-llama-bench --help >/dev/null 2>&1; then
   cp .carry/ik-llama-bench $BIN
 else
   rm -rf /tmp/ik /tmp/ikb && mkdir -p /tmp/ik && tar xzf .carry/ik-src.tgz -C /tmp/ik && cat /tmp/ik/PEER_COMMIT
@@ -50,16 +54,16 @@ else
   [ -n "${OUT:-}" ] && cp $BIN "$OUT/ik-llama-bench"
 fi
 for p in "$@"; do
-  f=$(python3 -m hybridmoe.cli synth "$p" 2>&1 | tail -1)
+  if [ -f "$p" ]; then f=$p; else f=$(python3 -m hybridmoe.cli synth "$p" 2>&1 | tail -1); fi
   echo "=============== $p: $f ($(du -h "$f" | cut -f1))"
   for round in $(seq "$ROUNDS"); do
     for rtr in 0 1; do
       echo "### ik_llama.cpp -rtr $rtr, round $round"
-      timeout 240 $BIN -m "$f" -t 16 -ngl 0 -p "$PP" -n "$TG" -r 2 -rtr $rtr 2>&1 | grep -E "^\| .*(pp|tg)[0-9]"
+      timeout 240 $BIN -m "$f" -t "$THREADS" -ngl 0 -p "$PP" -n "$TG" -r 2 -rtr $rtr 2>&1 | grep -E "^\| .*(pp|tg)[0-9]"
     done
     echo "### hybridmoe, round $round"
-    CUDA_VISIBLE_DEVICES= timeout 240 python3 -m hybridmoe.cli bench -m "$f" -t 16 -ngl 0 -p "$PP" -n "$TG" -r 2 2>&1 \
+    CUDA_VISIBLE_DEVICES= timeout 240 python3 -m hybridmoe.cli bench -m "$f" -t "$THREADS" -ngl 0 -p "$PP" -n "$TG" -r 2 2>&1 \
       | grep -E "^\| .*(pp|tg)[0-9]"
   done
-  rm -f "$f"
+  [ -f "$p" ] || rm -f "$f"
 done
