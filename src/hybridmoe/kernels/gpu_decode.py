@@ -629,6 +629,14 @@ def _launch8(kernel, args, n_pairs: int, n_out: int, qtype, gate_up: bool, tile=
     kernel[(n_pairs, triton.cdiv(n_out, bn))](*args, QT=QTYPES[qtype], BN=bn, NB=nb, EMU=_INTERPRET, num_warps=w)
 
 
+def oai_args(oai, split: bool, dummy):
+    """The MoE kernels' (bg, bu, bd, alpha, limit): gpt-oss's oai, biases in float32 (GGUF rows), or dummies."""
+    if oai is not None and split:
+        raise ValueError("gpt-oss's biased experts take GGUF rows, not split ones")
+    bg, bu, bd, alpha, limit = oai if oai is not None else (dummy, dummy, dummy, 0.0, 0.0)
+    return (*(b.float().contiguous() for b in (bg, bu, bd)), alpha, limit)
+
+
 def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = True, gate_split: bool = False,
         down_split: bool = False, tiles8=None, xq=None, out=None, oai=None):
     """Routed experts for a few tokens straight from GGUF bytes: x [T, H] float32, ids [T, k] (int), wts
@@ -652,10 +660,7 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
         out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     strides = (graw.stride(0), graw.stride(1), uraw.stride(0), uraw.stride(1))
     tiles8 = tiles8 or (None, None)
-    if oai is not None and (gate_split or down_split):
-        raise ValueError("gpt-oss's biased experts take GGUF rows, not split ones")
-    bg, bu, bd, alpha, limit = oai if oai is not None else (h, h, h, 0.0, 0.0)     # (unread without OAI)
-    bg, bu, bd = (b.float().contiguous() for b in (bg, bu, bd))
+    bg, bu, bd, alpha, limit = oai_args(oai, gate_split or down_split, h)
     with on_device(x):
         if gate_split:
             _launch8(_moe_gate_up8_kernel, (*(xq or quant_x8(x)), ids, graw, uraw, h, H, F, k, *strides), T * k, F,

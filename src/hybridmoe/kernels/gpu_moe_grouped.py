@@ -222,10 +222,7 @@ def moe(x, ids, wts, graw, uraw, draw, gate_qtype, down_qtype, reduce: bool = Tr
     if out is None:
         out = torch.empty(n, H, dtype=torch.float32, device=x.device)
     tiles8 = tiles8 or (grouped_tile(gate_qtype, True, bm), grouped_tile(down_qtype, False, bm))
-    if oai is not None and (gate_split or down_split):
-        raise ValueError("gpt-oss's biased experts take GGUF rows, not split ones")
-    bg, bu, bd, alpha, limit = oai if oai is not None else (h, h, h, 0.0, 0.0)     # (unread without OAI)
-    bg, bu, bd = (b.float().contiguous() for b in (bg, bu, bd))
+    bg, bu, bd, alpha, limit = gd.oai_args(oai, gate_split or down_split, h)
     with on_device(x):
         pairs, blk_e = align(ids, E, bm)
         nb = blk_e.numel()

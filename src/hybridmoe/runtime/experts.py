@@ -243,12 +243,20 @@ OAI_PAIR_MAX = 32
 def oai_moe_path(n_tokens: int, n_pairs: int) -> str:
     """Which GPU MoE kernels run a call of gpt-oss's experts: "pair" or "gemm" (HYBRIDMOE_GPU_MOE names one of
     pair, grouped and gemm; "mmq" is taken as "gemm": its kernels read split rows only)."""
-    forced = env.get("HYBRIDMOE_GPU_MOE")
-    if forced != "auto":
-        if forced not in _GPU_PATHS:
-            raise HybridMoeError(f"HYBRIDMOE_GPU_MOE={forced!r}: give auto, pair, grouped, gemm or mmq")
+    forced = _forced_gpu_path()
+    if forced is not None:
         return "gemm" if forced == "mmq" else forced
     return "pair" if n_tokens <= 1 or n_pairs <= OAI_PAIR_MAX else "gemm"
+
+
+def _forced_gpu_path() -> str | None:
+    """The path HYBRIDMOE_GPU_MOE names, or None for auto."""
+    forced = env.get("HYBRIDMOE_GPU_MOE")
+    if forced == "auto":
+        return None
+    if forced not in _GPU_PATHS:
+        raise HybridMoeError(f"HYBRIDMOE_GPU_MOE={forced!r}: give auto, pair, grouped, gemm or mmq")
+    return forced
 
 
 def _mmq_ok(qtypes, split: bool) -> bool:
@@ -262,10 +270,8 @@ def gpu_moe_path(n_tokens: int, n_pairs: int, qtypes=None, split: bool = False) 
     """Which GPU MoE kernels run a call: "pair" (gpu_decode.moe), "grouped" (gpu_moe_grouped.moe), "mmq"
     (gpu_mmq.moe: experts of qtypes (gate, up, down) Q4_0/Q8_0 with split rows) or "gemm" (gpu_moe.moe);
     HYBRIDMOE_GPU_MOE names one for every call ("mmq" where it can't run: "gemm")."""
-    forced = env.get("HYBRIDMOE_GPU_MOE")
-    if forced != "auto":
-        if forced not in _GPU_PATHS:
-            raise HybridMoeError(f"HYBRIDMOE_GPU_MOE={forced!r}: give auto, pair, grouped, gemm or mmq")
+    forced = _forced_gpu_path()
+    if forced is not None:
         return "gemm" if forced == "mmq" and not _mmq_ok(qtypes, split) else forced
     if 1 < n_tokens <= MMQ_MAX_TOKENS and _mmq_ok(qtypes, split):
         return "mmq" if n_pairs >= MMQ_MIN_PAIRS else "pair"

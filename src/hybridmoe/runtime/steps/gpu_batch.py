@@ -95,10 +95,13 @@ class BatchDecode(StaticPrefill):
         # their biases gathered beside them)
         self.share_frac = share_fraction(self.sched, self.dev, self.cfg.n_expert_used or 1,
                                          [self.layers[i]["exps"] for i in self.host_layers]) if self.polled else 0.0
+        # gpt-oss's host-expert layers' biases, float32: in host memory for the C hand-off, on this GPU for the share
         L = self.model.decoder.layers
-        self._share_b = {i: tuple(b.dequant(torch.float32).to(self.dev.torch_device) for b in (
-            L[i].ffn_gate_exps_b, L[i].ffn_up_exps_b, L[i].ffn_down_exps_b))
-            for i in self.host_layers} if self.oai and self.share_frac else {}
+        self._host_b = {i: tuple(b.dequant(torch.float32).contiguous() for b in (
+            L[i].ffn_gate_exps_b, L[i].ffn_up_exps_b, L[i].ffn_down_exps_b)) for i in self.host_layers} if self.oai \
+            else {}
+        self._share_b = {i: tuple(t.to(self.dev.torch_device) for t in bs) for i, bs in self._host_b.items()} \
+            if self.share_frac else {}
 
     def accepts(self, kv) -> bool:
         """Whether kv can be one of this step's sequences: a plain cache on this GPU shaped as the first."""
@@ -144,10 +147,7 @@ class BatchDecode(StaticPrefill):
         calls = {}
         for j, i in enumerate(self.host_layers):
             g, u, d = self.layers[i]["exps"]
-            L = self.model.decoder.layers[i]
-            oai = (*(b.dequant(torch.float32).contiguous() for b in (L.ffn_gate_exps_b, L.ffn_up_exps_b,
-                                                                       L.ffn_down_exps_b)),
-                   self.cfg.swiglu_alpha, self.cfg.swiglu_limit) if self.oai else None
+            oai = (*self._host_b[i], self.cfg.swiglu_alpha, self.cfg.swiglu_limit) if self.oai else None
             try:
                 calls[i] = (j, kern.handoff_rows_call(g.raw, u.raw, d.raw, g.qtype, d.qtype, buf["pin_in"],
                                                       buf["pin_out"], ready[j], done[j], self.sched.n_threads,
@@ -313,6 +313,8 @@ class BatchDecode(StaticPrefill):
         any row attends (qk_rope_cache_batch, then attention_batch), so a chunk's row sees the rows before it as a
         prompt's causal attention does. At most row_buckets[-1] rows a step; a chunk's rows stay in order over the
         steps."""
+        for t, _, kv in items:                           # a prompt chunk's rows fit each sliding-window ring
+            kv.check_rings(t.shape[0])
         rows = [(tok, int(p0) + t, kv, all_logits or t == len(ids) - 1)
                 for ids, p0, kv in ((t.tolist(), p, kv) for t, p, kv in items) for t, tok in enumerate(ids)]
         outs, distinct = [], {}
@@ -423,9 +425,6 @@ class BatchDecode(StaticPrefill):
         each MoE layer routed the real rows to, int64 [n MoE layers] on the GPU)."""
         B = self._rows = len(kvs)
         Bp = bucket(B, self.row_buckets)
-        if self.oai:                                     # a prompt chunk's rows fit each sliding-window ring
-            for kv in {id(kv): kv for kv in kvs}.values():
-                kv.check_rings(sum(1 for c in kvs if c is kv))
         buf = self._cur = self._buffers(Bp)
         st, dev, td = self.sched.stats, self.dev, self.dev.torch_device
         emb = self.model.decoder.token_embd
