@@ -569,6 +569,14 @@ for s in "$@"; do
               timeout 150 python3 -u benchmarks/batch_decode.py -m "$F" -ngl 99 -ot exps=CPU --batch 1,4,8 \
                 --steps 16 --repeat 2 2>&1 | grep -E "^ +[0-9]+ |alone" )
           done ;;
+    # MXFP4's values from their bits and IQ4_NL's table in 32-bit words (kernels/gpu_qdot.py _mx, _nl): the tests,
+    # then the decode GEMVs' tiles before (.carry/base_src) / after, gpt-oss's MoE layer by path, gpt-oss-20b end to end
+    s38a) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q tests/test_gpu_qdot.py tests/test_gpu_moe_grouped.py \
+            -p no:cacheprovider --tb=short -rfE 2>&1 | tail -4
+          ab 1 "decode GEMV tiles, " timeout 120 python3 benchmarks/bench_moe_decode.py --tiles MXFP4,IQ4_XS,IQ4_KS
+          ab 1 "gpt-oss layer by path, " timeout 150 python3 -u benchmarks/bench_moe_decode.py --oai MXFP4
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          oss_ab "$F" "-p 512 -n 128" gpu "--n-cpu-moe 12" ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

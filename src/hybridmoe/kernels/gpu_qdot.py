@@ -7,8 +7,9 @@ Same block formats as gpu_dequant.py's _iq4_xs_kernel / _iq4_ks_kernel / _q3_k_k
 quant/ref.py's Q2_K (read those for the byte layouts). Each step takes NB // 8 blocks of 256 of BN rows, so a tile
 holds as many elements as gpu_decode's Q4_0 and K-quant steps; sums are taken per sub-block and scaled once, not
 per element.
-IQ4_NL's 16-value table lives in two int64 constants (byte q of the pair is value q), so a lookup is a shift,
-not a load; IQ4_KS's second table is IQ4_NL's plus 4 (quant/ref_ik.py _IQ4K), added per sub-block.
+IQ4_NL's 16-value table lives in four int32 constants (byte q % 4 of word q // 4 is value q), so a lookup is two
+selects and a shift in 32-bit integers, not a load; IQ4_KS's second table is IQ4_NL's plus 4 (quant/ref_ik.py
+_IQ4K), added per sub-block. MXFP4's values come from their bits (_mx).
 """
 from __future__ import annotations
 
@@ -19,32 +20,31 @@ from .gpu_dequant import e8m0_half, f16_at, f32_at, k4_scale_min
 
 
 def _pack(vals) -> int:
-    """Eight signed bytes, value i in byte i, as one signed int64."""
+    """Four signed bytes, value i in byte i, as one signed int32."""
     u = sum((v & 255) << (8 * i) for i, v in enumerate(vals))
-    return u - (1 << 64) if u >= 1 << 63 else u
+    return u - (1 << 32) if u >= 1 << 31 else u
 
 
 _NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)   # quant/ref.py _KV_IQ4NL
-_NL_LO = tl.constexpr(_pack(_NL[:8]))
-_NL_HI = tl.constexpr(_pack(_NL[8:]))
-_MX = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)                    # quant/ref.py _KV_MXFP4 (doubled)
-_MX_LO = tl.constexpr(_pack(_MX[:8]))
-_MX_HI = tl.constexpr(_pack(_MX[8:]))
+_NL0, _NL1, _NL2, _NL3 = (tl.constexpr(_pack(_NL[i:i + 4])) for i in range(0, 16, 4))
 _KT_KA = tl.constexpr(0xCBAC1FED - (1 << 32))     # the trellis generator's multiplier (quant/ref_trellis.py), as int32
 
 
 @triton.jit
 def _nl(q):
-    """IQ4_NL's value of nibbles q (int32), as float32."""
-    w = tl.where(q < 8, _NL_LO, _NL_HI)
-    return ((w << (56 - 8 * (q & 7)).to(tl.int64)) >> 56).to(tl.float32)
+    """IQ4_NL's value of nibbles q (int32), as float32: byte q % 4 of word q // 4, sign-extended by the shifts."""
+    w = tl.where(q < 8, tl.where(q < 4, _NL0, _NL1), tl.where(q < 12, _NL2, _NL3))
+    return ((w << (24 - 8 * (q & 3))) >> 24).to(tl.float32)
 
 
 @triton.jit
 def _mx(q):
-    """MXFP4's doubled e2m1 value of nibbles q (int32), as float32."""
-    w = tl.where(q < 8, _MX_LO, _MX_HI)
-    return ((w << (56 - 8 * (q & 7)).to(tl.int64)) >> 56).to(tl.float32)
+    """MXFP4's doubled e2m1 value of nibbles q (int32), as float32, by bits instead of a table: the sign (bit 3)
+    goes to a float16's sign and the magnitude's exponent and mantissa bits (e1 e0 m) to its exponent's low two
+    bits and its mantissa's top bit, a float16 of 2^-15 times the doubled value (e = 0: the subnormal 0 or 2^-15);
+    the conversion is exact and 2^15 a power of two: quant/ref.py's _KV_MXFP4 doubled, without a lookup."""
+    h = ((q & 8) << 12) | ((q & 7) << 9)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 32768.0
 
 
 @triton.jit
