@@ -577,6 +577,38 @@ for s in "$@"; do
           ab 1 "gpt-oss layer by path, " timeout 150 python3 -u benchmarks/bench_moe_decode.py --oai MXFP4
           F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
           oss_ab "$F" "-p 512 -n 128" gpu "--n-cpu-moe 12" ;;
+    # s37e with gpt-oss's own prompt costs calibrated (oai_prompt_layer_s, oai_moe_flops, ...: calibrate's gpt-oss
+    # models now hold gpt-oss-20b's 32 experts)
+    s38b) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          ( time timeout 330 python3 -m hybridmoe.cli calibrate ) 2>&1 | tail -6
+          python3 - <<'PY'
+import json, glob
+def walk(d, path=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            walk(v, f"{path}/{k}")
+        elif path.endswith("CUDA0") and ("prompt" in k or "flops" in k):
+            print(f"{path}/{k} = {v:.4g}")
+for f in glob.glob("/tmp/hybridmoe-cache/calibration-*.json"):
+    walk(json.load(open(f)))
+PY
+          timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 --check -p 512 -n 128 -r 2 2>&1 | tail -22
+          timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 -ub 2048 --check -p 2048 -n 16 -r 2 2>&1 | tail -8 ;;
+    # calibrate's GPU prompt fits before (.carry/base_src) and after, with what they measured
+    s38c) for v in base src; do
+            echo "### calibrate, $v"
+            rm -f /tmp/hybridmoe-cache/calibration-*.json
+            ( [ $v = base ] && export PYTHONPATH=$PWD/.carry/base_src:/tmp/hm-site
+              timeout 200 python3 -m hybridmoe.cli calibrate 2>&1 | grep -E "CUDA0 costs" )
+            python3 - <<'PY'
+import json, glob
+for f in glob.glob("/tmp/hybridmoe-cache/calibration-*.json"):
+    c = json.load(open(f))["by_threads"]["16"]["costs"]
+    for k, v in c["_calibration"]["measured"].items():
+        if "prompt" in k and "offload" not in k:
+            print(k, ["%.4g" % x for x in v])
+PY
+          done ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

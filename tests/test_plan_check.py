@@ -339,7 +339,7 @@ def test_gpu_cost_fits_run_on_fake_gpus(monkeypatch):
 def test_calibration_fits_recover_known_costs(monkeypatch):
     """The fitting algebra alone: with the runtime's timings replaced by predict() under known costs (fake GPU,
     quick calibration models), measure_costs gives those costs back: per-layer and per-step floors, the MoE and
-    attention rates, the hand-off, the upload overlap. The offloaded path's floor is small beside its prefetched
+    attention rates (gpt-oss's captured steps' own too), the hand-off, the upload overlap. The offloaded path's floor is small beside its prefetched
     upload here, so part of the upload hides behind it: subtracting the model without the floor gives it back
     at 0.4x."""
     from hybridmoe.commands import calibrate_costs as cc
@@ -352,6 +352,8 @@ def test_calibration_fits_recover_known_costs(monkeypatch):
                     "prompt_layer_s": 2e-3, "prompt_scale": 1.0, "prompt_ubatch_s": 1e-3, "attn_flops": 0.1e12},
             "CUDA0": {"decode_layer_s": 50e-6, "decode_token_s": 400e-6, "eager_decode_layer_s": 300e-6,
                       "eager_token_s": 2e-3, "oai_decode_layer_s": 150e-6, "oai_decode_token_s": 900e-6,
+                      "oai_prompt_layer_s": 90e-6, "oai_moe_flops": 3e12, "oai_prompt_ubatch_s": 1.5e-3,
+                      "oai_attn_flops": 1.5e12,
                       "handoff_s": 70e-6, "prompt_layer_s": 60e-6, "moe_flops": 5e12,
                       "prompt_ubatch_s": 1e-3, "attn_flops": 2e12, "eager_prompt_layer_s": 500e-6,
                       "eager_ubatch_s": 3e-3, "eager_attn_flops": 1e12, "upload_overlap": 0.6,

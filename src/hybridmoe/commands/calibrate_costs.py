@@ -146,12 +146,13 @@ def cpu_attention_flops(cfg, T: int, depth: int, reps: int = 3) -> float:
 # ---------------------------------------------------------------------------------- calibration models
 
 def _oai_shape(quick: bool) -> dict:
-    """gpt-oss's block for its own decode floors (its step is not the fused layer): tiny-gpt-oss's shape, or
-    gpt-oss-20b's layer with 8 experts (the floors do not grow with the count; the file stays small)."""
+    """gpt-oss's block for its own decode and prompt costs (its steps are not the fused layer's): tiny-gpt-oss's
+    shape, or gpt-oss-20b's layer, all 32 experts (a prompt's ubatch then routes as many tokens to each as in
+    gpt-oss-20b, which sets its MoE GEMMs' rate), with a small vocabulary."""
     from ..models.synth import PRESETS
     p = {k: v for k, v in PRESETS["tiny-gpt-oss" if quick else "gpt-oss-20b"].items()
          if k not in ("expert_type", "other_type", "n_layer")}
-    return p if quick else {**p, "n_expert": 8, "n_vocab": 8192}
+    return p if quick else {**p, "n_vocab": 8192}
 
 
 def calibration_model(n_layer: int, quick: bool, arch: str = "qwen3moe") -> str:
@@ -173,7 +174,8 @@ def calibration_model(n_layer: int, quick: bool, arch: str = "qwen3moe") -> str:
     shape = _oai_shape(quick) if oai else QUICK if quick else FULL
     d = env.cache_dir() / "models"
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"calibration-{'oss-' if oai else ''}{'quick' if quick else 'full'}-{n_layer}-v{CALIB_VERSION}.gguf"
+    kind = f"oss-e{shape['n_expert']}-" if oai else ""
+    path = d / f"calibration-{kind}{'quick' if quick else 'full'}-{n_layer}-v{CALIB_VERSION}.gguf"
     if path.exists():
         return str(path)
     cfg = ModelConfig(**shape, n_layer=n_layer, qk_norm=not oai, rope_neox=True, name=f"calibration-{n_layer}")
@@ -336,6 +338,41 @@ class _Fitter:
         return hi
 
 
+def _fit_graph_prompt(f, g: dict, dev: str, pre: str, T1: int, T2: int, D: int):
+    """The captured prompt step's costs into g under the prefix pre ("", or "oai_" for gpt-oss's step), from a
+    ubatch at two sizes and one at depth: a per-layer floor, the MoE kernels' and the attention's FLOP rates
+    (three equations: residual = floor + expert FLOPs / moe_flops + attention FLOPs / attn_flops). The experts
+    modelled at moe_flops = inf are their bytes, taken out again."""
+    run, rates = f.run, f.rates
+    for m in run.models:
+        _eager(m, False)
+    g.update({pre + "prompt_layer_s": 0.0, pre + "prompt_ubatch_s": 0.0, pre + "moe_flops": math.inf,
+              pre + "attn_flops": math.inf})
+    cfg = run.models[0].cfg
+    exp_bytes = sum(t.nbytes for n, t in run.models[0].file.tensors.items()    # a layer's expert matrices
+                    if n.startswith("blk.0.") and n.endswith("_exps.weight"))
+
+    def residual(T, timed):
+        sm, sr, im, ir = timed
+        frac = touched_fraction(T, cfg.n_expert, cfg.n_expert_used)
+        return sm - sr + exp_bytes * frac / rates.read_bw(dev), im - ir
+    label = f"{dev}_{pre}prompt_s"
+    at_0, at_d = f.pp_pair(label, T1, D)             # depth 0 timed again where it read slower than depth D
+    (r1, c1), (r3, _) = residual(T1, at_0), residual(T1, at_d)
+    r2, c2 = residual(T2, f.pp(label, T2))
+    ef = [2.0 * 3 * cfg.n_ff_exp * cfg.n_embd * cfg.n_expert_used * T for T in (T1, T2)]   # expert FLOPs
+    at = [_attn_flops(cfg, T1, 0), _attn_flops(cfg, T2, 0), _attn_flops(cfg, T1, D)]
+    inv_a = (r3 - r1) / (at[2] - at[0])
+    cap = 0.5 * r1 / at[0]                           # noise: at depth 0 attention is under half a layer
+    inv_a = min(inv_a, cap) if inv_a > 0 and cap > 0 else 1 / rates.flops(dev)   # (no signal: the rate)
+    inv_m = (r2 - r1 - (at[1] - at[0]) * inv_a) / (ef[1] - ef[0])
+    if inv_m <= 0:
+        inv_m = 1 / rates.flops(dev)
+    g[pre + "attn_flops"], g[pre + "moe_flops"] = 1 / inv_a, 1 / inv_m
+    g[pre + "prompt_layer_s"] = max(r1 - ef[0] * inv_m - at[0] * inv_a, 0.0)
+    g[pre + "prompt_ubatch_s"] = max((c1 + c2) / 2, 0.0)
+
+
 def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | None = None) -> dict:
     """The costs dict (perf/costs.py) for this machine; `rates` are its calibrated rates. gpus: indices of the
     GPUs to measure (default: one of each CUDA model present; tests pass fake GPUs to run the fitting)."""
@@ -389,59 +426,35 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
         try:
             f = _Fitter(run, rates, costs, reps, n_tg, measured)
             cfg = run.models[0].cfg
-            exp_bytes = sum(t.nbytes for n, t in run.models[0].file.tensors.items()
-                            if n.startswith("blk.0.") and "_exps." in n)
             for eager in (False, True):
                 lk, tk = ("eager_decode_layer_s", "eager_token_s") if eager else ("decode_layer_s", "decode_token_s")
                 g.update({lk: 0.0, tk: 0.0})
                 for m in run.models:
                     _eager(m, eager)
                 g[lk], g[tk] = _fit(*f.tg(f"{dev}_{lk}"), layers)
-            # the captured prompt step at two ubatch sizes and at depth: a per-layer floor, the MoE kernels' and
-            # the attention's FLOP rates (three equations: residual = floor + expert FLOPs / moe_flops + attention
-            # FLOPs / attn_flops); the modelled experts at moe_flops = inf are their bytes, taken out again
-            for m in run.models:
-                _eager(m, False)
-            g.update(prompt_layer_s=0.0, prompt_ubatch_s=0.0, moe_flops=math.inf, attn_flops=math.inf)
-
-            def residual(T, depth, label, f=f, cfg=cfg, exp_bytes=exp_bytes, dev=dev):
-                sm, sr, im, ir = f.pp(label, T, depth)
-                frac = touched_fraction(T, cfg.n_expert, cfg.n_expert_used)
-                return sm - sr + exp_bytes * frac / rates.read_bw(dev), im - ir
-            r1, c1 = residual(T1, 0, f"{dev}_prompt_s")
-            r2, c2 = residual(T2, 0, f"{dev}_prompt_s")
-            r3, _ = residual(T1, D, f"{dev}_prompt_s")
-            ef = [2.0 * 3 * cfg.n_ff_exp * cfg.n_embd * cfg.n_expert_used * T for T in (T1, T2)]   # expert FLOPs
-            at = [_attn_flops(cfg, T1, 0), _attn_flops(cfg, T2, 0), _attn_flops(cfg, T1, D)]
-            inv_a = (r3 - r1) / (at[2] - at[0])
-            cap = 0.5 * r1 / at[0]                           # noise: at depth 0 attention is under half a layer
-            inv_a = min(inv_a, cap) if inv_a > 0 and cap > 0 else 1 / rates.flops(dev)   # (no signal: the rate)
-            inv_m = (r2 - r1 - (at[1] - at[0]) * inv_a) / (ef[1] - ef[0])
-            if inv_m <= 0:
-                inv_m = 1 / rates.flops(dev)
-            g["attn_flops"], g["moe_flops"] = 1 / inv_a, 1 / inv_m
-            g["prompt_layer_s"] = max(r1 - ef[0] * inv_m - at[0] * inv_a, 0.0)
-            g["prompt_ubatch_s"] = max((c1 + c2) / 2, 0.0)
+            _fit_graph_prompt(f, g, dev, "", T1, T2, D)
             # the eager prompt path (placements no captured step covers): its floors and its attention's rate
             for m in run.models:
                 _eager(m, True)
             g.update(eager_prompt_layer_s=0.0, eager_ubatch_s=0.0, eager_attn_flops=math.inf)
             (s0, r0, i0, j0), (sD, rD, _, _) = f.pp_pair(f"{dev}_eager_prompt_s", T1, D)
             extra = (sD - rD) - (s0 - r0)
-            g["eager_attn_flops"] = (at[2] - at[0]) / extra if extra > 0 else rates.flops(dev)
-            g["eager_attn_flops"] = max(g["eager_attn_flops"], 2 * at[0] / max(s0 - r0, 1e-9))
-            g["eager_prompt_layer_s"] = max(s0 - r0 - at[0] / g["eager_attn_flops"], 0.0)
+            a0, aD = _attn_flops(cfg, T1, 0), _attn_flops(cfg, T1, D)
+            g["eager_attn_flops"] = (aD - a0) / extra if extra > 0 else rates.flops(dev)
+            g["eager_attn_flops"] = max(g["eager_attn_flops"], 2 * a0 / max(s0 - r0, 1e-9))
+            g["eager_prompt_layer_s"] = max(s0 - r0 - a0 / g["eager_attn_flops"], 0.0)
             g["eager_ubatch_s"] = max(i0 - j0, 0.0)
         finally:
             run.close()
 
-        say(f"{dev}: gpt-oss's captured decode step (-ngl 99)")
+        say(f"{dev}: gpt-oss's captured decode and prompt steps (-ngl 99)")
         run = _Run([calibration_model(n, quick, "gpt-oss") for n in layers], layers, n_gpu_layers=99,
                    split_mode="none", main_gpu=i)
         try:
             f = _Fitter(run, rates, costs, reps, n_tg, measured)
             g.update(oai_decode_layer_s=0.0, oai_decode_token_s=0.0)
             g["oai_decode_layer_s"], g["oai_decode_token_s"] = _fit(*f.tg(f"{dev}_oai_decode_layer_s"), layers)
+            _fit_graph_prompt(f, g, dev, "oai_", T1, T2, D)
         finally:
             run.close()
 

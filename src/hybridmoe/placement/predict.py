@@ -361,11 +361,12 @@ def _cpu_compute(c: Costs, rates, T: int, flops: float, exp_flops: float, nbytes
     return max(c.cpu("prompt_scale") * work, nbytes / c.cpu("stream_bw"))
 
 
-def _attention(c: Costs, dev: str, flops: float, kind: str) -> tuple[str, float]:
-    """(term, seconds) of a ubatch's attention scores at the rate calibrated for the step that runs them."""
+def _attention(c: Costs, dev: str, flops: float, kind: str, oai: str = "") -> tuple[str, float]:
+    """(term, seconds) of a ubatch's attention scores at the rate calibrated for the step that runs them (oai:
+    "oai_" for gpt-oss's captured step, its own block)."""
     if dev == "CPU":
         return "CPU attention", flops / c.cpu("attn_flops")
-    return "GPU attention", flops / c.gpu(dev, "attn_flops" if kind == "graph" else "eager_attn_flops")
+    return "GPU attention", flops / c.gpu(dev, oai + "attn_flops" if kind == "graph" else "eager_attn_flops")
 
 
 def _upload_plan(p: Placement, L: _Layer, rates, T: int, x_dev: str, prefetched: bool):
@@ -429,6 +430,9 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
     """(seconds, terms, kind, uploaded layers, only-active) of a prompt of n_prompt tokens in ubatches of ub."""
     c, cfg = Costs(rates), p.cfg
     kind = prompt_kind(p, layers, graphs)
+    # gpt-oss's captured prompt step runs its own block (biases, sinks, windows) and its MXFP4 GEMMs: its own
+    # calibrated floors and rates (costs.py falls back to the others' where they were not calibrated)
+    oai = "oai_" if cfg.arch == "gpt-oss" else ""
     kvb = kv_token_bytes(cfg, p.opts) if cfg.n_layer else 0.0
     t = _Terms()
     uploaded: set[int] = set()
@@ -448,7 +452,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
         if kind == "cpu":
             t.add("CPU ubatch overhead", c.cpu("prompt_ubatch_s"))
         elif kind == "graph":
-            t.add("ubatch overhead", c.gpu(main, "prompt_ubatch_s"))
+            t.add("ubatch overhead", c.gpu(main, oai + "prompt_ubatch_s"))
         elif offload and all_cpu:
             t.add("ubatch overhead (offload)", c.gpu(main, "offload_ubatch_s"))
         else:
@@ -469,7 +473,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
                 continue
             A = L.attn
             if kind == "graph":
-                t.add("GPU layer floors", c.gpu(A, "prompt_layer_s"))
+                t.add("GPU layer floors", c.gpu(A, oai + "prompt_layer_s"))
             elif A != "CPU":
                 t.add("layer floors (eager)", c.gpu(A, "eager_prompt_layer_s"))
             elif offload:
@@ -479,7 +483,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             if A == "CPU" and offload:
                 t.add("CPU attention (eager)", attn / c.gpu(main, "offload_attn_flops"))
             else:
-                t.add(*_attention(c, A, attn, kind))
+                t.add(*_attention(c, A, attn, kind, oai))
             for d, fl in dense.items():
                 nb = L.dense.get(d, 0) + (kv_bytes if d == L.kv else 0)
                 if d != "CPU":
@@ -500,7 +504,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             if L.exps is None:
                 continue
             if L.exps not in ("CPU", "split"):
-                t.add("GPU experts", max(exp / c.gpu(L.exps, "moe_flops"), L.exp_bytes * frac / rates.read_bw(L.exps)))
+                t.add("GPU experts", max(exp / c.gpu(L.exps, oai + "moe_flops"), L.exp_bytes * frac / rates.read_bw(L.exps)))
                 continue
             if L.exps == "split":
                 t.add("CPU compute", _cpu_compute(c, rates, T, 0.0, exp, L.exp_bytes * frac))
@@ -524,7 +528,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             few_any |= few and not pre
             moved += up
             u = up / rates.h2d(run)
-            comp = exp / c.gpu(run, "moe_flops")
+            comp = exp / c.gpu(run, oai + "moe_flops")
             # a prefetched upload runs on the copy stream while the previous layer's experts and this layer's
             # attention, dense matrices and router run (their GPU time and their launches alike): it hides
             # behind the layer's other work (the layers are alike, so this layer's stands for the span)
