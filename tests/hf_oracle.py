@@ -28,8 +28,11 @@ def make_hf_model(kind: str, out_dir: str, seed: int = 0):
     elif kind == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=32, intermediate_size=128, rope_theta=1e6)
         model = tf.Qwen3ForCausalLM(cfg)
-    elif kind == "llama":
-        cfg = tf.LlamaConfig(**common, intermediate_size=128, rope_theta=10000.0)
+    elif kind in ("llama", "llama-linear"):
+        # -linear: position interpolation (every frequency over the factor), as older long-context fine-tunes
+        rope = dict(rope_theta=10000.0) if kind == "llama" else dict(rope_parameters={
+            "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})
+        cfg = tf.LlamaConfig(**common, intermediate_size=128, **rope)
         model = tf.LlamaForCausalLM(cfg)
     elif kind in ("deepseek2", "deepseek2-yarn"):
         rope = dict(rope_theta=10000.0)

@@ -29,13 +29,14 @@ def f32_attention(monkeypatch):
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     out = {}
-    for kind in ("qwen3moe", "qwen3", "llama", "deepseek2", "deepseek2-yarn", "qwen3moe-yarn"):
+    for kind in ("qwen3moe", "qwen3", "llama", "deepseek2", "deepseek2-yarn", "qwen3moe-yarn", "llama-linear"):
         d = tmp_path_factory.mktemp(f"hf-{kind}")
         out[kind] = (make_hf_model(kind, str(d)), str(d))
     return out
 
 
-@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3", "llama", "deepseek2", "deepseek2-yarn", "qwen3moe-yarn"])
+@pytest.mark.parametrize("kind", ["qwen3moe", "qwen3", "llama", "deepseek2", "deepseek2-yarn", "qwen3moe-yarn",
+                                  "llama-linear"])
 def test_f32_matches_transformers(hf_models, kind, tmp_path, f32_attention):
     model, d = hf_models[kind]
     path = convert(d, str(tmp_path / "m-f32.gguf"), GGMLType.F32)
@@ -45,13 +46,18 @@ def test_f32_matches_transformers(hf_models, kind, tmp_path, f32_attention):
     assert rel_l2(ours, ref) <= 1e-3
 
 
-def test_yarn_decode_steps_match_transformers(hf_models, tmp_path, f32_attention):
-    """Qwen3 with YaRN (its long-context files): the decode steps (the C step all on the CPU, whose RoPE tables
-    carry YaRN's frequencies and magnitude) after a cached prompt give transformers' logits."""
-    model, d = hf_models["qwen3moe-yarn"]
+@pytest.mark.parametrize("kind", ["qwen3moe-yarn", "llama-linear"])
+def test_scaled_rope_decode_steps_match_transformers(hf_models, kind, tmp_path, f32_attention):
+    """Qwen3 with YaRN (its long-context files) and llama with linear scaling: the decode steps (the C step all
+    on the CPU, whose RoPE tables carry the scaled frequencies and YaRN's magnitude) after a cached prompt give
+    transformers' logits."""
+    model, d = hf_models[kind]
     path = convert(d, str(tmp_path / "m-f32.gguf"), GGMLType.F32)
     m = hybridmoe.load(path, ctx_size=64)
-    assert m.cfg.rope_yarn and m.cfg.rope_yarn["attn_factor"] == pytest.approx(0.1 * math.log(4.0) + 1)
+    if kind == "llama-linear":
+        assert m.cfg.rope_yarn == {"type": "linear", "factor": 4.0}
+    else:
+        assert m.cfg.rope_yarn and m.cfg.rope_yarn["attn_factor"] == pytest.approx(0.1 * math.log(4.0) + 1)
     kv = m.new_cache(64)
     m.forward(torch.tensor(IDS[:5]), 0, kv)
     steps = torch.cat([m.forward(torch.tensor([t]), 5 + i, kv) for i, t in enumerate(IDS[5:])])

@@ -98,6 +98,16 @@ def test_yarn_beta_must_be_positive(tmp_path):
     _fails(p, r"yarn_beta_fast: found -1.0 \(float\), expected a finite number")
 
 
+def test_rope_scaling_types(tmp_path):
+    """The llama family's RoPE scaling types: linear read (the frequencies over the factor), one llama.cpp has and
+    hybridmoe not refused in one line (it was ignored: every position rotated at the unscaled frequencies)."""
+    p = _edit(tmp_path, name="lin.gguf", **{"qwen3moe__rope__scaling__type": (8, "linear"),
+                                            "qwen3moe__rope__scaling__factor": (6, 4.0)})
+    assert hybridmoe.load(p, ctx_size=64).cfg.rope_yarn == {"type": "linear", "factor": 4.0}
+    p = _edit(tmp_path, name="long.gguf", **{"qwen3moe__rope__scaling__type": (8, "longrope")})
+    _fails(p, "RoPE scaling 'longrope' is not supported for qwen3moe")
+
+
 def test_leading_dense_block_count_empty_array_in_planning(tmp_path):
     # was a ValueError (max of an empty sequence) in models/catalog.py
     from hybridmoe.commands.plan import load_records

@@ -52,7 +52,9 @@ class ModelConfig:
     expert_weights_scale: float = 1.0
     n_expert_groups: int = 1
     n_group_used: int = 1
-    rope_yarn: dict | None = None  # YaRN: factor, orig_ctx, beta_fast, beta_slow, mscale_all_dim[, truncate]
+    # RoPE scaling, which every RoPE table takes (runtime/ops.rope_tables): YaRN's factor, orig_ctx, beta_fast,
+    # beta_slow, mscale_all_dim[, truncate, attn_factor], or {"type": "linear", "factor": f}
+    rope_yarn: dict | None = None
     # gpt-oss: biased attention with per-head sinks, sliding window on every swa_pattern-th layer pair,
     # router softmax over the top-k logits, clamped SwiGLU experts with biases
     sliding_window: int = 0       # 0: no sliding-window layers
@@ -157,16 +159,24 @@ class ModelConfig:
             elif scaling not in ("none", ""):
                 raise ModelFileError(path, f"RoPE scaling {printable(scaling)} is not supported yet",
                                      "supported: none, yarn; plan and inspect work")
-        elif arch in ("qwen3moe", "qwen3", "llama") and m.text("rope.scaling.type", "none", limit=64) == "yarn":
-            # Qwen3's long-context files (e.g. 128K with factor 4 over 32768): YaRN's frequencies, and its
-            # magnitude 0.1 ln(factor) + 1 on cos/sin as llama.cpp's rope and transformers' attention_factor
-            factor = m.real("rope.scaling.factor", lo=1.0, hi=1e6)
-            cfg.rope_yarn = dict(
-                factor=factor,       # the original context: the training context where not given (llama.cpp's)
-                orig_ctx=m.count("rope.scaling.original_context_length", cfg.n_ctx_train, hi=v.MAX_CTX),
-                beta_fast=m.real("rope.scaling.yarn_beta_fast", 32.0, lo=0.0, hi=1e6, lo_open=True),
-                beta_slow=m.real("rope.scaling.yarn_beta_slow", 1.0, lo=0.0, hi=1e6, lo_open=True),
-                mscale_all_dim=0.0, attn_factor=yarn_attn_factor(factor))
+        elif arch in ("qwen3moe", "qwen3", "llama"):
+            scaling = m.text("rope.scaling.type", "none", limit=64)
+            if scaling == "yarn":
+                # Qwen3's long-context files (e.g. 128K with factor 4 over 32768): YaRN's frequencies, and its
+                # magnitude 0.1 ln(factor) + 1 on cos/sin as llama.cpp's rope and transformers' attention_factor
+                factor = m.real("rope.scaling.factor", lo=1.0, hi=1e6)
+                cfg.rope_yarn = dict(
+                    factor=factor,   # the original context: the training context where not given (llama.cpp's)
+                    orig_ctx=m.count("rope.scaling.original_context_length", cfg.n_ctx_train, hi=v.MAX_CTX),
+                    beta_fast=m.real("rope.scaling.yarn_beta_fast", 32.0, lo=0.0, hi=1e6, lo_open=True),
+                    beta_slow=m.real("rope.scaling.yarn_beta_slow", 1.0, lo=0.0, hi=1e6, lo_open=True),
+                    mscale_all_dim=0.0, attn_factor=yarn_attn_factor(factor))
+            elif scaling == "linear":
+                # position interpolation: every frequency divided by the factor (llama.cpp's freq_scale = 1 / it)
+                cfg.rope_yarn = dict(type="linear", factor=m.real("rope.scaling.factor", lo=1.0, hi=1e6))
+            elif scaling not in ("none", ""):
+                raise ModelFileError(path, f"RoPE scaling {printable(scaling)} is not supported for {arch}",
+                                     "supported: none, linear, yarn; plan and inspect work")
         if arch in ("qwen3moe", "gpt-oss") and not (cfg.n_expert and cfg.n_expert_used and cfg.n_ff_exp):
             raise ModelFileError(path, f"{arch} metadata lacks expert_count, expert_used_count or "
                                  "expert_feed_forward_length", "the file is incomplete")

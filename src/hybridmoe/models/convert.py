@@ -80,6 +80,11 @@ def hf_config(hf: dict) -> ModelConfig:
                     hf.get("max_position_embeddings", 4096), beta_fast=scaling.get("beta_fast") or 32,
                     beta_slow=scaling.get("beta_slow") or 1, mscale_all_dim=0.0,
                     attn_factor=yarn_attn_factor(scaling["factor"]))
+    elif (scaling.get("rope_type") or scaling.get("type")) == "linear":
+        yarn = dict(type="linear", factor=scaling["factor"])
+    elif (scaling.get("rope_type") or scaling.get("type") or "default") != "default":
+        raise ModelFileError("config.json", f"RoPE scaling {scaling.get('rope_type') or scaling.get('type')!r} is not "
+                             f"supported for {mt}", "supported: none, linear, yarn")
     return ModelConfig(
         arch=arch, n_layer=hf["num_hidden_layers"], n_embd=hf["hidden_size"], n_head=n_head,
         n_head_kv=hf.get("num_key_value_heads", n_head),

@@ -150,7 +150,9 @@ def config_metadata(cfg: ModelConfig) -> dict:
             md[f"{a}.attention.q_lora_rank"] = cfg.q_lora_rank
     if a == "gpt-oss":
         md[f"{a}.attention.sliding_window"] = cfg.sliding_window
-    if cfg.rope_yarn:
+    if cfg.rope_yarn and cfg.rope_yarn.get("type") == "linear":
+        md.update({f"{a}.rope.scaling.type": "linear", f"{a}.rope.scaling.factor": float(cfg.rope_yarn["factor"])})
+    elif cfg.rope_yarn:
         y = cfg.rope_yarn
         md.update({f"{a}.rope.scaling.type": "yarn", f"{a}.rope.scaling.factor": float(y["factor"]),
                    f"{a}.rope.scaling.original_context_length": int(y["orig_ctx"]),

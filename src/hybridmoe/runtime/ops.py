@@ -18,10 +18,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, base: float, neox: bool, yarn: dict | None = None):
-    """cos, sin [T, 1, D] laid out to match rotate() for the model's RoPE style, in float32. yarn: YaRN's
-    frequencies, and its "attn_factor" (where the config sets one) on both tables, so q.k grows by its square."""
+    """cos, sin [T, 1, D] laid out to match rotate() for the model's RoPE style, in float32. yarn (the config's
+    rope_yarn): YaRN's frequencies, and its "attn_factor" (where the config sets one) on both tables, so q.k
+    grows by its square; or linear scaling, every frequency divided by the factor."""
     inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
-    if yarn:
+    if yarn and yarn.get("type") == "linear":
+        inv = inv / yarn["factor"]
+    elif yarn:
         inv = yarn_inv_freq(inv, head_dim, base, yarn)
     ang = positions.to(torch.float64)[:, None] * inv[None, :]                 # [T, D/2]
     ang = torch.cat((ang, ang), -1) if neox else ang.repeat_interleave(2, -1)
