@@ -609,6 +609,12 @@ for f in glob.glob("/tmp/hybridmoe-cache/calibration-*.json"):
             print(k, ["%.4g" % x for x in v])
 PY
           done ;;
+    # gpt-oss-20b all on the CPU's 16 cores beside ik_llama.cpp (-rtr 0 / 1), then with experts in RAM against
+    # its roofline
+    s38d) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          PP=512 TG=64 ROUNDS=1 bash benchmarks/ik_peer.sh run "$F"
+          timeout 200 python3 -m hybridmoe.cli bench -m "$F" -ngl 99 -ot exps=CPU -p 512 -n 128 -r 2 --roofline 2>&1 \
+            | grep -E "^\| |roofline" ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
