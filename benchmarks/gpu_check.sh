@@ -615,6 +615,13 @@ PY
           PP=512 TG=64 ROUNDS=1 bash benchmarks/ik_peer.sh run "$F"
           timeout 200 python3 -m hybridmoe.cli bench -m "$F" -ngl 99 -ot exps=CPU -p 512 -n 128 -r 2 --roofline 2>&1 \
             | grep -E "^\| |roofline" ;;
+    # scaled RoPE (YaRN, linear) on a real GPU against all-CPU; gpt-oss-20b's batches all on the GPU before / after
+    # MXFP4's values from their bits
+    s38e) HYBRIDMOE_CACHE=/tmp/hm-test timeout 200 python3 -m pytest -q tests/test_model.py -k "scaled_rope" \
+            -p no:cacheprovider --tb=short -rfE 2>&1 | tail -4
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          ab 1 "gpt-oss-20b batches, all on GPU, " timeout 200 python3 -u benchmarks/batch_decode.py -m "$F" -ngl 99 \
+            --batch 1,4,8,16,32 --steps 16 --repeat 2 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

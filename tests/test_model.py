@@ -65,11 +65,12 @@ def test_scaled_rope_decode_steps_match_transformers(hf_models, kind, tmp_path, 
 
 
 @pytest.mark.gpu
-def test_yarn_on_a_real_gpu_matches_all_cpu(hf_models, tmp_path):
-    """Qwen3 with YaRN all on a GPU: the captured prompt and decode steps (their RoPE tables from
-    context_rope_tables with YaRN) give all-CPU's logits within bf16."""
+@pytest.mark.parametrize("kind", ["qwen3moe-yarn", "llama-linear"])
+def test_scaled_rope_on_a_real_gpu_matches_all_cpu(hf_models, kind, tmp_path):
+    """Qwen3 with YaRN and llama with linear scaling all on a GPU: the captured prompt and decode steps (their
+    RoPE tables from context_rope_tables with the scaling) give all-CPU's logits within bf16."""
     from conftest import top1_agreement
-    _, d = hf_models["qwen3moe-yarn"]
+    _, d = hf_models[kind]
     path = convert(d, str(tmp_path / "m-q8.gguf"), GGMLType.Q8_0)
     outs = []
     for opts in (dict(), dict(n_gpu_layers=99)):
