@@ -225,7 +225,7 @@ def check_config(cfg, path: str) -> None:
                       f"2..key_length ({cfg.head_dim})")
     elif cfg.head_dim % 2:
         raise bad(f"metadata {a}.attention.key_length: found {cfg.head_dim}, expected an even number (RoPE pairs)")
-    if cfg.rope_yarn and cfg.rope_base <= 1:
+    if cfg.rope_yarn and cfg.rope_yarn.get("type") != "linear" and cfg.rope_base <= 1:   # YaRN's ramp takes log(base)
         raise bad(f"metadata {a}.rope.freq_base: found {cfg.rope_base:g}, expected > 1 with YaRN")
 
 

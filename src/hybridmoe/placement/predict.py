@@ -504,7 +504,8 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             if L.exps is None:
                 continue
             if L.exps not in ("CPU", "split"):
-                t.add("GPU experts", max(exp / c.gpu(L.exps, oai + "moe_flops"), L.exp_bytes * frac / rates.read_bw(L.exps)))
+                t.add("GPU experts", max(exp / c.gpu(L.exps, oai + "moe_flops"),
+                                         L.exp_bytes * frac / rates.read_bw(L.exps)))
                 continue
             if L.exps == "split":
                 t.add("CPU compute", _cpu_compute(c, rates, T, 0.0, exp, L.exp_bytes * frac))
