@@ -622,6 +622,20 @@ PY
           F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
           ab 1 "gpt-oss-20b batches, all on GPU, " timeout 200 python3 -u benchmarks/batch_decode.py -m "$F" -ngl 99 \
             --batch 1,4,8,16,32 --steps 16 --repeat 2 ;;
+    # plan --check on gpt-oss-20b's hybrid placements with its own calibrated costs
+    s38f) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          timeout 200 python3 -m hybridmoe.cli calibrate 2>&1 | grep -E "oai_prompt|cached"
+          for PL in "-ot exps=CPU" "--n-cpu-moe 12"; do
+            echo "### plan --check -ngl 99 $PL"
+            # shellcheck disable=SC2086
+            timeout 150 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 $PL --check -p 512 -n 64 -r 2 2>&1 \
+              | grep -E "^\| (pp|tg)|predicted .* ms, measured" 
+          done ;;
+    # s38f's -ot exps=CPU row after gpt-oss's eager prompt costs (oai_eager_*) are calibrated too
+    s38g) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          timeout 150 python3 -m hybridmoe.cli calibrate 2>&1 | grep -oE "oai_eager[a-z_]* [0-9.]+ [a-zA-Z/]+" | tr '\n' ' '
+          echo; timeout 90 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 -ot exps=CPU --check -p 512 -n 16 -r 1 2>&1 \
+            | grep -E "^\| (pp|tg)|predicted .* ms, measured" ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

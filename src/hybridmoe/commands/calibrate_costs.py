@@ -373,6 +373,25 @@ def _fit_graph_prompt(f, g: dict, dev: str, pre: str, T1: int, T2: int, D: int):
     g[pre + "prompt_ubatch_s"] = max((c1 + c2) / 2, 0.0)
 
 
+def _fit_eager_prompt(f, g: dict, dev: str, pre: str, T1: int, D: int):
+    """The eager prompt path's costs (placements no captured step covers: uploads, hybrid layers) into g under
+    the prefix pre: its per-layer floor and per-ubatch cost and its attention's rate, from a ubatch at depth 0
+    and one at depth D."""
+    for m in f.run.models:
+        _eager(m, True)
+    g.update({pre + "eager_prompt_layer_s": 0.0, pre + "eager_ubatch_s": 0.0, pre + "eager_attn_flops": math.inf})
+    cfg = f.run.models[0].cfg
+    (s0, r0, i0, j0), (sD, rD, _, _) = f.pp_pair(f"{dev}_{pre}eager_prompt_s", T1, D)
+    extra = (sD - rD) - (s0 - r0)
+    a0, aD = _attn_flops(cfg, T1, 0), _attn_flops(cfg, T1, D)
+    rate = (aD - a0) / extra if extra > 0 else f.rates.flops(dev)
+    g[pre + "eager_attn_flops"] = rate = max(rate, 2 * a0 / max(s0 - r0, 1e-9))
+    g[pre + "eager_prompt_layer_s"] = max(s0 - r0 - a0 / rate, 0.0)
+    g[pre + "eager_ubatch_s"] = max(i0 - j0, 0.0)
+    for m in f.run.models:
+        _eager(m, False)
+
+
 def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | None = None) -> dict:
     """The costs dict (perf/costs.py) for this machine; `rates` are its calibrated rates. gpus: indices of the
     GPUs to measure (default: one of each CUDA model present; tests pass fake GPUs to run the fitting)."""
@@ -433,17 +452,7 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
                     _eager(m, eager)
                 g[lk], g[tk] = _fit(*f.tg(f"{dev}_{lk}"), layers)
             _fit_graph_prompt(f, g, dev, "", T1, T2, D)
-            # the eager prompt path (placements no captured step covers): its floors and its attention's rate
-            for m in run.models:
-                _eager(m, True)
-            g.update(eager_prompt_layer_s=0.0, eager_ubatch_s=0.0, eager_attn_flops=math.inf)
-            (s0, r0, i0, j0), (sD, rD, _, _) = f.pp_pair(f"{dev}_eager_prompt_s", T1, D)
-            extra = (sD - rD) - (s0 - r0)
-            a0, aD = _attn_flops(cfg, T1, 0), _attn_flops(cfg, T1, D)
-            g["eager_attn_flops"] = (aD - a0) / extra if extra > 0 else rates.flops(dev)
-            g["eager_attn_flops"] = max(g["eager_attn_flops"], 2 * a0 / max(s0 - r0, 1e-9))
-            g["eager_prompt_layer_s"] = max(s0 - r0 - a0 / g["eager_attn_flops"], 0.0)
-            g["eager_ubatch_s"] = max(i0 - j0, 0.0)
+            _fit_eager_prompt(f, g, dev, "", T1, D)
         finally:
             run.close()
 
@@ -455,6 +464,7 @@ def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | N
             g.update(oai_decode_layer_s=0.0, oai_decode_token_s=0.0)
             g["oai_decode_layer_s"], g["oai_decode_token_s"] = _fit(*f.tg(f"{dev}_oai_decode_layer_s"), layers)
             _fit_graph_prompt(f, g, dev, "oai_", T1, T2, D)
+            _fit_eager_prompt(f, g, dev, "oai_", T1, D)
         finally:
             run.close()
 

@@ -23,8 +23,9 @@ Keys (seconds unless named otherwise):
        eager_decode_layer_s, eager_token_s      the same for the eager decoder (placements no graph covers)
        oai_decode_layer_s, oai_decode_token_s   the same for gpt-oss's captured decode step (its own block, not the
                           fused layer; uncalibrated: decode_layer_s, decode_token_s)
-       oai_prompt_layer_s, oai_moe_flops, oai_prompt_ubatch_s, oai_attn_flops   the same four as below for
-                          gpt-oss's captured prompt step and MXFP4 experts (uncalibrated: the keys without oai_)
+       oai_prompt_layer_s, oai_moe_flops, oai_prompt_ubatch_s, oai_attn_flops, oai_eager_prompt_layer_s,
+       oai_eager_ubatch_s, oai_eager_attn_flops   the same as below for gpt-oss's prompt steps (captured and
+                          eager) and MXFP4 experts (uncalibrated: the keys without oai_)
        handoff_s          one CPU-expert layer in the captured step beyond its bytes, the kernel's call_s and
                           its streaming time: the GPU segment it ends (graph replay) and the hand-off (GPU ->
                           CPU kernel -> GPU); such a layer pays this instead of decode_layer_s
@@ -57,7 +58,7 @@ CPU_KEYS = ("call_s", "stream_bw", "decode_layer_s", "decode_token_s", "prompt_l
             "prompt_ubatch_s", "attn_flops")
 GPU_KEYS = ("decode_layer_s", "decode_token_s", "eager_decode_layer_s", "eager_token_s", "oai_decode_layer_s",
             "oai_decode_token_s", "oai_prompt_layer_s", "oai_moe_flops", "oai_prompt_ubatch_s", "oai_attn_flops",
-            "handoff_s",
+            "oai_eager_prompt_layer_s", "oai_eager_ubatch_s", "oai_eager_attn_flops", "handoff_s",
             "prompt_layer_s", "moe_flops", "prompt_ubatch_s", "attn_flops", "eager_prompt_layer_s", "eager_ubatch_s",
             "eager_attn_flops", "upload_overlap", "upload_layer_s", "offload_prompt_layer_s", "offload_ubatch_s",
             "offload_attn_flops", "pageable_h2d_bw", "d2h_bw")

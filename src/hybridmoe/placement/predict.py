@@ -363,10 +363,10 @@ def _cpu_compute(c: Costs, rates, T: int, flops: float, exp_flops: float, nbytes
 
 def _attention(c: Costs, dev: str, flops: float, kind: str, oai: str = "") -> tuple[str, float]:
     """(term, seconds) of a ubatch's attention scores at the rate calibrated for the step that runs them (oai:
-    "oai_" for gpt-oss's captured step, its own block)."""
+    "oai_" for gpt-oss's steps, its own block)."""
     if dev == "CPU":
         return "CPU attention", flops / c.cpu("attn_flops")
-    return "GPU attention", flops / c.gpu(dev, oai + "attn_flops" if kind == "graph" else "eager_attn_flops")
+    return "GPU attention", flops / c.gpu(dev, oai + ("attn_flops" if kind == "graph" else "eager_attn_flops"))
 
 
 def _upload_plan(p: Placement, L: _Layer, rates, T: int, x_dev: str, prefetched: bool):
@@ -430,8 +430,8 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
     """(seconds, terms, kind, uploaded layers, only-active) of a prompt of n_prompt tokens in ubatches of ub."""
     c, cfg = Costs(rates), p.cfg
     kind = prompt_kind(p, layers, graphs)
-    # gpt-oss's captured prompt step runs its own block (biases, sinks, windows) and its MXFP4 GEMMs: its own
-    # calibrated floors and rates (costs.py falls back to the others' where they were not calibrated)
+    # gpt-oss's prompt steps (captured and eager) run its own block (biases, sinks, windows) and its MXFP4 GEMMs:
+    # its own calibrated floors and rates (costs.py falls back to the others' where they were not calibrated)
     oai = "oai_" if cfg.arch == "gpt-oss" else ""
     kvb = kv_token_bytes(cfg, p.opts) if cfg.n_layer else 0.0
     t = _Terms()
@@ -456,7 +456,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
         elif offload and all_cpu:
             t.add("ubatch overhead (offload)", c.gpu(main, "offload_ubatch_s"))
         else:
-            t.add("ubatch overhead (eager)", c.gpu(main, "eager_ubatch_s") if gpus else c.cpu("prompt_ubatch_s"))
+            t.add("ubatch overhead (eager)", c.gpu(main, oai + "eager_ubatch_s") if gpus else c.cpu("prompt_ubatch_s"))
         prefetch, prev_il = False, -2
         ups: dict[int, str] = {}
         dense_gpu: dict[int, str] = {}
@@ -475,7 +475,7 @@ def prompt_terms(p: Placement, layers: list[_Layer], rates, n_prompt: int, ub: i
             if kind == "graph":
                 t.add("GPU layer floors", c.gpu(A, oai + "prompt_layer_s"))
             elif A != "CPU":
-                t.add("layer floors (eager)", c.gpu(A, "eager_prompt_layer_s"))
+                t.add("layer floors (eager)", c.gpu(A, oai + "eager_prompt_layer_s"))
             elif offload:
                 t.add("CPU layer floors (offload)", c.gpu(main, "offload_prompt_layer_s"))
             else:
