@@ -357,15 +357,21 @@ def test_convert_refuses_what_gguf_cannot_carry(gpt_oss):
 
 
 def test_host_experts_offloaded_for_a_batch(gpt_oss, monkeypatch):
-    """-op all,1: a batch of 32+ tokens uploads the host experts (and their biases) to the GPU and computes there."""
+    """-op all,1: a batch of 32+ tokens uploads the host experts (and their biases) to the GPU and computes there,
+    each layer's experts sent a layer ahead (the first while the first attention runs), as Qwen's are."""
+    from hybridmoe.runtime.upload import Uploader
     path, ids = gpt_oss[1], (IDS * 2)[:40]
     ref = hybridmoe.load(path, ctx_size=64, offload_policy="all,0").logits(ids)   # all-CPU, also beside a real GPU
     monkeypatch.setenv("HYBRIDMOE_FAKE_GPUS", "1x1GiB")
     m = hybridmoe.load(path, ctx_size=64, n_gpu_layers=99, override_tensor=["exps=CPU"], offload_policy="all,1")
     m.stats.reset()
+    ahead, prefetch = [], Uploader.prefetch_all
+    monkeypatch.setattr(Uploader, "prefetch_all",
+                        lambda self, layer, ws: (ahead.append(layer), prefetch(self, layer, ws)))
     assert rel_l2(m.logits(ids), ref) <= 1e-5
     assert m.stats.ops[("moe_up_gate", "CUDA0")][0] == m.cfg.n_layer and ("moe_up_gate", "CPU") not in m.stats.ops
     assert m.stats.uploads["count"] == 3 * m.cfg.n_layer
+    assert ahead == list(range(m.cfg.n_layer))
 
 
 def test_sliding_window_layers_keep_a_ring(gpt_oss):

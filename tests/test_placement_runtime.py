@@ -66,9 +66,9 @@ def test_forced_offload_uploads_exactly_the_selected_experts(fake_gpus):
     ids_seen = []
     orig = m.sched._moe_uploaded
 
-    def spy(x, ids, wts, gate, up, down, run, layer, **kw):
-        ids_seen.append((gate, up, down, torch.unique(ids).numel()))
-        return orig(x, ids, wts, gate, up, down, run, layer, **kw)
+    def spy(x, ids, wts, ws, *args, **kw):
+        ids_seen.append((*ws, torch.unique(ids).numel()))
+        return orig(x, ids, wts, ws, *args, **kw)
     m.sched._moe_uploaded = spy
     m.logits(IDS)
     expect = sum(n * (g.raw[0].numel() + u.raw[0].numel() + d.raw[0].numel()) for g, u, d, n in ids_seen)

@@ -62,9 +62,6 @@ class GptOssDecoder(Decoder):
         m = yarn_rope_mscale(cfg.rope_yarn)
         self.scale = cfg.head_dim ** -0.5 * m * m        # YaRN's cos/sin factor, on both q and k
 
-    def expert_layers(self) -> dict:
-        return {}                     # no prefetch a layer ahead: moe_biased uploads whole tensors itself
-
     def attention(self, L: GptOssLayer, x, positions, kv: KVCache, rope: dict):
         cfg, s = self.cfg, self.sched
         q, k, v, dev = self.qkv(L, x, kv)

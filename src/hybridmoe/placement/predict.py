@@ -378,7 +378,8 @@ def _upload_plan(p: Placement, L: _Layer, rates, T: int, x_dev: str, prefetched:
     if run is None:
         return None, 0, False, False
     n_active = max(1, min(E, round(E * touched_fraction(T, E, k))))
-    few = n_active <= E // 2                   # -ooae auto (runtime/scheduler._use_only_active)
+    # -ooae auto (runtime/scheduler._use_only_active); gpt-oss's biased experts always go whole (moe_biased)
+    few = n_active <= E // 2 and p.cfg.arch != "gpt-oss"
     if not rates.offload_pays("moe_up_gate", T, L.exp_bytes, E, k, gpu=run, n_params=L.exp_params,
                               n_active=n_active, prefetched=prefetched):
         return None, 0, False, False

@@ -240,29 +240,37 @@ class Scheduler:
         """Routed experts. ids/wts [T, k]. Returns [T, H] on the device the experts ran on."""
         if self.routing is not None:
             self.routing[layer] = ids
-        T = x.shape[0]
-        E, k = gate.shape[0], ids.shape[1]
         if not (self.fused_moe and gate.device.name == up.device.name == down.device.name):
             return self._moe_unfused(x, ids, wts, gate, up, down)
         dev = gate.device
-        nbytes = gate.nbytes + up.nbytes + down.nbytes
+        run, counts = self._moe_target(x, ids, (gate, up, down), layer)
+        if run.name != dev.name:
+            return self._moe_uploaded(x, ids, wts, (gate, up, down), run, layer, counts, lambda x, ids, wts, bufs, _:
+                                      X.moe(x, ids, wts, *bufs, gate, up, down, self.n_threads))
+        x, ids, wts = self._route_to(x, ids, wts, dev)
+        with self.stats.op("moe_up_gate", dev, self._sync(dev)):
+            y = X.moe(x, ids, wts, gate.raw, up.raw, down.raw, gate, up, down, self.n_threads, self.stats)
+        return self.tag(y, dev)
+
+    def _moe_target(self, x, ids, ws: tuple, layer: int):
+        """(the device a layer's experts run on, the batch's expert counts where they were taken): where they
+        live, or the offload GPU when this batch pays for their upload. With the policy on auto, host experts
+        decide on the batch's routing: the experts it touches (the one sync an upload needs anyway) and
+        whether the layer's upload is already under way."""
+        gate = ws[0]
+        T, E, k, dev = x.shape[0], gate.shape[0], ids.shape[1], gate.device
+        nbytes = sum(w.nbytes for w in ws)
         n_params = 3 * math.prod(gate.shape)
         counts, n_active, prefetched = None, None, False
         if dev.kind == "cpu" and self.main_gpu is not None and self.rates is not None and T >= OFFLOAD_MIN_BATCH and \
                 self.policy["moe_up_gate"] is None and self.policy["mul_mat_id"] is None:
-            # auto decides on this batch's routing: the experts it touches (the one sync an upload needs
-            # anyway) and whether the layer's upload is already under way
             counts = torch.bincount(ids.flatten(), minlength=E).cpu()
             n_active = int(torch.count_nonzero(counts))
             prefetched = self.uploader(self._offload_target(self.dev_of(x))).has_all(layer)
         if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes, n_params, n_active, prefetched) and \
                 self.wants_offload("mul_mat_id", dev, T, E, k, nbytes, n_params, n_active, prefetched):
-            return self._moe_uploaded(x, ids, wts, gate, up, down, self._offload_target(self.dev_of(x)), layer,
-                                      counts=counts)
-        x, ids, wts = self._route_to(x, ids, wts, dev)
-        with self.stats.op("moe_up_gate", dev, self._sync(dev)):
-            y = X.moe(x, ids, wts, gate.raw, up.raw, down.raw, gate, up, down, self.n_threads, self.stats)
-        return self.tag(y, dev)
+            return self._offload_target(self.dev_of(x)), counts
+        return dev, counts
 
     def _use_only_active(self, n_active: int, E: int) -> bool:
         if self.only_active == "auto":
@@ -271,30 +279,31 @@ class Scheduler:
             return n_active <= E // 2
         return bool(self.only_active)
 
-    def _moe_uploaded(self, x, ids, wts, gate, up, down, run, layer, counts=None):
-        """Upload host experts (all, or only those the router picked) and compute on GPU `run`."""
-        E = gate.shape[0]
+    def _moe_uploaded(self, x, ids, wts, ws: tuple, run, layer: int, counts, compute, only_active: bool = True):
+        """Upload host experts (all, or only those the router picked where only_active allows it) and compute on
+        GPU `run`: compute(x, ids, wts, uploaded (gate, up, down), active), active the experts the uploaded
+        tensors hold in order (ids renumbered into them), or None for all of them."""
+        E = ws[0].shape[0]
         x, ids, wts = self._route_to(x, ids, wts, run)
         up_ = self.uploader(run)
-        ws = (gate, up, down)
         if counts is None:
             counts = torch.bincount(ids.flatten(), minlength=E).cpu()
         active = torch.nonzero(counts).flatten().tolist()
-        few = self._use_only_active(len(active), E)
+        few = only_active and self._use_only_active(len(active), E)
         if few and not up_.has_all(layer):
             bufs = up_.get_active(layer, ws, active)
             remap = torch.full((E,), -1, dtype=torch.long)
             remap[active] = torch.arange(len(active))
             ids = remap.to(ids.device)[ids]
         else:
-            bufs = up_.get_all(layer, ws)
+            bufs, active = up_.get_all(layer, ws), None
         nxt = self.expert_layers.get(layer + 1)
         if not few and nxt is not None and all(w.device.kind == "cpu" for w in nxt):
             # this batch's routing is spread: expect the next layer's too, and upload it all a layer
             # ahead; when it is concentrated, the next layer waits for its router and sends only its experts
             up_.prefetch_all(layer + 1, nxt)
         with self.stats.op("moe_up_gate", run, self._sync(run)):
-            y = X.moe(x, ids, wts, bufs[0], bufs[1], bufs[2], gate, up, down, self.n_threads)
+            y = compute(x, ids, wts, bufs, active)
         up_.release(bufs)
         return self.tag(y, run)
 
@@ -318,28 +327,27 @@ class Scheduler:
 
     def moe_biased(self, x, ids, wts, ws: tuple, bs: tuple, alpha: float, limit: float, layer: int) -> torch.Tensor:
         """gpt-oss's routed experts: biased gate/up/down and the clamped SwiGLU ("swiglu_oai"), where the
-        experts live or on the offload GPU when a batch pays for the upload (whole tensors: no only-active
-        upload or prefetch here), computed by experts.moe_biased. Gate, up and down on different devices:
-        each matmul with its weights."""
+        experts live or on the offload GPU when a batch pays for the upload (moe's decision, and whole layers
+        uploaded a layer ahead; not only the active experts, whose biases would need the same renumbering),
+        computed by experts.moe_biased. Gate, up and down on different devices: each matmul with its weights."""
         gate, up, down = ws
         if self.routing is not None:
             self.routing[layer] = ids
         if not (self.fused_moe and gate.device.name == up.device.name == down.device.name):
             return self._moe_biased_unfused(x, ids, wts, ws, bs, alpha, limit)
-        dev = run = gate.device
-        T, E, k = x.shape[0], gate.shape[0], ids.shape[1]
-        nbytes = gate.nbytes + up.nbytes + down.nbytes
-        n_params = 3 * math.prod(gate.shape)
-        if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes, n_params) and \
-                self.wants_offload("mul_mat_id", dev, T, E, k, nbytes, n_params):
-            run = self._offload_target(self.dev_of(x))
-        x, ids, wts = self._route_to(x, ids, wts, run)
-        raws = [w.raw if run.name == dev.name else self.upload(w.raw, run, experts=E) for w in ws]
-        biases = [self.small(b, run) for b in bs]
-        with self.stats.op("moe_up_gate", run, self._sync(run)):
-            y = X.moe_biased(x, ids, wts, raws, ws, biases, alpha, limit,
-                             stats=self.stats if run.kind == "cpu" else None, n_threads=self.n_threads)
-        return self.tag(y, run)
+        dev = gate.device
+        run, counts = self._moe_target(x, ids, ws, layer)
+
+        def compute(x, ids, wts, raws, _):
+            biases = [self.small(b, run) for b in bs]
+            return X.moe_biased(x, ids, wts, raws, ws, biases, alpha, limit,
+                                stats=self.stats if run.kind == "cpu" else None, n_threads=self.n_threads)
+        if run.name != dev.name:
+            return self._moe_uploaded(x, ids, wts, ws, run, layer, counts, compute, only_active=False)
+        x, ids, wts = self._route_to(x, ids, wts, dev)
+        with self.stats.op("moe_up_gate", dev, self._sync(dev)):
+            y = compute(x, ids, wts, (gate.raw, up.raw, down.raw), None)
+        return self.tag(y, dev)
 
     def _moe_biased_unfused(self, x, ids, wts, ws, bs, alpha, limit):
         """As _moe_unfused: gate and up run with their weights, the activation and down where down lives."""
