@@ -379,9 +379,10 @@ def _upload_plan(p: Placement, L: _Layer, rates, T: int, x_dev: str, prefetched:
         return None, 0, False, False
     n_active = max(1, min(E, round(E * touched_fraction(T, E, k))))
     # -ooae auto (runtime/scheduler._use_only_active); gpt-oss's biased experts always go whole (moe_biased)
-    few = n_active <= E // 2 and p.cfg.arch != "gpt-oss"
+    only = p.cfg.arch != "gpt-oss"
+    few = only and n_active <= E // 2
     if not rates.offload_pays("moe_up_gate", T, L.exp_bytes, E, k, gpu=run, n_params=L.exp_params,
-                              n_active=n_active, prefetched=prefetched):
+                              n_active=n_active if only else None, prefetched=prefetched):
         return None, 0, False, False
     if prefetched:                             # sent whole a layer ahead; a concentrated routing still stops
         return run, L.exp_bytes, True, few     # the next layer's prefetch

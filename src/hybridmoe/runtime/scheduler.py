@@ -252,11 +252,12 @@ class Scheduler:
             y = X.moe(x, ids, wts, gate.raw, up.raw, down.raw, gate, up, down, self.n_threads, self.stats)
         return self.tag(y, dev)
 
-    def _moe_target(self, x, ids, ws: tuple, layer: int):
+    def _moe_target(self, x, ids, ws: tuple, layer: int, only_active: bool = True):
         """(the device a layer's experts run on, the batch's expert counts where they were taken): where they
         live, or the offload GPU when this batch pays for their upload. With the policy on auto, host experts
-        decide on the batch's routing: the experts it touches (the one sync an upload needs anyway) and
-        whether the layer's upload is already under way."""
+        decide on the batch's routing: the experts it touches (the one sync an upload needs anyway; priced as
+        the upload's bytes only where only the active experts may go) and whether the layer's upload is
+        already under way."""
         gate = ws[0]
         T, E, k, dev = x.shape[0], gate.shape[0], ids.shape[1], gate.device
         nbytes = sum(w.nbytes for w in ws)
@@ -265,7 +266,7 @@ class Scheduler:
         if dev.kind == "cpu" and self.main_gpu is not None and self.rates is not None and T >= OFFLOAD_MIN_BATCH and \
                 self.policy["moe_up_gate"] is None and self.policy["mul_mat_id"] is None:
             counts = torch.bincount(ids.flatten(), minlength=E).cpu()
-            n_active = int(torch.count_nonzero(counts))
+            n_active = int(torch.count_nonzero(counts)) if only_active else None
             prefetched = self.uploader(self._offload_target(self.dev_of(x))).has_all(layer)
         if self.wants_offload("moe_up_gate", dev, T, E, k, nbytes, n_params, n_active, prefetched) and \
                 self.wants_offload("mul_mat_id", dev, T, E, k, nbytes, n_params, n_active, prefetched):
@@ -336,7 +337,7 @@ class Scheduler:
         if not (self.fused_moe and gate.device.name == up.device.name == down.device.name):
             return self._moe_biased_unfused(x, ids, wts, ws, bs, alpha, limit)
         dev = gate.device
-        run, counts = self._moe_target(x, ids, ws, layer)
+        run, counts = self._moe_target(x, ids, ws, layer, only_active=False)
 
         def compute(x, ids, wts, raws, _):
             biases = [self.small(b, run) for b in bs]
