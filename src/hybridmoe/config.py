@@ -15,6 +15,40 @@ def yarn_attn_factor(factor: float) -> float:
     return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
+def _rope_scaling(m, arch: str, n_ctx_train: int, path: str) -> dict | None:
+    """The file's RoPE scaling as ModelConfig.rope_yarn holds it (m: its validate.Meta), or None. YaRN for every
+    architecture here; linear (position interpolation: every frequency over the factor, llama.cpp's freq_scale =
+    1 / it) for the llama family. The llama family's YaRN (Qwen3's long-context files, e.g. 128K with factor 4
+    over 32768) has llama.cpp's defaults: the original context is the training context where not given, and the
+    magnitude 0.1 ln(factor) + 1 goes on cos/sin (llama.cpp's rope mscale, transformers' attention_factor);
+    DeepSeek's and gpt-oss's come with their log multiplier."""
+    from .formats import validate as v
+    llama = arch in ("qwen3moe", "qwen3", "llama")
+    scaling = m.text("rope.scaling.type", "none", limit=64)
+    if scaling in ("none", ""):
+        return None
+    if scaling == "linear" and llama:
+        return dict(type="linear", factor=m.real("rope.scaling.factor", lo=1.0, hi=1e6))
+    if scaling != "yarn":
+        raise ModelFileError(path, f"RoPE scaling {printable(scaling)} is not supported " +
+                             (f"for {arch}" if llama else "yet"),
+                             f"supported: none, {'linear, ' if llama else ''}yarn; plan and inspect work")
+    factor = m.real("rope.scaling.factor", lo=1.0, hi=1e6)
+    yarn = dict(factor=factor,
+                orig_ctx=m.count("rope.scaling.original_context_length", *((n_ctx_train,) if llama else ()),
+                                 hi=v.MAX_CTX),
+                beta_fast=m.real("rope.scaling.yarn_beta_fast", 32.0, lo=0.0, hi=1e6, lo_open=True),
+                beta_slow=m.real("rope.scaling.yarn_beta_slow", 1.0, lo=0.0, hi=1e6, lo_open=True))
+    if llama:
+        return {**yarn, "mscale_all_dim": 0.0, "attn_factor": yarn_attn_factor(factor)}
+    # llama.cpp stores 0.1 * mscale_all_dim as the log multiplier
+    yarn["mscale_all_dim"] = m.real("rope.scaling.yarn_log_multiplier", 0.0, lo=-100.0, hi=100.0) / 0.1
+    if arch == "gpt-oss":
+        # OpenAI's reference (and transformers' config, truncate=False) keeps the correction range unrounded
+        yarn["truncate"] = False
+    return yarn
+
+
 def kv_slots(n_ctx: int, window: int, ubatch: int) -> int:
     """Token slots a layer's KV cache keeps: the whole context, or with a sliding window a ring of
     window - 1 + ubatch (every key a batch of up to `ubatch` tokens can see)."""
@@ -142,41 +176,8 @@ class ModelConfig:
             cfg.swa_pattern = 2
             cfg.expert_gating = "softmax_topk"
             cfg.norm_topk_prob = False
-        if arch in ("deepseek2", "gpt-oss"):
-            scaling = m.text("rope.scaling.type", "none", limit=64)
-            if scaling == "yarn":
-                cfg.rope_yarn = dict(
-                    factor=m.real("rope.scaling.factor", lo=1.0, hi=1e6),
-                    orig_ctx=m.count("rope.scaling.original_context_length", hi=v.MAX_CTX),
-                    beta_fast=m.real("rope.scaling.yarn_beta_fast", 32.0, lo=0.0, hi=1e6, lo_open=True),
-                    beta_slow=m.real("rope.scaling.yarn_beta_slow", 1.0, lo=0.0, hi=1e6, lo_open=True),
-                    # llama.cpp stores 0.1 * mscale_all_dim as the log multiplier
-                    mscale_all_dim=m.real("rope.scaling.yarn_log_multiplier", 0.0, lo=-100.0, hi=100.0) / 0.1)
-                if arch == "gpt-oss":
-                    # OpenAI's reference (and transformers' config, truncate=False) keeps the correction
-                    # range unrounded
-                    cfg.rope_yarn["truncate"] = False
-            elif scaling not in ("none", ""):
-                raise ModelFileError(path, f"RoPE scaling {printable(scaling)} is not supported yet",
-                                     "supported: none, yarn; plan and inspect work")
-        elif arch in ("qwen3moe", "qwen3", "llama"):
-            scaling = m.text("rope.scaling.type", "none", limit=64)
-            if scaling == "yarn":
-                # Qwen3's long-context files (e.g. 128K with factor 4 over 32768): YaRN's frequencies, and its
-                # magnitude 0.1 ln(factor) + 1 on cos/sin as llama.cpp's rope and transformers' attention_factor
-                factor = m.real("rope.scaling.factor", lo=1.0, hi=1e6)
-                cfg.rope_yarn = dict(
-                    factor=factor,   # the original context: the training context where not given (llama.cpp's)
-                    orig_ctx=m.count("rope.scaling.original_context_length", cfg.n_ctx_train, hi=v.MAX_CTX),
-                    beta_fast=m.real("rope.scaling.yarn_beta_fast", 32.0, lo=0.0, hi=1e6, lo_open=True),
-                    beta_slow=m.real("rope.scaling.yarn_beta_slow", 1.0, lo=0.0, hi=1e6, lo_open=True),
-                    mscale_all_dim=0.0, attn_factor=yarn_attn_factor(factor))
-            elif scaling == "linear":
-                # position interpolation: every frequency divided by the factor (llama.cpp's freq_scale = 1 / it)
-                cfg.rope_yarn = dict(type="linear", factor=m.real("rope.scaling.factor", lo=1.0, hi=1e6))
-            elif scaling not in ("none", ""):
-                raise ModelFileError(path, f"RoPE scaling {printable(scaling)} is not supported for {arch}",
-                                     "supported: none, linear, yarn; plan and inspect work")
+        if arch in ("deepseek2", "gpt-oss", "qwen3moe", "qwen3", "llama"):
+            cfg.rope_yarn = _rope_scaling(m, arch, cfg.n_ctx_train, path)
         if arch in ("qwen3moe", "gpt-oss") and not (cfg.n_expert and cfg.n_expert_used and cfg.n_ff_exp):
             raise ModelFileError(path, f"{arch} metadata lacks expert_count, expert_used_count or "
                                  "expert_feed_forward_length", "the file is incomplete")
