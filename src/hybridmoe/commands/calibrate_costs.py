@@ -388,8 +388,6 @@ def _fit_eager_prompt(f, g: dict, dev: str, pre: str, T1: int, D: int):
     g[pre + "eager_attn_flops"] = rate = max(rate, 2 * a0 / max(s0 - r0, 1e-9))
     g[pre + "eager_prompt_layer_s"] = max(s0 - r0 - a0 / rate, 0.0)
     g[pre + "eager_ubatch_s"] = max(i0 - j0, 0.0)
-    for m in f.run.models:
-        _eager(m, False)
 
 
 def measure_costs(rates, quick: bool = False, progress=None, gpus: list[int] | None = None) -> dict:
