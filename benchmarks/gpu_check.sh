@@ -43,7 +43,7 @@ oss_ab() {
     flags=$pl
     [ "$pl" = gpu ] && flags=
     # shellcheck disable=SC2086
-    ab 1 "gpt-oss-20b ${pl/#gpu/all on GPU}, " bench_rows -m "$f" -ngl 99 $flags $t -r 2
+    ab 1 "gpt-oss-20b ${pl/#gpu/all on GPU}, " bench_rows -m "$f" -ngl 99 $flags $t -r "${REPS:-2}"
   done
 }
 for s in "$@"; do
@@ -636,6 +636,39 @@ PY
           timeout 150 python3 -m hybridmoe.cli calibrate 2>&1 | grep -oE "oai_eager[a-z_]* [0-9.]+ [a-zA-Z/]+" | tr '\n' ' '
           echo; timeout 90 python3 -m hybridmoe.cli plan -m "$F" -ngl 99 -ot exps=CPU --check -p 512 -n 16 -r 1 2>&1 \
             | grep -E "^\| (pp|tg)|predicted .* ms, measured" ;;
+    # gpt-oss's host experts uploaded a layer ahead (Scheduler._moe_uploaded): -ot exps=CPU and --n-cpu-moe 12 before
+    # (.carry/base_src: 457fd70, no prefetch) / after, the roofline of the first, then s38f's plan --check
+    s39a) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          oss_ab "$F" "-p 512 -n 128" "-ot exps=CPU" "--n-cpu-moe 12"
+          timeout 120 python3 -m hybridmoe.cli bench -m "$F" -ngl 99 -ot exps=CPU -p 512 -n 0 -r 2 --roofline 2>&1 \
+            | grep -E "^\| |roofline"
+          bash "$0" s38f ;;
+    # where gpt-oss's -ot exps=CPU prompt goes: benchmarks/upload_timeline.py before (.carry/base_src) / after
+    s39b) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          ab 1 "gpt-oss-20b -ot exps=CPU pp512 timeline, " timeout 200 python3 benchmarks/upload_timeline.py "$F" \
+            -ot exps=CPU -p 512 --trace "${OUT:-/tmp}/trace-s39b.json" ;;
+    # s39b's bench rows rep by rep, the timeline after the embeddings go to the GPU before the first upload
+    s39c) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          timeout 150 python3 -m hybridmoe.cli bench -m "$F" -ngl 99 -ot exps=CPU -p 512 -n 0 -r 5 -o jsonl 2>&1 \
+            | python3 -c "import json,sys; [print(r['test'], ' '.join('%.0f' % t for t in r['samples_ts'])) for r in map(json.loads, (l for l in sys.stdin if l.startswith('{')))]"
+          timeout 200 python3 benchmarks/upload_timeline.py "$F" -ot exps=CPU -p 512 -r 6 ;;
+    # the timeline loaded as the script does and as bench does (bench measured 10% slower in s39c)
+    s39d) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          for LB in "" --like-bench "" --like-bench; do
+            echo "### upload_timeline $LB"
+            timeout 150 python3 benchmarks/upload_timeline.py "$F" -ot exps=CPU -p 512 -r 6 $LB 2>&1 \
+              | grep -E "median|wall|HtoD|overlap|cudaMemcpyAsync"
+          done ;;
+    # which of s39d's repetitions run ~30 ms slower, and what the host did while the GPU waited
+    s39e) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          timeout 200 python3 benchmarks/upload_timeline.py "$F" -ot exps=CPU -p 512 -r 4 --profiled 8 --like-bench 2>&1 \
+            | grep -v -E "Warn|warn_once" ;;
+    # prompt embeddings dequantized on the first layer's GPU, all_finite on one thread: the placement tests on the
+    # GPU, then gpt-oss-20b's pp512 / tg128 before (.carry/base_src: fb08433) / after, all on the GPU and -ot exps=CPU
+    s39f) HYBRIDMOE_CACHE=/tmp/hm-test timeout 240 python3 -m pytest -q -m gpu tests/test_placement_runtime.py \
+            -p no:cacheprovider --tb=short -rfE 2>&1 | tail -4
+          F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          REPS=5 oss_ab "$F" "-p 512 -n 128" gpu "-ot exps=CPU" ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \

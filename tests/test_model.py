@@ -336,3 +336,15 @@ def test_cpu_attention_paths_match_float64(T, P, dtype, monkeypatch):
     out = attend(q, keys, values, pos0)
     sdpa = T >= 192 or (T > 1 and P == T)
     assert rel_l2(out, ref.reshape(T, -1)) < (1e-2 if sdpa and dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 4099), (3, 2000), (1100, 1000)])    # a token's logits, a few, past the
+def test_all_finite(shape):                                                # small tensors' one-thread test
+    from hybridmoe.runtime.steps.base import all_finite
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    assert all_finite(x) and all_finite(x[:, ::3]) and all_finite(torch.full(shape, 3e38))   # a sum overflows
+    for bad in (math.nan, math.inf, -math.inf):
+        for at in ((0, 0), (shape[0] - 1, shape[1] - 1), (shape[0] // 2, 7)):
+            y = x.clone()
+            y[at] = bad
+            assert not all_finite(y), (bad, at)

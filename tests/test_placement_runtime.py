@@ -592,3 +592,12 @@ def test_pinned_arena_uploads_asynchronously():
         d = v.to("cuda", non_blocking=True)
     s.synchronize()
     assert torch.equal(d.cpu(), src)
+
+
+def test_prompt_embeddings_dequantized_on_the_first_layers_gpu(reference, fake_gpus):
+    """A prompt ubatch of 16 tokens or more for a GPU takes its embedding rows there in their file bytes (the
+    scheduler's embed); a shorter one, and a decode token, dequantizes them on the CPU; the logits as all-CPU."""
+    m, p, d = _run(PLACEMENTS["ngl99"])
+    assert m.stats.ops[("get_rows", "CUDA0")][0] >= 2           # the ubatches of 16, the prompt of 30
+    assert m.stats.ops[("get_rows", "CPU")][0] >= 1             # the last ubatch (8 tokens)
+    assert rel_l2(p, reference[0]) <= FAKE_TOL and rel_l2(d, reference[1]) <= FAKE_TOL

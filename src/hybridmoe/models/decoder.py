@@ -97,13 +97,19 @@ class Decoder:
         return {L.i: (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps) for L in self.layers
                 if L.ffn_gate_inp is not None}
 
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings on the first layer's device, there before begin_forward queues the first
+        experts' upload: a copy queued behind that upload would wait for it, and the host with it, while the first
+        attention could have run."""
+        return self.sched.embed(self.token_embd, tokens, self.layers[0].attn_norm.device if self.layers else None)
+
     def forward(self, tokens: torch.Tensor, pos0: int, kv: KVCache, all_logits: bool = True,
                 watch=None) -> torch.Tensor:
         """tokens [T] -> logits [T, n_vocab] float32 (or [1, n_vocab] for the last position only).
         watch(where, x): sees the hidden state after the embeddings (where = -1) and after each layer (its
         index); Model's diagnostic pass for non-finite logits raises there."""
         cfg, s = self.cfg, self.sched
-        x = s.embed(self.token_embd, tokens)                                  # [T, H]
+        x = self._embed(tokens)                                               # [T, H]
         if watch is not None:
             watch(-1, x)
         T = tokens.shape[0]
@@ -128,7 +134,7 @@ class Decoder:
         own positions."""
         cfg, s = self.cfg, self.sched
         sizes = [int(t.shape[0]) for t, _, _ in items]
-        x = s.embed(self.token_embd, torch.cat([t for t, _, _ in items]))   # [sum T, H]
+        x = self._embed(torch.cat([t for t, _, _ in items]))                # [sum T, H]
         s.begin_forward(sum(sizes))
         positions = [torch.arange(p, p + T) for (_, p, _), T in zip(items, sizes)]
         starts = [0, *torch.tensor(sizes).cumsum(0).tolist()]                # item j: rows starts[j]..starts[j+1]

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import HybridMoeError
 from ..perf.roofline import OFFLOAD_MIN_BATCH
+from ..quant.types import interleave
 from . import experts as X
 from .ops import rms_norm
 from .stats import Stats
@@ -19,6 +21,7 @@ from .upload import Uploader
 from .weights import QTensor
 
 OP_KINDS = ("mul_mat", "mul_mat_id", "moe_up_gate")
+EMBED_ON_GPU_MIN = 16      # tokens from which a host table's rows for a GPU are dequantized there (embed)
 OP_ALIASES = {"26": "mul_mat", "27": "mul_mat_id", "29": "moe_up_gate", "-1": "all", "all": "all",
               **{k: k for k in OP_KINDS}}
 
@@ -114,12 +117,25 @@ class Scheduler:
         return t
 
     # -- ops -----------------------------------------------------------------------------------------
-    def embed(self, w: QTensor, tokens: torch.Tensor) -> torch.Tensor:
-        with self.stats.op("get_rows", w.device):
-            rows = w.dequant(torch.float32, index=tokens.to(w.raw.device))
+    def embed(self, w: QTensor, tokens: torch.Tensor, to=None) -> torch.Tensor:
+        """Token embeddings [T, H] float32, on `to` (the first layer's device) where given. A prompt's rows for a
+        GPU from a host table go in their file bytes, gathered on one thread, and are dequantized there: on the
+        CPU they took a few multi-threaded torch ops while the GPU waited (~4 ms for 512 rows of gpt-oss's
+        table, 15-37 ms when the OpenMP workers were slow to come)."""
         self.stats.forwards += 1
         self.stats.tokens += tokens.shape[0]
-        return self.tag(rows, w.device)
+        if to is not None and to.kind == "cuda" and w.device.kind == "cpu" and tokens.shape[0] >= EMBED_ON_GPU_MIN \
+                and not w.split and interleave(w.qtype) == 1 and w.raw.dim() == 2:
+            ids = tokens.numpy()
+            if 0 <= ids.min() and ids.max() < w.raw.shape[0]:
+                rows = self.move(self.tag(torch.from_numpy(np.take(w.raw.numpy(), ids, axis=0)), w.device), to)
+                with self.stats.op("get_rows", to):
+                    x = QTensor(w.name, rows, w.qtype, (rows.shape[0], w.shape[-1]), to).dequant(torch.float32)
+                return self.tag(x, to)
+        with self.stats.op("get_rows", w.device):
+            rows = w.dequant(torch.float32, index=tokens.to(w.raw.device))
+        rows = self.tag(rows, w.device)
+        return rows if to is None else self.move(rows, to)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Residual add: on a GPU when either side is on one (the next layer's attention is there too, as
