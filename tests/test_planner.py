@@ -502,3 +502,13 @@ def test_prediction_adds_the_decode_share_where_it_runs(monkeypatch):
     assert predict(off, rates).share is None
     gpu_only = plan_placement(tensors, cfg, options_from_argv(["-ngl", "99"]), devices)
     assert predict(gpu_only, rates).share is None
+
+
+def test_calibrated_costs_report_their_units():
+    """calibrate's report: rates in G.../s (gpt-oss's own oai_* ones too), times in us, factors bare."""
+    from hybridmoe.perf.costs import format_costs
+    line = format_costs({"CUDA0": {"moe_flops": 5.4e14, "oai_moe_flops": 2.04e14, "pageable_h2d_bw": 8.5e9,
+                                   "oai_prompt_layer_s": 9.05e-4, "upload_overlap": 0.14}})[0]
+    assert "moe_flops 540000.0 GFLOP/s" in line and "oai_moe_flops 204000.0 GFLOP/s" in line
+    assert "pageable_h2d_bw 8.5 GB/s" in line and "oai_prompt_layer_s 905.0 us" in line
+    assert "upload_overlap 0.14" in line

@@ -142,7 +142,7 @@ def format_costs(costs: dict) -> list[str]:
             continue
         parts = []
         for k, v in entry.items():
-            if k in RATE_KEYS:
+            if k.removeprefix("oai_") in RATE_KEYS:                        # gpt-oss's own rates (oai_*) too
                 parts.append(f"{k} {v / 1e9:.1f} G" + ("B/s" if k.endswith("_bw") else "FLOP/s"))
             elif k.endswith("_s"):
                 parts.append(f"{k} {v * 1e6:.1f} us")
