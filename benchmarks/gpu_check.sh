@@ -669,6 +669,10 @@ PY
             -p no:cacheprovider --tb=short -rfE 2>&1 | tail -4
           F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
           REPS=5 oss_ab "$F" "-p 512 -n 128" gpu "-ot exps=CPU" ;;
+    # s39f's all-GPU rows again after the one-thread all_finite was taken out: before (.carry/base_src: fb08433) / after,
+    # two rounds
+    s39g) F=$(python3 -m hybridmoe.cli synth gpt-oss-20b 2>&1 | tail -1); echo "$F"
+          ab 2 "gpt-oss-20b all on GPU, " bench_rows -m "$F" -ngl 99 -p 512 -n 128 -r 3 ;;
     hoststep) timeout 400 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 32 \
                 --cprofile 30 2>&1 | tail -45
               timeout 200 python3 -u benchmarks/batch_decode.py -m synth:qwen3-30b-a3b -ngl 99 --batch 16 --steps 16 \
