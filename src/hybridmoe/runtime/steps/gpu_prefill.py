@@ -185,13 +185,8 @@ class StaticPrefill:
         self.kv.check_fits(pos0, T)
         self.kv.check_rings(T)
         st, dev = self.sched.stats, self.dev
-        emb = self.model.decoder.token_embd
-        x = emb.dequant(torch.float32, index=tokens.to(emb.raw.device)).to(dev.torch_device, non_blocking=True)
+        x = self.sched.embed(self.model.decoder.token_embd, tokens, dev)     # counts the forward and its copy
         self.pos.fill_(pos0)
-        st.forwards += 1
-        st.tokens += T
-        if emb.device.name != dev.name:
-            st.copy(emb.device.name, dev.name, x.numel() * 4)
         real = not dev.fake
         sync = (lambda: torch.cuda.synchronize(dev.torch_device)) if real and st.profile else None
         key = (T, all_logits)                                # (ubatch, False) and (ubatch, True) at most
