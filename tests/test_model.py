@@ -338,8 +338,10 @@ def test_cpu_attention_paths_match_float64(T, P, dtype, monkeypatch):
     assert rel_l2(out, ref.reshape(T, -1)) < (1e-2 if sdpa and dtype == torch.bfloat16 else 1e-6)
 
 
-@pytest.mark.parametrize("shape", [(1, 4099), (3, 2000), (1100, 1000)])    # a token's logits, a few, past the
-def test_all_finite(shape):                                                # small tensors' one-thread test
+@pytest.mark.parametrize("shape", [(1, 4099), (3, 2000), (1100, 1000)])    # a token's logits, a few, many
+def test_all_finite(shape):
+    """The logits' NaN / inf test: any one bad value anywhere is found; finite values whose sum overflows are not
+    taken for one."""
     from hybridmoe.runtime.steps.base import all_finite
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     assert all_finite(x) and all_finite(x[:, ::3]) and all_finite(torch.full(shape, 3e38))   # a sum overflows

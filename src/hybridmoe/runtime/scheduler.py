@@ -125,7 +125,7 @@ class Scheduler:
         self.stats.forwards += 1
         self.stats.tokens += tokens.shape[0]
         if to is not None and to.kind == "cuda" and w.device.kind == "cpu" and tokens.shape[0] >= EMBED_ON_GPU_MIN \
-                and not w.split and interleave(w.qtype) == 1 and w.raw.dim() == 2:
+                and tokens.device.type == "cpu" and not w.split and interleave(w.qtype) == 1 and w.raw.dim() == 2:
             ids = tokens.numpy()
             if 0 <= ids.min() and ids.max() < w.raw.shape[0]:
                 rows = self.move(self.tag(torch.from_numpy(np.take(w.raw.numpy(), ids, axis=0)), w.device), to)
