@@ -130,7 +130,8 @@ class Scheduler:
             if 0 <= ids.min() and ids.max() < w.raw.shape[0]:
                 rows = self.move(self.tag(torch.from_numpy(np.take(w.raw.numpy(), ids, axis=0)), w.device), to)
                 with self.stats.op("get_rows", to):
-                    x = QTensor(w.name, rows, w.qtype, (rows.shape[0], w.shape[-1]), to).dequant(torch.float32)
+                    x = QTensor(w.name, rows, w.qtype, (rows.shape[0], w.shape[-1]), to).dequant(torch.float32) \
+                        .contiguous()
                 return self.tag(x, to)
         with self.stats.op("get_rows", w.device):
             rows = w.dequant(torch.float32, index=tokens.to(w.raw.device))
