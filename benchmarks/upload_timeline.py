@@ -156,7 +156,9 @@ def main():
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    reps = sorted((e for e in events if e.get("name") == "rep" and "dur" in e), key=lambda e: e["ts"])
+    # the host's record of each repetition (the trace also holds GPU-side copies of the annotation)
+    reps = sorted((e for e in events if e.get("name") == "rep" and e.get("cat") == "user_annotation" and "dur" in e),
+                  key=lambda e: e["ts"])[:len(walls)]
     slow = max(range(len(reps)), key=lambda i: reps[i]["dur"]) if reps else 0
     for i, r in enumerate(reps):
         idle_report(events, r, f"profiled rep {i + 1}")
