@@ -414,7 +414,7 @@ def test_plan_predicted_line_needs_rates(tmp_path, monkeypatch, capsys):
 def test_decode_share_balances_the_cpu_and_the_bus():
     """How many of a layer's k CPU experts the GPU takes over the bus in a decode step: more on a faster link
     or slower RAM, none where the link is far slower, never all k; the H200 VM's rates give 2 of 8 for the
-    Qwen3-30B-A3B expert (2 beat 3 and 0 there: docs/benchmarks.md, session 21)."""
+    Qwen3-30B-A3B expert (2 beat 3 and 0 there: docs/benchmarks.md, "2026-11-25 ...: the decode share")."""
     from hybridmoe.perf.roofline import decode_share
     e = 3 * 768 * 1152                                  # gate, up, down of one Q4_0 expert, H 2048, F 768
 
