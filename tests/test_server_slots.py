@@ -60,11 +60,14 @@ def http(srv):
 
 
 def together(fns) -> list:
-    """Run the callables on threads at once; their results in order (an exception is re-raised)."""
+    """Run the callables on threads at once (released together by a barrier); their results in order (an
+    exception is re-raised)."""
     out = [None] * len(fns)
+    start = threading.Barrier(len(fns))
 
     def one(i):
         try:
+            start.wait(60)
             out[i] = fns[i]()
         except BaseException as e:          # noqa: BLE001 - re-raised below
             out[i] = e
@@ -261,7 +264,7 @@ def test_metrics_count_steps_and_batches(srv, client, http):
         text = http.get("/metrics").text
         return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+:\w+) (\S+)$", text, re.M)}
     before = read()
-    together([lambda s=s: greedy(client, s, n=16) for s in STORIES[:NP]])
+    together([lambda s=s: greedy(client, s, n=48) for s in STORIES[:NP]])    # long enough to overlap on a busy VM
     deadline = time.monotonic() + 10
     while read()["llamacpp:requests_total"] < before["llamacpp:requests_total"] + NP:
         assert time.monotonic() < deadline
