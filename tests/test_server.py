@@ -350,6 +350,55 @@ def test_sampler_penalties_as_llama_cpp():
     assert s(logits) == 3
 
 
+@pytest.mark.parametrize("n", [7, 1000, 151936, 151937 + 63])
+def test_host_top_k_and_argmax_as_torch(n):
+    """generate.top_k / argmax (numpy, a blocks' maxima prefilter for long vectors) against torch.topk / argmax:
+    the same values, the same indices where the values are distinct; ties (first index of the largest, tied
+    values in index order), banned (-inf) logits, vocabularies not a multiple of the block, k past the
+    prefilter's reach."""
+    from hybridmoe.generate import argmax, top_k
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 3
+    for k in (1, 40, 200, n):
+        v, i = top_k(x, k)
+        tv, ti = torch.topk(x, min(k, n))
+        assert torch.equal(v, tv) and torch.equal(x[i], v) and i.unique().numel() == i.numel(), k
+        assert torch.equal(i, ti) or v.unique().numel() < v.numel(), k          # ties: torch's order is open
+    assert argmax(x) == int(torch.argmax(x))
+    y = x.clone()
+    y[n // 3] = y[n // 2] = y[n - 1] = float(x.max()) + 1              # a three-way tie at the top
+    y[: n // 4] = float("-inf")
+    v, i = top_k(y, 5)
+    assert i[:3].tolist() == sorted({n // 3, n // 2, n - 1}) and torch.equal(v, torch.topk(y, 5).values)
+    assert argmax(y) == n // 3 == int(torch.argmax(y))
+    z = torch.full((n,), float("-inf"))
+    z[[0, n - 1]] = torch.tensor([1.0, 2.0])
+    assert top_k(z, 2)[1].tolist() == ([n - 1, 0] if n > 1 else [0]) and argmax(z) == n - 1
+
+
+def test_sampler_takes_the_top_k_before_the_temperature():
+    """Sampling with top-k scales only the k candidates: the same draws as scaling every logit first (the old
+    order), and a temperature small enough to overflow still falls back to greedy."""
+    from hybridmoe.generate import Sampler, SamplerSettings
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(151936, generator=g) * 4
+    for top_k, top_p, min_p in ((40, 0.95, 0.05), (5, 1.0, 0.0), (1000, 0.5, 0.0)):
+        st = SamplerSettings(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p, seed=3)
+        a, b = Sampler(st), torch.Generator().manual_seed(3)
+        for _ in range(20):
+            v, idx = torch.topk(x / 0.8, top_k)                           # the chain with every logit scaled
+            p = torch.softmax(v, -1)
+            keep = torch.ones_like(p, dtype=torch.bool)
+            if 0 < top_p < 1:
+                keep &= (torch.cumsum(p, -1) - p) < top_p
+            if min_p > 0:
+                keep &= p >= min_p * p[0]
+            keep[0] = True
+            p = torch.where(keep, p, torch.zeros_like(p))
+            assert a(x) == int(idx[int(torch.multinomial(p / p.sum(), 1, generator=b))])
+    assert Sampler(SamplerSettings(temperature=1e-39, seed=1))(x) == int(torch.argmax(x))
+
+
 def test_max_tokens_gives_length_and_counts(client, http):
     r = chat(client, max_tokens=7, seed=1, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"

@@ -2,10 +2,49 @@
 from __future__ import annotations
 
 import collections
+import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+TOPK_BLOCK = 64          # top_k's group of logits: one maximum a group prefilters the candidates
+
+
+def argmax(logits: torch.Tensor) -> int:
+    """The index of the largest of 1-D logits (the first, where several tie, as torch.argmax). A CPU float32
+    vector is read by numpy: torch's CPU argmax of a 152k vocabulary took ~290 us a token, numpy's ~11 (dev VM),
+    where a GPU decodes a token in 3-5 ms."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
+        return int(np.argmax(logits.numpy()))
+    return int(torch.argmax(logits))
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest of 1-D logits, largest first, as torch.topk (on the CPU tied values in
+    index order, where torch leaves their order open). A long CPU float32 vector is prefiltered: the k largest
+    of its groups' maxima are k of its values, so its k-th largest value is at least the k-th largest group
+    maximum, and only the values from there up are sorted (~65 us for a 152k vocabulary against torch.topk's
+    ~490, dev VM)."""
+    n = logits.numel()
+    k = min(k, n)
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 1:
+        return torch.topk(logits, k)
+    a = logits.numpy()
+    if n >= 4 * TOPK_BLOCK * k:
+        # groups of TOPK_BLOCK values a stride of m / TOPK_BLOCK apart (a column each of the [TOPK_BLOCK, m /
+        # TOPK_BLOCK] view: numpy's max over its rows runs along memory), and the tail
+        m = n - n % TOPK_BLOCK
+        maxima = a[:m].reshape(TOPK_BLOCK, -1).max(0)
+        if m < n:
+            maxima = np.append(maxima, a[m:].max())
+        c = np.partition(maxima, maxima.size - k)[maxima.size - k]
+        cand = np.flatnonzero(a >= c)
+    else:
+        cand = np.arange(n)
+    idx = cand[np.argsort(-a[cand], kind="stable")[:k]]
+    return torch.from_numpy(a[idx]), torch.from_numpy(idx.astype(np.int64))
 
 
 @dataclass
@@ -83,20 +122,19 @@ class Sampler:
         s = self.s
         c = self.constraint
         if self.plain_greedy:
-            tok = int(torch.argmax(logits)) if top is None else top
+            tok = argmax(logits) if top is None else top
             if (self.banned is None or tok not in self.banned) and (c is None or c.allows(tok)):
                 return tok
-        logits = self.adjust(logits)
-        scaled = logits.float() / s.temperature if s.temperature > 0 else None
+        logits = self.adjust(logits).float()
+        # the candidates before the temperature: dividing by T > 0 keeps the logits' order, so only the top k
+        # are scaled (their first, the scaled maximum, is the overflow test)
+        if s.temperature > 0:
+            v, idx = top_k(logits, s.top_k) if s.top_k > 0 else torch.sort(logits, descending=True)
+            v = v / s.temperature
         # greedy at 0, and at a temperature so small that the logits overflow (its limit)
-        if scaled is None or not bool(torch.isfinite(scaled.max())):
-            tok = int(torch.argmax(logits))
+        if s.temperature <= 0 or not math.isfinite(float(v[0])):
+            tok = argmax(logits)
             return tok if c is None or c.allows(tok) else c.best(logits)
-        logits = scaled
-        if s.top_k > 0:
-            v, idx = torch.topk(logits, min(s.top_k, logits.numel()))
-        else:
-            v, idx = torch.sort(logits, descending=True)
         p = torch.softmax(v, -1)
         keep = torch.ones_like(p, dtype=torch.bool)
         if 0 < s.top_p < 1:
