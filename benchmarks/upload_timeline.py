@@ -4,7 +4,8 @@ busy time, how much of the copies overlapped kernels, the copy stream's longest 
 that ran during them), and the host's longest CUDA runtime calls (a synchronous copy from pageable memory shows
 as a cudaMemcpyAsync as long as the copy).
 
-    python3 benchmarks/upload_timeline.py MODEL [-ot REGEX=DEV ...] [--n-cpu-moe N] [-p 512] [-r 3] [--profiled 1] [--trace FILE] [--like-bench]
+    python3 benchmarks/upload_timeline.py MODEL [-ot REGEX=DEV ...] [--n-cpu-moe N] [-p 512] [-r 3] [--profiled 1]
+        [--trace FILE] [--like-bench]
 """
 from __future__ import annotations
 
@@ -48,8 +49,13 @@ def intersect(xs, ys) -> float:
     return tot
 
 
+def gpu_work(events: list[dict]) -> list[dict]:
+    """The trace's GPU events: kernels, copies, memsets."""
+    return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+
 def report(events: list[dict], wall_ms: float):
-    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    gpu = gpu_work(events)
     h2d = [e for e in gpu if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]]
     kern = [e for e in gpu if e["cat"] == "kernel"]
     rt = [e for e in events if e.get("cat") == "cuda_runtime" and "dur" in e]
@@ -88,8 +94,7 @@ def idle_report(events: list[dict], rep: dict, label: str):
     """One repetition (its record_function event): wall, and each stretch over 2 ms where the GPU did nothing
     (no kernel, no copy), with the outermost CPU ops that ran in it."""
     a0, a1 = rep["ts"], rep["ts"] + rep["dur"]
-    busy = union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy",
-                  "gpu_memset") and "dur" in e and e["ts"] < a1 and e["ts"] + e["dur"] > a0])
+    busy = union([(e["ts"], e["ts"] + e["dur"]) for e in gpu_work(events) if e["ts"] < a1 and e["ts"] + e["dur"] > a0])
     idle, t = [], a0
     for b0, b1 in busy + [(a1, a1)]:
         if b0 - t > 2000:

@@ -12,11 +12,16 @@ import torch
 TOPK_BLOCK = 64          # top_k's group of logits: one maximum a group prefilters the candidates
 
 
+def _host_vector(t: torch.Tensor) -> bool:
+    """A 1-D float32 CPU tensor: what numpy reads in place for argmax and top_k."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 1
+
+
 def argmax(logits: torch.Tensor) -> int:
     """The index of the largest of 1-D logits (the first, where several tie, as torch.argmax). A CPU float32
     vector is read by numpy: torch's CPU argmax of a 152k vocabulary took ~290 us a token, numpy's ~11 (dev VM),
     where a GPU decodes a token in 3-5 ms."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
+    if _host_vector(logits):
         return int(np.argmax(logits.numpy()))
     return int(torch.argmax(logits))
 
@@ -29,7 +34,7 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     ~490, dev VM)."""
     n = logits.numel()
     k = min(k, n)
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 1:
+    if not _host_vector(logits):
         return torch.topk(logits, k)
     a = logits.numpy()
     if n >= 4 * TOPK_BLOCK * k:

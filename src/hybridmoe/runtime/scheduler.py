@@ -195,9 +195,9 @@ class Scheduler:
                 y = y + self.small(bias, run)
         return self.tag(y, run)
 
-    def upload(self, raw: torch.Tensor, dev, experts: int = 0) -> torch.Tensor:
+    def upload(self, raw: torch.Tensor, dev) -> torch.Tensor:
         """A dense weight to `dev` for one op (mul_mat offload)."""
-        self.stats.upload(raw.numel(), experts)
+        self.stats.upload(raw.numel(), 0)
         if raw.device == dev.torch_device:
             return raw.clone()                     # fake GPU: copy anyway, so the arithmetic is the same path
         return raw.to(dev.torch_device, non_blocking=True)
